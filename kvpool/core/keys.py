@@ -1,0 +1,120 @@
+"""Block keys: chained content hashes of token-id chunks.
+
+    key(i) = H(key(i-1) | tokens of chunk i)          key(-1) = H(namespace)
+
+Rules:
+- Only full chunks are keyed; a trailing partial chunk has no key.
+- The namespace (model, KV dtype, chunk size, KV layout, TP rank/size, tenant) seeds the
+  chain, so the same tokens under another model or layout never share a key.
+- H is BLAKE2b-128 from the standard library over a fixed little-endian encoding, so keys
+  are identical across processes, machines and PYTHONHASHSEED values.  Python's ``hash``
+  is never used: a per-process seed is exactly what made peer projects miss across nodes.
+  BLAKE2b rather than a non-cryptographic hash because a key collision would serve another
+  request's KV, and 128 bits of a cryptographic hash make that a non-event even against a
+  tenant crafting prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["KEY_BYTES", "BlockKey", "KeyNamespace", "chunk_keys"]
+
+KEY_BYTES = 16
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """The content key of one full chunk of tokens and everything before it."""
+
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != KEY_BYTES:
+            raise ValueError(f"BlockKey digest must be {KEY_BYTES} bytes, got {len(self.digest)}")
+
+    @property
+    def hex(self) -> str:
+        """The key as 32 lowercase hex digits: its name in the pool and on the wire."""
+        return self.digest.hex()
+
+    @classmethod
+    def from_hex(cls, text: str) -> BlockKey:
+        return cls(bytes.fromhex(text))
+
+    def __str__(self) -> str:
+        return self.hex
+
+    def __repr__(self) -> str:
+        return f"BlockKey({self.hex[:12]}…)"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyNamespace:
+    """Everything besides the tokens that decides whether two KV chunks are interchangeable."""
+
+    model: str
+    kv_dtype: str
+    chunk_size: int
+    layout: str = "default"
+    tp_rank: int = 0
+    tp_size: int = 1
+    tenant: str = ""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+
+    def root(self) -> BlockKey:
+        """The key the chain starts from: a hash of every namespace field, length-prefixed."""
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvpool-ns-v1")
+        for field in (self.model, self.kv_dtype, self.layout, self.tenant):
+            raw = field.encode("utf-8")
+            h.update(struct.pack("<I", len(raw)))
+            h.update(raw)
+        h.update(struct.pack("<III", self.chunk_size, self.tp_rank, self.tp_size))
+        return BlockKey(h.digest())
+
+    def for_rank(self, tp_rank: int) -> KeyNamespace:
+        """The same namespace for another TP rank (a chunk is a hit only if all ranks hold it)."""
+        return KeyNamespace(
+            self.model,
+            self.kv_dtype,
+            self.chunk_size,
+            self.layout,
+            tp_rank,
+            self.tp_size,
+            self.tenant,
+        )
+
+
+def chunk_keys(
+    tokens: Sequence[int], namespace: KeyNamespace, parent: BlockKey | None = None
+) -> list[BlockKey]:
+    """Keys of every full chunk of ``tokens``, chained from ``parent`` (or the namespace root).
+
+    ``parent`` lets a caller extend a chain it already computed without rehashing the prefix.
+    """
+    size = namespace.chunk_size
+    prev = parent if parent is not None else namespace.root()
+    keys: list[BlockKey] = []
+    fmt = struct.Struct(f"<{size}I")
+    for start in range(0, len(tokens) - size + 1, size):
+        chunk = tokens[start : start + size]
+        try:
+            raw = fmt.pack(*chunk)
+        except struct.error as exc:
+            raise ValueError(
+                f"token ids must be integers in [0, {_MAX_TOKEN_ID}]: {exc}"
+            ) from None
+        h = hashlib.blake2b(prev.digest, digest_size=KEY_BYTES, person=b"kvpool-chunk-v1")
+        h.update(raw)
+        prev = BlockKey(h.digest())
+        keys.append(prev)
+    return keys

@@ -1,0 +1,159 @@
+"""The one error hierarchy of kvpool.
+
+Every error kvpool raises on purpose is a subclass of :class:`KVPoolError`, so a caller
+can catch the whole family with one clause and a narrower branch when it cares::
+
+    KVPoolError
+    ├── ConfigError            bad config file, flag or environment value (names the key)
+    ├── ProtocolError          malformed, oversized or unknown wire frame
+    ├── PoolError              a request the pool understood but could not honour
+    │   ├── NoSpace            no room even after evicting everything evictable
+    │   ├── ObjectNotFound     no READY object under that key (a miss)
+    │   ├── ObjectBusy         leased or pinned, so it cannot be removed now
+    │   ├── WriteConflict      another writer holds the key PENDING
+    │   ├── StaleWrite         put_end/put_revoke for a reservation that is gone
+    │   ├── UnknownClient      a client id the registry does not know (expired?)
+    │   └── UnknownSegment     a segment id the registry does not know
+    ├── TransferError          moving bytes failed (peer gone, short read, bad checksum)
+    │   └── ChecksumMismatch   the bytes read are not the bytes written: treat as a miss
+    └── PeerTimeout            a peer did not answer in time (never a hang)
+
+Errors cross the wire as ``(code, message)`` pairs; :func:`error_from_code` turns a
+pair back into the same class on the client side.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChecksumMismatch",
+    "ConfigError",
+    "KVPoolError",
+    "NoSpace",
+    "ObjectBusy",
+    "ObjectNotFound",
+    "PeerTimeout",
+    "PoolError",
+    "ProtocolError",
+    "StaleWrite",
+    "TransferError",
+    "UnknownClient",
+    "UnknownSegment",
+    "WriteConflict",
+    "error_code",
+    "error_from_code",
+]
+
+
+class KVPoolError(Exception):
+    """Base of every error kvpool raises on purpose."""
+
+    code = "KVPOOL_ERROR"
+
+
+class ConfigError(KVPoolError):
+    """A config value is missing, unknown or invalid; the message names the key and the fix."""
+
+    code = "CONFIG"
+
+
+class ProtocolError(KVPoolError):
+    """A frame could not be decoded, was too large, or named an unknown message type."""
+
+    code = "PROTOCOL"
+
+
+class PoolError(KVPoolError):
+    """The pool understood the request but cannot honour it."""
+
+    code = "POOL"
+
+
+class NoSpace(PoolError):
+    """No segment can hold the object, even after evicting every evictable object."""
+
+    code = "NO_SPACE"
+
+
+class ObjectNotFound(PoolError):
+    """No READY object under this key: a cache miss."""
+
+    code = "NOT_FOUND"
+
+
+class ObjectBusy(PoolError):
+    """The object is leased or pinned and cannot be removed now."""
+
+    code = "BUSY"
+
+
+class WriteConflict(PoolError):
+    """Another writer is writing this key (it is PENDING)."""
+
+    code = "WRITE_CONFLICT"
+
+
+class StaleWrite(PoolError):
+    """put_end/put_revoke for a reservation that expired or was revoked."""
+
+    code = "STALE_WRITE"
+
+
+class UnknownClient(PoolError):
+    """The client id is not registered (it may have expired after client_ttl)."""
+
+    code = "UNKNOWN_CLIENT"
+
+
+class UnknownSegment(PoolError):
+    """The segment id is not registered."""
+
+    code = "UNKNOWN_SEGMENT"
+
+
+class TransferError(KVPoolError):
+    """Bytes could not be moved between a client and a segment."""
+
+    code = "TRANSFER"
+
+
+class ChecksumMismatch(TransferError):
+    """The bytes read do not match the checksum recorded at write time."""
+
+    code = "CHECKSUM"
+
+
+class PeerTimeout(KVPoolError):
+    """A peer did not answer within its configured timeout."""
+
+    code = "TIMEOUT"
+
+
+_BY_CODE: dict[str, type[KVPoolError]] = {
+    cls.code: cls
+    for cls in (
+        KVPoolError,
+        ConfigError,
+        ProtocolError,
+        PoolError,
+        NoSpace,
+        ObjectNotFound,
+        ObjectBusy,
+        WriteConflict,
+        StaleWrite,
+        UnknownClient,
+        UnknownSegment,
+        TransferError,
+        ChecksumMismatch,
+        PeerTimeout,
+    )
+}
+
+
+def error_code(exc: BaseException) -> str:
+    """The wire code of an exception; anything not ours is an internal error."""
+    return exc.code if isinstance(exc, KVPoolError) else "INTERNAL"
+
+
+def error_from_code(code: str, message: str) -> KVPoolError:
+    """Rebuild the error a peer reported; an unknown code becomes the base class."""
+    return _BY_CODE.get(code, KVPoolError)(message)
