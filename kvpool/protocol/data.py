@@ -1,0 +1,96 @@
+"""Data-plane messages: segment reads and writes between a client and a storage node.
+
+Conversation on one connection (strictly request → reply, one at a time)::
+
+    SegmentWrite(segment_id, offset, length) + payload of `length` bytes  →  Ok(length=0)
+    SegmentRead(segment_id, offset, length)                               →  Ok(length) + payload
+    SegmentInfo(segment_id)                                               →  SegmentInfoReply
+    any request the node cannot honour                                    →  Error(code, message)
+
+A write's payload is always sent in full, even when the node will refuse it (it learns
+that only after the header), so the stream stays in sync and the refusal is a plain
+:class:`Error` reply.  Errors carry :func:`kvpool.errors.error_code` codes and turn back
+into the same exception class with :meth:`Error.to_exception`.
+
+The master's metadata messages live in :mod:`kvpool.protocol.messages`; ``Ok`` and
+``Error`` here are generic enough to reuse there.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvpool.errors import KVPoolError, error_code, error_from_code
+
+__all__ = [
+    "DataReply",
+    "DataRequest",
+    "Error",
+    "Ok",
+    "SegmentInfo",
+    "SegmentInfoReply",
+    "SegmentRead",
+    "SegmentWrite",
+    "error_reply",
+]
+
+
+class SegmentWrite(msgspec.Struct, frozen=True, tag=True):
+    """Write the frame's payload (``length`` bytes) at ``offset`` of the segment."""
+
+    segment_id: str
+    offset: int
+    length: int
+
+
+class SegmentRead(msgspec.Struct, frozen=True, tag=True):
+    """Read ``length`` bytes at ``offset``; the reply's payload carries them."""
+
+    segment_id: str
+    offset: int
+    length: int
+
+
+class SegmentInfo(msgspec.Struct, frozen=True, tag=True):
+    """Ask how to reach a segment without the network (same-host shared memory)."""
+
+    segment_id: str
+
+
+class SegmentInfoReply(msgspec.Struct, frozen=True, tag=True):
+    """Where a segment lives: its shared-memory name and the host it is on.
+
+    ``host_token`` identifies the host (see :func:`kvpool.transfer.shm.host_token`); a
+    client whose own token matches can attach ``shm_name`` and copy directly.
+    """
+
+    segment_id: str
+    size: int
+    shm_name: str
+    host_token: str
+
+
+class Ok(msgspec.Struct, frozen=True, tag=True):
+    """Success; ``length`` payload bytes follow (0 for a write)."""
+
+    length: int = 0
+
+
+class Error(msgspec.Struct, frozen=True, tag=True):
+    """Failure, as an error-hierarchy code and a human-readable message."""
+
+    code: str
+    message: str
+
+    def to_exception(self) -> KVPoolError:
+        """The exception the peer raised, rebuilt from its code."""
+        return error_from_code(self.code, self.message)
+
+
+def error_reply(exc: BaseException) -> Error:
+    """The wire form of ``exc`` (anything outside kvpool's tree becomes ``INTERNAL``)."""
+    return Error(error_code(exc), str(exc) or type(exc).__name__)
+
+
+DataRequest = SegmentWrite | SegmentRead | SegmentInfo
+DataReply = Ok | Error | SegmentInfoReply

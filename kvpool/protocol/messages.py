@@ -1,0 +1,228 @@
+"""The master's metadata messages (control plane).  Bytes never travel here.
+
+Conversation on one connection: strictly request → reply, one at a time.  Every reply is
+the request's own reply type, or :class:`~kvpool.protocol.data.Error`.
+
+    Register / AddSegment / Heartbeat / Restore      a storage owner (node or client) joins
+    PutStart → Placement ; PutEnd ; PutRevoke        two-phase write
+    Get → Placement (with a read lease) ; Release    read
+    Exists / BatchExists / PrefixLookup              probes: never lease
+    Remove ; Pin ; ReleaseOwner                      holds and removal
+    ReportFailure                                    a transfer to a segment failed
+    Stats                                            pool at a glance (kvpool status)
+
+A :class:`Placement` names the segment and how to reach it: the owner's data address for
+TCP and, for clients on the same host (equal ``host_token``), its shared-memory name.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvpool.protocol.data import Error, Ok
+
+__all__ = [
+    "AddSegment",
+    "BatchExists",
+    "BatchGet",
+    "BatchPutEnd",
+    "BatchPutStart",
+    "Bools",
+    "Count",
+    "Error",
+    "Exists",
+    "Get",
+    "Heartbeat",
+    "MasterReply",
+    "MasterRequest",
+    "Ok",
+    "Pin",
+    "Placement",
+    "Placements",
+    "PrefixLookup",
+    "PutEnd",
+    "PutRevoke",
+    "PutStart",
+    "Register",
+    "RegisterReply",
+    "Release",
+    "ReleaseOwner",
+    "Remove",
+    "ReportFailure",
+    "Restore",
+    "Stats",
+    "StatsReply",
+]
+
+
+class Register(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    data_address: str = ""  # host:port of the owner's segment data server, if any
+    host_token: str = ""
+
+
+class RegisterReply(msgspec.Struct, frozen=True, tag=True):
+    new: bool
+    client_ttl_ms: int
+    heartbeat_interval_ms: int
+
+
+class AddSegment(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    segment_id: str
+    capacity: int
+    tier: str = "memory"
+    shm_name: str = ""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+
+
+class Restore(msgspec.Struct, frozen=True, tag=True):
+    """Objects a node still holds after the master restarted: (key, offset, size, checksum)."""
+
+    client_id: str
+    segment_id: str
+    objects: list[tuple[str, int, int, int]]
+
+
+class PutStart(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    key: str
+    size: int
+    parent: str | None = None
+
+
+class BatchPutStart(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    keys: list[str]
+    sizes: list[int]
+
+
+class PutEnd(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    key: str
+    checksum: int
+
+
+class BatchPutEnd(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    keys: list[str]
+    checksums: list[int]
+
+
+class PutRevoke(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    key: str
+
+
+class Get(msgspec.Struct, frozen=True, tag=True):
+    owner: str
+    key: str
+
+
+class BatchGet(msgspec.Struct, frozen=True, tag=True):
+    owner: str
+    keys: list[str]
+
+
+class Release(msgspec.Struct, frozen=True, tag=True):
+    owner: str
+    keys: list[str]
+
+
+class ReleaseOwner(msgspec.Struct, frozen=True, tag=True):
+    owner: str
+
+
+class Pin(msgspec.Struct, frozen=True, tag=True):
+    owner: str
+    keys: list[str]
+    ttl_ms: int
+
+
+class Exists(msgspec.Struct, frozen=True, tag=True):
+    key: str
+
+
+class BatchExists(msgspec.Struct, frozen=True, tag=True):
+    keys: list[str]
+
+
+class PrefixLookup(msgspec.Struct, frozen=True, tag=True):
+    keys: list[str]
+
+
+class Remove(msgspec.Struct, frozen=True, tag=True):
+    key: str
+
+
+class ReportFailure(msgspec.Struct, frozen=True, tag=True):
+    """A transfer to ``segment_id`` failed: the master drops its owner at once."""
+
+    segment_id: str
+    reason: str
+
+
+class Stats(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class Placement(msgspec.Struct, frozen=True, tag=True):
+    """Where an object is (or is to be written).  ``found`` False: a miss, or for a put, a
+    key that is already READY (nothing to write)."""
+
+    found: bool
+    key: str = ""
+    segment_id: str = ""
+    tier: str = "memory"
+    offset: int = 0
+    size: int = 0
+    checksum: int = 0
+    data_address: str = ""
+    shm_name: str = ""
+    host_token: str = ""
+
+
+class Placements(msgspec.Struct, frozen=True, tag=True):
+    items: list[Placement]
+
+
+class Bools(msgspec.Struct, frozen=True, tag=True):
+    values: list[bool]
+
+
+class Count(msgspec.Struct, frozen=True, tag=True):
+    value: int
+
+
+class StatsReply(msgspec.Struct, frozen=True, tag=True):
+    """Everything `kvpool status` and the status page show (a JSON-able dict)."""
+
+    snapshot: dict[str, object]
+
+
+MasterRequest = (
+    Register
+    | AddSegment
+    | Heartbeat
+    | Restore
+    | PutStart
+    | BatchPutStart
+    | PutEnd
+    | BatchPutEnd
+    | PutRevoke
+    | Get
+    | BatchGet
+    | Release
+    | ReleaseOwner
+    | Pin
+    | Exists
+    | BatchExists
+    | PrefixLookup
+    | Remove
+    | ReportFailure
+    | Stats
+)
+MasterReply = RegisterReply | Placement | Placements | Bools | Count | StatsReply | Ok | Error

@@ -1,0 +1,178 @@
+"""A memory segment in POSIX shared memory that other local processes can attach.
+
+The segment is a file under ``/dev/shm`` mapped with :mod:`mmap`.  We open it
+ourselves instead of using :class:`multiprocessing.shared_memory.SharedMemory` because
+on Python 3.11 every ``SharedMemory`` (even an attach) registers with the
+``resource_tracker``, which then unlinks the block when *any* attaching process exits
+and warns about "leaked" blocks; neither is right for a segment owned by one node.
+
+Rules:
+
+- The creator owns the name: :meth:`Segment.close` on the owner unlinks it; an
+  attached segment only unmaps.  A name that already exists is refused (``O_EXCL``),
+  so two nodes never share a segment by accident.
+- Space is reserved at creation (``posix_fallocate``): a full ``/dev/shm`` is a clear
+  :class:`~kvpool.errors.NoSpace` at start-up, never a SIGBUS on a later write.
+- Every access is bounds-checked; an out-of-range access raises
+  :class:`~kvpool.errors.PoolError` and touches nothing.
+- Files are mode 0600: only processes of the same user can attach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvpool.errors import ConfigError, NoSpace, PoolError
+from kvpool.storage.buffers import byte_view, copy_bytes, writable_byte_view
+
+__all__ = ["SHM_DIR", "Segment", "check_range"]
+
+SHM_DIR = Path("/dev/shm")
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+def check_range(offset: int, length: int, size: int, what: str = "segment") -> None:
+    """Raise :class:`PoolError` unless ``[offset, offset + length)`` lies inside ``size``."""
+    if offset < 0 or length < 0 or offset + length > size:
+        raise PoolError(
+            f"access of {length} bytes at offset {offset} is outside {what} of {size} bytes"
+        )
+
+
+def _check_name(name: str) -> None:
+    if not _NAME.match(name) or name in {".", ".."}:
+        raise ValueError(f"invalid segment name {name!r}: use 1-200 of [A-Za-z0-9._-]")
+
+
+class Segment:
+    """A fixed-size byte region in shared memory, addressed by ``(offset, length)``.
+
+    Build one with :meth:`create` (owner) or :meth:`attach` (another local process).
+    """
+
+    def __init__(self, name: str, path: Path, mapping: mmap.mmap, *, owner: bool) -> None:
+        self.name = name
+        self.path = path
+        self.size = len(mapping)
+        self.owner = owner
+        self._mmap: mmap.mmap | None = mapping
+        self._view: memoryview | None = memoryview(mapping)
+
+    @classmethod
+    def create(cls, size: int, name: str | None = None, *, directory: Path = SHM_DIR) -> Segment:
+        """Create and own a new segment of ``size`` bytes (zero-filled)."""
+        if size <= 0:
+            raise ConfigError(f"segment size must be positive, got {size}")
+        name = name or f"kvpool-{os.getpid()}-{secrets.token_hex(6)}"
+        _check_name(name)
+        path = Path(directory) / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise ConfigError(f"shared-memory segment {name!r} already exists at {path}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot create shared-memory segment at {path}: {exc}") from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise NoSpace(
+                    f"cannot reserve {size} bytes in {directory} for segment {name!r}: {exc}"
+                ) from None
+            mapping = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)  # the mapping keeps the memory; the fd is not needed
+        return cls(name, path, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, *, directory: Path = SHM_DIR) -> Segment:
+        """Map an existing segment created by another process on this host."""
+        _check_name(name)
+        path = Path(directory) / name
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise PoolError(f"no shared-memory segment named {name!r} on this host") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise PoolError(f"shared-memory segment {name!r} is empty")
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return cls(name, path, mapping, owner=False)
+
+    @property
+    def closed(self) -> bool:
+        return self._view is None
+
+    def _whole(self) -> memoryview:
+        if self._view is None:
+            raise PoolError(f"segment {self.name!r} is closed")
+        return self._view
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """A writable view of ``[offset, offset + length)``, aliasing the segment.
+
+        For in-place I/O (``sock.recv_into(segment.view(...))``).  Release it (or let it
+        go) before :meth:`close`, or the mapping stays alive until it is collected.
+        """
+        whole = self._whole()
+        check_range(offset, length, self.size, f"segment {self.name!r}")
+        return whole[offset : offset + length]
+
+    def write(self, offset: int, data: Any) -> int:
+        """Copy a buffer (bytes-like, NumPy array, CPU tensor) in at ``offset``."""
+        src = byte_view(data)
+        copy_bytes(self.view(offset, len(src)), src)
+        return len(src)
+
+    def read_into(self, offset: int, buffer: Any) -> int:
+        """Fill a writable buffer from ``offset``; returns the bytes copied (its size)."""
+        dst = writable_byte_view(buffer)
+        copy_bytes(dst, self.view(offset, len(dst)))
+        return len(dst)
+
+    def read(self, offset: int, length: int) -> bytes:
+        """A copy of ``[offset, offset + length)``."""
+        return bytes(self.view(offset, length))
+
+    def close(self) -> None:
+        """Unmap, and unlink the name if this process created it.  Idempotent."""
+        if self._view is None:
+            return
+        self._view.release()
+        self._view = None
+        mapping, self._mmap = self._mmap, None
+        if mapping is not None:
+            # A caller still holding a view() keeps the pages mapped; they are unmapped
+            # when that view is collected.  The name is unlinked regardless.
+            with contextlib.suppress(BufferError):
+                mapping.close()
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("owner" if self.owner else "attached")
+        return f"Segment(name={self.name!r}, size={self.size}, {state})"

@@ -1,0 +1,267 @@
+"""The SSD tier: objects as checksummed files under one directory, within a size limit.
+
+Layout: ``<root>/<key[:2]>/<key>`` (a two-character fan-out keeps directories small),
+temporary files in ``<root>/.tmp/``.  Each file is a 16-byte header then the value::
+
+    "KVS1" | value length u64 | crc32(value) u32 | value bytes
+
+Rules:
+
+- A write is atomic: the file is written under ``.tmp`` and renamed into place with
+  ``os.replace``, so a reader sees the old object, the new one, or none -- never half.
+- A read checks magic, length (against the file size) and CRC32; a missing file is
+  :class:`~kvpool.errors.ObjectNotFound`, a truncated or corrupted one is
+  :class:`~kvpool.errors.ChecksumMismatch` (a miss, and the file is deleted so its
+  space comes back).  Wrong bytes are never returned as a success.
+- The total of all file sizes (headers included) never exceeds ``limit_bytes``; a write
+  that would is refused with :class:`~kvpool.errors.NoSpace`.  A failing disk (ENOSPC,
+  EIO, quota) is also ``NoSpace``, counted, and leaves no file behind.
+- An unusable root (not creatable, not a directory, not writable) is a
+  :class:`~kvpool.errors.ConfigError` from :meth:`SsdStore.open`, at start-up.
+- Thread-safe: accounting is under a lock; file I/O runs outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from kvpool.errors import ChecksumMismatch, ConfigError, NoSpace, ObjectNotFound
+from kvpool.storage.buffers import byte_view, writable_byte_view
+
+__all__ = ["HEADER_SIZE", "SsdStats", "SsdStore"]
+
+_HEADER = struct.Struct("!4sQI")
+HEADER_SIZE = _HEADER.size
+_MAGIC = b"KVS1"
+_KEY = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
+_TMP = ".tmp"
+
+
+@dataclass
+class SsdStats:
+    """Counters since :meth:`SsdStore.open` (monotonic, for metrics)."""
+
+    writes: int = 0
+    write_bytes: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    misses: int = 0
+    corruptions: int = 0
+    rejected_full: int = 0
+    write_failures: int = 0
+
+
+def _check_key(key: str) -> None:
+    if not _KEY.match(key):
+        raise ValueError(f"invalid SSD object key {key!r}: use 1-200 of [A-Za-z0-9._-]")
+
+
+class SsdStore:
+    """Size-capped, checksummed object files.  Build with :meth:`open`."""
+
+    def __init__(self, root: Path, limit_bytes: int, sizes: dict[str, int]) -> None:
+        self.root = root
+        self.limit_bytes = limit_bytes
+        self.stats = SsdStats()
+        self._sizes = sizes  # key -> file size on disk (header included)
+        self._reserved = 0  # bytes promised to writes in flight
+        self._used = sum(sizes.values())
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str], limit_bytes: int) -> SsdStore:
+        """Open (creating if needed) the tier at ``root``; index what is already there.
+
+        Objects left by a previous run are kept (their integrity is checked when read);
+        stale temporary files are removed.
+        """
+        path = Path(root)
+        if limit_bytes <= 0:
+            raise ConfigError(f"SSD size limit must be positive, got {limit_bytes} bytes")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / _TMP).mkdir(exist_ok=True)
+            probe = path / _TMP / f"probe-{secrets.token_hex(4)}"
+            probe.write_bytes(b"kvpool")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"ssd_offload_path {str(path)!r} is not a writable directory ({exc}); "
+                "point it at a directory this user can write, or disable SSD offload"
+            ) from None
+        for stale in (path / _TMP).iterdir():
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        sizes: dict[str, int] = {}
+        for sub in path.iterdir():
+            if sub.name == _TMP or not sub.is_dir():
+                continue
+            for entry in sub.iterdir():
+                if _KEY.match(entry.name) and entry.is_file():
+                    sizes[entry.name] = entry.stat().st_size
+        return cls(path, limit_bytes, sizes)
+
+    # -- accounting -------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes on disk (headers included), plus writes in flight."""
+        with self._lock:
+            return self._used + self._reserved
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._sizes
+
+    def keys(self) -> list[str]:
+        """Keys present (for re-announcing to the master after a restart)."""
+        with self._lock:
+            return list(self._sizes)
+
+    def value_size(self, key: str) -> int:
+        """The value's length in bytes, from the index (no disk access)."""
+        with self._lock:
+            if key not in self._sizes:
+                raise ObjectNotFound(f"{key} is not on SSD")
+            return self._sizes[key] - HEADER_SIZE
+
+    def _path(self, key: str) -> Path:
+        _check_key(key)
+        return self.root / key[:2] / key
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._used -= self._sizes.pop(key, 0)
+
+    # -- objects ----------------------------------------------------------------
+
+    def put(self, key: str, data: Any) -> None:
+        """Store ``data`` (any buffer) under ``key``, replacing an older value atomically."""
+        final = self._path(key)
+        src = byte_view(data)
+        need = HEADER_SIZE + len(src)
+        with self._lock:
+            old = self._sizes.get(key, 0)
+            if self._used + self._reserved - old + need > self.limit_bytes:
+                self.stats.rejected_full += 1
+                raise NoSpace(
+                    f"SSD tier full: {need} bytes for {key} do not fit "
+                    f"({self._used + self._reserved} of {self.limit_bytes} bytes used)"
+                )
+            self._reserved += need
+        tmp = self.root / _TMP / f"{key}.{secrets.token_hex(4)}"
+        try:
+            header = _HEADER.pack(_MAGIC, len(src), zlib.crc32(src))
+            final.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(src)
+            os.replace(tmp, final)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            with self._lock:
+                self._reserved -= need
+                self.stats.write_failures += 1
+            raise NoSpace(f"SSD write of {key} failed: {exc}") from None
+        with self._lock:
+            self._reserved -= need
+            self._used += need - self._sizes.get(key, 0)
+            self._sizes[key] = need
+            self.stats.writes += 1
+            self.stats.write_bytes += len(src)
+
+    def read_into(self, key: str, buffer: Any) -> int:
+        """Read ``key``'s value into the front of ``buffer``; returns its length.
+
+        On :class:`ChecksumMismatch` the buffer may hold garbage: treat it as a miss.
+        """
+        dst = writable_byte_view(buffer)
+        path = self._path(key)
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed below, and missing is a miss
+        except FileNotFoundError:
+            self._forget(key)
+            with self._lock:
+                self.stats.misses += 1
+            raise ObjectNotFound(f"{key} is not on SSD") from None
+        with f:
+            header = f.read(HEADER_SIZE)
+            st = os.fstat(f.fileno())
+            file_size, inode = st.st_size, st.st_ino
+            if len(header) < HEADER_SIZE:
+                self._corrupt(key, path, inode, "file shorter than its header")
+            magic, length, crc = _HEADER.unpack(header)
+            length = int(length)
+            if magic != _MAGIC:
+                self._corrupt(key, path, inode, f"bad magic {magic!r}")
+            if file_size != HEADER_SIZE + length:
+                self._corrupt(
+                    key, path, inode, f"{file_size - HEADER_SIZE} bytes on disk, {length} written"
+                )
+            if len(dst) < length:
+                raise ValueError(f"buffer of {len(dst)} bytes is too small for {key} ({length})")
+            target = dst[:length]
+            got = 0
+            while got < length:
+                n = f.readinto(target[got:])
+                if not n:
+                    self._corrupt(key, path, inode, "file shrank while reading")
+                got += n
+        if zlib.crc32(target) != crc:
+            self._corrupt(key, path, inode, "checksum mismatch")
+        with self._lock:
+            self.stats.reads += 1
+            self.stats.read_bytes += length
+        return length
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key`` as ``bytes``."""
+        try:
+            size = self.value_size(key)
+        except ObjectNotFound:
+            with self._lock:
+                self.stats.misses += 1
+            raise
+        buf = bytearray(size)
+        n = self.read_into(key, buf)
+        return bytes(buf[:n])
+
+    def remove(self, key: str) -> bool:
+        """Delete ``key``; ``False`` if it was not there."""
+        path = self._path(key)
+        self._forget(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def _corrupt(self, key: str, path: Path, inode: int, why: str) -> NoReturn:
+        """Count, delete the bad file (its space comes back), and raise the miss."""
+        with self._lock:
+            self.stats.corruptions += 1
+        # Only if the name still points at the file we read: a concurrent put may
+        # already have replaced it with a good one.
+        with contextlib.suppress(OSError):
+            if path.stat().st_ino == inode:
+                self._forget(key)
+                path.unlink()
+        raise ChecksumMismatch(f"SSD object {key} is corrupt ({why}); treated as a miss")

@@ -1,0 +1,96 @@
+"""Pick the data path per segment: shared memory on the same host, TCP otherwise.
+
+:class:`DataPath` is what a client needs from either transport.  :class:`NodeDataPath`
+talks to one node: on first use of a segment it asks the node (``SegmentInfo``) for
+the segment's shared-memory name and host token; when the token equals this process's
+:func:`~kvpool.transfer.shm.host_token` and the segment attaches, every later access
+is a direct copy, else it goes over TCP.  The choice is made once per segment.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+from typing import Any, Literal, Protocol
+
+from kvpool.errors import PoolError
+from kvpool.transfer.shm import ShmConnection, host_token
+from kvpool.transfer.tcp import SegmentConnection
+
+__all__ = ["DataPath", "NodeDataPath"]
+
+Route = Literal["shm", "tcp"]
+
+
+class DataPath(Protocol):
+    """Move bytes between a caller buffer and ``(segment_id, offset)``."""
+
+    def write(self, segment_id: str, offset: int, buffer: Any) -> int: ...
+
+    def read_into(self, segment_id: str, offset: int, buffer: Any) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class NodeDataPath:
+    """Reads and writes of one node's segments by the fastest path available."""
+
+    def __init__(
+        self, host: str, port: int, *, timeout_s: float = 10.0, allow_shm: bool = True
+    ) -> None:
+        self.tcp = SegmentConnection(host, port, timeout_s)
+        self.shm = ShmConnection()
+        self.allow_shm = allow_shm
+        self._routes: dict[str, Route] = {}
+        self._token = host_token() if allow_shm else ""
+        self._lock = threading.Lock()
+
+    def route(self, segment_id: str) -> Route:
+        """``"shm"`` or ``"tcp"`` for this segment (asks the node on first use)."""
+        with self._lock:
+            known = self._routes.get(segment_id)
+        if known is not None:
+            return known
+        chosen: Route = "tcp"
+        if self.allow_shm:
+            info = self.tcp.info(segment_id)
+            if info.host_token == self._token and info.shm_name:
+                try:
+                    self.shm.attach(segment_id, info.shm_name, info.size)
+                    chosen = "shm"
+                except PoolError:
+                    chosen = "tcp"  # same token but not attachable (permissions): use TCP
+        with self._lock:
+            self._routes[segment_id] = chosen
+        return chosen
+
+    def forget(self, segment_id: str) -> None:
+        """Drop the cached route (the segment was removed or its node restarted)."""
+        with self._lock:
+            self._routes.pop(segment_id, None)
+        self.shm.detach(segment_id)
+
+    def write(self, segment_id: str, offset: int, buffer: Any) -> int:
+        if self.route(segment_id) == "shm":
+            return self.shm.write(segment_id, offset, buffer)
+        return self.tcp.write(segment_id, offset, buffer)
+
+    def read_into(self, segment_id: str, offset: int, buffer: Any) -> int:
+        if self.route(segment_id) == "shm":
+            return self.shm.read_into(segment_id, offset, buffer)
+        return self.tcp.read_into(segment_id, offset, buffer)
+
+    def close(self) -> None:
+        self.tcp.close()
+        self.shm.close()
+
+    def __enter__(self) -> NodeDataPath:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,369 @@
+"""The segment data server and its blocking TCP client.
+
+:class:`SegmentServer` serves :mod:`kvpool.protocol.data` requests against the
+segments a node holds.  One thread per connection with blocking sockets: in CPython
+the fastest way to move large buffers, because ``recv_into`` / ``sendall`` run whole
+multi-megabyte transfers with the GIL released, where an event loop would wake per chunk.
+
+- A write's payload is received with ``recv_into`` straight into the segment's memory;
+  a read is sent with ``sendall`` of a view of the segment.  No copy in Python.
+- A refused write (unknown segment, out of range) still drains its payload, then
+  replies :class:`~kvpool.protocol.data.Error`; the connection stays usable.
+- A frame whose body does not decode (unknown tag) gets an ``Error`` reply and the
+  connection goes on; a bad header (magic, oversized) gets an ``Error`` and the
+  connection is closed.  Either way only that connection is affected.
+- Once a request has started, every wait is bounded by ``timeout_s``; a client that
+  vanishes mid-payload only ends its own connection thread.
+
+:class:`SegmentConnection` is the client side: ``write`` / ``read_into`` a caller
+buffer (bytes-like, NumPy, CPU tensor) at ``(segment_id, offset)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError, UnknownSegment
+from kvpool.protocol.codec import Codec
+from kvpool.protocol.data import (
+    DataReply,
+    DataRequest,
+    Error,
+    Ok,
+    SegmentInfo,
+    SegmentInfoReply,
+    SegmentRead,
+    SegmentWrite,
+    error_reply,
+)
+from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.storage.segment import Segment
+from kvpool.transfer import wire
+
+__all__ = ["REPLY_CODEC", "REQUEST_CODEC", "SegmentConnection", "SegmentServer", "ServerStats"]
+
+log = logging.getLogger(__name__)
+
+REQUEST_CODEC: Codec[DataRequest] = Codec(DataRequest)
+REPLY_CODEC: Codec[DataReply] = Codec(DataReply)
+_ACCEPT_POLL_S = 0.2
+
+
+@dataclass
+class ServerStats:
+    """Counters since start (monotonic, for metrics)."""
+
+    connections: int = 0
+    requests: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    error_replies: int = 0
+    protocol_errors: int = 0
+    dropped_connections: int = 0
+
+
+class SegmentServer:
+    """Serves reads and writes of registered segments over TCP.
+
+    ``host_token`` and each segment's shared-memory name are advertised through
+    ``SegmentInfo`` so same-host clients can bypass TCP (see :mod:`kvpool.transfer.path`).
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        timeout_s: float = 10.0,
+        idle_timeout_s: float | None = None,
+        host_token: str = "",
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.host_token = host_token
+        self.stats = ServerStats()
+        self._segments: dict[str, Segment] = {}
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._stopping = threading.Event()
+
+    # -- segments ---------------------------------------------------------------
+
+    def add_segment(self, segment_id: str, segment: Segment) -> None:
+        """Serve ``segment`` under ``segment_id`` (replacing any previous one)."""
+        with self._lock:
+            self._segments[segment_id] = segment
+
+    def remove_segment(self, segment_id: str) -> Segment | None:
+        """Stop serving ``segment_id``; the caller closes the returned segment."""
+        with self._lock:
+            return self._segments.pop(segment_id, None)
+
+    def _segment(self, segment_id: str) -> Segment:
+        with self._lock:
+            segment = self._segments.get(segment_id)
+        if segment is None:
+            raise UnknownSegment(f"segment {segment_id!r} is not served here")
+        return segment
+
+    # -- lifecycle --------------------------------------------------------------
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` actually bound (the port is chosen when 0 was asked)."""
+        return self.host, self.port
+
+    def start(self) -> tuple[str, int]:
+        """Bind, listen, and start accepting; returns the bound address."""
+        listener = socket.create_server((self.host, self.port), backlog=128)
+        listener.settimeout(_ACCEPT_POLL_S)
+        self.port = listener.getsockname()[1]
+        self._listener = listener
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"kvpool-data-accept:{self.port}", daemon=True
+        )
+        self._accept_thread.start()
+        return self.address
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, end every connection, and wait (bounded) for their threads."""
+        self._stopping.set()
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout_s)
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns.items())
+        for conn, _ in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+        for _, thread in conns:
+            thread.join(timeout_s)
+
+    def __enter__(self) -> SegmentServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                raise
+            wire.tune_socket(conn)
+            thread = threading.Thread(
+                target=self._serve_connection, args=(conn,), name="kvpool-data-conn", daemon=True
+            )
+            with self._lock:
+                self._conns[conn] = thread
+                self.stats.connections += 1
+            thread.start()
+
+    # -- one connection ---------------------------------------------------------
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        try:
+            while not self._stopping.is_set() and self._serve_one(conn):
+                pass
+        except ProtocolError as exc:
+            # Bad header: the stream cannot be resynchronised.  Say why, then close.
+            self.stats.protocol_errors += 1
+            log.warning("closing data connection after a malformed frame: %s", exc)
+            with contextlib.suppress(KVPoolError):
+                self._reply(conn, error_reply(exc))
+        except (TransferError, PeerTimeout) as exc:
+            self.stats.dropped_connections += 1
+            log.info("data connection ended: %s", exc)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _reply(
+        self, conn: socket.socket, reply: DataReply, payload: memoryview | None = None
+    ) -> None:
+        if isinstance(reply, Error):
+            self.stats.error_replies += 1
+        wire.send_frame(conn, REPLY_CODEC, reply, payload, wire.deadline_after(self.timeout_s))
+
+    def _serve_one(self, conn: socket.socket) -> bool:
+        """Handle one request; ``False`` when the peer closed cleanly."""
+        got = wire.recv_request(conn, REQUEST_CODEC, self.timeout_s, self.idle_timeout_s)
+        if got is None:
+            return False
+        if isinstance(got, wire.BadRequest):
+            self.stats.protocol_errors += 1
+            self._reply(conn, error_reply(got.error))
+            return True
+        request, payload_length = got
+        deadline = wire.deadline_after(self.timeout_s)
+        self.stats.requests += 1
+        try:
+            reply, payload = self._handle(conn, request, payload_length, deadline)
+        except (TransferError, PeerTimeout):
+            raise
+        except KVPoolError as exc:
+            self._reply(conn, error_reply(exc))
+            return True
+        self._reply(conn, reply, payload)
+        return True
+
+    def _handle(
+        self, conn: socket.socket, request: DataRequest, payload_length: int, deadline: float
+    ) -> tuple[DataReply, memoryview | None]:
+        expected = request.length if isinstance(request, SegmentWrite) else 0
+        if payload_length != expected:
+            wire.discard(conn, payload_length, deadline)
+            raise ProtocolError(
+                f"{type(request).__name__} declares {expected} payload bytes, "
+                f"frame carries {payload_length}"
+            )
+        if isinstance(request, SegmentWrite):
+            try:
+                target = self._segment(request.segment_id).view(request.offset, request.length)
+            except KVPoolError:
+                wire.discard(conn, payload_length, deadline)
+                raise
+            wire.recv_exactly_into(conn, target, deadline, "a segment write payload")
+            self.stats.bytes_written += request.length
+            return Ok(), None
+        if isinstance(request, SegmentRead):
+            source = self._segment(request.segment_id).view(request.offset, request.length)
+            self.stats.bytes_read += request.length
+            return Ok(request.length), source
+        segment = self._segment(request.segment_id)
+        return SegmentInfoReply(
+            request.segment_id, segment.size, segment.name, self.host_token
+        ), None
+
+
+class SegmentConnection:
+    """A blocking client connection to one :class:`SegmentServer`.
+
+    Connects on first use (and again after a failed exchange).  Calls are serialised;
+    use one connection per thread for parallel transfers.  Every call finishes within
+    ``timeout_s`` or raises :class:`~kvpool.errors.PeerTimeout`; a dead peer raises
+    :class:`~kvpool.errors.TransferError`; a refusal by the server raises the error it
+    reported (e.g. :class:`~kvpool.errors.UnknownSegment`).
+    """
+
+    def __init__(self, host: str, port: int, timeout_s: float = 10.0) -> None:
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def connect(self) -> None:
+        """Open the connection now (otherwise the first call does)."""
+        with self._lock:
+            self._connected()
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
+            except TimeoutError:
+                raise PeerTimeout(f"connecting to {self.host}:{self.port} timed out") from None
+            except OSError as exc:
+                raise TransferError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
+            wire.tune_socket(sock)
+            self._sock = sock
+        return self._sock
+
+    def _exchange(
+        self, request: DataRequest, out: memoryview | None, into: memoryview | None
+    ) -> DataReply:
+        """Send ``request`` (+ ``out``), receive the reply (+ its payload into ``into``)."""
+        with self._lock:
+            sock = self._connected()
+            try:
+                deadline = wire.deadline_after(self.timeout_s)
+                wire.send_frame(sock, REQUEST_CODEC, request, out, deadline)
+                reply, length = wire.recv_frame(sock, REPLY_CODEC, deadline)
+                if length:
+                    if into is None or length != len(into):
+                        raise ProtocolError(
+                            f"reply carries {length} payload bytes, expected "
+                            f"{0 if into is None else len(into)}"
+                        )
+                    wire.recv_exactly_into(sock, into, deadline, "a segment read payload")
+            except KVPoolError:
+                # The stream may be mid-frame: never reuse it.
+                self._drop()
+                raise
+        if isinstance(reply, Error):
+            raise reply.to_exception()
+        return reply
+
+    def write(self, segment_id: str, offset: int, buffer: Any) -> int:
+        """Write ``buffer`` at ``offset`` of the segment; returns the bytes written."""
+        src = byte_view(buffer)
+        self._exchange(SegmentWrite(segment_id, offset, len(src)), src, None)
+        return len(src)
+
+    def read_into(self, segment_id: str, offset: int, buffer: Any) -> int:
+        """Fill ``buffer`` from ``offset`` of the segment; returns the bytes read."""
+        dst = writable_byte_view(buffer)
+        reply = self._exchange(SegmentRead(segment_id, offset, len(dst)), None, dst)
+        if not isinstance(reply, Ok) or reply.length != len(dst):
+            self.close()
+            raise ProtocolError(f"unexpected reply to a segment read: {reply!r}")
+        return len(dst)
+
+    def read(self, segment_id: str, offset: int, length: int) -> bytes:
+        """A copy of ``length`` bytes at ``offset`` of the segment."""
+        buf = bytearray(length)
+        self.read_into(segment_id, offset, buf)
+        return bytes(buf)
+
+    def info(self, segment_id: str) -> SegmentInfoReply:
+        """The segment's size, shared-memory name and host token."""
+        reply = self._exchange(SegmentInfo(segment_id), None, None)
+        if not isinstance(reply, SegmentInfoReply):
+            self.close()
+            raise ProtocolError(f"unexpected reply to SegmentInfo: {reply!r}")
+        return reply
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def __enter__(self) -> SegmentConnection:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
