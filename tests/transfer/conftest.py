@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.storage.segment import Segment
+from kvpool.transfer.shm import host_token
+from kvpool.transfer.tcp import SegmentServer
+
+SEGMENT_SIZE = 32 << 20
+
+
+@pytest.fixture
+def segment() -> Iterator[Segment]:
+    seg = Segment.create(SEGMENT_SIZE)
+    yield seg
+    seg.close()
+
+
+@pytest.fixture
+def server(segment: Segment) -> Iterator[SegmentServer]:
+    srv = SegmentServer(timeout_s=5.0, host_token=host_token())
+    srv.add_segment("seg0", segment)
+    srv.start()
+    yield srv
+    srv.close()

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool.storage.segment import Segment
+from kvpool.transfer.path import NodeDataPath
+from kvpool.transfer.tcp import SegmentServer
+
+
+def test_same_host_segments_go_through_shared_memory(
+    server: SegmentServer, segment: Segment
+) -> None:
+    host, port = server.address
+    with NodeDataPath(host, port, timeout_s=5) as path:
+        assert path.route("seg0") == "shm"
+        requests_before = server.stats.requests
+        data = np.arange(4096, dtype=np.uint16)
+        path.write("seg0", 64, data)
+        out = np.zeros_like(data)
+        path.read_into("seg0", 64, out)
+        np.testing.assert_array_equal(out, data)
+        assert server.stats.requests == requests_before  # no TCP request for the data
+    assert segment.read(64, 8192) == data.tobytes()
+
+
+def test_other_hosts_and_opt_out_go_through_tcp(segment: Segment) -> None:
+    with SegmentServer(host_token="some-other-host") as srv:
+        srv.add_segment("seg0", segment)
+        host, port = srv.address
+        for path in (NodeDataPath(host, port), NodeDataPath(host, port, allow_shm=False)):
+            with path:
+                assert path.route("seg0") == "tcp"
+                path.write("seg0", 0, b"via-tcp")
+                buf = bytearray(7)
+                path.read_into("seg0", 0, buf)
+                assert buf == b"via-tcp"
+        assert srv.stats.bytes_written == 14
+
+
+def test_forget_reroutes_after_a_segment_changes(server: SegmentServer) -> None:
+    host, port = server.address
+    with NodeDataPath(host, port) as path:
+        assert path.route("seg0") == "shm"
+        path.forget("seg0")
+        assert not path.shm.has("seg0")
+        assert path.route("seg0") == "shm"

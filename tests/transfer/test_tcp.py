@@ -1,0 +1,260 @@
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvpool.errors import PeerTimeout, PoolError, ProtocolError, TransferError, UnknownSegment
+from kvpool.protocol.codec import HEADER_SIZE, MAGIC, Codec
+from kvpool.protocol.data import DataReply, Error, Ok, SegmentRead, SegmentWrite
+from kvpool.storage.segment import Segment
+from kvpool.transfer import wire
+from kvpool.transfer.tcp import REPLY_CODEC, REQUEST_CODEC, SegmentConnection, SegmentServer
+
+from .conftest import SEGMENT_SIZE
+
+
+def connect(server: SegmentServer, timeout_s: float = 5.0) -> SegmentConnection:
+    host, port = server.address
+    return SegmentConnection(host, port, timeout_s)
+
+
+def raw_socket(server: SegmentServer) -> socket.socket:
+    sock = socket.create_connection(server.address, timeout=5)
+    return sock
+
+
+def read_reply(sock: socket.socket) -> tuple[DataReply, int]:
+    return wire.recv_frame(sock, REPLY_CODEC, wire.deadline_after(5))
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def assert_closed(sock: socket.socket) -> None:
+    # Closing with unread input sends a reset instead of a FIN; both mean "closed".
+    with contextlib.suppress(ConnectionResetError):
+        assert sock.recv(1) == b""
+
+
+def assert_still_serves(server: SegmentServer) -> None:
+    with connect(server) as conn:
+        conn.write("seg0", 7, b"alive")
+        assert conn.read("seg0", 7, 5) == b"alive"
+
+
+@pytest.mark.parametrize("size", [0, 1, 64 * 1024, 16 << 20])
+def test_round_trip_sizes(server: SegmentServer, segment: Segment, size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    with connect(server) as conn:
+        assert conn.write("seg0", 4096, data) == size
+        out = np.zeros(size, dtype=np.uint8)
+        assert conn.read_into("seg0", 4096, out) == size
+    np.testing.assert_array_equal(out, data)
+    assert segment.read(4096, size) == data.tobytes()  # landed in the segment itself
+
+
+def test_torch_tensor_round_trip(server: SegmentServer) -> None:
+    torch = pytest.importorskip("torch")
+    src = torch.arange(1024, dtype=torch.float16)
+    dst = torch.zeros(1024, dtype=torch.float16)
+    with connect(server) as conn:
+        conn.write("seg0", 0, src)
+        conn.read_into("seg0", 0, dst)
+    assert torch.equal(src, dst)
+
+
+def test_out_of_range_and_unknown_segment_are_typed_and_connection_survives(
+    server: SegmentServer,
+) -> None:
+    with connect(server) as conn:
+        with pytest.raises(PoolError, match="outside segment"):
+            conn.write("seg0", SEGMENT_SIZE - 10, b"x" * 11)
+        with pytest.raises(PoolError, match="outside segment"):
+            conn.read("seg0", -1, 1)
+        with pytest.raises(UnknownSegment, match="nope"):
+            conn.write("nope", 0, b"x" * 100_000)  # its payload is drained, not parsed
+        conn.write("seg0", 0, b"ok")
+        assert conn.read("seg0", 0, 2) == b"ok"
+    assert server.stats.error_replies == 3
+
+
+def test_bad_magic_gets_an_error_and_a_closed_connection(server: SegmentServer) -> None:
+    with raw_socket(server) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        reply, _ = read_reply(sock)
+        assert isinstance(reply, Error) and reply.code == "PROTOCOL"
+        assert "magic" in reply.message
+        assert_closed(sock)
+    assert_still_serves(server)
+
+
+def test_oversized_frame_is_refused_without_reading_it(server: SegmentServer) -> None:
+    with raw_socket(server) as sock:
+        sock.sendall(struct.pack("!4sII", MAGIC, 100, 2**31))
+        reply, _ = read_reply(sock)
+        assert isinstance(reply, Error) and "exceeds" in reply.message
+        assert_closed(sock)
+    assert_still_serves(server)
+
+
+class Bogus(msgspec.Struct, tag=True):
+    x: int
+
+
+def test_unknown_message_type_gets_an_error_and_the_connection_goes_on(
+    server: SegmentServer,
+) -> None:
+    bogus: Codec[Bogus] = Codec(Bogus)
+    with raw_socket(server) as sock:
+        sock.sendall(bogus.encode(Bogus(1), 3) + b"abc")
+        reply, _ = read_reply(sock)
+        assert isinstance(reply, Error) and reply.code == "PROTOCOL"
+        assert "invalid message" in reply.message
+        wire.send_frame(
+            sock, REQUEST_CODEC, SegmentRead("seg0", 0, 0), None, wire.deadline_after(5)
+        )
+        assert read_reply(sock) == (Ok(0), 0)
+    assert server.stats.protocol_errors == 1
+
+
+def test_payload_length_disagreeing_with_the_request_is_an_error(server: SegmentServer) -> None:
+    with raw_socket(server) as sock:
+        sock.sendall(REQUEST_CODEC.encode(SegmentWrite("seg0", 0, 10), 4) + b"abcd")
+        reply, _ = read_reply(sock)
+        assert isinstance(reply, Error) and "declares 10 payload bytes" in reply.message
+        sock.sendall(REQUEST_CODEC.encode(SegmentRead("seg0", 0, 1), 0))
+        reply, length = read_reply(sock)
+        assert reply == Ok(1) and length == 1
+
+
+def test_client_vanishing_mid_payload_does_not_hurt_the_server(server: SegmentServer) -> None:
+    with raw_socket(server) as sock:
+        sock.sendall(REQUEST_CODEC.encode(SegmentWrite("seg0", 0, 1 << 20), 1 << 20))
+        sock.sendall(b"p" * 1000)
+    assert wait_until(lambda: server.stats.dropped_connections == 1)
+    assert_still_serves(server)
+
+
+def test_server_drops_a_stalled_request_after_its_timeout(segment: Segment) -> None:
+    with SegmentServer(timeout_s=0.3) as srv:
+        srv.add_segment("seg0", segment)
+        with raw_socket(srv) as sock:
+            sock.sendall(MAGIC)  # a header that never completes
+            assert wait_until(lambda: srv.stats.dropped_connections == 1)
+            assert_closed(sock)
+        assert_still_serves(srv)
+
+
+def test_peer_that_never_answers_is_a_peer_timeout() -> None:
+    # A listening socket nobody accepts on: connect succeeds (kernel backlog), no reply.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        host, port = silent.getsockname()[:2]
+        conn = SegmentConnection(host, port, timeout_s=0.3)
+        start = time.monotonic()
+        with pytest.raises(PeerTimeout):
+            conn.read("seg0", 0, 10)
+        assert time.monotonic() - start < 10  # bounded by the timeout, not a hang
+        conn.close()
+
+
+def test_peer_dying_mid_reply_is_a_transfer_error() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        host, port = fake.getsockname()[:2]
+
+        def half_reply() -> None:
+            conn, _ = fake.accept()
+            with conn:
+                wire.recv_frame(conn, REQUEST_CODEC, wire.deadline_after(5))
+                conn.sendall(REPLY_CODEC.encode(Ok(100), 100) + b"x" * 10)
+
+        thread = threading.Thread(target=half_reply)
+        thread.start()
+        with (
+            SegmentConnection(host, port, timeout_s=5) as conn,
+            pytest.raises(TransferError, match="10 of 100"),
+        ):
+            conn.read("seg0", 0, 100)
+        thread.join(10)
+
+
+def test_unreachable_server_is_a_transfer_error() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    with pytest.raises(TransferError, match="cannot connect"):
+        SegmentConnection("127.0.0.1", port, 2).read("seg0", 0, 1)
+
+
+def test_connection_reconnects_after_the_server_restarts(segment: Segment) -> None:
+    srv = SegmentServer()
+    srv.add_segment("seg0", segment)
+    host, port = srv.start()
+    conn = SegmentConnection(host, port, 5)
+    conn.write("seg0", 0, b"one")
+    srv.close()
+    with pytest.raises(TransferError):
+        conn.read("seg0", 0, 3)
+    with SegmentServer(port=port) as again:
+        again.add_segment("seg0", segment)
+        assert conn.read("seg0", 0, 3) == b"one"
+    conn.close()
+
+
+def test_parallel_clients_write_disjoint_regions(server: SegmentServer, segment: Segment) -> None:
+    chunk = 1 << 20
+    failures: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            with connect(server) as conn:
+                for r in range(4):
+                    conn.write("seg0", i * chunk, bytes([i * 16 + r]) * chunk)
+                assert conn.read("seg0", i * chunk, chunk) == bytes([i * 16 + 3]) * chunk
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures
+    for i in range(4):
+        assert segment.read(i * chunk, chunk) == bytes([i * 16 + 3]) * chunk
+
+
+def test_header_size_is_stable() -> None:
+    # The wire format is a contract with other processes; changing it needs a new magic.
+    assert HEADER_SIZE == 12 and MAGIC == b"KVP1"
+
+
+def test_protocol_error_from_a_garbled_reply_drops_the_connection() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        host, port = fake.getsockname()[:2]
+
+        def garbage() -> None:
+            conn, _ = fake.accept()
+            with conn:
+                wire.recv_frame(conn, REQUEST_CODEC, wire.deadline_after(5))
+                conn.sendall(b"NOPE" + bytes(8))
+
+        thread = threading.Thread(target=garbage)
+        thread.start()
+        conn = SegmentConnection(host, port, timeout_s=5)
+        with pytest.raises(ProtocolError, match="magic"):
+            conn.read("seg0", 0, 4)
+        assert conn._sock is None  # never reused mid-frame
+        thread.join(10)
