@@ -42,8 +42,89 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
     parser.set_defaults(run=None)
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_proxy(sub)
     return parser
+
+
+def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "proxy",
+        help="OpenAI-compatible P/D proxy: prefill (max_tokens=1), then decode, streamed",
+        description="Each request goes to a prefill endpoint with max_tokens=1 and "
+        "kv_transfer_params={do_remote_decode: true}, then to a decode endpoint with the "
+        "kv_transfer_params the prefill returned; the decode answer is streamed back.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
+    multi = {"action": "extend", "nargs": "+", "metavar": "URL", "default": []}
+    add_flag(p, "prefill", help="prefill endpoint(s), e.g. http://127.0.0.1:8100", **multi)
+    add_flag(p, "decode", help="decode endpoint(s), e.g. http://127.0.0.1:8200", **multi)
+    add_flag(
+        p,
+        "policy",
+        default="round_robin",
+        choices=["round_robin", "least_inflight", "prefix_affinity"],
+        help="how to pick the prefill endpoint (and the decode one, see --decode-policy)",
+    )
+    add_flag(
+        p,
+        "decode_policy",
+        choices=["round_robin", "least_inflight", "prefix_affinity"],
+        help="decode policy (default: --policy; least_inflight with prefix_affinity)",
+    )
+    add_flag(
+        p,
+        "prefix_chars",
+        type=int,
+        default=256,
+        help="prefix_affinity hashes this many leading prompt chars (or token ids)",
+    )
+    add_flag(p, "connect_timeout", type=float, default=5.0, help="upstream connect timeout, s")
+    add_flag(
+        p,
+        "read_timeout",
+        type=float,
+        default=300.0,
+        help="upstream read timeout between two chunks, s",
+    )
+    add_flag(p, "health_interval", type=float, default=2.0, help="seconds between /health polls")
+    add_flag(p, "health_timeout", type=float, default=2.0, help="timeout of one /health poll, s")
+    add_flag(
+        p,
+        "shutdown_timeout",
+        type=float,
+        default=10.0,
+        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish",
+    )
+    add_flag(p, "max_connections", type=int, default=1024, help="upstream connection pool size")
+    p.set_defaults(run=_run_proxy)
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from kvpool.errors import ConfigError
+    from kvpool.proxy import ProxyConfig, run_proxy
+
+    try:
+        config = ProxyConfig(
+            prefill=tuple(args.prefill),
+            decode=tuple(args.decode),
+            host=args.host,
+            port=args.port,
+            policy=args.policy,
+            decode_policy=args.decode_policy,
+            prefix_chars=args.prefix_chars,
+            connect_timeout_s=args.connect_timeout,
+            read_timeout_s=args.read_timeout,
+            health_interval_s=args.health_interval,
+            health_timeout_s=args.health_timeout,
+            shutdown_timeout_s=args.shutdown_timeout,
+            max_connections=args.max_connections,
+        )
+    except ConfigError as exc:
+        print(f"kvpool proxy: {exc}", file=sys.stderr)
+        return 2
+    return run_proxy(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

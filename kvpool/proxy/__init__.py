@@ -1,0 +1,23 @@
+"""The P/D proxy: an OpenAI-compatible front that sends each request to a prefill
+endpoint (``max_tokens=1``) and then to a decode endpoint, streaming the answer back.
+
+``routing`` and ``openai`` are pure; ``server``, ``health`` and ``run`` own the sockets.
+"""
+
+from __future__ import annotations
+
+from kvpool.proxy.config import ProxyConfig
+from kvpool.proxy.routing import POLICY_NAMES, UpstreamGroup, make_policy, prefix_key
+from kvpool.proxy.run import run_proxy, serve
+from kvpool.proxy.server import ProxyServer
+
+__all__ = [
+    "POLICY_NAMES",
+    "ProxyConfig",
+    "ProxyServer",
+    "UpstreamGroup",
+    "make_policy",
+    "prefix_key",
+    "run_proxy",
+    "serve",
+]

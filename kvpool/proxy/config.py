@@ -1,0 +1,85 @@
+"""Typed configuration of the P/D proxy.  Checked once at construction; every problem is a
+:class:`~kvpool.errors.ConfigError` that names the flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from kvpool.errors import ConfigError
+from kvpool.proxy.routing import POLICY_NAMES
+
+__all__ = ["ProxyConfig", "normalize_url"]
+
+
+def normalize_url(flag: str, url: str) -> str:
+    """``http://host:port`` without a trailing slash; anything else names the flag."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{flag}: {url!r} is not an http(s)://host:port URL")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ConfigError(f"{flag}: {url!r} has an invalid port") from None
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{flag}: {url!r} must not carry a query or fragment")
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything ``kvpool proxy`` needs; ``port=0`` picks a free port (tests, ``kvpool up``)."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "round_robin"
+    # D has no local prefix cache to aim at (it reads P's KV), so prefix_affinity on P
+    # pairs with least_inflight on D unless a D policy is given.
+    decode_policy: str | None = None
+    prefix_chars: int = 256
+    connect_timeout_s: float = 5.0
+    # per read, not per request: a long generation is fine, a silent peer is a timeout
+    read_timeout_s: float = 300.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    shutdown_timeout_s: float = 10.0
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            raise ConfigError("--prefill: give at least one prefill endpoint URL")
+        if not self.decode:
+            raise ConfigError("--decode: give at least one decode endpoint URL")
+        prefill = tuple(normalize_url("--prefill", u) for u in self.prefill)
+        decode = tuple(normalize_url("--decode", u) for u in self.decode)
+        for flag, urls in (("--prefill", prefill), ("--decode", decode)):
+            if len(set(urls)) != len(urls):
+                raise ConfigError(f"{flag}: the same URL is given twice: {list(urls)}")
+        object.__setattr__(self, "prefill", prefill)
+        object.__setattr__(self, "decode", decode)
+        for flag, policy in (("--policy", self.policy), ("--decode-policy", self.decode_policy)):
+            if policy is not None and policy not in POLICY_NAMES:
+                raise ConfigError(f"{flag}: {policy!r} is not one of {', '.join(POLICY_NAMES)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port: {self.port} is not a TCP port")
+        if self.prefix_chars < 1:
+            raise ConfigError(f"--prefix-chars: must be at least 1, got {self.prefix_chars}")
+        if self.max_connections < 1:
+            raise ConfigError(f"--max-connections: must be at least 1, got {self.max_connections}")
+        for flag, value in (
+            ("--connect-timeout", self.connect_timeout_s),
+            ("--read-timeout", self.read_timeout_s),
+            ("--health-interval", self.health_interval_s),
+            ("--health-timeout", self.health_timeout_s),
+            ("--shutdown-timeout", self.shutdown_timeout_s),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{flag}: must be a positive number of seconds, got {value}")
+
+    @property
+    def effective_decode_policy(self) -> str:
+        if self.decode_policy is not None:
+            return self.decode_policy
+        return "least_inflight" if self.policy == "prefix_affinity" else self.policy

@@ -1,0 +1,230 @@
+"""Routing for the P/D proxy: which prefill (P) and decode (D) endpoint serves a request.
+
+Pure code: no I/O, no clock, no randomness.  The server owns the sockets and tells this
+module what happened (an endpoint failed, a health poll succeeded); this module only keeps
+the state and decides.
+
+Primitives::
+
+    Upstream            one endpoint: url, healthy, in-flight count, last error
+    UpstreamGroup       the endpoints of one role; pick() / acquire() / release(),
+                        mark_down() / mark_up()
+    RoundRobin          rotate over the healthy endpoints
+    LeastInflight       fewest requests in flight; ties rotate
+    PrefixAffinity      rendezvous hash of the prompt prefix: the same prefix lands on the
+                        same endpoint, and losing one endpoint moves only its own prefixes
+    prefix_key(body, n) the bytes PrefixAffinity hashes: first n chars (or tokens) of the
+                        prompt, or of the chat messages rendered canonically
+
+Rules:
+- Only healthy endpoints are candidates.  An endpoint goes down on a connect failure, a 5xx
+  or a failing health poll, and comes back only when a health poll succeeds.
+- Hashes are ``hashlib`` digests, never ``hash()``: every proxy process, whatever its
+  ``PYTHONHASHSEED``, sends a prefix to the same endpoint.
+- ``acquire`` and ``release`` come in pairs; the in-flight count never goes below zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = [
+    "POLICY_NAMES",
+    "LeastInflight",
+    "Policy",
+    "PrefixAffinity",
+    "RoundRobin",
+    "Upstream",
+    "UpstreamGroup",
+    "make_policy",
+    "prefix_key",
+]
+
+
+@dataclass
+class Upstream:
+    """One OpenAI-compatible endpoint (a vLLM instance) and what the proxy knows of it."""
+
+    url: str
+    healthy: bool = True
+    inflight: int = 0
+    last_error: str = ""
+
+
+class Policy(Protocol):
+    """Chooses one endpoint among non-empty, healthy candidates."""
+
+    name: str
+
+    def choose(self, candidates: Sequence[Upstream], key: bytes | None) -> Upstream: ...
+
+
+class RoundRobin:
+    """Each request goes to the next healthy endpoint in turn."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Upstream], key: bytes | None) -> Upstream:
+        chosen = candidates[self._turn % len(candidates)]
+        self._turn += 1
+        return chosen
+
+
+class LeastInflight:
+    """The endpoint with the fewest requests in flight.  Ties rotate, so an idle cluster
+    still spreads its load instead of sending everything to the first endpoint."""
+
+    name = "least_inflight"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Upstream], key: bytes | None) -> Upstream:
+        fewest = min(c.inflight for c in candidates)
+        tied = [c for c in candidates if c.inflight == fewest]
+        chosen = tied[self._turn % len(tied)]
+        self._turn += 1
+        return chosen
+
+
+def _score(key: bytes, url: str) -> int:
+    digest = hashlib.blake2b(key + b"\x00" + url.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class PrefixAffinity:
+    """Requests sharing a prompt prefix go to the same endpoint, so its local prefix cache
+    hits too.  Rendezvous (highest-random-weight) hashing: each endpoint scores the key and
+    the highest score wins, so when an endpoint leaves only the prefixes it owned move.
+    A request without a key (nothing to hash) falls back to least in-flight."""
+
+    name = "prefix_affinity"
+
+    def __init__(self) -> None:
+        self._fallback = LeastInflight()
+
+    def choose(self, candidates: Sequence[Upstream], key: bytes | None) -> Upstream:
+        if not key:
+            return self._fallback.choose(candidates, None)
+        return max(candidates, key=lambda c: (_score(key, c.url), c.url))
+
+
+_POLICIES: dict[str, type[RoundRobin] | type[LeastInflight] | type[PrefixAffinity]] = {
+    RoundRobin.name: RoundRobin,
+    LeastInflight.name: LeastInflight,
+    PrefixAffinity.name: PrefixAffinity,
+}
+POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
+
+
+def make_policy(name: str) -> Policy:
+    """A fresh policy by name; ``ValueError`` names the choices."""
+    try:
+        return _POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}"
+        ) from None
+
+
+class UpstreamGroup:
+    """The endpoints of one role (prefill or decode) and the policy that picks among them."""
+
+    def __init__(self, role: str, urls: Iterable[str], policy: Policy) -> None:
+        self.role = role
+        self.policy = policy
+        self.upstreams: list[Upstream] = [Upstream(url) for url in urls]
+        if not self.upstreams:
+            raise ValueError(f"no {role} endpoint given")
+        if len({u.url for u in self.upstreams}) != len(self.upstreams):
+            raise ValueError(f"duplicate {role} endpoint in {[u.url for u in self.upstreams]}")
+
+    def healthy(self) -> list[Upstream]:
+        return [u for u in self.upstreams if u.healthy]
+
+    def pick(
+        self, key: bytes | None = None, exclude: frozenset[str] = frozenset()
+    ) -> Upstream | None:
+        """The endpoint for the next request, or ``None`` when no healthy one is left
+        (``exclude`` holds the urls this request already failed on)."""
+        candidates = [u for u in self.upstreams if u.healthy and u.url not in exclude]
+        if not candidates:
+            return None
+        return self.policy.choose(candidates, key)
+
+    def acquire(self, upstream: Upstream) -> None:
+        upstream.inflight += 1
+
+    def release(self, upstream: Upstream) -> None:
+        upstream.inflight = max(0, upstream.inflight - 1)
+
+    def get(self, url: str) -> Upstream:
+        for u in self.upstreams:
+            if u.url == url:
+                return u
+        raise KeyError(url)
+
+    def mark_down(self, url: str, reason: str) -> bool:
+        """Take the endpoint out of rotation; True when it was in rotation before."""
+        upstream = self.get(url)
+        was_healthy = upstream.healthy
+        upstream.healthy = False
+        upstream.last_error = reason
+        return was_healthy
+
+    def mark_up(self, url: str) -> bool:
+        """Put the endpoint back in rotation; True when it was out before."""
+        upstream = self.get(url)
+        was_down = not upstream.healthy
+        upstream.healthy = True
+        upstream.last_error = ""
+        return was_down
+
+
+def _content_text(content: Any) -> str:
+    """Chat content is a string or a list of parts; non-text parts hash by their JSON."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        pieces = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                pieces.append(part["text"])
+            else:
+                pieces.append(json.dumps(part, sort_keys=True, separators=(",", ":")))
+        return "".join(pieces)
+    return "" if content is None else json.dumps(content, sort_keys=True)
+
+
+def prefix_key(body: dict[str, Any], n: int) -> bytes | None:
+    """The first ``n`` characters of the prompt (or ``n`` token ids of a tokenized prompt),
+    as bytes to hash; ``None`` when the request has nothing to hash.  Chat messages are
+    rendered as ``role\\x1fcontent\\x1e`` each, so the system prompt leads the key."""
+    prompt = body.get("prompt")
+    if prompt is not None:
+        if isinstance(prompt, list) and prompt:
+            first = prompt[0]
+            if isinstance(first, int):  # one tokenized prompt
+                return ",".join(str(t) for t in prompt[:n]).encode() or None
+            prompt = first  # a batch: the first prompt decides
+        if isinstance(prompt, list):  # a batch of tokenized prompts
+            return ",".join(str(t) for t in prompt[:n]).encode() or None
+        if isinstance(prompt, str):
+            return prompt[:n].encode() or None
+        return None
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        text = "".join(
+            f"{m.get('role', '')}\x1f{_content_text(m.get('content'))}\x1e"
+            for m in messages
+            if isinstance(m, dict)
+        )
+        return text[:n].encode() or None
+    return None

@@ -1,0 +1,245 @@
+"""A small but real OpenAI-compatible upstream (aiohttp) standing in for a vLLM instance.
+
+It answers as vLLM 0.32 does for a P/D pair: a request with
+``kv_transfer_params.do_remote_decode`` gets one token and ``kv_transfer_params`` saying
+where "its KV" is; any other request gets a deterministic answer (``reference_text``),
+whole or as SSE chunks ending in ``data: [DONE]``.  It records every request it
+received and every client that went away mid-stream, so tests can assert what the
+proxy sent.  Run it in-process (``StubUpstream``) or as a process::
+
+    python -m tests.proxy.stub_upstream --port 0 --name d1 --token-delay 0.05
+
+which prints ``PORT <n>`` once it listens; ``GET /_stub/received`` returns the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["DEFAULT_MAX_TOKENS", "MODEL", "StubUpstream", "prompt_text", "reference_text"]
+
+DEFAULT_MAX_TOKENS = 16
+_WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+]
+MODEL = "stub-model"
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The text the answer is derived from: the prompt, or the chat messages."""
+    if "prompt" in body:
+        return json.dumps(body["prompt"], sort_keys=True)
+    return json.dumps(body.get("messages"), sort_keys=True)
+
+
+def _tokens(body: dict[str, Any]) -> list[str]:
+    limit = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+    seed = hashlib.sha256(prompt_text(body).encode()).digest()
+    return [f" {_WORDS[(seed[i % 32] + i) % len(_WORDS)]}{i}" for i in range(int(limit))]
+
+
+def reference_text(body: dict[str, Any]) -> str:
+    """What a decode answers for this request: the same text whole or streamed."""
+    return "".join(_tokens(body))
+
+
+@dataclass
+class StubUpstream:
+    name: str = "stub"
+    host: str = "127.0.0.1"
+    port: int = 0
+    token_delay_s: float = 0.0
+    received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    disconnects: int = 0
+    healthy: bool = True
+    # (status, message) answered to the next requests, one per request
+    fail_next: list[tuple[int, str]] = field(default_factory=list)
+    _runner: web.AppRunner | None = None
+    _disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    _started: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/_stub/received", self._received)
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def wait_disconnect(self, timeout: float) -> None:
+        await asyncio.wait_for(self._disconnected.wait(), timeout)
+
+    async def wait_stream_started(self, timeout: float) -> None:
+        await asyncio.wait_for(self._started.wait(), timeout)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = {"id": MODEL, "object": "model", "created": 0, "owned_by": self.name}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _received(self, request: web.Request) -> web.Response:
+        records = [{"path": p, "body": b} for p, b in self.received]
+        return web.json_response({"received": records, "disconnects": self.disconnects})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._error(400, "invalid JSON")
+        body["_headers"] = {"X-Request-Id": request.headers.get("X-Request-Id")}
+        self.received.append((request.path, body))
+        if self.fail_next:
+            return self._error(*self.fail_next.pop(0))
+        chat = request.path.endswith("/chat/completions")
+        kv_in = body.get("kv_transfer_params") or {}
+        kv_out = None
+        if kv_in.get("do_remote_decode"):
+            kv_out = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.name,
+                "remote_request_id": request.headers.get("X-Request-Id"),
+                "remote_block_ids": [len(self.received), 7],
+                "remote_host": self.host,
+                "remote_port": self.port,
+            }
+        tokens = _tokens(body)
+        base = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{len(self.received)}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", MODEL),
+        }
+        if not body.get("stream"):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s * len(tokens))
+            text = "".join(tokens)
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            usage = {"prompt_tokens": 3, "completion_tokens": len(tokens)}
+            reply = {**base, "choices": [choice], "usage": usage, "kv_transfer_params": kv_out}
+            return web.json_response(reply)
+        return await self._stream(request, base, tokens, chat)
+
+    async def _stream(
+        self, request: web.Request, base: dict[str, Any], tokens: list[str], chat: bool
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await out.prepare(request)
+        base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def event(piece: str | None, finish: str | None, first: bool = False) -> bytes:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+            if chat:
+                delta: dict[str, Any] = {} if piece is None else {"content": piece}
+                if first:
+                    delta["role"] = "assistant"
+                choice["delta"] = delta
+            else:
+                choice["text"] = piece or ""
+            return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n".encode()
+
+        try:
+            if chat:
+                await out.write(event("", None, first=True))
+            for i, piece in enumerate(tokens):
+                if i == 1:
+                    self._started.set()
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                await out.write(event(piece, None))
+            await out.write(event(None, "length"))
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects += 1
+            self._disconnected.set()
+            raise
+        return out
+
+    def _error(self, status: int, message: str) -> web.Response:
+        body = {
+            "error": {"message": message, "type": "BadRequestError", "param": None, "code": status}
+        }
+        return web.json_response(body, status=status)
+
+
+async def _main(port: int, name: str, token_delay: float) -> None:
+    stub = StubUpstream(name=name, port=port, token_delay_s=token_delay)
+    await stub.start()
+    print(f"PORT {stub.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await stub.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--name", default="stub")
+    parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument("--uvloop", action="store_true")
+    args = parser.parse_args()
+    if args.uvloop:  # the benchmark runs its upstreams on uvloop, as vLLM does
+        import uvloop
+
+        uvloop.run(_main(args.port, args.name, args.token_delay))
+    else:
+        asyncio.run(_main(args.port, args.name, args.token_delay))

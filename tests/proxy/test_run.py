@@ -1,0 +1,80 @@
+"""``kvpool proxy`` as a real process: it serves, and SIGTERM/SIGINT shut it down gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import aiohttp
+import pytest
+
+from tests.proxy.harness import REPO, parse_sse, run
+from tests.proxy.stub_upstream import StubUpstream, reference_text
+
+
+async def _start_proxy(*args: str) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvpool",
+        "proxy",
+        "--port",
+        "0",
+        *args,
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    assert line.startswith("kvpool proxy listening on "), line
+    return proc, line.split()[4]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_cli_proxy_serves_and_finishes_in_flight_stream_on_signal(sig: signal.Signals) -> None:
+    async def scenario() -> None:
+        p, d = StubUpstream(name="p0"), StubUpstream(name="d0", token_delay_s=0.02)
+        await p.start()
+        await d.start()
+        proc: asyncio.subprocess.Process | None = None
+        try:
+            proc, url = await _start_proxy(
+                "--prefill", p.url, "--decode", d.url, "--policy", "prefix_affinity",
+                "--read-timeout", "30", "--health_interval=0.5",
+            )  # fmt: skip
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+                body = {"prompt": "graceful", "max_tokens": 40, "stream": True}
+                async with s.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.content.readuntil(b"\n\n")
+                    proc.send_signal(sig)  # ~0.8 s of tokens still to come
+                    rest = await resp.read()
+            text, done, _ = parse_sse(rest)
+            assert done
+            assert reference_text(body).endswith(text)
+            assert await asyncio.wait_for(proc.wait(), 20) == 0
+        finally:
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await p.stop()
+            await d.stop()
+
+    run(scenario())
+
+
+def test_cli_proxy_rejects_bad_config_with_the_flag_named() -> None:
+    async def scenario() -> None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvpool", "proxy", "--prefill", "nope", "--decode", "http://h:1",
+            cwd=REPO, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 2
+        assert b"--prefill" in err
+
+    run(scenario())
