@@ -1,0 +1,60 @@
+"""What the transfer connector's scheduler half tells its worker halves each step.
+
+Plain, picklable data (the scheduler and the workers are different processes): the
+scheduler decides, the workers move bytes.  Field names follow vLLM's P/D convention
+(``remote_*`` describe the P side as D sees it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["HoldJob", "RecvJob", "ReleaseJob", "TransferJobs"]
+
+
+@dataclass(frozen=True, slots=True)
+class HoldJob:
+    """P: keep ``block_ids`` of a finished prefill request until its D ranks pulled them."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RecvJob:
+    """D: pull the prompt KV of ``request_id`` from P into ``local_block_ids``.
+
+    ``remote_block_ids`` are P's blocks for the same token range, block for block.
+    """
+
+    request_id: str
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    remote_request_id: str
+    remote_host: str
+    remote_port: int  # port of P's TP rank 0 of its DP engine; rank r listens on port + r
+    remote_tp_size: int
+    remote_engine_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseJob:
+    """D: tell P it will not pull ``remote_request_id`` (aborted, or computed locally)."""
+
+    request_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+
+
+@dataclass(slots=True)
+class TransferJobs:
+    """One step's jobs; empty most steps."""
+
+    holds: list[HoldJob] = field(default_factory=list)
+    recvs: list[RecvJob] = field(default_factory=list)
+    releases: list[ReleaseJob] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.holds or self.recvs or self.releases)

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import pytest
+
+from kvpool.connectors.topology import PeerTopology
+from kvpool.connectors.transfer_config import TransferConfig, pairing_group
+from kvpool.errors import ConfigError
+
+SEED_EXTRA = {"prefill": {"dp_size": 4, "tp_size": 8}, "decode": {"dp_size": 8, "tp_size": 4}}
+
+
+def build(
+    role: str = "kv_producer",
+    extra: dict | None = None,
+    env: dict | None = None,
+    port: object = "30000",
+    engine_id: str | None = "g0",
+) -> TransferConfig:
+    return TransferConfig.from_values(
+        role=role, kv_port=port, engine_id=engine_id, extra=extra or {}, env=env or {}
+    )
+
+
+def test_seed_json_on_prefill_reads_the_decode_topology() -> None:
+    cfg = build("kv_producer", SEED_EXTRA)
+    assert cfg.kv_port == 30000
+    assert cfg.peer == PeerTopology(8, 4)
+    assert cfg.is_producer and not cfg.is_consumer
+
+
+def test_seed_json_on_decode_reads_the_prefill_topology() -> None:
+    cfg = build("kv_consumer", SEED_EXTRA, port="30100")
+    assert cfg.peer == PeerTopology(4, 8)
+    assert cfg.is_consumer and not cfg.is_producer
+
+
+def test_defaults() -> None:
+    cfg = build()
+    assert (cfg.connect_timeout_ms, cfg.transfer_timeout_ms, cfg.hold_timeout_ms) == (
+        10000,
+        10000,
+        120000,
+    )
+    assert cfg.kv_host == "127.0.0.1"
+    assert cfg.peer is None
+
+
+def test_timeouts_from_the_seed_env_names_and_kvpool_twins() -> None:
+    seed = build(env={"ASCEND_CONNECT_TIMEOUT": "7000", "ASCEND_TRANSFER_TIMEOUT": "8000"})
+    assert (seed.connect_timeout_ms, seed.transfer_timeout_ms) == (7000, 8000)
+    ours = build(
+        env={
+            "ASCEND_CONNECT_TIMEOUT": "7000",
+            "KVPOOL_CONNECT_TIMEOUT_MS": "300",
+            "KVPOOL_TRANSFER_TIMEOUT_MS": "400",
+            "KVPOOL_HOLD_TIMEOUT_MS": "500",
+        }
+    )
+    assert (ours.connect_timeout_ms, ours.transfer_timeout_ms, ours.hold_timeout_ms) == (
+        300,
+        400,
+        500,
+    )
+    explicit = build(extra={"connect_timeout_ms": 42}, env={"KVPOOL_CONNECT_TIMEOUT_MS": "300"})
+    assert explicit.connect_timeout_ms == 42
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"role": "producer"}, "kv_role"),
+        ({"port": "thirty"}, "kv_port"),
+        ({"port": 70000}, "kv_port"),
+        ({"extra": {"kv_prot": 1}}, "kv_prot"),
+        ({"extra": {"decode": {"tp": 4}}}, "tp"),
+        ({"env": {"ASCEND_CONNECT_TIMEOUT": "ten"}}, "ASCEND_CONNECT_TIMEOUT"),
+        ({"env": {"KVPOOL_TRANSFER_TIMEOUT_MS": "0"}}, "KVPOOL_TRANSFER_TIMEOUT_MS"),
+        ({"extra": {"hold_timeout_ms": -5}}, "hold_timeout_ms"),
+        ({"extra": {"kv_host": 5}}, "kv_host"),
+    ],
+)
+def test_bad_values_name_the_key(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build(**kwargs)
+
+
+def test_kv_host_from_config_or_env() -> None:
+    assert build(extra={"kv_host": "10.0.0.5"}).kv_host == "10.0.0.5"
+    assert (
+        build(env={"KVPOOL_KV_HOST": "10.0.0.6", "VLLM_HOST_IP": "10.0.0.7"}).kv_host == "10.0.0.6"
+    )
+    assert build(env={"VLLM_HOST_IP": "10.0.0.7"}).kv_host == "10.0.0.7"
+
+
+def test_pairing_group_ignores_generated_ids_and_dp_suffixes() -> None:
+    assert pairing_group("glm-group-0") == "glm-group-0"
+    assert pairing_group("glm-group-0_dp3") == "glm-group-0"
+    assert pairing_group("eb936a3b-b9c7-4fe8-a829-51e4ea181170") is None
+    assert pairing_group("eb936a3b-b9c7-4fe8-a829-51e4ea181170_dp1") is None
+    assert build(engine_id="g7_dp2").group == "g7"

@@ -1,0 +1,281 @@
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvpool.connectors.topology import PeerTopology
+from kvpool.connectors.transfer_config import TransferConfig
+from kvpool.connectors.transfer_jobs import HoldJob, RecvJob, ReleaseJob, TransferJobs
+from kvpool.connectors.transfer_worker import PagedCaches, RankInfo, TransferResults, TransferWorker
+
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+NUM_BLOCKS = 8
+BLOCK = 4
+ROW = 16  # bytes of one token row of one head (k and v)
+POLL_S = 15.0  # upper bound for a result to show up; a correct run takes milliseconds
+
+
+def free_port(span: int = 1) -> int:
+    """A base port with ``span`` free ports above it (bind-and-close; fine on 127.0.0.1)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + span > 65535:
+            continue
+        try:
+            held = []
+            for p in range(base, base + span):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def caches(heads: int, seed: int | None) -> tuple[PagedCaches, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    arrays = {
+        name: (
+            rng.integers(0, 256, (NUM_BLOCKS, heads, BLOCK, ROW), dtype=np.uint8)
+            if seed is not None
+            else np.zeros((NUM_BLOCKS, heads, BLOCK, ROW), dtype=np.uint8)
+        )
+        for name in LAYERS
+    }
+    return PagedCaches(arrays), arrays
+
+
+def config(role: str, port: int, peer_tp: int | None = 1, **extra: int) -> TransferConfig:
+    return TransferConfig(
+        role=role,
+        kv_port=port,
+        engine_id="group-a",
+        peer=None if peer_tp is None else PeerTopology(1, peer_tp),
+        connect_timeout_ms=extra.get("connect", 2000),
+        transfer_timeout_ms=extra.get("transfer", 5000),
+        hold_timeout_ms=extra.get("hold", 60000),
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def workers() -> Iterator[list[TransferWorker]]:
+    made: list[TransferWorker] = []
+    yield made
+    for w in made:
+        w.close()
+
+
+def start(
+    workers: list[TransferWorker],
+    cfg: TransferConfig,
+    rank: int,
+    tp: int,
+    heads: int,
+    seed: int | None,
+    clock: Clock | None = None,
+) -> tuple[TransferWorker, dict[str, np.ndarray]]:
+    worker = TransferWorker(cfg, RankInfo(rank, tp, 0, heads), clock or time.monotonic)
+    paged, arrays = caches(max(1, heads // tp), seed)
+    worker.register(paged)
+    workers.append(worker)
+    return worker, arrays
+
+
+def wait_results(
+    worker: TransferWorker, want_recv: str | None = None, want_send: str | None = None
+) -> TransferResults:
+    """Poll like vLLM's engine loop does, until the wanted request shows up."""
+    sending: set[str] = set()
+    recving: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + POLL_S
+    while time.monotonic() < deadline:
+        r = worker.results()
+        sending |= r.finished_sending
+        recving |= r.finished_recving
+        failed |= r.failed_recving
+        if (want_recv is None or want_recv in recving) and (
+            want_send is None or want_send in sending
+        ):
+            return TransferResults(sending, recving, failed)
+        time.sleep(0.005)
+    raise AssertionError(f"no result for {want_recv or want_send} within {POLL_S}s")
+
+
+def recv_job(rid: str, local: list[int], remote: list[int], port: int, tp: int = 1) -> RecvJob:
+    return RecvJob(rid, tuple(local), tuple(remote), "p-" + rid, "127.0.0.1", port, tp, "group-a")
+
+
+def test_decode_pulls_whole_blocks_into_its_own_block_ids(workers: list[TransferWorker]) -> None:
+    port = free_port()
+    p, p_kv = start(workers, config("kv_producer", port), 0, 1, 2, seed=1)
+    d, d_kv = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
+    p.submit(TransferJobs(holds=[HoldJob("p-r1", (5, 2, 7))]))
+    assert p.num_held == 1
+    d.submit(TransferJobs(recvs=[recv_job("r1", [0, 1], [5, 2], port)]))
+    res = wait_results(d, want_recv="r1")
+    assert res.failed_recving == set()
+    assert d.take_load_errors() == set()
+    for name in LAYERS:
+        np.testing.assert_array_equal(d_kv[name][[0, 1]], p_kv[name][[5, 2]])
+        assert not d_kv[name][2:].any()  # nothing else written
+    # P frees the blocks once its only decode rank has them
+    assert "p-r1" in wait_results(p, want_send="p-r1").finished_sending
+    assert p.num_held == 0
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2), (2, 4)])
+def test_heterogeneous_tp_reassembles_every_head(
+    workers: list[TransferWorker], p_tp: int, d_tp: int
+) -> None:
+    heads = 4
+    port = free_port(p_tp)
+    prefill = [
+        start(workers, config("kv_producer", port, peer_tp=d_tp), r, p_tp, heads, seed=10 + r)
+        for r in range(p_tp)
+    ]
+    decode = [
+        start(workers, config("kv_consumer", port + 100, peer_tp=p_tp), r, d_tp, heads, seed=None)
+        for r in range(d_tp)
+    ]
+    for p, _ in prefill:
+        p.submit(TransferJobs(holds=[HoldJob("p-x", (3, 4))]))
+    for d, _ in decode:
+        d.submit(TransferJobs(recvs=[recv_job("x", [6, 1], [3, 4], port, tp=p_tp)]))
+    for d, _ in decode:
+        assert wait_results(d, want_recv="x").failed_recving == set()
+    for name in LAYERS:
+        # the full head axis, as one model would hold it, on both sides
+        full_p = np.concatenate([kv[name][[3, 4]] for _, kv in prefill], axis=1)
+        full_d = np.concatenate([kv[name][[6, 1]] for _, kv in decode], axis=1)
+        np.testing.assert_array_equal(full_d, full_p)
+    for p, _ in prefill:
+        assert "p-x" in wait_results(p, want_send="p-x").finished_sending
+
+
+def test_pull_before_the_hold_arrives_waits_for_it(workers: list[TransferWorker]) -> None:
+    port = free_port()
+    p, p_kv = start(workers, config("kv_producer", port), 0, 1, 2, seed=3)
+    d, d_kv = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
+    d.submit(TransferJobs(recvs=[recv_job("late", [4], [1], port)]))
+    time.sleep(0.2)  # the pull is now waiting on P for the scheduler's hold job
+    p.submit(TransferJobs(holds=[HoldJob("p-late", (1,))]))
+    assert wait_results(d, want_recv="late").failed_recving == set()
+    np.testing.assert_array_equal(d_kv[LAYERS[0]][4], p_kv[LAYERS[0]][1])
+
+
+def test_dead_prefill_is_a_failed_and_finished_load(workers: list[TransferWorker]) -> None:
+    port = free_port()  # nothing listens there
+    d, _ = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
+    started = time.monotonic()
+    d.submit(TransferJobs(recvs=[recv_job("dead", [2, 3], [0, 1], port)]))
+    res = wait_results(d, want_recv="dead")
+    assert res.failed_recving == {"dead"}
+    assert d.take_load_errors() == {2, 3}
+    assert d.take_load_errors() == set()  # reported once
+    assert time.monotonic() - started < POLL_S
+
+
+def test_silent_prefill_times_out_instead_of_hanging(workers: list[TransferWorker]) -> None:
+    port = free_port()
+    silent = socket.create_server(("127.0.0.1", port))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        silent.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(silent.accept()[0])  # accept, read nothing, answer nothing
+            except TimeoutError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        d, _ = start(workers, config("kv_consumer", port + 100, transfer=300), 0, 1, 2, seed=None)
+        d.submit(TransferJobs(recvs=[recv_job("hung", [1], [1], port)]))
+        assert wait_results(d, want_recv="hung").failed_recving == {"hung"}
+        assert d.take_load_errors() == {1}
+    finally:
+        stop.set()
+        t.join(2)
+        silent.close()
+        for s in accepted:
+            s.close()
+
+
+def test_prefill_frees_blocks_of_a_decode_that_never_comes(workers: list[TransferWorker]) -> None:
+    clock = Clock()
+    port = free_port()
+    p, _ = start(
+        workers, config("kv_producer", port, hold=5000, transfer=500), 0, 1, 2, seed=1, clock=clock
+    )
+    p.submit(TransferJobs(holds=[HoldJob("p-gone", (1, 2))]))
+    assert p.results().finished_sending == set()
+    clock.now += 4.9
+    assert p.results().finished_sending == set()
+    clock.now += 0.2
+    assert p.results().finished_sending == {"p-gone"}
+    assert p.num_held == 0
+    assert p.results().finished_sending == set()  # reported once
+    # a decode arriving after that is refused (the blocks belong to someone else now)
+    d, _ = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
+    d.submit(TransferJobs(recvs=[recv_job("gone", [0, 1], [1, 2], port)]))
+    assert wait_results(d, want_recv="gone").failed_recving == {"gone"}
+
+
+def test_release_frees_without_a_transfer(workers: list[TransferWorker]) -> None:
+    port = free_port()
+    p, _ = start(workers, config("kv_producer", port), 0, 1, 2, seed=1)
+    d, _ = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
+    p.submit(TransferJobs(holds=[HoldJob("p-rel", (0,))]))
+    d.submit(TransferJobs(releases=[ReleaseJob("rel", "p-rel", "127.0.0.1", port, 1)]))
+    assert "p-rel" in wait_results(p, want_send="p-rel").finished_sending
+    assert d.results().finished_recving == set()  # a release is not a load
+
+
+@pytest.mark.parametrize("case", ["blocks", "tp", "group"])
+def test_prefill_refuses_bad_pulls(workers: list[TransferWorker], case: str) -> None:
+    port = free_port()
+    p, _ = start(workers, config("kv_producer", port), 0, 1, 2, seed=1)
+    d_cfg = config("kv_consumer", port + 100)
+    d_tp = 1
+    if case == "group":
+        d_cfg = TransferConfig("kv_consumer", port + 100, "group-b", PeerTopology(1, 1))
+    if case == "tp":
+        d_tp = 2  # P's config says the decode runs tp 1
+    d, _ = start(workers, d_cfg, 0, d_tp, 2, seed=None)
+    p.submit(TransferJobs(holds=[HoldJob("p-bad", (1, 2))]))
+    remote = [1, 3] if case == "blocks" else [1, 2]
+    d.submit(TransferJobs(recvs=[recv_job("bad", [0, 1], remote, port)]))
+    assert wait_results(d, want_recv="bad").failed_recving == {"bad"}
+    assert p.num_held == 1  # the request stays held for the right decode
+
+
+def test_caches_must_match_the_rank_layout(workers: list[TransferWorker]) -> None:
+    from kvpool.errors import ConfigError
+
+    worker = TransferWorker(config("kv_consumer", free_port()), RankInfo(0, 2, 0, 8))
+    workers.append(worker)
+    with pytest.raises(ConfigError, match="should hold 4"):
+        worker.register(caches(2, None)[0])
