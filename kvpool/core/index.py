@@ -1,0 +1,562 @@
+"""The object index: where every object lives, who may read it, and what to evict.
+
+Object life cycle::
+
+    put_start ──> PENDING ──put_end──> READY ──evict / remove / client expiry──> gone
+                     │                   │
+                     └─put_revoke / writer lease expiry──> gone (space reclaimed)
+                                         └─(offload) demote: memory extent -> SSD extent
+
+Invariants (tested per transition and by property tests over random operation sequences):
+- a PENDING object is invisible: ``exists``, ``prefix_lookup`` and ``get`` see READY only;
+- every object holds exactly one live extent in a registered segment, and a segment's used
+  bytes equal the sum of its objects' sizes (``check()`` asserts this);
+- an object with an unexpired read lease or pin is never evicted, demoted or removed;
+- probes (``exists``, ``prefix_lookup``) never take or renew a lease;
+- after an eviction round a tier is at or below its high watermark, unless every object
+  left in it is leased, pinned or pending;
+- a put that needs space evicts inline; it fails with NoSpace only when nothing evictable
+  is left that would make room.
+
+Demotion (``enable_offload``): evicting a memory object whose owner also contributes an SSD
+segment moves it there instead of dropping it.  The move is logical at once (the object's
+location is the SSD extent and the memory extent is free) and the index returns a
+:class:`Demote` effect that the caller must carry out, copying the bytes, before it hands
+out any later reservation; if the copy fails the caller reports ``demote_failed`` and the
+object is dropped.  Readers verify checksums end to end, so a copy that was overtaken is a
+miss, never wrong bytes.
+
+Time is a parameter (``now_ms``); the index never reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.core.eviction import EvictionPolicy, make_policy
+from kvpool.core.registry import Registry, Segment, Tier
+from kvpool.core.space import Extent
+from kvpool.errors import (
+    NoSpace,
+    ObjectBusy,
+    ObjectNotFound,
+    StaleWrite,
+    WriteConflict,
+)
+
+__all__ = [
+    "Demote",
+    "Dropped",
+    "Event",
+    "IndexConfig",
+    "IndexStats",
+    "Location",
+    "ObjectIndex",
+    "ReadGrant",
+    "Reservation",
+    "State",
+]
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    READY = "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    high_watermark: float = 0.9
+    eviction_ratio: float = 0.1
+    lease_ttl_ms: int = 11_000
+    writer_ttl_ms: int = 30_000
+    client_ttl_ms: int = 120_000
+    enable_offload: bool = False
+    policy: str = "default"
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.high_watermark <= 1.0:
+            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
+        if not 0.0 < self.eviction_ratio <= 1.0:
+            raise ValueError(f"eviction_ratio must be in (0, 1], got {self.eviction_ratio}")
+        for name in ("lease_ttl_ms", "writer_ttl_ms", "client_ttl_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    segment_id: str
+    client_id: str
+    tier: Tier
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Where a writer must put the bytes before calling put_end."""
+
+    key: str
+    location: Location
+    writer_expiry_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadGrant:
+    key: str
+    location: Location
+    checksum: int
+    lease_expiry_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """An object left the index; ``reason`` is evicted, removed, expired_client, revoked,
+    writer_expired or demote_failed."""
+
+    key: str
+    tier: Tier
+    reason: str
+    client_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Demote:
+    """Copy ``src`` (memory) to ``dst`` (SSD) now; the index already points at ``dst``."""
+
+    key: str
+    src: Location
+    dst: Location
+    checksum: int
+
+
+Event = Dropped | Demote
+
+
+@dataclass(slots=True)
+class IndexStats:
+    evictions: int = 0
+    demotions: int = 0
+    demote_failures: int = 0
+    expired_leases: int = 0
+    revoked_writes: int = 0
+    put_failures_no_space: int = 0
+
+
+@dataclass(slots=True)
+class _Object:
+    key: str
+    state: State
+    segment: Segment
+    extent: Extent
+    parent: str | None
+    writer: str
+    writer_expiry_ms: int
+    checksum: int = 0
+    holds: dict[str, int] = field(default_factory=dict)  # owner -> expiry (leases and pins)
+
+    def location(self) -> Location:
+        s = self.segment
+        return Location(s.segment_id, s.client_id, s.tier, self.extent.offset, self.extent.length)
+
+    def held(self, now_ms: int) -> bool:
+        return any(exp > now_ms for exp in self.holds.values())
+
+
+class ObjectIndex:
+    """All objects of the pool, their placement, leases, pins and eviction order."""
+
+    def __init__(self, config: IndexConfig | None = None) -> None:
+        self.config = config or IndexConfig()
+        self.registry = Registry(self.config.client_ttl_ms)
+        self.stats = IndexStats()
+        self._objects: dict[str, _Object] = {}
+        self._policies: dict[Tier, EvictionPolicy[Any]] = {
+            t: make_policy(self.config.policy) for t in Tier
+        }
+        self._owner_keys: dict[str, set[str]] = {}
+        self._hold_heap: list[tuple[int, str, str]] = []  # (expiry, key, owner), lazy
+        self._writer_heap: list[tuple[int, str, str]] = []  # (expiry, key, writer), lazy
+        self._now = 0
+
+    # ----------------------------------------------------------------- clients, segments
+    def register_client(self, client_id: str, now_ms: int, address: str = "") -> bool:
+        self._now = max(self._now, now_ms)
+        return self.registry.register(client_id, now_ms, address)
+
+    def heartbeat(self, client_id: str, now_ms: int) -> None:
+        self._now = max(self._now, now_ms)
+        self.registry.heartbeat(client_id, now_ms)
+
+    def add_segment(
+        self, client_id: str, segment_id: str, capacity: int, tier: Tier = Tier.MEMORY
+    ) -> None:
+        self.registry.add_segment(client_id, segment_id, capacity, tier)
+
+    def remove_client(self, client_id: str, reason: str = "expired_client") -> list[Event]:
+        """Drop a client, its segments and every object in them at once."""
+        segments = {s.segment_id for s in self.registry.drop(client_id)}
+        gone = [o for o in self._objects.values() if o.segment.segment_id in segments]
+        return [self._drop(o, reason, release_space=False) for o in gone]
+
+    # ----------------------------------------------------------------------------- writes
+    def put_start(
+        self, key: str, size: int, writer: str, now_ms: int, parent: str | None = None
+    ) -> tuple[Reservation | None, list[Event]]:
+        """Reserve ``size`` bytes for ``key``.
+
+        Returns ``(None, [])`` when the key is already READY: a duplicate put is a no-op.
+        The events are inline evictions and demotions made to find room.
+        Raises WriteConflict when another writer holds the key PENDING, NoSpace when no
+        room can be made.
+        """
+        self._now = max(self._now, now_ms)
+        if size <= 0:
+            raise ValueError(f"object size must be positive, got {size}")
+        obj = self._objects.get(key)
+        if obj is not None:
+            if obj.state is State.READY:
+                return None, []
+            if obj.writer != writer and obj.writer_expiry_ms > now_ms:
+                raise WriteConflict(f"{key} is being written by {obj.writer}")
+            self._drop(obj, "revoked")  # our own retry, or an expired writer
+        events: list[Event] = []
+        placed = self._allocate(Tier.MEMORY, size, now_ms, events)
+        if placed is None:
+            self.stats.put_failures_no_space += 1
+            raise NoSpace(
+                f"no memory segment can hold {size} bytes: every object is leased, pinned "
+                "or being written (or the object is larger than any segment)"
+            )
+        seg, extent = placed
+        expiry = now_ms + self.config.writer_ttl_ms
+        obj = _Object(key, State.PENDING, seg, extent, parent, writer, expiry)
+        self._objects[key] = obj
+        heapq.heappush(self._writer_heap, (expiry, key, writer))
+        return Reservation(key, obj.location(), expiry), events
+
+    def put_end(self, key: str, writer: str, now_ms: int, checksum: int = 0) -> None:
+        """Make a written object visible."""
+        self._now = max(self._now, now_ms)
+        obj = self._pending_of(key, writer)
+        obj.state = State.READY
+        obj.checksum = checksum
+        self._policies[obj.segment.tier].on_insert(key, obj.parent)
+
+    def put_revoke(self, key: str, writer: str) -> None:
+        """Abandon a reservation; its space is free again."""
+        self._drop(self._pending_of(key, writer), "revoked")
+
+    def restore(
+        self,
+        key: str,
+        segment_id: str,
+        offset: int,
+        size: int,
+        checksum: int,
+        now_ms: int,
+        parent: str | None = None,
+    ) -> bool:
+        """Re-announce a READY object a node still holds (after a master restart).
+
+        False when the key is already known or the extent is not free: the node then drops
+        its copy, since the index is the one truth about what is readable.
+        """
+        self._now = max(self._now, now_ms)
+        seg = self.registry.segment(segment_id)
+        extent = Extent(offset, size)
+        if key in self._objects or not seg.space.take(extent):
+            return False
+        self._objects[key] = _Object(key, State.READY, seg, extent, parent, "", 0, checksum)
+        self._policies[seg.tier].on_insert(key, parent)
+        return True
+
+    # ------------------------------------------------------------------------------ reads
+    def exists(self, key: str) -> bool:
+        """Probe without a lease (probes renewing leases blocked eviction in peer projects)."""
+        obj = self._objects.get(key)
+        return obj is not None and obj.state is State.READY
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        """How many leading keys are READY; takes no lease."""
+        objects = self._objects
+        n = 0
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or obj.state is not State.READY:
+                break
+            n += 1
+        return n
+
+    def get(self, key: str, owner: str, now_ms: int) -> ReadGrant:
+        """Grant a read lease of ``lease_ttl_ms`` on a READY object."""
+        self._now = max(self._now, now_ms)
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not State.READY:
+            raise ObjectNotFound(key)
+        expiry = self._hold(obj, owner, now_ms + self.config.lease_ttl_ms)
+        self._policies[obj.segment.tier].on_access(key)
+        return ReadGrant(key, obj.location(), obj.checksum, expiry)
+
+    def pin(self, key: str, owner: str, now_ms: int, ttl_ms: int) -> None:
+        """Hold an object for ``ttl_ms`` (e.g. until a decode pulled it); owner-released."""
+        self._now = max(self._now, now_ms)
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not State.READY:
+            raise ObjectNotFound(key)
+        self._hold(obj, owner, now_ms + ttl_ms)
+
+    def release(self, key: str, owner: str) -> None:
+        obj = self._objects.get(key)
+        if obj is not None:
+            obj.holds.pop(owner, None)
+        keys = self._owner_keys.get(owner)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._owner_keys[owner]
+
+    def release_owner(self, owner: str) -> int:
+        """Drop every lease and pin of ``owner`` (an aborted or finished request)."""
+        keys = self._owner_keys.pop(owner, set())
+        for key in keys:
+            obj = self._objects.get(key)
+            if obj is not None:
+                obj.holds.pop(owner, None)
+        return len(keys)
+
+    def remove(self, key: str, now_ms: int) -> Event:
+        self._now = max(self._now, now_ms)
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not State.READY:
+            raise ObjectNotFound(key)
+        if obj.held(now_ms):
+            raise ObjectBusy(f"{key} is leased or pinned")
+        return self._drop(obj, "removed")
+
+    # -------------------------------------------------------------------------- time, eviction
+    def tick(self, now_ms: int) -> list[Event]:
+        """Expire leases, writers and clients, then run watermark eviction rounds."""
+        self._now = max(self._now, now_ms)
+        events: list[Event] = []
+        self._expire_holds(now_ms)
+        self._expire_writers(now_ms, events)
+        for client_id in self.registry.expired(now_ms):
+            events.extend(self.remove_client(client_id))
+        for tier in Tier:
+            events.extend(self.eviction_round(tier, now_ms))
+        return events
+
+    def eviction_round(self, tier: Tier, now_ms: int) -> list[Event]:
+        """If the tier is at or above its high watermark, evict ``eviction_ratio`` of its
+        evictable objects, and more if needed to get back under the watermark."""
+        capacity, used = self.usage(tier)
+        limit = self.config.high_watermark * capacity
+        if capacity == 0 or used < limit:
+            return []
+        policy = self._policies[tier]
+        evictable = self._evictable_count(tier, now_ms)
+        want = max(1, math.ceil(self.config.eviction_ratio * evictable))
+        events: list[Event] = []
+        evicted = 0
+        while True:
+            victims = policy.choose_victims(
+                max(want - evicted, 16), lambda k: self._can_evict(k, now_ms)
+            )
+            if not victims:
+                break
+            for key in victims:
+                self._evict(self._objects[key], now_ms, events)
+                evicted += 1
+                if evicted >= want and self.usage(tier)[1] < limit:
+                    return events
+        return events
+
+    def usage(self, tier: Tier) -> tuple[int, int]:
+        """(capacity, used) bytes over every segment of a tier."""
+        segs = self.registry.tier_segments(tier)
+        return sum(s.capacity for s in segs), sum(s.space.used for s in segs)
+
+    def demote_failed(self, key: str) -> None:
+        """The copy of a Demote effect failed: the object is gone."""
+        obj = self._objects.get(key)
+        if obj is not None:
+            self.stats.demote_failures += 1
+            self._drop(obj, "demote_failed")
+
+    # --------------------------------------------------------------------- introspection
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def count(self, tier: Tier | None = None, state: State = State.READY) -> int:
+        return sum(
+            1
+            for o in self._objects.values()
+            if o.state is state and (tier is None or o.segment.tier is tier)
+        )
+
+    def active_leases(self, now_ms: int) -> int:
+        return sum(1 for o in self._objects.values() for e in o.holds.values() if e > now_ms)
+
+    def location_of(self, key: str) -> Location | None:
+        obj = self._objects.get(key)
+        return obj.location() if obj is not None else None
+
+    def state_of(self, key: str) -> State | None:
+        obj = self._objects.get(key)
+        return obj.state if obj is not None else None
+
+    def check(self) -> None:
+        """Assert the module's invariants (used by tests)."""
+        per_segment: dict[str, int] = {}
+        for obj in self._objects.values():
+            seg = obj.segment
+            assert self.registry.segments.get(seg.segment_id) is seg, f"{obj.key}: dead segment"
+            per_segment[seg.segment_id] = per_segment.get(seg.segment_id, 0) + obj.extent.length
+        for seg in self.registry.segments.values():
+            seg.space.check()
+            assert seg.space.used == per_segment.get(seg.segment_id, 0), seg.segment_id
+            live = {(e.offset, e.length) for e in seg.space.live_extents()}
+            mine = {
+                (o.extent.offset, o.extent.length)
+                for o in self._objects.values()
+                if o.segment is seg
+            }
+            assert live == mine, f"{seg.segment_id}: extents and objects disagree"
+
+    # --------------------------------------------------------------------------- internals
+    def _pending_of(self, key: str, writer: str) -> _Object:
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not State.PENDING or obj.writer != writer:
+            raise StaleWrite(f"no pending write of {key} by {writer} (expired or revoked?)")
+        return obj
+
+    def _hold(self, obj: _Object, owner: str, expiry: int) -> int:
+        expiry = max(expiry, obj.holds.get(owner, 0))
+        obj.holds[owner] = expiry
+        self._owner_keys.setdefault(owner, set()).add(obj.key)
+        heapq.heappush(self._hold_heap, (expiry, obj.key, owner))
+        return expiry
+
+    def _can_evict(self, key: str, now_ms: int) -> bool:
+        obj = self._objects.get(key)
+        return obj is not None and obj.state is State.READY and not obj.held(now_ms)
+
+    def _evictable_count(self, tier: Tier, now_ms: int) -> int:
+        return sum(
+            1
+            for o in self._objects.values()
+            if o.segment.tier is tier and o.state is State.READY and not o.held(now_ms)
+        )
+
+    def _allocate(
+        self, tier: Tier, size: int, now_ms: int, events: list[Event]
+    ) -> tuple[Segment, Extent] | None:
+        """Find room in ``tier``, evicting inline (best victims first) while that helps."""
+        segments = self.registry.tier_segments(tier)
+        if not any(s.capacity >= size for s in segments):
+            return None
+        policy = self._policies[tier]
+        while True:
+            placed = self._fit(segments, size)
+            if placed is not None:
+                return placed
+            victims = policy.choose_victims(8, lambda k: self._can_evict(k, now_ms))
+            if not victims:
+                return None
+            for key in victims:
+                self._evict(self._objects[key], now_ms, events)
+                placed = self._fit(segments, size)
+                if placed is not None:
+                    return placed
+
+    @staticmethod
+    def _fit(segments: list[Segment], size: int) -> tuple[Segment, Extent] | None:
+        """Allocate in the segment with the most free space that has a large enough hole."""
+        for seg in sorted(segments, key=lambda s: s.space.free, reverse=True):
+            if seg.space.free >= size:
+                extent = seg.space.allocate(size)
+                if extent is not None:
+                    return seg, extent
+        return None
+
+    def _evict(self, obj: _Object, now_ms: int, events: list[Event]) -> None:
+        tier = obj.segment.tier
+        if tier is Tier.MEMORY and self.config.enable_offload:
+            dst = self._ssd_room(obj, now_ms, events)
+            if dst is not None:
+                seg, extent = dst
+                src = obj.location()
+                self._policies[tier].on_remove(obj.key)
+                obj.segment.space.release(obj.extent)
+                obj.segment, obj.extent = seg, extent
+                self._policies[Tier.SSD].on_insert(obj.key, obj.parent)
+                self.stats.demotions += 1
+                events.append(Demote(obj.key, src, obj.location(), obj.checksum))
+                return
+        self.stats.evictions += 1
+        events.append(self._drop(obj, "evicted"))
+
+    def _ssd_room(
+        self, obj: _Object, now_ms: int, events: list[Event]
+    ) -> tuple[Segment, Extent] | None:
+        """An SSD extent on the same client as ``obj`` (it copies the bytes locally)."""
+        owner = obj.segment.client_id
+        ssd = [s for s in self.registry.tier_segments(Tier.SSD) if s.client_id == owner]
+        for seg in ssd:
+            while True:
+                extent = seg.space.allocate(obj.extent.length)
+                if extent is not None:
+                    return seg, extent
+                victims = self._policies[Tier.SSD].choose_victims(
+                    4,
+                    lambda k: self._can_evict(k, now_ms) and self._objects[k].segment is seg,
+                )
+                if not victims:
+                    break
+                for key in victims:
+                    self.stats.evictions += 1
+                    events.append(self._drop(self._objects[key], "evicted"))
+        return None
+
+    def _drop(self, obj: _Object, reason: str, release_space: bool = True) -> Dropped:
+        del self._objects[obj.key]
+        if release_space:
+            obj.segment.space.release(obj.extent)
+        if obj.state is State.READY:
+            self._policies[obj.segment.tier].on_remove(obj.key)
+        for owner in obj.holds:
+            keys = self._owner_keys.get(owner)
+            if keys is not None:
+                keys.discard(obj.key)
+                if not keys:
+                    del self._owner_keys[owner]
+        return Dropped(obj.key, obj.segment.tier, reason, obj.segment.client_id)
+
+    def _expire_holds(self, now_ms: int) -> None:
+        heap = self._hold_heap
+        while heap and heap[0][0] <= now_ms:
+            expiry, key, owner = heapq.heappop(heap)
+            obj = self._objects.get(key)
+            if obj is not None and obj.holds.get(owner) == expiry:
+                self.stats.expired_leases += 1
+                self.release(key, owner)
+
+    def _expire_writers(self, now_ms: int, events: list[Event]) -> None:
+        heap = self._writer_heap
+        while heap and heap[0][0] <= now_ms:
+            expiry, key, writer = heapq.heappop(heap)
+            obj = self._objects.get(key)
+            if (
+                obj is not None
+                and obj.state is State.PENDING
+                and obj.writer == writer
+                and obj.writer_expiry_ms == expiry
+            ):
+                self.stats.revoked_writes += 1
+                events.append(self._drop(obj, "writer_expired"))

@@ -1,0 +1,107 @@
+"""Clients and the segments they contribute.
+
+Invariants:
+- every segment belongs to exactly one registered client;
+- a client is live while ``now < last_seen + client_ttl``; the index drops an expired
+  client's segments (and the objects in them) in the same tick that notices the expiry;
+- segment ids are unique across clients.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvpool.core.space import ExtentAllocator
+from kvpool.errors import PoolError, UnknownClient, UnknownSegment
+
+__all__ = ["ClientInfo", "Registry", "Segment", "Tier"]
+
+
+class Tier(enum.Enum):
+    MEMORY = "memory"
+    SSD = "ssd"
+
+
+@dataclass(slots=True)
+class Segment:
+    segment_id: str
+    client_id: str
+    tier: Tier
+    space: ExtentAllocator
+
+    @property
+    def capacity(self) -> int:
+        return self.space.capacity
+
+
+@dataclass(slots=True)
+class ClientInfo:
+    client_id: str
+    registered_ms: int
+    last_seen_ms: int
+    address: str = ""
+    segment_ids: list[str] = field(default_factory=list)
+
+
+class Registry:
+    """Who is connected, since when, and which segments each one contributes."""
+
+    def __init__(self, client_ttl_ms: int) -> None:
+        self.client_ttl_ms = client_ttl_ms
+        self.clients: dict[str, ClientInfo] = {}
+        self.segments: dict[str, Segment] = {}
+
+    def register(self, client_id: str, now_ms: int, address: str = "") -> bool:
+        """Register or refresh; True when the client was not known (new or re-registering)."""
+        info = self.clients.get(client_id)
+        if info is None:
+            self.clients[client_id] = ClientInfo(client_id, now_ms, now_ms, address)
+            return True
+        info.last_seen_ms = now_ms
+        if address:
+            info.address = address
+        return False
+
+    def heartbeat(self, client_id: str, now_ms: int) -> None:
+        info = self.clients.get(client_id)
+        if info is None:
+            raise UnknownClient(f"client {client_id!r} is not registered; register again")
+        info.last_seen_ms = now_ms
+
+    def add_segment(self, client_id: str, segment_id: str, capacity: int, tier: Tier) -> Segment:
+        info = self.clients.get(client_id)
+        if info is None:
+            raise UnknownClient(f"client {client_id!r} is not registered; register first")
+        if segment_id in self.segments:
+            seg = self.segments[segment_id]
+            if seg.client_id == client_id and seg.capacity == capacity and seg.tier == tier:
+                return seg  # re-adding the same segment is harmless
+            raise PoolError(f"segment id {segment_id!r} is already registered")
+        seg = Segment(segment_id, client_id, tier, ExtentAllocator(capacity))
+        self.segments[segment_id] = seg
+        info.segment_ids.append(segment_id)
+        return seg
+
+    def segment(self, segment_id: str) -> Segment:
+        seg = self.segments.get(segment_id)
+        if seg is None:
+            raise UnknownSegment(f"segment {segment_id!r} is not registered")
+        return seg
+
+    def expired(self, now_ms: int) -> list[str]:
+        return [
+            c.client_id
+            for c in self.clients.values()
+            if now_ms >= c.last_seen_ms + self.client_ttl_ms
+        ]
+
+    def drop(self, client_id: str) -> list[Segment]:
+        """Forget a client; returns its segments (the caller drops their objects)."""
+        info = self.clients.pop(client_id, None)
+        if info is None:
+            return []
+        return [self.segments.pop(s) for s in info.segment_ids if s in self.segments]
+
+    def tier_segments(self, tier: Tier) -> list[Segment]:
+        return [s for s in self.segments.values() if s.tier is tier]

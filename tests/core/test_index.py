@@ -1,0 +1,314 @@
+from __future__ import annotations
+
+import pytest
+
+from kvpool.core.index import Demote, Dropped, IndexConfig, ObjectIndex, State
+from kvpool.core.registry import Tier
+from kvpool.errors import (
+    NoSpace,
+    ObjectBusy,
+    ObjectNotFound,
+    StaleWrite,
+    UnknownClient,
+    WriteConflict,
+)
+
+
+def make(capacity: int = 100, **cfg: object) -> ObjectIndex:
+    idx = ObjectIndex(IndexConfig(policy="lru", **cfg))  # type: ignore[arg-type]
+    idx.register_client("node", 0)
+    idx.add_segment("node", "node/mem", capacity)
+    return idx
+
+
+def put(
+    idx: ObjectIndex, key: str, size: int = 10, now: int = 0, parent: str | None = None
+) -> None:
+    res, _ = idx.put_start(key, size, "w", now, parent)
+    assert res is not None
+    idx.put_end(key, "w", now, checksum=7)
+
+
+# ------------------------------------------------------------------ two-phase writes
+def test_pending_object_is_invisible_until_put_end() -> None:
+    idx = make()
+    res, events = idx.put_start("k", 10, "w", 0)
+    assert res is not None and events == []
+    assert res.location.segment_id == "node/mem" and res.location.size == 10
+    assert not idx.exists("k")
+    assert idx.prefix_lookup(["k"]) == 0
+    with pytest.raises(ObjectNotFound):
+        idx.get("k", "r", 0)
+    idx.put_end("k", "w", 1, checksum=42)
+    assert idx.exists("k")
+    assert idx.get("k", "r", 1).checksum == 42
+
+
+def test_put_revoke_reclaims_space() -> None:
+    idx = make()
+    idx.put_start("k", 60, "w", 0)
+    idx.put_revoke("k", "w")
+    assert idx.usage(Tier.MEMORY) == (100, 0)
+    assert idx.state_of("k") is None
+    with pytest.raises(StaleWrite):
+        idx.put_end("k", "w", 0)
+
+
+def test_writer_lease_expiry_reclaims_a_stuck_write() -> None:
+    idx = make(writer_ttl_ms=1000)
+    idx.put_start("k", 60, "w", 0)
+    assert idx.tick(999) == []
+    events = idx.tick(1000)
+    assert events == [Dropped("k", Tier.MEMORY, "writer_expired", "node")]
+    assert idx.usage(Tier.MEMORY)[1] == 0
+    with pytest.raises(StaleWrite):
+        idx.put_end("k", "w", 1001)
+
+
+def test_duplicate_put_of_a_ready_key_is_a_no_op() -> None:
+    idx = make()
+    put(idx, "k")
+    res, events = idx.put_start("k", 10, "other", 5)
+    assert res is None and events == []
+    assert idx.usage(Tier.MEMORY)[1] == 10
+
+
+def test_concurrent_writers_of_one_key_conflict_until_the_first_expires() -> None:
+    idx = make(writer_ttl_ms=1000)
+    idx.put_start("k", 10, "w1", 0)
+    with pytest.raises(WriteConflict):
+        idx.put_start("k", 10, "w2", 10)
+    res, _ = idx.put_start("k", 10, "w2", 1000)  # w1's reservation expired
+    assert res is not None
+    with pytest.raises(StaleWrite):
+        idx.put_end("k", "w1", 1001)
+    idx.put_end("k", "w2", 1001)
+    idx.check()
+
+
+def test_same_writer_retrying_a_put_start_replaces_its_reservation() -> None:
+    idx = make()
+    idx.put_start("k", 10, "w", 0)
+    res, _ = idx.put_start("k", 20, "w", 1)
+    assert res is not None and res.location.size == 20
+    assert idx.usage(Tier.MEMORY)[1] == 20
+    idx.check()
+
+
+# ------------------------------------------------------------------------- lookups
+def test_prefix_lookup_counts_leading_ready_keys() -> None:
+    idx = make()
+    for k in ("a", "b", "d"):
+        put(idx, k)
+    assert idx.prefix_lookup(["a", "b", "c", "d"]) == 2
+    assert idx.prefix_lookup(["x", "a"]) == 0
+    assert idx.prefix_lookup([]) == 0
+
+
+def test_probes_take_no_lease() -> None:
+    idx = make()
+    put(idx, "k")
+    idx.exists("k")
+    idx.prefix_lookup(["k"])
+    assert idx.active_leases(0) == 0
+    idx.remove("k", 0)  # would raise ObjectBusy if a probe had leased it
+
+
+# ------------------------------------------------------------------ leases and pins
+def test_read_lease_blocks_removal_until_it_expires() -> None:
+    idx = make(lease_ttl_ms=1000)
+    put(idx, "k")
+    grant = idx.get("k", "reader", 0)
+    assert grant.lease_expiry_ms == 1000
+    with pytest.raises(ObjectBusy):
+        idx.remove("k", 500)
+    idx.tick(1000)
+    assert idx.active_leases(1000) == 0
+    assert idx.remove("k", 1000) == Dropped("k", Tier.MEMORY, "removed", "node")
+
+
+def test_release_and_release_owner_drop_holds() -> None:
+    idx = make()
+    put(idx, "a")
+    put(idx, "b")
+    idx.get("a", "req1", 0)
+    idx.pin("b", "req1", 0, ttl_ms=60_000)
+    idx.get("b", "req2", 0)
+    assert idx.release_owner("req1") == 2
+    idx.remove("a", 1)
+    with pytest.raises(ObjectBusy):
+        idx.remove("b", 1)  # req2 still reads it
+    idx.release("b", "req2")
+    idx.remove("b", 1)
+
+
+def test_pin_expires() -> None:
+    idx = make()
+    put(idx, "k")
+    idx.pin("k", "decode", 0, ttl_ms=500)
+    with pytest.raises(ObjectBusy):
+        idx.remove("k", 100)
+    idx.tick(500)
+    idx.remove("k", 500)
+
+
+def test_renewing_a_lease_keeps_the_later_expiry() -> None:
+    idx = make(lease_ttl_ms=1000)
+    put(idx, "k")
+    idx.get("k", "r", 0)
+    idx.get("k", "r", 800)
+    idx.tick(1000)  # the first expiry passes; the renewal still holds
+    with pytest.raises(ObjectBusy):
+        idx.remove("k", 1000)
+
+
+# ------------------------------------------------------------------------ eviction
+def test_put_into_a_full_pool_evicts_inline_in_lru_order() -> None:
+    idx = make(capacity=30)
+    for k in ("a", "b", "c"):
+        put(idx, k)
+    idx.get("a", "r", 1)
+    idx.release("a", "r")
+    res, events = idx.put_start("d", 10, "w", 2)
+    assert res is not None
+    assert events == [Dropped("b", Tier.MEMORY, "evicted", "node")]
+    assert idx.stats.evictions == 1
+
+
+def test_put_fails_with_no_space_when_everything_is_leased_then_recovers() -> None:
+    idx = make(capacity=20, lease_ttl_ms=1000)
+    put(idx, "a")
+    put(idx, "b")
+    idx.get("a", "r", 0)
+    idx.get("b", "r", 0)
+    with pytest.raises(NoSpace):
+        idx.put_start("c", 10, "w", 10)
+    assert idx.stats.put_failures_no_space == 1
+    assert idx.exists("a") and idx.exists("b")
+    # the leases ran out at 1000: no tick is needed for them to stop protecting
+    res, events = idx.put_start("c", 10, "w", 1000)
+    assert res is not None and len(events) == 1
+
+
+def test_object_larger_than_any_segment_is_no_space() -> None:
+    idx = make(capacity=10)
+    with pytest.raises(NoSpace):
+        idx.put_start("big", 11, "w", 0)
+
+
+def test_put_with_no_segment_is_no_space() -> None:
+    idx = ObjectIndex()
+    with pytest.raises(NoSpace):
+        idx.put_start("k", 1, "w", 0)
+
+
+def test_watermark_round_evicts_ratio_and_gets_under_the_watermark() -> None:
+    idx = make(capacity=100, high_watermark=0.5, eviction_ratio=0.2)
+    for i in range(4):
+        put(idx, f"k{i}")
+    assert idx.tick(1) == []  # 40% < 50%
+    put(idx, "k4")
+    put(idx, "k5")  # 60%
+    events = idx.tick(2)
+    assert [e.key for e in events] == ["k0", "k1"]  # ceil(0.2 * 6) = 2, LRU first
+    capacity, used = idx.usage(Tier.MEMORY)
+    assert used < 0.5 * capacity
+
+
+def test_watermark_round_never_evicts_leased_objects() -> None:
+    idx = make(capacity=100, high_watermark=0.1, eviction_ratio=1.0)
+    for i in range(5):
+        put(idx, f"k{i}")
+    idx.get("k0", "r", 0)
+    idx.tick(1)
+    assert idx.exists("k0")
+    assert idx.count() == 1
+
+
+def test_invalid_config_is_refused() -> None:
+    with pytest.raises(ValueError, match="high_watermark"):
+        IndexConfig(high_watermark=1.5)
+    with pytest.raises(ValueError, match="eviction_ratio"):
+        IndexConfig(eviction_ratio=0)
+
+
+# ------------------------------------------------------------------------- offload
+def make_offload(mem: int = 30, ssd: int = 30) -> ObjectIndex:
+    idx = make(capacity=mem, enable_offload=True)
+    idx.add_segment("node", "node/ssd", ssd, Tier.SSD)
+    return idx
+
+
+def test_eviction_with_offload_demotes_to_ssd_instead_of_dropping() -> None:
+    idx = make_offload()
+    for k in ("a", "b", "c"):
+        put(idx, k)
+    res, events = idx.put_start("d", 10, "w", 1)
+    assert res is not None
+    assert len(events) == 1 and isinstance(events[0], Demote)
+    demote = events[0]
+    assert demote.key == "a" and demote.src.tier is Tier.MEMORY and demote.dst.tier is Tier.SSD
+    assert demote.checksum == 7
+    assert idx.exists("a")
+    assert idx.get("a", "r", 2).location == demote.dst
+    assert idx.stats.demotions == 1
+    idx.check()
+
+
+def test_full_ssd_evicts_its_own_oldest_and_failed_demotion_drops() -> None:
+    idx = make_offload(mem=10, ssd=10)
+    put(idx, "a")
+    _, ev1 = idx.put_start("b", 10, "w", 1)
+    idx.put_end("b", "w", 1)
+    assert isinstance(ev1[0], Demote)
+    _, ev2 = idx.put_start("c", 10, "w", 2)
+    assert ev2[0] == Dropped("a", Tier.SSD, "evicted", "node")
+    assert isinstance(ev2[1], Demote) and ev2[1].key == "b"
+    idx.demote_failed("b")
+    assert not idx.exists("b") and idx.stats.demote_failures == 1
+    idx.check()
+
+
+def test_offload_without_an_ssd_segment_drops() -> None:
+    idx = make(capacity=10, enable_offload=True)
+    put(idx, "a")
+    _, events = idx.put_start("b", 10, "w", 1)
+    assert events == [Dropped("a", Tier.MEMORY, "evicted", "node")]
+
+
+# ------------------------------------------------------------------------- clients
+def test_expired_client_takes_its_segments_and_objects_at_once() -> None:
+    idx = ObjectIndex(IndexConfig(client_ttl_ms=1000))
+    for c in ("n1", "n2"):
+        idx.register_client(c, 0)
+        idx.add_segment(c, f"{c}/mem", 100)
+    put(idx, "k1")
+    idx.heartbeat("n2", 900)
+    events = idx.tick(1000)
+    gone = {e.key for e in events}
+    held_by_n1 = idx.location_of("k1") is None
+    assert held_by_n1 == ("k1" in gone)
+    assert "n1" not in idx.registry.clients and "n2" in idx.registry.clients
+    with pytest.raises(UnknownClient):
+        idx.heartbeat("n1", 1001)
+    idx.check()
+
+
+def test_remove_client_drops_its_objects_even_if_leased() -> None:
+    idx = make()
+    put(idx, "k")
+    idx.get("k", "r", 0)
+    events = idx.remove_client("node", reason="transfer_failed")
+    assert events == [Dropped("k", Tier.MEMORY, "transfer_failed", "node")]
+    assert not idx.exists("k")
+    assert idx.release_owner("r") == 0
+
+
+def test_restore_re_announces_objects_after_a_master_restart() -> None:
+    idx = make()
+    assert idx.restore("k", "node/mem", 20, 10, 99, 0)
+    assert not idx.restore("k", "node/mem", 40, 10, 99, 0)  # already known
+    assert not idx.restore("j", "node/mem", 25, 10, 99, 0)  # overlaps k
+    assert idx.get("k", "r", 0).location.offset == 20
+    assert idx.state_of("k") is State.READY
+    idx.check()

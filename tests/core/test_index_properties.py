@@ -1,0 +1,142 @@
+"""Random operation sequences against the index, checking its invariants after every step."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvpool.core.index import Demote, Dropped, IndexConfig, ObjectIndex, State
+from kvpool.core.registry import Tier
+from kvpool.errors import KVPoolError, NoSpace
+
+KEYS = st.sampled_from([f"k{i}" for i in range(12)])
+OWNERS = st.sampled_from(["r1", "r2", "r3"])
+WRITERS = st.sampled_from(["w1", "w2"])
+SIZES = st.sampled_from([8, 16, 24])
+
+
+class IndexMachine(RuleBasedStateMachine):
+    @initialize(
+        policy=st.sampled_from(["lru", "default"]),
+        offload=st.booleans(),
+        watermark=st.sampled_from([0.5, 0.9, 1.0]),
+        ratio=st.sampled_from([0.1, 0.5]),
+    )
+    def setup(self, policy: str, offload: bool, watermark: float, ratio: float) -> None:
+        self.idx = ObjectIndex(
+            IndexConfig(
+                high_watermark=watermark,
+                eviction_ratio=ratio,
+                lease_ttl_ms=50,
+                writer_ttl_ms=80,
+                client_ttl_ms=10_000,
+                enable_offload=offload,
+                policy=policy,
+            )
+        )
+        self.now = 0
+        for node in ("n1", "n2"):
+            self.idx.register_client(node, 0)
+            self.idx.add_segment(node, f"{node}/mem", 64)
+            if offload:
+                self.idx.add_segment(node, f"{node}/ssd", 48, Tier.SSD)
+        self.leased: dict[str, int] = {}  # key -> latest lease expiry granted in the test
+
+    def _observe(self, events: list[Dropped | Demote]) -> None:
+        for e in events:
+            if isinstance(e, Dropped) and e.reason == "evicted":
+                # a leased object is never evicted
+                assert self.leased.get(e.key, -1) <= self.now, f"evicted leased {e.key}"
+                self.leased.pop(e.key, None)
+            if isinstance(e, Demote):
+                assert self.leased.get(e.key, -1) <= self.now, f"demoted leased {e.key}"
+
+    @rule(dt=st.integers(0, 40))
+    def advance(self, dt: int) -> None:
+        self.now += dt
+        self.idx.heartbeat("n1", self.now)
+        self.idx.heartbeat("n2", self.now)
+        self._observe(self.idx.tick(self.now))
+        for tier in Tier:
+            capacity, used = self.idx.usage(tier)
+            if capacity and used >= self.idx.config.high_watermark * capacity:
+                # still over: then nothing evictable may be left in the tier
+                assert self.idx._evictable_count(tier, self.now) == 0
+
+    @rule(key=KEYS, size=SIZES, writer=WRITERS, commit=st.booleans())
+    def put(self, key: str, size: int, writer: str, commit: bool) -> None:
+        try:
+            res, events = self.idx.put_start(key, size, writer, self.now)
+        except NoSpace:
+            return
+        except KVPoolError:
+            return
+        self._observe(events)
+        if res is not None and commit:
+            self.idx.put_end(key, writer, self.now)
+
+    @rule(key=KEYS, writer=WRITERS)
+    def finish(self, key: str, writer: str) -> None:
+        try:
+            self.idx.put_end(key, writer, self.now)
+        except KVPoolError:
+            pass
+
+    @rule(key=KEYS, writer=WRITERS)
+    def revoke(self, key: str, writer: str) -> None:
+        try:
+            self.idx.put_revoke(key, writer)
+        except KVPoolError:
+            pass
+
+    @rule(key=KEYS, owner=OWNERS)
+    def get(self, key: str, owner: str) -> None:
+        visible = self.idx.exists(key)
+        try:
+            grant = self.idx.get(key, owner, self.now)
+        except KVPoolError:
+            assert not visible
+            return
+        assert visible
+        self.leased[key] = max(self.leased.get(key, 0), grant.lease_expiry_ms)
+
+    @rule(owner=OWNERS)
+    def release_owner(self, owner: str) -> None:
+        self.idx.release_owner(owner)
+        # the test no longer knows who holds what precisely; forget conservatively
+        self.leased = {k: e for k, e in self.leased.items() if self.idx.location_of(k)}
+        for key in list(self.leased):
+            obj = self.idx._objects.get(key)
+            if obj is None or not obj.held(self.now):
+                del self.leased[key]
+
+    @rule(key=KEYS)
+    def remove(self, key: str) -> None:
+        try:
+            self.idx.remove(key, self.now)
+        except KVPoolError:
+            return
+        assert self.leased.get(key, -1) <= self.now, "removed a leased object"
+
+    @rule(keys=st.lists(KEYS, max_size=6))
+    def prefix(self, keys: list[str]) -> None:
+        leases_before = self.idx.active_leases(self.now)
+        n = self.idx.prefix_lookup(keys)
+        assert all(self.idx.exists(k) for k in keys[:n])
+        assert n == len(keys) or not self.idx.exists(keys[n])
+        assert self.idx.active_leases(self.now) == leases_before
+
+    @invariant()
+    def structure(self) -> None:
+        if not hasattr(self, "idx"):
+            return
+        self.idx.check()
+        for key in [f"k{i}" for i in range(12)]:
+            if self.idx.state_of(key) is State.PENDING:
+                assert not self.idx.exists(key)
+                assert self.idx.prefix_lookup([key]) == 0
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
