@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -447,6 +447,9 @@ class ObjectIndex:
         obj = self._objects.get(key)
         return obj is not None and obj.state is State.READY and not obj.held(now_ms)
 
+    def _evictable_in(self, seg: Segment, now_ms: int) -> Callable[[str], bool]:
+        return lambda k: self._can_evict(k, now_ms) and self._objects[k].segment is seg
+
     def _evictable_count(self, tier: Tier, now_ms: int) -> int:
         return sum(
             1
@@ -514,8 +517,7 @@ class ObjectIndex:
                 if extent is not None:
                     return seg, extent
                 victims = self._policies[Tier.SSD].choose_victims(
-                    4,
-                    lambda k: self._can_evict(k, now_ms) and self._objects[k].segment is seg,
+                    4, self._evictable_in(seg, now_ms)
                 )
                 if not victims:
                     break

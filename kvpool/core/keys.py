@@ -110,9 +110,7 @@ def chunk_keys(
         try:
             raw = fmt.pack(*chunk)
         except struct.error as exc:
-            raise ValueError(
-                f"token ids must be integers in [0, {_MAX_TOKEN_ID}]: {exc}"
-            ) from None
+            raise ValueError(f"token ids must be integers in [0, {_MAX_TOKEN_ID}]: {exc}") from None
         h = hashlib.blake2b(prev.digest, digest_size=KEY_BYTES, person=b"kvpool-chunk-v1")
         h.update(raw)
         prev = BlockKey(h.digest())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -78,17 +80,13 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(key=KEYS, writer=WRITERS)
     def finish(self, key: str, writer: str) -> None:
-        try:
+        with contextlib.suppress(KVPoolError):
             self.idx.put_end(key, writer, self.now)
-        except KVPoolError:
-            pass
 
     @rule(key=KEYS, writer=WRITERS)
     def revoke(self, key: str, writer: str) -> None:
-        try:
+        with contextlib.suppress(KVPoolError):
             self.idx.put_revoke(key, writer)
-        except KVPoolError:
-            pass
 
     @rule(key=KEYS, owner=OWNERS)
     def get(self, key: str, owner: str) -> None:

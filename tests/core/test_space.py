@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -77,5 +79,5 @@ def test_invariants_hold_over_random_allocations(ops: list[tuple[bool, int]]) ->
                 live.append(got)
         a.check()
         spans = sorted((e.offset, e.end) for e in live)
-        assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:], strict=False))
+        assert all(prev[1] <= nxt[0] for prev, nxt in itertools.pairwise(spans))
         assert a.used == sum(e.length for e in live)
