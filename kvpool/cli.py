@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
     parser.set_defaults(run=None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_doctor(sub)
+    _add_config(sub)
     _add_proxy(sub)
     return parser
 
@@ -135,3 +137,86 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     return run(args)
+
+
+def _add_doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check a node or a P/D pair against the seed's troubleshooting table and checklist",
+        description="One line per check (PASS/WARN/FAIL/SKIP) with the exact fix; exit 1 on FAIL.",
+    )
+    p.add_argument(
+        "--config", help="node config file (default: KVPOOL_CONFIG_PATH, MOONCAKE_CONFIG_PATH)"
+    )
+    p.add_argument(
+        "--kv-transfer-config",
+        help="this node's --kv-transfer-config: JSON, a file, or a whole vLLM command line",
+    )
+    p.add_argument("--vllm-cmd", help='this node\'s "vllm serve ... --kv-transfer-config ..." line')
+    p.add_argument("--prefill-config", help="the prefill side's config (JSON, file or command)")
+    p.add_argument("--decode-config", help="the decode side's config (JSON, file or command)")
+    p.add_argument("--model", help="the model directory (its config.json decides MLA)")
+    p.add_argument("--master", metavar="HOST:PORT", help="the master (default: from the config)")
+    p.add_argument(
+        "--master-cmd", help='the master\'s command line, e.g. "kvpool master --port ..."'
+    )
+    p.add_argument("--prefill-host", help="connect to the prefill kv_port there (seed: nc -zv)")
+    p.add_argument(
+        "--live", action="store_true", help="the instances are running: ports must be held"
+    )
+    p.add_argument(
+        "--separate-hosts",
+        action="store_true",
+        help="--prefill-config/--decode-config run on other hosts (skip same-host port checks)",
+    )
+    p.add_argument("--no-key-probe", action="store_true", help="skip the block-key subprocesses")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_run_doctor)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from kvpool.ops.doctor import DoctorOptions, run_cli
+
+    options = DoctorOptions(
+        config=args.config,
+        kv_transfer_config=args.kv_transfer_config,
+        vllm_cmd=args.vllm_cmd,
+        prefill_config=args.prefill_config,
+        decode_config=args.decode_config,
+        model=args.model,
+        master=args.master,
+        master_cmd=args.master_cmd,
+        prefill_host=args.prefill_host,
+        live=args.live,
+        separate_hosts=args.separate_hosts,
+        probe_keys=not args.no_key_probe,
+    )
+    return run_cli(options, as_json=args.json)
+
+
+def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("config", help="render or check node configs")
+    actions = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    render = actions.add_parser(
+        "render", help="per-node mooncake.json, --kv-transfer-config and commands from an inventory"
+    )
+    render.add_argument(
+        "inventory", help="inventory file (.toml or .json; see docs/configuration.md)"
+    )
+    render.add_argument("--out", required=True, help="output directory (one folder per host)")
+    render.set_defaults(run=_run_config_render)
+    check = actions.add_parser("check", help="validate a node config file and print it resolved")
+    check.add_argument("path", nargs="?", help="default: KVPOOL_CONFIG_PATH, MOONCAKE_CONFIG_PATH")
+    check.set_defaults(run=_run_config_check)
+
+
+def _run_config_render(args: argparse.Namespace) -> int:
+    from kvpool.ops.render import run_cli
+
+    return run_cli(args.inventory, args.out)
+
+
+def _run_config_check(args: argparse.Namespace) -> int:
+    from kvpool.ops.render import check_cli
+
+    return check_cli(args.path)

@@ -1,0 +1,463 @@
+"""Doctor checks over one node: its config file, the master, the environment, SSD, timeouts,
+ports and block keys (seed §3.3, §4, §5.1, §8.1, §8.3, §9).
+
+Pure: the facts are gathered by :mod:`kvpool.ops.probes` and passed in as values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool.config import (
+    CONFIG_PATH_VARS,
+    DEFAULT_MASTER_PORT,
+    MasterConfig,
+    NodeConfig,
+    Timeouts,
+)
+from kvpool.ops.checks import Check, fail, pass_, skip, warn
+
+__all__ = [
+    "ConfigFileFacts",
+    "MasterFacts",
+    "PortFacts",
+    "SsdFacts",
+    "check_config_file",
+    "check_hashseed",
+    "check_key_agreement",
+    "check_local_hostname",
+    "check_master",
+    "check_master_address",
+    "check_master_flags",
+    "check_peer_reachable",
+    "check_ports",
+    "check_ssd",
+    "check_timeouts",
+]
+
+_EXPORT = f"export KVPOOL_CONFIG_PATH=/path/to/mooncake.json (or {CONFIG_PATH_VARS[1]})"
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFileFacts:
+    source: str | None  # "KVPOOL_CONFIG_PATH=/x", "--config /x", or None when none given
+    node: NodeConfig | None
+    error: str | None  # the ConfigError message when the file is missing or wrong
+    env_set: bool  # whether KVPOOL_/MOONCAKE_CONFIG_PATH is set for the serving processes
+    shadowed: str | None = None  # "MOONCAKE_CONFIG_PATH=/y" when KVPOOL_CONFIG_PATH wins
+
+
+@dataclass(frozen=True, slots=True)
+class MasterFacts:
+    address: str
+    connect_error: str | None
+    health_status: int | None = None
+    health_error: str | None = None
+    metrics_text: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SsdFacts:
+    path: str
+    exists: bool
+    is_dir: bool
+    writable: bool
+    free_bytes: int | None
+    tier_bytes: int = 0  # bytes kvpool already keeps there (count towards the limit)
+
+
+@dataclass(frozen=True, slots=True)
+class PortFacts:
+    label: str  # "prefill kv_port", ...
+    port: int
+    bind_error: str | None  # None: free
+
+
+def check_config_file(facts: ConfigFileFacts) -> list[Check]:
+    """Seed §8.3 row 4 ("AscendStore cannot reach the master") and §9 box 2."""
+    results: list[Check] = []
+    if facts.source is None:
+        return [
+            fail(
+                "config.file",
+                "no node config: KVPOOL_CONFIG_PATH and MOONCAKE_CONFIG_PATH are unset, so the"
+                " connectors cannot find the master",
+                _EXPORT + "; kvpool config render writes the file",
+            )
+        ]
+    if not facts.env_set:
+        results.append(
+            warn(
+                "config.env",
+                f"checked {facts.source}, but neither KVPOOL_CONFIG_PATH nor MOONCAKE_CONFIG_PATH"
+                " is set here; the serving processes read the variable",
+                _EXPORT + " in the environment of every vLLM process",
+            )
+        )
+    if facts.shadowed:
+        results.append(
+            warn(
+                "config.env",
+                f"{facts.shadowed} is ignored: KVPOOL_CONFIG_PATH wins when both are set",
+                "unset one of them, or point both at the same file",
+            )
+        )
+    if facts.error is not None or facts.node is None:
+        results.append(fail("config.file", f"{facts.source}: {facts.error}", _fix_for(facts)))
+        return results
+    node = facts.node
+    results.append(
+        pass_(
+            "config.file",
+            f"{facts.source}: local_hostname {node.local_hostname}, master {node.master_address},"
+            f" protocol {node.protocol}",
+        )
+    )
+    return results
+
+
+def _fix_for(facts: ConfigFileFacts) -> str:
+    error = facts.error or ""
+    if "cannot read" in error:
+        return "create the file (kvpool config render writes it) or fix the path: " + _EXPORT
+    return "fix the key named above; docs/configuration.md lists every key"
+
+
+def check_master_address(node: NodeConfig | None, master: str | None) -> Check:
+    if node is None:
+        return skip("config.master", "no valid node config to compare with the master")
+    if master is not None and _same_address(node.master_address, master) is False:
+        key = "metadata_server"
+        return fail(
+            "config.master",
+            f"{node.source or 'the config'} points at {node.master_address}, but the master is"
+            f" {master}",
+            f'set "{key}": "{master}" in every node\'s config (kvpool config render)',
+        )
+    note = (
+        ""
+        if node.master_port == DEFAULT_MASTER_PORT
+        else f" (not the seed's {DEFAULT_MASTER_PORT})"
+    )
+    return pass_("config.master", f"the config points at the master {node.master_address}{note}")
+
+
+def _same_address(a: str, b: str) -> bool:
+    local = {"127.0.0.1", "localhost", "::1"}
+    ha, _, pa = a.rpartition(":")
+    hb, _, pb = b.rpartition(":")
+    return pa == pb and (ha == hb or (ha in local and hb in local))
+
+
+def check_local_hostname(node: NodeConfig | None, bind_error: str | None) -> Check:
+    if node is None:
+        return skip("config.local_hostname", "no valid node config")
+    if bind_error is not None:
+        return fail(
+            "config.local_hostname",
+            f"local_hostname {node.local_hostname} is not an address of this machine"
+            f" ({bind_error}): peers would connect to another host",
+            'set "local_hostname" to this node\'s own IP (see `ip -br addr`)',
+        )
+    return pass_("config.local_hostname", f"{node.local_hostname} is an address of this machine")
+
+
+def check_master(facts: MasterFacts | None) -> list[Check]:
+    """Seed §9 box 1 and §8.1: the master answers on its port, /health and /metrics."""
+    if facts is None:
+        return [skip("master.reachable", "no --master and no node config to find it")]
+    addr = facts.address
+    if facts.connect_error is not None:
+        return [
+            fail(
+                "master.reachable",
+                f"cannot connect to the master at {addr}: {facts.connect_error}",
+                "start it on that host: kvpool master --host 0.0.0.0 --port"
+                f" {addr.rpartition(':')[2]} (and open the port in the firewall)",
+            )
+        ]
+    results = [pass_("master.reachable", f"TCP connect to {addr} succeeded")]
+    if facts.health_status != 200:
+        got = facts.health_error or f"HTTP {facts.health_status}"
+        results.append(
+            fail(
+                "master.health",
+                f"GET http://{addr}/health failed: {got}; something other than a healthy"
+                " kvpool master holds the port",
+                "check `curl -s http://" + addr + "/health`; restart kvpool master",
+            )
+        )
+        return results
+    results.append(pass_("master.health", f"http://{addr}/health answers 200"))
+    results.append(_check_metrics(addr, facts.metrics_text))
+    return results
+
+
+def _check_metrics(addr: str, text: str | None) -> Check:
+    grep = f'curl -s http://{addr}/metrics | grep -E "kv_cache|connected"'
+    if not text:
+        return fail("master.metrics", f"http://{addr}/metrics gave nothing", grep)
+    values: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    except ValueError as exc:
+        return fail("master.metrics", f"/metrics is not Prometheus text: {exc}", grep)
+    blocks = [n for n in values if "kv_cache" in n]
+    clients = [n for n in values if "connected" in n]
+    if not blocks or not clients:
+        return fail("master.metrics", "/metrics lacks the kv_cache/connected metrics", grep)
+    connected = values[clients[0]]
+    hits = sum(v for n, v in values.items() if "hit" in n and n.endswith("_total"))
+    lookups = sum(v for n, v in values.items() if "lookup" in n and n.endswith("_total"))
+    summary = f"{blocks[0]} {values[blocks[0]]:g}, {clients[0]} {connected:g}"
+    if connected == 0:
+        return warn(
+            "master.metrics",
+            summary + ": no node or vLLM process is registered",
+            "start the serving processes with KVPOOL_CONFIG_PATH pointing at this master",
+        )
+    if lookups > 0 and hits == 0:
+        return warn(
+            "master.metrics",
+            f"{summary}; {lookups:g} lookups and 0 hits: prefixes differ or the pool is too full",
+            "lower --eviction_high_watermark_ratio or add memory (global_segment_size)",
+        )
+    return pass_("master.metrics", summary)
+
+
+def check_master_flags(master: MasterConfig | None, error: str | None) -> list[Check]:
+    """Seed §3.1/§3.3 values in range; §8.3 row 5 (a pool kept too full never hits)."""
+    if error is not None:
+        return [fail("master.flags", f"master command: {error}", "fix the flag named above")]
+    if master is None:
+        return [skip("master.flags", "no --master-cmd; the seed's defaults are assumed")]
+    results = [
+        pass_(
+            "master.flags",
+            f"watermark {master.eviction_high_watermark_ratio}, eviction_ratio"
+            f" {master.eviction_ratio}, lease {master.default_kv_lease_ttl} ms,"
+            f" client_ttl {master.client_ttl} s",
+        )
+    ]
+    if master.eviction_high_watermark_ratio > 0.95:
+        results.append(
+            warn(
+                "master.watermark",
+                f"eviction starts only at {master.eviction_high_watermark_ratio:.0%} full: puts"
+                " fail while eviction catches up, and hit rates drop",
+                "--eviction_high_watermark_ratio 0.9 (the seed's value)",
+            )
+        )
+    if master.eviction_ratio > 0.5:
+        results.append(
+            warn(
+                "master.watermark",
+                f"each eviction round drops {master.eviction_ratio:.0%} of the pool",
+                "--eviction_ratio 0.1 (the seed's value)",
+            )
+        )
+    return results
+
+
+def check_hashseed(env: Mapping[str, str], *, seed_connectors: bool) -> Check:
+    """Seed §5.1 and §8.3 row 3.  kvpool's keys are content hashes, so the seed's rule only
+    binds deployments still running the seed's own connectors."""
+    value = env.get("PYTHONHASHSEED")
+    if seed_connectors and value != "0":
+        return fail(
+            "env.pythonhashseed",
+            f"PYTHONHASHSEED is {value!r}: the seed's connectors hash with Python's hash(), so"
+            " nodes disagree on keys and never hit",
+            "export PYTHONHASHSEED=0 on every node, or switch to kvpool's connectors",
+        )
+    return pass_(
+        "env.pythonhashseed",
+        f"PYTHONHASHSEED={value!r}: kvpool's block keys are BLAKE2b content hashes and do not"
+        " depend on it (the key probe below proves it)",
+    )
+
+
+def check_key_agreement(probes: Mapping[str, Sequence[str] | str]) -> list[Check]:
+    """Keys computed for the same tokens in processes with different PYTHONHASHSEED values."""
+    if not probes:
+        return [skip("keys.agreement", "key probe not run")]
+    errors = {k: v for k, v in probes.items() if isinstance(v, str)}
+    if errors:
+        label, error = next(iter(errors.items()))
+        return [fail("keys.agreement", f"key probe in {label} failed: {error}", "reinstall kvpool")]
+    distinct = {tuple(v) for v in probes.values()}
+    if len(distinct) != 1:
+        return [
+            fail(
+                "keys.agreement",
+                "processes computed different block keys for the same tokens: " + ", ".join(probes),
+                "nodes would never hit each other's blocks; run every node on one kvpool version",
+            )
+        ]
+    return [
+        pass_(
+            "keys.agreement",
+            f"{len(probes)} processes ({', '.join(probes)}) computed identical block keys",
+        ),
+        skip(
+            "keys.cross_node",
+            "comparing keys with other nodes through the master needs a master key probe"
+            " (not served yet); run doctor on each node and compare keys.agreement",
+        ),
+    ]
+
+
+def check_ssd(
+    node: NodeConfig | None, facts: SsdFacts | None, master: MasterConfig | None
+) -> Check:
+    """Seed §3.3, §8.3 row 7 and §9 box 9."""
+    name = "ssd.offload"
+    if node is None or not node.enable_ssd_offload:
+        if master is not None and master.enable_offload and node is not None:
+            return warn(
+                name,
+                "the master has --enable_offload=true but this node's config has no SSD tier",
+                'set "enable_ssd_offload": true and "ssd_offload_path" on nodes with NVMe',
+            )
+        return pass_(name, "SSD offload is off on this node")
+    if facts is None or not facts.exists or not facts.is_dir:
+        what = "does not exist" if facts is None or not facts.exists else "is not a directory"
+        return fail(
+            name,
+            f"ssd_offload_path {node.ssd_offload_path} {what}",
+            f"mkdir -p {node.ssd_offload_path} on the NVMe mount, or set enable_ssd_offload false"
+            " (SSD offload only on nodes with NVMe)",
+        )
+    if not facts.writable:
+        return fail(
+            name,
+            f"ssd_offload_path {facts.path} is not writable by this user",
+            f"chown the directory to the serving user, or choose another path: {facts.path}",
+        )
+    room = (facts.free_bytes or 0) + facts.tier_bytes
+    limit = node.ssd_offload_limit
+    if room < limit:
+        fit = room * 9 // 10
+        return fail(
+            name,
+            f"the SSD tier may grow to {_human(limit)} but {facts.path} has only {_human(room)}"
+            " (free plus what the tier holds): offload fails with no space",
+            f"export KVPOOL_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES={fit} (~{_human(fit)}; or"
+            f" MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES)",
+        )
+    return pass_(name, f"{facts.path}: writable, {_human(room)} available, limit {_human(limit)}")
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_timeouts(
+    timeouts: Timeouts,
+    *,
+    lease_ttl_ms: int,
+    decode_ranks: int | None,
+    rdma_timeout_exp: int | None,
+) -> list[Check]:
+    """Seed §5.1: connect ≥ 500 ms × decode ranks; transfer > RDMA timeout × 7; plus kvpool's
+    rule that a read lease outlives the transfer it protects."""
+    results: list[Check] = []
+    transfer = timeouts.transfer_timeout_ms
+    if lease_ttl_ms <= transfer:
+        results.append(
+            fail(
+                "timeouts.lease",
+                f"default_kv_lease_ttl {lease_ttl_ms} ms ≤ transfer timeout {transfer} ms: a block"
+                " may be evicted while a slow transfer still reads it",
+                f"--default_kv_lease_ttl {transfer + 1000} (or lower KVPOOL_TRANSFER_TIMEOUT)",
+            )
+        )
+    else:
+        results.append(
+            pass_("timeouts.lease", f"lease {lease_ttl_ms} ms > transfer timeout {transfer} ms")
+        )
+    if decode_ranks is None:
+        results.append(skip("timeouts.connect", "decode rank count unknown (no topology given)"))
+    elif timeouts.connect_timeout_ms < 500 * decode_ranks:
+        need = 500 * decode_ranks
+        # WARN, not FAIL: the seed counts decode *cards per node*, which doctor cannot see;
+        # with every rank counted this is the safe side of its rule.
+        results.append(
+            warn(
+                "timeouts.connect",
+                f"connect timeout {timeouts.connect_timeout_ms} ms < 500 ms × {decode_ranks}"
+                f" decode ranks = {need} ms",
+                f"export KVPOOL_CONNECT_TIMEOUT={need} (or ASCEND_CONNECT_TIMEOUT)",
+            )
+        )
+    else:
+        results.append(
+            pass_(
+                "timeouts.connect",
+                f"connect timeout {timeouts.connect_timeout_ms} ms ≥ 500 ms × {decode_ranks}",
+            )
+        )
+    if rdma_timeout_exp is not None:
+        rdma_ms = 4.096e-3 * 2**rdma_timeout_exp
+        if transfer <= 7 * rdma_ms:
+            results.append(
+                fail(
+                    "timeouts.transfer",
+                    f"transfer timeout {transfer} ms ≤ 7 × RDMA timeout ({rdma_ms:.0f} ms from"
+                    f" HCCL_RDMA_TIMEOUT={rdma_timeout_exp})",
+                    f"export KVPOOL_TRANSFER_TIMEOUT={int(7 * rdma_ms) + 1000}",
+                )
+            )
+        else:
+            results.append(
+                pass_("timeouts.transfer", f"transfer {transfer} ms > 7 × {rdma_ms:.0f} ms RDMA")
+            )
+    return results
+
+
+def check_ports(ports: Sequence[PortFacts], *, live: bool) -> list[Check]:
+    """Before start-up every port an instance will listen on must be free; with --live the
+    serving processes already hold them, so a free port means one of them is not up."""
+    results: list[Check] = []
+    for p in ports:
+        name = f"ports.free[{p.label}]"
+        if live and p.bind_error is None:
+            results.append(
+                fail(name, f"{p.label} {p.port} is free: nothing listens there", "start it")
+            )
+        elif live:
+            results.append(pass_(name, f"{p.label} {p.port} is held (serving, --live)"))
+        elif p.bind_error is not None:
+            results.append(
+                fail(
+                    name,
+                    f"{p.label} {p.port} is taken on this host ({p.bind_error})",
+                    f"stop the process holding it (`ss -ltnp | grep :{p.port}`) or change the"
+                    " port; if the instance itself is running, rerun doctor with --live",
+                )
+            )
+        else:
+            results.append(pass_(name, f"{p.label} {p.port} is free"))
+    return results
+
+
+def check_peer_reachable(host: str, port: int, error: str | None) -> Check:
+    """Seed §8.3 row 1: ``nc -zv $P0_IP 30000`` from the decode host."""
+    if error is not None:
+        return fail(
+            "ports.prefill_reachable",
+            f"cannot reach the prefill kv_port {host}:{port}: {error}",
+            f"check that the prefill instance is running and the firewall opens {port}"
+            f" (nc -zv {host} {port})",
+        )
+    return pass_("ports.prefill_reachable", f"{host}:{port} accepts connections")

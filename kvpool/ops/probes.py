@@ -1,0 +1,181 @@
+"""The edge of doctor: sockets, HTTP, disks and subprocesses, each bounded by a timeout.
+
+Every function returns facts (or an error string) and never raises for the condition it
+probes, so a broken cluster yields a report rather than a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvpool.core.keys import KeyNamespace, chunk_keys
+from kvpool.ops.checks_node import MasterFacts, SsdFacts
+
+__all__ = [
+    "PROBE_NAMESPACE",
+    "PROBE_TOKENS",
+    "address_is_local",
+    "http_get",
+    "key_probe",
+    "local_probe_keys",
+    "port_bind_error",
+    "probe_master",
+    "ssd_facts",
+    "tcp_connect_error",
+]
+
+# A fixed probe: any change to the key function changes these keys on every node alike.
+PROBE_NAMESPACE = KeyNamespace(model="kvpool-doctor-probe", kv_dtype="bfloat16", chunk_size=16)
+PROBE_TOKENS = tuple(range(1000, 1064))
+_MAX_TIER_FILES = 200_000
+
+
+def tcp_connect_error(host: str, port: int, timeout_s: float = 2.0) -> str | None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+
+
+def http_get(url: str, timeout_s: float = 3.0) -> tuple[int | None, str, str | None]:
+    """(status, body, error)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            body = reply.read(4 << 20).decode("utf-8", "replace")
+            return reply.status, body, None
+    except urllib.error.HTTPError as exc:
+        return exc.code, "", f"HTTP {exc.code} {exc.reason}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return None, "", str(reason)
+
+
+def probe_master(address: str, timeout_s: float = 3.0) -> MasterFacts:
+    """TCP connect, then GET /health and /metrics on the same port (the master serves its
+    RPC and HTTP on one port)."""
+    host, _, port = address.rpartition(":")
+    error = tcp_connect_error(host.strip("[]"), int(port), timeout_s)
+    if error is not None:
+        return MasterFacts(address, error)
+    status, _, health_error = http_get(f"http://{address}/health", timeout_s)
+    if status != 200:
+        return MasterFacts(address, None, status, health_error)
+    _, metrics, _ = http_get(f"http://{address}/metrics", timeout_s)
+    return MasterFacts(address, None, status, None, metrics)
+
+
+def port_bind_error(port: int, host: str = "127.0.0.1") -> str | None:
+    """None when ``port`` can be bound now.  Binding 127.0.0.1 also fails when another
+    process listens on 0.0.0.0 (no SO_REUSEADDR, so a TIME_WAIT leftover does not count)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        sock.close()
+
+
+def address_is_local(host: str) -> str | None:
+    """None when ``host`` resolves to an address of this machine (bind to port 0 succeeds)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host}: {exc.strerror or exc}"
+    last = "no address"
+    for family, kind, proto, _, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.bind(sockaddr)
+            return None
+        except OSError as exc:
+            last = exc.strerror or str(exc)
+        finally:
+            sock.close()
+    return last
+
+
+def ssd_facts(path: str) -> SsdFacts:
+    p = Path(path)
+    if not p.exists():
+        return SsdFacts(path, False, False, False, None)
+    if not p.is_dir():
+        return SsdFacts(path, True, False, False, None)
+    try:
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".kvpool-doctor-"):
+            writable = True
+    except OSError:
+        writable = False
+    free = shutil.disk_usage(p).free
+    return SsdFacts(path, True, True, writable, free, _tree_bytes(p))
+
+
+def _tree_bytes(root: Path) -> int:
+    """Bytes in files under ``root`` (bounded walk: a huge tree is counted partially)."""
+    total = 0
+    seen = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            seen += 1
+            if seen > _MAX_TIER_FILES:
+                return total
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+_PROBE_SCRIPT = (
+    "import json; from kvpool.ops.probes import local_probe_keys;"
+    " print(json.dumps(local_probe_keys()))"
+)
+
+
+def local_probe_keys() -> list[str]:
+    return [k.hex for k in chunk_keys(PROBE_TOKENS, PROBE_NAMESPACE)]
+
+
+def key_probe(
+    seeds: Sequence[str] = ("0", "1", "random"), timeout_s: float = 30.0
+) -> dict[str, list[str] | str]:
+    """The probe keys computed here and in one subprocess per PYTHONHASHSEED value."""
+    results: dict[str, list[str] | str] = {"this process": local_probe_keys()}
+    procs: dict[str, subprocess.Popen[str]] = {}
+    for seed in seeds:
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        procs[f"PYTHONHASHSEED={seed}"] = subprocess.Popen(
+            [sys.executable, "-c", _PROBE_SCRIPT],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    for label, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            results[label] = f"no answer within {timeout_s:.0f} s"
+            continue
+        if proc.returncode != 0:
+            results[label] = (err.strip().splitlines() or ["exit " + str(proc.returncode)])[-1]
+            continue
+        try:
+            results[label] = [str(k) for k in json.loads(out)]
+        except json.JSONDecodeError:
+            results[label] = f"unreadable output {out[:80]!r}"
+    return results
