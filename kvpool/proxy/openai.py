@@ -73,6 +73,8 @@ def prefill_request(kind: str, body: dict[str, Any]) -> dict[str, Any]:
         request["max_completion_tokens"] = 1
     request["stream"] = False
     request.pop("stream_options", None)
+    # vLLM refuses min_tokens > max_tokens, and P only ever makes one token
+    request.pop("min_tokens", None)
     request["kv_transfer_params"] = {"do_remote_decode": True}
     return request
 

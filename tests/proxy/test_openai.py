@@ -50,6 +50,7 @@ def test_prefill_request_is_one_token_unstreamed_with_remote_decode() -> None:
         "max_tokens": 50,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "min_tokens": 10,
         "temperature": 0,
     }
     p = prefill_request(COMPLETIONS, body)
@@ -60,6 +61,7 @@ def test_prefill_request_is_one_token_unstreamed_with_remote_decode() -> None:
         "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": True},
     }
+    assert decode_request(body, None)["min_tokens"] == 10  # D keeps it
     assert body["max_tokens"] == 50 and body["stream"] is True  # the original is untouched
     chat = prefill_request(CHAT, {"messages": [{}], "max_completion_tokens": 9})
     assert chat["max_completion_tokens"] == 1 and chat["max_tokens"] == 1
