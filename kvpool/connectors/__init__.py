@@ -1,0 +1,29 @@
+"""vLLM KV connectors: the only package of kvpool that imports vLLM.
+
+- ``kvpool.connectors.store.KVPoolStoreConnector`` — the prefix-cache pool (the seed's
+  AscendStoreConnector, §6).
+- ``kvpool.connectors.transfer.KVPoolTransferConnector`` — direct P→D transfer (the seed's
+  MooncakeConnectorV1, §5).
+
+vLLM loads each through ``"kv_connector_module_path"``; names here resolve lazily so that
+importing one connector (or this package) does not import the other, nor vLLM itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["KVPoolStoreConnector", "KVPoolTransferConnector"]
+
+_MODULES = {
+    "KVPoolStoreConnector": "kvpool.connectors.store",
+    "KVPoolTransferConnector": "kvpool.connectors.transfer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvpool.connectors' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

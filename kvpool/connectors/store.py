@@ -1,0 +1,302 @@
+"""KVPoolStoreConnector: vLLM's KV in kvpool, keyed by prefix (the seed's AscendStoreConnector).
+
+Load it in vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "KVPoolStoreConnector",
+        "kv_connector_module_path": "kvpool.connectors.store",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"backend": "mooncake", "lookup_rpc_port": "0"}}'
+
+or as a child of vLLM's MultiConnector (the same dict inside ``"connectors"``).  Settings
+are described in :mod:`kvpool.connectors.store_config`; the scheduler half is
+:mod:`~kvpool.connectors.store_scheduler`, the worker half
+:mod:`~kvpool.connectors.store_worker`.  This module only wires them to vLLM's hooks.
+
+Roles: ``kv_producer`` and ``kv_both`` save what they compute; every role loads hits (a
+prefill node reuses a shared system prompt just as a decode node does); ``kv_consumer``
+saves only with ``consumer_is_to_put``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpool.config import load_node_config
+from kvpool.connectors.store_config import (
+    CONNECTOR_NAME,
+    StoreConfig,
+    check_put_back,
+    parse_store_config,
+)
+from kvpool.connectors.store_plan import StorePlan
+from kvpool.connectors.store_pool import PoolHandle, open_pool
+from kvpool.connectors.store_scheduler import StoreScheduler
+from kvpool.connectors.store_stats import (
+    KVPoolStorePromMetrics,
+    KVPoolStoreStats,
+    stats_from_counters,
+)
+from kvpool.connectors.store_worker import StoreWorker
+from kvpool.core.keys import KeyNamespace
+from kvpool.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVPoolStoreConnector", "StoreConnectorMetadata", "namespace_for"]
+
+# Under "vllm." so that vLLM's logging setup (format, VLLM_LOGGING_LEVEL) applies to it.
+logger = init_logger("vllm.kvpool.connectors.store")
+
+
+class StoreConnectorMetadata(KVConnectorMetadata):
+    """The scheduler half's per-step plan, as vLLM's metadata type."""
+
+    def __init__(self, plan: StorePlan) -> None:
+        self.plan = plan
+
+
+def _is_mla(vllm_config: VllmConfig) -> bool:
+    model = vllm_config.model_config
+    hf = getattr(model, "hf_config", None)
+    return bool(getattr(model, "use_mla", False) or getattr(hf, "kv_lora_rank", None))
+
+
+def namespace_for(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: StoreConfig
+) -> KeyNamespace:
+    """The key namespace: everything besides tokens that makes two pages interchangeable.
+
+    The layout names the device (the CPU kernel orders tokens inside a block its own way),
+    the attention kind, the per-rank KV heads and head sizes and the number of layers.
+    """
+    from vllm.platforms import current_platform
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"{CONNECTOR_NAME}: the model has {len(groups)} KV cache groups (hybrid"
+            " attention); the store connector supports models with one group"
+        )
+    spec: Any = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
+        raise ConfigError(f"{CONNECTOR_NAME}: KV cache kind {kind} is not supported")
+    layout = (
+        f"{current_platform.device_type}:{kind}:h{spec.num_kv_heads}"
+        f":d{spec.head_size}x{getattr(spec, 'head_size_v', spec.head_size)}"
+        f":L{len(groups[0].layer_names)}"
+    )
+    served = vllm_config.model_config.served_model_name
+    model_id = config.model_id or (served[0] if isinstance(served, list) else served) or ""
+    return KeyNamespace(
+        model=model_id or vllm_config.model_config.model,
+        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        chunk_size=spec.block_size,
+        layout=layout,
+        tp_rank=0,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tenant=config.tenant,
+    )
+
+
+class KVPoolStoreConnector(KVConnectorBase_V1):
+    """A vLLM v1 KV connector that keeps KV in the kvpool pool, keyed by prefix."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        config = parse_store_config(
+            ktc.kv_role,
+            ktc.kv_connector_extra_config,
+            env=os.environ,
+            load_node=load_node_config,
+        )
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        check_put_back(config, is_mla=_is_mla(vllm_config), tp_size=tp_size)
+        if config.backend == "embedded" and tp_size > 1:
+            raise ConfigError(
+                f'backend "embedded" keeps the pool inside one process, but tensor_parallel_size'
+                f" is {tp_size} (one process per rank); use backend kvpool with a master"
+            )
+        self._config = config
+        namespace = namespace_for(vllm_config, kv_cache_config, config)
+        where = config.master or "in-process"
+
+        def handle() -> PoolHandle:
+            return PoolHandle(
+                lambda: open_pool(config),
+                reconnect_interval_s=config.reconnect_interval_ms / 1000,
+                describe=f"{config.backend}@{where}",
+            )
+
+        self._scheduler: StoreScheduler | None = None
+        self._worker: StoreWorker | None = None
+        self._checked_process = False
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = StoreScheduler(
+                namespace=namespace,
+                pool=handle(),
+                saves=config.saves,
+                load_async=config.load_async,
+                logger=logger,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = StoreWorker(
+                tp_rank=get_tensor_model_parallel_rank() if tp_size > 1 else 0,
+                pool=handle(),
+                loader_pool=handle(),
+                logger=logger,
+            )
+        logger.info(
+            "[%s] role=%s, backend=%s, master=%s, load_async=%s, consumer_is_to_put=%s,"
+            " lookup_rpc_port=%d, block_size=%d, half=%s",
+            CONNECTOR_NAME,
+            config.role,
+            config.backend,
+            where,
+            str(config.load_async).lower(),
+            str(config.consumer_is_to_put).lower(),
+            config.lookup_rpc_port,
+            namespace.chunk_size,
+            "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def _plan(self) -> StorePlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StoreConnectorMetadata)
+        plan = meta.plan
+        if self._config.backend == "embedded" and not self._checked_process:
+            if plan.scheduler_pid != os.getpid():
+                raise ConfigError(
+                    'backend "embedded" needs vLLM\'s scheduler and worker in one process;'
+                    " this engine runs them apart, so use backend kvpool with a master"
+                )
+            self._checked_process = True
+        return plan
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_loads(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # sync loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole pages are saved after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        if self.has_connector_metadata():
+            self._worker.save(self._plan())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return KVConnectorTransferResults(
+            finished_recving=self._worker.finished_loads(finished_req_ids)
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_invalid_block_ids()
+
+    def get_kv_connector_stats(self) -> KVPoolStoreStats | None:
+        half = self._scheduler if self._scheduler is not None else self._worker
+        assert half is not None
+        return stats_from_counters(half.counters)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return StoreConnectorMetadata(self._scheduler.build_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_load_errors(connector_output.invalid_block_ids or ())
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        self._scheduler.request_finished(request)
+        return False, None
+
+    # ------------------------------------------------------------------ stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolStoreStats:
+        return KVPoolStoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPoolStorePromMetrics:
+        return KVPoolStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+# vLLM's MultiConnector rebuilds children's stats by class *name* from its registry, which
+# only knows built-in connectors; register ours there when this module is imported (vLLM
+# imports it through kv_connector_module_path, in every process that needs it).
+if CONNECTOR_NAME not in KVConnectorFactory._registry:
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)

@@ -1,0 +1,65 @@
+"""What the store connector's scheduler half tells its worker half each step.
+
+Plain frozen dataclasses (picklable; vLLM ships them to worker processes): one
+:class:`LoadSpec` per request whose pool hit is to be copied into its blocks, one
+:class:`SaveSpec` per request with newly completed blocks to write to the pool.
+
+Keys are given for every tensor-parallel rank (``keys[rank][i]``): each rank holds its own
+share of the KV heads under its own key chain, and the scheduler computed all chains
+anyway to check that every rank's part of a chunk is present.  Block ``block_ids[i]`` is
+the page of chunk ``keys[rank][i]``: one pool object per (chunk, rank) holding the page of
+every layer, so keys map 1:1 to vLLM blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LoadSpec", "SaveSpec", "StorePlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Copy the pool objects ``keys[rank]`` into the engine blocks ``block_ids``."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    keys: tuple[tuple[str, ...], ...]
+    is_async: bool
+
+    def __post_init__(self) -> None:
+        if any(len(rank_keys) != len(self.block_ids) for rank_keys in self.keys):
+            raise ValueError("LoadSpec: every rank needs one key per block")
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Write the engine blocks ``block_ids`` to the pool under ``keys[rank]``.
+
+    ``parents[rank]`` is the key of the chunk before the first one (None at the start of a
+    prompt): the pool uses it to evict a prefix's tail before its head.
+    """
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    keys: tuple[tuple[str, ...], ...]
+    parents: tuple[str | None, ...]
+
+    def __post_init__(self) -> None:
+        if any(len(rank_keys) != len(self.block_ids) for rank_keys in self.keys):
+            raise ValueError("SaveSpec: every rank needs one key per block")
+        if len(self.parents) != len(self.keys):
+            raise ValueError("SaveSpec: one parent per rank")
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """One step's work for the worker half.
+
+    ``scheduler_pid`` lets the embedded backend check that both halves share a process
+    (and so one in-process pool).
+    """
+
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[SaveSpec, ...] = ()
+    scheduler_pid: int = 0

@@ -1,0 +1,210 @@
+"""The pool as the store connector sees it: a protocol, the openers, and a reconnecting handle.
+
+- :class:`PoolClient` — the methods of ``kvpool.Client`` / ``EmbeddedPool`` this connector
+  uses (the agreed interface; anything with these methods works, which is also the seam
+  tests use).
+- :func:`open_pool` — a client for the configured backend: ``Client(master)`` for the
+  shared pool, or the process's embedded pool.
+- :class:`PoolHandle` — opens the pool lazily, turns a dead pool into a fast
+  :class:`~kvpool.errors.TransferError` for ``reconnect_interval`` instead of letting every
+  request wait out a timeout, and reconnects afterwards.  A miss (``ObjectNotFound``) or a
+  full pool (``NoSpace``) is an answer, not an outage, and keeps the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from kvpool.connectors.store_config import StoreConfig
+from kvpool.errors import ChecksumMismatch, KVPoolError, PoolError, TransferError
+
+__all__ = ["EmbeddedPools", "PoolClient", "PoolHandle", "open_pool"]
+
+T = TypeVar("T")
+
+
+class PoolClient(Protocol):
+    """What the store connector needs from a pool (kvpool.Client and EmbeddedPool have it)."""
+
+    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None: ...
+
+    def get_into(self, key: str, buffer: Any) -> int: ...
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int: ...
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def remove(self, key: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class _Serialized:
+    """Calls one shared pool object under one lock (the embedded pool is shared by the
+    scheduler half, the worker half and the worker's loader thread of one process)."""
+
+    def __init__(self, pool: PoolClient, lock: threading.Lock) -> None:
+        self._pool = pool
+        self._lock = lock
+
+    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None:
+        with self._lock:
+            self._pool.put_from(key, buffer, parent=parent)
+
+    def get_into(self, key: str, buffer: Any) -> int:
+        with self._lock:
+            return self._pool.get_into(key, buffer)
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            return self._pool.prefix_lookup(keys)
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return self._pool.batch_exists(keys)
+
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            return self._pool.remove(key)
+
+    def close(self) -> None:
+        """The shared pool outlives any one user; see :meth:`EmbeddedPools.release`."""
+
+
+class EmbeddedPools:
+    """The embedded pools of this process, by name.
+
+    vLLM builds the scheduler half and the worker half of a connector separately; with
+    tensor_parallel_size 1 both live in the engine-core process, and this registry is how
+    they find the same in-process pool.  It is the one piece of process-wide state in the
+    connector, deliberately: the alternative (a socket between the halves) would make the
+    "embedded, no master" backend need a server.
+    """
+
+    _lock = threading.Lock()
+    _pools: dict[str, tuple[PoolClient, threading.Lock]] = {}  # noqa: RUF012 - registry
+
+    @classmethod
+    def get(cls, name: str, factory: Callable[[], PoolClient]) -> PoolClient:
+        with cls._lock:
+            if name not in cls._pools:
+                cls._pools[name] = (factory(), threading.Lock())
+            pool, lock = cls._pools[name]
+        return _Serialized(pool, lock)
+
+    @classmethod
+    def install(cls, pool: PoolClient, name: str = "default") -> None:
+        """Make ``pool`` this process's embedded pool (before vLLM starts): tests wrap the
+        real pool this way to watch or damage what the connector stores."""
+        with cls._lock:
+            if name in cls._pools:
+                raise ValueError(f"an embedded pool named {name!r} already exists")
+            cls._pools[name] = (pool, threading.Lock())
+
+    @classmethod
+    def peek(cls, name: str = "default") -> PoolClient | None:
+        """The pool itself (tests and tools inspect or damage it on purpose)."""
+        with cls._lock:
+            entry = cls._pools.get(name)
+        return None if entry is None else entry[0]
+
+    @classmethod
+    def release(cls, name: str = "default") -> None:
+        with cls._lock:
+            entry = cls._pools.pop(name, None)
+        if entry is not None:
+            entry[0].close()
+
+
+def _new_embedded(config: StoreConfig) -> PoolClient:
+    from kvpool.service.embedded import EmbeddedPool  # lazy: the service layer is optional
+
+    pool: PoolClient = EmbeddedPool(segment_size=config.embedded_capacity)
+    return pool
+
+
+def open_pool(config: StoreConfig) -> PoolClient:
+    """A pool client for ``config.backend`` (a new connection, or the shared embedded pool)."""
+    if config.backend == "embedded":
+        return EmbeddedPools.get("default", lambda: _new_embedded(config))
+    from kvpool.service.client import Client  # lazy: import only when a master is used
+
+    client: PoolClient = Client(config.master, timeout_s=config.pool_timeout_ms / 1000)
+    return client
+
+
+def _is_outage(exc: BaseException) -> bool:
+    """A failure of the pool itself rather than an answer about one object."""
+    if isinstance(exc, PoolError | ChecksumMismatch):
+        return False
+    return isinstance(exc, KVPoolError | OSError | EOFError)
+
+
+class PoolHandle:
+    """A lazily opened, self-healing pool connection for one thread of use at a time."""
+
+    def __init__(
+        self,
+        opener: Callable[[], PoolClient],
+        *,
+        reconnect_interval_s: float,
+        describe: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._opener = opener
+        self._interval = reconnect_interval_s
+        self._describe = describe
+        self._clock = clock
+        self._client: PoolClient | None = None
+        self._down_until = 0.0
+        self._last_error = ""
+        self._lock = threading.Lock()
+
+    @property
+    def last_error(self) -> str:
+        return self._last_error
+
+    def call(self, fn: Callable[[PoolClient], T]) -> T:
+        """Run ``fn`` on the pool; an outage marks the pool down and re-raises.
+
+        Raises TransferError at once (no network wait) while the pool is marked down.
+        """
+        with self._lock:
+            if self._client is None:
+                now = self._clock()
+                if now < self._down_until:
+                    raise TransferError(
+                        f"pool {self._describe} unavailable ({self._last_error}); retrying in"
+                        f" {self._down_until - now:.1f}s"
+                    )
+                try:
+                    self._client = self._opener()
+                except Exception as exc:
+                    self._mark_down(exc)
+                    raise TransferError(f"cannot open pool {self._describe}: {exc}") from exc
+            client = self._client
+            try:
+                return fn(client)
+            except Exception as exc:
+                if _is_outage(exc):
+                    self._mark_down(exc)
+                raise
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        self._down_until = self._clock() + self._interval
+        client, self._client = self._client, None
+        if client is not None:
+            # Closing a broken connection may fail too; it is gone either way.
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()

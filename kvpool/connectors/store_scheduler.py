@@ -1,0 +1,242 @@
+"""The scheduler half of the store connector: lookups, load plans, save plans.
+
+Runs in vLLM's engine-core process.  It never touches KV bytes: it asks the pool how long
+a request's cached prefix is (``prefix_lookup``: no lease, so probing never pins anything),
+and each step tells the worker half which blocks to load and which to save.
+
+Rules:
+- Keys come from :func:`kvpool.core.keys.chunk_keys` over the request's token ids, one chain
+  per tensor-parallel rank; never from vLLM's block hashes (seeded per process).
+- A chunk is a hit only if every rank's part is present: the hit is the minimum over ranks.
+- A synchronous hit leaves at least one token to compute (vLLM needs a token to sample
+  from); the hit is also capped the same way for async loads, which keeps one rule.
+- A request saves each full block once; blocks the pool already held at lookup time are not
+  written again.  After a failed load the mark moves back, so that what vLLM recomputes
+  is written again and the pool heals.
+- Any pool failure during a lookup is a miss: a dead pool slows requests down, never
+  fails them.
+
+Requests and scheduler outputs are duck-typed (the attributes vLLM 0.32 has), so this
+module imports nothing from vLLM and is tested with plain objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from kvpool.connectors.store_plan import LoadSpec, SaveSpec, StorePlan
+from kvpool.connectors.store_pool import PoolClient, PoolHandle
+from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
+
+__all__ = ["StoreScheduler"]
+
+_WARN_EVERY_S = 30.0
+
+
+def _prefix_lookup(pool: PoolClient, keys: list[str]) -> int:
+    return pool.prefix_lookup(keys)
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the scheduler half remembers about one live request."""
+
+    req_id: str
+    request: Any  # vLLM's Request: its token ids grow as decode proceeds
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[list[BlockKey]] = field(default_factory=list)  # [rank][chunk]
+    local_tokens: int = 0  # vLLM's own prefix-cache hit at lookup time
+    saved_blocks: int = 0  # blocks [0, saved_blocks) are in the pool or being written
+    load: LoadSpec | None = None  # the last load planned, to map failed blocks back
+
+    def tokens(self) -> Sequence[int]:
+        return self.request.all_token_ids  # type: ignore[no-any-return]
+
+
+class StoreScheduler:
+    """Scheduler-side logic of :class:`~kvpool.connectors.store.KVPoolStoreConnector`."""
+
+    def __init__(
+        self,
+        *,
+        namespace: KeyNamespace,
+        pool: PoolHandle,
+        saves: bool,
+        load_async: bool,
+        logger: logging.Logger,
+    ) -> None:
+        self._ns = [namespace.for_rank(r) for r in range(namespace.tp_size)]
+        self._bs = namespace.chunk_size
+        self._pool = pool
+        self._saves = saves
+        self._load_async = load_async
+        self._log = logger
+        self._requests: dict[str, _Request] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self.counters: Counter[str] = Counter()
+        self._last_warning = -_WARN_EVERY_S
+
+    # ------------------------------------------------------------------ keys
+
+    def _state(self, request: Any) -> _Request:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _Request(request.request_id, request, keys=[[] for _ in self._ns])
+            self._requests[request.request_id] = state
+        else:
+            state.request = request
+        return state
+
+    def _keys_upto(self, state: _Request, n_blocks: int) -> list[list[BlockKey]]:
+        """Every rank's keys of chunks [0, n_blocks), extending the cached chains."""
+        have = len(state.keys[0])
+        if n_blocks > have:
+            tokens = list(state.tokens()[have * self._bs : n_blocks * self._bs])
+            for rank, ns in enumerate(self._ns):
+                parent = state.keys[rank][-1] if have else None
+                state.keys[rank].extend(chunk_keys(tokens, ns, parent))
+        return [rank_keys[:n_blocks] for rank_keys in state.keys]
+
+    # ------------------------------------------------------------------ lookup
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """(tokens the pool can add beyond vLLM's local hit, whether they load async)."""
+        state = self._state(request)
+        state.local_tokens = num_computed_tokens
+        n_tokens = int(request.num_tokens)
+        usable_blocks = (n_tokens - 1) // self._bs
+        if usable_blocks * self._bs <= num_computed_tokens:
+            return 0, False
+        # Probe every full block (not just the usable ones) so that a block the pool holds
+        # is not written again after the request computes it.
+        keys = self._keys_upto(state, n_tokens // self._bs)
+        self.counters["lookups"] += 1
+        self.counters["query_tokens"] += n_tokens - num_computed_tokens
+        try:
+            hit_blocks = min(
+                self._pool.call(partial(_prefix_lookup, keys=[k.hex for k in rank_keys]))
+                for rank_keys in keys
+            )
+        except Exception as exc:  # any pool failure is a miss, never a failed request
+            self.counters["lookup_errors"] += 1
+            self._warn(f"lookup failed, treating as a miss: {type(exc).__name__}: {exc}")
+            return 0, False
+        state.saved_blocks = max(state.saved_blocks, hit_blocks)
+        hit_blocks = max(0, min(hit_blocks, usable_blocks))
+        new_tokens = hit_blocks * self._bs - num_computed_tokens
+        if new_tokens <= 0:
+            return 0, False
+        self.counters["hit_tokens"] += new_tokens
+        return new_tokens, self._load_async
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Plan the load of ``num_external_tokens`` into the blocks vLLM just allocated."""
+        state = self._state(request)
+        if num_external_tokens <= 0:
+            return
+        if state.local_tokens % self._bs or num_external_tokens % self._bs:
+            raise ValueError(
+                f"store connector: hit of {num_external_tokens} tokens after"
+                f" {state.local_tokens} local ones is not block-aligned ({self._bs})"
+            )
+        first = state.local_tokens // self._bs
+        end = first + num_external_tokens // self._bs
+        keys = self._keys_upto(state, end)
+        spec = LoadSpec(
+            req_id=state.req_id,
+            block_ids=tuple(block_ids[first:end]),
+            keys=tuple(tuple(k.hex for k in rank_keys[first:end]) for rank_keys in keys),
+            is_async=self._load_async,
+        )
+        state.load = spec
+        self._pending_loads = [s for s in self._pending_loads if s.req_id != state.req_id]
+        self._pending_loads.append(spec)
+
+    # ------------------------------------------------------------------ per step
+
+    def build_plan(self, scheduler_output: Any) -> StorePlan:
+        """This step's loads and saves; resets the pending loads."""
+        scheduled: list[tuple[_Request, int]] = []
+        num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:  # not seen by lookup (should not happen): save nothing for it
+                continue
+            state.block_ids = list(new.block_ids[0])
+            scheduled.append((state, new.num_computed_tokens + num_scheduled.get(new.req_id, 0)))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            scheduled.append((state, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)))
+        saves = [s for s in (self._save_spec(st, done) for st, done in scheduled) if s is not None]
+        loads, self._pending_loads = self._pending_loads, []
+        return StorePlan(loads=tuple(loads), saves=tuple(saves), scheduler_pid=os.getpid())
+
+    def _save_spec(self, state: _Request, computed_after_step: int) -> SaveSpec | None:
+        if not self._saves:
+            return None
+        full = min(
+            computed_after_step // self._bs,
+            len(state.block_ids),
+            len(state.tokens()) // self._bs,
+        )
+        start = state.saved_blocks
+        if full <= start:
+            return None
+        keys = self._keys_upto(state, full)
+        state.saved_blocks = full
+        return SaveSpec(
+            req_id=state.req_id,
+            block_ids=tuple(state.block_ids[start:full]),
+            keys=tuple(tuple(k.hex for k in rank_keys[start:full]) for rank_keys in keys),
+            parents=tuple(rank_keys[start - 1].hex if start else None for rank_keys in keys),
+        )
+
+    def on_load_errors(self, invalid_block_ids: Iterable[int]) -> None:
+        """Blocks that failed to load will be recomputed: save them again afterwards."""
+        invalid = set(invalid_block_ids)
+        if not invalid:
+            return
+        for state in self._requests.values():
+            if state.load is None:
+                continue
+            for i, block_id in enumerate(state.load.block_ids):
+                if block_id in invalid:
+                    first = state.local_tokens // self._bs
+                    state.saved_blocks = min(state.saved_blocks, first + i)
+                    break
+
+    def request_finished(self, request: Any) -> None:
+        # A planned load stays planned even if the request was aborted meanwhile: vLLM
+        # holds its blocks until the worker reports the load finished, so the worker must
+        # see it (it skips the copy of a request it knows is finished).
+        self._requests.pop(request.request_id, None)
+
+    @property
+    def num_tracked(self) -> int:
+        """Live requests remembered (tests check that finished ones are forgotten)."""
+        return len(self._requests)
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            self._log.warning("[KVPoolStoreConnector] %s", message)

@@ -1,0 +1,196 @@
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvpool.connectors.store_pool import PoolHandle
+from kvpool.connectors.store_scheduler import StoreScheduler
+from kvpool.core.keys import KeyNamespace, chunk_keys
+from tests.connectors.fake_pool import FakePool
+
+BS = 4
+NS = KeyNamespace("m", "float32", BS, layout="cpu:test", tp_size=1)
+
+
+class Req:
+    def __init__(self, req_id: str, tokens: Sequence[int]) -> None:
+        self.request_id = req_id
+        self.all_token_ids = list(tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def make(
+    pool: FakePool, *, ns: KeyNamespace = NS, saves: bool = True, load_async: bool = False
+) -> StoreScheduler:
+    handle = PoolHandle(lambda: pool, reconnect_interval_s=60, describe="fake")
+    return StoreScheduler(
+        namespace=ns,
+        pool=handle,
+        saves=saves,
+        load_async=load_async,
+        logger=logging.getLogger("test"),
+    )
+
+
+def step(
+    new: Sequence[tuple[str, list[int], int, int]] = (),
+    cached: Sequence[tuple[str, list[int] | None, int, int]] = (),
+    resumed: set[str] | None = None,
+) -> Any:
+    """new: (req_id, block_ids, num_computed, num_scheduled); cached likewise."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c, _ in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, *_ in cached],
+            resumed_req_ids=resumed or set(),
+            new_block_ids=[None if b is None else (b,) for _, b, _, _ in cached],
+            num_computed_tokens=[c for _, _, c, _ in cached],
+        ),
+        num_scheduled_tokens={r: n for r, _, _, n in [*new, *cached]},
+    )
+
+
+def fill(
+    pool: FakePool, tokens: Sequence[int], ns: KeyNamespace = NS, upto: int | None = None
+) -> None:
+    for key in chunk_keys(tokens, ns)[:upto]:
+        pool.objects[key.hex] = b"x"
+
+
+def test_miss_then_save_plan_with_key_chain() -> None:
+    pool = FakePool()
+    sched = make(pool)
+    req = Req("a", range(10))  # 2 full blocks + 2 tokens
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, [], 0)
+    plan = sched.build_plan(step(new=[("a", [7, 8, 9], 0, 10)]))
+    assert plan.loads == ()
+    (save,) = plan.saves
+    keys = [k.hex for k in chunk_keys(list(range(10)), NS)]
+    assert save.block_ids == (7, 8) and save.keys == (tuple(keys),) and save.parents == (None,)
+    # Nothing new next step until another block fills.
+    req.all_token_ids.append(10)
+    plan = sched.build_plan(step(cached=[("a", None, 10, 1)]))
+    assert plan.saves == ()
+    req.all_token_ids.append(11)
+    plan = sched.build_plan(step(cached=[("a", None, 11, 1)]))
+    (save,) = plan.saves
+    keys = [k.hex for k in chunk_keys(list(range(12)), NS)]
+    assert save.block_ids == (9,) and save.keys == ((keys[2],),) and save.parents == (keys[1],)
+
+
+def test_hit_leaves_one_token_and_plans_the_load() -> None:
+    pool = FakePool()
+    tokens = list(range(100, 112))  # exactly 3 blocks
+    fill(pool, tokens)
+    sched = make(pool)
+    req = Req("b", tokens)
+    # All 3 blocks are cached, but one token must be left to compute: 2 blocks.
+    assert sched.get_num_new_matched_tokens(req, 0) == (8, False)
+    assert sched.get_num_new_matched_tokens(req, 4) == (4, False)  # local hit of 1 block
+    sched.update_state_after_alloc(req, [5, 6, 7], 4)
+    plan = sched.build_plan(step(new=[("b", [5, 6, 7], 8, 4)]))
+    (load,) = plan.loads
+    keys = [k.hex for k in chunk_keys(tokens, NS)]
+    assert load.block_ids == (6,) and load.keys == ((keys[1],),) and not load.is_async
+    # The third block was in the pool at lookup: it is not written again.
+    assert plan.saves == ()
+    assert sched.counters["hit_tokens"] == 12 and sched.counters["lookups"] == 2
+    # A later step must not re-emit the load.
+    assert sched.build_plan(step(cached=[("b", None, 12, 1)])).loads == ()
+
+
+def test_async_flag_and_partial_prefix() -> None:
+    pool = FakePool()
+    tokens = list(range(20))
+    fill(pool, tokens, upto=2)
+    sched = make(pool, load_async=True)
+    assert sched.get_num_new_matched_tokens(Req("c", tokens), 0) == (8, True)
+
+
+def test_every_tp_rank_must_hold_the_chunk() -> None:
+    ns = KeyNamespace("m", "float32", BS, layout="cpu:test", tp_size=2)
+    pool = FakePool()
+    tokens = list(range(17))
+    fill(pool, tokens, ns.for_rank(0), upto=4)
+    fill(pool, tokens, ns.for_rank(1), upto=2)
+    sched = make(pool, ns=ns)
+    req = Req("d", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (8, False)
+    sched.update_state_after_alloc(req, [1, 2, 3, 4, 5], 8)
+    (load,) = sched.build_plan(step(new=[("d", [1, 2, 3, 4, 5], 8, 9)])).loads
+    assert len(load.keys) == 2 and load.keys[0] != load.keys[1]
+    assert load.keys[1] == tuple(k.hex for k in chunk_keys(tokens, ns.for_rank(1))[:2])
+
+
+def test_dead_pool_is_a_miss_and_probing_takes_no_lease() -> None:
+    pool = FakePool()
+    sched = make(pool)
+    pool.down = True
+    assert sched.get_num_new_matched_tokens(Req("e", range(50)), 0) == (0, False)
+    assert sched.counters["lookup_errors"] == 1
+    # Marked down: the next lookup does not even reach the pool.
+    calls = pool.calls["prefix_lookup"]
+    assert sched.get_num_new_matched_tokens(Req("f", range(50)), 0) == (0, False)
+    assert pool.calls["prefix_lookup"] == calls
+    assert pool.leases == 0 and pool.calls["get_into"] == 0
+
+
+def test_consumer_without_put_saves_nothing() -> None:
+    sched = make(FakePool(), saves=False)
+    req = Req("g", range(9))
+    sched.get_num_new_matched_tokens(req, 0)
+    assert sched.build_plan(step(new=[("g", [0, 1, 2], 0, 9)])).saves == ()
+
+
+def test_short_prompt_skips_the_pool() -> None:
+    pool = FakePool()
+    sched = make(pool)
+    assert sched.get_num_new_matched_tokens(Req("h", range(4)), 0) == (0, False)
+    assert pool.calls["prefix_lookup"] == 0
+
+
+def test_failed_load_moves_the_save_mark_back() -> None:
+    pool = FakePool()
+    tokens = list(range(13))
+    fill(pool, tokens)
+    sched = make(pool)
+    req = Req("i", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
+    sched.update_state_after_alloc(req, [3, 4, 5, 6], 12)
+    sched.build_plan(step(new=[("i", [3, 4, 5, 6], 12, 1)]))
+    sched.on_load_errors({5})
+    # vLLM recomputes from block index 2; after that step the blocks are saved again.
+    plan = sched.build_plan(step(cached=[("i", None, 8, 5)]))
+    (save,) = plan.saves
+    assert save.block_ids == (5,)
+
+
+def test_resumed_request_replaces_block_ids_and_finished_is_forgotten() -> None:
+    sched = make(FakePool())
+    req = Req("j", range(6))
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.build_plan(step(new=[("j", [1, 2], 0, 6)]))
+    req.all_token_ids.extend([6, 7])
+    plan = sched.build_plan(step(cached=[("j", [8, 9], 0, 8)], resumed={"j"}))
+    (save,) = plan.saves
+    assert save.block_ids == (9,)
+    sched.request_finished(req)
+    assert sched.num_tracked == 0
+
+
+def test_unaligned_external_hit_is_rejected() -> None:
+    sched = make(FakePool())
+    req = Req("k", range(20))
+    sched.get_num_new_matched_tokens(req, 0)
+    with pytest.raises(ValueError, match="block-aligned"):
+        sched.update_state_after_alloc(req, [1, 2, 3], 5)

@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from kvpool.connectors.store_plan import LoadSpec, SaveSpec, StorePlan
+from kvpool.connectors.store_pool import PoolHandle
+from kvpool.connectors.store_worker import PagedKV, StoreWorker
+from tests.connectors.fake_pool import FakePool
+
+NUM_BLOCKS, HEADS, BS, HEAD2 = 12, 2, 4, 6
+
+
+def kv_caches(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer.{i}": torch.randn(NUM_BLOCKS, HEADS, BS, HEAD2, generator=g) for i in range(3)}
+
+
+def make(pool: FakePool, caches: dict[str, torch.Tensor], rank: int = 0) -> StoreWorker:
+    def handle() -> PoolHandle:
+        return PoolHandle(lambda: pool, reconnect_interval_s=60, describe="fake")
+
+    worker = StoreWorker(
+        tp_rank=rank, pool=handle(), loader_pool=handle(), logger=logging.getLogger("t")
+    )
+    worker.register(caches)
+    return worker
+
+
+def keys(n: int, tag: str = "k") -> tuple[str, ...]:
+    return tuple(f"{tag}{i:031d}" for i in range(n))
+
+
+def save_plan(block_ids: tuple[int, ...], ks: tuple[str, ...]) -> StorePlan:
+    return StorePlan(saves=(SaveSpec("r", block_ids, (ks,), (None,)),))
+
+
+def load_plan(block_ids: tuple[int, ...], ks: tuple[str, ...], is_async: bool = False) -> StorePlan:
+    return StorePlan(loads=(LoadSpec("r2", block_ids, (ks,), is_async),))
+
+
+def test_pages_round_trip_between_engines() -> None:
+    pool = FakePool()
+    src, dst = kv_caches(1), kv_caches(2)
+    make(pool, src).save(save_plan((3, 0, 7), keys(3)))
+    assert len(pool.objects) == 3
+    assert list(pool.parents.values()) == [None, keys(3)[0], keys(3)[1]]
+    worker = make(pool, dst)
+    worker.start_loads(load_plan((5, 6, 1), keys(3)))
+    assert worker.take_invalid_block_ids() == set()
+    for name in src:
+        for s, d in ((3, 5), (0, 6), (7, 1)):
+            assert torch.equal(src[name][s], dst[name][d])
+    assert worker.counters["loaded_blocks"] == 3 and pool.leases == 0
+
+
+def test_failed_block_and_everything_after_it_are_reported() -> None:
+    pool = FakePool()
+    src, dst = kv_caches(1), kv_caches(2)
+    before = {n: t.clone() for n, t in dst.items()}
+    make(pool, src).save(save_plan((0, 1, 2, 3), keys(4)))
+    pool.corrupt.add(keys(4)[1])
+    worker = make(pool, dst)
+    worker.start_loads(load_plan((8, 9, 10, 11), keys(4)))
+    assert worker.take_invalid_block_ids() == {9, 10, 11}
+    assert worker.take_invalid_block_ids() == set()  # reported once
+    for name in src:
+        assert torch.equal(dst[name][8], src[name][0])
+        assert torch.equal(dst[name][10], before[name][10])  # never wrong data
+
+
+def test_missing_short_and_dead_pool_are_failures() -> None:
+    pool = FakePool()
+    worker = make(pool, kv_caches(3))
+    worker.start_loads(load_plan((1, 2), keys(2)))
+    assert worker.take_invalid_block_ids() == {1, 2}
+    pool.objects[keys(1, "s")[0]] = b"short"
+    worker.start_loads(load_plan((4,), keys(1, "s")))
+    assert worker.take_invalid_block_ids() == {4}
+    pool.down = True
+    worker.start_loads(load_plan((5,), keys(1)))
+    assert worker.take_invalid_block_ids() == {5}
+
+
+def wait_finished(worker: StoreWorker, finished: set[str] | None = None) -> set[str]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done = worker.finished_loads(finished or set())
+        if done:
+            return done
+        time.sleep(0.01)
+    raise AssertionError("async load never finished")
+
+
+def test_async_load_reports_once_with_its_failures() -> None:
+    pool = FakePool()
+    src, dst = kv_caches(1), kv_caches(2)
+    make(pool, src).save(save_plan((0, 1), keys(2)))
+    pool.objects.pop(keys(2)[1])
+    worker = make(pool, dst)
+    worker.start_loads(load_plan((6, 7), keys(2), is_async=True))
+    assert wait_finished(worker) == {"r2"}
+    assert worker.take_invalid_block_ids() == {7}
+    assert worker.finished_loads(set()) == set()
+    assert all(torch.equal(dst[n][6], src[n][0]) for n in src)
+    worker.shutdown()
+
+
+def test_aborted_async_load_is_still_reported() -> None:
+    pool = FakePool()
+    worker = make(pool, kv_caches(1))
+    make(pool, kv_caches(2)).save(save_plan(tuple(range(12)), keys(12)))
+    worker.start_loads(load_plan(tuple(range(12)), keys(12), is_async=True))
+    assert wait_finished(worker, {"r2"}) == {"r2"}
+    worker.shutdown()
+
+
+def test_save_stops_at_a_full_pool_but_skips_a_conflict() -> None:
+    pool = FakePool()
+    worker = make(pool, kv_caches(1))
+    pool.conflict.add(keys(3)[0])
+    worker.save(save_plan((0, 1, 2), keys(3)))
+    assert set(pool.objects) == set(keys(3)[1:])
+    pool.down = True
+    worker.save(save_plan((3, 4), keys(2, "z")))
+    assert worker.counters["save_errors"] == 1 and pool.calls["put_from"] == 4
+
+
+def test_rank_picks_its_own_keys() -> None:
+    pool = FakePool()
+    worker = make(pool, kv_caches(1), rank=1)
+    plan = StorePlan(saves=(SaveSpec("r", (0,), (keys(1, "a"), keys(1, "b")), (None, None)),))
+    worker.save(plan)
+    assert list(pool.objects) == [keys(1, "b")[0]]
+
+
+def test_paged_kv_rejects_mixed_layers() -> None:
+    with pytest.raises(ValueError, match="mixed layouts"):
+        PagedKV({"a": torch.zeros(2, 1, 4, 4), "b": torch.zeros(2, 2, 4, 4)})
+    paged = PagedKV(kv_caches(0))
+    assert paged.page_bytes == 3 * HEADS * BS * HEAD2 * 4

@@ -1,0 +1,103 @@
+"""Run one offline vLLM-CPU engine through a list of steps; print the results as JSON.
+
+Started by the e2e tests as ``python -m tests.e2e.vllm_offline SPEC.json`` with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the engine (scheduler, worker and — for the
+embedded backend — the pool) lives in this one process and starts in seconds.
+
+SPEC: {"model": dir, "kv_transfer_config": {...} | null, "prefix_caching": bool,
+       "pool": "embedded" | "none", "steps": [...]} with steps
+- {"op": "generate", "prompts": [str], "max_tokens": int}  → token ids, finish reasons,
+  num_cached_tokens per prompt, or the error if generate raised;
+- {"op": "damage", "mode": "remove" | "corrupt", "count": int} → damages the most recently
+  stored objects of the embedded pool (through the test double wrapped around it);
+- {"op": "stats"} → the store connector's counters so far (vLLM's Prometheus registry).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+RESULT_MARK = "KVPOOL_E2E_RESULT "
+
+
+def _counters() -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for metric in REGISTRY.collect():
+        if metric.name.startswith("vllm:kvpool_store_"):
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    key = sample.name.removeprefix("vllm:kvpool_store_").removesuffix("_total")
+                    out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def main(spec_path: str) -> int:
+    spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
+    from vllm import LLM, SamplingParams
+
+    from kvpool.connectors.store_pool import EmbeddedPools
+    from tests.e2e.damage import DamagingPool, make_embedded
+
+    damaging: DamagingPool | None = None
+    if spec.get("pool") == "embedded":
+        damaging = DamagingPool(make_embedded())
+        EmbeddedPools.install(damaging)
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("kv_transfer_config") is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        kv_cache_memory_bytes=spec.get("kv_cache_bytes", 32 << 20),
+        enable_prefix_caching=bool(spec.get("prefix_caching", False)),
+        disable_log_stats=False,
+        seed=0,
+        **kwargs,
+    )
+    results: list[Any] = []
+    for step in spec["steps"]:
+        op = step["op"]
+        if op == "generate":
+            params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 12))
+            try:
+                outs = llm.generate(step["prompts"], params, use_tqdm=False)
+            except Exception as exc:
+                results.append({"error": f"{type(exc).__name__}: {exc}"})
+                continue
+            results.append(
+                {
+                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "finish": [o.outputs[0].finish_reason for o in outs],
+                    "cached": [o.num_cached_tokens for o in outs],
+                }
+            )
+        elif op == "damage":
+            assert damaging is not None, "damage needs the embedded pool"
+            results.append(damaging.damage(step["mode"], step["count"]))
+        elif op == "stats":
+            results.append(_counters())
+        else:
+            raise ValueError(f"unknown op {op!r}")
+    print(RESULT_MARK + json.dumps(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1]))
+    except Exception:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(3)
