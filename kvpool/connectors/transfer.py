@@ -1,0 +1,217 @@
+"""KVPoolTransferConnector: direct P→D transfer of a request's KV blocks (the seed's L1).
+
+kvpool's counterpart of the seed's ``MooncakeConnectorV1``, a vLLM v1 KV connector.  Load
+it by module path, alone or as a child of vLLM's own ``MultiConnector``::
+
+    {"kv_connector": "KVPoolTransferConnector",
+     "kv_connector_module_path": "kvpool.connectors.transfer",
+     "kv_role": "kv_producer", "kv_port": "30000",
+     "kv_connector_extra_config": {"decode": {"dp_size": 1, "tp_size": 1}}}
+
+This module is the thin vLLM adapter: the decisions live in
+:mod:`kvpool.connectors.transfer_scheduler`, the bytes move in
+:mod:`kvpool.connectors.transfer_worker`, head routing in :mod:`kvpool.connectors.topology`,
+settings in :mod:`kvpool.connectors.transfer_config`.  P pushes nothing: D pulls from P's
+``kv_port`` after P has answered, so P's engine never waits on D.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpool.connectors.transfer_config import CONNECTOR_NAME, TransferConfig
+from kvpool.connectors.transfer_jobs import TransferJobs
+from kvpool.connectors.transfer_scheduler import TransferScheduler
+from kvpool.connectors.transfer_worker import PagedCaches, RankInfo, TransferWorker
+from kvpool.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KVPoolTransferConnector", "TransferMetadata", "byte_pages"]
+
+
+@dataclass
+class TransferMetadata(KVConnectorMetadata):
+    """Scheduler → workers, once per step."""
+
+    jobs: TransferJobs = field(default_factory=TransferJobs)
+
+
+def byte_pages(kv_caches: dict[str, torch.Tensor], block_size: int) -> PagedCaches:
+    """vLLM's per-layer KV tensors as byte arrays ``[num_blocks, heads, block_size, row]``.
+
+    The CPU layout is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; MLA's
+    ``[num_blocks, block_size, latent]`` is one replicated head.  The arrays share memory
+    with vLLM's tensors: pulls write straight into the KV cache.
+    """
+    layers = {}
+    for name, tensor in kv_caches.items():
+        if tensor.device.type != "cpu":
+            raise ConfigError(
+                f"{CONNECTOR_NAME} moves KV through host memory; layer {name} is on "
+                f"{tensor.device} (this build supports vLLM's CPU KV cache)"
+            )
+        if tensor.dim() == 3:
+            tensor = tensor.unsqueeze(1)
+        if tensor.dim() != 4 or not tensor.is_contiguous():
+            raise ConfigError(
+                f"{CONNECTOR_NAME}: layer {name} has an unsupported KV cache layout "
+                f"{tuple(tensor.shape)} (expected contiguous [blocks, heads, block_size, row])"
+            )
+        if tensor.shape[2] != block_size:
+            raise ConfigError(
+                f"{CONNECTOR_NAME}: layer {name} stores {tensor.shape[2]} tokens per kernel "
+                f"block but the scheduler's block size is {block_size}; use a --block-size "
+                "the attention kernel supports natively"
+            )
+        layers[name] = tensor.view(torch.uint8).numpy()
+    return PagedCaches(layers)
+
+
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):  # no TP group: a single-rank engine
+        return 0
+
+
+class KVPoolTransferConnector(KVConnectorBase_V1):
+    """vLLM connector for P→D KV transfer over TCP (pull by D from P's ``kv_port``)."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        ktc = self._kv_transfer_config
+        self._config = TransferConfig.from_values(
+            role=ktc.kv_role,
+            kv_port=ktc.kv_port,
+            engine_id=ktc.engine_id,
+            extra=ktc.kv_connector_extra_config,
+            env=os.environ,
+        )
+        parallel = vllm_config.parallel_config
+        self._block_size = int(vllm_config.cache_config.block_size)
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        self._single_group = groups == 1
+        self._scheduler: TransferScheduler | None = None
+        self._worker: TransferWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = TransferScheduler(
+                self._config,
+                block_size=self._block_size,
+                tp_size=parallel.tensor_parallel_size,
+                dp_rank=parallel.data_parallel_rank,
+                num_kv_cache_groups=groups,
+            )
+        else:
+            self._worker = TransferWorker(
+                self._config,
+                RankInfo(
+                    tp_rank=_tp_rank(vllm_config),
+                    tp_size=parallel.tensor_parallel_size,
+                    dp_rank=parallel.data_parallel_rank,
+                    total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+                ),
+            )
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def _sched(self) -> TransferScheduler:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return TransferMetadata(self._sched().build_jobs())
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    # -- worker side -------------------------------------------------------------------
+
+    def _work(self) -> TransferWorker:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register(byte_pages(kv_caches, self._block_size))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, TransferMetadata)
+        if metadata.jobs:
+            self._work().submit(metadata.jobs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # P does not push: D pulls the held blocks after P answered
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = self._work().results()
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = self._work().take_load_errors()
+        # Block ids are only unique within one KV cache group; with several, vLLM takes
+        # failures per request only (failed_recving), which get_transfer_results reports.
+        return errors if self._single_group else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
