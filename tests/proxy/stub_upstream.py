@@ -163,7 +163,12 @@ class StubUpstream:
         }
         if not body.get("stream"):
             if self.token_delay_s:
-                await asyncio.sleep(self.token_delay_s * len(tokens))
+                try:
+                    await asyncio.sleep(self.token_delay_s * len(tokens))
+                except asyncio.CancelledError:  # the client went away before the answer
+                    self.disconnects += 1
+                    self._disconnected.set()
+                    raise
             text = "".join(tokens)
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
             if chat:

@@ -191,6 +191,26 @@ def test_client_disconnect_mid_stream_aborts_the_decode_request() -> None:
     run(scenario())
 
 
+def test_client_leaving_before_a_whole_answer_aborts_the_decode_request() -> None:
+    async def scenario() -> None:
+        async with proxy_stack(token_delay_s=0.5) as stack:
+            body = {**COMPLETION, "max_tokens": 40}  # D answers after 20 s
+            url = stack.url + "/v1/completions"
+            waiting = asyncio.create_task(stack.session.post(url, json=body))
+            for _ in range(200):
+                if stack.decodes[0].received:
+                    break
+                await asyncio.sleep(0.05)
+            assert stack.decodes[0].received
+            waiting.cancel()  # the client gives up and drops its connection
+            await stack.decodes[0].wait_disconnect(timeout=10)
+            assert stack.decodes[0].disconnects == 1
+            status, _ = await _post(stack, "/v1/completions", {**COMPLETION, "max_tokens": 1})
+            assert status == 200
+
+    run(scenario())
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,237 @@
+"""The two upstream legs of a request: open one, relay one, and account for both.
+
+Used by :class:`~kvpool.proxy.server.ProxyServer`; the failure rules are listed there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from kvpool.proxy.metrics import ProxyMetrics
+from kvpool.proxy.openai import error_body, stream_error_event, upstream_error
+from kvpool.proxy.routing import Upstream, UpstreamGroup
+
+__all__ = ["STATUS_KEY", "TIMEOUT_ERRORS", "Legs", "json_error"]
+
+log = logging.getLogger("kvpool.proxy")
+
+# the status to count in metrics when it differs from the response's (a stream that
+# failed after its 200 went out, a client that left)
+STATUS_KEY = web.RequestKey("kvpool_status", int)
+CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+TIMEOUT_ERRORS = (aiohttp.ServerTimeoutError, TimeoutError)
+
+
+def json_error(
+    status: int, message: str, type_: str | None = None, upstream: str | None = None
+) -> web.Response:
+    headers = {"X-Kvpool-Upstream": upstream} if upstream else None
+    return web.json_response(error_body(status, message, type_), status=status, headers=headers)
+
+
+class Legs:
+    """Sends the P and D legs through one client session."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        prefill: UpstreamGroup,
+        decode: UpstreamGroup,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.session = session
+        self.prefill = prefill
+        self.decode = decode
+        self.metrics = metrics
+
+    async def _open(
+        self,
+        group: UpstreamGroup,
+        path: str,
+        payload: dict[str, Any],
+        headers: dict[str, str],
+        key: bytes | None,
+    ) -> tuple[Upstream, aiohttp.ClientResponse] | web.Response:
+        """Send to one endpoint of the group, trying the next one on a connect failure.
+        On success the upstream is acquired and the response is 200; the caller releases."""
+        data = msgspec.json.encode(payload)
+        tried: set[str] = set()
+        last_error = ""
+        while True:
+            up = group.pick(key, frozenset(tried))
+            if up is None:
+                if tried:
+                    return json_error(502, f"no {group.role} endpoint reachable: {last_error}")
+                return json_error(503, f"no healthy {group.role} endpoint in rotation")
+            tried.add(up.url)
+            self._acquire(group, up)
+            try:
+                resp = await self.session.post(up.url + path, data=data, headers=headers)
+            except CONNECT_ERRORS as exc:
+                self._release(group, up)
+                last_error = f"{up.url}: {exc}"
+                self._fail(group, up, "connect", last_error)
+                continue
+            except TIMEOUT_ERRORS:
+                self._release(group, up)
+                message = f"{group.role} endpoint {up.url} timed out"
+                self._fail(group, up, "timeout", message)
+                return json_error(504, message, upstream=up.url)
+            except aiohttp.ClientError as exc:
+                self._release(group, up)
+                message = f"{group.role} endpoint {up.url} failed: {exc!r}"
+                self._fail(group, up, "disconnect", message)
+                return json_error(502, message, upstream=up.url)
+            except BaseException:
+                self._release(group, up)
+                raise
+            if resp.status == 200:
+                return up, resp
+            try:
+                raw = await resp.read()
+            except (aiohttp.ClientError, *TIMEOUT_ERRORS):
+                raw = b""
+            finally:
+                resp.close()
+                self._release(group, up)
+            message, type_ = upstream_error(resp.status, raw)
+            if resp.status >= 500:
+                self._fail(group, up, "upstream_5xx", f"HTTP {resp.status}: {message}")
+            else:
+                self.metrics.errors.labels(group.role, "upstream_4xx").inc()
+            return json_error(resp.status, message, type_, upstream=up.url)
+
+    async def prefill_leg(
+        self, path: str, payload: dict[str, Any], headers: dict[str, str], key: bytes | None
+    ) -> dict[str, Any] | web.Response | None:
+        started = time.perf_counter()
+        opened = await self._open(self.prefill, path, payload, headers, key)
+        if isinstance(opened, web.Response):
+            return opened
+        up, resp = opened
+        try:
+            raw = await resp.read()
+        except TIMEOUT_ERRORS:
+            self._fail(self.prefill, up, "timeout", f"prefill endpoint {up.url} timed out")
+            return json_error(504, f"prefill endpoint {up.url} timed out", upstream=up.url)
+        except aiohttp.ClientError as exc:
+            message = f"prefill endpoint {up.url} broke off its reply: {exc!r}"
+            self._fail(self.prefill, up, "disconnect", message)
+            return json_error(502, message, upstream=up.url)
+        finally:
+            resp.close()
+            self._release(self.prefill, up)
+        self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+        try:
+            kv = msgspec.json.decode(raw).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            self.metrics.errors.labels("prefill", "bad_reply").inc()
+            return json_error(
+                502, f"prefill endpoint {up.url} sent a reply that is not a JSON object"
+            )
+        if not isinstance(kv, dict):
+            self.metrics.prefill_without_kv.inc()
+            return None
+        return kv
+
+    async def decode_leg(
+        self,
+        request: web.Request,
+        path: str,
+        payload: dict[str, Any],
+        headers: dict[str, str],
+        stream: bool,
+    ) -> web.StreamResponse:
+        started = time.perf_counter()
+        opened = await self._open(self.decode, path, payload, headers, None)
+        if isinstance(opened, web.Response):
+            return opened
+        up, resp = opened
+        try:
+            if not stream:
+                return await self._relay_whole(up, resp)
+            return await self._relay_stream(request, up, resp, headers["X-Request-Id"])
+        finally:
+            # closing (not releasing) an unfinished reply drops the connection, which is
+            # how vLLM learns that the client is gone and aborts the request
+            resp.close()
+            self._release(self.decode, up)
+            self.metrics.decode_seconds.observe(time.perf_counter() - started)
+
+    async def _relay_whole(self, up: Upstream, resp: aiohttp.ClientResponse) -> web.Response:
+        try:
+            raw = await resp.read()
+        except TIMEOUT_ERRORS:
+            self._fail(self.decode, up, "timeout", f"decode endpoint {up.url} timed out")
+            return json_error(504, f"decode endpoint {up.url} timed out", upstream=up.url)
+        except aiohttp.ClientError as exc:
+            message = f"decode endpoint {up.url} broke off its reply: {exc!r}"
+            self._fail(self.decode, up, "disconnect", message)
+            return json_error(502, message, upstream=up.url)
+        content_type = resp.headers.get("Content-Type", "application/json")
+        return web.Response(body=raw, headers={"Content-Type": content_type})
+
+    async def _relay_stream(
+        self, request: web.Request, up: Upstream, resp: aiohttp.ClientResponse, request_id: str
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(
+            headers={
+                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                "X-Request-Id": request_id,
+            }
+        )
+        await out.prepare(request)
+        try:
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+        except ConnectionResetError:
+            # the client went away between two chunks (when cancellation did not get there
+            # first); the finally of _decode_leg closes D's reply
+            self.metrics.errors.labels("client", "disconnect").inc()
+            request[STATUS_KEY] = 499
+            return out
+        except TIMEOUT_ERRORS:
+            message = f"decode endpoint {up.url} timed out mid-stream"
+            self._fail(self.decode, up, "timeout", message)
+            return await self._end_with_error(request, out, 504, message)
+        except aiohttp.ClientError as exc:
+            message = f"decode endpoint {up.url} broke off the stream: {exc!r}"
+            self._fail(self.decode, up, "stream", message)
+            return await self._end_with_error(request, out, 502, message)
+        await out.write_eof()
+        return out
+
+    async def _end_with_error(
+        self, request: web.Request, out: web.StreamResponse, status: int, message: str
+    ) -> web.StreamResponse:
+        request[STATUS_KEY] = status
+        try:
+            await out.write(stream_error_event(status, message))
+            await out.write_eof()
+        except ConnectionResetError:
+            pass  # the client is gone too; nothing left to tell
+        return out
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def _acquire(self, group: UpstreamGroup, up: Upstream) -> None:
+        group.acquire(up)
+        self.metrics.upstream_inflight.labels(group.role, up.url).set(up.inflight)
+
+    def _release(self, group: UpstreamGroup, up: Upstream) -> None:
+        group.release(up)
+        self.metrics.upstream_inflight.labels(group.role, up.url).set(up.inflight)
+
+    def _fail(self, group: UpstreamGroup, up: Upstream, kind: str, reason: str) -> None:
+        """Count the failure and take the endpoint out until its /health answers again."""
+        self.metrics.errors.labels(group.role, kind).inc()
+        if group.mark_down(up.url, reason):
+            self.metrics.upstream_healthy.labels(group.role, up.url).set(0)
+            log.warning("%s endpoint %s out of rotation: %s", group.role, up.url, reason)
