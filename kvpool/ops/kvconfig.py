@@ -124,7 +124,8 @@ def _spec(entry: object, where: str) -> ConnectorSpec:
     name = entry.get("kv_connector")
     if not isinstance(name, str) or not name:
         raise ConfigError(f'{where}: missing "kv_connector" (the connector class name)')
-    extra = entry.get("kv_connector_extra_config") or {}
+    extra = entry.get("kv_connector_extra_config")
+    extra = {} if extra is None else extra
     if not isinstance(extra, Mapping):
         raise ConfigError(f"{where}.kv_connector_extra_config: expected a JSON object")
     if name == "MultiConnector":

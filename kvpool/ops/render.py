@@ -167,9 +167,10 @@ def parse_inventory(data: Mapping[str, Any]) -> Inventory:
         raise ConfigError("hosts: the inventory lists no hosts; add [[hosts]] tables")
     hosts = tuple(_host(i, h, ports) for i, h in enumerate(raw_hosts))
     for role in _ROLES:
-        group = [h for h in hosts if h.role == role]
-        if not group:
+        if not any(h.role == role for h in hosts):
             raise ConfigError(f"hosts: no {role} host; P/D needs at least one of each role")
+    for role in _ROLES:
+        group = [h for h in hosts if h.role == role]
         if len({h.topology for h in group}) > 1:
             raise ConfigError(
                 f"hosts: {role} hosts differ in dp_size/tp_size"

@@ -1,0 +1,133 @@
+"""Helpers for the operator tools' tests: a stand-in master answering /health and /metrics on a
+real 127.0.0.1 socket, and helpers that build the seed's configurations."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+METRICS = (
+    "# TYPE kvpool_kv_cache_blocks_total gauge\nkvpool_kv_cache_blocks_total 12345\n"
+    "# TYPE kvpool_connected_clients gauge\nkvpool_connected_clients 8\n"
+)
+
+
+class StandInMaster:
+    """Serves what doctor reads from a master: /health and /metrics."""
+
+    def __init__(self, metrics: str = METRICS, health_status: int = 200) -> None:
+        self.metrics = metrics
+        self.health_status = health_status
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    status, body = owner.health_status, b'{"status":"ok"}'
+                elif self.path == "/metrics":
+                    status, body = 200, owner.metrics.encode()
+                else:
+                    status, body = 404, b"not found"
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> StandInMaster:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free right now, each with `count`-wide gaps unlikely to matter in tests."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# The seed's §5.2 / §5.3 configurations, with kvpool's class names and module paths.
+SEED_P: dict[str, Any] = {
+    "kv_connector": "MultiConnector",
+    "kv_role": "kv_producer",
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {
+        "connectors": [
+            {
+                "kv_connector": "KVPoolTransferConnector",
+                "kv_connector_module_path": "kvpool.connectors.transfer",
+                "kv_role": "kv_producer",
+                "kv_port": "30000",
+                "kv_connector_extra_config": {
+                    "prefill": {"dp_size": 4, "tp_size": 8},
+                    "decode": {"dp_size": 8, "tp_size": 4},
+                },
+            },
+            {
+                "kv_connector": "KVPoolStoreConnector",
+                "kv_connector_module_path": "kvpool.connectors.store",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"lookup_rpc_port": "0", "backend": "mooncake"},
+            },
+        ]
+    },
+}
+
+
+def seed_p() -> dict[str, Any]:
+    return copy.deepcopy(SEED_P)
+
+
+def seed_d() -> dict[str, Any]:
+    d = copy.deepcopy(SEED_P)
+    d["kv_role"] = "kv_consumer"
+    transfer, store = d["kv_connector_extra_config"]["connectors"]
+    transfer["kv_role"] = store["kv_role"] = "kv_consumer"
+    transfer["kv_port"] = "30100"
+    store["kv_connector_extra_config"]["load_async"] = True
+    return d
+
+
+def seedify(config: dict[str, Any]) -> dict[str, Any]:
+    """The same config under the seed's own class names (no module paths)."""
+    c = copy.deepcopy(config)
+    transfer, store = c["kv_connector_extra_config"]["connectors"]
+    transfer["kv_connector"], store["kv_connector"] = "MooncakeConnectorV1", "AscendStoreConnector"
+    del transfer["kv_connector_module_path"], store["kv_connector_module_path"]
+    return c
+
+
+def children(config: dict[str, Any]) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = config["kv_connector_extra_config"]["connectors"]
+    return result
+
+
+def as_json(config: dict[str, Any]) -> str:
+    return json.dumps(config)
+
+
+MLA_MODEL = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "num_attention_heads": 128}
+GQA_MODEL = {"model_type": "llama", "num_key_value_heads": 8, "num_attention_heads": 32}

@@ -1,0 +1,204 @@
+"""``kvpool config render``: the inventory's validation, the files it writes, and the proof
+that what it writes passes ``kvpool doctor``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.config import load_node_config
+from kvpool.errors import ConfigError
+from kvpool.ops.checks import Status
+from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
+from kvpool.ops.kvconfig import Topology, parse_kv_transfer_text, parse_vllm_command
+from kvpool.ops.render import load_inventory, parse_inventory, render, write_rendered
+from tests.ops.helpers import MLA_MODEL, StandInMaster, free_ports
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inventory.toml"
+
+
+def example() -> dict[str, Any]:
+    return tomllib.loads(EXAMPLE.read_text())
+
+
+def test_the_example_inventory_renders_the_seeds_configs() -> None:
+    files = render(parse_inventory(example()))
+    assert set(files) == {
+        "master.sh",
+        *(f"{h}/{f}" for h in ("p0", "d0") for f in (
+            "mooncake.json", "kv-transfer-config.json", "env.sh", "node.sh", "serve.sh",
+        )),
+    }  # fmt: skip
+    p0 = json.loads(files["p0/mooncake.json"])
+    d0 = json.loads(files["d0/mooncake.json"])
+    assert p0["metadata_server"] == d0["metadata_server"] == "10.0.0.1:50088"
+    assert (p0["local_hostname"], d0["local_hostname"]) == ("10.0.0.1", "10.0.0.2")
+    assert p0["enable_ssd_offload"] is True and "enable_ssd_offload" not in d0
+    assert "--host 10.0.0.1 --port 50088" in files["master.sh"]
+    assert "--enable_offload=true" in files["master.sh"]
+
+    p = parse_kv_transfer_text(files["p0/kv-transfer-config.json"])
+    d = parse_kv_transfer_text(files["d0/kv-transfer-config.json"])
+    assert p.top.raw["kv_load_failure_policy"] == d.top.raw["kv_load_failure_policy"]
+    assert p.top.raw["kv_load_failure_policy"] == "recompute"
+    assert "kv_load_failure_policy" not in p.children[0].raw
+    assert {e.role for e in p.entries} == {"kv_producer"}
+    assert {e.role for e in d.entries} == {"kv_consumer"}
+    assert p.transfer is not None and d.transfer is not None
+    assert (p.transfer.port("kv_port"), d.transfer.port("kv_port")) == (30000, 30100)
+    # the peer's layout, as the seed's §5.4 requires
+    assert p.transfer.topology("decode") == Topology(8, 4)
+    assert d.transfer.topology("prefill") == Topology(4, 8)
+    assert p.store is not None and d.store is not None
+    assert p.store.port("lookup_rpc_port") == 0
+    assert d.store.extra["load_async"] is True and "load_async" not in p.store.extra
+
+    command = parse_vllm_command(files["d0/serve.sh"])
+    assert command.topology == Topology(8, 4) and command.model == "/workspace/GLM-5.2-w8a8"
+    assert command.kv_transfer_config is not None
+    assert json.loads(command.kv_transfer_config) == json.loads(files["d0/kv-transfer-config.json"])
+    assert "KVPOOL_CONNECT_TIMEOUT_MS=16000" in files["d0/env.sh"]  # 500 ms × 32 decode ranks
+
+
+def test_rendered_node_configs_load_with_the_real_loader(tmp_path: Path) -> None:
+    write_rendered(render(parse_inventory(example())), tmp_path)
+    node = load_node_config(tmp_path / "p0" / "mooncake.json", env={})
+    assert node.ssd_offload_limit == 1000 * 2**30
+    assert node.global_segment_size == 64 * 10**9
+    assert os.access(tmp_path / "master.sh", os.X_OK)
+
+
+def _broken(**changes: Any) -> dict[str, Any]:
+    data = copy.deepcopy(example())
+    for key, value in changes.items():
+        if key.startswith("host0_"):
+            data["hosts"][0][key.removeprefix("host0_")] = value
+        elif key.startswith("host1_"):
+            data["hosts"][1][key.removeprefix("host1_")] = value
+        else:
+            data[key] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        (_broken(modle="/m"), "modle"),
+        (_broken(host0_rol="prefill"), "hosts[0].rol"),
+        (_broken(host1_role="router"), "hosts[1].role"),
+        (_broken(host1_role="prefill"), "no decode host"),
+        (_broken(hosts=[]), "no hosts"),
+        (_broken(host0_tp_size=0), "hosts[0].tp_size"),
+        (_broken(global_segment_size="lots"), "global_segment_size"),
+        (_broken(master={"eviction_ratio": 2}), "--eviction_ratio"),
+        (_broken(master={"default_kv_lease_ttl": 5000}), "default_kv_lease_ttl"),
+        (_broken(host1_address="10.0.0.1", host1_kv_port=30010), "overlap"),
+        (_broken(host1_address="10.0.0.1", host1_http_port=8100), "http_port"),
+        (_broken(host1_name="p0"), "share a name"),
+    ],
+)
+def test_inventory_mistakes_are_errors_naming_the_key(data: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_inventory(data)
+    assert fragment in str(err.value)
+
+
+def test_hosts_of_one_role_with_different_layouts_are_refused() -> None:
+    data = example()
+    data["hosts"].append({**data["hosts"][1], "name": "d1", "address": "10.0.0.3", "tp_size": 2})
+    with pytest.raises(ConfigError, match="differ in dp_size/tp_size"):
+        parse_inventory(data)
+
+
+def test_json_inventories_work_and_bad_files_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "inventory.json"
+    path.write_text(json.dumps(example()))
+    assert parse_inventory(load_inventory(path)).model == "/workspace/GLM-5.2-w8a8"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("hosts = [")
+    with pytest.raises(ConfigError, match=r"bad\.toml"):
+        load_inventory(bad)
+
+
+def _local_inventory(tmp_path: Path, master: StandInMaster) -> dict[str, Any]:
+    """P and D on this host, as `kvpool up` runs them, with free ports and a real SSD dir."""
+    base = free_ports(1)[0] % 20000 + 20000
+    ssd = tmp_path / "nvme"
+    ssd.mkdir()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(MLA_MODEL))
+    return {
+        "model": str(model),
+        "config_dir": str(tmp_path / "unused"),
+        "master_port": master.port,
+        "global_segment_size": "64MiB",
+        "consumer_is_to_put": True,
+        "prefill_kv_port": base,
+        "decode_kv_port": base + 100,
+        "hosts": [
+            {"name": "p0", "address": "127.0.0.1", "role": "prefill", "tp_size": 2,
+             "ssd_offload_path": str(ssd), "ssd_offload_limit": "1MB"},
+            {"name": "d0", "address": "127.0.0.1", "role": "decode", "dp_size": 2},
+        ],
+    }  # fmt: skip
+
+
+def test_rendered_configs_pass_doctor(tmp_path: Path, master: StandInMaster) -> None:
+    inventory = _local_inventory(tmp_path, master)
+    out = tmp_path / "out"
+    write_rendered(render(parse_inventory(inventory)), out)
+    for name in ("p0", "d0"):  # doctor on each node, both instances on this one host
+        env = {"KVPOOL_CONFIG_PATH": str(out / name / "mooncake.json")}
+        for line in (out / name / "env.sh").read_text().splitlines():
+            if line.startswith(("export KVPOOL_CONNECT", "export KVPOOL_TRANSFER")):
+                key, _, value = line.removeprefix("export ").partition("=")
+                env[key] = value
+        options = DoctorOptions(
+            prefill_config=str(out / "p0" / "serve.sh"),
+            decode_config=str(out / "d0" / "serve.sh"),
+            model=inventory["model"],
+            master=master.address,
+            master_cmd=str(out / "master.sh"),
+            probe_keys=False,
+        )
+        checks = run_doctor(options, env=env)
+        report = format_text(checks)
+        assert [c for c in checks if c.status in (Status.FAIL, Status.WARN)] == [], report
+        names = {c.name for c in checks if c.status is Status.PASS}
+        assert {"connector.peer_topology[prefill]", "connector.peer_topology[decode]"} <= names
+        assert {"master.health", "ssd.offload", "timeouts.lease", "config.master"} <= names
+
+
+def test_the_render_command_writes_files_and_refuses_a_bad_inventory(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "kvpool", "config", "render", str(EXAMPLE), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (out / "d0" / "kv-transfer-config.json").is_file()
+    assert "master: 10.0.0.1:50088" in done.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model = "/m"\n[[hosts]]\naddress = "h"\nrole = "prefill"\n')
+    done = subprocess.run(
+        [*cmd[:5], str(bad), "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "no decode host" in done.stderr
+
+
+def test_config_check_prints_a_valid_file_and_names_a_bad_key(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"local_hostname": "h", "metadata_server": "m:50088"}))
+    cmd = [sys.executable, "-m", "kvpool", "config", "check", str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "master_port = 50088" in done.stdout
+    path.write_text(json.dumps({"local_hostname": "h", "metadata_sever": "m:50088"}))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "metadata_sever" in done.stderr
