@@ -236,11 +236,12 @@ def test_unreachable_decode_is_skipped_and_taken_out() -> None:
 def test_slow_decode_is_a_timeout_not_a_hang() -> None:
     async def scenario() -> None:
         async with proxy_stack(
-            token_delay_s=5.0, read_timeout_s=0.3, health_interval_s=3600
+            token_delay_s=20.0, read_timeout_s=1.0, health_interval_s=3600
         ) as stack:
             sent = {**COMPLETION, "max_tokens": 2}
             status, reply = await _post(stack, "/v1/completions", sent)
             assert status == 504
+            assert reply["error"]["message"].startswith("decode endpoint ")
             assert "timed out" in reply["error"]["message"]
             assert not stack.proxy.decode.upstreams[0].healthy
             await stack.proxy.check_health()  # alive, only slow: back in rotation
