@@ -30,11 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool.connectors.transfer_config import CONNECTOR_NAME, TransferConfig
+from kvpool.connectors.transfer_config import TransferConfig
 from kvpool.connectors.transfer_jobs import TransferJobs
+from kvpool.connectors.transfer_pages import byte_pages
 from kvpool.connectors.transfer_scheduler import TransferScheduler
-from kvpool.connectors.transfer_worker import PagedCaches, RankInfo, TransferWorker
-from kvpool.errors import ConfigError
+from kvpool.connectors.transfer_worker import RankInfo, TransferWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,37 +53,6 @@ class TransferMetadata(KVConnectorMetadata):
     """Scheduler → workers, once per step."""
 
     jobs: TransferJobs = field(default_factory=TransferJobs)
-
-
-def byte_pages(kv_caches: dict[str, torch.Tensor], block_size: int) -> PagedCaches:
-    """vLLM's per-layer KV tensors as byte arrays ``[num_blocks, heads, block_size, row]``.
-
-    The CPU layout is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; MLA's
-    ``[num_blocks, block_size, latent]`` is one replicated head.  The arrays share memory
-    with vLLM's tensors: pulls write straight into the KV cache.
-    """
-    layers = {}
-    for name, tensor in kv_caches.items():
-        if tensor.device.type != "cpu":
-            raise ConfigError(
-                f"{CONNECTOR_NAME} moves KV through host memory; layer {name} is on "
-                f"{tensor.device} (this build supports vLLM's CPU KV cache)"
-            )
-        if tensor.dim() == 3:
-            tensor = tensor.unsqueeze(1)
-        if tensor.dim() != 4 or not tensor.is_contiguous():
-            raise ConfigError(
-                f"{CONNECTOR_NAME}: layer {name} has an unsupported KV cache layout "
-                f"{tuple(tensor.shape)} (expected contiguous [blocks, heads, block_size, row])"
-            )
-        if tensor.shape[2] != block_size:
-            raise ConfigError(
-                f"{CONNECTOR_NAME}: layer {name} stores {tensor.shape[2]} tokens per kernel "
-                f"block but the scheduler's block size is {block_size}; use a --block-size "
-                "the attention kernel supports natively"
-            )
-        layers[name] = tensor.view(torch.uint8).numpy()
-    return PagedCaches(layers)
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
