@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import pytest
+
+from kvpool.connectors.store_pool import EmbeddedPools, PoolHandle
+from kvpool.errors import ObjectNotFound, PeerTimeout, TransferError
+from tests.connectors.fake_pool import FakePool
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_outage_fails_fast_then_reconnects() -> None:
+    pools: list[FakePool] = []
+
+    def opener() -> FakePool:
+        pools.append(FakePool())
+        return pools[-1]
+
+    clock = Clock()
+    handle = PoolHandle(opener, reconnect_interval_s=5, describe="test", clock=clock)
+    assert handle.call(lambda p: p.prefix_lookup(["a"])) == 0
+    pools[0].down = True
+    with pytest.raises(PeerTimeout):
+        handle.call(lambda p: p.prefix_lookup(["a"]))
+    assert pools[0].closed and "PeerTimeout" in handle.last_error
+    clock.now = 4.9
+    with pytest.raises(TransferError, match="unavailable"):
+        handle.call(lambda p: p.prefix_lookup(["a"]))
+    assert len(pools) == 1  # no reconnect attempt inside the interval
+    clock.now = 5.0
+    assert handle.call(lambda p: p.prefix_lookup(["a"])) == 0
+    assert len(pools) == 2
+
+
+def test_a_miss_is_an_answer_not_an_outage() -> None:
+    pool = FakePool()
+    handle = PoolHandle(lambda: pool, reconnect_interval_s=5, describe="test")
+    with pytest.raises(ObjectNotFound):
+        handle.call(lambda p: p.get_into("nope", bytearray(4)))
+    assert not pool.closed
+    assert handle.call(lambda p: p.batch_exists(["nope"])) == [False]
+
+
+def test_failed_open_is_retried_after_the_interval() -> None:
+    clock = Clock()
+    attempts = []
+
+    def opener() -> FakePool:
+        attempts.append(clock.now)
+        if len(attempts) == 1:
+            raise ConnectionRefusedError("no master")
+        return FakePool()
+
+    handle = PoolHandle(opener, reconnect_interval_s=2, describe="test", clock=clock)
+    with pytest.raises(TransferError, match="cannot open pool"):
+        handle.call(lambda p: p.prefix_lookup([]))
+    clock.now = 2.5
+    assert handle.call(lambda p: p.prefix_lookup([])) == 0
+    assert attempts == [0.0, 2.5]
+
+
+def test_embedded_pools_are_shared_per_process() -> None:
+    made: list[FakePool] = []
+    try:
+        a = EmbeddedPools.get("t1", lambda: made.append(FakePool()) or made[-1])
+        b = EmbeddedPools.get("t1", lambda: made.append(FakePool()) or made[-1])
+        a.put_from("k", b"abc")
+        assert b.get_into("k", bytearray(3)) == 3 and len(made) == 1
+        b.close()  # one user closing does not close the shared pool
+        assert not made[0].closed
+        with pytest.raises(ValueError, match="already exists"):
+            EmbeddedPools.install(FakePool(), "t1")
+    finally:
+        EmbeddedPools.release("t1")
+    assert made[0].closed and EmbeddedPools.peek("t1") is None

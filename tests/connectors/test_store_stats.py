@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+# Importing vLLM's metrics module imports torch modules that warn about their own
+# deprecations; pytest turns warnings into errors, so import it with them silenced.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from kvpool.connectors.store_stats import COUNTERS, KVPoolStoreStats, stats_from_counters
+
+
+def test_counters_become_stats_once() -> None:
+    counters: Counter[str] = Counter()
+    assert stats_from_counters(counters) is None
+    counters["lookups"] += 2
+    counters["query_tokens"] += 400
+    counters["hit_tokens"] += 100
+    stats = stats_from_counters(counters)
+    assert stats is not None and not counters
+    reduced = stats.reduce()
+    assert reduced["hit_rate"] == 0.25 and reduced["lookups"] == 2
+    assert set(COUNTERS) <= set(reduced)
+
+
+def test_aggregate_sums_worker_and_scheduler_counts() -> None:
+    a = KVPoolStoreStats(data={"hit_tokens": 5, "loaded_blocks": 1})
+    b = KVPoolStoreStats(data={"hit_tokens": 7, "saved_blocks": 3})
+    merged = a.aggregate(b)
+    assert merged.data["hit_tokens"] == 12 and merged.data["saved_blocks"] == 3
+    assert not merged.is_empty()
+    merged.reset()
+    assert merged.is_empty() and merged.reduce()["hit_rate"] == 0.0
