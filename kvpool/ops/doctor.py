@@ -29,11 +29,17 @@ from kvpool.errors import ConfigError
 from kvpool.ops import probes
 from kvpool.ops.checks import Check, Status, fail
 from kvpool.ops.checks_connector import ModelInfo, Side, connector_checks, model_info
+from kvpool.ops.checks_host import (
+    PortFacts,
+    SsdFacts,
+    check_peer_reachable,
+    check_ports,
+    check_ssd,
+    check_timeouts,
+)
 from kvpool.ops.checks_node import (
     ConfigFileFacts,
     MasterFacts,
-    PortFacts,
-    SsdFacts,
     check_config_file,
     check_hashseed,
     check_key_agreement,
@@ -41,10 +47,6 @@ from kvpool.ops.checks_node import (
     check_master,
     check_master_address,
     check_master_flags,
-    check_peer_reachable,
-    check_ports,
-    check_ssd,
-    check_timeouts,
 )
 from kvpool.ops.kvconfig import (
     KVTransferConfig,

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool.core.keys import KeyNamespace, chunk_keys
-from kvpool.ops.checks_node import MasterFacts, SsdFacts
+from kvpool.ops.checks_host import SsdFacts
+from kvpool.ops.checks_node import MasterFacts
 
 __all__ = [
     "PROBE_NAMESPACE",

@@ -131,3 +131,26 @@ def as_json(config: dict[str, Any]) -> str:
 
 MLA_MODEL = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "num_attention_heads": 128}
 GQA_MODEL = {"model_type": "llama", "num_key_value_heads": 8, "num_attention_heads": 32}
+
+
+def free_port_range(width: int, attempts: int = 50) -> int:
+    """A base port such that [base, base + width) is free now, below Linux's ephemeral range
+    (32768+) so that other processes' outgoing connections do not land in it meanwhile."""
+    import random
+
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 32000 - width)
+        socks = []
+        try:
+            for port in range(base, base + width):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {width} consecutive free ports found")

@@ -21,6 +21,7 @@ from tests.ops.helpers import (
     SEED_P,
     StandInMaster,
     children,
+    free_port_range,
     free_ports,
     seed_d,
     seed_p,
@@ -63,7 +64,7 @@ class Cluster:
             "KVPOOL_CONNECT_TIMEOUT": "16000",  # ≥ 500 ms × 32 decode ranks
         }
         # A gap of 200 between P and D: each has 32 ranks, so their port ranges are disjoint.
-        base = free_ports(1)[0] % 20000 + 20000
+        base = free_port_range(232)
         self.p, self.d = seed_p(), seed_d()
         children(self.p)[0]["kv_port"] = str(base)
         children(self.d)[0]["kv_port"] = str(base + 200)

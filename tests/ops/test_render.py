@@ -20,7 +20,7 @@ from kvpool.ops.checks import Status
 from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
 from kvpool.ops.kvconfig import Topology, parse_kv_transfer_text, parse_vllm_command
 from kvpool.ops.render import load_inventory, parse_inventory, render, write_rendered
-from tests.ops.helpers import MLA_MODEL, StandInMaster, free_ports
+from tests.ops.helpers import MLA_MODEL, StandInMaster, free_port_range
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inventory.toml"
 
@@ -130,7 +130,7 @@ def test_json_inventories_work_and_bad_files_are_named(tmp_path: Path) -> None:
 
 def _local_inventory(tmp_path: Path, master: StandInMaster) -> dict[str, Any]:
     """P and D on this host, as `kvpool up` runs them, with free ports and a real SSD dir."""
-    base = free_ports(1)[0] % 20000 + 20000
+    base = free_port_range(102)
     ssd = tmp_path / "nvme"
     ssd.mkdir()
     model = tmp_path / "model"
