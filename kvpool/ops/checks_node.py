@@ -168,42 +168,65 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
         )
         return results
     results.append(pass_("master.health", f"http://{addr}/health answers 200"))
-    results.append(_check_metrics(addr, facts.metrics_text))
+    results += _check_metrics(addr, facts.metrics_text)
     return results
 
 
-def _check_metrics(addr: str, text: str | None) -> Check:
+def _check_metrics(addr: str, text: str | None) -> list[Check]:
+    """Seed §8.1's grep, plus §8.3 row 5: a prefix hit ratio of 0, or a pool kept at its
+    eviction watermark (kvpool_prefix_blocks_total and kvpool_tier_*_bytes, as the master
+    exports them)."""
     grep = f'curl -s http://{addr}/metrics | grep -E "kv_cache|connected"'
     if not text:
-        return fail("master.metrics", f"http://{addr}/metrics gave nothing", grep)
-    values: dict[str, float] = {}
+        return [fail("master.metrics", f"http://{addr}/metrics gave nothing", grep)]
+    values: dict[tuple[str, str], float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                label = sample.labels.get("result") or sample.labels.get("tier") or ""
+                key = (sample.name, label)
+                values[key] = values.get(key, 0.0) + sample.value
     except ValueError as exc:
-        return fail("master.metrics", f"/metrics is not Prometheus text: {exc}", grep)
-    blocks = [n for n in values if "kv_cache" in n]
-    clients = [n for n in values if "connected" in n]
+        return [fail("master.metrics", f"/metrics is not Prometheus text: {exc}", grep)]
+    names = {name for name, _ in values}
+    blocks = sorted(n for n in names if "kv_cache" in n)
+    clients = sorted(n for n in names if "connected" in n)
     if not blocks or not clients:
-        return fail("master.metrics", "/metrics lacks the kv_cache/connected metrics", grep)
-    connected = values[clients[0]]
-    hits = sum(v for n, v in values.items() if "hit" in n and n.endswith("_total"))
-    lookups = sum(v for n, v in values.items() if "lookup" in n and n.endswith("_total"))
-    summary = f"{blocks[0]} {values[blocks[0]]:g}, {clients[0]} {connected:g}"
-    if connected == 0:
-        return warn(
+        return [fail("master.metrics", "/metrics lacks the kv_cache/connected metrics", grep)]
+    connected = values[(clients[0], "")]
+    summary = f"{blocks[0]} {values[(blocks[0], '')]:g}, {clients[0]} {connected:g}"
+    results = [
+        warn(
             "master.metrics",
             summary + ": no node or vLLM process is registered",
             "start the serving processes with KVPOOL_CONFIG_PATH pointing at this master",
         )
-    if lookups > 0 and hits == 0:
-        return warn(
-            "master.metrics",
-            f"{summary}; {lookups:g} lookups and 0 hits: prefixes differ or the pool is too full",
-            "lower --eviction_high_watermark_ratio or add memory (global_segment_size)",
+        if connected == 0
+        else pass_("master.metrics", summary)
+    ]
+    queried = values.get(("kvpool_prefix_blocks_total", "queried"), 0.0)
+    hit = values.get(("kvpool_prefix_blocks_total", "hit"), 0.0)
+    used = values.get(("kvpool_tier_used_bytes", "memory"), 0.0)
+    capacity = values.get(("kvpool_tier_capacity_bytes", "memory"), 0.0)
+    full = f"; memory tier {used / capacity:.0%} full" if capacity else ""
+    if queried > 0 and hit == 0:
+        results.append(
+            warn(
+                "master.hit_ratio",
+                f"prefix hit ratio 0 (0 of {queried:g} blocks){full}: prompts share no"
+                " prefix, or the pool evicts blocks before they are reused",
+                "lower --eviction_high_watermark_ratio or add memory (global_segment_size);"
+                " check that P and D use the same model and block size",
+            )
         )
-    return pass_("master.metrics", summary)
+    elif queried > 0:
+        results.append(
+            pass_(
+                "master.hit_ratio",
+                f"prefix hit ratio {hit / queried:.0%} ({hit:g} of {queried:g} blocks){full}",
+            )
+        )
+    return results
 
 
 def check_master_flags(master: MasterConfig | None, error: str | None) -> list[Check]:

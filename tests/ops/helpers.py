@@ -10,9 +10,17 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+# What the master's /metrics shows (names from kvpool.service.metrics).
 METRICS = (
     "# TYPE kvpool_kv_cache_blocks_total gauge\nkvpool_kv_cache_blocks_total 12345\n"
     "# TYPE kvpool_connected_clients gauge\nkvpool_connected_clients 8\n"
+    "# TYPE kvpool_tier_used_bytes gauge\n"
+    'kvpool_tier_used_bytes{tier="memory"} 500\nkvpool_tier_used_bytes{tier="ssd"} 0\n'
+    "# TYPE kvpool_tier_capacity_bytes gauge\n"
+    'kvpool_tier_capacity_bytes{tier="memory"} 1000\n'
+    "# TYPE kvpool_prefix_blocks counter\n"
+    'kvpool_prefix_blocks_total{result="queried"} 1000\n'
+    'kvpool_prefix_blocks_total{result="hit"} 420\n'
 )
 
 

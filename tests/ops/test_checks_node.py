@@ -89,19 +89,25 @@ def test_metrics_without_kv_cache_and_connected_fail() -> None:
 def test_healthy_master_passes_and_reports_the_seeds_numbers() -> None:
     checks = check_master(MasterFacts("h:1", None, 200, None, METRICS))
     assert all(c.status is Status.PASS for c in checks)
-    assert "12345" in checks[-1].message and "8" in checks[-1].message
+    metrics = next(c for c in checks if c.name == "master.metrics")
+    assert "kvpool_kv_cache_blocks_total 12345" in metrics.message
+    assert "kvpool_connected_clients 8" in metrics.message
+    ratio = next(c for c in checks if c.name == "master.hit_ratio")
+    assert "42% (420 of 1000 blocks)" in ratio.message and "50% full" in ratio.message
 
 
 def test_no_registered_clients_warns() -> None:
     text = "kvpool_kv_cache_blocks_total 0\nkvpool_connected_clients 0\n"
-    assert check_master(MasterFacts("h:1", None, 200, None, text))[-1].status is Status.WARN
+    checks = check_master(MasterFacts("h:1", None, 200, None, text))
+    assert checks[-1].status is Status.WARN and checks[-1].name == "master.metrics"
 
 
 # §8.3 "prefix hit rate stays 0: pool too full"
 def test_lookups_without_hits_warn_about_the_watermark() -> None:
-    text = METRICS + "kvpool_lookup_blocks_total 500\nkvpool_hit_blocks_total 0\n"
+    text = METRICS.replace('{result="hit"} 420', '{result="hit"} 0')
     check = check_master(MasterFacts("h:1", None, 200, None, text))[-1]
-    assert check.status is Status.WARN and "eviction_high_watermark_ratio" in check.fix
+    assert check.name == "master.hit_ratio" and check.status is Status.WARN
+    assert "eviction_high_watermark_ratio" in check.fix and "0 of 1000" in check.message
 
 
 def test_watermark_and_ratio_out_of_recommended_range_warn_and_bad_flags_fail() -> None:
