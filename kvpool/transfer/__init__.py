@@ -1,6 +1,7 @@
 """Moving bytes between processes and hosts.
 
 - :mod:`kvpool.transfer.wire` -- blocking-socket framing with deadlines (in-place receive).
+- :mod:`kvpool.transfer.channel` -- the same over one socket with fewer syscalls.
 - :mod:`kvpool.transfer.tcp` -- the segment data server and its TCP client connection.
 - :mod:`kvpool.transfer.shm` -- the same-host path through shared memory.
 - :mod:`kvpool.transfer.path` -- picks shared memory when possible, TCP otherwise.

@@ -12,8 +12,9 @@ multi-megabyte transfers with the GIL released, where an event loop would wake p
 - A frame whose body does not decode (unknown tag) gets an ``Error`` reply and the
   connection goes on; a bad header (magic, oversized) gets an ``Error`` and the
   connection is closed.  Either way only that connection is affected.
-- Once a request has started, every wait is bounded by ``timeout_s``; a client that
-  vanishes mid-payload only ends its own connection thread.
+- Once a request has started, every wait is bounded by ``timeout_s`` (see
+  :class:`~kvpool.transfer.channel.Channel`); a client that vanishes mid-payload only ends
+  its own connection thread.
 
 :class:`SegmentConnection` is the client side: ``write`` / ``read_into`` a caller
 buffer (bytes-like, NumPy, CPU tensor) at ``(segment_id, offset)``.
@@ -29,7 +30,15 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError, UnknownSegment
+from kvpool.errors import (
+    ChecksumMismatch,
+    KVPoolError,
+    ObjectNotFound,
+    PeerTimeout,
+    ProtocolError,
+    TransferError,
+    UnknownSegment,
+)
 from kvpool.protocol.codec import Codec
 from kvpool.protocol.data import (
     DataReply,
@@ -40,11 +49,15 @@ from kvpool.protocol.data import (
     SegmentInfoReply,
     SegmentRead,
     SegmentWrite,
+    SsdRead,
     error_reply,
 )
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.storage.segment import Segment
+from kvpool.storage.ssd import SsdStore
 from kvpool.transfer import wire
+from kvpool.transfer.channel import Channel
+from kvpool.transfer.wire import BadRequest
 
 __all__ = ["REPLY_CODEC", "REQUEST_CODEC", "SegmentConnection", "SegmentServer", "ServerStats"]
 
@@ -83,8 +96,10 @@ class SegmentServer:
         timeout_s: float = 10.0,
         idle_timeout_s: float | None = None,
         host_token: str = "",
+        ssd: SsdStore | None = None,
     ) -> None:
         self.host = host
+        self.ssd = ssd
         self.port = port
         self.timeout_s = timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -185,15 +200,18 @@ class SegmentServer:
     # -- one connection ---------------------------------------------------------
 
     def _serve_connection(self, conn: socket.socket) -> None:
+        channel: Channel[DataReply, DataRequest] = Channel(
+            conn, REPLY_CODEC, REQUEST_CODEC, self.timeout_s
+        )
         try:
-            while not self._stopping.is_set() and self._serve_one(conn):
+            while not self._stopping.is_set() and self._serve_one(channel):
                 pass
         except ProtocolError as exc:
             # Bad header: the stream cannot be resynchronised.  Say why, then close.
             self.stats.protocol_errors += 1
             log.warning("closing data connection after a malformed frame: %s", exc)
             with contextlib.suppress(KVPoolError):
-                self._reply(conn, error_reply(exc))
+                self._reply(channel, error_reply(exc))
         except (TransferError, PeerTimeout) as exc:
             self.stats.dropped_connections += 1
             log.info("data connection ended: %s", exc)
@@ -203,40 +221,45 @@ class SegmentServer:
             conn.close()
 
     def _reply(
-        self, conn: socket.socket, reply: DataReply, payload: memoryview | None = None
+        self,
+        channel: Channel[DataReply, DataRequest],
+        reply: DataReply,
+        payload: memoryview | None = None,
     ) -> None:
         if isinstance(reply, Error):
             self.stats.error_replies += 1
-        wire.send_frame(conn, REPLY_CODEC, reply, payload, wire.deadline_after(self.timeout_s))
+        channel.send(reply, payload)
 
-    def _serve_one(self, conn: socket.socket) -> bool:
+    def _serve_one(self, channel: Channel[DataReply, DataRequest]) -> bool:
         """Handle one request; ``False`` when the peer closed cleanly."""
-        got = wire.recv_request(conn, REQUEST_CODEC, self.timeout_s, self.idle_timeout_s)
+        got = channel.recv_request(self.idle_timeout_s)
         if got is None:
             return False
-        if isinstance(got, wire.BadRequest):
+        if isinstance(got, BadRequest):
             self.stats.protocol_errors += 1
-            self._reply(conn, error_reply(got.error))
+            self._reply(channel, error_reply(got.error))
             return True
         request, payload_length = got
-        deadline = wire.deadline_after(self.timeout_s)
         self.stats.requests += 1
         try:
-            reply, payload = self._handle(conn, request, payload_length, deadline)
+            reply, payload = self._handle(channel, request, payload_length)
+        except ChecksumMismatch as exc:  # a corrupt SSD object: a miss, not a broken link
+            self._reply(channel, error_reply(exc))
+            return True
         except (TransferError, PeerTimeout):
             raise
         except KVPoolError as exc:
-            self._reply(conn, error_reply(exc))
+            self._reply(channel, error_reply(exc))
             return True
-        self._reply(conn, reply, payload)
+        self._reply(channel, reply, payload)
         return True
 
     def _handle(
-        self, conn: socket.socket, request: DataRequest, payload_length: int, deadline: float
+        self, channel: Channel[DataReply, DataRequest], request: DataRequest, payload_length: int
     ) -> tuple[DataReply, memoryview | None]:
         expected = request.length if isinstance(request, SegmentWrite) else 0
         if payload_length != expected:
-            wire.discard(conn, payload_length, deadline)
+            channel.discard_payload(payload_length)
             raise ProtocolError(
                 f"{type(request).__name__} declares {expected} payload bytes, "
                 f"frame carries {payload_length}"
@@ -245,19 +268,35 @@ class SegmentServer:
             try:
                 target = self._segment(request.segment_id).view(request.offset, request.length)
             except KVPoolError:
-                wire.discard(conn, payload_length, deadline)
+                channel.discard_payload(payload_length)
                 raise
-            wire.recv_exactly_into(conn, target, deadline, "a segment write payload")
+            channel.recv_payload_into(target)  # straight into the segment's memory
             self.stats.bytes_written += request.length
             return Ok(), None
         if isinstance(request, SegmentRead):
             source = self._segment(request.segment_id).view(request.offset, request.length)
             self.stats.bytes_read += request.length
             return Ok(request.length), source
+        if isinstance(request, SsdRead):
+            return self._ssd_read(request)
         segment = self._segment(request.segment_id)
-        return SegmentInfoReply(
-            request.segment_id, segment.size, segment.name, self.host_token
-        ), None
+        info = SegmentInfoReply(request.segment_id, segment.size, segment.name, self.host_token)
+        return info, None
+
+    def _ssd_read(self, request: SsdRead) -> tuple[DataReply, memoryview | None]:
+        """An SSD object into a fresh buffer (the file is checked before anything is
+        sent, so a corrupt object is an error reply, never a payload)."""
+        if self.ssd is None:
+            raise ObjectNotFound(f"{request.key}: this node has no SSD tier")
+        size = self.ssd.value_size(request.key)
+        if size != request.length:
+            raise ObjectNotFound(
+                f"{request.key} on SSD has {size} bytes, the request expects {request.length}"
+            )
+        buf = memoryview(bytearray(size))
+        self.ssd.read_into(request.key, buf)
+        self.stats.bytes_read += size
+        return Ok(size), buf
 
 
 class SegmentConnection:
@@ -274,7 +313,7 @@ class SegmentConnection:
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
-        self._sock: socket.socket | None = None
+        self._channel: Channel[DataRequest, DataReply] | None = None
         self._lock = threading.Lock()
 
     def connect(self) -> None:
@@ -282,8 +321,8 @@ class SegmentConnection:
         with self._lock:
             self._connected()
 
-    def _connected(self) -> socket.socket:
-        if self._sock is None:
+    def _connected(self) -> Channel[DataRequest, DataReply]:
+        if self._channel is None:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
             except TimeoutError:
@@ -291,26 +330,26 @@ class SegmentConnection:
             except OSError as exc:
                 raise TransferError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
             wire.tune_socket(sock)
-            self._sock = sock
-        return self._sock
+            self._channel = Channel(sock, REQUEST_CODEC, REPLY_CODEC, self.timeout_s)
+        return self._channel
 
     def _exchange(
         self, request: DataRequest, out: memoryview | None, into: memoryview | None
     ) -> DataReply:
         """Send ``request`` (+ ``out``), receive the reply (+ its payload into ``into``)."""
         with self._lock:
-            sock = self._connected()
+            channel = self._connected()
             try:
                 deadline = wire.deadline_after(self.timeout_s)
-                wire.send_frame(sock, REQUEST_CODEC, request, out, deadline)
-                reply, length = wire.recv_frame(sock, REPLY_CODEC, deadline)
+                channel.send(request, out)
+                reply, length = channel.recv(deadline)
                 if length:
                     if into is None or length != len(into):
                         raise ProtocolError(
                             f"reply carries {length} payload bytes, expected "
                             f"{0 if into is None else len(into)}"
                         )
-                    wire.recv_exactly_into(sock, into, deadline, "a segment read payload")
+                    channel.recv_payload_into(into, deadline)
             except KVPoolError:
                 # The stream may be mid-frame: never reuse it.
                 self._drop()
@@ -340,6 +379,15 @@ class SegmentConnection:
         self.read_into(segment_id, offset, buf)
         return bytes(buf)
 
+    def ssd_read_into(self, key: str, buffer: Any) -> int:
+        """Fill ``buffer`` (exactly the object's size) from the node's SSD tier."""
+        dst = writable_byte_view(buffer)
+        reply = self._exchange(SsdRead(key, len(dst)), None, dst)
+        if not isinstance(reply, Ok) or reply.length != len(dst):
+            self.close()
+            raise ProtocolError(f"unexpected reply to an SSD read: {reply!r}")
+        return len(dst)
+
     def info(self, segment_id: str) -> SegmentInfoReply:
         """The segment's size, shared-memory name and host token."""
         reply = self._exchange(SegmentInfo(segment_id), None, None)
@@ -349,9 +397,9 @@ class SegmentConnection:
         return reply
 
     def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     def close(self) -> None:
         with self._lock:

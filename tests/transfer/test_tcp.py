@@ -256,5 +256,5 @@ def test_protocol_error_from_a_garbled_reply_drops_the_connection() -> None:
         conn = SegmentConnection(host, port, timeout_s=5)
         with pytest.raises(ProtocolError, match="magic"):
             conn.read("seg0", 0, 4)
-        assert conn._sock is None  # never reused mid-frame
+        assert conn._channel is None  # never reused mid-frame
         thread.join(10)

@@ -1,0 +1,342 @@
+"""Transfer benchmark: kvpool's data paths side by side with raw baselines, one run.
+
+    .venv/bin/python bench/transfer.py                 # all sizes, plain table
+    .venv/bin/python bench/transfer.py --markdown      # the table for docs/benchmarks.md
+    .venv/bin/python bench/transfer.py --sizes 1MiB --seconds 1
+
+Rows (each value size: 64 KiB, 1 MiB, 16 MiB by default):
+
+- ``memcpy``            baseline: ``numpy.copyto`` between two preallocated buffers.
+- ``raw tcp stream``    reference: one-way ``sendall`` / ``recv_into`` stream, no replies.
+- ``raw tcp write``     baseline: ``sendall`` a value, peer ``recv_into`` + 1-byte ack.
+- ``raw tcp read``      baseline: 1-byte request, peer ``sendall`` the value, ``recv_into``.
+- ``tcp write/read``    kvpool: :class:`SegmentConnection` against a :class:`SegmentServer`
+  in another process (framing, msgpack, bounds checks, error replies included).
+- ``shm write/read``    kvpool: :class:`ShmConnection` on the node's segment (same host).
+
+Every peer runs in its own process, as a storage node would.  The rows of one size
+run interleaved, ``--rounds`` times ``--seconds`` each, and each reports its median
+round; ``ratio`` is against the baseline named in its ``vs`` column, measured in this
+same run under the same load.
+
+To add rows (e.g. full ``Client.put``/``get`` and metadata latency), write a
+``*_cases`` function returning :class:`Case` objects (an ``op`` callable each; set
+``vs`` to name the row it is compared to) and add them to ``cases`` in :func:`main`;
+:func:`table` prints µs/op, so latency rows need nothing else (use ``size=0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import platform
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvpool.storage.segment import Segment
+from kvpool.transfer.shm import ShmConnection, host_token
+from kvpool.transfer.tcp import SegmentConnection, SegmentServer
+
+GiB = 1 << 30
+_CMD = struct.Struct("!cQQ")  # raw peer command: op, value size, count
+
+
+@dataclass(frozen=True)
+class Result:
+    """One row: ``ops`` operations of ``size`` bytes in ``seconds``."""
+
+    name: str
+    size: int
+    ops: int
+    seconds: float
+    vs: str = ""  # name of the baseline row (same size) the ratio is against
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.ops * self.size / GiB / self.seconds
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.ops / self.seconds
+
+    @property
+    def latency_us(self) -> float:
+        return self.seconds / self.ops * 1e6
+
+
+@dataclass(frozen=True)
+class Case:
+    """One thing to measure: ``op`` moves ``per_op`` values of ``size`` bytes."""
+
+    name: str
+    size: int
+    op: Callable[[], object]
+    vs: str = ""
+    per_op: int = 1
+
+
+def run_once(case: Case, seconds: float) -> Result:
+    """Run ``case.op`` for about ``seconds``."""
+    ops = 0
+    start = time.perf_counter()
+    end = start + seconds
+    while True:
+        case.op()
+        ops += 1
+        now = time.perf_counter()
+        if now >= end:
+            break
+    return Result(case.name, case.size, ops * case.per_op, now - start, case.vs)
+
+
+def measure(cases: list[Case], seconds: float, rounds: int) -> list[Result]:
+    """Interleave the cases for ``rounds`` rounds and keep each one's median round.
+
+    Interleaving puts a baseline and the path compared to it under the same machine
+    conditions (other load drifts over seconds), which matters more than run length.
+    """
+    for case in cases:  # warm-up: page faults, connections, caches
+        for _ in range(3):
+            case.op()
+    runs: dict[str, list[Result]] = {case.name: [] for case in cases}
+    for _ in range(rounds):
+        for case in cases:
+            runs[case.name].append(run_once(case, seconds))
+    return [sorted(runs[case.name], key=lambda r: r.gib_per_s)[rounds // 2] for case in cases]
+
+
+# -- peers (each in its own process) ---------------------------------------------
+
+
+def _raw_peer(ready: Connection, max_size: int) -> None:
+    """A minimal TCP peer: no framing library, just the socket calls."""
+    buf = memoryview(bytearray(max_size))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ready.send(listener.getsockname()[1])
+        listener.settimeout(1.0)
+        while not ready.poll():  # a thread per connection, until told to stop
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=_serve_raw, args=(conn, buf), daemon=True).start()
+
+
+def _serve_raw(conn: socket.socket, buf: memoryview) -> None:
+    """One connection = one op at one size (sent first), so the loop is bare socket calls."""
+    cmd = memoryview(bytearray(_CMD.size))
+    if conn.recv_into(cmd, _CMD.size, socket.MSG_WAITALL) != _CMD.size:
+        return
+    op, size, batch = _CMD.unpack(cmd)
+    value, ack = buf[:size], memoryview(bytearray(1))
+    try:
+        while True:
+            if op == b"W":  # receive a value, ack it
+                _recv_exactly(conn, value)
+                conn.sendall(b"k")
+            elif op == b"R":  # a 1-byte request, answer with a value
+                _recv_exactly(conn, ack)
+                conn.sendall(value)
+            else:  # "S": a one-way stream of `batch` values, one ack at the end
+                for _ in range(batch):
+                    _recv_exactly(conn, value)
+                conn.sendall(b"k")
+    except ConnectionError:
+        return
+    finally:
+        conn.close()
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def _segment_node(ready: Connection, size: int) -> None:
+    """A storage node: one segment served over TCP, attachable by name on this host."""
+    with Segment.create(size) as segment, SegmentServer(host_token=host_token()) as server:
+        server.add_segment("bench", segment)
+        ready.send((server.address[1], segment.name))
+        ready.recv()  # run until the benchmark says stop
+
+
+@contextmanager
+def peer(target: Callable[[Connection, int], None], size: int) -> Iterator[object]:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(there, size), daemon=True)
+    proc.start()
+    try:
+        if not here.poll(60):
+            raise RuntimeError(f"{target.__name__} did not start")
+        yield here.recv()
+    finally:
+        here.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+# -- measurements -------------------------------------------------------------------
+
+
+def memcpy_cases(size: int) -> list[Case]:
+    src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return [Case("memcpy", size, lambda: np.copyto(dst, src))]
+
+
+def raw_tcp_cases(stack: ExitStack, port: int, size: int) -> list[Case]:
+    value = memoryview(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8))
+    into = memoryview(bytearray(size))
+    ack = memoryview(bytearray(1))
+    batch = max(1, (16 << 20) // size)
+
+    def connect(op: bytes) -> socket.socket:
+        sock = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(_CMD.pack(op, size, batch))
+        return sock
+
+    w, r, st = connect(b"W"), connect(b"R"), connect(b"S")
+
+    def write() -> None:
+        w.sendall(value)
+        _recv_exactly(w, ack)
+
+    def read() -> None:
+        r.sendall(b"r")
+        _recv_exactly(r, into)
+
+    def stream() -> None:
+        for _ in range(batch):
+            st.sendall(value)
+        _recv_exactly(st, ack)
+
+    return [
+        Case("raw tcp stream", size, stream, per_op=batch),
+        Case("raw tcp write", size, write),
+        Case("raw tcp read", size, read),
+    ]
+
+
+def segment_tcp_cases(stack: ExitStack, port: int, size: int) -> list[Case]:
+    value = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+    into = np.empty_like(value)
+    conn = stack.enter_context(SegmentConnection("127.0.0.1", port, timeout_s=30))
+    return [
+        Case("tcp write", size, lambda: conn.write("bench", 0, value), "raw tcp write"),
+        Case("tcp read", size, lambda: conn.read_into("bench", 0, into), "raw tcp read"),
+    ]
+
+
+def segment_shm_cases(stack: ExitStack, shm_name: str, size: int) -> list[Case]:
+    value = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    into = np.empty_like(value)
+    shm = stack.enter_context(ShmConnection())
+    shm.attach("bench", shm_name)
+    return [
+        Case("shm write", size, lambda: shm.write("bench", 0, value), "memcpy"),
+        Case("shm read", size, lambda: shm.read_into("bench", 0, into), "memcpy"),
+    ]
+
+
+# -- report ----------------------------------------------------------------------
+
+
+def _size_label(size: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= div and size % div == 0:
+            return f"{size // div} {unit}"
+    return f"{size} B"
+
+
+def _ratio(row: Result, rows: list[Result]) -> str:
+    base = next((r for r in rows if r.name == row.vs and r.size == row.size), None)
+    return f"{row.gib_per_s / base.gib_per_s:.0%}" if base else ""
+
+
+def table(rows: list[Result], markdown: bool) -> str:
+    """Rows as a fixed-width (or Markdown) table with ratios to their baselines."""
+    head = ["size", "path", "GiB/s", "ops/s", "µs/op", "ratio", "vs"]
+    body = [
+        [
+            _size_label(r.size),
+            r.name,
+            f"{r.gib_per_s:.2f}",
+            f"{r.ops_per_s:,.0f}",
+            f"{r.latency_us:.1f}",
+            _ratio(r, rows),
+            r.vs,
+        ]
+        for r in rows
+    ]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        return "\n".join(lines)
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) for cells in [head, *body]
+    )
+
+
+def parse_size(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "b": 1}
+    lower = text.strip().lower()
+    for unit, mult in units.items():
+        if lower.endswith(unit):
+            return int(float(lower[: -len(unit)]) * mult)
+    return int(lower)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="64KiB,1MiB,16MiB", help="comma-separated sizes")
+    parser.add_argument("--seconds", type=float, default=0.3, help="time per row per round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    largest = max(sizes)
+
+    rows: list[Result] = []
+    with peer(_raw_peer, largest) as raw_port, peer(_segment_node, largest) as node:
+        seg_port, shm_name = node  # type: ignore[misc]
+        for size in sizes:
+            with ExitStack() as stack:
+                cases = memcpy_cases(size)
+                cases += raw_tcp_cases(stack, raw_port, size)  # type: ignore[arg-type]
+                cases += segment_tcp_cases(stack, seg_port, size)
+                cases += segment_shm_cases(stack, shm_name, size)
+                rows += measure(cases, args.seconds, args.rounds)
+    cpu = platform.processor() or platform.machine()
+    print(
+        f"# {time.strftime('%Y-%m-%d')} · Python {platform.python_version()} · "
+        f"{mp.cpu_count()} CPUs · {cpu}"
+    )
+    print(table(rows, args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
