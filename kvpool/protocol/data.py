@@ -5,6 +5,7 @@ Conversation on one connection (strictly request → reply, one at a time)::
     SegmentWrite(segment_id, offset, length) + payload of `length` bytes  →  Ok(length=0)
     SegmentRead(segment_id, offset, length)                               →  Ok(length) + payload
     SegmentInfo(segment_id)                                               →  SegmentInfoReply
+    SsdRead(key, length)                                                  →  Ok(length) + payload
     any request the node cannot honour                                    →  Error(code, message)
 
 A write's payload is always sent in full, even when the node will refuse it (it learns
@@ -31,6 +32,7 @@ __all__ = [
     "SegmentInfoReply",
     "SegmentRead",
     "SegmentWrite",
+    "SsdRead",
     "error_reply",
 ]
 
@@ -48,6 +50,14 @@ class SegmentRead(msgspec.Struct, frozen=True, tag=True):
 
     segment_id: str
     offset: int
+    length: int
+
+
+class SsdRead(msgspec.Struct, frozen=True, tag=True):
+    """Read an object of ``length`` bytes from the node's SSD tier; the reply's payload
+    carries it.  A missing or corrupt file is an ``Error`` (a miss)."""
+
+    key: str
     length: int
 
 
@@ -92,5 +102,5 @@ def error_reply(exc: BaseException) -> Error:
     return Error(error_code(exc), str(exc) or type(exc).__name__)
 
 
-DataRequest = SegmentWrite | SegmentRead | SegmentInfo
+DataRequest = SegmentWrite | SegmentRead | SegmentInfo | SsdRead
 DataReply = Ok | Error | SegmentInfoReply
