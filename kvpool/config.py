@@ -171,7 +171,7 @@ def _parse_ratio(value: object, *, key: str) -> float:
     except (TypeError, ValueError):
         raise ConfigError(f"{key}: expected a number in (0, 1], got {value!r}") from None
     if not 0.0 < ratio <= 1.0:
-        raise ConfigError(f"{key}: must be in (0, 1] (e.g. 0.9), got {ratio}")
+        raise ConfigError(f"{key}: must be in (0, 1], got {ratio}")
     return ratio
 
 
