@@ -10,13 +10,15 @@ SPEC: {"model": dir, "kv_transfer_config": {...} | null, "prefix_caching": bool,
   num_cached_tokens per prompt, or the error if generate raised;
 - {"op": "damage", "mode": "remove" | "corrupt", "count": int} → damages the most recently
   stored objects of the embedded pool (through the test double wrapped around it);
-- {"op": "stats"} → the store connector's counters so far (vLLM's Prometheus registry).
+- {"op": "stats"} → the store connector's counters so far (vLLM's Prometheus registry);
+- {"op": "kill", "pid": int} → SIGKILL that process (the master, mid-run).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -85,9 +87,12 @@ def main(spec_path: str) -> int:
             )
         elif op == "damage":
             assert damaging is not None, "damage needs the embedded pool"
-            results.append(damaging.damage(step["mode"], step["count"]))
+            results.append(damaging.damage(step["mode"], step["count"], step.get("start", 1)))
         elif op == "stats":
             results.append(_counters())
+        elif op == "kill":  # e.g. the master, mid-run
+            os.kill(int(step["pid"]), signal.SIGKILL)
+            results.append({"killed": step["pid"]})
         else:
             raise ValueError(f"unknown op {op!r}")
     print(RESULT_MARK + json.dumps(results), flush=True)
