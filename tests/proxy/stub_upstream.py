@@ -137,7 +137,9 @@ class StubUpstream:
             body = await request.json()
         except ValueError:
             return self._error(400, "invalid JSON")
-        body["_headers"] = {"X-Request-Id": request.headers.get("X-Request-Id")}
+        body["_headers"] = {
+            name: request.headers.get(name) for name in ("X-Request-Id", "Authorization")
+        }
         self.received.append((request.path, body))
         if self.fail_next:
             return self._error(*self.fail_next.pop(0))

@@ -61,6 +61,21 @@ def test_completion_goes_to_p_with_one_token_then_to_d_with_p_kv_params() -> Non
     run(scenario())
 
 
+def test_client_request_id_and_authorization_reach_both_legs() -> None:
+    async def scenario() -> None:
+        async with proxy_stack() as stack:
+            headers = {"X-Request-Id": "req-42", "Authorization": "Bearer sk-test"}
+            url = stack.url + "/v1/completions"
+            async with stack.session.post(url, json=COMPLETION, headers=headers) as resp:
+                assert resp.status == 200
+            for stub in (stack.prefills[0], stack.decodes[0]):
+                assert stub.received[0][1]["_headers"] == headers
+            kv = stack.decodes[0].received[0][1]["kv_transfer_params"]
+            assert kv["remote_request_id"] == "req-42"
+
+    run(scenario())
+
+
 def test_streamed_completion_passes_d_chunks_through_to_done() -> None:
     async def scenario() -> None:
         async with proxy_stack() as stack:

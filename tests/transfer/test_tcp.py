@@ -6,15 +6,25 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
 
-from kvpool.errors import PeerTimeout, PoolError, ProtocolError, TransferError, UnknownSegment
+from kvpool.errors import (
+    ChecksumMismatch,
+    ObjectNotFound,
+    PeerTimeout,
+    PoolError,
+    ProtocolError,
+    TransferError,
+    UnknownSegment,
+)
 from kvpool.protocol.codec import HEADER_SIZE, MAGIC, Codec
 from kvpool.protocol.data import DataReply, Error, Ok, SegmentRead, SegmentWrite
 from kvpool.storage.segment import Segment
+from kvpool.storage.ssd import SsdStore
 from kvpool.transfer import wire
 from kvpool.transfer.tcp import REPLY_CODEC, REQUEST_CODEC, SegmentConnection, SegmentServer
 
@@ -258,3 +268,32 @@ def test_protocol_error_from_a_garbled_reply_drops_the_connection() -> None:
             conn.read("seg0", 0, 4)
         assert conn._channel is None  # never reused mid-frame
         thread.join(10)
+
+
+def test_ssd_objects_are_read_over_the_data_connection(tmp_path: Path, segment: Segment) -> None:
+    ssd = SsdStore.open(tmp_path, 1 << 20)
+    ssd.put("k1", b"on-ssd" * 100)
+    ssd.put("k2", b"soon-corrupt")
+    with SegmentServer(ssd=ssd) as srv:
+        srv.add_segment("seg0", segment)
+        with connect(srv) as conn:
+            buf = bytearray(600)
+            assert conn.ssd_read_into("k1", buf) == 600 and buf == b"on-ssd" * 100
+            with pytest.raises(ObjectNotFound):
+                conn.ssd_read_into("missing", bytearray(3))
+            with pytest.raises(ObjectNotFound, match="expects"):
+                conn.ssd_read_into("k1", bytearray(10))
+            path = tmp_path / "k2"[:2] / "k2"
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 0xFF
+            path.write_bytes(raw)
+            with pytest.raises(ChecksumMismatch):
+                conn.ssd_read_into("k2", bytearray(12))
+            conn.write("seg0", 0, b"still-up")  # a miss does not cost the connection
+            assert conn.read("seg0", 0, 8) == b"still-up"
+    assert ssd.stats.corruptions == 1
+
+
+def test_node_without_ssd_answers_ssd_reads_with_a_miss(server: SegmentServer) -> None:
+    with connect(server) as conn, pytest.raises(ObjectNotFound, match="no SSD tier"):
+        conn.ssd_read_into("k", bytearray(1))
