@@ -11,12 +11,16 @@ role                   ``kv_role``: ``kv_producer`` (P), ``kv_consumer`` (D), ``
 kv_port                ``kv_port`` (the seed's P 30000 / D 30100); a base, see ``rank_port``
 engine_id              ``engine_id``; pairs a P with its D (see :func:`pairing_group`)
 peer                   ``kv_connector_extra_config["decode"]`` on P, ``["prefill"]`` on D
-kv_host                extra ``kv_host``, env ``KVPOOL_KV_HOST``, env ``VLLM_HOST_IP``,
-                       ``127.0.0.1``: the address P listens on and tells D to pull from
+kv_host                extra ``kv_host``, env ``KVPOOL_KV_HOST``, ``local_hostname`` of the
+                       node config (``KVPOOL_CONFIG_PATH`` / ``MOONCAKE_CONFIG_PATH``), env
+                       ``VLLM_HOST_IP``, ``127.0.0.1``: the address P listens on and tells D
+                       to pull from
 connect_timeout_ms     extra ``connect_timeout_ms``, env ``KVPOOL_CONNECT_TIMEOUT_MS``,
-                       env ``ASCEND_CONNECT_TIMEOUT`` (the seed's name), 10000
+                       ``KVPOOL_CONNECT_TIMEOUT``, ``ASCEND_CONNECT_TIMEOUT`` (the seed's
+                       name), 10000
 transfer_timeout_ms    extra ``transfer_timeout_ms``, env ``KVPOOL_TRANSFER_TIMEOUT_MS``,
-                       env ``ASCEND_TRANSFER_TIMEOUT`` (the seed's name), 10000
+                       ``KVPOOL_TRANSFER_TIMEOUT``, ``ASCEND_TRANSFER_TIMEOUT`` (the seed's
+                       name), 10000
 hold_timeout_ms        extra ``hold_timeout_ms``, env ``KVPOOL_HOLD_TIMEOUT_MS``, 120000:
                        how long P keeps a request's blocks for a D that never comes
 =====================  ========================================================================
@@ -32,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.config import CONNECT_TIMEOUT_VARS, TRANSFER_TIMEOUT_VARS
 from kvpool.connectors.topology import MAX_PORT, PeerTopology, parse_peer_topology
 from kvpool.errors import ConfigError
 
@@ -130,8 +135,10 @@ class TransferConfig:
         engine_id: str | None,
         extra: Mapping[str, Any],
         env: Mapping[str, str],
+        node_host: str | None = None,
     ) -> TransferConfig:
-        """Build from vLLM's ``KVTransferConfig`` fields and ``os.environ``."""
+        """Build from vLLM's ``KVTransferConfig`` fields, ``os.environ`` and the node config's
+        ``local_hostname`` (``node_host``) when there is one."""
         if role not in ROLES:
             raise ConfigError(
                 f"kv_role must be one of {list(ROLES)} for {CONNECTOR_NAME}, got {role!r}"
@@ -155,7 +162,12 @@ class TransferConfig:
         if peer is None and role == "kv_both":
             peer = parse_peer_topology(extra, "decode")
         parse_peer_topology(extra, "decode" if peer_key == "prefill" else "prefill")  # validate
-        host = extra.get("kv_host") or env.get("KVPOOL_KV_HOST") or env.get("VLLM_HOST_IP")
+        host = (
+            extra.get("kv_host")
+            or env.get("KVPOOL_KV_HOST")
+            or node_host
+            or env.get("VLLM_HOST_IP")
+        )
         if host is not None and (not isinstance(host, str) or not host.strip()):
             raise ConfigError(
                 f'kv_connector_extra_config["kv_host"] must be a host name, got {host!r}'
@@ -170,14 +182,14 @@ class TransferConfig:
                 extra,
                 env,
                 "connect_timeout_ms",
-                ("KVPOOL_CONNECT_TIMEOUT_MS", "ASCEND_CONNECT_TIMEOUT"),
+                CONNECT_TIMEOUT_VARS,
                 _DEFAULT_CONNECT_MS,
             ),
             transfer_timeout_ms=_timeout_ms(
                 extra,
                 env,
                 "transfer_timeout_ms",
-                ("KVPOOL_TRANSFER_TIMEOUT_MS", "ASCEND_TRANSFER_TIMEOUT"),
+                TRANSFER_TIMEOUT_VARS,
                 _DEFAULT_TRANSFER_MS,
             ),
             hold_timeout_ms=_timeout_ms(

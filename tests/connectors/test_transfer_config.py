@@ -15,9 +15,15 @@ def build(
     env: dict | None = None,
     port: object = "30000",
     engine_id: str | None = "g0",
+    node_host: str | None = None,
 ) -> TransferConfig:
     return TransferConfig.from_values(
-        role=role, kv_port=port, engine_id=engine_id, extra=extra or {}, env=env or {}
+        role=role,
+        kv_port=port,
+        engine_id=engine_id,
+        extra=extra or {},
+        env=env or {},
+        node_host=node_host,
     )
 
 
@@ -98,3 +104,8 @@ def test_pairing_group_ignores_generated_ids_and_dp_suffixes() -> None:
     assert pairing_group("eb936a3b-b9c7-4fe8-a829-51e4ea181170") is None
     assert pairing_group("eb936a3b-b9c7-4fe8-a829-51e4ea181170_dp1") is None
     assert build(engine_id="g7_dp2").group == "g7"
+
+
+def test_node_config_host_sits_between_explicit_and_vllm_host_ip() -> None:
+    assert build(env={"VLLM_HOST_IP": "10.0.0.7"}, node_host="10.0.0.8").kv_host == "10.0.0.8"
+    assert build(env={"KVPOOL_KV_HOST": "10.0.0.6"}, node_host="10.0.0.8").kv_host == "10.0.0.6"
