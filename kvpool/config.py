@@ -71,13 +71,13 @@ OFFLOAD_LIMIT_VARS = (
 )
 # Milliseconds.  The ``_MS`` spellings are accepted too, so either name works everywhere.
 CONNECT_TIMEOUT_VARS = (
-    "KVPOOL_CONNECT_TIMEOUT",
     "KVPOOL_CONNECT_TIMEOUT_MS",
+    "KVPOOL_CONNECT_TIMEOUT",
     "ASCEND_CONNECT_TIMEOUT",
 )
 TRANSFER_TIMEOUT_VARS = (
-    "KVPOOL_TRANSFER_TIMEOUT",
     "KVPOOL_TRANSFER_TIMEOUT_MS",
+    "KVPOOL_TRANSFER_TIMEOUT",
     "ASCEND_TRANSFER_TIMEOUT",
 )
 
@@ -275,8 +275,8 @@ NODE_KEYS: dict[str, str] = {
     "enable_ssd_offload": "keep evicted blocks on SSD under ssd_offload_path",
     "ssd_offload_path": "directory of the SSD tier (required with enable_ssd_offload)",
     "ssd_offload_limit": "SSD tier cap (size; env OFFLOAD_TOTAL_SIZE_LIMIT_BYTES wins)",
-    "connect_timeout_ms": "connect timeout, ms (env KVPOOL_/ASCEND_CONNECT_TIMEOUT wins)",
-    "transfer_timeout_ms": "transfer timeout, ms (env KVPOOL_/ASCEND_TRANSFER_TIMEOUT wins)",
+    "connect_timeout_ms": "connect timeout, ms (env KVPOOL_CONNECT_TIMEOUT_MS wins)",
+    "transfer_timeout_ms": "transfer timeout, ms (env KVPOOL_TRANSFER_TIMEOUT_MS wins)",
 }
 
 # Mooncake keys kvpool deliberately does not take, with the reason shown to the operator.

@@ -103,7 +103,7 @@ def check_timeouts(
                 "timeouts.lease",
                 f"default_kv_lease_ttl {lease_ttl_ms} ms ≤ transfer timeout {transfer} ms: a block"
                 " may be evicted while a slow transfer still reads it",
-                f"--default_kv_lease_ttl {transfer + 1000} (or lower KVPOOL_TRANSFER_TIMEOUT)",
+                f"--default_kv_lease_ttl {transfer + 1000} (or lower KVPOOL_TRANSFER_TIMEOUT_MS)",
             )
         )
     else:
@@ -121,7 +121,7 @@ def check_timeouts(
                 "timeouts.connect",
                 f"connect timeout {timeouts.connect_timeout_ms} ms < 500 ms × {decode_ranks}"
                 f" decode ranks = {need} ms",
-                f"export KVPOOL_CONNECT_TIMEOUT={need} (or ASCEND_CONNECT_TIMEOUT)",
+                f"export KVPOOL_CONNECT_TIMEOUT_MS={need} (or ASCEND_CONNECT_TIMEOUT)",
             )
         )
     else:
@@ -139,7 +139,7 @@ def check_timeouts(
                     "timeouts.transfer",
                     f"transfer timeout {transfer} ms ≤ 7 × RDMA timeout ({rdma_ms:.0f} ms from"
                     f" HCCL_RDMA_TIMEOUT={rdma_timeout_exp})",
-                    f"export KVPOOL_TRANSFER_TIMEOUT={int(7 * rdma_ms) + 1000}",
+                    f"export KVPOOL_TRANSFER_TIMEOUT_MS={int(7 * rdma_ms) + 1000}",
                 )
             )
         else:

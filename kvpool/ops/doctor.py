@@ -48,6 +48,7 @@ from kvpool.ops.checks_node import (
     check_master_address,
     check_master_flags,
 )
+from kvpool.ops.checks_settings import settings_checks, transfer_settings
 from kvpool.ops.kvconfig import (
     KVTransferConfig,
     command_argv,
@@ -286,6 +287,16 @@ def _decode_ranks(sides: Sequence[Side]) -> int | None:
     return None
 
 
+def _effective_timeouts(g: Gathered) -> Timeouts | None:
+    """The transfer connector's own values when it is configured here (its extra config and
+    variables win there), else the node config's / environment's."""
+    for side in g.sides:
+        settings = transfer_settings(side, g.env) if side.side in g.local_sides else None
+        if settings is not None:
+            return Timeouts(settings.connect_timeout_ms, settings.transfer_timeout_ms)
+    return g.timeouts
+
+
 def diagnose(g: Gathered) -> list[Check]:
     """Every check, in report order, from gathered facts (pure)."""
     checks: list[Check] = list(g.input_errors)
@@ -301,12 +312,15 @@ def diagnose(g: Gathered) -> list[Check]:
     checks += check_key_agreement(g.key_probe)
     same_host = len(g.local_sides) == len(g.sides)
     checks += connector_checks(g.sides, g.model, same_host=same_host)
+    node_error = g.config_file.error if g.config_file else None
+    checks += settings_checks(g.sides, g.env, node, node_error)
     checks.append(check_ssd(node, g.ssd, g.master_config))
-    if g.timeouts is not None:
+    timeouts = _effective_timeouts(g)
+    if timeouts is not None:
         lease = (g.master_config or MasterConfig()).default_kv_lease_ttl
         rdma = g.env.get("HCCL_RDMA_TIMEOUT", "").strip()
         checks += check_timeouts(
-            g.timeouts,
+            timeouts,
             lease_ttl_ms=lease,
             decode_ranks=_decode_ranks(g.sides),
             rdma_timeout_exp=int(rdma) if rdma.isdigit() else None,

@@ -73,7 +73,7 @@ def test_connect_timeout_below_500ms_per_decode_rank_warns() -> None:
         Timeouts(10_000, 10_000), lease_ttl_ms=11_000, decode_ranks=32, rdma_timeout_exp=None
     )
     connect = next(c for c in checks if c.name == "timeouts.connect")
-    assert connect.status is Status.WARN and "KVPOOL_CONNECT_TIMEOUT=16000" in connect.fix
+    assert connect.status is Status.WARN and "KVPOOL_CONNECT_TIMEOUT_MS=16000" in connect.fix
 
 
 def test_transfer_timeout_within_seven_rdma_timeouts_fails() -> None:

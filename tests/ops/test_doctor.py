@@ -61,7 +61,7 @@ class Cluster:
         self.write_node()
         self.env = {
             "KVPOOL_CONFIG_PATH": str(self.config_path),
-            "KVPOOL_CONNECT_TIMEOUT": "16000",  # ≥ 500 ms × 32 decode ranks
+            "KVPOOL_CONNECT_TIMEOUT_MS": "16000",  # ≥ 500 ms × 32 decode ranks
         }
         # A gap of 200 between P and D: each has 32 ranks, so their port ranges are disjoint.
         base = free_port_range(232)
@@ -268,3 +268,18 @@ def test_the_real_cli_passes_a_correct_node_with_exit_status_zero(cluster: Clust
     lines = done.stdout.strip().splitlines()
     assert lines[-1].startswith("0 failed")
     assert all(line.split()[0] in {"PASS", "WARN", "SKIP"} for line in lines[:-1])
+
+
+def test_timeouts_are_the_transfer_connectors_own_values(cluster: Cluster) -> None:
+    # The connector's extra config wins over the environment, so doctor must judge it.
+    children(cluster.p)[0]["kv_connector_extra_config"]["connect_timeout_ms"] = 2000
+    checks = cluster.run()
+    assert checks["timeouts.connect"].status is Status.WARN
+    assert "2000 ms" in checks["timeouts.connect"].message
+    assert checks["connector.settings[prefill]"].status is Status.PASS
+
+
+def test_an_extra_config_typo_is_caught_before_vllm_starts(cluster: Cluster) -> None:
+    children(cluster.d)[1]["kv_connector_extra_config"]["load_asyncc"] = True
+    check = cluster.run()["connector.settings[decode]"]
+    assert check.status is Status.FAIL and "load_asyncc" in check.message
