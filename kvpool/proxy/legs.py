@@ -164,9 +164,12 @@ class Legs:
             self._release(self.decode, up)
             self.metrics.decode_seconds.observe(time.perf_counter() - started)
 
-    async def _relay_whole(self, up: Upstream, resp: aiohttp.ClientResponse) -> web.Response:
+    async def _read(
+        self, up: Upstream, resp: aiohttp.ClientResponse, whole: bool
+    ) -> bytes | web.Response:
+        """D's whole reply, or its first bytes; a failure here is still a proper HTTP error."""
         try:
-            raw = await resp.read()
+            return await (resp.read() if whole else resp.content.readany())
         except TIMEOUT_ERRORS:
             self._fail(self.decode, up, "timeout", f"decode endpoint {up.url} timed out")
             return json_error(504, f"decode endpoint {up.url} timed out", upstream=up.url)
@@ -174,12 +177,22 @@ class Legs:
             message = f"decode endpoint {up.url} broke off its reply: {exc!r}"
             self._fail(self.decode, up, "disconnect", message)
             return json_error(502, message, upstream=up.url)
+
+    async def _relay_whole(self, up: Upstream, resp: aiohttp.ClientResponse) -> web.Response:
+        raw = await self._read(up, resp, whole=True)
+        if isinstance(raw, web.Response):
+            return raw
         content_type = resp.headers.get("Content-Type", "application/json")
         return web.Response(body=raw, headers={"Content-Type": content_type})
 
     async def _relay_stream(
         self, request: web.Request, up: Upstream, resp: aiohttp.ClientResponse, request_id: str
     ) -> web.StreamResponse:
+        # The 200 goes out with D's first bytes, not before: until then a failure of D can
+        # still reach the client as a proper HTTP error instead of an event in a stream.
+        first = await self._read(up, resp, whole=False)
+        if isinstance(first, web.Response):
+            return first
         out = web.StreamResponse(
             headers={
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
@@ -189,6 +202,7 @@ class Legs:
         )
         await out.prepare(request)
         try:
+            await out.write(first)
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
         except ConnectionResetError:

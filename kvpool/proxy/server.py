@@ -19,7 +19,7 @@ Failure rules:
   504 on an upstream timeout, 503 when no endpoint of a role is in rotation, 400 for a
   request the proxy cannot route.
 - A connect failure is retried on another endpoint of the same role (nothing was sent).
-- D fails after the stream started → an SSE error event and no ``[DONE]``.
+- D fails after its first bytes were passed on → an SSE error event, no ``[DONE]``.
 - The client disconnects → the handler is cancelled and both upstream responses are
   closed, so vLLM aborts the request.
 """

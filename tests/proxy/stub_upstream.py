@@ -25,7 +25,14 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["DEFAULT_MAX_TOKENS", "MODEL", "StubUpstream", "prompt_text", "reference_text"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "MODEL",
+    "StubUpstream",
+    "prompt_text",
+    "reference_text",
+    "reference_tokens",
+]
 
 DEFAULT_MAX_TOKENS = 16
 _WORDS = [
@@ -66,7 +73,8 @@ def prompt_text(body: dict[str, Any]) -> str:
     return json.dumps(body.get("messages"), sort_keys=True)
 
 
-def _tokens(body: dict[str, Any]) -> list[str]:
+def reference_tokens(body: dict[str, Any]) -> list[str]:
+    """The tokens of the answer, one SSE chunk each: ``max_tokens`` of them."""
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
     seed = hashlib.sha256(prompt_text(body).encode()).digest()
     return [f" {_WORDS[(seed[i % 32] + i) % len(_WORDS)]}{i}" for i in range(int(limit))]
@@ -74,7 +82,7 @@ def _tokens(body: dict[str, Any]) -> list[str]:
 
 def reference_text(body: dict[str, Any]) -> str:
     """What a decode answers for this request: the same text whole or streamed."""
-    return "".join(_tokens(body))
+    return "".join(reference_tokens(body))
 
 
 @dataclass
@@ -82,7 +90,8 @@ class StubUpstream:
     name: str = "stub"
     host: str = "127.0.0.1"
     port: int = 0
-    token_delay_s: float = 0.0
+    token_delay_s: float = 0.0  # between two tokens (the first comes at once)
+    first_token_delay_s: float = 0.0  # silence before the first streamed byte
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     disconnects: int = 0
     healthy: bool = True
@@ -90,7 +99,6 @@ class StubUpstream:
     fail_next: list[tuple[int, str]] = field(default_factory=list)
     _runner: web.AppRunner | None = None
     _disconnected: asyncio.Event = field(default_factory=asyncio.Event)
-    _started: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def url(self) -> str:
@@ -117,9 +125,6 @@ class StubUpstream:
 
     async def wait_disconnect(self, timeout: float) -> None:
         await asyncio.wait_for(self._disconnected.wait(), timeout)
-
-    async def wait_stream_started(self, timeout: float) -> None:
-        await asyncio.wait_for(self._started.wait(), timeout)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -156,7 +161,7 @@ class StubUpstream:
                 "remote_host": self.host,
                 "remote_port": self.port,
             }
-        tokens = _tokens(body)
+        tokens = reference_tokens(body)
         base = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{len(self.received)}",
             "object": "chat.completion" if chat else "text_completion",
@@ -201,12 +206,12 @@ class StubUpstream:
             return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n".encode()
 
         try:
+            if self.first_token_delay_s:
+                await asyncio.sleep(self.first_token_delay_s)
             if chat:
                 await out.write(event("", None, first=True))
             for i, piece in enumerate(tokens):
-                if i == 1:
-                    self._started.set()
-                if self.token_delay_s:
+                if self.token_delay_s and i > 0:
                     await asyncio.sleep(self.token_delay_s)
                 await out.write(event(piece, None))
             await out.write(event(None, "length"))

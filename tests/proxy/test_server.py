@@ -10,7 +10,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.proxy.harness import Stack, proxy_stack, read_sse, run
-from tests.proxy.stub_upstream import MODEL, reference_text
+from tests.proxy.stub_upstream import MODEL, reference_text, reference_tokens
 
 COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6}
 CHAT: dict[str, Any] = {
@@ -253,20 +253,30 @@ def test_slow_decode_is_a_timeout_not_a_hang() -> None:
         async with proxy_stack(
             token_delay_s=20.0, read_timeout_s=1.0, health_interval_s=3600
         ) as stack:
+            d = stack.decodes[0]
+            url = stack.url + "/v1/completions"
             sent = {**COMPLETION, "max_tokens": 2}
+            # a whole answer that does not come: 504
             status, reply = await _post(stack, "/v1/completions", sent)
             assert status == 504
             assert reply["error"]["message"].startswith("decode endpoint ")
             assert "timed out" in reply["error"]["message"]
             assert not stack.proxy.decode.upstreams[0].healthy
             await stack.proxy.check_health()  # alive, only slow: back in rotation
-            async with stack.session.post(
-                stack.url + "/v1/completions", json={**sent, "stream": True}
-            ) as resp:
-                # the stream had started: the error arrives as an event, with no [DONE]
+            # a stream whose first byte does not come: still a proper 504
+            d.first_token_delay_s = 20.0
+            async with stack.session.post(url, json={**sent, "stream": True}) as resp:
+                assert resp.status == 504
+                assert "timed out" in (await resp.json())["error"]["message"]
+            await stack.proxy.check_health()
+            # a stream that stalls after its first token: the 200 is out, so the error
+            # arrives as an event, with no [DONE]
+            d.first_token_delay_s = 0.0
+            async with stack.session.post(url, json={**sent, "stream": True}) as resp:
                 assert resp.status == 200
-                _, done, events = await read_sse(resp)
+                text, done, events = await read_sse(resp)
             assert not done
+            assert text == reference_tokens(sent)[0]
             assert events[-1]["error"]["code"] == 504
 
     run(scenario())
