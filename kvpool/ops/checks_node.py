@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,6 +30,7 @@ __all__ = [
     "check_master",
     "check_master_address",
     "check_master_flags",
+    "check_registered",
 ]
 
 _EXPORT = f"export KVPOOL_CONFIG_PATH=/path/to/mooncake.json (or {CONFIG_PATH_VARS[1]})"
@@ -50,6 +52,9 @@ class MasterFacts:
     health_status: int | None = None
     health_error: str | None = None
     metrics_text: str | None = None
+    # GET /api/status as JSON (None when absent): "clients" and, when the master reports
+    # it, "config" (its flags, so doctor judges the running master without --master-cmd).
+    status: Mapping[str, Any] | None = None
 
 
 def check_config_file(facts: ConfigFileFacts) -> list[Check]:
@@ -234,7 +239,13 @@ def check_master_flags(master: MasterConfig | None, error: str | None) -> list[C
     if error is not None:
         return [fail("master.flags", f"master command: {error}", "fix the flag named above")]
     if master is None:
-        return [skip("master.flags", "no --master-cmd; the seed's defaults are assumed")]
+        return [
+            skip(
+                "master.flags",
+                "no --master-cmd and the master does not report its flags; the seed's"
+                " defaults are assumed",
+            )
+        ]
     results = [
         pass_(
             "master.flags",
@@ -309,3 +320,26 @@ def check_key_agreement(probes: Mapping[str, Sequence[str] | str]) -> list[Check
             " (not served yet); run doctor on each node and compare keys.agreement",
         ),
     ]
+
+
+def check_registered(facts: MasterFacts | None, node: NodeConfig | None) -> Check | None:
+    """With --live: the master's view of registered clients includes this node."""
+    if facts is None or facts.status is None or node is None:
+        return None
+    clients = facts.status.get("clients")
+    if not isinstance(clients, list):
+        return None
+    hosts = {
+        str(c.get("address", "")).rpartition(":")[0].strip("[]") or str(c.get("address", ""))
+        for c in clients
+        if isinstance(c, Mapping)
+    }
+    if node.local_hostname in hosts:
+        return pass_("master.registered", f"the master lists a client from {node.local_hostname}")
+    return warn(
+        "master.registered",
+        f"none of the master's {len(clients)} clients is on {node.local_hostname}: the"
+        " processes here have not registered (or use another address)",
+        "check the connector start-up lines in the vLLM log and KVPOOL_CONFIG_PATH of those"
+        " processes; local_hostname must be the address they register with",
+    )

@@ -47,6 +47,7 @@ from kvpool.ops.checks_node import (
     check_master,
     check_master_address,
     check_master_flags,
+    check_registered,
 )
 from kvpool.ops.checks_settings import settings_checks, transfer_settings
 from kvpool.ops.kvconfig import (
@@ -238,6 +239,13 @@ def gather(options: DoctorOptions, env: Mapping[str, str] | None = None) -> Gath
     address = options.master or (node.master_address if node else None)
     if address is not None:
         gathered.master = probes.probe_master(address)
+    if options.master_cmd is None and gathered.master and gathered.master.status:
+        running = gathered.master.status.get("config")
+        if isinstance(running, Mapping):
+            try:
+                gathered.master_config = MasterConfig.from_flags(running)
+            except ConfigError as exc:
+                gathered.master_config_error = f"the running master reports {exc}"
     if options.master_cmd is not None:
         try:
             text = options.master_cmd
@@ -306,6 +314,8 @@ def diagnose(g: Gathered) -> list[Check]:
     checks.append(check_local_hostname(node, g.hostname_error))
     checks.append(check_master_address(node, g.master_arg))
     checks += check_master(g.master)
+    registered = check_registered(g.master, node) if g.live else None
+    checks += [registered] if registered is not None else []
     checks += check_master_flags(g.master_config, g.master_config_error)
     seed_names = any(e.is_seed_name for s in g.sides for e in s.config.entries)
     checks.append(check_hashseed(g.env, seed_connectors=seed_names))

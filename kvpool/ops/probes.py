@@ -63,8 +63,8 @@ def http_get(url: str, timeout_s: float = 3.0) -> tuple[int | None, str, str | N
 
 
 def probe_master(address: str, timeout_s: float = 3.0) -> MasterFacts:
-    """TCP connect, then GET /health and /metrics on the same port (the master serves its
-    RPC and HTTP on one port)."""
+    """TCP connect, then GET /health, /metrics and /api/status on the same port (the master
+    serves its RPC and HTTP on one port)."""
     host, _, port = address.rpartition(":")
     error = tcp_connect_error(host.strip("[]"), int(port), timeout_s)
     if error is not None:
@@ -73,7 +73,15 @@ def probe_master(address: str, timeout_s: float = 3.0) -> MasterFacts:
     if status != 200:
         return MasterFacts(address, None, status, health_error)
     _, metrics, _ = http_get(f"http://{address}/metrics", timeout_s)
-    return MasterFacts(address, None, status, None, metrics)
+    code, body, _ = http_get(f"http://{address}/api/status", timeout_s)
+    snapshot = None
+    if code == 200:
+        try:
+            parsed = json.loads(body)
+        except json.JSONDecodeError:
+            parsed = None
+        snapshot = parsed if isinstance(parsed, dict) else None
+    return MasterFacts(address, None, status, None, metrics, snapshot)
 
 
 def port_bind_error(port: int, host: str = "127.0.0.1") -> str | None:

@@ -25,11 +25,17 @@ METRICS = (
 
 
 class StandInMaster:
-    """Serves what doctor reads from a master: /health and /metrics."""
+    """Serves what doctor reads from a master: /health, /metrics and /api/status."""
 
-    def __init__(self, metrics: str = METRICS, health_status: int = 200) -> None:
+    def __init__(
+        self,
+        metrics: str = METRICS,
+        health_status: int = 200,
+        status: dict[str, Any] | None = None,
+    ) -> None:
         self.metrics = metrics
         self.health_status = health_status
+        self.status = status  # /api/status JSON; None: 404 like a master without it
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -38,6 +44,8 @@ class StandInMaster:
                     status, body = owner.health_status, b'{"status":"ok"}'
                 elif self.path == "/metrics":
                     status, body = 200, owner.metrics.encode()
+                elif self.path == "/api/status" and owner.status is not None:
+                    status, body = 200, json.dumps(owner.status).encode()
                 else:
                     status, body = 404, b"not found"
                 self.send_response(status)

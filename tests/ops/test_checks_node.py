@@ -14,6 +14,7 @@ from kvpool.ops.checks_node import (
     check_master,
     check_master_address,
     check_master_flags,
+    check_registered,
 )
 from tests.ops.helpers import METRICS
 
@@ -140,3 +141,14 @@ def test_processes_disagreeing_on_keys_fail() -> None:
     agree = check_key_agreement({"this process": ["a"], "PYTHONHASHSEED=1": ["a"]})
     assert agree[0].status is Status.PASS
     assert agree[1].name == "keys.cross_node" and agree[1].status is Status.SKIP
+
+
+def test_the_masters_view_of_registered_clients_includes_this_node() -> None:
+    local = NodeConfig(local_hostname="10.0.0.2", master_host="10.0.0.1")
+    status = {"clients": [{"address": "10.0.0.2:41000"}, {"address": "10.0.0.3:41000"}]}
+    check = check_registered(MasterFacts("m:1", None, 200, None, METRICS, status), local)
+    assert check is not None and check.status is Status.PASS
+    other = NodeConfig(local_hostname="10.0.0.9", master_host="10.0.0.1")
+    check = check_registered(MasterFacts("m:1", None, 200, None, METRICS, status), other)
+    assert check is not None and check.status is Status.WARN and "2 clients" in check.message
+    assert check_registered(MasterFacts("m:1", None, 200, None, METRICS), local) is None

@@ -283,3 +283,22 @@ def test_an_extra_config_typo_is_caught_before_vllm_starts(cluster: Cluster) -> 
     children(cluster.d)[1]["kv_connector_extra_config"]["load_asyncc"] = True
     check = cluster.run()["connector.settings[decode]"]
     assert check.status is Status.FAIL and "load_asyncc" in check.message
+
+
+def test_a_running_master_reporting_its_flags_is_judged_without_master_cmd(
+    tmp_path: Path,
+) -> None:
+    status = {
+        "config": {"eviction_high_watermark_ratio": 0.9, "default_kv_lease_ttl": 5000},
+        "clients": [{"address": "127.0.0.1:40000"}],
+    }
+    with StandInMaster(status=status) as running:
+        cluster = Cluster(tmp_path, running)
+        checks = cluster.run(master_cmd=None)
+        assert checks["master.flags"].status is Status.PASS
+        assert checks["timeouts.lease"].status is Status.FAIL  # 5000 ms ≤ 10000 ms
+        live = cluster.run(master_cmd=None, live=True)
+        assert live["master.registered"].status is Status.PASS
+        running.status = {"config": {"eviction_ratio": 3}}
+        bad = cluster.run(master_cmd=None)["master.flags"]
+        assert bad.status is Status.FAIL and "running master reports" in bad.message
