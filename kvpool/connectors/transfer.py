@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool.config import config_path_from_env, load_node_config
+from kvpool.config import NodeConfig, config_path_from_env, load_node_config
 from kvpool.connectors.transfer_config import TransferConfig
 from kvpool.connectors.transfer_jobs import TransferJobs
 from kvpool.connectors.transfer_pages import byte_pages
@@ -56,11 +56,11 @@ class TransferMetadata(KVConnectorMetadata):
     jobs: TransferJobs = field(default_factory=TransferJobs)
 
 
-def _node_host() -> str | None:
-    """``local_hostname`` of the node config (the seed's mooncake.json), if one is named."""
+def _node_config() -> NodeConfig | None:
+    """The node config (the seed's mooncake.json), if the environment names one."""
     if config_path_from_env(os.environ) is None:
         return None
-    return load_node_config(env=os.environ).local_hostname
+    return load_node_config(env=os.environ)
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -91,7 +91,7 @@ class KVPoolTransferConnector(KVConnectorBase_V1):
             engine_id=ktc.engine_id,
             extra=ktc.kv_connector_extra_config,
             env=os.environ,
-            node_host=_node_host(),
+            node=_node_config(),
         )
         parallel = vllm_config.parallel_config
         self._block_size = int(vllm_config.cache_config.block_size)

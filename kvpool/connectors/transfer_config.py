@@ -17,10 +17,10 @@ kv_host                extra ``kv_host``, env ``KVPOOL_KV_HOST``, ``local_hostna
                        to pull from
 connect_timeout_ms     extra ``connect_timeout_ms``, env ``KVPOOL_CONNECT_TIMEOUT_MS``,
                        ``KVPOOL_CONNECT_TIMEOUT``, ``ASCEND_CONNECT_TIMEOUT`` (the seed's
-                       name), 10000
+                       name), the node config's ``connect_timeout_ms``, 10000
 transfer_timeout_ms    extra ``transfer_timeout_ms``, env ``KVPOOL_TRANSFER_TIMEOUT_MS``,
                        ``KVPOOL_TRANSFER_TIMEOUT``, ``ASCEND_TRANSFER_TIMEOUT`` (the seed's
-                       name), 10000
+                       name), the node config's ``transfer_timeout_ms``, 10000
 hold_timeout_ms        extra ``hold_timeout_ms``, env ``KVPOOL_HOLD_TIMEOUT_MS``, 120000:
                        how long P keeps a request's blocks for a D that never comes
 =====================  ========================================================================
@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.config import CONNECT_TIMEOUT_VARS, TRANSFER_TIMEOUT_VARS
+from kvpool.config import CONNECT_TIMEOUT_VARS, TRANSFER_TIMEOUT_VARS, NodeConfig
 from kvpool.connectors.topology import MAX_PORT, PeerTopology, parse_peer_topology
 from kvpool.errors import ConfigError
 
@@ -135,10 +135,13 @@ class TransferConfig:
         engine_id: str | None,
         extra: Mapping[str, Any],
         env: Mapping[str, str],
-        node_host: str | None = None,
+        node: NodeConfig | None = None,
     ) -> TransferConfig:
-        """Build from vLLM's ``KVTransferConfig`` fields, ``os.environ`` and the node config's
-        ``local_hostname`` (``node_host``) when there is one."""
+        """Build from vLLM's ``KVTransferConfig`` fields, ``os.environ`` and the node config
+        (``mooncake.json``: its ``local_hostname`` and timeouts) when there is one."""
+        node_host = node.local_hostname if node is not None else None
+        connect_default = node.timeouts.connect_timeout_ms if node else _DEFAULT_CONNECT_MS
+        transfer_default = node.timeouts.transfer_timeout_ms if node else _DEFAULT_TRANSFER_MS
         if role not in ROLES:
             raise ConfigError(
                 f"kv_role must be one of {list(ROLES)} for {CONNECTOR_NAME}, got {role!r}"
@@ -183,14 +186,14 @@ class TransferConfig:
                 env,
                 "connect_timeout_ms",
                 CONNECT_TIMEOUT_VARS,
-                _DEFAULT_CONNECT_MS,
+                connect_default,
             ),
             transfer_timeout_ms=_timeout_ms(
                 extra,
                 env,
                 "transfer_timeout_ms",
                 TRANSFER_TIMEOUT_VARS,
-                _DEFAULT_TRANSFER_MS,
+                transfer_default,
             ),
             hold_timeout_ms=_timeout_ms(
                 extra, env, "hold_timeout_ms", ("KVPOOL_HOLD_TIMEOUT_MS",), _DEFAULT_HOLD_MS

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.config import NodeConfig, Timeouts
 from kvpool.connectors.topology import PeerTopology
 from kvpool.connectors.transfer_config import TransferConfig, pairing_group
 from kvpool.errors import ConfigError
@@ -15,7 +16,7 @@ def build(
     env: dict | None = None,
     port: object = "30000",
     engine_id: str | None = "g0",
-    node_host: str | None = None,
+    node: NodeConfig | None = None,
 ) -> TransferConfig:
     return TransferConfig.from_values(
         role=role,
@@ -23,7 +24,7 @@ def build(
         engine_id=engine_id,
         extra=extra or {},
         env=env or {},
-        node_host=node_host,
+        node=node,
     )
 
 
@@ -106,6 +107,15 @@ def test_pairing_group_ignores_generated_ids_and_dp_suffixes() -> None:
     assert build(engine_id="g7_dp2").group == "g7"
 
 
+NODE = NodeConfig(local_hostname="10.0.0.8", master_host="10.0.0.1", timeouts=Timeouts(3000, 4000))
+
+
 def test_node_config_host_sits_between_explicit_and_vllm_host_ip() -> None:
-    assert build(env={"VLLM_HOST_IP": "10.0.0.7"}, node_host="10.0.0.8").kv_host == "10.0.0.8"
-    assert build(env={"KVPOOL_KV_HOST": "10.0.0.6"}, node_host="10.0.0.8").kv_host == "10.0.0.6"
+    assert build(env={"VLLM_HOST_IP": "10.0.0.7"}, node=NODE).kv_host == "10.0.0.8"
+    assert build(env={"KVPOOL_KV_HOST": "10.0.0.6"}, node=NODE).kv_host == "10.0.0.6"
+
+
+def test_node_config_timeouts_are_defaults_the_environment_overrides() -> None:
+    cfg = build(node=NODE)
+    assert (cfg.connect_timeout_ms, cfg.transfer_timeout_ms) == (3000, 4000)
+    assert build(node=NODE, env={"ASCEND_CONNECT_TIMEOUT": "500"}).connect_timeout_ms == 500
