@@ -98,7 +98,9 @@ class ProxyServer:
         )
         self._session = aiohttp.ClientSession(
             timeout=timeout,
-            connector=aiohttp.TCPConnector(limit=cfg.max_connections),
+            # idle upstream connections are dropped before vLLM's server (uvicorn, 5 s
+            # keep-alive) drops them, so a request never lands on a half-closed one
+            connector=aiohttp.TCPConnector(limit=cfg.max_connections, keepalive_timeout=4.0),
             auto_decompress=False,  # pass D's bytes through untouched
         )
         self._legs = Legs(self._session, self.prefill, self.decode, self.metrics)
