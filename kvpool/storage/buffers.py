@@ -43,17 +43,16 @@ def _from_tensor(obj: Any) -> memoryview:
 
 def byte_view(obj: Any) -> memoryview:
     """A flat ``"B"`` memoryview aliasing ``obj``'s memory (read access)."""
-    if isinstance(obj, memoryview):
-        view = obj
-    elif hasattr(obj, "is_contiguous") and hasattr(obj, "numpy"):
-        view = _from_tensor(obj)
-    else:
-        try:
-            view = memoryview(obj)
-        except TypeError as exc:
+    # Buffer-protocol objects first: this runs on every transfer, and the common
+    # case (bytes, bytearray, NumPy, memoryview) needs no attribute probing.
+    try:
+        view = obj if type(obj) is memoryview else memoryview(obj)
+    except TypeError as exc:
+        if not (hasattr(obj, "is_contiguous") and hasattr(obj, "numpy")):
             raise TypeError(
                 f"expected a bytes-like object, NumPy array or CPU tensor, not {type(obj).__name__}"
             ) from exc
+        view = _from_tensor(obj)
     if not view.c_contiguous:
         raise ValueError("buffer is not C-contiguous; make a contiguous copy first")
     if view.format != "B" or view.ndim != 1:

@@ -77,8 +77,8 @@ class ShmConnection:
             segment.close()
 
     def _segment(self, segment_id: str) -> Segment:
-        with self._lock:
-            segment = self._segments.get(segment_id)
+        # No lock: a dict lookup is atomic in CPython, and this is on every copy.
+        segment = self._segments.get(segment_id)
         if segment is None:
             raise UnknownSegment(f"segment {segment_id!r} is not attached on this host")
         return segment
