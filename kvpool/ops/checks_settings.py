@@ -23,18 +23,22 @@ __all__ = ["check_kv_host", "check_settings", "settings_checks", "transfer_setti
 _LOOPBACK = ("127.", "localhost", "::1")
 
 
-def transfer_settings(side: Side, env: Mapping[str, str]) -> TransferConfig | None:
+def transfer_settings(
+    side: Side, env: Mapping[str, str], node: NodeConfig | None = None
+) -> TransferConfig | None:
     """The transfer connector's settings as it would compute them (None if it would refuse)."""
     entry = side.config.transfer
     if entry is None or entry.name not in KVPOOL_CONNECTORS:
         return None
     try:
-        return _transfer(side, entry, env)
+        return _transfer(side, entry, env, node)
     except ConfigError:
         return None
 
 
-def _transfer(side: Side, entry: ConnectorSpec, env: Mapping[str, str]) -> TransferConfig:
+def _transfer(
+    side: Side, entry: ConnectorSpec, env: Mapping[str, str], node: NodeConfig | None
+) -> TransferConfig:
     engine_id = side.config.top.raw.get("engine_id") or entry.raw.get("engine_id")
     return TransferConfig.from_values(
         role=entry.role,
@@ -42,11 +46,15 @@ def _transfer(side: Side, entry: ConnectorSpec, env: Mapping[str, str]) -> Trans
         engine_id=engine_id if isinstance(engine_id, str) else None,
         extra=entry.extra,
         env=env,
+        node=node,
     )
 
 
 def check_settings(
-    side: Side, env: Mapping[str, str], load_node: Callable[[], NodeConfig]
+    side: Side,
+    env: Mapping[str, str],
+    load_node: Callable[[], NodeConfig],
+    node: NodeConfig | None = None,
 ) -> Check | None:
     """Each kvpool child validated by the connector's own parser."""
     name = f"connector.settings[{side.side}]"
@@ -57,7 +65,7 @@ def check_settings(
             continue
         try:
             if entry.kind == "transfer":
-                _transfer(side, entry, env)
+                _transfer(side, entry, env, node)
             else:
                 parse_store_config(entry.role, entry.extra, env=env, load_node=load_node)
         except ConfigError as exc:
@@ -79,7 +87,7 @@ def check_kv_host(side: Side, env: Mapping[str, str], node: NodeConfig | None) -
     host (seed §8.3 row 1, "Decode cannot reach Prefill")."""
     if side.side != "prefill":
         return None
-    settings = transfer_settings(side, env)
+    settings = transfer_settings(side, env, node)
     if settings is None:
         return None
     name = "connector.kv_host[prefill]"
@@ -91,15 +99,16 @@ def check_kv_host(side: Side, env: Mapping[str, str], node: NodeConfig | None) -
             name,
             f"P listens for D on {settings.kv_host}, but this node is {node.local_hostname}:"
             " a decode instance on another host cannot connect",
-            f'add "kv_host": "{node.local_hostname}" to KVPoolTransferConnector\'s'
-            " kv_connector_extra_config (or export KVPOOL_KV_HOST / VLLM_HOST_IP)",
+            f'set "kv_host": "{node.local_hostname}" in KVPoolTransferConnector\'s'
+            " kv_connector_extra_config (or remove it, and KVPOOL_KV_HOST, so that P uses"
+            " local_hostname)",
         )
     if loopback and node is None:
         return warn(
             name,
             f"P listens for D on {settings.kv_host}: only a decode instance on this host can"
             " pull its KV",
-            'for P and D on different hosts set "kv_host" to this host\'s IP',
+            "give the node config (KVPOOL_CONFIG_PATH): P then listens on its local_hostname",
         )
     where = " (P and D on this host)" if loopback else ""
     return pass_(
@@ -120,7 +129,10 @@ def settings_checks(
 
     results: list[Check] = []
     for side in sides:
-        for check in (check_settings(side, env, load_node), check_kv_host(side, env, node)):
+        for check in (
+            check_settings(side, env, load_node, node),
+            check_kv_host(side, env, node),
+        ):
             if check is not None:
                 results.append(check)
     return results

@@ -299,7 +299,9 @@ def _effective_timeouts(g: Gathered) -> Timeouts | None:
     """The transfer connector's own values when it is configured here (its extra config and
     variables win there), else the node config's / environment's."""
     for side in g.sides:
-        settings = transfer_settings(side, g.env) if side.side in g.local_sides else None
+        node = g.config_file.node if g.config_file else None
+        local = side.side in g.local_sides
+        settings = transfer_settings(side, g.env, node) if local else None
         if settings is not None:
             return Timeouts(settings.connect_timeout_ms, settings.transfer_timeout_ms)
     return g.timeouts

@@ -62,19 +62,23 @@ def test_the_seeds_own_classes_are_not_validated_here() -> None:
 
 
 # §8.3 row 1: "Decode cannot reach Prefill"
-def test_prefill_listening_on_loopback_on_a_multi_host_node_fails() -> None:
-    check = check_kv_host(side("prefill", seed_p()), {}, NODE)
+def test_prefill_told_to_listen_on_loopback_on_a_multi_host_node_fails() -> None:
+    p = seed_p()
+    children(p)[0]["kv_connector_extra_config"]["kv_host"] = "127.0.0.1"
+    check = check_kv_host(side("prefill", p), {}, NODE)
     assert check is not None and check.status is Status.FAIL
     assert '"kv_host": "10.0.0.1"' in check.fix
+    check = check_kv_host(side("prefill", seed_p()), {"KVPOOL_KV_HOST": "127.0.0.1"}, NODE)
+    assert check is not None and check.status is Status.FAIL
 
 
-def test_prefill_kv_host_from_the_extra_config_or_the_environment_passes() -> None:
+def test_prefill_listens_on_local_hostname_or_the_given_kv_host() -> None:
+    check = check_kv_host(side("prefill", seed_p()), {}, NODE)  # the connector's default
+    assert check is not None and check.status is Status.PASS and "10.0.0.1" in check.message
     p = seed_p()
-    children(p)[0]["kv_connector_extra_config"]["kv_host"] = "10.0.0.1"
+    children(p)[0]["kv_connector_extra_config"]["kv_host"] = "10.0.0.5"
     check = check_kv_host(side("prefill", p), {}, NODE)
-    assert check is not None and check.status is Status.PASS
-    check = check_kv_host(side("prefill", seed_p()), {"VLLM_HOST_IP": "10.0.0.1"}, NODE)
-    assert check is not None and check.status is Status.PASS
+    assert check is not None and check.status is Status.PASS and "10.0.0.5" in check.message
 
 
 def test_loopback_is_fine_on_one_host_and_a_warning_when_the_node_is_unknown() -> None:
