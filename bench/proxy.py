@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -39,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.proxy.stub_upstream import reference_text  # noqa: E402
 
+HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
 Call = Callable[[aiohttp.ClientSession, dict[str, Any]], Awaitable[str]]
 
 
@@ -60,7 +62,9 @@ async def _spawn(args: list[str], ready_prefix: str) -> tuple[asyncio.subprocess
 
 
 async def _stub(name: str) -> tuple[asyncio.subprocess.Process, str]:
-    args = ["-m", "tests.proxy.stub_upstream", "--port", "0", "--name", name, "--uvloop"]
+    args = ["-m", "tests.proxy.stub_upstream", "--port", "0", "--name", name]
+    if HAVE_UVLOOP:
+        args.append("--uvloop")
     proc, line = await _spawn(args, "PORT ")
     return proc, f"http://127.0.0.1:{int(line.split()[1])}"
 
@@ -225,9 +229,12 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3, help="throughput rounds per mode")
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args()
-    import uvloop
+    if HAVE_UVLOOP:  # as the proxy does when it is there
+        import uvloop
 
-    results = uvloop.run(asyncio.wait_for(main(args), 900))
+        results = uvloop.run(asyncio.wait_for(main(args), 900))
+    else:
+        results = asyncio.run(asyncio.wait_for(main(args), 900))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     print(_report(results, args))
