@@ -69,7 +69,7 @@ OFFLOAD_LIMIT_VARS = (
     "KVPOOL_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES",
     "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES",
 )
-# Milliseconds.  The ``_MS`` spellings are accepted too, so either name works everywhere.
+# Milliseconds.  Both kvpool spellings work; ``_MS`` first, as the connectors write it.
 CONNECT_TIMEOUT_VARS = (
     "KVPOOL_CONNECT_TIMEOUT_MS",
     "KVPOOL_CONNECT_TIMEOUT",
