@@ -48,7 +48,7 @@ Invariants of every policy (tested by property tests over random call sequences)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 __all__ = [
@@ -62,8 +62,11 @@ __all__ = [
 
 K = TypeVar("K", bound=Hashable)
 
-#: Age multiplier per reuse class (never read, read once, read twice or more).
-DEFAULT_WEIGHTS: tuple[float, ...] = (1.0, 0.5, 0.3)
+#: Age multiplier per reuse class of the default policy: a never-read leaf at the end of
+#: its chain, any other never-read block, then read once, twice, three times or more.
+#: Tuned on the Mooncake conversation trace (docs/benchmarks.md); a block's expected life
+#: is proportional to 1 / weight.
+DEFAULT_WEIGHTS: tuple[float, ...] = (4.0, 1.0, 0.5, 0.3, 0.2)
 
 
 class EvictionPolicy(Protocol[K]):
@@ -114,37 +117,46 @@ class LRUPolicy(Generic[K]):
         return out
 
 
+_QUEUED, _RUN, _ORPHAN = 0, 1, 2  # where a node of the default policy sits
+
+
 class _Node(Generic[K]):
     """One cached block of the default policy."""
 
-    __slots__ = ("children", "cls", "key", "kids", "orphan", "parent", "reads", "stamp")
+    __slots__ = ("children", "cls", "key", "kids", "orphan", "parent", "reads", "stamp", "where")
 
-    def __init__(self, key: K, parent: _Node[K] | None, stamp: int) -> None:
+    def __init__(self, key: K, parent: _Node[K] | None) -> None:
         self.key = key
         self.parent = parent
-        self.kids: set[_Node[K]] | None = None  # cached children, created on first child
-        self.children = 0  # len(kids), kept apart because it is read on every call
+        self.kids: set[_Node[K]] | None = None  # cached children, created on the first one
+        self.children = 0  # len(kids), kept apart because it is read on every choice
         self.reads = 0
-        self.stamp = stamp  # call counter at the last insert or read
-        self.cls = 0  # reuse class; the queue the node sits in while it is a leaf
+        self.stamp = 0  # the policy's clock when the node was last placed in a queue
+        self.cls = 0  # reuse class = queue index while queued
         self.orphan = False
+        self.where = _RUN
 
 
 class PrefixAwarePolicy(Generic[K]):
-    """kvpool's default policy: leaf-first, orphans first, age weighted by reuse class."""
+    """kvpool's default policy: orphans first, descendants before ancestors, and age
+    weighted by reuse class (see the module docstring)."""
 
     name = "default"
 
     def __init__(self, weights: Sequence[float] = DEFAULT_WEIGHTS) -> None:
-        if not weights or any(w <= 0 for w in weights):
-            raise ValueError(f"weights must be a non-empty list of positive numbers: {weights}")
+        if len(weights) < 2 or any(w <= 0 for w in weights):
+            raise ValueError(f"weights must be two or more positive numbers, got {weights}")
         self._weights = tuple(float(w) for w in weights)
         self._top = len(self._weights) - 1
         self._nodes: dict[K, _Node[K]] = {}
-        # Leaves only.  Each queue is in touch order except for parents that became leaves
-        # when their last child left: those go to the front (their chain is being dropped).
+        # One queue per reuse class, oldest first.  A run of touches that walks down one
+        # chain (root ... leaf, the order a request reads and writes its prefix) is held
+        # apart in ``_run`` and placed deepest-first when it ends, so within a request the
+        # tail is older than the head and LRU order trims chains from the tail.
         self._queues: list[OrderedDict[K, _Node[K]]] = [OrderedDict() for _ in self._weights]
+        self._queue_weights = list(zip(self._queues, self._weights, strict=True))
         self._orphans: OrderedDict[K, _Node[K]] = OrderedDict()
+        self._run: list[_Node[K]] = []
         self._clock = 0
 
     def __len__(self) -> int:
@@ -152,46 +164,53 @@ class PrefixAwarePolicy(Generic[K]):
 
     # ------------------------------------------------------------------------- calls
     def on_insert(self, key: K, parent: K | None) -> None:
-        if key in self._nodes:
+        nodes = self._nodes
+        if key in nodes:
             self.on_access(key)
             return
-        self._clock += 1
-        p = self._nodes.get(parent) if parent is not None else None
-        node = _Node(key, p, self._clock)
-        self._nodes[key] = node
+        p = nodes.get(parent) if parent is not None else None
+        node = _Node(key, p)
+        nodes[key] = node
         if p is not None:
             if p.kids is None:
-                p.kids = set()
-            p.kids.add(node)
+                p.kids = {node}
+            else:
+                p.kids.add(node)
             p.children += 1
-            if p.children == 1:  # p stops being a leaf
-                self._leaf_queue(p).pop(p.key, None)
             node.orphan = p.orphan
-        self._leaf_queue(node)[key] = node
+        run = self._run
+        if run and p is not run[-1]:
+            self._place_run()
+        run.append(node)
 
     def on_access(self, key: K) -> None:
         node = self._nodes.get(key)
         if node is None:
             return
-        self._clock += 1
-        node.stamp = self._clock
         node.reads += 1
-        if node.children == 0:
-            queue = self._leaf_queue(node)
-            del queue[key]
-            node.cls = min(node.reads, self._top)
-            self._leaf_queue(node)[key] = node
+        if node.where == _RUN:
+            return  # already among the youngest; it is placed when the run ends
+        if node.where == _ORPHAN:
+            del self._orphans[key]
         else:
-            node.cls = min(node.reads, self._top)
+            del self._queues[node.cls][key]
+        node.where = _RUN
+        run = self._run
+        if run and node.parent is not run[-1]:
+            self._place_run()
+        run.append(node)
 
     def on_remove(self, key: K) -> None:
         node = self._nodes.pop(key, None)
         if node is None:
             return
-        if node.children == 0:
-            self._leaf_queue(node).pop(key, None)
+        if node.where == _RUN:
+            self._run.remove(node)
+        elif node.where == _ORPHAN:
+            del self._orphans[key]
         else:
-            assert node.kids is not None
+            del self._queues[node.cls][key]
+        if node.kids:
             for kid in node.kids:
                 kid.parent = None
                 self._orphan_subtree(kid)
@@ -200,94 +219,168 @@ class PrefixAwarePolicy(Generic[K]):
             assert p.kids is not None
             p.kids.discard(node)
             p.children -= 1
-            if p.children == 0:  # p is a leaf again: front of its queue
-                queue = self._leaf_queue(p)
-                queue[p.key] = p
-                queue.move_to_end(p.key, last=False)
 
     def choose_victims(self, count: int, can_evict: Callable[[K], bool]) -> list[K]:
         out: list[K] = []
-        if count <= 0 or not self._nodes:
+        if count <= 0:
             return out
-        # Parents whose every child is already in ``out`` become candidates in turn.
-        taken: dict[_Node[K], int] = {}
-        front: list[list[_Node[K]]] = [[] for _ in range(len(self._weights) + 1)]
-        self._pick_orphans(count, can_evict, out, taken, front)
-        if len(out) >= count:
-            return out
-        iters: list[Iterator[_Node[K]]] = [iter(q.values()) for q in self._queues]
-        heads: list[_Node[K] | None] = [next(it, None) for it in iters]
-        weights = self._weights
-        clock = self._clock
-        while len(out) < count:
-            best = -1
+        if count == 1 and not self._orphans:
+            # The common case (one block's room), without the bookkeeping of the general
+            # path; falls through when the best head is pinned or has children.
+            clock = self._clock
+            best: _Node[K] | None = None
             best_score = -1.0
-            for c, w in enumerate(weights):
-                cand = front[c][-1] if front[c] else heads[c]
-                if cand is not None:
-                    score = (clock - cand.stamp) * w
+            for queue, weight in self._queue_weights:
+                if queue:
+                    head = next(iter(queue.values()))
+                    score = (clock - head.stamp) * weight
                     if score > best_score:
-                        best, best_score = c, score
-            if best < 0:
-                break
-            if front[best]:
-                node = front[best].pop()
-            else:
-                head = heads[best]
-                assert head is not None
-                node = head
-                heads[best] = next(iters[best], None)
-            if can_evict(node.key):
-                out.append(node.key)
-                self._release_parent(node, taken, front)
+                        best, best_score = head, score
+            if best is not None and not best.children and can_evict(best.key):
+                return [best.key]
+        chosen: dict[_Node[K], int] = {}  # node -> how many of its children are in ``out``
+        passed: list[_Node[K]] = []  # evictable nodes passed over for their children
+        if self._orphans:
+            self._take_in_order(self._orphans.values(), count, can_evict, out, chosen, passed)
+        if len(out) < count:
+            self._take_weighted(count, can_evict, out, chosen, passed)
+        if len(out) < count and self._run:
+            # The current run holds the youngest blocks: deepest first, only if needed.
+            self._take_in_order(reversed(self._run), count, can_evict, out, chosen, passed)
+        if len(out) < count and passed:
+            self._take_passed(count, out, chosen, passed)
         return out
 
     # ---------------------------------------------------------------------- internals
-    def _leaf_queue(self, node: _Node[K]) -> OrderedDict[K, _Node[K]]:
-        return self._orphans if node.orphan else self._queues[node.cls]
+    def _place_run(self) -> None:
+        clock = self._clock
+        top = self._top
+        for node in reversed(self._run):
+            clock += 1
+            node.stamp = clock
+            if node.orphan:
+                node.where = _ORPHAN
+                self._orphans[node.key] = node
+            else:
+                node.where = _QUEUED
+                reads = node.reads
+                # never-read: 0 at the end of its chain, else 1; read n times: n + 1
+                c = min(reads + 1, top) if reads else (1 if node.children else 0)
+                node.cls = c
+                self._queues[c][node.key] = node
+        self._clock = clock
+        self._run.clear()
 
     def _orphan_subtree(self, root: _Node[K]) -> None:
-        """Mark a subtree that lost its parent; its leaves move to the orphan queue."""
+        """A subtree lost its parent: no block in it can be a prefix hit here any more, so
+        all of it moves to the orphan queue, deepest first."""
+        found: list[_Node[K]] = []
         stack = [root]
         while stack:
             node = stack.pop()
             if node.orphan:
                 continue
-            if node.children == 0:
-                self._queues[node.cls].pop(node.key, None)
-                self._orphans[node.key] = node
             node.orphan = True
+            found.append(node)
             if node.kids:
                 stack.extend(node.kids)
+        for node in reversed(found):  # children were found after their parents
+            if node.where == _QUEUED:
+                del self._queues[node.cls][node.key]
+                node.where = _ORPHAN
+                self._orphans[node.key] = node
 
-    def _pick_orphans(
+    @staticmethod
+    def _take_in_order(
+        nodes: Iterable[_Node[K]],
+        count: int,
+        can_evict: Callable[[K], bool],
+        out: list[K],
+        chosen: dict[_Node[K], int],
+        passed: list[_Node[K]],
+    ) -> None:
+        for node in nodes:
+            if not can_evict(node.key):
+                continue
+            if node.children and chosen.get(node, 0) < node.children:
+                passed.append(node)
+                continue
+            out.append(node.key)
+            p = node.parent
+            if p is not None:
+                chosen[p] = chosen.get(p, 0) + 1
+            if len(out) >= count:
+                return
+
+    def _take_weighted(
         self,
         count: int,
         can_evict: Callable[[K], bool],
         out: list[K],
-        taken: dict[_Node[K], int],
-        front: list[list[_Node[K]]],
+        chosen: dict[_Node[K], int],
+        passed: list[_Node[K]],
     ) -> None:
-        orphan_front = front[-1]
-        it = iter(self._orphans.values())
+        """Repeatedly take the queue head with the largest ``age * weight``.  A node
+        whose children are still cached is passed over, not moved: its descendants go
+        first.  Runs are placed deepest-first, so that is rare."""
+        queues = self._queues
+        weights = self._weights
+        clock = self._clock
+        heads: list[_Node[K] | None] = [next(iter(q.values()), None) for q in queues]
+        iters: list[Iterator[_Node[K]] | None] = [None] * len(queues)
+        taken = -1  # the class whose head was just taken; advanced only if we go on
         while len(out) < count:
-            node: _Node[K] | None = orphan_front.pop() if orphan_front else next(it, None)
-            if node is None:
+            if taken >= 0:
+                it = iters[taken]
+                if it is None:
+                    it = iters[taken] = iter(queues[taken].values())
+                    next(it)  # the head itself
+                heads[taken] = next(it, None)
+            best = -1
+            best_score = -1.0
+            for c, head in enumerate(heads):
+                if head is not None:
+                    score = (clock - head.stamp) * weights[c]
+                    if score > best_score:
+                        best, best_score = c, score
+            if best < 0:
                 return
-            if can_evict(node.key):
-                out.append(node.key)
-                self._release_parent(node, taken, front)
+            node = heads[best]
+            assert node is not None
+            taken = best
+            if not can_evict(node.key):
+                continue
+            if node.children and chosen.get(node, 0) < node.children:
+                passed.append(node)
+                continue
+            out.append(node.key)
+            p = node.parent
+            if p is not None:
+                chosen[p] = chosen.get(p, 0) + 1
 
-    def _release_parent(
-        self, node: _Node[K], taken: dict[_Node[K], int], front: list[list[_Node[K]]]
+    @staticmethod
+    def _take_passed(
+        count: int, out: list[K], chosen: dict[_Node[K], int], passed: list[_Node[K]]
     ) -> None:
-        p = node.parent
-        if p is None:
-            return
-        n = taken.get(p, 0) + 1
-        taken[p] = n
-        if n == p.children:
-            front[-1 if p.orphan else p.cls].append(p)
+        """Nothing else is left: take passed-over nodes, those whose children are all
+        chosen first, then the rest (their children are pinned; better an orphan than a
+        put failing with NoSpace while something is evictable)."""
+        waiting = passed
+        while waiting and len(out) < count:
+            later: list[_Node[K]] = []
+            for node in waiting:
+                if chosen.get(node, 0) >= node.children and len(out) < count:
+                    out.append(node.key)
+                    p = node.parent
+                    if p is not None:
+                        chosen[p] = chosen.get(p, 0) + 1
+                else:
+                    later.append(node)
+            if len(later) == len(waiting):  # no progress: the guard cannot be met
+                for node in later[: count - len(out)]:
+                    out.append(node.key)
+                return
+            waiting = later
 
 
 POLICY_NAMES: tuple[str, ...] = ("lru", "default")
