@@ -24,6 +24,7 @@ __all__ = [
     "ConfigFileFacts",
     "MasterFacts",
     "check_config_file",
+    "check_cross_node",
     "check_hashseed",
     "check_key_agreement",
     "check_local_hostname",
@@ -314,12 +315,35 @@ def check_key_agreement(probes: Mapping[str, Sequence[str] | str]) -> list[Check
             "keys.agreement",
             f"{len(probes)} processes ({', '.join(probes)}) computed identical block keys",
         ),
-        skip(
-            "keys.cross_node",
-            "comparing keys with other nodes through the master needs a master key probe"
-            " (not served yet); run doctor on each node and compare keys.agreement",
-        ),
     ]
+
+
+def check_cross_node(
+    probe: tuple[Mapping[str, object] | None, bool, str | None] | None,
+    mine: Sequence[str],
+) -> Check:
+    """The probe keys of another node, read through the pool (see probes.cross_node_probe)."""
+    name = "keys.cross_node"
+    if probe is None:
+        return skip(name, "no reachable master to compare keys with other nodes through")
+    other, published, error = probe
+    if error is not None:
+        return skip(name, f"cross-node key probe not run: {error}")
+    if published or other is None:
+        return pass_(
+            name,
+            "this node published its probe keys in the pool; doctor on the other nodes"
+            " compares against them",
+        )
+    who = f"{other.get('host', '?')} (kvpool {other.get('version', '?')})"
+    if list(mine) != other.get("keys"):
+        return fail(
+            name,
+            f"{who} computed different block keys for the same tokens: nodes would never"
+            " hit each other's blocks",
+            "run the same kvpool version on every node (pip show kvpool)",
+        )
+    return pass_(name, f"this node computes the same block keys as {who}")
 
 
 def check_registered(facts: MasterFacts | None, node: NodeConfig | None) -> Check | None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpool import __version__
 from kvpool.config import (
     CONFIG_PATH_VARS,
     MasterConfig,
@@ -41,6 +43,7 @@ from kvpool.ops.checks_node import (
     ConfigFileFacts,
     MasterFacts,
     check_config_file,
+    check_cross_node,
     check_hashseed,
     check_key_agreement,
     check_local_hostname,
@@ -112,6 +115,7 @@ class Gathered:
     live: bool = False
     peer: tuple[str, int, str | None] | None = None
     key_probe: Mapping[str, Sequence[str] | str] = field(default_factory=dict)
+    cross_node: tuple[Mapping[str, object] | None, bool, str | None] | None = None
 
 
 def read_connector_input(value: str) -> tuple[KVTransferConfig, object]:
@@ -281,6 +285,10 @@ def gather(options: DoctorOptions, env: Mapping[str, str] | None = None) -> Gath
         gathered.peer = (options.prefill_host, port, error)
     if options.probe_keys:
         gathered.key_probe = probes.key_probe()
+        master = gathered.master
+        if master is not None and master.health_status == 200:
+            host = node.local_hostname if node is not None else socket.gethostname()
+            gathered.cross_node = probes.cross_node_probe(master.address, host, __version__)
     return gathered
 
 
@@ -322,6 +330,9 @@ def diagnose(g: Gathered) -> list[Check]:
     seed_names = any(e.is_seed_name for s in g.sides for e in s.config.entries)
     checks.append(check_hashseed(g.env, seed_connectors=seed_names))
     checks += check_key_agreement(g.key_probe)
+    mine = g.key_probe.get("this process")
+    if isinstance(mine, list):
+        checks.append(check_cross_node(g.cross_node, mine))
     same_host = len(g.local_sides) == len(g.sides)
     checks += connector_checks(g.sides, g.model, same_host=same_host)
     node_error = g.config_file.error if g.config_file else None

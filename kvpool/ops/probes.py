@@ -23,9 +23,11 @@ from kvpool.ops.checks_host import SsdFacts
 from kvpool.ops.checks_node import MasterFacts
 
 __all__ = [
+    "CROSS_NODE_KEY",
     "PROBE_NAMESPACE",
     "PROBE_TOKENS",
     "address_is_local",
+    "cross_node_probe",
     "http_get",
     "key_probe",
     "local_probe_keys",
@@ -188,3 +190,36 @@ def key_probe(
         except json.JSONDecodeError:
             results[label] = f"unreadable output {out[:80]!r}"
     return results
+
+
+# The pool object through which nodes compare their probe keys (see cross_node_probe).
+CROSS_NODE_KEY = "kvpool-doctor/key-probe-v1"
+
+
+def cross_node_probe(
+    master: str, host: str, version: str, timeout_s: float = 5.0
+) -> tuple[dict[str, object] | None, bool, str | None]:
+    """Compare block keys with other nodes through the pool: the first node to run doctor
+    publishes its probe keys under CROSS_NODE_KEY; every later one reads them.
+
+    Returns (what another node published or None, whether this run published, error).
+    Writes one small object into the pool; a duplicate put is a no-op by the pool's rules.
+    """
+    try:
+        from kvpool.errors import KVPoolError, ObjectNotFound
+        from kvpool.service.client import Client
+    except ImportError as exc:  # the service layer is not installed here
+        return None, False, f"no pool client ({exc})"
+    mine = {"host": host, "version": version, "keys": local_probe_keys()}
+    try:
+        with Client(master, timeout_s=timeout_s, client_id=f"doctor-{host}") as client:
+            try:
+                other = json.loads(client.get(CROSS_NODE_KEY))
+            except ObjectNotFound:
+                client.put(CROSS_NODE_KEY, json.dumps(mine).encode())
+                return None, True, None
+    except (KVPoolError, OSError, ValueError) as exc:
+        return None, False, f"{type(exc).__name__}: {exc}"
+    if not isinstance(other, dict):
+        return None, False, f"{CROSS_NODE_KEY} holds something else than a key probe"
+    return other, False, None

@@ -8,6 +8,7 @@ from kvpool.ops.checks_node import (
     ConfigFileFacts,
     MasterFacts,
     check_config_file,
+    check_cross_node,
     check_hashseed,
     check_key_agreement,
     check_local_hostname,
@@ -152,3 +153,17 @@ def test_the_masters_view_of_registered_clients_includes_this_node() -> None:
     check = check_registered(MasterFacts("m:1", None, 200, None, METRICS, status), other)
     assert check is not None and check.status is Status.WARN and "2 clients" in check.message
     assert check_registered(MasterFacts("m:1", None, 200, None, METRICS), local) is None
+
+
+def test_cross_node_key_comparison_through_the_pool() -> None:
+    mine = ["aa", "bb"]
+    same = check_cross_node(
+        ({"host": "10.0.0.1", "version": "0.1.0", "keys": mine}, False, None), mine
+    )
+    assert same.status is Status.PASS and "10.0.0.1" in same.message
+    other = {"host": "10.0.0.1", "version": "0.0.9", "keys": ["aa", "cc"]}
+    differ = check_cross_node((other, False, None), mine)
+    assert differ.status is Status.FAIL and "0.0.9" in differ.message
+    assert check_cross_node((None, True, None), mine).status is Status.PASS
+    assert check_cross_node((None, False, "PeerTimeout: no reply"), mine).status is Status.SKIP
+    assert check_cross_node(None, mine).status is Status.SKIP
