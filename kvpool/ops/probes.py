@@ -197,7 +197,7 @@ CROSS_NODE_KEY = "kvpool-doctor/key-probe-v1"
 
 
 def cross_node_probe(
-    master: str, host: str, version: str, timeout_s: float = 5.0
+    master: str, host: str, version: str, timeout_s: float = 2.0
 ) -> tuple[dict[str, object] | None, bool, str | None]:
     """Compare block keys with other nodes through the pool: the first node to run doctor
     publishes its probe keys under CROSS_NODE_KEY; every later one reads them.
