@@ -308,8 +308,9 @@ def check_lookup_rpc_ports(sides: Sequence[Side], *, same_host: bool) -> list[Ch
             results.append(
                 pass_(
                     name,
-                    f"lookup_rpc_port {port}: {store.name} asks the pool directly and opens no"
-                    " lookup socket, so it cannot collide",
+                    f"lookup_rpc_port {port}: {store.name} takes no TCP port for lookups (it"
+                    " asks the master, or a per-instance Unix socket when embedded), so it"
+                    " cannot collide",
                 )
             )
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -395,5 +396,8 @@ def format_json(checks: Sequence[Check]) -> str:
 def run_cli(options: DoctorOptions, *, as_json: bool) -> int:
     """Entry point of ``kvpool doctor``: print the report, return the exit status."""
     checks = run_doctor(options)
-    print(format_json(checks) if as_json else format_text(checks))
+    try:
+        print(format_json(checks) if as_json else format_text(checks), flush=True)
+    except BrokenPipeError:  # `kvpool doctor | head`: the reader left; the status stands
+        sys.stderr.close()
     return exit_code(checks)
