@@ -115,6 +115,10 @@ class Codec(Generic[M]):
 
     def decode_header(self, data: bytes | bytearray | memoryview) -> FrameHeader:
         """Parse and check the fixed header (exactly :data:`HEADER_SIZE` bytes)."""
+        return FrameHeader(*self.parse_header(data))
+
+    def parse_header(self, data: bytes | bytearray | memoryview) -> tuple[int, int]:
+        """:meth:`decode_header` as a bare ``(body_length, payload_length)`` tuple (hot path)."""
         if len(data) != HEADER_SIZE:
             raise ProtocolError(f"frame header must be {HEADER_SIZE} bytes, got {len(data)}")
         magic, body_length, payload_length = _HEADER.unpack(data)
@@ -133,7 +137,7 @@ class Codec(Generic[M]):
             raise ProtocolError(
                 f"frame payload of {payload_length} bytes exceeds the limit of {self.max_payload}"
             )
-        return FrameHeader(body_length, payload_length)
+        return body_length, payload_length
 
     def decode_body(self, body: bytes | bytearray | memoryview) -> M:
         """Decode a body into its typed message; any failure is a :class:`ProtocolError`."""

@@ -82,17 +82,21 @@ class Channel(Generic[S, R]):
         """Send one frame (``payload`` must be a flat byte view) within ``timeout_s``."""
         length = 0 if payload is None else len(payload)
         head = self._send_codec.encode(message, length)
-        buffers: list[memoryview] = [memoryview(head)]
+        buffers: list[bytes | memoryview] = [head]
         if payload is not None and length:
             buffers.append(payload)
+        try:
+            sent = self.sock.sendmsg(buffers)
+        except BlockingIOError:
+            raise PeerTimeout("timed out sending: the peer stopped reading") from None
+        except OSError as exc:
+            raise TransferError(f"connection failed while sending: {exc}") from None
+        if sent < len(head) + length:  # interrupted or timed out part-way: finish it
+            self._send_rest([memoryview(b) for b in buffers], sent)
+
+    def _send_rest(self, buffers: list[memoryview], sent: int) -> None:
         deadline = deadline_after(self.timeout_s)
-        while buffers:
-            try:
-                sent = self.sock.sendmsg(buffers)
-            except BlockingIOError:
-                raise PeerTimeout("timed out sending: the peer stopped reading") from None
-            except OSError as exc:
-                raise TransferError(f"connection failed while sending: {exc}") from None
+        while True:
             while sent and buffers:
                 first = buffers[0]
                 if sent >= len(first):
@@ -101,8 +105,16 @@ class Channel(Generic[S, R]):
                 else:
                     buffers[0] = first[sent:]
                     sent = 0
-            if buffers and time.monotonic() > deadline:
+            if not buffers:
+                return
+            if time.monotonic() > deadline:
                 raise PeerTimeout("timed out sending: the peer reads too slowly")
+            try:
+                sent = self.sock.sendmsg(buffers)
+            except BlockingIOError:
+                raise PeerTimeout("timed out sending: the peer stopped reading") from None
+            except OSError as exc:
+                raise TransferError(f"connection failed while sending: {exc}") from None
 
     # -- receiving ----------------------------------------------------------------
 
@@ -139,21 +151,23 @@ class Channel(Generic[S, R]):
         return view
 
     def _recv_frame(self, deadline: float) -> tuple[R, int] | BadRequest:
-        self._fill(HEADER_SIZE, deadline, "a frame header")
-        header = self._recv_codec.decode_header(self._take(HEADER_SIZE))
-        if header.body_length <= STAGE_SIZE:
-            self._fill(header.body_length, deadline, "a frame body")
-            body: memoryview = self._take(header.body_length)
+        if self._end - self._start < HEADER_SIZE:
+            self._fill(HEADER_SIZE, deadline, "a frame header")
+        body_length, payload_length = self._recv_codec.parse_header(self._take(HEADER_SIZE))
+        if body_length <= len(self._stage):
+            if self._end - self._start < body_length:
+                self._fill(body_length, deadline, "a frame body")
+            body: memoryview = self._take(body_length)
         else:  # a large metadata body: assemble it outside the stage
-            body = memoryview(bytearray(header.body_length))
+            body = memoryview(bytearray(body_length))
             self.recv_payload_into(body, deadline)
         try:
             message = self._recv_codec.decode_body(body)
         except ProtocolError as exc:
             # The payload is still in the stream; drop it so the stream stays in sync.
-            self.discard_payload(header.payload_length, deadline)
+            self.discard_payload(payload_length, deadline)
             return BadRequest(exc)
-        return message, header.payload_length
+        return message, payload_length
 
     def recv(self, deadline: float | None = None) -> tuple[R, int]:
         """Receive one frame's message; returns ``(message, payload_length)``.
