@@ -20,6 +20,7 @@ saves only with ``consumer_is_to_put``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,8 +41,9 @@ from kvpool.connectors.store_config import (
     check_put_back,
     parse_store_config,
 )
+from kvpool.connectors.store_lookup import LookupClient, LookupServer, channel_path
 from kvpool.connectors.store_plan import StorePlan
-from kvpool.connectors.store_pool import PoolHandle, open_pool
+from kvpool.connectors.store_pool import PoolClient, PoolHandle, open_pool
 from kvpool.connectors.store_scheduler import StoreScheduler
 from kvpool.connectors.store_stats import (
     KVPoolStorePromMetrics,
@@ -141,27 +143,42 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
         check_put_back(config, is_mla=_is_mla(vllm_config), tp_size=tp_size)
         if config.backend == "embedded" and tp_size > 1:
             raise ConfigError(
-                f'backend "embedded" keeps the pool inside one process, but tensor_parallel_size'
-                f" is {tp_size} (one process per rank); use backend kvpool with a master"
+                f'backend "embedded" keeps the pool inside one worker process, but'
+                f" tensor_parallel_size is {tp_size} (one process per rank); use backend"
+                " kvpool with a master"
             )
         self._config = config
         namespace = namespace_for(vllm_config, kv_cache_config, config)
         where = config.master or "in-process"
 
-        def handle() -> PoolHandle:
+        channel = channel_path(
+            instance_id=vllm_config.instance_id,
+            engine_id=str(ktc.engine_id),
+            dp_rank=vllm_config.parallel_config.data_parallel_rank,
+            lookup_rpc_port=config.lookup_rpc_port,
+        )
+
+        def handle(opener: Callable[[], PoolClient]) -> PoolHandle:
             return PoolHandle(
-                lambda: open_pool(config),
+                opener,
                 reconnect_interval_s=config.reconnect_interval_ms / 1000,
                 describe=f"{config.backend}@{where}",
             )
 
+        def pool() -> PoolClient:
+            return open_pool(config)
+
+        def lookup_channel() -> PoolClient:
+            return LookupClient(channel, timeout_s=config.pool_timeout_ms / 1000)
+
         self._scheduler: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
-        self._checked_process = False
+        self._lookup_server: LookupServer | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = StoreScheduler(
                 namespace=namespace,
-                pool=handle(),
+                # The embedded pool lives in the worker process: ask it over the channel.
+                pool=handle(lookup_channel if config.backend == "embedded" else pool),
                 saves=config.saves,
                 load_async=config.load_async,
                 logger=logger,
@@ -171,10 +188,13 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
 
             self._worker = StoreWorker(
                 tp_rank=get_tensor_model_parallel_rank() if tp_size > 1 else 0,
-                pool=handle(),
-                loader_pool=handle(),
+                pool=handle(pool),
+                loader_pool=handle(pool),
                 logger=logger,
             )
+            if config.backend == "embedded":
+                shared = open_pool(config)
+                self._lookup_server = LookupServer(channel, shared.prefix_lookup, logger)
         logger.info(
             "[%s] role=%s, backend=%s, master=%s, load_async=%s, consumer_is_to_put=%s,"
             " lookup_rpc_port=%d, block_size=%d, half=%s",
@@ -202,15 +222,7 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
     def _plan(self) -> StorePlan:
         meta = self._get_connector_metadata()
         assert isinstance(meta, StoreConnectorMetadata)
-        plan = meta.plan
-        if self._config.backend == "embedded" and not self._checked_process:
-            if plan.scheduler_pid != os.getpid():
-                raise ConfigError(
-                    'backend "embedded" needs vLLM\'s scheduler and worker in one process;'
-                    " this engine runs them apart, so use backend kvpool with a master"
-                )
-            self._checked_process = True
-        return plan
+        return meta.plan
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -245,6 +257,8 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
         return stats_from_counters(half.counters)
 
     def shutdown(self) -> None:
+        if self._lookup_server is not None:
+            self._lookup_server.close()
         if self._worker is not None:
             self._worker.shutdown()
 

@@ -25,11 +25,13 @@ reconnect_interval_ms  after a pool failure, how long lookups miss before reconn
 embedded_capacity      size of the embedded pool (e.g. "1GiB"; default 1GiB)
 =====================  =======================================================================
 
-Why ``lookup_rpc_port`` opens no socket: in the seed the scheduler asks its worker, which
-owns the store client, whether a prefix is cached.  Here the scheduler half holds its own
-pool client and asks the pool directly (``prefix_lookup`` takes no lease), so there is no
-scheduler↔worker channel to collide on — two instances on one host can never clash on it.
-The key is still validated so that the seed's JSON works unchanged and a typo is caught.
+``lookup_rpc_port``: in the seed the scheduler asks its worker, which owns the store
+client, whether a prefix is cached.  With a master, kvpool's scheduler half holds its own
+client and asks the master directly (``prefix_lookup`` takes no lease), so no channel is
+needed.  With ``backend: embedded`` the pool lives in the worker process and the scheduler
+asks it over a Unix socket named after the instance and this value (see
+:mod:`kvpool.connectors.store_lookup`), so two instances on one host never collide, whatever
+the value; ``0`` is the usual choice.
 """
 
 from __future__ import annotations

@@ -54,12 +54,7 @@ class SaveSpec:
 
 @dataclass(frozen=True, slots=True)
 class StorePlan:
-    """One step's work for the worker half.
-
-    ``scheduler_pid`` lets the embedded backend check that both halves share a process
-    (and so one in-process pool).
-    """
+    """One step's work for the worker half."""
 
     loads: tuple[LoadSpec, ...] = ()
     saves: tuple[SaveSpec, ...] = ()
-    scheduler_pid: int = 0

@@ -23,7 +23,6 @@ module imports nothing from vLLM and is tested with plain objects.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -188,7 +187,7 @@ class StoreScheduler:
             scheduled.append((state, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)))
         saves = [s for s in (self._save_spec(st, done) for st, done in scheduled) if s is not None]
         loads, self._pending_loads = self._pending_loads, []
-        return StorePlan(loads=tuple(loads), saves=tuple(saves), scheduler_pid=os.getpid())
+        return StorePlan(loads=tuple(loads), saves=tuple(saves))
 
     def _save_spec(self, state: _Request, computed_after_step: int) -> SaveSpec | None:
         if not self._saves:

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+from pathlib import Path
+
+import pytest
+
+from kvpool.connectors.store_lookup import LookupClient, LookupServer, channel_path
+from kvpool.errors import TransferError
+from tests.connectors.fake_pool import FakePool
+
+LOG = logging.getLogger("test")
+
+
+def test_channel_names_differ_per_instance_even_with_equal_engine_ids(tmp_path: Path) -> None:
+    p = channel_path(
+        instance_id="1", engine_id="pd-0", dp_rank=0, lookup_rpc_port=0, root=str(tmp_path)
+    )
+    d = channel_path(
+        instance_id="2", engine_id="pd-0", dp_rank=0, lookup_rpc_port=0, root=str(tmp_path)
+    )
+    again = channel_path(
+        instance_id="1", engine_id="pd-0", dp_rank=0, lookup_rpc_port=0, root=str(tmp_path)
+    )
+    assert p != d and p == again and len(p) < 108
+
+
+def test_lookup_round_trip_and_worker_errors(tmp_path: Path) -> None:
+    pool = FakePool()
+    pool.objects.update({"a": b"1", "b": b"2"})
+    path = str(tmp_path / "ch.sock")
+    server = LookupServer(path, pool.prefix_lookup, LOG)
+    try:
+        client = LookupClient(path, timeout_s=5)
+        assert client.prefix_lookup(["a", "b", "c"]) == 2
+        assert client.prefix_lookup(["c", "a"]) == 0
+        pool.down = True
+        with pytest.raises(TransferError, match="PeerTimeout"):
+            client.prefix_lookup(["a"])
+        pool.down = False
+        assert client.prefix_lookup(["a"]) == 1  # the connection survived the error
+        client.close()
+        # Junk on another connection does not take the server down.
+        with socket.socket(socket.AF_UNIX) as junk:
+            junk.connect(path)
+            junk.sendall(struct.pack("<I", 1 << 30))
+        second = LookupClient(path, timeout_s=5)
+        assert second.prefix_lookup(["a"]) == 1
+        second.close()
+    finally:
+        server.close()
+    assert not Path(path).exists()
+    with pytest.raises(TransferError, match="not reachable"):
+        LookupClient(path, timeout_s=1)
