@@ -7,8 +7,10 @@ a fresh process each, because vLLM keeps process-wide connector state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -149,3 +151,83 @@ def kvpool_master(tmp_path: Path) -> Iterator[Master]:
         yield master
     finally:
         master.kill()
+
+
+@dataclass
+class VllmServer:
+    """A real ``vllm.entrypoints.openai.api_server`` in its own process group."""
+
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            result: dict[str, Any] = json.loads(reply.read())
+            return result
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as reply:
+            return reply.read().decode()
+
+    def stop(self) -> None:
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=wait_s)
+                return
+
+
+def start_vllm_server(
+    model: Path,
+    kv_config: dict[str, Any] | None,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+) -> VllmServer:
+    """Start ``vllm serve``'s API server (multiprocess, as deployed) and wait until healthy."""
+    port = free_port()
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+        "--kv-cache-memory-bytes", str(64 << 20), "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    if kv_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_config)]
+    full_env = vllm_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    full_env.update(env or {})
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            args,
+            cwd=REPO,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = VllmServer(port, proc, log_path)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"vLLM exited: {server.log_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return server
+        except OSError:
+            time.sleep(1)
+    server.stop()
+    raise AssertionError(f"vLLM not healthy in 300 s: {server.log_text()[-4000:]}")

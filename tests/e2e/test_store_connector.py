@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvpool.testing.tiny_model import sample_text
-from tests.e2e.conftest import Master, RunOffline, free_port
+from tests.e2e.conftest import Master, RunOffline, free_port, start_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -197,3 +197,47 @@ def test_seed_multiconnector_json_shares_hits_across_hash_seeds_and_survives_the
     assert after["tokens"] == [reference[LONG], reference[OTHER]]
     assert s2["lookup_errors"] > s1["lookup_errors"]
     assert s2["hit_tokens"] == s1["hit_tokens"]
+
+
+def test_vllm_serve_with_the_seed_kv_both_json(
+    tiny_model_dir: Path, reference: dict[str, list[int]], kvpool_master: Master, tmp_path: Path
+) -> None:
+    """§6.3 under ``vllm serve`` (worker in its own process), stats on vLLM's /metrics."""
+    config = tmp_path / "mooncake.json"
+    config.write_text(
+        json.dumps({"local_hostname": "127.0.0.1", "metadata_server": kvpool_master.address})
+    )
+    seed_63 = {
+        "kv_connector": "KVPoolStoreConnector",
+        "kv_connector_module_path": "kvpool.connectors.store",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"lookup_rpc_port": "1", "backend": "mooncake"},
+    }
+    server = start_vllm_server(
+        tiny_model_dir, seed_63, tmp_path / "vllm.log", {"KVPOOL_CONFIG_PATH": str(config)}
+    )
+    try:
+        body = {
+            "model": str(tiny_model_dir),
+            "prompt": LONG,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+        first = server.post("/v1/completions", body)["choices"][0]
+        second = server.post("/v1/completions", body)["choices"][0]
+        metrics = server.metrics()
+    finally:
+        server.stop()
+    assert first["token_ids"] == reference[LONG]
+    assert second["token_ids"] == reference[LONG]
+    hits = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:kvpool_store_hit_tokens_total{")
+    ]
+    assert hits == [384.0]
+    log = server.log_text()
+    assert "[KVPoolStoreConnector] role=kv_both, backend=mooncake" in log
+    assert "half=worker" in log and "half=scheduler" in log
