@@ -31,6 +31,7 @@ import argparse
 import multiprocessing as mp
 import platform
 import socket
+import statistics
 import struct
 import sys
 import threading
@@ -40,6 +41,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -62,6 +64,7 @@ class Result:
     ops: int
     seconds: float
     vs: str = ""  # name of the baseline row (same size) the ratio is against
+    per_round: tuple[float, ...] = ()  # GiB/s of each interleaved round, in order
 
     @property
     def gib_per_s(self) -> float:
@@ -102,10 +105,11 @@ def run_once(case: Case, seconds: float) -> Result:
 
 
 def measure(cases: list[Case], seconds: float, rounds: int) -> list[Result]:
-    """Interleave the cases for ``rounds`` rounds and keep each one's median round.
+    """Interleave the cases for ``rounds`` rounds; each row is its median round.
 
     Interleaving puts a baseline and the path compared to it under the same machine
-    conditions (other load drifts over seconds), which matters more than run length.
+    conditions (other load drifts over seconds), and :func:`ratio` compares them
+    round by round, so a burst of load hits both sides of a ratio alike.
     """
     for case in cases:  # warm-up: page faults, connections, caches
         for _ in range(3):
@@ -114,7 +118,12 @@ def measure(cases: list[Case], seconds: float, rounds: int) -> list[Result]:
     for _ in range(rounds):
         for case in cases:
             runs[case.name].append(run_once(case, seconds))
-    return [sorted(runs[case.name], key=lambda r: r.gib_per_s)[rounds // 2] for case in cases]
+    rows = []
+    for case in cases:
+        mid = sorted(runs[case.name], key=lambda r: r.gib_per_s)[rounds // 2]
+        per_round = tuple(r.gib_per_s for r in runs[case.name])
+        rows.append(Result(mid.name, mid.size, mid.ops, mid.seconds, mid.vs, per_round))
+    return rows
 
 
 # -- peers (each in its own process) ---------------------------------------------
@@ -179,7 +188,7 @@ def _segment_node(ready: Connection, size: int) -> None:
 
 
 @contextmanager
-def peer(target: Callable[[Connection, int], None], size: int) -> Iterator[object]:
+def peer(target: Callable[[Connection, int], None], size: int) -> Iterator[Any]:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=target, args=(there, size), daemon=True)
@@ -206,7 +215,7 @@ def memcpy_cases(size: int) -> list[Case]:
 
 
 def raw_tcp_cases(stack: ExitStack, port: int, size: int) -> list[Case]:
-    value = memoryview(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8))
+    value = memoryview(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes())
     into = memoryview(bytearray(size))
     ack = memoryview(bytearray(1))
     batch = max(1, (16 << 20) // size)
@@ -270,9 +279,14 @@ def _size_label(size: int) -> str:
     return f"{size} B"
 
 
-def _ratio(row: Result, rows: list[Result]) -> str:
+def ratio(row: Result, rows: list[Result]) -> float | None:
+    """Median over rounds of ``row`` / its baseline in the same round (``None``: no baseline)."""
     base = next((r for r in rows if r.name == row.vs and r.size == row.size), None)
-    return f"{row.gib_per_s / base.gib_per_s:.0%}" if base else ""
+    if base is None:
+        return None
+    if len(base.per_round) == len(row.per_round) > 0:
+        return statistics.median(c / b for c, b in zip(row.per_round, base.per_round, strict=True))
+    return row.gib_per_s / base.gib_per_s
 
 
 def table(rows: list[Result], markdown: bool) -> str:
@@ -285,7 +299,7 @@ def table(rows: list[Result], markdown: bool) -> str:
             f"{r.gib_per_s:.2f}",
             f"{r.ops_per_s:,.0f}",
             f"{r.latency_us:.1f}",
-            _ratio(r, rows),
+            "" if (q := ratio(r, rows)) is None else f"{q:.0%}",
             r.vs,
         ]
         for r in rows
@@ -312,8 +326,8 @@ def parse_size(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="64KiB,1MiB,16MiB", help="comma-separated sizes")
-    parser.add_argument("--seconds", type=float, default=0.3, help="time per row per round")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--seconds", type=float, default=0.1, help="time per row per round")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (median)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -321,13 +335,13 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[Result] = []
     with peer(_raw_peer, largest) as raw_port, peer(_segment_node, largest) as node:
-        seg_port, shm_name = node  # type: ignore[misc]
+        seg_port, shm_name = node
         for size in sizes:
             with ExitStack() as stack:
                 cases = memcpy_cases(size)
-                cases += raw_tcp_cases(stack, raw_port, size)  # type: ignore[arg-type]
-                cases += segment_tcp_cases(stack, seg_port, size)
                 cases += segment_shm_cases(stack, shm_name, size)
+                cases += raw_tcp_cases(stack, raw_port, size)
+                cases += segment_tcp_cases(stack, seg_port, size)
                 rows += measure(cases, args.seconds, args.rounds)
     cpu = platform.processor() or platform.machine()
     print(
