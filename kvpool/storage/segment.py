@@ -32,10 +32,12 @@ from typing import Any
 from kvpool.errors import ConfigError, NoSpace, PoolError
 from kvpool.storage.buffers import byte_view, copy_bytes, writable_byte_view
 
-__all__ = ["SHM_DIR", "Segment", "check_range"]
+__all__ = ["SHM_DIR", "Segment", "check_range", "remove_stale_segments"]
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+# Default names carry the creator's pid, so leftovers of a killed process can be found.
+_DEFAULT_NAME = re.compile(r"^kvpool-(\d+)-[0-9a-f]{12}$")
 
 
 def check_range(offset: int, length: int, size: int, what: str = "segment") -> None:
@@ -44,6 +46,40 @@ def check_range(offset: int, length: int, size: int, what: str = "segment") -> N
         raise PoolError(
             f"access of {length} bytes at offset {offset} is outside {what} of {size} bytes"
         )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
+    """Unlink default-named segments whose creating process is gone; return their names.
+
+    A node killed with SIGKILL never runs :meth:`Segment.close`, so its segment would
+    hold memory until reboot.  A node calls this at start-up.  Only names made by
+    :meth:`Segment.create` without an explicit name (``kvpool-<pid>-<hex>``) are
+    considered, and only when no process with that pid exists.
+    """
+    removed: list[str] = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _DEFAULT_NAME.match(entry.name)
+        if match and not _pid_alive(int(match.group(1))):
+            try:
+                entry.unlink()
+            except OSError:
+                continue
+            removed.append(entry.name)
+    return removed
 
 
 def _check_name(name: str) -> None:

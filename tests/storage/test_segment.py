@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvpool.errors import ConfigError, PoolError
-from kvpool.storage.segment import SHM_DIR, Segment
+from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
 
 
 @pytest.fixture
@@ -92,3 +92,29 @@ def test_close_with_a_live_view_still_unlinks(segment: Segment) -> None:
     assert not Path(segment.path).exists()
     view[0] = 1  # still mapped until the view goes away; no crash
     del view
+
+
+def test_segments_of_killed_processes_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    code = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from kvpool.storage.segment import Segment\n"
+        "s = Segment.create(4096, directory=Path(sys.argv[1]))\n"
+        "print(s.name, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == -9
+    dead_name = child.stdout.strip()
+    assert (tmp_path / dead_name).exists()  # SIGKILL skipped close()
+    live = Segment.create(4096, directory=tmp_path)
+    explicit = Segment.create(4096, "kvpool-named", directory=tmp_path)
+    try:
+        assert remove_stale_segments(tmp_path) == [dead_name]
+        assert not (tmp_path / dead_name).exists()
+        assert live.path.exists() and explicit.path.exists()
+    finally:
+        live.close()
+        explicit.close()
