@@ -26,7 +26,7 @@ import contextlib
 import logging
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -70,7 +70,8 @@ _ACCEPT_POLL_S = 0.2
 
 @dataclass
 class ServerStats:
-    """Counters since start (monotonic, for metrics)."""
+    """Counters since start (monotonic, for metrics).  Read freely; update with :meth:`add`
+    (connection threads update concurrently, and ``+=`` on an attribute is not atomic)."""
 
     connections: int = 0
     requests: int = 0
@@ -79,6 +80,11 @@ class ServerStats:
     error_replies: int = 0
     protocol_errors: int = 0
     dropped_connections: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + amount)
 
 
 class SegmentServer:
@@ -189,12 +195,13 @@ class SegmentServer:
                     return
                 raise
             wire.tune_socket(conn)
+            _keepalive(conn)
             thread = threading.Thread(
                 target=self._serve_connection, args=(conn,), name="kvpool-data-conn", daemon=True
             )
             with self._lock:
                 self._conns[conn] = thread
-                self.stats.connections += 1
+                self.stats.add("connections")
             thread.start()
 
     # -- one connection ---------------------------------------------------------
@@ -208,12 +215,12 @@ class SegmentServer:
                 pass
         except ProtocolError as exc:
             # Bad header: the stream cannot be resynchronised.  Say why, then close.
-            self.stats.protocol_errors += 1
+            self.stats.add("protocol_errors")
             log.warning("closing data connection after a malformed frame: %s", exc)
             with contextlib.suppress(KVPoolError):
                 self._reply(channel, error_reply(exc))
         except (TransferError, PeerTimeout) as exc:
-            self.stats.dropped_connections += 1
+            self.stats.add("dropped_connections")
             log.info("data connection ended: %s", exc)
         finally:
             with self._lock:
@@ -227,7 +234,7 @@ class SegmentServer:
         payload: memoryview | None = None,
     ) -> None:
         if isinstance(reply, Error):
-            self.stats.error_replies += 1
+            self.stats.add("error_replies")
         channel.send(reply, payload)
 
     def _serve_one(self, channel: Channel[DataReply, DataRequest]) -> bool:
@@ -236,11 +243,11 @@ class SegmentServer:
         if got is None:
             return False
         if isinstance(got, BadRequest):
-            self.stats.protocol_errors += 1
+            self.stats.add("protocol_errors")
             self._reply(channel, error_reply(got.error))
             return True
         request, payload_length = got
-        self.stats.requests += 1
+        self.stats.add("requests")
         try:
             reply, payload = self._handle(channel, request, payload_length)
         except ChecksumMismatch as exc:  # a corrupt SSD object: a miss, not a broken link
@@ -271,11 +278,11 @@ class SegmentServer:
                 channel.discard_payload(payload_length)
                 raise
             channel.recv_payload_into(target)  # straight into the segment's memory
-            self.stats.bytes_written += request.length
+            self.stats.add("bytes_written", request.length)
             return Ok(), None
         if isinstance(request, SegmentRead):
             source = self._segment(request.segment_id).view(request.offset, request.length)
-            self.stats.bytes_read += request.length
+            self.stats.add("bytes_read", request.length)
             return Ok(request.length), source
         if isinstance(request, SsdRead):
             return self._ssd_read(request)
@@ -295,8 +302,17 @@ class SegmentServer:
             )
         buf = memoryview(bytearray(size))
         self.ssd.read_into(request.key, buf)
-        self.stats.bytes_read += size
+        self.stats.add("bytes_read", size)
         return Ok(size), buf
+
+
+def _keepalive(conn: socket.socket) -> None:
+    """Let the kernel find clients that vanished without a FIN (host down, partition):
+    an idle connection waits without a timeout, so without this it would wait forever."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):  # Linux names; other systems keep their defaults
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class SegmentConnection:

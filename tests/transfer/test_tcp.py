@@ -244,6 +244,10 @@ def test_parallel_clients_write_disjoint_regions(server: SegmentServer, segment:
     assert not failures
     for i in range(4):
         assert segment.read(i * chunk, chunk) == bytes([i * 16 + 3]) * chunk
+    # Counters updated from four connection threads at once lose nothing.
+    assert server.stats.requests == 4 * 5
+    assert server.stats.bytes_written == 16 * chunk
+    assert server.stats.bytes_read == 4 * chunk
 
 
 def test_header_size_is_stable() -> None:
