@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.service.client import Client
 from kvpool.testing.tiny_model import sample_text
 from tests.e2e.conftest import Master, RunOffline, free_port, start_vllm_server
 
@@ -230,6 +231,10 @@ def test_vllm_serve_with_the_seed_kv_both_json(
         metrics = server.metrics()
     finally:
         server.stop()
+    # Probing took no lease and every load released its own: nothing is left pinned.
+    with Client(kvpool_master.address, timeout_s=10) as client:
+        pool = client.stats()
+    assert pool["active_leases"] == 0 and pool["objects"] == 3
     assert first["token_ids"] == reference[LONG]
     assert second["token_ids"] == reference[LONG]
     hits = [
