@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import msgspec
@@ -119,3 +120,38 @@ def test_any_chunking_of_a_stream_yields_the_same_frames(
         decoder.feed(stream[i : i + chunk])
         frames.extend(decoder.frames())
     assert frames == [Frame(Ping(n), p) for n, p in items]
+
+
+def test_decoder_drives_an_asyncio_stream_over_a_real_socket() -> None:
+    async def scenario() -> tuple[list[Frame[Msg]], list[Frame[Msg]]]:
+        received: list[Frame[Msg]] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            decoder = FrameDecoder(codec)
+            while data := await reader.read(7):  # tiny reads: frames span many chunks
+                decoder.feed(data)
+                for frame in decoder.frames():
+                    received.append(frame)
+                    writer.write(codec.encode(Note("ack")))
+            writer.close()
+            await writer.wait_closed()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(codec.encode(Ping(1), 3) + b"xyz" + codec.encode(Note("n")))
+        await writer.drain()
+        acks: list[Frame[Msg]] = []
+        client = FrameDecoder(codec)
+        while len(acks) < 2:
+            client.feed(await reader.read(100))
+            acks += client.frames()
+        writer.close()
+        await writer.wait_closed()
+        server.close()
+        await server.wait_closed()
+        return received, acks
+
+    received, acks = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert received == [Frame(Ping(1), b"xyz"), Frame(Note("n"), b"")]
+    assert acks == [Frame(Note("ack"), b"")] * 2
