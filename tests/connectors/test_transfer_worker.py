@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -279,3 +280,33 @@ def test_caches_must_match_the_rank_layout(workers: list[TransferWorker]) -> Non
     workers.append(worker)
     with pytest.raises(ConfigError, match="should hold 4"):
         worker.register(caches(2, None)[0])
+
+
+def _threads(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) and t.is_alive() for t in threading.enumerate())
+
+
+def test_nothing_leaks_after_many_pulls_and_failures(workers: list[TransferWorker]) -> None:
+    """Held blocks, server threads and sockets all return to zero after pulls and failures."""
+    port = free_port()
+    p, _ = start(workers, config("kv_producer", port), 0, 1, 2, seed=1)
+    d, _ = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for i in range(20):
+        p.submit(TransferJobs(holds=[HoldJob(f"p-{i}", (i % NUM_BLOCKS,))]))
+        remote = [i % NUM_BLOCKS] if i % 4 else [(i + 1) % NUM_BLOCKS]  # every 4th is refused
+        d.submit(TransferJobs(recvs=[recv_job(str(i), [0], remote, port)]))
+        wait_results(d, want_recv=str(i))
+    assert p.num_held == 5  # the refused ones stay held for the right decode...
+    d.submit(
+        TransferJobs(
+            releases=[ReleaseJob(str(i), f"p-{i}", "127.0.0.1", port, 1) for i in range(0, 20, 4)]
+        )
+    )
+    wait_results(p, want_send="p-16")
+    assert p.num_held == 0  # ...until released
+    deadline = time.monotonic() + POLL_S
+    while _threads("kvpool-kv-send") and time.monotonic() < deadline:
+        time.sleep(0.01)  # each decode connection's thread ends when the decode closes it
+    assert _threads("kvpool-kv-send") == 0
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # every socket closed, both sides
