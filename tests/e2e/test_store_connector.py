@@ -38,14 +38,26 @@ def gen(*prompts: str) -> dict[str, Any]:
 
 
 STATS = {"op": "stats"}
+# Turn 1 is 250 tokens; its answer completes the second 128-token block during decode.
+TWO_TURNS = {
+    "op": "two_turns",
+    "prompt": sample_text(250, seed=11),
+    "follow": sample_text(40, seed=12),
+    "max_tokens": 20,
+}
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path, run_offline: RunOffline) -> dict[str, list[int]]:
     """Greedy outputs of an engine with no connector."""
-    run = run_offline({"model": str(tiny_model_dir), "steps": [gen(LONG, OTHER)]})
-    (out,) = run.results
-    return {LONG: out["tokens"][0], OTHER: out["tokens"][1]}
+    run = run_offline({"model": str(tiny_model_dir), "steps": [gen(LONG, OTHER), TWO_TURNS]})
+    out, turns = run.results
+    return {
+        LONG: out["tokens"][0],
+        OTHER: out["tokens"][1],
+        "turn1": turns["turn1"],
+        "turn2": turns["turn2"],
+    }
 
 
 def test_kv_both_second_run_loads_from_the_pool(
@@ -246,3 +258,22 @@ def test_vllm_serve_with_the_seed_kv_both_json(
     log = server.log_text()
     assert "[KVPoolStoreConnector] role=kv_both, backend=mooncake" in log
     assert "half=worker" in log and "half=scheduler" in log
+
+
+def test_decode_write_back_makes_the_next_turn_hit(
+    tiny_model_dir: Path, run_offline: RunOffline, reference: dict[str, list[int]]
+) -> None:
+    """§6.2: a kv_consumer with consumer_is_to_put writes what it computes, decode included."""
+    run = run_offline(
+        {
+            "model": str(tiny_model_dir),
+            "pool": "embedded",
+            "kv_transfer_config": store_config(role="kv_consumer", consumer_is_to_put=True),
+            "steps": [TWO_TURNS, STATS],
+        }
+    )
+    turns, stats = run.results
+    assert "role=kv_consumer, backend=embedded" in run.log and "consumer_is_to_put=true" in run.log
+    assert turns["turn1"] == reference["turn1"] and turns["turn2"] == reference["turn2"]
+    # Block 1 (tokens 128-255) was completed by decode steps and still came from the pool.
+    assert turns["turn2_cached"] == 256 and stats["hit_tokens"] == 256

@@ -8,6 +8,8 @@ SPEC: {"model": dir, "kv_transfer_config": {...} | null, "prefix_caching": bool,
        "pool": "embedded" | "none", "steps": [...]} with steps
 - {"op": "generate", "prompts": [str], "max_tokens": int}  → token ids, finish reasons,
   num_cached_tokens per prompt, or the error if generate raised;
+- {"op": "two_turns", "prompt": str, "follow": str, "max_tokens": int} → a conversation's
+  two turns, the second prompt being the first prompt, its answer and ``follow`` as ids;
 - {"op": "damage", "mode": "remove" | "corrupt", "count": int} → damages the most recently
   stored objects of the embedded pool (through the test double wrapped around it);
 - {"op": "stats"} → the store connector's counters so far (vLLM's Prometheus registry);
@@ -83,6 +85,20 @@ def main(spec_path: str) -> int:
                     "tokens": [list(o.outputs[0].token_ids) for o in outs],
                     "finish": [o.outputs[0].finish_reason for o in outs],
                     "cached": [o.num_cached_tokens for o in outs],
+                }
+            )
+        elif op == "two_turns":  # a conversation: turn 2 = turn 1's prompt + answer + more
+            params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 12))
+            first = llm.generate([step["prompt"]], params, use_tqdm=False)[0]
+            ids = list(first.prompt_token_ids or []) + list(first.outputs[0].token_ids)
+            ids += llm.get_tokenizer().encode(step["follow"], add_special_tokens=False)
+            second = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+            results.append(
+                {
+                    "turn1": list(first.outputs[0].token_ids),
+                    "turn2": list(second.outputs[0].token_ids),
+                    "turn2_prompt_tokens": len(ids),
+                    "turn2_cached": second.num_cached_tokens,
                 }
             )
         elif op == "damage":
