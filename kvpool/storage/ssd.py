@@ -9,6 +9,8 @@ Rules:
 
 - A write is atomic: the file is written under ``.tmp`` and renamed into place with
   ``os.replace``, so a reader sees the old object, the new one, or none -- never half.
+  There is no ``fsync`` (this is a cache): after a power loss a renamed file may hold
+  garbage, which the checksum turns into a miss on its first read.
 - A read checks magic, length (against the file size) and CRC32; a missing file is
   :class:`~kvpool.errors.ObjectNotFound`, a truncated or corrupted one is
   :class:`~kvpool.errors.ChecksumMismatch` (a miss, and the file is deleted so its
