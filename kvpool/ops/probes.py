@@ -212,7 +212,7 @@ def cross_node_probe(
         return None, False, f"no pool client ({exc})"
     mine = {"host": host, "version": version, "keys": local_probe_keys()}
     try:
-        with Client(master, timeout_s=timeout_s, client_id=f"doctor-{host}") as client:
+        with Client(master, timeout_s=timeout_s) as client:
             try:
                 other = json.loads(client.get(CROSS_NODE_KEY))
             except ObjectNotFound:
