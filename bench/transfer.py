@@ -13,6 +13,8 @@ Rows (each value size: 64 KiB, 1 MiB, 16 MiB by default):
 - ``tcp write/read``    kvpool: :class:`SegmentConnection` against a :class:`SegmentServer`
   in another process (framing, msgpack, bounds checks, error replies included).
 - ``shm write/read``    kvpool: :class:`ShmConnection` on the node's segment (same host).
+- ``... xN``            the same from ``--clients`` processes at once (aggregate; ratio
+  against one client).
 
 Every peer runs in its own process, as a storage node would.  The rows of one size
 run interleaved, ``--rounds`` times ``--seconds`` each, and each reports its median
@@ -40,6 +42,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +272,80 @@ def segment_shm_cases(stack: ExitStack, shm_name: str, size: int) -> list[Case]:
     ]
 
 
+def _client_worker(
+    conn: Connection, path: str, op_name: str, target: Any, size: int, offset: int
+) -> None:
+    """A client process for the parallel rows: its own connection, ops on request."""
+    value = np.random.default_rng(offset).integers(0, 256, size, dtype=np.uint8)
+    into = np.empty_like(value)
+    with ExitStack() as stack:
+        data: SegmentConnection | ShmConnection
+        if path == "tcp":
+            data = stack.enter_context(SegmentConnection("127.0.0.1", target, timeout_s=30))
+        else:
+            data = stack.enter_context(ShmConnection())
+            data.attach("bench", target)
+
+        def op() -> None:
+            if op_name == "write":
+                data.write("bench", offset, value)
+            else:
+                data.read_into("bench", offset, into)
+
+        op()
+        conn.send("ready")
+        while (count := conn.recv()) is not None:
+            for _ in range(count):
+                op()
+            conn.send(count)
+
+
+def _stop_worker(proc: BaseProcess, pipe: Connection) -> None:
+    pipe.send(None)
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+def parallel_cases(stack: ExitStack, clients: int, path: str, target: Any, size: int) -> list[Case]:
+    """``path`` ("tcp" or "shm") write and read from ``clients`` processes at once.
+
+    Each client owns a disjoint ``size``-byte region of the segment.  One ``op`` tells
+    every client to do a batch and waits for all of them, so the row is the aggregate
+    throughput; its ratio is against the same path from one client (scaling).
+    """
+    ctx = mp.get_context("spawn")
+    batch = max(1, (8 << 20) // size)
+    cases = []
+    for op_name in ("write", "read"):
+        pipes: list[Connection] = []
+        for i in range(clients):
+            here, there = ctx.Pipe()
+            proc = ctx.Process(
+                target=_client_worker,
+                args=(there, path, op_name, target, size, i * size),
+                daemon=True,
+            )
+            proc.start()
+            stack.callback(_stop_worker, proc, here)
+            pipes.append(here)
+        for pipe in pipes:
+            if not pipe.poll(120):
+                raise RuntimeError("a client process did not start")
+            pipe.recv()
+
+        def op(pipes: list[Connection] = pipes) -> None:
+            for pipe in pipes:
+                pipe.send(batch)
+            for pipe in pipes:
+                pipe.recv()
+
+        name = f"{path} {op_name}"
+        cases.append(Case(f"{name} x{clients}", size, op, name, per_op=batch * clients))
+    return cases
+
+
 # -- report ----------------------------------------------------------------------
 
 
@@ -329,12 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=0.1, help="time per row per round")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (median)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument(
+        "--clients", type=int, default=2, help="also run tcp/shm from this many processes"
+    )
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     largest = max(sizes)
 
     rows: list[Result] = []
-    with peer(_raw_peer, largest) as raw_port, peer(_segment_node, largest) as node:
+    segment_size = largest * max(1, args.clients)
+    with peer(_raw_peer, largest) as raw_port, peer(_segment_node, segment_size) as node:
         seg_port, shm_name = node
         for size in sizes:
             with ExitStack() as stack:
@@ -342,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                 cases += segment_shm_cases(stack, shm_name, size)
                 cases += raw_tcp_cases(stack, raw_port, size)
                 cases += segment_tcp_cases(stack, seg_port, size)
+                if args.clients > 1:
+                    cases += parallel_cases(stack, args.clients, "shm", shm_name, size)
+                    cases += parallel_cases(stack, args.clients, "tcp", seg_port, size)
                 rows += measure(cases, args.seconds, args.rounds)
     cpu = platform.processor() or platform.machine()
     print(
