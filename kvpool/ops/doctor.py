@@ -213,7 +213,21 @@ def _port_facts(label: str, start: int, count: int, live: bool) -> PortFacts:
 
 def gather(options: DoctorOptions, env: Mapping[str, str] | None = None) -> Gathered:
     """Read every input and probe the outside world (the edge)."""
-    gathered = Gathered(env=dict(os.environ) if env is None else env, live=options.live)
+    g = Gathered(env=dict(os.environ) if env is None else env, live=options.live)
+    _gather_sides(g, options)
+    node = _node_config(g, options)
+    _gather_node(g, node)
+    _gather_master(g, options, node)
+    _gather_ports(g, options)
+    if options.probe_keys:
+        g.key_probe = probes.key_probe()
+        if g.master is not None and g.master.health_status == 200:
+            host = node.local_hostname if node is not None else socket.gethostname()
+            g.cross_node = probes.cross_node_probe(g.master.address, host, __version__)
+    return g
+
+
+def _gather_sides(g: Gathered, options: DoctorOptions) -> None:
     models: list[str] = []
     for label, value, side_name, local in (
         ("prefill-config", options.prefill_config, "prefill", not options.separate_hosts),
@@ -222,75 +236,73 @@ def gather(options: DoctorOptions, env: Mapping[str, str] | None = None) -> Gath
         ("vllm-cmd", options.vllm_cmd, None, True),
     ):
         if value is not None:
-            model = _add_side(gathered, label, value, side_name, local)
+            model = _add_side(g, label, value, side_name, local)
             models += [model] if model else []
     if options.model is not None:
-        _read_model(gathered, options.model, explicit=True)
+        _read_model(g, options.model, explicit=True)
     elif models:
-        _read_model(gathered, models[0], explicit=False)
+        _read_model(g, models[0], explicit=False)
 
-    node = _node_config(gathered, options)
+
+def _gather_node(g: Gathered, node: NodeConfig | None) -> None:
     if node is not None:
-        gathered.hostname_error = probes.address_is_local(node.local_hostname)
+        g.hostname_error = probes.address_is_local(node.local_hostname)
         if node.enable_ssd_offload:
-            gathered.ssd = probes.ssd_facts(node.ssd_offload_path)
-        gathered.timeouts = node.timeouts
-    else:
-        try:
-            gathered.timeouts = parse_timeouts(gathered.env)
-        except ConfigError as exc:
-            gathered.input_errors.append(fail("input.env", str(exc), "fix the variable"))
-    gathered.master_arg = options.master
+            g.ssd = probes.ssd_facts(node.ssd_offload_path)
+        g.timeouts = node.timeouts
+        return
+    try:
+        g.timeouts = parse_timeouts(g.env)
+    except ConfigError as exc:
+        g.input_errors.append(fail("input.env", str(exc), "fix the variable"))
+
+
+def _gather_master(g: Gathered, options: DoctorOptions, node: NodeConfig | None) -> None:
+    """The master's answers, and its flags: from --master-cmd, else as it reports them."""
+    g.master_arg = options.master
     address = options.master or (node.master_address if node else None)
     if address is not None:
-        gathered.master = probes.probe_master(address)
-    if options.master_cmd is None and gathered.master and gathered.master.status:
-        running = gathered.master.status.get("config")
-        if isinstance(running, Mapping):
-            try:
-                gathered.master_config = MasterConfig.from_flags(running)
-            except ConfigError as exc:
-                gathered.master_config_error = f"the running master reports {exc}"
+        g.master = probes.probe_master(address)
     if options.master_cmd is not None:
         try:
             text = options.master_cmd
             if "\n" not in text and Path(text).is_file():
                 text = Path(text).read_text(encoding="utf-8")
             argv = command_argv(text, ("master", "mooncake_master"))
-            gathered.master_config = MasterConfig.from_argv(argv)
+            g.master_config = MasterConfig.from_argv(argv)
         except (ConfigError, ValueError) as exc:
-            gathered.master_config_error = str(exc)
+            g.master_config_error = str(exc)
+        return
+    running = g.master.status.get("config") if g.master and g.master.status else None
+    if isinstance(running, Mapping):
+        try:
+            g.master_config = MasterConfig.from_flags(running)
+        except ConfigError as exc:
+            g.master_config_error = f"the running master reports {exc}"
 
-    for side in gathered.sides:
-        if side.side not in gathered.local_sides:
+
+def _gather_ports(g: Gathered, options: DoctorOptions) -> None:
+    for side in g.sides:
+        if side.side not in g.local_sides:
             continue
         ranks = side.own_topology.ranks if side.own_topology else 1
         if side.config.transfer is not None:
             port = side.config.transfer.port("kv_port")
             if isinstance(port, int) and 0 < port < 65536:
                 label = f"{side.side} kv_port"
-                gathered.ports.append(_port_facts(label, port, ranks, options.live))
+                g.ports.append(_port_facts(label, port, ranks, options.live))
         if side.config.store is not None and side.config.store.is_seed_name:
-            # kvpool's store connector opens no lookup socket; the seed's does.
+            # kvpool's store connector takes no TCP port for lookups; the seed's does.
             port = side.config.store.port("lookup_rpc_port")
             if isinstance(port, int) and 0 < port < 65536:
                 label = f"{side.side} lookup_rpc_port"
-                gathered.ports.append(_port_facts(label, port, 1, options.live))
+                g.ports.append(_port_facts(label, port, 1, options.live))
     if options.prefill_host is not None:
-        prefill = next((s for s in gathered.sides if s.side == "prefill"), None)
-        port = (
-            prefill.config.transfer.port("kv_port") if prefill and prefill.config.transfer else None
-        )
+        prefill = next((s for s in g.sides if s.side == "prefill"), None)
+        transfer = prefill.config.transfer if prefill is not None else None
+        port = transfer.port("kv_port") if transfer is not None else None
         port = port if isinstance(port, int) else 30000
-        error = probes.tcp_connect_error(options.prefill_host, port)
-        gathered.peer = (options.prefill_host, port, error)
-    if options.probe_keys:
-        gathered.key_probe = probes.key_probe()
-        master = gathered.master
-        if master is not None and master.health_status == 200:
-            host = node.local_hostname if node is not None else socket.gethostname()
-            gathered.cross_node = probes.cross_node_probe(master.address, host, __version__)
-    return gathered
+        g.peer = (options.prefill_host, port, probes.tcp_connect_error(options.prefill_host, port))
 
 
 def _decode_ranks(sides: Sequence[Side]) -> int | None:
