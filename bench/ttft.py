@@ -6,7 +6,7 @@ One run measures, on the same dummy-weight model and the same machine:
 - ``pool hit (embedded)``  the same prompt again, vLLM's prefix cache off, so the KV comes
                         from kvpool through KVPoolStoreConnector (in-process pool);
 - ``pool hit (master)``  the same through a real ``kvpool master`` on 127.0.0.1 (memory
-                        tier), when ``--master`` is given;
+                        tier: the master's own segment, read over same-host shared memory);
 - ``vLLM prefix cache`` the same prompt again with vLLM's local prefix cache on and no
                         connector: the reference a pool hit is compared with.
 
@@ -15,8 +15,8 @@ token), offline, engine in-process.  Each configuration runs in its own process 
 process-wide connector state); each takes ``--repeats`` fresh prompts, measures cold then
 hit per prompt, and reports medians.  Ratios are against ``cold`` of the same process.
 
-    .venv/bin/python bench/ttft.py [--tokens 3072] [--repeats 3] [--layers 4] [--master]
-                                   [--markdown]
+    .venv/bin/python bench/ttft.py [--tokens 3072] [--repeats 3] [--layers 4]
+                                   [--rows local,embedded,master] [--markdown]
 
 The model is kvpool.testing's "bench" preset with ``--layers`` layers and dummy weights
 (``load_format="dummy"``): hidden 1024, 16 heads of dim 64, 4 KV heads.
@@ -153,33 +153,20 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         "repeats": args.repeats,
         "kv_bytes": 512 << 20,
     }
-    runs: list[tuple[str, dict[str, Any], bool]] = [
-        ("vLLM prefix cache", {"connector": None, "prefix_caching": True}, False),
-        (
-            "pool hit (embedded)",
-            {
-                "connector": _store({"backend": "embedded", "embedded_capacity": "2GiB"}),
-                "prefix_caching": False,
-            },
-            False,
-        ),
-    ]
+    runs: list[tuple[str, dict[str, Any]]] = []
+    if "local" in args.rows:
+        runs.append(("vLLM prefix cache", {"connector": None, "prefix_caching": True}))
+    if "embedded" in args.rows:
+        embedded = _store({"backend": "embedded", "embedded_capacity": "2GiB"})
+        runs.append(("pool hit (embedded)", {"connector": embedded, "prefix_caching": False}))
     master = None
-    if args.master:
+    if "master" in args.rows:
         master, address = _start_master(workdir)
-        runs.append(
-            (
-                "pool hit (master)",
-                {
-                    "connector": _store({"backend": "kvpool", "master": address}),
-                    "prefix_caching": False,
-                },
-                True,
-            )
-        )
+        remote = _store({"backend": "kvpool", "master": address})
+        runs.append(("pool hit (master)", {"connector": remote, "prefix_caching": False}))
     results = []
     try:
-        for name, spec, _ in runs:
+        for name, spec in runs:
             out = _run_child({**base, **spec, "name": name}, env)
             results.append({"name": name, **out})
             cold, hit = statistics.median(out["cold"]), statistics.median(out["hit"])
@@ -213,7 +200,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=3072)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--master", action="store_true", help="also measure through kvpool master")
+    parser.add_argument(
+        "--rows",
+        type=lambda text: set(text.split(",")),
+        default={"local", "embedded", "master"},
+        help="comma-separated: local (vLLM prefix cache), embedded, master",
+    )
     parser.add_argument("--markdown", action="store_true", help="print the docs table")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
