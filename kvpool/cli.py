@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
     parser.set_defaults(run=None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_master(sub)
+    _add_node(sub)
     _add_doctor(sub)
     _add_config(sub)
     _add_proxy(sub)
@@ -129,14 +131,87 @@ def _run_proxy(args: argparse.Namespace) -> int:
     return run_proxy(config)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    run: Callable[[argparse.Namespace], int] | None = args.run
-    if run is None:
-        parser.print_help(sys.stderr)
+def _add_master(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "master",
+        help="run the pool's metadata service (with an embedded memory segment by default)",
+        description="Flags take the seed's spellings: --flag value, --flag=value, "
+        "snake_case or kebab-case, booleans as true/false.",
+    )
+    add_flag(p, "host", help="bind address (default 127.0.0.1)")
+    add_flag(p, "port", help="RPC and HTTP (/metrics, /health) port (default 50088)")
+    add_flag(p, "eviction_high_watermark_ratio", help="start evicting at this use (default 0.9)")
+    add_flag(p, "eviction_ratio", help="fraction of evictable objects per round (default 0.1)")
+    add_flag(p, "default_kv_lease_ttl", help="read lease, milliseconds (default 11000)")
+    add_flag(
+        p, "enable_offload", nargs="?", const="true",
+        help="demote evicted objects to the SSD tier (true/false)",
+    )
+    add_flag(p, "client_ttl", help="seconds without heartbeat before a client is dropped (120)")
+    add_flag(p, "segment_size", help="memory the master hosts itself, e.g. 4GB (0: none)")
+    add_flag(p, "ssd_offload_path", help="directory of the master's SSD tier")
+    add_flag(p, "ssd_offload_limit", help="SSD tier cap, e.g. 100GB")
+    add_flag(p, "eviction_policy", help="default (prefix-aware) or lru")
+    add_flag(p, "log_level", help="debug, info (default), warning")
+    p.set_defaults(run=_run_master)
+
+
+def _run_master(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvpool.config import MasterConfig
+    from kvpool.errors import ConfigError
+    from kvpool.service.master_server import run_master
+
+    names = (
+        "host", "port", "eviction_high_watermark_ratio", "eviction_ratio",
+        "default_kv_lease_ttl", "enable_offload", "client_ttl", "segment_size",
+        "ssd_offload_path", "ssd_offload_limit", "eviction_policy",
+    )
+    values = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    logging.basicConfig(
+        level=(args.log_level or "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = MasterConfig.from_flags(values)
+    except ConfigError as exc:
+        print(f"kvpool master: {exc}", file=sys.stderr)
         return 2
-    return run(args)
+    return run_master(config)
+
+
+def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "node",
+        help="contribute this host's memory to the pool (config: KVPOOL_CONFIG_PATH)",
+        description="Reads mooncake.json-style config from --config, KVPOOL_CONFIG_PATH or "
+        "MOONCAKE_CONFIG_PATH; registers with its metadata_server and serves its segment.",
+    )
+    p.add_argument("--config", help="node config file (default: from the environment)")
+    add_flag(p, "data_port", type=int, default=0, help="data server port (default: any free)")
+    add_flag(p, "bind", default="", help="data server bind address (default: local_hostname)")
+    add_flag(p, "log_level", help="debug, info (default), warning")
+    p.set_defaults(run=_run_node)
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvpool.config import load_node_config
+    from kvpool.errors import ConfigError
+    from kvpool.service.node import run_node
+
+    logging.basicConfig(
+        level=(args.log_level or "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = load_node_config(args.config)
+    except ConfigError as exc:
+        print(f"kvpool node: {exc}", file=sys.stderr)
+        return 2
+    return run_node(config, bind_host=args.bind, data_port=args.data_port)
 
 
 def _add_doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -220,3 +295,13 @@ def _run_config_check(args: argparse.Namespace) -> int:
     from kvpool.ops.render import check_cli
 
     return check_cli(args.path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run: Callable[[argparse.Namespace], int] | None = args.run
+    if run is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return run(args)

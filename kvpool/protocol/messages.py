@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import msgspec
 
+from kvpool.protocol.codec import Codec
 from kvpool.protocol.data import Error, Ok
 
 __all__ = [
+    "REPLY_CODEC",
+    "REQUEST_CODEC",
     "AddSegment",
     "BatchExists",
     "BatchGet",
@@ -33,6 +36,7 @@ __all__ = [
     "Exists",
     "Get",
     "Heartbeat",
+    "HeartbeatReply",
     "MasterReply",
     "MasterRequest",
     "Ok",
@@ -77,6 +81,14 @@ class AddSegment(msgspec.Struct, frozen=True, tag=True):
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     client_id: str
+
+
+class HeartbeatReply(msgspec.Struct, frozen=True, tag=True):
+    """What changed in the sender's segments since its last heartbeat, so a node keeps a
+    catalog of what it holds and can re-announce it to a restarted master."""
+
+    added: list[tuple[str, str, int, int, int]]  # key, segment_id, offset, size, checksum
+    removed: list[str]
 
 
 class Restore(msgspec.Struct, frozen=True, tag=True):
@@ -152,6 +164,7 @@ class BatchExists(msgspec.Struct, frozen=True, tag=True):
 
 class PrefixLookup(msgspec.Struct, frozen=True, tag=True):
     keys: list[str]
+    tokens_per_key: int = 0  # lets the master count hit tokens, not just blocks
 
 
 class Remove(msgspec.Struct, frozen=True, tag=True):
@@ -225,4 +238,19 @@ MasterRequest = (
     | ReportFailure
     | Stats
 )
-MasterReply = RegisterReply | Placement | Placements | Bools | Count | StatsReply | Ok | Error
+MasterReply = (
+    RegisterReply
+    | HeartbeatReply
+    | Placement
+    | Placements
+    | Bools
+    | Count
+    | StatsReply
+    | Ok
+    | Error
+)
+
+# Built once: msgspec decoders are compiled per type.
+
+REQUEST_CODEC: Codec[MasterRequest] = Codec(MasterRequest)
+REPLY_CODEC: Codec[MasterReply] = Codec(MasterReply)

@@ -1,0 +1,1 @@
+"""Thin services over the core: the master, storage nodes, and the client."""

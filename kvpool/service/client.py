@@ -1,0 +1,313 @@
+"""``kvpool.Client``: the synchronous pool client.
+
+Put path: ``PutStart`` (the master reserves space) → the bytes go straight to the owning
+node's segment (shared memory on the same host, TCP otherwise) → ``PutEnd`` with the
+xxh3 checksum makes the object visible.  Get path: ``Get`` (grants a read lease) →
+direct read → checksum verified → ``Release``.
+
+A read that fails in any way — missing, corrupt, node unreachable — is a miss
+(:class:`~kvpool.errors.ObjectNotFound`), never wrong bytes; a node that failed a transfer
+is reported to the master, which drops its objects at once.
+
+Thread-safe: metadata calls are serialised on one connection; data paths are per node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+import uuid
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+from kvpool.errors import (
+    KVPoolError,
+    ObjectNotFound,
+    PeerTimeout,
+    TransferError,
+)
+from kvpool.protocol import messages as m
+from kvpool.protocol.data import Error
+from kvpool.service.storage import checksum
+from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.transfer import wire
+from kvpool.transfer.path import NodeDataPath
+
+__all__ = ["Client", "split_address"]
+
+log = logging.getLogger("kvpool.client")
+
+
+def split_address(address: str, default_port: int = 50088) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep:
+        return address, default_port
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class Client:
+    """A connection to a kvpool master and direct data paths to its nodes."""
+
+    def __init__(
+        self,
+        master: str = "127.0.0.1:50088",
+        *,
+        timeout_s: float = 10.0,
+        client_id: str | None = None,
+        allow_shm: bool = True,
+    ) -> None:
+        self.master = master
+        self.timeout_s = timeout_s
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
+        self.allow_shm = allow_shm
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._paths: dict[str, NodeDataPath] = {}
+        self._paths_lock = threading.Lock()
+        self._reads = itertools.count()
+        self.corrupt_reads = 0
+
+    # ---------------------------------------------------------------------------- plumbing
+    def call(self, request: m.MasterRequest) -> m.MasterReply:
+        """One metadata round trip; raises the master's error as its own class."""
+        with self._lock:
+            sock = self._connected()
+            try:
+                reply, payload = wire.call(
+                    sock, m.REQUEST_CODEC, m.REPLY_CODEC, request, self.timeout_s
+                )
+                if payload:
+                    wire.discard(sock, payload, wire.deadline_after(self.timeout_s))
+            except KVPoolError:
+                self._drop()
+                raise
+        if isinstance(reply, Error):
+            raise reply.to_exception()
+        return reply
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            host, port = split_address(self.master)
+            try:
+                sock = socket.create_connection((host, port), timeout=self.timeout_s)
+            except TimeoutError:
+                raise PeerTimeout(f"connecting to the master at {self.master} timed out") from None
+            except OSError as exc:
+                raise TransferError(f"cannot reach the master at {self.master}: {exc}") from None
+            wire.tune_socket(sock)
+            self._sock = sock
+        return self._sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _path(self, placement: m.Placement) -> NodeDataPath:
+        address = placement.data_address
+        with self._paths_lock:
+            path = self._paths.get(address)
+            if path is None:
+                host, port = split_address(address)
+                path = NodeDataPath(host, port, timeout_s=self.timeout_s, allow_shm=self.allow_shm)
+                self._paths[address] = path
+            return path
+
+    def _report(self, placement: m.Placement, exc: BaseException) -> None:
+        # the master being gone too is not this caller's problem now
+        with contextlib.suppress(KVPoolError):
+            self.call(m.ReportFailure(placement.segment_id, f"{type(exc).__name__}: {exc}"))
+        with self._paths_lock:
+            path = self._paths.pop(placement.data_address, None)
+        if path is not None:
+            path.close()
+
+    # ------------------------------------------------------------------------------ writes
+    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None:
+        """Store ``buffer`` (bytes-like, NumPy array, CPU tensor) under ``key``.
+
+        A key that is already stored is left as is (same key, same content).
+        """
+        view = byte_view(buffer)
+        placement = self.call(m.PutStart(self.client_id, key, len(view), parent))
+        assert isinstance(placement, m.Placement)
+        if not placement.found:
+            return
+        try:
+            self._path(placement).write(placement.segment_id, placement.offset, view)
+        except (TransferError, PeerTimeout) as exc:
+            self._report(placement, exc)
+            self._revoke(key)
+            raise
+        except BaseException:
+            self._revoke(key)
+            raise
+        self.call(m.PutEnd(self.client_id, key, checksum(view)))
+
+    put = put_from
+
+    def _revoke(self, key: str) -> None:
+        with contextlib.suppress(KVPoolError):  # the writer lease expires on the master anyway
+            self.call(m.PutRevoke(self.client_id, key))
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[Any]) -> list[KVPoolError | None]:
+        """Put several objects; one result per key (None for success)."""
+        results: list[KVPoolError | None] = []
+        for key, value in zip(keys, values, strict=True):
+            try:
+                self.put_from(key, value)
+                results.append(None)
+            except KVPoolError as exc:
+                results.append(exc)
+        return results
+
+    # ------------------------------------------------------------------------------- reads
+    def get_into(self, key: str, buffer: Any) -> int:
+        """Fill the front of ``buffer`` with the object; returns its size.
+
+        Raises ObjectNotFound on a miss, including a corrupt or unreachable copy.
+        """
+        owner = f"{self.client_id}#{next(self._reads)}"
+        placement = self.call(m.Get(owner, key))
+        assert isinstance(placement, m.Placement)
+        if not placement.found:
+            raise ObjectNotFound(key)
+        try:
+            return self._read(placement, writable_byte_view(buffer))
+        finally:
+            with contextlib.suppress(KVPoolError):  # the lease expires on its own
+                self.call(m.Release(owner, [key]))
+
+    def _read(self, placement: m.Placement, dst: memoryview) -> int:
+        size = placement.size
+        if len(dst) < size:
+            raise ValueError(f"buffer of {len(dst)} bytes is too small for {size}")
+        target = dst[:size]
+        path = self._path(placement)
+        try:
+            if placement.tier == "ssd":
+                path.tcp.ssd_read_into(placement.key, target)
+            else:
+                path.read_into(placement.segment_id, placement.offset, target)
+        except (TransferError, PeerTimeout) as exc:
+            self._report(placement, exc)
+            raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc
+        except ObjectNotFound:
+            raise
+        except KVPoolError as exc:
+            raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc
+        if checksum(target) != placement.checksum:
+            self.corrupt_reads += 1
+            log.warning("%s failed its checksum: treated as a miss", placement.key)
+            raise ObjectNotFound(f"{placement.key}: checksum mismatch")
+        return size
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes; ObjectNotFound on a miss."""
+        owner = f"{self.client_id}#{next(self._reads)}"
+        placement = self.call(m.Get(owner, key))
+        assert isinstance(placement, m.Placement)
+        if not placement.found:
+            raise ObjectNotFound(key)
+        try:
+            buf = bytearray(placement.size)
+            self._read(placement, memoryview(buf))
+            return bytes(buf)
+        finally:
+            with contextlib.suppress(KVPoolError):
+                self.call(m.Release(owner, [key]))
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        """Read several objects; the size read per key, or -1 for a miss."""
+        owner = f"{self.client_id}#{next(self._reads)}"
+        reply = self.call(m.BatchGet(owner, list(keys)))
+        assert isinstance(reply, m.Placements)
+        sizes: list[int] = []
+        try:
+            for placement, buffer in zip(reply.items, buffers, strict=True):
+                if not placement.found:
+                    sizes.append(-1)
+                    continue
+                try:
+                    sizes.append(self._read(placement, writable_byte_view(buffer)))
+                except ObjectNotFound:
+                    sizes.append(-1)
+        finally:
+            with contextlib.suppress(KVPoolError):
+                self.call(m.ReleaseOwner(owner))
+        return sizes
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                out.append(self.get(key))
+            except ObjectNotFound:
+                out.append(None)
+        return out
+
+    # ------------------------------------------------------------------------------ probes
+    def exists(self, key: str) -> bool:
+        """Whether a READY object is stored under ``key``; takes no lease."""
+        reply = self.call(m.Exists(key))
+        assert isinstance(reply, m.Bools)
+        return reply.values[0]
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        reply = self.call(m.BatchExists(list(keys)))
+        assert isinstance(reply, m.Bools)
+        return reply.values
+
+    def prefix_lookup(self, keys: Sequence[str], tokens_per_key: int = 0) -> int:
+        """How many leading keys are stored; takes no lease."""
+        reply = self.call(m.PrefixLookup(list(keys), tokens_per_key))
+        assert isinstance(reply, m.Count)
+        return reply.value
+
+    def remove(self, key: str) -> bool:
+        """Remove an object; False when there was none.  Raises ObjectBusy if it is read now."""
+        try:
+            self.call(m.Remove(key))
+        except ObjectNotFound:
+            return False
+        return True
+
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        reply = self.call(m.Pin(owner, list(keys), ttl_ms))
+        assert isinstance(reply, m.Count)
+        return reply.value
+
+    def release_owner(self, owner: str) -> int:
+        reply = self.call(m.ReleaseOwner(owner))
+        assert isinstance(reply, m.Count)
+        return reply.value
+
+    def stats(self) -> dict[str, Any]:
+        reply = self.call(m.Stats())
+        assert isinstance(reply, m.StatsReply)
+        return reply.snapshot
+
+    # ---------------------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+        with self._paths_lock:
+            paths = list(self._paths.values())
+            self._paths.clear()
+        for path in paths:
+            path.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,382 @@
+"""The master's request handler: the core index plus a clock, endpoints and metrics.
+
+This is the one place where wire requests meet the index and where errors become
+replies.  It is synchronous and runs on the server's event loop thread only: the index
+is never touched concurrently.  Effects the index returns (demotions) are carried out by
+the storage owner before the reply leaves, so a freed extent is never handed out while
+its bytes are still being copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.core.index import Demote, Dropped, Event, IndexConfig, Location, ObjectIndex
+from kvpool.core.registry import Tier
+from kvpool.errors import KVPoolError, NoSpace, ObjectNotFound, PoolError, UnknownSegment
+from kvpool.protocol import messages as m
+from kvpool.protocol.data import Error, Ok, error_reply
+from kvpool.service.metrics import MasterMetrics
+from kvpool.service.storage import LocalStorage
+
+__all__ = ["Endpoint", "MasterService", "monotonic_ms"]
+
+log = logging.getLogger("kvpool.master")
+
+
+def monotonic_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """How clients reach a segment's bytes."""
+
+    data_address: str
+    shm_name: str
+    host_token: str
+
+
+class MasterService:
+    """Handles :mod:`kvpool.protocol.messages` requests against one ObjectIndex."""
+
+    def __init__(
+        self,
+        config: IndexConfig,
+        *,
+        metrics: MasterMetrics | None = None,
+        clock: Callable[[], int] = monotonic_ms,
+        heartbeat_interval_ms: int = 1000,
+    ) -> None:
+        self.index = ObjectIndex(config)
+        self.metrics = metrics or MasterMetrics()
+        self.clock = clock
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.endpoints: dict[str, Endpoint] = {}  # segment_id -> endpoint
+        self.client_addresses: dict[str, tuple[str, str]] = {}  # id -> (data addr, token)
+        self.local: dict[str, LocalStorage] = {}  # storage hosted in this very process
+        self.recent_errors: deque[str] = deque(maxlen=20)
+        # per remote storage owner: catalog changes not yet sent with a heartbeat reply
+        self.outbox: dict[str, tuple[list[tuple[str, str, int, int, int]], list[str]]] = {}
+        self.started_ms = clock()
+        self._handlers: dict[type, Callable[[Any, int], Any]] = {
+            m.Register: self._register,
+            m.AddSegment: self._add_segment,
+            m.Heartbeat: self._heartbeat,
+            m.Restore: self._restore,
+            m.PutStart: self._put_start,
+            m.BatchPutStart: self._batch_put_start,
+            m.PutEnd: self._put_end,
+            m.BatchPutEnd: self._batch_put_end,
+            m.PutRevoke: self._put_revoke,
+            m.Get: self._get,
+            m.BatchGet: self._batch_get,
+            m.Release: self._release,
+            m.ReleaseOwner: self._release_owner,
+            m.Pin: self._pin,
+            m.Exists: self._exists,
+            m.BatchExists: self._batch_exists,
+            m.PrefixLookup: self._prefix_lookup,
+            m.Remove: self._remove,
+            m.ReportFailure: self._report_failure,
+            m.Stats: self._stats,
+        }
+
+    # ----------------------------------------------------------------------------- entry
+    def handle(self, request: m.MasterRequest) -> m.MasterReply:
+        """One request in, one reply out; never raises."""
+        op = type(request).__name__
+        started = time.perf_counter()
+        try:
+            reply: m.MasterReply = self._handlers[type(request)](request, self.clock())
+        except KVPoolError as exc:
+            self.metrics.errors.labels(op=op, code=exc.code).inc()
+            if not isinstance(exc, ObjectNotFound):
+                self.recent_errors.append(f"{op}: {exc.code}: {exc}")
+            reply = error_reply(exc)
+        except Exception as exc:  # a bug must cost one reply, not the master
+            log.exception("internal error handling %s", op)
+            self.metrics.errors.labels(op=op, code="INTERNAL").inc()
+            self.recent_errors.append(f"{op}: INTERNAL: {exc}")
+            reply = error_reply(exc)
+        self.metrics.latency.labels(op=op).observe(time.perf_counter() - started)
+        return reply
+
+    def tick(self) -> None:
+        """Expire leases, writers and clients; run watermark eviction.  Called periodically."""
+        now = self.clock()
+        for client_id in self.local:
+            self.index.heartbeat(client_id, now)  # in-process owners are alive by definition
+        self._apply(self.index.tick(now))
+        if len(self.endpoints) != len(self.index.registry.segments):
+            self._forget_segments()  # clients expired
+
+    # ---------------------------------------------------------------------------- effects
+    def _apply(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Demote):
+                owner = self.local.get(event.src.client_id)
+                if owner is None or not owner.demote(event):
+                    self.index.demote_failed(event.key)
+                    self.metrics.demote_failures.inc()
+                else:
+                    self.metrics.offloads.inc()
+            elif isinstance(event, Dropped):
+                self.metrics.dropped.labels(reason=event.reason, tier=event.tier.value).inc()
+                if event.reason == "evicted":
+                    self.metrics.evictions.labels(tier=event.tier.value).inc()
+                owner = self.local.get(event.client_id)
+                if owner is not None and event.tier is Tier.SSD:
+                    owner.forget_ssd(event.key)
+                elif event.client_id in self.outbox:
+                    self.outbox[event.client_id][1].append(event.key)
+
+    def _placement(self, key: str, loc: Location, checksum: int = 0) -> m.Placement:
+        ep = self.endpoints.get(loc.segment_id)
+        if ep is None:
+            raise UnknownSegment(f"segment {loc.segment_id} has no endpoint")
+        return m.Placement(
+            True,
+            key,
+            loc.segment_id,
+            loc.tier.value,
+            loc.offset,
+            loc.size,
+            checksum,
+            ep.data_address,
+            ep.shm_name,
+            ep.host_token,
+        )
+
+    # --------------------------------------------------------------------------- clients
+    def attach_local(self, storage: LocalStorage) -> None:
+        """Register storage hosted in the master's own process (the embedded segment)."""
+        now = self.clock()
+        self._register(m.Register(storage.client_id, storage.data_address, storage.host_token), now)
+        if storage.segment is not None:
+            self._add_segment(
+                m.AddSegment(
+                    storage.client_id,
+                    storage.segment_id,
+                    storage.segment.size,
+                    "memory",
+                    storage.shm_name,
+                ),
+                now,
+            )
+        if storage.ssd is not None:
+            self._add_segment(
+                m.AddSegment(storage.client_id, storage.ssd_segment_id, storage.ssd_limit, "ssd"),
+                now,
+            )
+        self.local[storage.client_id] = storage
+
+    def _register(self, req: m.Register, now: int) -> m.RegisterReply:
+        new = self.index.register_client(req.client_id, now, req.data_address)
+        self.client_addresses[req.client_id] = (req.data_address, req.host_token)
+        if new:
+            log.info("client %s registered (data %s)", req.client_id, req.data_address or "-")
+        return m.RegisterReply(new, self.index.config.client_ttl_ms, self.heartbeat_interval_ms)
+
+    def _add_segment(self, req: m.AddSegment, now: int) -> Ok:
+        tier = Tier(req.tier)
+        self.index.add_segment(req.client_id, req.segment_id, req.capacity, tier)
+        address, token = self.client_addresses.get(req.client_id, ("", ""))
+        self.endpoints[req.segment_id] = Endpoint(address, req.shm_name, token)
+        if req.client_id not in self.local:
+            self.outbox.setdefault(req.client_id, ([], []))
+        log.info(
+            "segment %s: %d bytes of %s from %s",
+            req.segment_id,
+            req.capacity,
+            tier.value,
+            req.client_id,
+        )
+        return Ok()
+
+    def _heartbeat(self, req: m.Heartbeat, now: int) -> m.HeartbeatReply:
+        self.index.heartbeat(req.client_id, now)
+        added, removed = self.outbox.get(req.client_id, ([], []))
+        if req.client_id in self.outbox:
+            self.outbox[req.client_id] = ([], [])
+        return m.HeartbeatReply(added, removed)
+
+    def _restore(self, req: m.Restore, now: int) -> m.Bools:
+        return m.Bools(
+            [
+                self.index.restore(key, req.segment_id, offset, size, checksum, now)
+                for key, offset, size, checksum in req.objects
+            ]
+        )
+
+    def _report_failure(self, req: m.ReportFailure, now: int) -> Ok:
+        seg = self.index.registry.segments.get(req.segment_id)
+        if seg is not None and seg.client_id not in self.local:
+            log.warning("dropping client %s: %s", seg.client_id, req.reason)
+            self._apply(self.index.remove_client(seg.client_id, reason="transfer_failed"))
+            self._forget_segments()
+        return Ok()
+
+    def _forget_segments(self) -> None:
+        for segment_id in list(self.endpoints):
+            if segment_id not in self.index.registry.segments:
+                del self.endpoints[segment_id]
+        for client_id in list(self.outbox):
+            if client_id not in self.index.registry.clients:
+                del self.outbox[client_id]
+
+    # ----------------------------------------------------------------------------- writes
+    def _put_start(self, req: m.PutStart, now: int) -> m.Placement:
+        try:
+            reservation, events = self.index.put_start(
+                req.key, req.size, req.client_id, now, req.parent
+            )
+        except NoSpace:
+            self.metrics.put_failures.labels(reason="no_space").inc()
+            raise
+        except PoolError as exc:
+            self.metrics.put_failures.labels(reason=exc.code.lower()).inc()
+            raise
+        self._apply(events)
+        if reservation is None:
+            return m.Placement(False, req.key)
+        return self._placement(req.key, reservation.location)
+
+    def _batch_put_start(self, req: m.BatchPutStart, now: int) -> m.Placements:
+        if len(req.keys) != len(req.sizes):
+            raise PoolError("keys and sizes differ in length")
+        items = []
+        for key, size in zip(req.keys, req.sizes, strict=True):
+            reply = self.handle(m.PutStart(req.client_id, key, size))
+            if isinstance(reply, Error):
+                items.append(m.Placement(False, key, tier=f"error:{reply.code}"))
+            else:
+                assert isinstance(reply, m.Placement)
+                items.append(reply)
+        return m.Placements(items)
+
+    def _put_end(self, req: m.PutEnd, now: int) -> Ok:
+        self.index.put_end(req.key, req.client_id, now, req.checksum)
+        self.metrics.puts.inc()
+        loc = self.index.location_of(req.key)
+        if loc is not None and loc.client_id in self.outbox:
+            self.outbox[loc.client_id][0].append(
+                (req.key, loc.segment_id, loc.offset, loc.size, req.checksum)
+            )
+        return Ok()
+
+    def _batch_put_end(self, req: m.BatchPutEnd, now: int) -> m.Bools:
+        ok = []
+        for key, checksum in zip(req.keys, req.checksums, strict=True):
+            try:
+                self._put_end(m.PutEnd(req.client_id, key, checksum), now)
+                ok.append(True)
+            except KVPoolError:
+                ok.append(False)
+        return m.Bools(ok)
+
+    def _put_revoke(self, req: m.PutRevoke, now: int) -> Ok:
+        self.index.put_revoke(req.key, req.client_id)
+        return Ok()
+
+    # ------------------------------------------------------------------------------ reads
+    def _get(self, req: m.Get, now: int) -> m.Placement:
+        self.metrics.lookups.labels(kind="get").inc()
+        try:
+            grant = self.index.get(req.key, req.owner, now)
+        except ObjectNotFound:
+            return m.Placement(False, req.key)
+        self.metrics.hits.labels(kind="get", tier=grant.location.tier.value).inc()
+        return self._placement(req.key, grant.location, grant.checksum)
+
+    def _batch_get(self, req: m.BatchGet, now: int) -> m.Placements:
+        items = []
+        for key in req.keys:
+            reply = self._get(m.Get(req.owner, key), now)
+            items.append(reply)
+        return m.Placements(items)
+
+    def _release(self, req: m.Release, now: int) -> Ok:
+        for key in req.keys:
+            self.index.release(key, req.owner)
+        return Ok()
+
+    def _release_owner(self, req: m.ReleaseOwner, now: int) -> m.Count:
+        return m.Count(self.index.release_owner(req.owner))
+
+    def _pin(self, req: m.Pin, now: int) -> m.Count:
+        pinned = 0
+        for key in req.keys:
+            try:
+                self.index.pin(key, req.owner, now, req.ttl_ms)
+                pinned += 1
+            except ObjectNotFound:
+                pass
+        return m.Count(pinned)
+
+    def _exists(self, req: m.Exists, now: int) -> m.Bools:
+        return m.Bools([self.index.exists(req.key)])
+
+    def _batch_exists(self, req: m.BatchExists, now: int) -> m.Bools:
+        exists = self.index.exists
+        return m.Bools([exists(k) for k in req.keys])
+
+    def _prefix_lookup(self, req: m.PrefixLookup, now: int) -> m.Count:
+        n = self.index.prefix_lookup(req.keys)
+        self.metrics.prefix_lookups.inc()
+        self.metrics.prefix_keys.labels(result="queried").inc(len(req.keys))
+        self.metrics.prefix_keys.labels(result="hit").inc(n)
+        if req.tokens_per_key:
+            self.metrics.prefix_tokens.labels(result="queried").inc(
+                len(req.keys) * req.tokens_per_key
+            )
+            self.metrics.prefix_tokens.labels(result="hit").inc(n * req.tokens_per_key)
+        return m.Count(n)
+
+    def _remove(self, req: m.Remove, now: int) -> Ok:
+        self._apply([self.index.remove(req.key, now)])
+        return Ok()
+
+    def _stats(self, req: m.Stats, now: int) -> m.StatsReply:
+        return m.StatsReply(self.snapshot())
+
+    # ----------------------------------------------------------------------------- status
+    def snapshot(self) -> dict[str, Any]:
+        """The pool at a glance, JSON-able (for `kvpool status` and the status page)."""
+        now = self.clock()
+        idx = self.index
+        tiers = {}
+        for tier in Tier:
+            capacity, used = idx.usage(tier)
+            tiers[tier.value] = {"capacity": capacity, "used": used, "objects": idx.count(tier)}
+        clients = [
+            {
+                "client_id": c.client_id,
+                "address": c.address,
+                "last_heartbeat_ms_ago": now - c.last_seen_ms,
+                "segments": list(c.segment_ids),
+            }
+            for c in idx.registry.clients.values()
+        ]
+        return {
+            "uptime_s": (now - self.started_ms) / 1000,
+            "tiers": tiers,
+            "objects": len(idx),
+            "clients": clients,
+            "active_leases": idx.active_leases(now),
+            "stats": {
+                "evictions": idx.stats.evictions,
+                "offloads": idx.stats.demotions,
+                "demote_failures": idx.stats.demote_failures,
+                "put_failures_no_space": idx.stats.put_failures_no_space,
+                "expired_leases": idx.stats.expired_leases,
+                "revoked_writes": idx.stats.revoked_writes,
+            },
+            "lookups": self.metrics.lookup_counts(),
+            "recent_errors": list(self.recent_errors),
+        }

@@ -1,0 +1,202 @@
+"""``kvpool master``: one TCP port for the binary RPC and for HTTP (/metrics, /health,
+the status page), as the seed's ``curl http://<master>:50088/metrics`` expects.
+
+Each connection's first four bytes decide: ``KVP1`` (the frame magic) is an RPC
+connection, anything else is handed to aiohttp's HTTP protocol with the bytes already
+read.  Startup → serve → graceful shutdown, uvicorn style.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from typing import Any
+
+from aiohttp import web
+
+from kvpool.config import MasterConfig
+from kvpool.core.index import IndexConfig
+from kvpool.errors import ProtocolError
+from kvpool.protocol.codec import MAGIC, FrameDecoder
+from kvpool.protocol.data import error_reply
+from kvpool.protocol.messages import REPLY_CODEC, REQUEST_CODEC, MasterRequest
+from kvpool.service.http import build_app
+from kvpool.service.master import MasterService
+from kvpool.service.storage import LocalStorage
+
+__all__ = ["MasterServer", "run_master"]
+
+log = logging.getLogger("kvpool.master")
+
+TICK_S = 0.1
+
+
+class _RpcProtocol(asyncio.Protocol):
+    def __init__(self, service: MasterService) -> None:
+        self.service = service
+        self.decoder: FrameDecoder[MasterRequest] = FrameDecoder(REQUEST_CODEC)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        try:
+            self.decoder.feed(data)
+            while True:
+                try:
+                    frame = self.decoder.next_frame()
+                except ProtocolError as exc:
+                    if self._broken():
+                        raise
+                    self.transport.write(REPLY_CODEC.encode(error_reply(exc)))
+                    continue
+                if frame is None:
+                    return
+                reply = self.service.handle(frame.message)
+                self.transport.write(REPLY_CODEC.encode(reply))
+        except ProtocolError as exc:
+            # A bad header: the stream cannot be resynchronised.  Say why and close.
+            log.info("closing RPC connection: %s", exc)
+            self.transport.write(REPLY_CODEC.encode(error_reply(exc)))
+            self.transport.close()
+
+    def _broken(self) -> bool:
+        try:
+            self.decoder.feed(b"")
+        except ProtocolError:
+            return True
+        return False
+
+
+class _Sniffer(asyncio.Protocol):
+    """Reads the first bytes of a connection, then hands it to RPC or HTTP."""
+
+    def __init__(self, server: MasterServer) -> None:
+        self.server = server
+        self.buffer = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.buffer += data
+        if len(self.buffer) < len(MAGIC) and MAGIC.startswith(self.buffer):
+            return
+        proto: asyncio.Protocol
+        if self.buffer.startswith(MAGIC):
+            proto = _RpcProtocol(self.server.service)
+        else:
+            proto = self.server.http_protocol()
+        self.transport.set_protocol(proto)
+        proto.connection_made(self.transport)
+        proto.data_received(self.buffer)
+
+    def eof_received(self) -> bool | None:
+        return None
+
+
+class MasterServer:
+    """The master process: service, embedded storage, RPC+HTTP listener, tick loop."""
+
+    def __init__(self, config: MasterConfig) -> None:
+        self.config = config
+        self.service = MasterService(
+            IndexConfig(
+                high_watermark=config.eviction_high_watermark_ratio,
+                eviction_ratio=config.eviction_ratio,
+                lease_ttl_ms=config.default_kv_lease_ttl,
+                client_ttl_ms=config.client_ttl_ms,
+                enable_offload=config.enable_offload,
+                policy=config.eviction_policy,
+            )
+        )
+        self.storage: LocalStorage | None = None
+        self._server: asyncio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._tick_task: asyncio.Task[None] | None = None
+        self.port = config.port
+
+    def http_protocol(self) -> asyncio.Protocol:
+        assert self._runner is not None and self._runner.server is not None
+        proto: Any = self._runner.server()
+        return proto  # type: ignore[no-any-return]
+
+    async def start(self) -> None:
+        cfg = self.config
+        ssd_path = cfg.ssd_offload_path if cfg.enable_offload else ""
+        if cfg.segment_size or ssd_path:
+            self.storage = LocalStorage(
+                "master",
+                cfg.segment_size,
+                host=cfg.host,
+                ssd_path=ssd_path,
+                ssd_limit=cfg.ssd_offload_limit if ssd_path else 0,
+            )
+            self.storage.start()
+            self.service.attach_local(self.storage)
+        self._runner = web.AppRunner(build_app(self.service), access_log=None)
+        await self._runner.setup()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Sniffer(self), cfg.host, cfg.port, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._tick_task = asyncio.create_task(self._tick_loop())
+        log.info(
+            "kvpool master listening on %s:%d (RPC + HTTP /metrics /health /status); "
+            "memory segment %d bytes%s",
+            cfg.host,
+            self.port,
+            cfg.segment_size,
+            f", SSD tier {ssd_path} ({cfg.ssd_offload_limit} bytes)" if ssd_path else "",
+        )
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.service.tick()
+            except Exception:  # the loop must outlive a bug in one tick
+                log.exception("tick failed")
+
+    async def stop(self) -> None:
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick_task
+        if self._server is not None:
+            self._server.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.storage is not None:
+            self.storage.close()
+        log.info("kvpool master stopped")
+
+    async def serve_until_signal(self) -> None:
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+
+def run_master(config: MasterConfig) -> int:
+    asyncio.run(MasterServer(config).serve_until_signal())
+    return 0

@@ -1,0 +1,154 @@
+"""``kvpool node``: a storage node that contributes a memory segment to the pool.
+
+The node registers with the master, adds its segment, and heartbeats every
+``heartbeat_interval`` the master asks for.  Each heartbeat reply carries the objects
+committed into (and dropped from) the node's segment since the last one, so the node
+keeps a catalog of what it holds.  When the master answers a heartbeat with
+UnknownClient (it restarted, or dropped us), the node registers again and re-announces
+its catalog — every entry re-checked against its checksum first, so only intact objects
+come back.
+
+Data never passes through the master: clients write and read the node's segment
+directly over TCP, or through its shared memory when they share the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import uuid
+
+from kvpool.config import NodeConfig
+from kvpool.errors import KVPoolError, UnknownClient
+from kvpool.protocol import messages as m
+from kvpool.service.client import Client
+from kvpool.service.storage import LocalStorage, checksum
+
+__all__ = ["NodeService", "run_node"]
+
+log = logging.getLogger("kvpool.node")
+
+
+class NodeService:
+    """A node's storage plus its registration and heartbeat with the master."""
+
+    def __init__(self, config: NodeConfig, *, bind_host: str = "", data_port: int = 0) -> None:
+        self.config = config
+        self.client_id = f"node-{config.local_hostname}-{uuid.uuid4().hex[:8]}"
+        if config.enable_ssd_offload:
+            log.warning(
+                "enable_ssd_offload: the SSD tier of a separate node is not served yet; "
+                "run the SSD tier on the master (kvpool master --enable_offload=true "
+                "--ssd_offload_path ...)"
+            )
+        self.storage = LocalStorage(
+            self.client_id,
+            config.global_segment_size,
+            host=bind_host or config.local_hostname,
+            data_port=data_port,
+            timeout_s=config.timeouts.transfer_timeout_ms / 1000,
+        )
+        self.master = Client(
+            config.master_address,
+            timeout_s=config.timeouts.connect_timeout_ms / 1000,
+            client_id=self.client_id,
+        )
+        self.catalog: dict[str, tuple[int, int, int]] = {}  # key -> offset, size, checksum
+        self.heartbeat_s = 1.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.registrations = 0
+
+    # ------------------------------------------------------------------------- lifetime
+    def start(self) -> str:
+        address = self.storage.data_address or self.storage.start()
+        self._register()
+        self._thread = threading.Thread(
+            target=self._loop, name="kvpool-node-heartbeat", daemon=True
+        )
+        self._thread.start()
+        log.info(
+            "kvpool node %s listening on %s, segment %d bytes, master %s",
+            self.client_id,
+            address,
+            self.config.global_segment_size,
+            self.config.master_address,
+        )
+        return address
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.master.close()
+        self.storage.close()
+
+    # ---------------------------------------------------------------------------- master
+    def _register(self) -> None:
+        st = self.storage
+        reply = self.master.call(m.Register(self.client_id, st.data_address, st.host_token))
+        assert isinstance(reply, m.RegisterReply)
+        self.heartbeat_s = max(0.05, reply.heartbeat_interval_ms / 1000)
+        assert st.segment is not None
+        self.master.call(
+            m.AddSegment(self.client_id, st.segment_id, st.segment.size, "memory", st.shm_name)
+        )
+        self.registrations += 1
+        if self.catalog:
+            self._restore()
+
+    def _restore(self) -> None:
+        """Re-announce intact objects to a master that forgot them."""
+        st = self.storage
+        assert st.segment is not None
+        intact = [
+            (key, off, size, csum)
+            for key, (off, size, csum) in self.catalog.items()
+            if checksum(st.segment.view(off, size)) == csum
+        ]
+        reply = self.master.call(m.Restore(self.client_id, st.segment_id, intact))
+        assert isinstance(reply, m.Bools)
+        kept = {key for (key, *_), ok in zip(intact, reply.values, strict=True) if ok}
+        self.catalog = {k: v for k, v in self.catalog.items() if k in kept}
+        log.info("re-announced %d of %d objects to the master", len(kept), len(intact))
+
+    def heartbeat_once(self) -> None:
+        try:
+            reply = self.master.call(m.Heartbeat(self.client_id))
+        except UnknownClient:
+            log.warning("the master does not know this node (restarted?): registering again")
+            self._register()
+            return
+        assert isinstance(reply, m.HeartbeatReply)
+        for key, _segment, offset, size, csum in reply.added:
+            self.catalog[key] = (offset, size, csum)
+        for key in reply.removed:
+            self.catalog.pop(key, None)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.heartbeat_once()
+            except KVPoolError as exc:
+                log.warning("heartbeat failed: %s (retrying)", exc)
+
+
+def run_node(config: NodeConfig, *, bind_host: str = "", data_port: int = 0) -> int:
+    node = NodeService(config, bind_host=bind_host, data_port=data_port)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while True:
+        try:
+            node.start()
+            break
+        except KVPoolError as exc:
+            log.warning("cannot register with the master at %s: %s", config.master_address, exc)
+            if done.wait(1.0):
+                node.stop()
+                return 0
+    done.wait()
+    node.stop()
+    log.info("kvpool node stopped")
+    return 0

@@ -1,0 +1,141 @@
+"""Start kvpool processes for tests and benchmarks: real processes on 127.0.0.1.
+
+``PoolProcess`` starts ``python -m kvpool <command> ... --port 0``, waits (bounded) for
+the line announcing the bound address, and stops the process by its own PID only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["PoolProcess", "start_master", "start_node"]
+
+_LISTENING = re.compile(r"listening on (?P<host>[\d.]+):(?P<port>\d+)")
+
+
+class PoolProcess:
+    """A running kvpool subprocess and the address it announced."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        ready_timeout_s: float = 30.0,
+        log_path: Path | None = None,
+    ) -> None:
+        self.argv = argv
+        full_env = dict(os.environ, **(env or {}))
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool", *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+        )
+        self.lines: deque[str] = deque(maxlen=2000)
+        self._log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed in stop
+        self._ready = threading.Event()
+        self.host = ""
+        self.port = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(ready_timeout_s):
+            self.stop()
+            raise RuntimeError(
+                f"kvpool {' '.join(argv)} did not start in {ready_timeout_s}s:\n"
+                + "\n".join(self.lines)
+            )
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"kvpool {' '.join(argv)} exited:\n" + "\n".join(self.lines))
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+            if self._log is not None:
+                self._log.write(line)
+                self._log.flush()
+            if not self._ready.is_set():
+                match = _LISTENING.search(line)
+                if match:
+                    self.host, self.port = match["host"], int(match["port"])
+                    self._ready.set()
+        self._ready.set()  # exited: let the waiter see it
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no clean-up."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it does not exit in time; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._reader.join(5)
+        if self.proc.stderr is not None and not self._reader.is_alive():
+            self.proc.stderr.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self.proc.returncode
+
+    def wait_for_line(self, pattern: str, timeout_s: float = 10.0) -> str:
+        """The first logged line matching ``pattern`` (bounded wait)."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if rx.search(line):
+                    return line
+            time.sleep(0.05)
+        raise TimeoutError(f"no line matching {pattern!r} in {timeout_s}s")
+
+    def __enter__(self) -> PoolProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def start_master(*flags: str, env: dict[str, str] | None = None) -> PoolProcess:
+    """``kvpool master --port 0 <flags>`` (a free port unless flags name one)."""
+    argv = ["master"]
+    if not any(f.startswith(("--port", "--port=")) for f in flags):
+        argv += ["--port", "0"]
+    return PoolProcess([*argv, *flags], env=env)
+
+
+def start_node(config_path: Path, *flags: str, env: dict[str, str] | None = None) -> PoolProcess:
+    """``kvpool node`` with ``KVPOOL_CONFIG_PATH`` pointing at ``config_path``."""
+    full_env = dict(env or {}, KVPOOL_CONFIG_PATH=str(config_path))
+    return PoolProcess(["node", "--data-port", "0", *flags], env=full_env)

@@ -1,0 +1,180 @@
+"""The master as a real process on 127.0.0.1: RPC and HTTP on one port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+
+from kvpool.errors import NoSpace, ObjectBusy, ObjectNotFound, ProtocolError
+from kvpool.protocol import messages as m
+from kvpool.protocol.codec import MAGIC
+from kvpool.service.client import Client
+from kvpool.testing.processes import PoolProcess, start_master
+
+
+def http_get(proc: PoolProcess, path: str) -> str:
+    with urllib.request.urlopen(f"http://{proc.address}{path}", timeout=5) as r:
+        body: bytes = r.read()
+        return body.decode()
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_put_get_exists_remove_round_trip(client: Client) -> None:
+    value = os.urandom(100_000)
+    assert not client.exists("a")
+    client.put("a", value)
+    assert client.exists("a")
+    assert client.get("a") == value
+    assert client.batch_exists(["a", "b"]) == [True, False]
+    assert client.prefix_lookup(["a", "b", "a"]) == 1
+    assert client.remove("a")
+    assert not client.remove("a")
+    with pytest.raises(ObjectNotFound):
+        client.get("a")
+
+
+def test_zero_copy_forms_accept_numpy_and_report_sizes(client: Client) -> None:
+    src = np.arange(4096, dtype=np.float32)
+    client.put_from("arr", src)
+    dst = np.zeros(8192, dtype=np.float32)
+    assert client.get_into("arr", dst) == src.nbytes
+    assert np.array_equal(dst[:4096], src)
+    sizes = client.batch_get_into(["arr", "nope"], [np.zeros(4096, np.float32)] * 2)
+    assert sizes == [src.nbytes, -1]
+    assert client.batch_get(["arr", "nope"])[1] is None
+
+
+def test_duplicate_put_keeps_the_first_value(client: Client) -> None:
+    client.put("k", b"first")
+    client.put("k", b"other")
+    assert client.get("k") == b"first"
+
+
+def test_seed_metrics_command_shows_blocks_and_clients(master: PoolProcess, client: Client) -> None:
+    client.put("x", b"1" * 1000)
+    client.put("y", b"2" * 1000)
+    # the seed's §8.1 check, as written
+    out = subprocess.run(
+        f'curl -s http://{master.address}/metrics | grep -E "kv_cache|connected"',
+        shell=True, capture_output=True, text=True, check=True,
+    ).stdout
+    assert metric(out, "kvpool_kv_cache_blocks_total") == 2
+    assert metric(out, "kvpool_connected_clients") == 1  # the master's own segment owner
+    text = http_get(master, "/metrics")
+    assert metric(text, "kvpool_tier_used_bytes") > 0
+    assert "kvpool_request_seconds_bucket" in text
+    assert '"status": "ok"' in http_get(master, "/health")
+
+
+def test_hits_are_counted_with_their_denominator(master: PoolProcess, client: Client) -> None:
+    client.put("h", b"v")
+    client.get("h")
+    with pytest.raises(ObjectNotFound):
+        client.get("miss")
+    client.prefix_lookup(["h", "miss"], tokens_per_key=16)
+    text = http_get(master, "/metrics")
+    assert metric(text, 'kvpool_lookups_total{kind="get"}') == 2
+    assert metric(text, 'kvpool_hits_total{kind="get",tier="memory"}') == 1
+    assert metric(text, 'kvpool_prefix_tokens_total{result="queried"}') == 32
+    assert metric(text, 'kvpool_prefix_tokens_total{result="hit"}') == 16
+
+
+def test_full_pool_of_evictable_objects_accepts_puts(client: Client) -> None:
+    block = os.urandom(1 << 20)
+    for i in range(20):  # 20 MiB into an 8 MiB segment
+        client.put(f"b{i}", block)
+    assert client.get("b19") == block
+    assert client.stats()["stats"]["evictions"] >= 12
+
+
+def test_all_leased_pool_refuses_puts_until_leases_expire() -> None:
+    with start_master("--segment_size", "2MiB", "--default_kv_lease_ttl", "300") as proc:
+        with Client(proc.address) as c:
+            c.put("a", b"a" * (1 << 20))
+            c.put("b", b"b" * (1 << 20))
+            assert c.pin(["a", "b"], "reader", ttl_ms=300) == 2
+            with pytest.raises(NoSpace):
+                c.put("c", b"c" * (1 << 20))
+            with pytest.raises(ObjectBusy):
+                c.remove("a")
+            for _ in range(100):  # bounded: the pins run out after 300 ms
+                try:
+                    c.put("c", b"c" * (1 << 20))
+                    break
+                except NoSpace:
+                    import time
+
+                    time.sleep(0.05)
+            assert c.get("c") == b"c" * (1 << 20)
+
+
+def _raw(proc: PoolProcess) -> socket.socket:
+    s = socket.create_connection((proc.host, proc.port), timeout=5)
+    return s
+
+
+def test_malformed_frames_get_errors_and_the_master_keeps_serving(
+    master: PoolProcess, client: Client
+) -> None:
+    # bad magic after the sniffer chose RPC: a frame header with an absurd body length
+    s = _raw(master)
+    s.sendall(MAGIC + struct.pack("!II", 1 << 30, 0))
+    reply, _ = m.REPLY_CODEC.decode_header(s.recv(12)), None
+    s.close()
+    assert reply.body_length > 0
+    # an unknown message type: an error reply, and the same connection still works
+    s = _raw(master)
+    body = b"\x81\xa4type\xa7Unknown"
+    s.sendall(MAGIC + struct.pack("!II", len(body), 0) + body)
+    header = m.REPLY_CODEC.decode_header(s.recv(12))
+    err = m.REPLY_CODEC.decode_body(s.recv(header.body_length))
+    assert isinstance(err, m.Error) and err.code == ProtocolError.code
+    frame = m.REQUEST_CODEC.encode(m.Exists("nothing"))
+    s.sendall(frame)
+    header = m.REPLY_CODEC.decode_header(s.recv(12))
+    assert m.REPLY_CODEC.decode_body(s.recv(header.body_length)) == m.Bools([False])
+    s.close()
+    # a client that disconnects mid-frame
+    s = _raw(master)
+    s.sendall(frame[:7])
+    s.close()
+    # garbage that is neither RPC nor HTTP
+    s = _raw(master)
+    s.sendall(b"\x00\x01\x02\x03garbage\r\n\r\n")
+    s.recv(100)
+    s.close()
+    client.put("still", b"serving")
+    assert client.get("still") == b"serving"
+
+
+def test_seed_master_command_line_is_accepted_as_written(tmp_path: object) -> None:
+    flags = [
+        "--eviction_high_watermark_ratio", "0.9", "--eviction_ratio", "0.1",
+        "--default_kv_lease_ttl", "11000", "--enable_offload=true", "--client_ttl=120",
+        f"--ssd-offload-path={tmp_path}", "--ssd_offload_limit", "64MiB",
+    ]
+    with start_master(*flags) as proc:
+        assert '"status": "ok"' in http_get(proc, "/health")
+    assert proc.proc.returncode == 0  # SIGTERM is a clean shutdown
+
+
+def test_bad_flag_values_name_the_flag() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool", "master", "--eviction_ratio", "1.5"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert done.returncode == 2
+    assert "--eviction_ratio" in done.stderr
