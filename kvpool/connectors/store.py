@@ -168,8 +168,10 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
         def pool() -> PoolClient:
             return open_pool(config)
 
-        def lookup_channel() -> PoolClient:
-            return LookupClient(channel, timeout_s=config.pool_timeout_ms / 1000)
+        def lookups() -> PoolClient:
+            if config.backend == "embedded":  # the pool lives in the worker: ask it there
+                return LookupClient(channel, timeout_s=config.lookup_timeout_ms / 1000)
+            return open_pool(config, timeout_ms=config.lookup_timeout_ms)
 
         self._scheduler: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
@@ -177,8 +179,7 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = StoreScheduler(
                 namespace=namespace,
-                # The embedded pool lives in the worker process: ask it over the channel.
-                pool=handle(lookup_channel if config.backend == "embedded" else pool),
+                pool=handle(lookups),
                 saves=config.saves,
                 load_async=config.load_async,
                 logger=logger,

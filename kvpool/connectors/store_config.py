@@ -19,8 +19,10 @@ prefill                optional ``{"tp_size": N, "dp_size": M}`` of the prefill 
                        ``consumer_is_to_put`` can check the layouts really match
 model_id               the model's name in block keys (default: vLLM's served model name)
 tenant                 isolates one tenant's keys from another's ("")
-pool_timeout_ms        every pool call's timeout (env KVPOOL_TRANSFER_TIMEOUT /
+pool_timeout_ms        every load's and save's pool call timeout (env KVPOOL_TRANSFER_TIMEOUT /
                        ASCEND_TRANSFER_TIMEOUT, else 10000)
+lookup_timeout_ms      a scheduler lookup's timeout (2000): the scheduler waits for it, so a
+                       hung pool must cost little; a timed-out lookup is a miss
 reconnect_interval_ms  after a pool failure, how long lookups miss before reconnecting (5000)
 embedded_capacity      size of the embedded pool (e.g. "1GiB"; default 1GiB)
 =====================  =======================================================================
@@ -74,10 +76,12 @@ EXTRA_KEYS = (
     "model_id",
     "tenant",
     "pool_timeout_ms",
+    "lookup_timeout_ms",
     "reconnect_interval_ms",
     "embedded_capacity",
 )
 _DEFAULT_TIMEOUT_MS = 10_000
+_DEFAULT_LOOKUP_MS = 2_000
 _DEFAULT_RECONNECT_MS = 5_000
 _DEFAULT_EMBEDDED = 1 << 30
 
@@ -96,6 +100,7 @@ class StoreConfig:
     model_id: str = ""
     tenant: str = ""
     pool_timeout_ms: int = _DEFAULT_TIMEOUT_MS
+    lookup_timeout_ms: int = _DEFAULT_LOOKUP_MS
     reconnect_interval_ms: int = _DEFAULT_RECONNECT_MS
     embedded_capacity: int = _DEFAULT_EMBEDDED
 
@@ -200,6 +205,9 @@ def parse_store_config(
         model_id=_str(extra.get("model_id", ""), "model_id"),
         tenant=_str(extra.get("tenant", ""), "tenant"),
         pool_timeout_ms=timeout_ms,
+        lookup_timeout_ms=_int(
+            extra.get("lookup_timeout_ms", _DEFAULT_LOOKUP_MS), "lookup_timeout_ms", minimum=1
+        ),
         reconnect_interval_ms=_int(
             extra.get("reconnect_interval_ms", _DEFAULT_RECONNECT_MS),
             "reconnect_interval_ms",

@@ -127,13 +127,15 @@ def _new_embedded(config: StoreConfig) -> PoolClient:
     return pool
 
 
-def open_pool(config: StoreConfig) -> PoolClient:
-    """A pool client for ``config.backend`` (a new connection, or the shared embedded pool)."""
+def open_pool(config: StoreConfig, *, timeout_ms: int | None = None) -> PoolClient:
+    """A pool client for ``config.backend`` (a new connection, or the shared embedded pool);
+    ``timeout_ms`` overrides ``config.pool_timeout_ms`` (the scheduler's lookups)."""
     if config.backend == "embedded":
         return EmbeddedPools.get("default", lambda: _new_embedded(config))
     from kvpool.service.client import Client  # lazy: import only when a master is used
 
-    client: PoolClient = Client(config.master, timeout_s=config.pool_timeout_ms / 1000)
+    timeout_s = (timeout_ms or config.pool_timeout_ms) / 1000
+    client: PoolClient = Client(config.master, timeout_s=timeout_s)
     return client
 
 

@@ -39,8 +39,18 @@ __all__ = ["StoreScheduler"]
 _WARN_EVERY_S = 30.0
 
 
-def _prefix_lookup(pool: PoolClient, keys: list[str]) -> int:
-    return pool.prefix_lookup(keys)
+def _present_prefix(pool: PoolClient, keys: list[list[str]]) -> int:
+    """Leading chunks present for every rank (probing only: no lease is taken)."""
+    if len(keys) == 1:
+        return pool.prefix_lookup(keys[0])
+    # Several TP ranks: one round trip for all of them instead of one per rank.
+    flags = pool.batch_exists([k for rank_keys in keys for k in rank_keys])
+    n = len(keys[0])
+    found = n
+    for rank in range(len(keys)):
+        row = flags[rank * n : (rank + 1) * n]
+        found = min(found, row.index(False) if False in row else n)
+    return found
 
 
 @dataclass(slots=True)
@@ -53,6 +63,7 @@ class _Request:
     keys: list[list[BlockKey]] = field(default_factory=list)  # [rank][chunk]
     local_tokens: int = 0  # vLLM's own prefix-cache hit at lookup time
     saved_blocks: int = 0  # blocks [0, saved_blocks) are in the pool or being written
+    query_tokens: int = 0  # the last lookup's query size, until vLLM admits the request
     load: LoadSpec | None = None  # the last load planned, to map failed blocks back
 
     def tokens(self) -> Sequence[int]:
@@ -118,23 +129,23 @@ class StoreScheduler:
         # Probe every full block (not just the usable ones) so that a block the pool holds
         # is not written again after the request computes it.
         keys = self._keys_upto(state, n_tokens // self._bs)
-        self.counters["lookups"] += 1
-        self.counters["query_tokens"] += n_tokens - num_computed_tokens
+        state.query_tokens = 0
         try:
-            hit_blocks = min(
-                self._pool.call(partial(_prefix_lookup, keys=[k.hex for k in rank_keys]))
-                for rank_keys in keys
+            found = self._pool.call(
+                partial(_present_prefix, keys=[[k.hex for k in ks] for ks in keys])
             )
         except Exception as exc:  # any pool failure is a miss, never a failed request
             self.counters["lookup_errors"] += 1
             self._warn(f"lookup failed, treating as a miss: {type(exc).__name__}: {exc}")
             return 0, False
-        state.saved_blocks = max(state.saved_blocks, hit_blocks)
-        hit_blocks = max(0, min(hit_blocks, usable_blocks))
+        # Counted when vLLM admits the request (update_state_after_alloc): a request that
+        # waits for memory is asked about again each step and must not count twice.
+        state.query_tokens = n_tokens - num_computed_tokens
+        state.saved_blocks = max(state.saved_blocks, found)
+        hit_blocks = max(0, min(found, usable_blocks))
         new_tokens = hit_blocks * self._bs - num_computed_tokens
         if new_tokens <= 0:
             return 0, False
-        self.counters["hit_tokens"] += new_tokens
         return new_tokens, self._load_async
 
     def update_state_after_alloc(
@@ -142,6 +153,11 @@ class StoreScheduler:
     ) -> None:
         """Plan the load of ``num_external_tokens`` into the blocks vLLM just allocated."""
         state = self._state(request)
+        if state.query_tokens:
+            self.counters["lookups"] += 1
+            self.counters["query_tokens"] += state.query_tokens
+            self.counters["hit_tokens"] += max(num_external_tokens, 0)
+            state.query_tokens = 0
         if num_external_tokens <= 0:
             return
         if state.local_tokens % self._bs or num_external_tokens % self._bs:

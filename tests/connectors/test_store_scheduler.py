@@ -104,7 +104,9 @@ def test_hit_leaves_one_token_and_plans_the_load() -> None:
     assert load.block_ids == (6,) and load.keys == ((keys[1],),) and not load.is_async
     # The third block was in the pool at lookup: it is not written again.
     assert plan.saves == ()
-    assert sched.counters["hit_tokens"] == 12 and sched.counters["lookups"] == 2
+    # Counted once, at admission, with what vLLM took (not at each lookup).
+    assert sched.counters["hit_tokens"] == 4 and sched.counters["lookups"] == 1
+    assert sched.counters["query_tokens"] == 8
     # A later step must not re-emit the load.
     assert sched.build_plan(step(cached=[("b", None, 12, 1)])).loads == ()
 
@@ -130,6 +132,8 @@ def test_every_tp_rank_must_hold_the_chunk() -> None:
     (load,) = sched.build_plan(step(new=[("d", [1, 2, 3, 4, 5], 8, 9)])).loads
     assert len(load.keys) == 2 and load.keys[0] != load.keys[1]
     assert load.keys[1] == tuple(k.hex for k in chunk_keys(tokens, ns.for_rank(1))[:2])
+    # All ranks were probed in one round trip.
+    assert pool.calls["batch_exists"] == 1 and pool.calls["prefix_lookup"] == 0
 
 
 def test_dead_pool_is_a_miss_and_probing_takes_no_lease() -> None:
