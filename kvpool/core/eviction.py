@@ -154,7 +154,9 @@ class PrefixAwarePolicy(Generic[K]):
         # apart in ``_run`` and placed deepest-first when it ends, so within a request the
         # tail is older than the head and LRU order trims chains from the tail.
         self._queues: list[OrderedDict[K, _Node[K]]] = [OrderedDict() for _ in self._weights]
-        self._queue_weights = list(zip(self._queues, self._weights, strict=True))
+        # Cached head of each queue (None: look it up), so a choice costs one score per
+        # class instead of one iterator per class.
+        self._heads: list[_Node[K] | None] = [None] * len(self._weights)
         self._orphans: OrderedDict[K, _Node[K]] = OrderedDict()
         self._run: list[_Node[K]] = []
         self._clock = 0
@@ -193,7 +195,7 @@ class PrefixAwarePolicy(Generic[K]):
         if node.where == _ORPHAN:
             del self._orphans[key]
         else:
-            del self._queues[node.cls][key]
+            self._unqueue(node)
         node.where = _RUN
         run = self._run
         if run and node.parent is not run[-1]:
@@ -209,7 +211,10 @@ class PrefixAwarePolicy(Generic[K]):
         elif node.where == _ORPHAN:
             del self._orphans[key]
         else:
-            del self._queues[node.cls][key]
+            c = node.cls
+            del self._queues[c][key]
+            if self._heads[c] is node:
+                self._heads[c] = None
         if node.kids:
             for kid in node.kids:
                 kid.parent = None
@@ -230,12 +235,17 @@ class PrefixAwarePolicy(Generic[K]):
             clock = self._clock
             best: _Node[K] | None = None
             best_score = -1.0
-            for queue, weight in self._queue_weights:
-                if queue:
-                    head = next(iter(queue.values()))
-                    score = (clock - head.stamp) * weight
-                    if score > best_score:
-                        best, best_score = head, score
+            heads = self._heads
+            queues = self._queues
+            for c, weight in enumerate(self._weights):
+                head = heads[c]
+                if head is None:
+                    if not queues[c]:
+                        continue
+                    head = heads[c] = next(iter(queues[c].values()))
+                score = (clock - head.stamp) * weight
+                if score > best_score:
+                    best, best_score = head, score
             if best is not None and not best.children and can_evict(best.key):
                 return [best.key]
         chosen: dict[_Node[K], int] = {}  # node -> how many of its children are in ``out``
@@ -252,6 +262,20 @@ class PrefixAwarePolicy(Generic[K]):
         return out
 
     # ---------------------------------------------------------------------- internals
+    def _unqueue(self, node: _Node[K]) -> None:
+        c = node.cls
+        del self._queues[c][node.key]
+        if self._heads[c] is node:
+            self._heads[c] = None
+
+    def _head(self, c: int) -> _Node[K] | None:
+        head = self._heads[c]
+        if head is None:
+            queue = self._queues[c]
+            if queue:
+                head = self._heads[c] = next(iter(queue.values()))
+        return head
+
     def _place_run(self) -> None:
         clock = self._clock
         top = self._top
@@ -286,7 +310,7 @@ class PrefixAwarePolicy(Generic[K]):
                 stack.extend(node.kids)
         for node in reversed(found):  # children were found after their parents
             if node.where == _QUEUED:
-                del self._queues[node.cls][node.key]
+                self._unqueue(node)
                 node.where = _ORPHAN
                 self._orphans[node.key] = node
 
@@ -326,7 +350,7 @@ class PrefixAwarePolicy(Generic[K]):
         queues = self._queues
         weights = self._weights
         clock = self._clock
-        heads: list[_Node[K] | None] = [next(iter(q.values()), None) for q in queues]
+        heads = [self._head(c) for c in range(len(queues))]
         iters: list[Iterator[_Node[K]] | None] = [None] * len(queues)
         taken = -1  # the class whose head was just taken; advanced only if we go on
         while len(out) < count:
