@@ -13,6 +13,8 @@ Rows (each value size: 64 KiB, 1 MiB, 16 MiB by default):
 - ``tcp write/read``    kvpool: :class:`SegmentConnection` against a :class:`SegmentServer`
   in another process (framing, msgpack, bounds checks, error replies included).
 - ``shm write/read``    kvpool: :class:`ShmConnection` on the node's segment (same host).
+- ``tcp ... pipelined``  16 values per batch (``write_many`` / ``read_many_into``): one
+  round trip per batch instead of per value.
 - ``... xN``            the same from ``--clients`` processes at once (aggregate; ratio
   against one client).
 
@@ -255,9 +257,16 @@ def segment_tcp_cases(stack: ExitStack, port: int, size: int) -> list[Case]:
     value = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
     into = np.empty_like(value)
     conn = stack.enter_context(SegmentConnection("127.0.0.1", port, timeout_s=30))
+    # Pipelined batches of 16 values (one round trip per batch), as a batch_put would.
+    writes: list[tuple[str, int, Any]] = [("bench", 0, value)] * 16
+    reads: list[tuple[str, int, Any]] = [("bench", 0, into)] * 16
     return [
         Case("tcp write", size, lambda: conn.write("bench", 0, value), "raw tcp write"),
         Case("tcp read", size, lambda: conn.read_into("bench", 0, into), "raw tcp read"),
+        Case("tcp write x16 pipelined", size, lambda: conn.write_many(writes), "raw tcp write", 16),
+        Case(
+            "tcp read x16 pipelined", size, lambda: conn.read_many_into(reads), "raw tcp read", 16
+        ),
     ]
 
 

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -59,13 +60,22 @@ from kvpool.transfer import wire
 from kvpool.transfer.channel import Channel
 from kvpool.transfer.wire import BadRequest
 
-__all__ = ["REPLY_CODEC", "REQUEST_CODEC", "SegmentConnection", "SegmentServer", "ServerStats"]
+__all__ = [
+    "PIPELINE_DEPTH",
+    "REPLY_CODEC",
+    "REQUEST_CODEC",
+    "SegmentConnection",
+    "SegmentServer",
+    "ServerStats",
+]
 
 log = logging.getLogger(__name__)
 
 REQUEST_CODEC: Codec[DataRequest] = Codec(DataRequest)
 REPLY_CODEC: Codec[DataReply] = Codec(DataReply)
 _ACCEPT_POLL_S = 0.2
+# Requests in flight per pipelined batch (write_many / read_many_into).
+PIPELINE_DEPTH = 64
 
 
 @dataclass
@@ -388,6 +398,56 @@ class SegmentConnection:
             self.close()
             raise ProtocolError(f"unexpected reply to a segment read: {reply!r}")
         return len(dst)
+
+    def write_many(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
+        """Pipelined :meth:`write` of ``(segment_id, offset, buffer)`` items.
+
+        Requests go out back to back and the replies are read afterwards, so many small
+        values cost one round trip per :data:`PIPELINE_DEPTH` items instead of one each.
+        Returns one entry per item: ``None`` or the error the node refused it with (the
+        other items still happen).  A broken connection raises for the whole batch.
+        """
+        views = [byte_view(buffer) for _, _, buffer in items]
+        requests = [SegmentWrite(s, o, len(v)) for (s, o, _), v in zip(items, views, strict=True)]
+        return self._pipeline(requests, views, [None] * len(items))
+
+    def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
+        """Pipelined :meth:`read_into` of ``(segment_id, offset, buffer)`` items; see
+        :meth:`write_many` for the results."""
+        views = [writable_byte_view(buffer) for _, _, buffer in items]
+        requests = [SegmentRead(s, o, len(v)) for (s, o, _), v in zip(items, views, strict=True)]
+        return self._pipeline(requests, [None] * len(items), views)
+
+    def _pipeline(
+        self,
+        requests: Sequence[DataRequest],
+        outs: Sequence[memoryview | None],
+        intos: Sequence[memoryview | None],
+    ) -> list[KVPoolError | None]:
+        # No deadlock: one direction of each window is small (write replies, read
+        # requests: tens of bytes each), so it always fits in the socket buffers while
+        # the other direction streams.
+        results: list[KVPoolError | None] = []
+        with self._lock:
+            channel = self._connected()
+            try:
+                for start in range(0, len(requests), PIPELINE_DEPTH):
+                    window = range(start, min(start + PIPELINE_DEPTH, len(requests)))
+                    for i in window:
+                        channel.send(requests[i], outs[i])
+                    for i in window:
+                        reply, length = channel.recv(wire.deadline_after(self.timeout_s))
+                        into = intos[i]
+                        expected = 0 if into is None or isinstance(reply, Error) else len(into)
+                        if length != expected or not isinstance(reply, Ok | Error):
+                            raise ProtocolError(f"unexpected reply in a pipeline: {reply!r}")
+                        if into is not None and length:
+                            channel.recv_payload_into(into)
+                        results.append(reply.to_exception() if isinstance(reply, Error) else None)
+            except KVPoolError:
+                self._drop()
+                raise
+        return results
 
     def read(self, segment_id: str, offset: int, length: int) -> bytes:
         """A copy of ``length`` bytes at ``offset`` of the segment."""

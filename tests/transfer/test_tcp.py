@@ -26,7 +26,13 @@ from kvpool.protocol.data import DataReply, Error, Ok, SegmentRead, SegmentWrite
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
 from kvpool.transfer import wire
-from kvpool.transfer.tcp import REPLY_CODEC, REQUEST_CODEC, SegmentConnection, SegmentServer
+from kvpool.transfer.tcp import (
+    PIPELINE_DEPTH,
+    REPLY_CODEC,
+    REQUEST_CODEC,
+    SegmentConnection,
+    SegmentServer,
+)
 
 from .conftest import SEGMENT_SIZE
 
@@ -301,3 +307,42 @@ def test_ssd_objects_are_read_over_the_data_connection(tmp_path: Path, segment: 
 def test_node_without_ssd_answers_ssd_reads_with_a_miss(server: SegmentServer) -> None:
     with connect(server) as conn, pytest.raises(ObjectNotFound, match="no SSD tier"):
         conn.ssd_read_into("k", bytearray(1))
+
+
+def test_pipelined_writes_and_reads_report_per_item_errors(
+    server: SegmentServer, segment: Segment
+) -> None:
+    count = PIPELINE_DEPTH * 2 + 5  # several windows
+    values = [bytes([i % 256]) * 4096 for i in range(count)]
+    items: list[tuple[str, int, object]] = [("seg0", i * 4096, v) for i, v in enumerate(values)]
+    items[3] = ("nope", 0, b"x" * 10)
+    items[70] = ("seg0", SEGMENT_SIZE - 1, b"xy")
+    with connect(server) as conn:
+        results = conn.write_many(items)
+        assert isinstance(results[3], UnknownSegment)
+        assert isinstance(results[70], PoolError)
+        assert [i for i, r in enumerate(results) if r is not None] == [3, 70]
+        outs = [bytearray(4096) for _ in range(count)]
+        reads: list[tuple[str, int, object]] = [
+            ("seg0", i * 4096, out) for i, out in enumerate(outs)
+        ]
+        reads[5] = ("seg0", SEGMENT_SIZE, bytearray(1))
+        read_results = conn.read_many_into(reads)
+        assert [i for i, r in enumerate(read_results) if r is not None] == [5]
+        for i in range(count):
+            if i not in (3, 5, 70):
+                assert outs[i] == values[i], i
+        assert conn.read("seg0", 0, 4) == values[0][:4]  # the connection is still good
+
+
+def test_pipelined_large_values_do_not_deadlock(server: SegmentServer) -> None:
+    size = 4 << 20
+    values = [np.full(size, i, dtype=np.uint8) for i in range(6)]
+    with connect(server) as conn:
+        assert conn.write_many([("seg0", i * size, v) for i, v in enumerate(values)]) == [None] * 6
+        outs = [np.empty(size, dtype=np.uint8) for _ in range(6)]
+        assert (
+            conn.read_many_into([("seg0", i * size, o) for i, o in enumerate(outs)]) == [None] * 6
+        )
+    for v, o in zip(values, outs, strict=True):
+        np.testing.assert_array_equal(v, o)
