@@ -323,6 +323,8 @@ class PDPair:
     decode: Server
     master: Master
     kv_port: int
+    node_config: Path
+    logs: Path
 
 
 @pytest.fixture(scope="module")
@@ -365,22 +367,32 @@ def pd(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 node_config,
             )
         )
-        yield PDPair(servers[0], servers[1], master, kv_port)
+        yield PDPair(servers[0], servers[1], master, kv_port, node_config, logs)
     finally:
         for server in reversed(servers):
             server.stop()
         master.kill()
 
 
-def external_hits(server: Server) -> float:
-    """vLLM's count of prompt tokens a connector supplied (here: the store, from the pool)."""
+def metric(server: Server, name: str, label: str = "") -> float:
+    """The sum of a vLLM Prometheus series over the label sets that contain ``label``."""
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("vllm:external_prefix_cache_hits_total")
+        if line.startswith(name) and label in line
     )
+
+
+def external_hits(server: Server) -> float:
+    """vLLM's count of prompt tokens a connector supplied (here: the store, from the pool)."""
+    return metric(server, "vllm:external_prefix_cache_hits_total")
+
+
+def p2p_tokens(server: Server) -> float:
+    """Prompt tokens vLLM admitted as coming from another instance (the transfer connector)."""
+    return metric(server, "vllm:prompt_tokens_cached_by_source_total", 'source="p2p"')
 
 
 def test_connectors_log_their_role_and_port(pd: PDPair) -> None:
@@ -399,6 +411,7 @@ def test_pd_outputs_equal_a_plain_instance(pd: PDPair, reference: dict[str, str]
     for prompt in PROMPTS:
         loads_before = pd.decode.log_text().count(LOADED)
         frees_before = pd.prefill.log_text().count(RELEASED)
+        p2p_before = p2p_tokens(pd.decode)
         text, params = proxy_request(pd.prefill, pd.decode, prompt)
         assert text == reference[prompt]
         assert params["do_remote_prefill"] is True
@@ -407,6 +420,7 @@ def test_pd_outputs_equal_a_plain_instance(pd: PDPair, reference: dict[str, str]
         assert len(params["remote_block_ids"]) >= 1
         # D really loaded through the connector, and P freed the blocks after the pull
         assert pd.decode.log_text().count(LOADED) == loads_before + 1
+        assert p2p_tokens(pd.decode) > p2p_before  # vLLM admitted the prompt as remote KV
         deadline = time.monotonic() + 30
         while pd.prefill.log_text().count(RELEASED) == frees_before:
             assert time.monotonic() < deadline, "prefill never released the blocks"
@@ -450,3 +464,36 @@ def test_decode_recomputes_when_the_prefill_died(pd: PDPair, reference: dict[str
     assert pd.decode.log_text().count(RECOMPUTED) == failures_before + 1
     # a dead peer costs the connect timeout, not a hang
     assert time.monotonic() - started < REQUEST_TIMEOUT_S
+
+
+def test_policy_fail_errors_only_the_failed_request(pd: PDPair, reference: dict[str, str]) -> None:
+    # Runs after the prefill died: a decode with kv_load_failure_policy "fail" gets params
+    # naming that dead prefill.  The request errors; the next one is served normally.
+    config = kvpool_config(SEED_DECODE, _free_port())
+    config["kv_load_failure_policy"] = "fail"
+    decode = start_server(
+        "decode-fail", Path(pd.decode.model_name), pd.logs, 1, config, pd.node_config
+    )
+    try:
+        dead = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "gone",
+            "remote_host": "127.0.0.1",
+            "remote_port": pd.kv_port,
+            "remote_block_ids": [1, 2, 3],
+            "remote_request_id": "gone-1",
+            "remote_block_size": 128,
+            "remote_dp_rank": 0,
+            "tp_size": 1,
+        }
+        try:
+            reply = complete(decode, PROMPTS[2], kv_transfer_params=dead)
+            outcome = reply["choices"][0]["finish_reason"]
+        except urllib.error.HTTPError as exc:
+            outcome = f"http {exc.code}"
+        assert outcome in ("error", "http 500"), outcome
+        assert "due to KV load failure (failure_policy=fail" in decode.log_text()
+        assert complete(decode, PROMPTS[1])["choices"][0]["text"] == reference[PROMPTS[1]]
+    finally:
+        decode.stop()
