@@ -1,0 +1,1 @@
+"""Benchmarks, run as ``.venv/bin/python bench/<name>.py``; results in docs/benchmarks.md."""
