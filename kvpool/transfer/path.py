@@ -10,10 +10,11 @@ is a direct copy, else it goes over TCP.  The choice is made once per segment.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
-from kvpool.errors import PoolError
+from kvpool.errors import KVPoolError, PoolError
 from kvpool.transfer.shm import ShmConnection, host_token
 from kvpool.transfer.tcp import SegmentConnection
 
@@ -79,6 +80,38 @@ class NodeDataPath:
         if self.route(segment_id) == "shm":
             return self.shm.read_into(segment_id, offset, buffer)
         return self.tcp.read_into(segment_id, offset, buffer)
+
+    def write_many(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
+        """Many writes: direct copies where shared memory applies, one TCP pipeline for
+        the rest.  One result per item, as :meth:`SegmentConnection.write_many`."""
+        return self._many(items, write=True)
+
+    def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
+        """Many reads into caller buffers; see :meth:`write_many`."""
+        return self._many(items, write=False)
+
+    def _many(
+        self, items: Sequence[tuple[str, int, Any]], *, write: bool
+    ) -> list[KVPoolError | None]:
+        results: list[KVPoolError | None] = [None] * len(items)
+        over_tcp: list[int] = []
+        for i, (segment_id, offset, buffer) in enumerate(items):
+            if self.route(segment_id) != "shm":
+                over_tcp.append(i)
+                continue
+            try:
+                if write:
+                    self.shm.write(segment_id, offset, buffer)
+                else:
+                    self.shm.read_into(segment_id, offset, buffer)
+            except KVPoolError as exc:
+                results[i] = exc
+        if over_tcp:
+            batch = [items[i] for i in over_tcp]
+            done = self.tcp.write_many(batch) if write else self.tcp.read_many_into(batch)
+            for i, result in zip(over_tcp, done, strict=True):
+                results[i] = result
+        return results
 
     def close(self) -> None:
         self.tcp.close()

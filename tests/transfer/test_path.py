@@ -44,3 +44,31 @@ def test_forget_reroutes_after_a_segment_changes(server: SegmentServer) -> None:
         path.forget("seg0")
         assert not path.shm.has("seg0")
         assert path.route("seg0") == "shm"
+
+
+def test_batches_mix_routes_and_keep_per_item_results(segment: Segment) -> None:
+    with Segment.create(1 << 20) as remote, SegmentServer() as srv:
+        srv.add_segment("near", segment)
+        srv.add_segment("far", remote)
+        host, port = srv.address
+        with NodeDataPath(host, port) as path:
+            # "near" is attachable; pretend "far" is on another host.
+            path.shm.attach("near", segment.name)
+            path._routes.update({"near": "shm", "far": "tcp"})
+            items: list[tuple[str, int, object]] = [
+                ("near", 0, b"a" * 100),
+                ("far", 0, b"b" * 100),
+                ("near", segment.size, b"c"),  # out of range
+                ("far", 100, b"d" * 100),
+            ]
+            results = path.write_many(items)
+            assert [r is None for r in results] == [True, True, False, True]
+            outs = [bytearray(100) for _ in range(3)]
+            reads: list[tuple[str, int, object]] = [
+                ("near", 0, outs[0]),
+                ("far", 0, outs[1]),
+                ("far", 100, outs[2]),
+            ]
+            assert path.read_many_into(reads) == [None, None, None]
+            assert outs == [b"a" * 100, b"b" * 100, b"d" * 100]
+        assert srv.stats.bytes_written == 200  # only the "far" items crossed TCP
