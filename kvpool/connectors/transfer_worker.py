@@ -391,6 +391,18 @@ class TransferWorker:
             )
             with self._recv_lock:
                 self._recv.failed(job.request_id, list(job.local_block_ids))
+            if not isinstance(exc, _Unreachable):
+                # P answered but the pull broke: tell it to stop holding the blocks now
+                # rather than after hold_timeout_ms (the request is recomputed here).
+                self._run_release(
+                    ReleaseJob(
+                        job.request_id,
+                        job.remote_request_id,
+                        job.remote_host,
+                        job.remote_port,
+                        job.remote_tp_size,
+                    )
+                )
             return
         with self._recv_lock:
             self._recv.succeeded(job.request_id, nbytes)
@@ -465,15 +477,19 @@ class TransferWorker:
     def _connect(self, host: str, port: int, deadline: float) -> socket.socket:
         timeout = min(self.config.connect_timeout_ms / 1000, deadline - time.monotonic())
         if timeout <= 0:
-            raise PeerTimeout(f"no time left to connect to {host}:{port}")
+            raise _Unreachable(f"no time left to connect to {host}:{port}")
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except TimeoutError:
-            raise PeerTimeout(f"connecting to prefill {host}:{port} timed out") from None
+            raise _Unreachable(f"connecting to prefill {host}:{port} timed out") from None
         except OSError as exc:
-            raise TransferError(f"cannot connect to prefill {host}:{port}: {exc}") from None
+            raise _Unreachable(f"cannot connect to prefill {host}:{port}: {exc}") from None
         tune_socket(sock)
         return sock
+
+
+class _Unreachable(TransferError):
+    """The prefill could not be reached at all (no point sending it a release)."""
 
 
 def _expect_layer(reply: object, payload: int, index: int, page_bytes: int, blocks: int) -> None:
