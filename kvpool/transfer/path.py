@@ -46,12 +46,20 @@ class NodeDataPath:
         self._token = host_token() if allow_shm else ""
         self._lock = threading.Lock()
 
-    def route(self, segment_id: str) -> Route:
-        """``"shm"`` or ``"tcp"`` for this segment (asks the node on first use)."""
+    def route(self, segment_id: str, shm_name: str = "") -> Route:
+        """``"shm"`` or ``"tcp"`` for this segment (asks the node on first use).
+
+        ``shm_name``, when the caller knows it (the master's placement carries it), is
+        checked against the cached attachment: a node restarted under the same segment id
+        has a new shared-memory name, and a stale mapping would take writes into memory
+        nobody reads.  A mismatch drops the cached route and decides again.
+        """
         with self._lock:
             known = self._routes.get(segment_id)
         if known is not None:
-            return known
+            if known == "tcp" or not shm_name or self.shm.name_of(segment_id) == shm_name:
+                return known
+            self.forget(segment_id)
         chosen: Route = "tcp"
         if self.allow_shm:
             info = self.tcp.info(segment_id)
@@ -71,13 +79,15 @@ class NodeDataPath:
             self._routes.pop(segment_id, None)
         self.shm.detach(segment_id)
 
-    def write(self, segment_id: str, offset: int, buffer: Any) -> int:
-        if self.route(segment_id) == "shm":
+    def write(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
+        """Write ``buffer`` at ``offset``; ``shm_name`` as in :meth:`route`."""
+        if self.route(segment_id, shm_name) == "shm":
             return self.shm.write(segment_id, offset, buffer)
         return self.tcp.write(segment_id, offset, buffer)
 
-    def read_into(self, segment_id: str, offset: int, buffer: Any) -> int:
-        if self.route(segment_id) == "shm":
+    def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
+        """Fill ``buffer`` from ``offset``; ``shm_name`` as in :meth:`route`."""
+        if self.route(segment_id, shm_name) == "shm":
             return self.shm.read_into(segment_id, offset, buffer)
         return self.tcp.read_into(segment_id, offset, buffer)
 

@@ -65,6 +65,11 @@ class ShmConnection:
         if old is not None:
             old.close()
 
+    def name_of(self, segment_id: str) -> str | None:
+        """The shared-memory name attached for ``segment_id`` (``None``: not attached)."""
+        segment = self._segments.get(segment_id)
+        return None if segment is None else segment.name
+
     def has(self, segment_id: str) -> bool:
         with self._lock:
             return segment_id in self._segments

@@ -4,6 +4,7 @@ import numpy as np
 
 from kvpool.storage.segment import Segment
 from kvpool.transfer.path import NodeDataPath
+from kvpool.transfer.shm import host_token
 from kvpool.transfer.tcp import SegmentServer
 
 
@@ -72,3 +73,20 @@ def test_batches_mix_routes_and_keep_per_item_results(segment: Segment) -> None:
             assert path.read_many_into(reads) == [None, None, None]
             assert outs == [b"a" * 100, b"b" * 100, b"d" * 100]
         assert srv.stats.bytes_written == 200  # only the "far" items crossed TCP
+
+
+def test_a_restarted_node_with_a_new_segment_is_not_written_through_a_stale_mapping(
+    segment: Segment,
+) -> None:
+    with SegmentServer(host_token=host_token()) as srv:
+        srv.add_segment("seg0", segment)
+        host, port = srv.address
+        with NodeDataPath(host, port) as path:
+            path.write("seg0", 0, b"old", shm_name=segment.name)
+            # The node restarts: same segment id, new shared memory.
+            with Segment.create(segment.size) as fresh:
+                srv.add_segment("seg0", fresh)
+                segment.close()
+                path.write("seg0", 0, b"new", shm_name=fresh.name)
+                assert fresh.read(0, 3) == b"new"
+                assert path.shm.name_of("seg0") == fresh.name
