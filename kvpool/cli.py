@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_doctor(sub)
     _add_config(sub)
     _add_proxy(sub)
+    _add_status(sub)
     return parser
 
 
@@ -295,6 +296,37 @@ def _run_config_check(args: argparse.Namespace) -> int:
     from kvpool.ops.render import check_cli
 
     return check_cli(args.path)
+
+
+def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "status",
+        help="the pool at a glance: tiers, objects, clients, hit ratios, evictions, errors",
+        description="Reads the master's /api/status and /metrics over HTTP; exit 1 when the "
+        "master cannot be read.  The same facts, with charts, are at http://MASTER/status.",
+    )
+    p.add_argument(
+        "--master", metavar="HOST:PORT", default="127.0.0.1:50088", help="the master's address"
+    )
+    p.add_argument(
+        "--watch",
+        metavar="SECONDS",
+        nargs="?",
+        const=2.0,
+        type=float,
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output (one line each)")
+    p.set_defaults(run=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from kvpool.ops.status import run_cli
+
+    if args.watch is not None and args.watch <= 0:
+        print("kvpool status: --watch: SECONDS must be positive", file=sys.stderr)
+        return 2
+    return run_cli(args.master, watch_s=args.watch, as_json=args.json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpool.service.master import MasterService
+from kvpool.service.status_page import add_routes as add_status_page
 
 __all__ = ["build_app"]
 
@@ -41,4 +42,5 @@ def build_app(service: MasterService) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/health", _health)
     app.router.add_get("/api/status", _snapshot)
+    add_status_page(app)  # GET /status
     return app

@@ -1,0 +1,386 @@
+"""``kvpool status``: the pool at a glance in a terminal.
+
+Data comes from the master's own HTTP side on its one port: ``/api/status`` (the JSON
+snapshot: tiers, clients, index stats) and ``/metrics`` (counters the snapshot lacks: puts,
+put failures by reason, evictions per tier).  :func:`parse_snapshot` turns the two answers
+into a :class:`PoolSnapshot` and :func:`render` turns that into rich renderables; both
+are pure, so the picture is unit-tested without a master.  Only :func:`fetch_snapshot`
+and :func:`run_cli` do I/O.
+
+Every ratio is shown with its denominator ("hit 37.5% (300 of 800 blocks)"): a ratio of
+nothing is printed as such, never as 0 %.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvpool.errors import PeerTimeout, ProtocolError, TransferError
+
+__all__ = [
+    "ClientInfo",
+    "PoolSnapshot",
+    "Rates",
+    "Ratio",
+    "TierUse",
+    "fetch_snapshot",
+    "format_bytes",
+    "parse_snapshot",
+    "rates",
+    "render",
+    "run_cli",
+]
+
+
+# ------------------------------------------------------------------------------- model
+@dataclass(frozen=True, slots=True)
+class Ratio:
+    """``hits`` out of ``total`` ``unit`` (e.g. 300 of 800 blocks)."""
+
+    hits: float
+    total: float
+    unit: str
+
+    @property
+    def value(self) -> float | None:
+        return self.hits / self.total if self.total else None
+
+    def text(self) -> str:
+        if not self.total:
+            return f"— (no {self.unit} asked yet)"
+        pct = 100 * self.hits / self.total
+        return f"{pct:.1f}% ({self.hits:,.0f} of {self.total:,.0f} {self.unit})"
+
+
+@dataclass(frozen=True, slots=True)
+class TierUse:
+    name: str
+    capacity: int
+    used: int
+    objects: int
+
+    @property
+    def fraction(self) -> float | None:
+        return self.used / self.capacity if self.capacity else None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientInfo:
+    client_id: str
+    address: str
+    last_heartbeat_ms_ago: int
+    segments: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """What ``kvpool status`` shows; built by :func:`parse_snapshot`."""
+
+    master: str
+    uptime_s: float
+    tiers: tuple[TierUse, ...]
+    objects: int
+    pending: int
+    active_leases: int
+    clients: tuple[ClientInfo, ...]
+    get_hits: Ratio
+    prefix_blocks: Ratio
+    prefix_tokens: Ratio
+    gets: float
+    puts: float
+    put_failures: dict[str, float] = field(default_factory=dict)  # reason -> count
+    evictions: dict[str, float] = field(default_factory=dict)  # tier -> count
+    offloads: float = 0.0
+    offload_failures: float = 0.0
+    expired_leases: int = 0
+    revoked_writes: int = 0
+    errors: dict[str, float] = field(default_factory=dict)  # error code -> replies
+    recent_errors: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for name in ("get_hits", "prefix_blocks", "prefix_tokens"):
+            out[name]["ratio"] = getattr(self, name).value
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """Per-second rates between two snapshots of the same master."""
+
+    puts_per_s: float
+    gets_per_s: float
+    evictions_per_s: float
+    offloads_per_s: float
+
+
+# ------------------------------------------------------------------------------- parse
+def _samples(metrics_text: str) -> list[tuple[str, dict[str, str], float]]:
+    try:
+        return [
+            (s.name, dict(s.labels), float(s.value))
+            for family in text_string_to_metric_families(metrics_text)
+            for s in family.samples
+        ]
+    except ValueError as exc:
+        raise ProtocolError(f"/metrics is not Prometheus text: {exc}") from exc
+
+
+def _by_label(
+    samples: Iterable[tuple[str, dict[str, str], float]], name: str, label: str
+) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for sample_name, labels, value in samples:
+        if sample_name == name:
+            key = labels.get(label, "")
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def parse_snapshot(master: str, status: Mapping[str, Any], metrics_text: str) -> PoolSnapshot:
+    """The master's ``/api/status`` JSON plus its ``/metrics`` text as one snapshot.
+
+    Raises ProtocolError when the answers are not a kvpool master's.
+    """
+    try:
+        tiers = tuple(
+            TierUse(name, int(t["capacity"]), int(t["used"]), int(t["objects"]))
+            for name, t in status["tiers"].items()
+        )
+        clients = tuple(
+            ClientInfo(
+                str(c["client_id"]),
+                str(c.get("address", "")),
+                int(c["last_heartbeat_ms_ago"]),
+                tuple(c.get("segments", ())),
+            )
+            for c in status["clients"]
+        )
+        lookups = status["lookups"]
+        stats = status["stats"]
+        uptime_s = float(status["uptime_s"])
+        objects = int(status["objects"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProtocolError(f"/api/status is not a kvpool master's snapshot: {exc!r}") from exc
+    samples = _samples(metrics_text)
+    total = {name: v for name, labels, v in samples if not labels}
+    return PoolSnapshot(
+        master=master,
+        uptime_s=uptime_s,
+        tiers=tiers,
+        objects=objects,
+        pending=int(status.get("pending", 0)),
+        active_leases=int(status.get("active_leases", 0)),
+        clients=clients,
+        get_hits=Ratio(lookups["get_hits"], lookups["gets"], "gets"),
+        prefix_blocks=Ratio(
+            lookups["prefix_blocks_hit"], lookups["prefix_blocks_queried"], "blocks"
+        ),
+        prefix_tokens=Ratio(
+            lookups["prefix_tokens_hit"], lookups["prefix_tokens_queried"], "tokens"
+        ),
+        gets=float(lookups["gets"]),
+        puts=total.get("kvpool_puts_total", 0.0),
+        put_failures=_by_label(samples, "kvpool_put_failures_total", "reason"),
+        evictions=_by_label(samples, "kvpool_evictions_total", "tier"),
+        offloads=float(stats.get("offloads", total.get("kvpool_offloads_total", 0.0))),
+        offload_failures=float(stats.get("demote_failures", 0)),
+        expired_leases=int(stats.get("expired_leases", 0)),
+        revoked_writes=int(stats.get("revoked_writes", 0)),
+        errors=_by_label(samples, "kvpool_request_errors_total", "code"),
+        recent_errors=tuple(str(e) for e in status.get("recent_errors", ())),
+    )
+
+
+def rates(previous: PoolSnapshot, current: PoolSnapshot) -> Rates | None:
+    """Rates over the time between two snapshots; None if no time passed (or a restart)."""
+    dt = current.uptime_s - previous.uptime_s
+    if dt <= 0:
+        return None
+    return Rates(
+        puts_per_s=(current.puts - previous.puts) / dt,
+        gets_per_s=(current.gets - previous.gets) / dt,
+        evictions_per_s=(sum(current.evictions.values()) - sum(previous.evictions.values())) / dt,
+        offloads_per_s=(current.offloads - previous.offloads) / dt,
+    )
+
+
+# ------------------------------------------------------------------------------ render
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _bar(fraction: float | None, width: int = 20) -> Text:
+    if fraction is None:
+        return Text("no capacity", style="dim")
+    filled = round(max(0.0, min(1.0, fraction)) * width)
+    style = "red" if fraction >= 0.9 else "yellow" if fraction >= 0.75 else "green"
+    return Text("█" * filled, style=style) + Text("░" * (width - filled), style="dim")
+
+
+def _counts(d: Mapping[str, float]) -> str:
+    if not d:
+        return "0"
+    parts = ", ".join(f"{k or '-'} {v:,.0f}" for k, v in sorted(d.items()))
+    return f"{sum(d.values()):,.0f} ({parts})"
+
+
+def render(snapshot: PoolSnapshot, rate: Rates | None = None) -> RenderableType:
+    """The whole screen as rich renderables: a pure function of the snapshot."""
+    s = snapshot
+    head = Text.assemble(
+        ("kvpool ", "bold"),
+        (s.master, "bold cyan"),
+        f"  up {s.uptime_s:,.0f} s  ·  {s.objects:,} objects",
+        f" ({s.pending} being written)" if s.pending else "",
+        f"  ·  {s.active_leases} leases",
+    )
+
+    tiers = Table(title="Tiers", title_justify="left", expand=False)
+    for col in ("tier", "used", "capacity", "use", "objects"):
+        tiers.add_column(col, justify="left" if col in ("tier", "use") else "right")
+    for t in s.tiers:
+        pct = f" {100 * t.fraction:.1f}%" if t.fraction is not None else ""
+        tiers.add_row(
+            t.name,
+            format_bytes(t.used),
+            format_bytes(t.capacity),
+            _bar(t.fraction) + Text(pct),
+            f"{t.objects:,}",
+        )
+
+    pool = Table(title="Traffic", title_justify="left", show_header=False)
+    pool.add_column("what", style="bold")
+    pool.add_column("value")
+    pool.add_row("get hit", s.get_hits.text())
+    pool.add_row("prefix hit", s.prefix_blocks.text())
+    if s.prefix_tokens.total:
+        pool.add_row("prefix hit (tokens)", s.prefix_tokens.text())
+    pool.add_row("puts", f"{s.puts:,.0f}")
+    pool.add_row("put failures", _counts(s.put_failures))
+    pool.add_row("evictions", _counts(s.evictions))
+    pool.add_row("offloads to SSD", f"{s.offloads:,.0f} ({s.offload_failures:,.0f} failed)")
+    pool.add_row("expired leases", f"{s.expired_leases:,}")
+    pool.add_row("revoked writes", f"{s.revoked_writes:,}")
+    pool.add_row("error replies", _counts(s.errors))
+    if rate is not None:
+        pool.add_row(
+            "rates",
+            f"{rate.puts_per_s:,.1f} puts/s · {rate.gets_per_s:,.1f} gets/s · "
+            f"{rate.evictions_per_s:,.1f} evictions/s · {rate.offloads_per_s:,.1f} offloads/s",
+        )
+
+    clients = Table(title=f"Clients ({len(s.clients)})", title_justify="left")
+    for col in ("client", "address", "last heartbeat", "segments"):
+        clients.add_column(col, justify="right" if col == "last heartbeat" else "left")
+    for c in s.clients:
+        age = c.last_heartbeat_ms_ago / 1000
+        clients.add_row(
+            c.client_id,
+            c.address or "-",
+            Text(f"{age:.1f} s ago", style="yellow" if age > 10 else ""),
+            ", ".join(c.segments) or "-",
+        )
+    if not s.clients:
+        clients.add_row(Text("no client registered", style="yellow"), "", "", "")
+
+    errors: RenderableType
+    if s.recent_errors:
+        errors = Group(
+            Text("Recent errors", style="bold red"),
+            *(Text(f"  {e}") for e in s.recent_errors[-10:]),
+        )
+    else:
+        errors = Text("No recent errors", style="green")
+    return Group(head, tiers, pool, clients, errors)
+
+
+# --------------------------------------------------------------------------------- I/O
+def _get(url: str, timeout_s: float) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            body: bytes = resp.read()
+            return body
+    except urllib.error.HTTPError as exc:
+        raise ProtocolError(f"GET {url}: HTTP {exc.code} (is this a kvpool master?)") from exc
+    except TimeoutError as exc:
+        raise PeerTimeout(f"GET {url}: no answer in {timeout_s} s") from exc
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            raise PeerTimeout(f"GET {url}: no answer in {timeout_s} s") from exc
+        raise TransferError(f"GET {url}: {exc.reason}") from exc
+    except OSError as exc:
+        raise TransferError(f"GET {url}: {exc}") from exc
+
+
+def fetch_snapshot(master: str, timeout_s: float = 5.0) -> PoolSnapshot:
+    """GET the master's /api/status and /metrics (raises KVPoolError subclasses)."""
+    base = f"http://{master}"
+    body = _get(f"{base}/api/status", timeout_s)
+    try:
+        status = json.loads(body)
+    except ValueError as exc:
+        raise ProtocolError(f"{base}/api/status is not JSON (is this a kvpool master?)") from exc
+    if not isinstance(status, dict):
+        raise ProtocolError(f"{base}/api/status is not a JSON object")
+    metrics = _get(f"{base}/metrics", timeout_s).decode("utf-8", "replace")
+    return parse_snapshot(master, status, metrics)
+
+
+def run_cli(
+    master: str,
+    *,
+    watch_s: float | None = None,
+    as_json: bool = False,
+    max_updates: int | None = None,
+    out: TextIO | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Print the status once, or every ``watch_s`` seconds until Ctrl-C (or
+    ``max_updates``).  Exit status 1 when the master cannot be read."""
+    from kvpool.errors import KVPoolError
+
+    stream = out or sys.stdout
+    console = Console(file=stream, highlight=False)
+    previous: PoolSnapshot | None = None
+    updates = 0
+    try:
+        while True:
+            try:
+                snap = fetch_snapshot(master)
+            except KVPoolError as exc:
+                print(
+                    f"kvpool status: cannot read the master at {master}: {exc}\n"
+                    "  is `kvpool master` running there?  (address: --master HOST:PORT)",
+                    file=sys.stderr,
+                )
+                return 1
+            if as_json:
+                print(json.dumps(snap.to_json()), file=stream, flush=True)
+            else:
+                if watch_s is not None and stream.isatty():
+                    console.clear()
+                console.print(render(snap, rates(previous, snap) if previous else None))
+            updates += 1
+            if watch_s is None or (max_updates is not None and updates >= max_updates):
+                return 0
+            previous = snap
+            sleep(watch_s)
+    except KeyboardInterrupt:
+        return 0
