@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvpool.config import NodeConfig, Timeouts
@@ -12,8 +14,8 @@ SEED_EXTRA = {"prefill": {"dp_size": 4, "tp_size": 8}, "decode": {"dp_size": 8, 
 
 def build(
     role: str = "kv_producer",
-    extra: dict | None = None,
-    env: dict | None = None,
+    extra: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
     port: object = "30000",
     engine_id: str | None = "g0",
     node: NodeConfig | None = None,
@@ -86,7 +88,7 @@ def test_timeouts_from_the_seed_env_names_and_kvpool_twins() -> None:
         ({"extra": {"kv_host": 5}}, "kv_host"),
     ],
 )
-def test_bad_values_name_the_key(kwargs: dict, message: str) -> None:
+def test_bad_values_name_the_key(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build(**kwargs)
 

@@ -26,11 +26,11 @@ def free_port(span: int = 1) -> int:
     for _ in range(50):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
+            base = int(probe.getsockname()[1])
         if base + span > 65535:
             continue
         try:
-            held = []
+            held: list[socket.socket] = []
             for p in range(base, base + span):
                 s = socket.socket()
                 held.append(s)
