@@ -16,7 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.core.index import Demote, Dropped, Event, IndexConfig, Location, ObjectIndex
+from kvpool.core.index import (
+    Demote,
+    Dropped,
+    Event,
+    IndexConfig,
+    Location,
+    ObjectIndex,
+    State,
+)
 from kvpool.core.registry import Tier
 from kvpool.errors import KVPoolError, NoSpace, ObjectNotFound, PoolError, UnknownSegment
 from kvpool.protocol import messages as m
@@ -367,6 +375,7 @@ class MasterService:
             "uptime_s": (now - self.started_ms) / 1000,
             "tiers": tiers,
             "objects": len(idx),
+            "pending": idx.count(state=State.PENDING),
             "clients": clients,
             "active_leases": idx.active_leases(now),
             "stats": {

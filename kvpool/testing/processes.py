@@ -86,6 +86,7 @@ class PoolProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        self.stop()  # reap the log reader and close the pipe
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM, then SIGKILL if it does not exit in time; returns the exit status."""

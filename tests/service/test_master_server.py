@@ -69,7 +69,10 @@ def test_seed_metrics_command_shows_blocks_and_clients(master: PoolProcess, clie
     # the seed's §8.1 check, as written
     out = subprocess.run(
         f'curl -s http://{master.address}/metrics | grep -E "kv_cache|connected"',
-        shell=True, capture_output=True, text=True, check=True,
+        shell=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert metric(out, "kvpool_kv_cache_blocks_total") == 2
     assert metric(out, "kvpool_connected_clients") == 1  # the master's own segment owner
@@ -162,9 +165,17 @@ def test_malformed_frames_get_errors_and_the_master_keeps_serving(
 
 def test_seed_master_command_line_is_accepted_as_written(tmp_path: object) -> None:
     flags = [
-        "--eviction_high_watermark_ratio", "0.9", "--eviction_ratio", "0.1",
-        "--default_kv_lease_ttl", "11000", "--enable_offload=true", "--client_ttl=120",
-        f"--ssd-offload-path={tmp_path}", "--ssd_offload_limit", "64MiB",
+        "--eviction_high_watermark_ratio",
+        "0.9",
+        "--eviction_ratio",
+        "0.1",
+        "--default_kv_lease_ttl",
+        "11000",
+        "--enable_offload=true",
+        "--client_ttl=120",
+        f"--ssd-offload-path={tmp_path}",
+        "--ssd_offload_limit",
+        "64MiB",
     ]
     with start_master(*flags) as proc:
         assert '"status": "ok"' in http_get(proc, "/health")
@@ -174,7 +185,9 @@ def test_seed_master_command_line_is_accepted_as_written(tmp_path: object) -> No
 def test_bad_flag_values_name_the_flag() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvpool", "master", "--eviction_ratio", "1.5"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert done.returncode == 2
     assert "--eviction_ratio" in done.stderr

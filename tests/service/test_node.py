@@ -1,0 +1,170 @@
+"""Storage nodes as real processes: registration, failures, master restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.errors import KVPoolError, ObjectNotFound
+from kvpool.service.client import Client
+from kvpool.testing.processes import PoolProcess, start_master, start_node
+
+
+def node_config(tmp_path: Path, master: str, size: str = "16MiB") -> Path:
+    path = tmp_path / "mooncake.json"
+    path.write_text(
+        json.dumps(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": master,
+                "protocol": "tcp",
+                "global_segment_size": size,
+            }
+        )
+    )
+    return path
+
+
+def wait_until(predicate: object, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"condition not met in {timeout_s}s")
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[tuple[PoolProcess, PoolProcess]]:
+    # the master hosts no segment, so every object lands on the node
+    with start_master("--segment_size", "0", "--client_ttl", "2") as master:
+        with start_node(node_config(tmp_path, master.address)) as node:
+            c = Client(master.address)
+            wait_until(lambda: c.stats()["tiers"]["memory"]["capacity"] > 0)
+            c.close()
+            yield master, node
+
+
+def test_node_registers_and_serves_its_segment_over_tcp(
+    pool: tuple[PoolProcess, PoolProcess],
+) -> None:
+    master, _ = pool
+    with Client(master.address, allow_shm=False) as c:
+        value = os.urandom(300_000)
+        c.put("k", value)
+        assert c.get("k") == value
+        clients = c.stats()["clients"]
+        assert len(clients) == 1 and clients[0]["client_id"].startswith("node-127.0.0.1")
+
+
+def test_same_host_client_uses_shared_memory(pool: tuple[PoolProcess, PoolProcess]) -> None:
+    master, _ = pool
+    with Client(master.address) as c:
+        c.put("k", b"x" * 4096)
+        assert c.get("k") == b"x" * 4096
+        (path,) = c._paths.values()
+        (route,) = set(path._routes.values())
+        assert route == "shm"
+
+
+def test_killed_node_keys_are_misses_at_once_and_gone_within_client_ttl(
+    pool: tuple[PoolProcess, PoolProcess],
+) -> None:
+    master, node = pool
+    with Client(master.address, allow_shm=False, timeout_s=2) as c:
+        for i in range(10):
+            c.put(f"k{i}", b"v" * 1000)
+        node.kill()
+        started = time.monotonic()
+        with pytest.raises(ObjectNotFound):
+            c.get("k0")  # a failed read is a miss, and fast: no hang
+        assert time.monotonic() - started < 2.5
+        # the failed transfer dropped the node's objects from the index at once
+        assert c.batch_exists([f"k{i}" for i in range(10)]) == [False] * 10
+        wait_until(lambda: c.stats()["clients"] == [], timeout_s=5)
+
+
+def test_silent_node_expires_after_client_ttl(
+    pool: tuple[PoolProcess, PoolProcess],
+) -> None:
+    master, node = pool
+    with Client(master.address) as c:
+        c.put("k", b"v")
+        os.kill(node.pid, 19)  # SIGSTOP: alive but silent, no transfer fails
+        try:
+            wait_until(lambda: not c.exists("k"), timeout_s=10)
+        finally:
+            os.kill(node.pid, 18)  # SIGCONT so it can be stopped cleanly
+
+
+def test_node_killed_during_puts_leaves_nothing_half_written(
+    pool: tuple[PoolProcess, PoolProcess],
+) -> None:
+    master, node = pool
+    written: list[str] = []
+    failed: list[str] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        with Client(master.address, allow_shm=False, timeout_s=2) as c:
+            for i in range(2000):
+                if stop.is_set():
+                    return
+                key = f"w{i}"
+                try:
+                    c.put(key, os.urandom(64 * 1024))
+                    written.append(key)
+                except KVPoolError:
+                    failed.append(key)
+                    if len(failed) > 5:
+                        return
+
+    t = threading.Thread(target=writer)
+    t.start()
+    wait_until(lambda: len(written) >= 20)
+    node.kill()
+    t.join(30)
+    stop.set()
+    assert not t.is_alive()
+    assert failed, "the node died mid-stream, so some put must have failed"
+    with Client(master.address) as c:
+        snapshot = c.stats()
+        assert snapshot["pending"] == 0
+        assert snapshot["tiers"]["memory"]["used"] == 0
+        assert not any(c.batch_exists(written + failed))
+
+
+def test_restarted_master_gets_objects_re_announced_by_the_node(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ("--port", str(port), "--segment_size", "0", "--client_ttl", "5")
+    master = start_master(*flags)
+    with start_node(node_config(tmp_path, master.address, "64MiB")):
+        values = {f"k{i}": os.urandom(8192) for i in range(300)}
+        with Client(master.address) as c:
+            wait_until(lambda: c.stats()["tiers"]["memory"]["capacity"] > 0)
+            for key, value in values.items():
+                c.put(key, value)
+        time.sleep(3.0)  # three heartbeats: the node's catalog has every object
+        master.kill()
+        master = start_master(*flags)
+        try:
+            with Client(master.address) as c:
+                wait_until(lambda: sum(c.batch_exists(list(values))) >= 297, timeout_s=20)
+                readable = 0
+                for key, value in values.items():
+                    try:
+                        readable += c.get(key) == value
+                    except ObjectNotFound:
+                        pass
+                assert readable >= 297  # at least 99%
+        finally:
+            master.stop()
