@@ -7,6 +7,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import urllib.request
 
 import numpy as np
@@ -104,24 +105,24 @@ def test_full_pool_of_evictable_objects_accepts_puts(client: Client) -> None:
 
 
 def test_all_leased_pool_refuses_puts_until_leases_expire() -> None:
-    with start_master("--segment_size", "2MiB", "--default_kv_lease_ttl", "300") as proc:
-        with Client(proc.address) as c:
-            c.put("a", b"a" * (1 << 20))
-            c.put("b", b"b" * (1 << 20))
-            assert c.pin(["a", "b"], "reader", ttl_ms=300) == 2
-            with pytest.raises(NoSpace):
+    with (
+        start_master("--segment_size", "2MiB", "--default_kv_lease_ttl", "300") as proc,
+        Client(proc.address) as c,
+    ):
+        c.put("a", b"a" * (1 << 20))
+        c.put("b", b"b" * (1 << 20))
+        assert c.pin(["a", "b"], "reader", ttl_ms=300) == 2
+        with pytest.raises(NoSpace):
+            c.put("c", b"c" * (1 << 20))
+        with pytest.raises(ObjectBusy):
+            c.remove("a")
+        for _ in range(100):  # bounded: the pins run out after 300 ms
+            try:
                 c.put("c", b"c" * (1 << 20))
-            with pytest.raises(ObjectBusy):
-                c.remove("a")
-            for _ in range(100):  # bounded: the pins run out after 300 ms
-                try:
-                    c.put("c", b"c" * (1 << 20))
-                    break
-                except NoSpace:
-                    import time
-
-                    time.sleep(0.05)
-            assert c.get("c") == b"c" * (1 << 20)
+                break
+            except NoSpace:
+                time.sleep(0.05)
+        assert c.get("c") == b"c" * (1 << 20)
 
 
 def _raw(proc: PoolProcess) -> socket.socket:

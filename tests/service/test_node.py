@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -44,12 +45,14 @@ def wait_until(predicate: object, timeout_s: float = 15.0) -> None:
 @pytest.fixture
 def pool(tmp_path: Path) -> Iterator[tuple[PoolProcess, PoolProcess]]:
     # the master hosts no segment, so every object lands on the node
-    with start_master("--segment_size", "0", "--client_ttl", "2") as master:
-        with start_node(node_config(tmp_path, master.address)) as node:
-            c = Client(master.address)
-            wait_until(lambda: c.stats()["tiers"]["memory"]["capacity"] > 0)
-            c.close()
-            yield master, node
+    with (
+        start_master("--segment_size", "0", "--client_ttl", "2") as master,
+        start_node(node_config(tmp_path, master.address)) as node,
+    ):
+        c = Client(master.address)
+        wait_until(lambda: c.stats()["tiers"]["memory"]["capacity"] > 0)
+        c.close()
+        yield master, node
 
 
 def test_node_registers_and_serves_its_segment_over_tcp(
@@ -161,10 +164,8 @@ def test_restarted_master_gets_objects_re_announced_by_the_node(tmp_path: Path) 
                 wait_until(lambda: sum(c.batch_exists(list(values))) >= 297, timeout_s=20)
                 readable = 0
                 for key, value in values.items():
-                    try:
+                    with contextlib.suppress(ObjectNotFound):
                         readable += c.get(key) == value
-                    except ObjectNotFound:
-                        pass
                 assert readable >= 297  # at least 99%
         finally:
             master.stop()
