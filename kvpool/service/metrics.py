@@ -108,6 +108,9 @@ class MasterMetrics:
             self.tier_used.labels(tier=tier.value).set(used)
             self.tier_objects.labels(tier=tier.value).set(idx.count(tier))
         self.active_leases.set(idx.active_leases(master.clock()))
+        self.ssd_corruptions.set(
+            sum(o.ssd.stats.corruptions for o in master.local.values() if o.ssd is not None)
+        )
 
     def lookup_counts(self) -> dict[str, Any]:
         def total(counter: Any, **labels: str) -> float:
