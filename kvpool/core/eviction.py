@@ -13,36 +13,50 @@ harmless, so the index never has to ask first.
 
 Invariants of every policy (tested by property tests over random call sequences):
 - ``choose_victims`` returns at most ``count`` distinct keys, each currently inserted (and
-  not removed since) and each with ``can_evict(key)`` True;
-- it never mutates the policy: calling it twice without other calls gives the same answer;
-- every call is amortised O(1) (LRU) or O(number of reuse classes) (default) per key
-  touched or victim returned, so a replay runs at hundreds of thousands of blocks/s.
+  not removed since) and each with ``can_evict(key)`` True, and it returns
+  ``min(count, evictable keys)`` of them: nothing evictable is ever held back, so a put
+  fails with NoSpace only when nothing is evictable;
+- choosing changes nothing: two calls with no other call between give the same answer;
+- cost: LRU is O(1) per call and per victim; the default is O(1) per call plus
+  O(reuse classes) per victim, except that blocks passed over for their children (rare,
+  see 1. below) are walked past.
 
 ``"lru"`` — least recently inserted-or-read first: the baseline.
 
-``"default"`` — kvpool's policy for prefix-chained KV blocks.  Why it looks the way it does:
+``"default"`` — kvpool's policy for prefix-chained KV blocks.  Why it looks the way it does
+(measured on the Mooncake conversation trace in docs/benchmarks.md):
 
 1. *A child is worthless without its parent.*  A prefix lookup stops at the first missing
-   block, so evicting a block silently wastes every cached descendant.  The policy
-   therefore only ever offers **leaves** (blocks with no cached child in this tier) as
-   victims; a chain is trimmed from its tail, and once its tail goes the parent becomes a
-   leaf at the front of its queue, so a dead chain leaves as a unit.  Invariant: a block
-   with cached children is never returned unless all of them come before it in the same
-   answer.
-2. *Orphans go first.*  If a block leaves while it still has cached descendants (removed
-   by hand, its client expired, its children were leased while it was demoted), the whole
-   subtree can no longer be a prefix hit here; those blocks are offered before anything
-   else, leaves first.
-3. *Most blocks are never read again, and reuse comes back late.*  In conversation
-   traces a block is reused when its conversation returns for another turn, typically
-   minutes later; a conversation that has already come back is more likely to come back
-   again.  Frequency policies (segmented LRU, LFU) lose here because a never-read block
-   must survive the long gap before it can prove itself.  So instead of segments of fixed
-   size the policy keeps one LRU queue of leaves per *reuse class* (never read, read once,
-   read twice or more) and evicts the queue head with the largest ``age * weight[class]``,
-   where age counts calls since the block was last touched.  A block read before lives
-   ``1 / weight`` times longer than a never-read one, whatever the cache size: the
-   trade-off scales with capacity instead of being a fixed split.
+   block, so evicting a block wastes every cached descendant; LRU does exactly that, since
+   a request touches its chain root first, leaving the root the oldest.  The default
+   evicts **descendants before ancestors**: a run of calls that walks down one chain (a
+   request reading its prefix, then writing its new blocks) is held apart and placed in
+   the queues deepest-first when the run ends, so a chain is trimmed from its tail.  A
+   block whose cached children are not all chosen before it is passed over.  Invariant:
+   when every key is evictable, each key in an answer comes after all its cached
+   children.  Only when nothing else is evictable is a parent of pinned children offered
+   (an orphan is better than a failed put).
+2. *Orphans go first.*  A block that leaves while it still has cached descendants (removed
+   by hand, its client expired) makes its whole subtree unreachable by prefix lookups;
+   the subtree is offered before anything else, deepest first.
+3. *Most blocks are never read again, reuse comes back late, and a never-read block at
+   the end of its chain is the least likely of all to be read.*  In the conversation trace
+   76% of blocks are used once; a block is reused when its conversation returns for
+   another turn, minutes later; the last block of a request (where the next turn's prompt
+   diverges) is almost never reused.  Frequency policies (segmented LRU, LFU) do worse
+   than LRU there because a new block must survive the long gap before it can prove
+   itself.  So instead of segments of fixed size the default keeps one LRU queue per
+   *reuse class* and evicts the queue head with the largest ``age * weight[class]`` (age
+   counts placed blocks since the block was last touched): classes are a never-read block
+   at the end of its chain (weight 4), any other never-read block (1) and a block read at
+   least once (0.4).  A block lives about ``1 / weight`` times as long as a never-read
+   one whatever the cache size, so the trade-off scales with capacity instead of being a
+   fixed split.
+
+Ideas measured and dropped: valuing blocks by depth or by their chain's length (no gain),
+more reuse classes (read 2, 3+ times: within 0.001), LHD-style learned hit densities and
+random-sampling eviction (worse than LRU: sampling noise), inheriting a conversation's
+turn count into its new blocks (worse), random admission (helps only at 5,000 blocks).
 """
 
 from __future__ import annotations
@@ -62,11 +76,11 @@ __all__ = [
 
 K = TypeVar("K", bound=Hashable)
 
-#: Age multiplier per reuse class of the default policy: a never-read leaf at the end of
-#: its chain, any other never-read block, then read once, twice, three times or more.
-#: Tuned on the Mooncake conversation trace (docs/benchmarks.md); a block's expected life
-#: is proportional to 1 / weight.
-DEFAULT_WEIGHTS: tuple[float, ...] = (4.0, 1.0, 0.5, 0.3, 0.2)
+#: Age multiplier per reuse class of the default policy: a never-read block at the end of
+#: its chain, any other never-read block, a block read at least once (more classes, for
+#: blocks read 2, 3, ... times, may follow).  A block's expected life is proportional to
+#: 1 / weight.  Tuned on the Mooncake conversation trace (docs/benchmarks.md).
+DEFAULT_WEIGHTS: tuple[float, ...] = (4.0, 1.0, 0.4)
 
 
 class EvictionPolicy(Protocol[K]):
