@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -134,4 +135,35 @@ def test_call_is_one_exchange() -> None:
     assert left.call(Msg("hi")) == (Msg("HI"), 0)
     thread.join(10)
     left.close()
+    right.close()
+
+
+def test_frames_split_at_arbitrary_points_reassemble() -> None:
+    rng = random.Random(7)
+    frames = [
+        (f"m{i}", bytes([i % 256]) * rng.choice([0, 1, 5, 300, 9000, 20000])) for i in range(200)
+    ]
+    stream = b"".join(codec.encode(Msg(t), len(p)) + p for t, p in frames)
+    a, b = socket.socketpair()
+    right: Channel[Msg, Msg] = Channel(b, codec, codec, 5.0)
+
+    def trickle() -> None:
+        pos = 0
+        while pos < len(stream):
+            step = rng.choice([1, 3, 12, 100, 4000, 70000])
+            a.sendall(stream[pos : pos + step])
+            pos += step
+            if rng.random() < 0.05:
+                time.sleep(0.001)  # let the reader catch up mid-frame
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    for text, payload in frames:
+        message, length = right.recv()
+        assert message == Msg(text) and length == len(payload)
+        buf = bytearray(length)
+        right.recv_payload_into(memoryview(buf))
+        assert buf == payload
+    sender.join(30)
+    a.close()
     right.close()
