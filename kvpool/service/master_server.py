@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 import socket
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -41,8 +41,8 @@ class _RpcProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, only alike
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -87,8 +87,7 @@ class _Sniffer(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
@@ -197,6 +196,16 @@ class MasterServer:
             await self.stop()
 
 
+def _loop_factory() -> Any:
+    """uvloop when installed (it roughly halves the RPC round trip), asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
 def run_master(config: MasterConfig) -> int:
-    asyncio.run(MasterServer(config).serve_until_signal())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(MasterServer(config).serve_until_signal())
     return 0
