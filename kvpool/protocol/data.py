@@ -22,8 +22,11 @@ from __future__ import annotations
 import msgspec
 
 from kvpool.errors import KVPoolError, error_code, error_from_code
+from kvpool.protocol.codec import Codec
 
 __all__ = [
+    "REPLY_CODEC",
+    "REQUEST_CODEC",
     "DataReply",
     "DataRequest",
     "Error",
@@ -104,3 +107,6 @@ def error_reply(exc: BaseException) -> Error:
 
 DataRequest = SegmentWrite | SegmentRead | SegmentInfo | SsdRead
 DataReply = Ok | Error | SegmentInfoReply
+
+REQUEST_CODEC: Codec[DataRequest] = Codec(DataRequest)
+REPLY_CODEC: Codec[DataReply] = Codec(DataReply)

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 
 from kvpool.errors import KVPoolError, PoolError
 from kvpool.transfer.shm import ShmConnection, host_token
-from kvpool.transfer.tcp import SegmentConnection
+from kvpool.transfer.tcp_client import SegmentConnection
 
 __all__ = ["DataPath", "NodeDataPath"]
 

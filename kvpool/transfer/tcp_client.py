@@ -1,0 +1,206 @@
+"""The blocking TCP client of a segment data server.
+
+:class:`SegmentConnection` writes and reads caller buffers (bytes-like, NumPy, CPU
+tensor) at ``(segment_id, offset)`` of a node's segments, one request at a time or
+pipelined (:meth:`SegmentConnection.write_many`, :meth:`SegmentConnection.read_many_into`).
+Replies' payloads are received straight into the caller's buffer.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
+from kvpool.protocol.data import (
+    REPLY_CODEC,
+    REQUEST_CODEC,
+    DataReply,
+    DataRequest,
+    Error,
+    Ok,
+    SegmentInfo,
+    SegmentInfoReply,
+    SegmentRead,
+    SegmentWrite,
+    SsdRead,
+)
+from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.transfer import wire
+from kvpool.transfer.channel import Channel
+
+__all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
+
+# Requests in flight per pipelined batch (write_many / read_many_into).
+PIPELINE_DEPTH = 64
+
+
+class SegmentConnection:
+    """A blocking client connection to one :class:`SegmentServer`.
+
+    Connects on first use (and again after a failed exchange).  Calls are serialised;
+    use one connection per thread for parallel transfers.  Every call finishes within
+    ``timeout_s`` or raises :class:`~kvpool.errors.PeerTimeout`; a dead peer raises
+    :class:`~kvpool.errors.TransferError`; a refusal by the server raises the error it
+    reported (e.g. :class:`~kvpool.errors.UnknownSegment`).
+    """
+
+    def __init__(self, host: str, port: int, timeout_s: float = 10.0) -> None:
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self._channel: Channel[DataRequest, DataReply] | None = None
+        self._lock = threading.Lock()
+
+    def connect(self) -> None:
+        """Open the connection now (otherwise the first call does)."""
+        with self._lock:
+            self._connected()
+
+    def _connected(self) -> Channel[DataRequest, DataReply]:
+        if self._channel is None:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
+            except TimeoutError:
+                raise PeerTimeout(f"connecting to {self.host}:{self.port} timed out") from None
+            except OSError as exc:
+                raise TransferError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
+            wire.tune_socket(sock)
+            self._channel = Channel(sock, REQUEST_CODEC, REPLY_CODEC, self.timeout_s)
+        return self._channel
+
+    def _exchange(
+        self, request: DataRequest, out: memoryview | None, into: memoryview | None
+    ) -> DataReply:
+        """Send ``request`` (+ ``out``), receive the reply (+ its payload into ``into``)."""
+        with self._lock:
+            channel = self._connected()
+            try:
+                deadline = wire.deadline_after(self.timeout_s)
+                channel.send(request, out)
+                reply, length = channel.recv(deadline)
+                if length:
+                    if into is None or length != len(into):
+                        raise ProtocolError(
+                            f"reply carries {length} payload bytes, expected "
+                            f"{0 if into is None else len(into)}"
+                        )
+                    channel.recv_payload_into(into, deadline)
+            except KVPoolError:
+                # The stream may be mid-frame: never reuse it.
+                self._drop()
+                raise
+        if isinstance(reply, Error):
+            raise reply.to_exception()
+        return reply
+
+    def write(self, segment_id: str, offset: int, buffer: Any) -> int:
+        """Write ``buffer`` at ``offset`` of the segment; returns the bytes written."""
+        src = byte_view(buffer)
+        self._exchange(SegmentWrite(segment_id, offset, len(src)), src, None)
+        return len(src)
+
+    def read_into(self, segment_id: str, offset: int, buffer: Any) -> int:
+        """Fill ``buffer`` from ``offset`` of the segment; returns the bytes read."""
+        dst = writable_byte_view(buffer)
+        reply = self._exchange(SegmentRead(segment_id, offset, len(dst)), None, dst)
+        if not isinstance(reply, Ok) or reply.length != len(dst):
+            self.close()
+            raise ProtocolError(f"unexpected reply to a segment read: {reply!r}")
+        return len(dst)
+
+    def write_many(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
+        """Pipelined :meth:`write` of ``(segment_id, offset, buffer)`` items.
+
+        Requests go out back to back and the replies are read afterwards, so many small
+        values cost one round trip per :data:`PIPELINE_DEPTH` items instead of one each.
+        Returns one entry per item: ``None`` or the error the node refused it with (the
+        other items still happen).  A broken connection raises for the whole batch.
+        """
+        views = [byte_view(buffer) for _, _, buffer in items]
+        requests = [SegmentWrite(s, o, len(v)) for (s, o, _), v in zip(items, views, strict=True)]
+        return self._pipeline(requests, views, [None] * len(items))
+
+    def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
+        """Pipelined :meth:`read_into` of ``(segment_id, offset, buffer)`` items; see
+        :meth:`write_many` for the results."""
+        views = [writable_byte_view(buffer) for _, _, buffer in items]
+        requests = [SegmentRead(s, o, len(v)) for (s, o, _), v in zip(items, views, strict=True)]
+        return self._pipeline(requests, [None] * len(items), views)
+
+    def _pipeline(
+        self,
+        requests: Sequence[DataRequest],
+        outs: Sequence[memoryview | None],
+        intos: Sequence[memoryview | None],
+    ) -> list[KVPoolError | None]:
+        # No deadlock: one direction of each window is small (write replies, read
+        # requests: tens of bytes each), so it always fits in the socket buffers while
+        # the other direction streams.
+        results: list[KVPoolError | None] = []
+        with self._lock:
+            channel = self._connected()
+            try:
+                for start in range(0, len(requests), PIPELINE_DEPTH):
+                    window = range(start, min(start + PIPELINE_DEPTH, len(requests)))
+                    for i in window:
+                        channel.send(requests[i], outs[i])
+                    for i in window:
+                        reply, length = channel.recv(wire.deadline_after(self.timeout_s))
+                        into = intos[i]
+                        expected = 0 if into is None or isinstance(reply, Error) else len(into)
+                        if length != expected or not isinstance(reply, Ok | Error):
+                            raise ProtocolError(f"unexpected reply in a pipeline: {reply!r}")
+                        if into is not None and length:
+                            channel.recv_payload_into(into)
+                        results.append(reply.to_exception() if isinstance(reply, Error) else None)
+            except KVPoolError:
+                self._drop()
+                raise
+        return results
+
+    def read(self, segment_id: str, offset: int, length: int) -> bytes:
+        """A copy of ``length`` bytes at ``offset`` of the segment."""
+        buf = bytearray(length)
+        self.read_into(segment_id, offset, buf)
+        return bytes(buf)
+
+    def ssd_read_into(self, key: str, buffer: Any) -> int:
+        """Fill ``buffer`` (exactly the object's size) from the node's SSD tier."""
+        dst = writable_byte_view(buffer)
+        reply = self._exchange(SsdRead(key, len(dst)), None, dst)
+        if not isinstance(reply, Ok) or reply.length != len(dst):
+            self.close()
+            raise ProtocolError(f"unexpected reply to an SSD read: {reply!r}")
+        return len(dst)
+
+    def info(self, segment_id: str) -> SegmentInfoReply:
+        """The segment's size, shared-memory name and host token."""
+        reply = self._exchange(SegmentInfo(segment_id), None, None)
+        if not isinstance(reply, SegmentInfoReply):
+            self.close()
+            raise ProtocolError(f"unexpected reply to SegmentInfo: {reply!r}")
+        return reply
+
+    def _drop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def __enter__(self) -> SegmentConnection:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
