@@ -24,4 +24,11 @@ fi
 # pip pulls CUDA builds of these as vLLM dependencies; they fail to load beside the CPU
 # torch ("operator torchvision::nms does not exist") and nothing here needs them.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# The status page is tested in a real headless browser (tests/service/test_status_page.py).
+# Debian's chromium; skipped where there is no apt, and a failed install does not fail setup.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+        || echo "warning: could not install chromium; the status page test will fail" >&2
+fi
 echo "kvpool installed in .venv ($(.venv/bin/kvpool --version))"
