@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(sub)
     _add_proxy(sub)
     _add_status(sub)
+    _add_up(sub)
     return parser
 
 
@@ -130,6 +131,58 @@ def _run_proxy(args: argparse.Namespace) -> int:
         print(f"kvpool proxy: {exc}", file=sys.stderr)
         return 2
     return run_proxy(config)
+
+
+def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "up",
+        help="the whole P/D stack on this machine: master, prefill + decode vLLM, proxy",
+        description="Starts kvpool master (memory segment + SSD tier in --state-dir), the "
+        "prefill and decode vLLM instances with kvpool's connectors under vLLM's "
+        "MultiConnector (kv_load_failure_policy=recompute), and kvpool proxy; waits until "
+        "all are healthy, prints the endpoints and a curl to paste, and stops everything on "
+        "Ctrl-C or SIGTERM.  Port flags take 0 for any free port.",
+    )
+    add_flag(
+        p, "state_dir",
+        help="logs, SSD tier, model, mooncake.json (default: $KVPOOL_STATE_DIR, "
+        "$XDG_STATE_HOME/kvpool/up, else ./.kvpool-state)",
+    )  # fmt: skip
+    p.add_argument("--model", help="a model directory (default: build a small Llama locally)")
+    add_flag(p, "no_vllm", action="store_true", help="start the pool (master) alone")
+    ports = (
+        ("master_port", 50088, "the master's RPC + HTTP port"),
+        ("proxy_port", 8000, "the proxy's port"),
+        ("prefill_port", 8100, "first prefill instance's HTTP port (+1 per instance)"),
+        ("decode_port", 8200, "first decode instance's HTTP port (+1 per instance)"),
+        ("prefill_kv_port", 30000, "first prefill instance's kv_port (+1 per instance)"),
+        ("decode_kv_port", 30100, "first decode instance's kv_port (+1 per instance)"),
+    )
+    for name, default, text in ports:
+        add_flag(p, name, type=int, default=default, help=f"{text} (default {default})")
+    add_flag(p, "prefill_instances", type=int, default=1, help="prefill instances (1)")
+    add_flag(p, "decode_instances", type=int, default=1, help="decode instances (1)")
+    add_flag(p, "segment_size", default="256MiB", help="the master's memory segment (256MiB)")
+    add_flag(p, "ssd_limit", default="1GiB", help="cap of the SSD tier (1GiB)")
+    add_flag(p, "kv_cache_bytes", default="64MiB", help="vLLM KV cache per instance (64MiB)")
+    add_flag(p, "max_model_len", type=int, default=2048, help="vLLM --max-model-len (2048)")
+    add_flag(p, "dtype", help="vLLM --dtype (float32 for the small model, else auto)")
+    add_flag(p, "served_model_name", help="the model name requests use")
+    add_flag(
+        p, "policy", default="round_robin",
+        choices=["round_robin", "least_inflight", "prefix_affinity"], help="proxy routing",
+    )  # fmt: skip
+    add_flag(p, "cpus", help="cores for the vLLM instances, e.g. 0,1 (default: all usable)")
+    add_flag(p, "vllm_args", default="", help='extra vLLM flags, one string: "--foo 1 --bar"')
+    add_flag(p, "start_timeout", type=float, default=300.0, help="seconds to become healthy")
+    add_flag(p, "stop_timeout", type=float, default=20.0, help="SIGTERM grace before SIGKILL, s")
+    p.set_defaults(run=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from kvpool.ops.up_run import run_cli
+
+    return run_cli(args)
 
 
 def _add_master(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,0 +1,417 @@
+"""``kvpool up``: the plan of the whole P/D stack on one machine, as plain data.
+
+What ``kvpool up`` starts, in order (the seed's §3.2 Compose file and §5 commands, on one
+host):
+
+1. ``kvpool master`` with its own memory segment and an SSD tier under the state
+   directory (``--enable_offload=true``);
+2. the prefill and decode vLLM instances (``python -m vllm.entrypoints.openai.api_server``,
+   started together), each with vLLM's MultiConnector holding kvpool's transfer connector
+   and store connector, ``kv_load_failure_policy: recompute`` at the top level (the seed's
+   §5.2/§5.3 JSON), the master found through ``KVPOOL_CONFIG_PATH``;
+3. ``kvpool proxy`` in front of them.
+
+:func:`make_plan` is pure: options in, commands, environments, ports, health URLs and the
+files to write out.  Nothing here starts a process, touches the disk or reads the clock;
+:mod:`kvpool.ops.up_procs` supervises the processes and :mod:`kvpool.ops.up_run` is the
+entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpool.errors import ConfigError
+from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "TINY_MODEL_NAME",
+    "ProcessSpec",
+    "UpOptions",
+    "UpPlan",
+    "cpu_sets",
+    "kv_transfer_config",
+    "make_plan",
+    "ready_text",
+]
+
+TINY_MODEL_NAME = "tiny-llama"
+# The locally built model has a tokenizer but no chat template; chat completions need one.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """Everything ``kvpool up`` takes.  Ports must be real ports here: the edge turns a
+    ``0`` (any free port) into one before planning."""
+
+    state_dir: Path
+    model: Path | None = None  # None: the locally built tiny model under state_dir
+    no_vllm: bool = False
+    host: str = "127.0.0.1"
+    master_port: int = 50088
+    proxy_port: int = 8000
+    prefill_port: int = 8100  # instance i listens on prefill_port + i
+    decode_port: int = 8200
+    prefill_kv_port: int = 30000  # the seed's kv_port values, + i per instance
+    decode_kv_port: int = 30100
+    prefill_instances: int = 1
+    decode_instances: int = 1
+    segment_size: int = 256 * _MiB  # the master's own memory segment
+    ssd_limit: int = 1024 * _MiB  # cap of the SSD tier under state_dir/ssd
+    kv_cache_bytes: int = 64 * _MiB  # per vLLM instance
+    max_model_len: int = 2048
+    dtype: str | None = None  # None: float32 for the tiny model, vLLM's "auto" otherwise
+    served_model_name: str | None = None
+    policy: str = "round_robin"
+    cpus: tuple[int, ...] = (0,)  # cores to share among the vLLM instances
+    connect_timeout_ms: int = 2000  # one host: a dead prefill should cost seconds
+    transfer_timeout_ms: int = 10000
+    vllm_args: tuple[str, ...] = ()  # appended to every vLLM command line
+    python: str = "python3"
+
+    def __post_init__(self) -> None:
+        ports = {
+            "--master-port": self.master_port,
+            "--proxy-port": self.proxy_port,
+            "--prefill-port": self.prefill_port,
+            "--decode-port": self.decode_port,
+            "--prefill-kv-port": self.prefill_kv_port,
+            "--decode-kv-port": self.decode_kv_port,
+        }
+        for flag, port in ports.items():
+            if not 1 <= port <= 65535:
+                raise ConfigError(f"{flag}: {port} is not a TCP port (1..65535)")
+        for flag, count in (
+            ("--prefill-instances", self.prefill_instances),
+            ("--decode-instances", self.decode_instances),
+        ):
+            if not 1 <= count <= 16:
+                raise ConfigError(f"{flag}: must be 1..16, got {count}")
+        if self.segment_size <= 0:
+            raise ConfigError("--segment-size: must be a positive size, e.g. 256MiB")
+        if self.ssd_limit <= 0:
+            raise ConfigError("--ssd-limit: must be a positive size, e.g. 1GiB")
+        if self.kv_cache_bytes < 4 * _MiB:
+            raise ConfigError("--kv-cache-bytes: at least 4MiB per instance, e.g. 64MiB")
+        if self.max_model_len < 16:
+            raise ConfigError(f"--max-model-len: must be at least 16, got {self.max_model_len}")
+        if not self.cpus or any(c < 0 for c in self.cpus):
+            raise ConfigError(f"--cpus: expected core numbers, got {list(self.cpus)}")
+        if self.connect_timeout_ms <= 0 or self.transfer_timeout_ms <= 0:
+            raise ConfigError("timeouts: must be positive milliseconds")
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of the stack: how to start it and how to know it is up."""
+
+    name: str  # "master", "prefill-0", "decode-1", "proxy"
+    role: str  # "master" | "prefill" | "decode" | "proxy"
+    argv: tuple[str, ...]
+    env: Mapping[str, str]  # added to the inherited environment
+    health_url: str
+    url: str
+    log_path: Path
+    stage: int  # 0 master, 1 vLLM instances (started together), 2 proxy
+
+
+@dataclass(frozen=True)
+class UpPlan:
+    options: UpOptions
+    model_dir: Path
+    build_model: bool  # build the tiny model into model_dir first
+    model_name: str  # what requests say in "model"
+    node_config_path: Path
+    files: Mapping[Path, str]  # written before anything starts
+    dirs: tuple[Path, ...]  # created before anything starts
+    processes: tuple[ProcessSpec, ...] = field(default_factory=tuple)
+
+    @property
+    def stages(self) -> list[list[ProcessSpec]]:
+        out: dict[int, list[ProcessSpec]] = {}
+        for spec in self.processes:
+            out.setdefault(spec.stage, []).append(spec)
+        return [out[k] for k in sorted(out)]
+
+    def by_role(self, role: str) -> list[ProcessSpec]:
+        return [p for p in self.processes if p.role == role]
+
+    @property
+    def master_url(self) -> str:
+        return self.by_role("master")[0].url
+
+    @property
+    def proxy_url(self) -> str | None:
+        proxies = self.by_role("proxy")
+        return proxies[0].url if proxies else None
+
+
+def cpu_sets(cpus: Sequence[int], instances: int) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` per instance: disjoint contiguous groups of cores when
+    there are enough, otherwise one core each, round robin (instances then share cores)."""
+    if instances <= 0:
+        return []
+    per = len(cpus) // instances
+    if per == 0:
+        return [str(cpus[i % len(cpus)]) for i in range(instances)]
+    out = []
+    for i in range(instances):
+        group = cpus[i * per : (i + 1) * per]
+        contiguous = list(group) == list(range(group[0], group[0] + len(group)))
+        if len(group) == 1:
+            out.append(str(group[0]))
+        elif contiguous:
+            out.append(f"{group[0]}-{group[-1]}")
+        else:
+            out.append(",".join(str(c) for c in group))
+    return out
+
+
+def kv_transfer_config(role: str, kv_port: int, host: str) -> dict[str, Any]:
+    """The seed's §5.2 (``prefill``) / §5.3 (``decode``) ``--kv-transfer-config`` with
+    kvpool's classes; every instance here runs dp 1, tp 1, so both peer sections say so."""
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    transfer, store = "KVPoolTransferConnector", "KVPoolStoreConnector"
+    store_extra: dict[str, Any] = {"lookup_rpc_port": "0", "backend": "mooncake"}
+    if role == "decode":
+        store_extra["load_async"] = True
+    one = {"dp_size": 1, "tp_size": 1}
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": kv_role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": transfer,
+                    "kv_connector_module_path": KVPOOL_CONNECTORS[transfer][1],
+                    "kv_role": kv_role,
+                    "kv_port": str(kv_port),
+                    "kv_connector_extra_config": {
+                        "prefill": dict(one),
+                        "decode": dict(one),
+                        "kv_host": host,
+                    },
+                },
+                {
+                    "kv_connector": store,
+                    "kv_connector_module_path": KVPOOL_CONNECTORS[store][1],
+                    "kv_role": kv_role,
+                    "kv_connector_extra_config": store_extra,
+                },
+            ]
+        },
+    }
+
+
+def _check_port_clashes(opts: UpOptions) -> None:
+    owners: dict[int, str] = {}
+
+    def claim(port: int, what: str) -> None:
+        if port in owners:
+            raise ConfigError(f"{what} and {owners[port]} both use port {port}; move one")
+        owners[port] = what
+
+    claim(opts.master_port, "--master-port")
+    if opts.no_vllm:
+        return
+    claim(opts.proxy_port, "--proxy-port")
+    for role, http, kv, n in (
+        ("prefill", opts.prefill_port, opts.prefill_kv_port, opts.prefill_instances),
+        ("decode", opts.decode_port, opts.decode_kv_port, opts.decode_instances),
+    ):
+        for i in range(n):
+            claim(http + i, f"--{role}-port (instance {i})")
+            claim(kv + i, f"--{role}-kv-port (instance {i})")
+
+
+def make_plan(opts: UpOptions) -> UpPlan:
+    """The whole stack as data (pure)."""
+    _check_port_clashes(opts)
+    state = opts.state_dir
+    logs = state / "logs"
+    ssd = state / "ssd"
+    node_config_path = state / "mooncake.json"
+    build_model = opts.model is None and not opts.no_vllm
+    model_dir = state / "model" / TINY_MODEL_NAME if opts.model is None else opts.model
+    model_name = opts.served_model_name or (TINY_MODEL_NAME if build_model else model_dir.name)
+    master_addr = f"{opts.host}:{opts.master_port}"
+    files: dict[Path, str] = {
+        # the seed's §4 mooncake.json, for this host; the connectors read it
+        node_config_path: json.dumps(
+            {"local_hostname": opts.host, "metadata_server": master_addr, "protocol": "tcp"},
+            indent=2,
+        )
+        + "\n",
+    }
+    master_argv = (
+        opts.python, "-m", "kvpool", "master",
+        "--host", opts.host, "--port", str(opts.master_port),
+        "--eviction_high_watermark_ratio", "0.9", "--eviction_ratio", "0.1",
+        "--default_kv_lease_ttl", "11000",
+        "--enable_offload=true", "--client_ttl=120",
+        "--segment_size", str(opts.segment_size),
+        "--ssd_offload_path", str(ssd), "--ssd_offload_limit", str(opts.ssd_limit),
+    )  # fmt: skip
+    master = ProcessSpec(
+        name="master",
+        role="master",
+        argv=master_argv,
+        env={"PYTHONUNBUFFERED": "1"},
+        health_url=f"http://{master_addr}/health",
+        url=f"http://{master_addr}",
+        log_path=logs / "master.log",
+        stage=0,
+    )
+    processes = [master]
+    if not opts.no_vllm:
+        chat_template = state / "chat_template.jinja" if build_model else None
+        if chat_template is not None:
+            files[chat_template] = CHAT_TEMPLATE
+        instances = [("prefill", i) for i in range(opts.prefill_instances)] + [
+            ("decode", i) for i in range(opts.decode_instances)
+        ]
+        cores = cpu_sets(opts.cpus, len(instances))
+        for (role, i), core in zip(instances, cores, strict=True):
+            processes.append(
+                _vllm_spec(opts, role, i, core, model_dir, model_name, chat_template, logs)
+            )
+        processes.append(_proxy_spec(opts, processes, logs))
+    return UpPlan(
+        options=opts,
+        model_dir=model_dir,
+        build_model=build_model,
+        model_name=model_name,
+        node_config_path=node_config_path,
+        files=files,
+        dirs=(state, logs, ssd),
+        processes=tuple(processes),
+    )
+
+
+def _vllm_spec(
+    opts: UpOptions,
+    role: str,
+    index: int,
+    core: str,
+    model_dir: Path,
+    model_name: str,
+    chat_template: Path | None,
+    logs: Path,
+) -> ProcessSpec:
+    port = (opts.prefill_port if role == "prefill" else opts.decode_port) + index
+    kv_port = (opts.prefill_kv_port if role == "prefill" else opts.decode_kv_port) + index
+    dtype = opts.dtype or ("float32" if opts.model is None else "auto")
+    argv = [
+        opts.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", model_name,
+        "--host", opts.host, "--port", str(port),
+        "--dtype", dtype, "--enforce-eager",
+        "--max-model-len", str(opts.max_model_len),
+        "--kv-cache-memory-bytes", str(opts.kv_cache_bytes),
+        "--seed", "0", "--disable-uvicorn-access-log",
+        "--kv-transfer-config", json.dumps(kv_transfer_config(role, kv_port, opts.host)),
+    ]  # fmt: skip
+    if chat_template is not None:
+        argv += ["--chat-template", str(chat_template)]
+    argv += opts.vllm_args
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": core,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+        # the seed's §5.1: where the master is (kvpool's own name for the variable)
+        "KVPOOL_CONFIG_PATH": str(opts.state_dir / "mooncake.json"),
+        "KVPOOL_CONNECT_TIMEOUT_MS": str(opts.connect_timeout_ms),
+        "KVPOOL_TRANSFER_TIMEOUT_MS": str(opts.transfer_timeout_ms),
+        # the seed asks for it; kvpool's keys do not need it, and it is harmless
+        "PYTHONHASHSEED": "0",
+    }
+    url = f"http://{opts.host}:{port}"
+    return ProcessSpec(
+        name=f"{role}-{index}",
+        role=role,
+        argv=tuple(argv),
+        env=env,
+        health_url=url + "/health",
+        url=url,
+        log_path=logs / f"{role}-{index}.log",
+        stage=1,
+    )
+
+
+def _proxy_spec(opts: UpOptions, processes: Sequence[ProcessSpec], logs: Path) -> ProcessSpec:
+    prefill = [p.url for p in processes if p.role == "prefill"]
+    decode = [p.url for p in processes if p.role == "decode"]
+    url = f"http://{opts.host}:{opts.proxy_port}"
+    argv = (
+        opts.python, "-m", "kvpool", "proxy",
+        "--host", opts.host, "--port", str(opts.proxy_port),
+        "--prefill", *prefill, "--decode", *decode,
+        "--policy", opts.policy, "--health-interval", "1",
+    )  # fmt: skip
+    return ProcessSpec(
+        name="proxy",
+        role="proxy",
+        argv=argv,
+        env={"PYTHONUNBUFFERED": "1"},
+        health_url=url + "/health",
+        url=url,
+        log_path=logs / "proxy.log",
+        stage=2,
+    )
+
+
+def _curl_json(url: str, body: Mapping[str, Any], *, stream: bool = False) -> str:
+    flags = "-sN" if stream else "-s"
+    payload = shlex.quote(json.dumps(body))
+    return f"curl {flags} {url} -H 'Content-Type: application/json' -d {payload}"
+
+
+def ready_text(plan: UpPlan) -> list[tuple[str, str]]:
+    """(label, text) lines printed once the stack is healthy: endpoints, then commands
+    to paste.  Commands are single lines so a terminal copy keeps them whole."""
+    opts = plan.options
+    lines: list[tuple[str, str]] = [("master", f"{plan.master_url}  (RPC + /metrics /health)")]
+    for spec in plan.processes:
+        if spec.role in ("prefill", "decode"):
+            lines.append((spec.name, spec.url))
+    if plan.proxy_url:
+        lines.append(("proxy", f"{plan.proxy_url}  (OpenAI API: /v1/completions, ...)"))
+    lines.append(("state", str(opts.state_dir)))
+    lines.append(("logs", str(opts.state_dir / "logs")))
+    lines.append(("node config", f"export KVPOOL_CONFIG_PATH={plan.node_config_path}"))
+    lines.append(("metrics", f'curl -s {plan.master_url}/metrics | grep -E "kv_cache|connected"'))
+    if plan.proxy_url:
+        completion = {
+            "model": plan.model_name,
+            "prompt": "the pool keeps cache blocks for every prefix",
+            "max_tokens": 16,
+            "temperature": 0,
+        }
+        chat = {
+            "model": plan.model_name,
+            "messages": [{"role": "user", "content": "what does the pool keep?"}],
+            "max_tokens": 16,
+            "temperature": 0,
+            "stream": True,
+        }
+        lines.append(("completion", _curl_json(plan.proxy_url + "/v1/completions", completion)))
+        lines.append(
+            (
+                "streamed chat",
+                _curl_json(plan.proxy_url + "/v1/chat/completions", chat, stream=True),
+            )
+        )
+    return lines
