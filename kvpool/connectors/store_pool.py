@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 from kvpool.connectors.store_config import StoreConfig
 from kvpool.errors import ChecksumMismatch, KVPoolError, PoolError, TransferError
 
-__all__ = ["EmbeddedPools", "PoolClient", "PoolHandle", "open_pool"]
+__all__ = ["EmbeddedPools", "PoolClient", "PoolHandle", "is_outage", "open_pool"]
 
 T = TypeVar("T")
 
@@ -139,7 +139,7 @@ def open_pool(config: StoreConfig, *, timeout_ms: int | None = None) -> PoolClie
     return client
 
 
-def _is_outage(exc: BaseException) -> bool:
+def is_outage(exc: BaseException) -> bool:
     """A failure of the pool itself rather than an answer about one object."""
     if isinstance(exc, PoolError | ChecksumMismatch):
         return False
@@ -192,7 +192,7 @@ class PoolHandle:
             try:
                 return fn(client)
             except Exception as exc:
-                if _is_outage(exc):
+                if is_outage(exc):
                     self._mark_down(exc)
                 raise
 

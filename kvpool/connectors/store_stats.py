@@ -13,6 +13,7 @@ hit_tokens      tokens the pool supplied (the denominator is query_tokens)
 lookup_errors   lookups that failed (pool down): counted as misses
 loaded_blocks   blocks copied from the pool into the KV cache
 failed_blocks   blocks whose load failed (miss, corrupt, pool down): recomputed
+dropped_blocks  unreadable objects removed from the pool so a recomputed copy replaces them
 loaded_bytes    bytes loaded
 saved_blocks    blocks written to the pool
 saved_bytes     bytes written
@@ -41,6 +42,7 @@ COUNTERS = (
     "lookup_errors",
     "loaded_blocks",
     "failed_blocks",
+    "dropped_blocks",
     "loaded_bytes",
     "saved_blocks",
     "saved_bytes",

@@ -7,7 +7,8 @@ order, so nothing here looks inside a block.  One pool object holds one page of 
 Rules:
 - A load either fills a block with exactly the bytes that were saved, or reports the block
   as failed (``invalid_block_ids``): a miss, a short or corrupt object and a dead pool all
-  end the same way, and vLLM recomputes from the first failed block.
+  end the same way, and vLLM recomputes from the first failed block.  An object that was
+  listed but unreadable is removed, so the recomputed copy replaces it.
 - Every async load is reported as finished exactly once, failed or not, aborted or not:
   vLLM holds the request's blocks until then.
 - Saves happen in ``wait_for_save``, after the step's forward pass, synchronously: a block
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from kvpool.connectors.store_plan import LoadSpec, SaveSpec, StorePlan
-from kvpool.connectors.store_pool import PoolClient, PoolHandle
+from kvpool.connectors.store_pool import PoolClient, PoolHandle, is_outage
 from kvpool.errors import ChecksumMismatch, WriteConflict
 
 __all__ = ["LoadResult", "PagedKV", "StoreWorker"]
@@ -84,6 +85,10 @@ def _bytes_view(page: torch.Tensor) -> memoryview:
 
 def _get_into(pool: PoolClient, key: str, view: memoryview) -> int:
     return pool.get_into(key, view)
+
+
+def _remove(pool: PoolClient, key: str) -> bool:
+    return pool.remove(key)
 
 
 def _put_from(pool: PoolClient, key: str, view: memoryview, parent: str | None) -> None:
@@ -166,6 +171,7 @@ class StoreWorker:
                         type(exc).__name__,
                         exc,
                     )
+                    self._drop_unreadable(handle, key, exc)
                     break
                 good += 1
             paged.scatter(block_ids[:good], pages)
@@ -173,6 +179,18 @@ class StoreWorker:
             if good < len(block_ids):
                 return LoadResult(spec.req_id, loaded, frozenset(spec.block_ids[start + good :]))
         return LoadResult(spec.req_id, loaded, frozenset())
+
+    def _drop_unreadable(self, handle: PoolHandle, key: str, exc: Exception) -> None:
+        """Remove an object the pool listed but could not deliver intact (corrupt, short,
+        or on a dead node), so that the copy vLLM now recomputes replaces it instead of
+        failing every later hit.  Best effort: an outage or a reader's lease leaves it."""
+        if is_outage(exc):
+            return
+        try:
+            handle.call(partial(_remove, key=key))
+        except Exception:  # busy (leased by a reader) or gone: the next failure retries
+            return
+        self.counters["dropped_blocks"] += 1
 
     def _record(self, result: LoadResult) -> None:
         with self._lock:

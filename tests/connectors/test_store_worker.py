@@ -67,6 +67,9 @@ def test_failed_block_and_everything_after_it_are_reported() -> None:
     worker.start_loads(load_plan((8, 9, 10, 11), keys(4)))
     assert worker.take_invalid_block_ids() == {9, 10, 11}
     assert worker.take_invalid_block_ids() == set()  # reported once
+    # The unreadable object is dropped so that vLLM's recomputed copy can replace it.
+    assert keys(4)[1] not in pool.objects and keys(4)[2] in pool.objects
+    assert worker.counters["dropped_blocks"] == 1
     for name in src:
         assert torch.equal(dst[name][8], src[name][0])
         assert torch.equal(dst[name][10], before[name][10])  # never wrong data
@@ -83,6 +86,7 @@ def test_missing_short_and_dead_pool_are_failures() -> None:
     pool.down = True
     worker.start_loads(load_plan((5,), keys(1)))
     assert worker.take_invalid_block_ids() == {5}
+    assert pool.calls["remove"] == 2  # the two misses above; nothing while the pool is down
 
 
 def wait_finished(worker: StoreWorker, finished: set[str] | None = None) -> set[str]:

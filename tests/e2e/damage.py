@@ -1,7 +1,9 @@
 """A pool wrapper for e2e tests: records what the connector stores and damages it on demand.
 
-It wraps the real in-process pool; "remove" deletes objects from it (a missing block),
-"corrupt" makes them unreadable the way a checksum failure does.
+It wraps the real in-process pool (:class:`~kvpool.service.embedded.EmbeddedPool`):
+"remove" deletes objects from it (a missing block); "corrupt" overwrites the first bytes
+of the stored object inside the pool's memory segment, so that the pool's own checksum
+has to catch it.
 """
 
 from __future__ import annotations
@@ -9,28 +11,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.connectors.store_pool import PoolClient
-from kvpool.errors import ChecksumMismatch
+from kvpool.protocol import messages as m
+from kvpool.service.embedded import EmbeddedPool
 
-__all__ = ["DamagingPool", "make_embedded"]
+__all__ = ["DamagingPool", "corrupt_in_place", "make_embedded"]
 
 
-def make_embedded() -> PoolClient:
+def make_embedded() -> EmbeddedPool:
+    return EmbeddedPool(segment_size=256 << 20)
+
+
+def corrupt_in_place(pool: EmbeddedPool, key: str) -> None:
+    """Flip the first bytes of ``key``'s stored copy (found as any reader finds it)."""
+    placement = pool.call(m.Get("test-damage", key))
+    assert isinstance(placement, m.Placement) and placement.found, key
     try:
-        from kvpool.service.embedded import EmbeddedPool
-    except ImportError:  # the service layer is not there yet: use the unit tests' double
-        from tests.connectors.fake_pool import FakePool
-
-        return FakePool()
-    pool: PoolClient = EmbeddedPool(segment_size=256 << 20)
-    return pool
+        segment = pool.storage.segment
+        assert segment is not None
+        original = bytearray(64)
+        segment.read_into(placement.offset, memoryview(original))
+        segment.write(placement.offset, bytes(b ^ 0xFF for b in original))
+    finally:
+        pool.call(m.Release("test-damage", [key]))
 
 
 class DamagingPool:
-    def __init__(self, inner: PoolClient) -> None:
+    def __init__(self, inner: EmbeddedPool) -> None:
         self.inner = inner
         self.stored: list[str] = []
-        self.corrupt: set[str] = set()
 
     def damage(self, mode: str, count: int, start: int = 1) -> dict[str, Any]:
         keys = self.stored[start : start + count]
@@ -38,7 +46,7 @@ class DamagingPool:
             if mode == "remove":
                 self.inner.remove(key)
             elif mode == "corrupt":
-                self.corrupt.add(key)
+                corrupt_in_place(self.inner, key)
             else:
                 raise ValueError(mode)
         return {"damaged": len(keys), "stored": len(self.stored)}
@@ -49,8 +57,6 @@ class DamagingPool:
             self.stored.append(key)
 
     def get_into(self, key: str, buffer: Any) -> int:
-        if key in self.corrupt:
-            raise ChecksumMismatch(f"{key}: checksum mismatch (damaged by the test)")
         return self.inner.get_into(key, buffer)
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:

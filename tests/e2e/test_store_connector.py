@@ -74,10 +74,11 @@ def test_kv_both_second_run_loads_from_the_pool(
                 gen(LONG), STATS,
                 {"op": "damage", "mode": "corrupt", "start": 1, "count": 1},
                 gen(LONG), STATS,
+                gen(LONG), STATS,
             ],
         }
     )  # fmt: skip
-    first, s1, second, s2, damaged, third, s3 = run.results
+    first, s1, second, s2, damaged, third, s3, fourth, s4 = run.results
     assert "[KVPoolStoreConnector] role=kv_both, backend=embedded" in run.log
     assert first["tokens"][0] == reference[LONG]
     assert s1["hit_tokens"] == 0 and s1["saved_blocks"] >= 3
@@ -90,6 +91,11 @@ def test_kv_both_second_run_loads_from_the_pool(
     assert third["tokens"][0] == reference[LONG]
     assert s3["failed_blocks"] - s2["failed_blocks"] == 2
     assert s3["loaded_blocks"] - s2["loaded_blocks"] == 1
+    # The corrupt copy was dropped and replaced by the recomputed one: the pool healed.
+    assert s3["dropped_blocks"] == 1
+    assert fourth["tokens"][0] == reference[LONG]
+    assert s4["loaded_blocks"] - s3["loaded_blocks"] == 3
+    assert s4["failed_blocks"] == s3["failed_blocks"]
     assert "Recovered from KV load failure" in run.log
 
 
