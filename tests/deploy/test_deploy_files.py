@@ -1,0 +1,194 @@
+"""deploy/: the Grafana dashboard names only metrics a real master exports, and the Compose
+file mirrors the seed's §3.2 with commands kvpool itself accepts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool.cli import build_parser
+from kvpool.config import MasterConfig, load_node_config
+from kvpool.errors import NoSpace, ObjectNotFound
+from kvpool.service.client import Client
+from kvpool.testing.processes import PoolProcess, start_master
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "kvpool.json"
+COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
+
+_METRIC = re.compile(r"\bkvpool_[a-zA-Z0-9_]+")
+# a selector: name{label="v", other=~"w"} (the label part is optional)
+_SELECTOR = re.compile(r"\b(kvpool_[a-zA-Z0-9_]+)\s*(?:\{([^}]*)\})?")
+_MATCHER = re.compile(r"([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*\"([^\"]*)\"")
+
+
+# ---------------------------------------------------------------------------- grafana
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    return data
+
+
+def all_panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for panel in panels:
+        yield panel
+        yield from all_panels(panel.get("panels", []))
+
+
+def exprs() -> list[tuple[str, str]]:
+    return [
+        (panel["title"], target["expr"])
+        for panel in all_panels(dashboard()["panels"])
+        for target in panel.get("targets", [])
+    ]
+
+
+def test_dashboard_is_grafana_json() -> None:
+    data = dashboard()
+    assert data["title"] == "kvpool" and data["uid"]
+    assert isinstance(data["schemaVersion"], int)
+    ids = [p["id"] for p in all_panels(data["panels"])]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    variables = {v["name"] for v in data["templating"]["list"]}
+    for panel in all_panels(data["panels"]):
+        assert {"x", "y", "w", "h"} <= set(panel["gridPos"]), panel["title"]
+        if panel["type"] != "row":
+            assert panel["targets"], f"{panel['title']}: no query"
+            assert panel["datasource"]["uid"] == "${datasource}"
+        for target in panel.get("targets", []):
+            for var in re.findall(r"\$(\w+)", target["expr"]):
+                assert var in variables or var.startswith("__"), f"{var} in {target['expr']}"
+
+
+def test_dashboard_covers_what_operators_ask() -> None:
+    text = "\n".join(e for _, e in exprs())
+    titles = " ".join(t for t, _ in exprs()).lower()
+    # hit ratios divide by their denominators, and the denominators are charted too
+    assert 'kvpool_hits_total{instance=~"$instance",kind="get"}' in text
+    assert "/ sum(rate(kvpool_lookups_total" in text
+    assert '/ sum(rate(kvpool_prefix_blocks_total{instance=~"$instance",result="queried"}' in text
+    assert "denominators" in titles
+    for needed in (
+        "kvpool_tier_used_bytes",
+        "kvpool_tier_capacity_bytes",
+        "rate(kvpool_evictions_total",
+        "rate(kvpool_offloads_total",
+        "histogram_quantile(0.5, sum by (op, le) (rate(kvpool_request_seconds_bucket",
+        "histogram_quantile(0.99, sum by (op, le) (rate(kvpool_request_seconds_bucket",
+        "kvpool_connected_clients",
+        "sum by (reason) (rate(kvpool_put_failures_total",
+    ):
+        assert needed in text, needed
+    for _, expr in exprs():
+        assert _METRIC.search(expr), f"{expr}: names no kvpool metric"
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
+    """Sample name -> label names, from a real master after traffic that touches every
+    counter: puts, hits in both tiers, misses, offloads, SSD evictions, a refused put."""
+    ssd = tmp_path_factory.mktemp("ssd")
+    master: PoolProcess
+    with start_master(
+        "--segment_size",
+        "1MB",
+        "--enable_offload=true",
+        f"--ssd_offload_path={ssd}",
+        "--ssd_offload_limit=1MB",
+    ) as master:
+        with Client(master.address, timeout_s=5) as c:
+            keys = [f"dash-{i}" for i in range(60)]
+            for key in keys:  # 3 MB into 1 MB + 1 MB: memory demotes, SSD evicts
+                c.put(key, key.encode() * 5000)
+            for key in [*keys, "absent"]:
+                with contextlib.suppress(ObjectNotFound):
+                    c.get(key)
+            c.prefix_lookup(keys, tokens_per_key=16)
+            with pytest.raises(NoSpace):
+                c.put("too-big", b"x" * 3_000_000)
+        with urllib.request.urlopen(f"http://{master.address}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    names: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            names.setdefault(sample.name, set()).update(sample.labels)
+    return names
+
+
+def test_dashboard_names_only_metrics_a_master_exports(scraped: dict[str, set[str]]) -> None:
+    # Compared with sample names as scraped (kvpool_puts_total, ..._bucket), which is what
+    # PromQL selects on; a family name without its suffix would select nothing.
+    assert "kvpool_offloads_total" in scraped and "kvpool_evictions_total" in scraped
+    used: set[str] = set()
+    for title, expr in exprs():
+        for match in _SELECTOR.finditer(expr):
+            name, matchers = match[1], match[2] or ""
+            used.add(name)
+            assert name in scraped, f"{title}: {name} is not in a master's /metrics"
+            for label, _, _ in _MATCHER.findall(matchers):
+                if label == "instance":  # added by Prometheus at scrape time
+                    continue
+                assert label in scraped[name], f"{title}: {name} has no label {label!r}"
+    assert len(used) >= 15, sorted(used)
+
+
+# ---------------------------------------------------------------------------- compose
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))
+    return data
+
+
+def interpolate(word: str) -> str:
+    """Compose's ${VAR:-default} with nothing set: the default."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", word)
+
+
+def test_compose_mirrors_the_seed() -> None:
+    services = compose()["services"]
+    assert set(services) == {"master", "node", "proxy"}
+    for name, service in services.items():
+        assert service["network_mode"] == "host", name
+        assert service["restart"] == "unless-stopped", name
+        assert service["profiles"] == [name], name
+        assert "kvpool" in service["image"], name
+        assert service["command"][:2] == ["kvpool", name], name
+        assert all(isinstance(word, str) for word in service["command"]), name
+    assert services["node"]["environment"]["KVPOOL_CONFIG_PATH"].endswith("mooncake.json")
+
+
+def test_compose_master_command_has_the_seeds_flags() -> None:
+    argv = [interpolate(w) for w in compose()["services"]["master"]["command"]]
+    config = MasterConfig.from_argv(argv)
+    assert config.port == 50088
+    assert config.eviction_high_watermark_ratio == 0.9
+    assert config.eviction_ratio == 0.1
+    assert config.default_kv_lease_ttl == 11000
+    assert config.host == "0.0.0.0"  # reachable from the other hosts
+    # and kvpool's own parser takes the same words
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "master" and args.default_kv_lease_ttl == "11000"
+
+
+def test_compose_node_and_proxy_commands_parse() -> None:
+    services = compose()["services"]
+    parser = build_parser()
+    node = parser.parse_args([interpolate(w) for w in services["node"]["command"][1:]])
+    assert node.command == "node" and node.data_port == 0
+    proxy = parser.parse_args([interpolate(w) for w in services["proxy"]["command"][1:]])
+    assert proxy.command == "proxy" and proxy.port == 8000
+    assert proxy.prefill and proxy.decode
+
+
+def test_compose_example_node_config_loads() -> None:
+    config = load_node_config(COMPOSE.parent / "mooncake.json", env={})
+    assert config.master_address == "10.0.0.1:50088"
+    assert config.enable_ssd_offload and config.ssd_offload_path == "/mnt/nvme/kvpool_ssd"
+    assert config.ssd_offload_limit == 1000 * 2**30
