@@ -35,6 +35,7 @@ from kvpool.protocol.data import Error
 from kvpool.service.storage import checksum
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.transfer import wire
+from kvpool.transfer.channel import Channel
 from kvpool.transfer.path import NodeDataPath
 
 __all__ = ["Client", "split_address"]
@@ -64,7 +65,7 @@ class Client:
         self.timeout_s = timeout_s
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.allow_shm = allow_shm
-        self._sock: socket.socket | None = None
+        self._channel: Channel[m.MasterRequest, m.MasterReply] | None = None
         self._lock = threading.Lock()
         self._paths: dict[str, NodeDataPath] = {}
         self._paths_lock = threading.Lock()
@@ -75,13 +76,11 @@ class Client:
     def call(self, request: m.MasterRequest) -> m.MasterReply:
         """One metadata round trip; raises the master's error as its own class."""
         with self._lock:
-            sock = self._connected()
+            channel = self._connected()
             try:
-                reply, payload = wire.call(
-                    sock, m.REQUEST_CODEC, m.REPLY_CODEC, request, self.timeout_s
-                )
+                reply, payload = channel.call(request)
                 if payload:
-                    wire.discard(sock, payload, wire.deadline_after(self.timeout_s))
+                    channel.discard_payload(payload)
             except KVPoolError:
                 self._drop()
                 raise
@@ -89,8 +88,8 @@ class Client:
             raise reply.to_exception()
         return reply
 
-    def _connected(self) -> socket.socket:
-        if self._sock is None:
+    def _connected(self) -> Channel[m.MasterRequest, m.MasterReply]:
+        if self._channel is None:
             host, port = split_address(self.master)
             try:
                 sock = socket.create_connection((host, port), timeout=self.timeout_s)
@@ -99,13 +98,13 @@ class Client:
             except OSError as exc:
                 raise TransferError(f"cannot reach the master at {self.master}: {exc}") from None
             wire.tune_socket(sock)
-            self._sock = sock
-        return self._sock
+            self._channel = Channel(sock, m.REQUEST_CODEC, m.REPLY_CODEC, self.timeout_s)
+        return self._channel
 
     def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     def _path(self, placement: m.Placement) -> NodeDataPath:
         address = placement.data_address
@@ -138,7 +137,9 @@ class Client:
         if not placement.found:
             return
         try:
-            self._path(placement).write(placement.segment_id, placement.offset, view)
+            self._path(placement).write(
+                placement.segment_id, placement.offset, view, shm_name=placement.shm_name
+            )
         except (TransferError, PeerTimeout) as exc:
             self._report(placement, exc)
             self._revoke(key)
@@ -192,7 +193,9 @@ class Client:
             if placement.tier == "ssd":
                 path.tcp.ssd_read_into(placement.key, target)
             else:
-                path.read_into(placement.segment_id, placement.offset, target)
+                path.read_into(
+                    placement.segment_id, placement.offset, target, shm_name=placement.shm_name
+                )
         except (TransferError, PeerTimeout) as exc:
             self._report(placement, exc)
             raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc

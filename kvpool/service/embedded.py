@@ -29,11 +29,11 @@ class _LocalPath:
         self.storage = storage
         self.tcp = self  # SSD reads are asked of ``path.tcp`` by the client
 
-    def write(self, segment_id: str, offset: int, buffer: Any) -> int:
+    def write(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
         assert self.storage.segment is not None
         return self.storage.segment.write(offset, buffer)
 
-    def read_into(self, segment_id: str, offset: int, buffer: Any) -> int:
+    def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
         assert self.storage.segment is not None
         return self.storage.segment.read_into(offset, buffer)
 

@@ -14,7 +14,7 @@ import xxhash
 
 from kvpool.core.index import Demote
 from kvpool.errors import KVPoolError
-from kvpool.storage.segment import Segment
+from kvpool.storage.segment import Segment, remove_stale_segments
 from kvpool.storage.ssd import SsdStore
 from kvpool.transfer.shm import host_token
 from kvpool.transfer.tcp import SegmentServer
@@ -46,6 +46,8 @@ class LocalStorage:
         self.client_id = client_id
         self.segment_id = f"{client_id}/mem"
         self.ssd_segment_id = f"{client_id}/ssd"
+        if segment_size:
+            remove_stale_segments()  # what a SIGKILLed predecessor left in /dev/shm
         self.segment = Segment.create(segment_size) if segment_size else None
         # The index enforces the limit on value bytes; the store's own cap only guards
         # against accounting bugs, so it leaves room for per-file headers.

@@ -1,0 +1,260 @@
+"""End-to-end pool benchmark: kvpool.Client put/get against a real master, side by side
+with raw baselines measured in the same run.
+
+Rows, per value size (64 KiB, 1 MiB, 16 MiB by default):
+- raw memcpy (numpy.copyto) and raw TCP loopback (sendall + 1-byte ack / 1-byte request +
+  recv_into, one value per round trip) — the baselines;
+- client put / get over the same-host path (the node's shared memory) and over TCP
+  (``allow_shm=False``): a full put is PutStart + bytes + xxh3 + PutEnd; a full get is
+  Get (lease) + bytes + checksum + Release;
+- the same with two client processes at once (aggregate).
+Metadata latency: ``exists``, ``batch_exists`` of 64 keys, and a put's control path alone
+(PutStart + PutEnd of a 1-byte value, minus nothing).
+
+Rows of a size are interleaved round by round, and each ratio is the median over rounds of
+the row divided by its baseline in the same round, so load from other jobs hits both sides.
+
+    python bench/pool.py [--sizes 64KiB,1MiB,16MiB] [--rounds 7] [--seconds 0.2] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvpool.service.client import Client
+from kvpool.testing.processes import start_master
+
+SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+
+
+@dataclass
+class Row:
+    name: str
+    size: int
+    baseline: str = ""
+    ops: list[float] = field(default_factory=list)  # ops/s per round
+    ratios: list[float] = field(default_factory=list)
+
+
+def timed(op: Callable[[], None], seconds: float) -> float:
+    """ops/s of ``op`` run for about ``seconds`` (bounded: at least 3, at most 100k ops)."""
+    n, start = 0, time.perf_counter()
+    while n < 3 or (time.perf_counter() - start < seconds and n < 100_000):
+        op()
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------ raw TCP peer
+def _raw_server(sock: socket.socket, size: int) -> None:
+    conn, _ = sock.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(size))
+    while True:
+        kind = conn.recv(1)
+        if not kind:
+            return
+        if kind == b"w":
+            got = 0
+            while got < size:
+                got += conn.recv_into(buf[got:])
+            conn.sendall(b"k")
+        else:
+            conn.sendall(buf)
+
+
+def raw_tcp(size: int) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_server, args=(listener, size), daemon=True).start()
+    c = socket.create_connection(listener.getsockname())
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = memoryview(bytearray(size))
+    into = memoryview(bytearray(size))
+
+    def write() -> None:
+        c.sendall(b"w")
+        c.sendall(data)
+        c.recv(1)
+
+    def read() -> None:
+        c.sendall(b"r")
+        got = 0
+        while got < size:
+            got += c.recv_into(into[got:])
+
+    def close() -> None:
+        c.close()
+        listener.close()
+
+    return write, read, close
+
+
+# -------------------------------------------------------------------- client processes
+def _worker(address: str, shm: bool, size: int, seconds: float, tag: str, out: mp.Queue) -> None:
+    with Client(address, allow_shm=shm) as c:
+        value = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+        into = np.empty(size, dtype=np.uint8)
+        c.put_from(tag, value)
+        out.put(timed(lambda: c.get_into(tag, into), seconds))
+
+
+@dataclass
+class Bench:
+    address: str
+    seconds: float
+
+    def client_rows(self, size: int) -> dict[str, Callable[[], float]]:
+        rows: dict[str, Callable[[], float]] = {}
+        for path, shm in (("shm", True), ("tcp", False)):
+            c = Client(self.address, allow_shm=shm)
+            value = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+            into = np.empty(size, dtype=np.uint8)
+            n = [0]
+
+            def put(c: Client = c, value: np.ndarray = value, n: list[int] = n) -> None:
+                # a fresh key each time: a put of an existing key is a no-op
+                c.put_from(f"{c.client_id}-{size}-{n[0]}", value)
+                n[0] += 1
+
+            c.put_from(f"{c.client_id}-{size}-get", value)
+
+            def get(c: Client = c, into: np.ndarray = into) -> None:
+                c.get_into(f"{c.client_id}-{size}-get", into)
+
+            rows[f"client put ({path})"] = lambda put=put: timed(put, self.seconds)
+            rows[f"client get ({path})"] = lambda get=get: timed(get, self.seconds)
+            rows[f"client get ({path}) x2"] = lambda shm=shm: self.parallel(shm, size)
+        return rows
+
+    def parallel(self, shm: bool, size: int) -> float:
+        ctx = mp.get_context("spawn")
+        out: mp.Queue = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(self.address, shm, size, self.seconds, f"p{i}-{shm}-{size}", out),
+            )
+            for i in range(2)
+        ]
+        for p in procs:
+            p.start()
+        total = sum(out.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(30)
+        return float(total)
+
+
+def metadata_latency(address: str, count: int = 3000) -> list[tuple[str, float, float]]:
+    out = []
+    with Client(address) as c:
+        c.put("meta", b"x")
+        keys = [f"meta{i}" for i in range(64)]
+        n = [0]
+
+        def control_path() -> None:
+            c.put(f"ctl{n[0]}", b"x")  # PutStart + 1-byte write + PutEnd
+            n[0] += 1
+
+        for name, op in (
+            ("exists", lambda: c.exists("meta")),
+            ("batch_exists(64)", lambda: c.batch_exists(keys)),
+            ("put control path (1 B)", control_path),
+        ):
+            for _ in range(200):
+                op()
+            samples = []
+            for _ in range(count):
+                t = time.perf_counter()
+                op()
+                samples.append(time.perf_counter() - t)
+            samples.sort()
+            out.append((name, samples[len(samples) // 2] * 1e6, samples[int(count * 0.99)] * 1e6))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="64KiB,1MiB,16MiB")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--seconds", type=float, default=0.2)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args(argv)
+    sizes = [SIZES[s] for s in args.sizes.split(",")]
+    biggest = max(sizes)
+    # room for every fresh put key of the run (evictions keep it bounded anyway)
+    with start_master("--segment_size", str(max(512 << 20, biggest * 24))) as master:
+        bench = Bench(master.address, args.seconds)
+        table: list[Row] = []
+        for size in sizes:
+            src = np.ones(size, dtype=np.uint8)
+            dst = np.empty(size, dtype=np.uint8)
+            write, read, close = raw_tcp(size)
+            baselines: dict[str, Callable[[], float]] = {
+                "memcpy": lambda: timed(lambda: np.copyto(dst, src), args.seconds),
+                "raw tcp write": lambda: timed(write, args.seconds),
+                "raw tcp read": lambda: timed(read, args.seconds),
+            }
+            rows = {n: Row(n, size) for n in baselines}
+            clients = bench.client_rows(size)
+            base_of = {
+                "client put (shm)": "memcpy",
+                "client get (shm)": "memcpy",
+                "client get (shm) x2": "client get (shm)",
+                "client put (tcp)": "raw tcp write",
+                "client get (tcp)": "raw tcp read",
+                "client get (tcp) x2": "client get (tcp)",
+            }
+            for n in clients:
+                rows[n] = Row(n, size, base_of[n])
+            every = {**baselines, **clients}
+            for _ in range(args.rounds):
+                this: dict[str, float] = {}
+                for name, fn in every.items():
+                    this[name] = fn()
+                    rows[name].ops.append(this[name])
+                for row in rows.values():
+                    if row.baseline:
+                        row.ratios.append(this[row.name] / this[row.baseline])
+            close()
+            table.extend(rows.values())
+        meta = metadata_latency(master.address)
+    print_table(table, meta, args.markdown)
+    return 0
+
+
+def print_table(rows: list[Row], meta: list[tuple[str, float, float]], markdown: bool) -> None:
+    header = ("size", "path", "GiB/s", "ops/s", "ratio", "vs")
+    lines = []
+    for r in rows:
+        ops = statistics.median(r.ops)
+        ratio = f"{statistics.median(r.ratios):.0%}" if r.ratios else ""
+        label = f"{r.size >> 10} KiB" if r.size < (1 << 20) else f"{r.size >> 20} MiB"
+        lines.append(
+            (label, r.name, f"{ops * r.size / (1 << 30):.2f}", f"{ops:,.0f}", ratio, r.baseline)
+        )
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for ln in lines:
+            print("| " + " | ".join(ln) + " |")
+        print("\n| metadata op | p50 µs | p99 µs |\n|---|---|---|")
+        for name, p50, p99 in meta:
+            print(f"| {name} | {p50:.0f} | {p99:.0f} |")
+    else:
+        for ln in [header, *lines]:
+            print(f"{ln[0]:>8} {ln[1]:<24} {ln[2]:>7} {ln[3]:>10} {ln[4]:>6}  {ln[5]}")
+        for name, p50, p99 in meta:
+            print(f"{name:<28} p50 {p50:8.1f} µs   p99 {p99:8.1f} µs")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
