@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             dst = np.empty(size, dtype=np.uint8)
             write, read, close = raw_tcp(size)
             baselines: dict[str, Callable[[], float]] = {
-                "memcpy": lambda: timed(lambda: np.copyto(dst, src), args.seconds),
-                "raw tcp write": lambda: timed(write, args.seconds),
-                "raw tcp read": lambda: timed(read, args.seconds),
+                "memcpy": lambda d=dst, s=src: timed(lambda: np.copyto(d, s), args.seconds),
+                "raw tcp write": lambda w=write: timed(w, args.seconds),
+                "raw tcp read": lambda r=read: timed(r, args.seconds),
             }
             rows = {n: Row(n, size) for n in baselines}
             clients = bench.client_rows(size)
