@@ -140,6 +140,23 @@ def test_dashboard_names_only_metrics_a_master_exports(scraped: dict[str, set[st
     assert len(used) >= 15, sorted(used)
 
 
+def test_monitoring_doc_lists_every_exported_metric(scraped: dict[str, set[str]]) -> None:
+    doc = (DEPLOY.parent / "docs" / "monitoring.md").read_text(encoding="utf-8")
+    rows = {
+        m[1]: m[2]
+        for m in re.finditer(r"^\| `(kvpool_\w+)` \| \w+ \|(.*)$", doc, flags=re.MULTILINE)
+    }
+    for name, labels in scraped.items():
+        if name.endswith("_created"):  # prometheus_client's per-series timestamps
+            continue
+        # counters are listed by their sample name (kvpool_puts_total), the histogram by
+        # its family name (kvpool_request_seconds, whose samples are _bucket/_sum/_count)
+        listed = name if name in rows else re.sub(r"_(bucket|sum|count)$", "", name)
+        assert listed in rows, f"{name} is not in the metrics reference of docs/monitoring.md"
+        for label in labels - {"le"}:
+            assert f"`{label}`" in rows[listed], f"{name}: label {label!r} is not documented"
+
+
 # ---------------------------------------------------------------------------- compose
 def compose() -> dict[str, Any]:
     data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))
