@@ -39,6 +39,7 @@ CHROMIUM_FLAGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+    "--disable-dev-shm-usage",  # containers often have a 64 MiB /dev/shm
     "--remote-debugging-port=0",  # chromium writes the port it took to DevToolsActivePort
 ]
 
@@ -58,11 +59,12 @@ class Browser:
     """A headless chromium of our own (its own profile, its own process group)."""
 
     def __init__(self, tmp: Path) -> None:
+        executable = chromium_path()  # first: a missing browser must fail the test cleanly
         self.profile = tmp / "chromium-profile"
         self.profile.mkdir()
         self.log = open(tmp / "chromium.log", "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [chromium_path(), *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+            [executable, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # so close() can end its helpers with it, by group id
