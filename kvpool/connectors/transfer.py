@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -31,10 +32,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import NodeConfig, config_path_from_env, load_node_config
-from kvpool.connectors.transfer_config import TransferConfig
+from kvpool.connectors.transfer_config import CONNECTOR_NAME, TransferConfig
 from kvpool.connectors.transfer_jobs import TransferJobs
 from kvpool.connectors.transfer_pages import byte_pages
 from kvpool.connectors.transfer_scheduler import TransferScheduler
+from kvpool.connectors.transfer_stats import (
+    KVPoolTransferPromMetrics,
+    KVPoolTransferStats,
+    stats_from_counts,
+)
 from kvpool.connectors.transfer_worker import RankInfo, TransferWorker
 
 if TYPE_CHECKING:
@@ -193,3 +199,33 @@ class KVPoolTransferConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+
+    # -- statistics (see transfer_stats) ----------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVPoolTransferStats | None:
+        if self._worker is None:
+            return None
+        return stats_from_counts(self._worker.take_counts())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolTransferStats:
+        return KVPoolTransferStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPoolTransferPromMetrics:
+        return KVPoolTransferPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+
+# vLLM's MultiConnector rebuilds its children's stats by class *name* from the factory's
+# registry, which knows only built-in connectors: register this one when the module is
+# imported (vLLM imports it through kv_connector_module_path in every process).
+if CONNECTOR_NAME not in KVConnectorFactory._registry:
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)

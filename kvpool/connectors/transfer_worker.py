@@ -22,6 +22,7 @@ import logging
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -128,6 +129,8 @@ class TransferWorker:
         self._recv = RecvResults()
         self._recv_lock = threading.Lock()
         self._load_errors: set[int] = set()
+        self._counts: Counter[str] = Counter()  # see transfer_stats.COUNTERS
+        self._counts_lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -182,6 +185,7 @@ class TransferWorker:
     def submit(self, jobs: TransferJobs) -> None:
         """Act on one step's jobs from the scheduler (never blocks on the network)."""
         if jobs.holds:
+            self._count(holds=len(jobs.holds))
             now = self._now_ms()
             with self._cond:
                 for hold in jobs.holds:
@@ -201,7 +205,8 @@ class TransferWorker:
     def results(self) -> TransferResults:
         """Sends whose blocks may be freed, loads finished (ok or not), loads failed."""
         with self._cond:
-            for rid in self._tracker.expire(self._now_ms()):
+            expired = self._tracker.expire(self._now_ms())
+            for rid in expired:
                 logger.warning(
                     "%s no decode pulled request %s within hold_timeout_ms=%d; freeing its blocks",
                     _PREFIX,
@@ -209,6 +214,7 @@ class TransferWorker:
                     self.config.hold_timeout_ms,
                 )
             sending = self._tracker.take_finished()
+        self._count(holds_expired=len(expired), holds_released=len(sending) - len(expired))
         with self._recv_lock:
             snap = self._recv.take()
         self._load_errors |= snap.failed_block_ids
@@ -217,6 +223,16 @@ class TransferWorker:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_counts(self) -> dict[str, int]:
+        """Counter deltas since the last call (``transfer_stats.COUNTERS``)."""
+        with self._counts_lock:
+            counts, self._counts = dict(self._counts), Counter()
+        return counts
+
+    def _count(self, **deltas: int) -> None:
+        with self._counts_lock:
+            self._counts.update({name: n for name, n in deltas.items() if n})
 
     @property
     def num_held(self) -> int:
@@ -335,6 +351,9 @@ class TransferWorker:
                 )
         total = layer_bytes * len(pull.layers)
         send_frame(conn, REPLY_CODEC, Done(total), None, deadline)
+        # Count before releasing: the engine step that frees the blocks may be P's last
+        # one for a while, and it should carry these counts.
+        self._count(served_pulls=1, served_bytes=total)
         with self._cond:
             freed = self._tracker.mark_done(pull.request_id, pull.dst_rank, total)
         logger.info(
@@ -389,6 +408,7 @@ class TransferWorker:
                 job.remote_port,
                 exc,
             )
+            self._count(pull_failures=1)
             with self._recv_lock:
                 self._recv.failed(job.request_id, list(job.local_block_ids))
             if not isinstance(exc, _Unreachable):
@@ -404,6 +424,7 @@ class TransferWorker:
                     )
                 )
             return
+        self._count(pulls=1, pulled_blocks=len(job.local_block_ids), pulled_bytes=nbytes)
         with self._recv_lock:
             self._recv.succeeded(job.request_id, nbytes)
         logger.info(

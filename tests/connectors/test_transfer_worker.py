@@ -142,6 +142,12 @@ def test_decode_pulls_whole_blocks_into_its_own_block_ids(workers: list[Transfer
     # P frees the blocks once its only decode rank has them
     assert "p-r1" in wait_results(p, want_send="p-r1").finished_sending
     assert p.num_held == 0
+    page = 2 * BLOCK * ROW
+    assert d.take_counts() == {"pulls": 1, "pulled_blocks": 2, "pulled_bytes": 2 * 2 * page}
+    counts = p.take_counts()
+    assert counts["holds"] == counts["served_pulls"] == counts["holds_released"] == 1
+    assert counts["served_bytes"] == 2 * 2 * page and "holds_expired" not in counts
+    assert not any(p.take_counts().values())  # deltas: taken once
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2), (2, 4)])
@@ -191,6 +197,7 @@ def test_dead_prefill_is_a_failed_and_finished_load(workers: list[TransferWorker
     d.submit(TransferJobs(recvs=[recv_job("dead", [2, 3], [0, 1], port)]))
     res = wait_results(d, want_recv="dead")
     assert res.failed_recving == {"dead"}
+    assert d.take_counts() == {"pull_failures": 1}
     assert d.take_load_errors() == {2, 3}
     assert d.take_load_errors() == set()  # reported once
     assert time.monotonic() - started < POLL_S
@@ -238,6 +245,7 @@ def test_prefill_frees_blocks_of_a_decode_that_never_comes(workers: list[Transfe
     clock.now += 0.2
     assert p.results().finished_sending == {"p-gone"}
     assert p.num_held == 0
+    assert p.take_counts()["holds_expired"] == 1
     assert p.results().finished_sending == set()  # reported once
     # a decode arriving after that is refused (the blocks belong to someone else now)
     d, _ = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)

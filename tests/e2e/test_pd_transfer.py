@@ -426,6 +426,15 @@ def test_pd_outputs_equal_a_plain_instance(pd: PDPair, reference: dict[str, str]
             assert time.monotonic() < deadline, "prefill never released the blocks"
             time.sleep(0.2)
     assert RECOMPUTED not in pd.decode.log_text()
+    # the connector's own counters on vLLM's /metrics (reported with each engine step)
+    deadline = time.monotonic() + 30
+    while metric(pd.decode, "vllm:kvpool_transfer_pulls_total") < len(PROMPTS):
+        assert time.monotonic() < deadline, "D's transfer counters never showed the pulls"
+        time.sleep(0.5)
+    assert metric(pd.decode, "vllm:kvpool_transfer_pull_failures_total") == 0
+    assert metric(pd.prefill, "vllm:kvpool_transfer_served_bytes_total") == metric(
+        pd.decode, "vllm:kvpool_transfer_pulled_bytes_total"
+    )
 
 
 def test_request_without_transfer_params_is_served_locally(
