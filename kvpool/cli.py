@@ -359,7 +359,9 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "master cannot be read.  The same facts, with charts, are at http://MASTER/status.",
     )
     p.add_argument(
-        "--master", metavar="HOST:PORT", default="127.0.0.1:50088", help="the master's address"
+        "--master",
+        metavar="HOST:PORT",
+        help="the master (default: the node config's metadata_server, else 127.0.0.1:50088)",
     )
     p.add_argument(
         "--watch",
@@ -374,12 +376,15 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from kvpool.ops.status import run_cli
+    import os
+
+    from kvpool.ops.status import default_master, run_cli
 
     if args.watch is not None and args.watch <= 0:
         print("kvpool status: --watch: SECONDS must be positive", file=sys.stderr)
         return 2
-    return run_cli(args.master, watch_s=args.watch, as_json=args.json)
+    master = args.master or default_master(os.environ)
+    return run_cli(master, watch_s=args.watch, as_json=args.json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

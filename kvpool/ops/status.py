@@ -35,6 +35,7 @@ __all__ = [
     "Rates",
     "Ratio",
     "TierUse",
+    "default_master",
     "fetch_snapshot",
     "format_bytes",
     "parse_snapshot",
@@ -341,6 +342,20 @@ def fetch_snapshot(master: str, timeout_s: float = 5.0) -> PoolSnapshot:
         raise ProtocolError(f"{base}/api/status is not a JSON object")
     metrics = _get(f"{base}/metrics", timeout_s).decode("utf-8", "replace")
     return parse_snapshot(master, status, metrics)
+
+
+def default_master(env: Mapping[str, str]) -> str:
+    """The master named by the node config (KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH) when
+    one is set and valid, else the local default: status on a node needs no flag."""
+    from kvpool.config import DEFAULT_MASTER_PORT, config_path_from_env, load_node_config
+    from kvpool.errors import ConfigError
+
+    if config_path_from_env(env) is not None:
+        try:
+            return load_node_config(env=env).master_address
+        except ConfigError:
+            pass  # doctor explains a broken config; status just falls back
+    return f"127.0.0.1:{DEFAULT_MASTER_PORT}"
 
 
 def run_cli(

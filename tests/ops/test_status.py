@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from kvpool.errors import ObjectNotFound, ProtocolError, TransferError
 from kvpool.ops.status import (
     PoolSnapshot,
     Ratio,
+    default_master,
     fetch_snapshot,
     format_bytes,
     parse_snapshot,
@@ -238,6 +241,33 @@ def test_status_command_line(pool: PoolProcess) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "50.0% (4 of 8 gets)" in done.stdout
+
+
+def test_default_master_comes_from_the_node_config(tmp_path: Path) -> None:
+    config = tmp_path / "mooncake.json"
+    config.write_text('{"local_hostname": "10.0.0.2", "metadata_server": "10.0.0.1:50099"}')
+    assert default_master({"KVPOOL_CONFIG_PATH": str(config)}) == "10.0.0.1:50099"
+    assert default_master({"MOONCAKE_CONFIG_PATH": str(config)}) == "10.0.0.1:50099"
+    assert default_master({}) == "127.0.0.1:50088"
+    config.write_text("{not json")
+    assert default_master({"KVPOOL_CONFIG_PATH": str(config)}) == "127.0.0.1:50088"
+
+
+def test_status_command_finds_the_master_in_the_node_config(
+    pool: PoolProcess, tmp_path: Path
+) -> None:
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps({"local_hostname": "127.0.0.1", "metadata_server": pool.address}))
+    env = {k: v for k, v in os.environ.items() if not k.endswith("CONFIG_PATH")}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool", "status", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(env, KVPOOL_CONFIG_PATH=str(config)),
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["master"] == pool.address
 
 
 def free_port() -> int:
