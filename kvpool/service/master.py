@@ -72,6 +72,7 @@ class MasterService:
         # per remote storage owner: catalog changes not yet sent with a heartbeat reply
         self.outbox: dict[str, tuple[list[tuple[str, str, int, int, int]], list[str]]] = {}
         self.started_ms = clock()
+        self.config_view: dict[str, Any] = {}  # the flags it runs with, for doctor and status
         self._handlers: dict[type, Callable[[Any, int], Any]] = {
             m.Register: self._register,
             m.AddSegment: self._add_segment,
@@ -388,4 +389,5 @@ class MasterService:
             },
             "lookups": self.metrics.lookup_counts(),
             "recent_errors": list(self.recent_errors),
+            "config": self.config_view,
         }

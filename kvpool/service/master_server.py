@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -122,6 +123,7 @@ class MasterServer:
                 policy=config.eviction_policy,
             )
         )
+        self.service.config_view = dataclasses.asdict(config)
         self.storage: LocalStorage | None = None
         self._server: asyncio.Server | None = None
         self._runner: web.AppRunner | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -180,6 +181,9 @@ def test_seed_master_command_line_is_accepted_as_written(tmp_path: object) -> No
     ]
     with start_master(*flags) as proc:
         assert '"status": "ok"' in http_get(proc, "/health")
+        config = json.loads(http_get(proc, "/api/status"))["config"]
+        assert config["enable_offload"] is True and config["client_ttl"] == 120
+        assert config["default_kv_lease_ttl"] == 11000
     assert proc.proc.returncode == 0  # SIGTERM is a clean shutdown
 
 
