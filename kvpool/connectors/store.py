@@ -195,6 +195,7 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
             )
             if config.backend == "embedded":
                 shared = open_pool(config)
+                shared.prefix_lookup([])  # create the pool now, not on the first lookup
                 self._lookup_server = LookupServer(channel, shared.prefix_lookup, logger)
         logger.info(
             "[%s] role=%s, backend=%s, master=%s, load_async=%s, consumer_is_to_put=%s,"
