@@ -15,6 +15,9 @@ Rules:
   is written again and the pool heals.
 - Any pool failure during a lookup is a miss: a dead pool slows requests down, never
   fails them.
+- Only what decides the KV may share a key: a LoRA adapter or a request's ``cache_salt``
+  goes into its namespace, and a request whose KV depends on more than token ids
+  (multimodal inputs, prompt embeddings) is neither looked up nor saved.
 
 Requests and scheduler outputs are duck-typed (the attributes vLLM 0.32 has), so this
 module imports nothing from vLLM and is tested with plain objects.
@@ -26,7 +29,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -61,6 +64,7 @@ class _Request:
     request: Any  # vLLM's Request: its token ids grow as decode proceeds
     block_ids: list[int] = field(default_factory=list)
     keys: list[list[BlockKey]] = field(default_factory=list)  # [rank][chunk]
+    namespaces: list[KeyNamespace] | None = None  # per rank; None: not cacheable by tokens
     local_tokens: int = 0  # vLLM's own prefix-cache hit at lookup time
     saved_blocks: int = 0  # blocks [0, saved_blocks) are in the pool or being written
     query_tokens: int = 0  # the last lookup's query size, until vLLM admits the request
@@ -98,18 +102,44 @@ class StoreScheduler:
     def _state(self, request: Any) -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = _Request(request.request_id, request, keys=[[] for _ in self._ns])
+            state = _Request(
+                request.request_id,
+                request,
+                keys=[[] for _ in self._ns],
+                namespaces=self._namespaces(request),
+            )
             self._requests[request.request_id] = state
         else:
             state.request = request
         return state
+
+    def _namespaces(self, request: Any) -> list[KeyNamespace] | None:
+        """The request's key namespaces, one per rank; None when tokens alone do not decide
+        its KV (images or other inputs, prompt embeddings): such a request is never looked up
+        nor saved, since a key without those inputs would serve another request's KV."""
+        if (
+            getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
+            return None
+        salt = []
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:  # an adapter changes K and V for the same tokens
+            salt.append(f"lora={getattr(lora, 'lora_name', lora)}")
+        cache_salt = getattr(request, "cache_salt", None)
+        if cache_salt:  # vLLM's per-request prefix-cache isolation: honour it here too
+            salt.append(f"salt={cache_salt}")
+        if not salt:
+            return self._ns
+        return [replace(ns, tenant="|".join([ns.tenant, *salt])) for ns in self._ns]
 
     def _keys_upto(self, state: _Request, n_blocks: int) -> list[list[BlockKey]]:
         """Every rank's keys of chunks [0, n_blocks), extending the cached chains."""
         have = len(state.keys[0])
         if n_blocks > have:
             tokens = list(state.tokens()[have * self._bs : n_blocks * self._bs])
-            for rank, ns in enumerate(self._ns):
+            assert state.namespaces is not None
+            for rank, ns in enumerate(state.namespaces):
                 parent = state.keys[rank][-1] if have else None
                 state.keys[rank].extend(chunk_keys(tokens, ns, parent))
         return [rank_keys[:n_blocks] for rank_keys in state.keys]
@@ -122,6 +152,8 @@ class StoreScheduler:
         """(tokens the pool can add beyond vLLM's local hit, whether they load async)."""
         state = self._state(request)
         state.local_tokens = num_computed_tokens
+        if state.namespaces is None:
+            return 0, False
         n_tokens = int(request.num_tokens)
         usable_blocks = (n_tokens - 1) // self._bs
         if usable_blocks * self._bs <= num_computed_tokens:
@@ -206,7 +238,7 @@ class StoreScheduler:
         return StorePlan(loads=tuple(loads), saves=tuple(saves))
 
     def _save_spec(self, state: _Request, computed_after_step: int) -> SaveSpec | None:
-        if not self._saves:
+        if not self._saves or state.namespaces is None:
             return None
         full = min(
             computed_after_step // self._bs,

@@ -17,9 +17,15 @@ NS = KeyNamespace("m", "float32", BS, layout="cpu:test", tp_size=1)
 
 
 class Req:
-    def __init__(self, req_id: str, tokens: Sequence[int]) -> None:
+    def __init__(self, req_id: str, tokens: Sequence[int], **extra: Any) -> None:
         self.request_id = req_id
         self.all_token_ids = list(tokens)
+        self.mm_features: list[Any] = []
+        self.prompt_embeds = None
+        self.lora_request = None
+        self.cache_salt: str | None = None
+        for name, value in extra.items():
+            setattr(self, name, value)
 
     @property
     def num_tokens(self) -> int:
@@ -198,3 +204,26 @@ def test_unaligned_external_hit_is_rejected() -> None:
     sched.get_num_new_matched_tokens(req, 0)
     with pytest.raises(ValueError, match="block-aligned"):
         sched.update_state_after_alloc(req, [1, 2, 3], 5)
+
+
+def test_lora_and_cache_salt_get_their_own_keys_and_multimodal_is_skipped() -> None:
+    pool = FakePool()
+    tokens = list(range(13))
+    fill(pool, tokens)
+    sched = make(pool)
+    assert sched.get_num_new_matched_tokens(Req("plain", tokens), 0) == (12, False)
+    lora = SimpleNamespace(lora_name="sql-adapter")
+    assert sched.get_num_new_matched_tokens(Req("l", tokens, lora_request=lora), 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(Req("s", tokens, cache_salt="tenant-b"), 0) == (
+        0,
+        False,
+    )
+    image = Req("mm", tokens, mm_features=[object()])
+    calls = pool.calls["prefix_lookup"]
+    assert sched.get_num_new_matched_tokens(image, 0) == (0, False)
+    assert pool.calls["prefix_lookup"] == calls  # not even asked
+    assert sched.build_plan(step(new=[("mm", [0, 1, 2, 3], 0, 13)])).saves == ()
+    # The salted request saves under its own chain, which a plain request never reads.
+    plan = sched.build_plan(step(new=[("s", [4, 5, 6, 7], 0, 13)]))
+    (save,) = plan.saves
+    assert set(save.keys[0]).isdisjoint(pool.objects)
