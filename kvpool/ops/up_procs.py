@@ -76,13 +76,27 @@ class Running:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a member we cannot signal: still there
+    """Whether any process of the group is still running.  Zombies do not count: a child
+    whose parent died waits for init to reap it, and some container inits are slow to."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: a zombie counts as alive here
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -191,6 +205,12 @@ class Supervisor:
             stages.setdefault(r.spec.stage, []).append(r)
         for key in sorted(stages, reverse=True):
             self._stop_group_set(stages[key], on_stopped)
+
+    def stop(self, r: Running) -> str:
+        """Stop one process's whole group now (bounded); says how it went."""
+        outcome: list[str] = []
+        self._stop_group_set([r], lambda _, how: outcome.append(how))
+        return outcome[0]
 
     def _stop_group_set(
         self, group: Iterable[Running], on_stopped: Callable[[Running, str], None]

@@ -288,6 +288,9 @@ def _serve(plan: UpPlan, sup: Supervisor, stop: _StopFlag, console: Console) -> 
                 f" {r.spec.log_path}:"
             )
             console.print(log_tail(r.spec.log_path, 15), markup=False, soft_wrap=True)
+            # A dead API server can leave its engine processes behind, decoding for nobody
+            # and holding memory: stop what is left of its group.
+            console.print(f"  {r.spec.name:<10} rest of its process group {sup.stop(r)}")
             _write_state(plan, sup, "degraded")
             if r.spec.role in ("master", "proxy"):
                 console.print(f"kvpool up: the {r.spec.role} is gone; stopping the stack")

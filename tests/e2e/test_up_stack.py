@@ -132,6 +132,19 @@ def descendants(pid: int) -> dict[int, str]:
     return found
 
 
+def group_members(pgid: int) -> list[int]:
+    """Running (not zombie) processes of a process group."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
 def still_alive(procs: dict[int, str]) -> list[int]:
     return [pid for pid, start in procs.items() if _starttime(pid) == start]
 
@@ -412,6 +425,11 @@ def test_a_decode_killed_mid_stream_errors_that_request_and_the_rest_is_served(
         assert time.monotonic() < deadline, stack.output()
         time.sleep(0.2)
     assert stack.proc.poll() is None
+    # and stops what the dead API server left behind (its engine processes)
+    while f"{victim:<10} rest of its process group stopped" not in stack.output():
+        assert time.monotonic() < deadline, stack.output()
+        time.sleep(0.2)
+    assert group_members(stack.pid(victim)) == []
     # the proxy stays up and serves every next request on the other decode instance
     for prompt in AFTER_KILL_PROMPTS:
         result = stream(stack.proxy, "/v1/completions", completion_body(prompt))

@@ -359,6 +359,25 @@ def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path: Path, sup: Supe
     assert gone(running.pid) and gone(grandchild)
 
 
+def test_stop_clears_what_a_dead_leader_left_in_its_group(tmp_path: Path, sup: Supervisor) -> None:
+    parent = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        print("CHILDPID", child.pid, flush=True)
+        time.sleep(300)
+        """
+    )
+    running = sup.start(spec(tmp_path, "server", parent))
+    engine = child_pid(running.spec.log_path)
+    os.kill(running.pid, signal.SIGKILL)  # the API server crashes, its engine lives on
+    assert wait_for(lambda: running.proc.poll() is not None)
+    assert [r.spec.name for r in sup.exited()] == ["server"] and sup.exited() == []
+    assert not gone(engine)
+    assert sup.stop(running) == "stopped"
+    assert gone(engine)
+
+
 def test_stop_goes_in_reverse_stage_order(tmp_path: Path, sup: Supervisor) -> None:
     sleeper = "import time; time.sleep(300)"
     for name, stage in (("master", 0), ("prefill", 1), ("decode", 1), ("proxy", 2)):
