@@ -67,9 +67,14 @@ def test_failed_open_is_retried_after_the_interval() -> None:
 
 def test_embedded_pools_are_shared_per_process() -> None:
     made: list[FakePool] = []
+
+    def factory() -> FakePool:
+        made.append(FakePool())
+        return made[-1]
+
     try:
-        a = EmbeddedPools.get("t1", lambda: made.append(FakePool()) or made[-1])
-        b = EmbeddedPools.get("t1", lambda: made.append(FakePool()) or made[-1])
+        a = EmbeddedPools.get("t1", factory)
+        b = EmbeddedPools.get("t1", factory)
         a.put_from("k", b"abc")
         assert b.get_into("k", bytearray(3)) == 3 and len(made) == 1
         b.close()  # one user closing does not close the shared pool

@@ -26,8 +26,8 @@ def test_counters_become_stats_once() -> None:
 def test_aggregate_sums_worker_and_scheduler_counts() -> None:
     a = KVPoolStoreStats(data={"hit_tokens": 5, "loaded_blocks": 1})
     b = KVPoolStoreStats(data={"hit_tokens": 7, "saved_blocks": 3})
-    merged = a.aggregate(b)
-    assert merged.data["hit_tokens"] == 12 and merged.data["saved_blocks"] == 3
-    assert not merged.is_empty()
-    merged.reset()
-    assert merged.is_empty() and merged.reduce()["hit_rate"] == 0.0
+    assert a.aggregate(b) is a
+    assert a.data["hit_tokens"] == 12 and a.data["saved_blocks"] == 3
+    assert not a.is_empty()
+    a.reset()
+    assert a.is_empty() and a.reduce()["hit_rate"] == 0.0

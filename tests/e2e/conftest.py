@@ -180,7 +180,8 @@ class VllmServer:
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as reply:
-            return reply.read().decode()
+            text: str = reply.read().decode()
+            return text
 
     def stop(self) -> None:
         for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):

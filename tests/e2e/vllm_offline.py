@@ -45,6 +45,7 @@ def _counters() -> dict[str, float]:
 def main(spec_path: str) -> int:
     spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     from kvpool.connectors.store_pool import EmbeddedPools
     from tests.e2e.damage import DamagingPool, make_embedded
@@ -92,7 +93,7 @@ def main(spec_path: str) -> int:
             first = llm.generate([step["prompt"]], params, use_tqdm=False)[0]
             ids = list(first.prompt_token_ids or []) + list(first.outputs[0].token_ids)
             ids += llm.get_tokenizer().encode(step["follow"], add_special_tokens=False)
-            second = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+            second = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
             results.append(
                 {
                     "turn1": list(first.outputs[0].token_ids),
