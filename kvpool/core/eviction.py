@@ -35,7 +35,9 @@ Invariants of every policy (tested by property tests over random call sequences)
    block whose cached children are not all chosen before it is passed over.  Invariant:
    when every key is evictable, each key in an answer comes after all its cached
    children.  Only when nothing else is evictable is a parent of pinned children offered
-   (an orphan is better than a failed put).
+   (an orphan is better than a failed put).  When concurrent requests interleave their
+   calls, runs are cut short and a chain may be placed root-first; the answers stay
+   right (parents are passed over) but a choice then walks past those parents.
 2. *Orphans go first.*  A block that leaves while it still has cached descendants (removed
    by hand, its client expired) makes its whole subtree unreachable by prefix lookups;
    the subtree is offered before anything else, deepest first.
