@@ -104,7 +104,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
         f"--ssd_offload_path={ssd}",
         "--ssd_offload_limit=1MB",
     ) as master:
-        with Client(master.address, timeout_s=5) as c:
+        with Client(master.address, timeout_s=30) as c:
             keys = [f"dash-{i}" for i in range(60)]
             for key in keys:  # 3 MB into 1 MB + 1 MB: memory demotes, SSD evicts
                 c.put(key, key.encode() * 5000)

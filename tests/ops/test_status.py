@@ -188,7 +188,7 @@ def test_format_bytes() -> None:
 @pytest.fixture
 def pool() -> Iterator[PoolProcess]:
     with start_master("--segment_size", "1MB", "--client_ttl", "30") as proc:
-        with Client(proc.address, timeout_s=5) as c:
+        with Client(proc.address, timeout_s=30) as c:
             for i in range(30):  # 1.5 MB into 1 MB: the oldest are evicted
                 c.put(f"status-{i}", bytes([i]) * 50_000)
             for i in range(26, 34):  # 4 hits, 4 misses

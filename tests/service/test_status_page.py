@@ -153,7 +153,7 @@ def master() -> Iterator[PoolProcess]:
 
 
 def use_pool(address: str, start: int, count: int) -> None:
-    with Client(address, timeout_s=5) as c:
+    with Client(address, timeout_s=30) as c:
         for i in range(start, start + count):
             c.put(f"page-{i}", bytes([i % 256]) * 64 * 1024)
         for i in range(start, start + count + 2):  # two misses: the denominator grows more
