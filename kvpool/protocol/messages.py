@@ -196,6 +196,7 @@ class Placement(msgspec.Struct, frozen=True, tag=True):
     data_address: str = ""
     shm_name: str = ""
     host_token: str = ""
+    error: str = ""  # in a batch: the error code that refused this key ("" if none)
 
 
 class Placements(msgspec.Struct, frozen=True, tag=True):

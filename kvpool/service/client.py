@@ -28,7 +28,9 @@ from kvpool.errors import (
     KVPoolError,
     ObjectNotFound,
     PeerTimeout,
+    StaleWrite,
     TransferError,
+    error_from_code,
 )
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
@@ -156,14 +158,47 @@ class Client:
             self.call(m.PutRevoke(self.client_id, key))
 
     def batch_put(self, keys: Sequence[str], values: Sequence[Any]) -> list[KVPoolError | None]:
-        """Put several objects; one result per key (None for success)."""
-        results: list[KVPoolError | None] = []
-        for key, value in zip(keys, values, strict=True):
+        """Put several objects in two metadata round trips; one result per key (None for
+        success, or for a key that was already stored)."""
+        views = [byte_view(v) for v in values]
+        if len(views) != len(keys):
+            raise ValueError("keys and values differ in length")
+        reply = self.call(m.BatchPutStart(self.client_id, list(keys), [len(v) for v in views]))
+        assert isinstance(reply, m.Placements)
+        results: list[KVPoolError | None] = [None] * len(keys)
+        by_node: dict[str, list[int]] = {}
+        for i, placement in enumerate(reply.items):
+            if placement.error:
+                results[i] = error_from_code(placement.error, f"{keys[i]}: refused")
+            elif placement.found:
+                by_node.setdefault(placement.data_address, []).append(i)
+        written: list[int] = []
+        for indices in by_node.values():
+            first = reply.items[indices[0]]
+            items = [(reply.items[i].segment_id, reply.items[i].offset, views[i]) for i in indices]
             try:
-                self.put_from(key, value)
-                results.append(None)
-            except KVPoolError as exc:
-                results.append(exc)
+                done = self._path(first).write_many(items)
+            except (TransferError, PeerTimeout) as exc:
+                self._report(first, exc)
+                done = [exc] * len(indices)
+            for i, failure in zip(indices, done, strict=True):
+                if failure is None:
+                    written.append(i)
+                else:
+                    results[i] = failure
+                    self._revoke(keys[i])
+        if written:
+            ended = self.call(
+                m.BatchPutEnd(
+                    self.client_id,
+                    [keys[i] for i in written],
+                    [checksum(views[i]) for i in written],
+                )
+            )
+            assert isinstance(ended, m.Bools)
+            for i, ok in zip(written, ended.values, strict=True):
+                if not ok:
+                    results[i] = StaleWrite(f"{keys[i]}: the reservation expired")
         return results
 
     # ------------------------------------------------------------------------------- reads

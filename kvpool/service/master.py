@@ -263,7 +263,7 @@ class MasterService:
         for key, size in zip(req.keys, req.sizes, strict=True):
             reply = self.handle(m.PutStart(req.client_id, key, size))
             if isinstance(reply, Error):
-                items.append(m.Placement(False, key, tier=f"error:{reply.code}"))
+                items.append(m.Placement(False, key, error=reply.code))
             else:
                 assert isinstance(reply, m.Placement)
                 items.append(reply)

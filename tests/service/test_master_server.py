@@ -59,6 +59,18 @@ def test_zero_copy_forms_accept_numpy_and_report_sizes(client: Client) -> None:
     assert client.batch_get(["arr", "nope"])[1] is None
 
 
+def test_batch_put_writes_all_in_two_round_trips_and_reports_per_key(client: Client) -> None:
+    client.put("old", b"stored before")
+    keys = ["b0", "b1", "old", "huge"]
+    values = [b"zero", os.urandom(70_000), b"ignored", bytes(9 << 20)]  # huge > segment
+    results = client.batch_put(keys, values)
+    assert results[:3] == [None, None, None]
+    assert isinstance(results[3], NoSpace)
+    assert client.get("b1") == values[1]
+    assert client.get("old") == b"stored before"
+    assert not client.exists("huge")
+
+
 def test_duplicate_put_keeps_the_first_value(client: Client) -> None:
     client.put("k", b"first")
     client.put("k", b"other")
