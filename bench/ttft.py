@@ -7,6 +7,9 @@ One run measures, on the same dummy-weight model and the same machine:
                         from kvpool through KVPoolStoreConnector (in-process pool);
 - ``pool hit (master)``  the same through a real ``kvpool master`` on 127.0.0.1 (memory
                         tier: the master's own segment, read over same-host shared memory);
+- ``pool hit (master, SSD tier)``  the same, but another prompt is run in between and the
+                        master's memory tier (``--ssd-memory``) holds less than two prompts'
+                        KV, so the hit is read back from the master's SSD tier;
 - ``vLLM prefix cache`` the same prompt again with vLLM's local prefix cache on and no
                         connector: the reference a pool hit is compared with.
 
@@ -16,7 +19,7 @@ process-wide connector state); each takes ``--repeats`` fresh prompts, measures 
 hit per prompt, and reports medians.  Ratios are against ``cold`` of the same process.
 
     .venv/bin/python bench/ttft.py [--tokens 3072] [--repeats 3] [--layers 4]
-                                   [--rows local,embedded,master] [--markdown]
+                                   [--rows local,embedded,master,ssd] [--markdown]
 
 The model is kvpool.testing's "bench" preset with ``--layers`` layers and dummy weights
 (``load_format="dummy"``): hidden 1024, 16 heads of dim 64, 4 KV heads.
@@ -72,6 +75,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     for i in range(spec["repeats"]):
         prompt = sample_text(spec["tokens"], seed=1000 + i)
         for bucket in (cold, hit):
+            if bucket is hit and spec.get("push_out"):
+                # Another prompt of the same size, so the pool's small memory tier must make
+                # room: the first prompt's blocks move to the SSD tier before its hit.
+                llm.generate([sample_text(spec["tokens"], seed=5000 + i)], params, use_tqdm=False)
             t0 = time.perf_counter()
             out = llm.generate([prompt], params, use_tqdm=False)
             bucket.append(time.perf_counter() - t0)
@@ -106,16 +113,26 @@ def _store(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _start_master(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start_master(workdir: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
     import socket
     import urllib.request
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    log = (workdir / "master.log").open("wb")
+    log = (workdir / f"master-{port}.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool", "master", "--host", "127.0.0.1", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "kvpool",
+            "master",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *flags,
+        ],
         cwd=REPO,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -164,18 +181,44 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         master, address = _start_master(workdir)
         remote = _store({"backend": "kvpool", "master": address})
         runs.append(("pool hit (master)", {"connector": remote, "prefix_caching": False}))
+    masters = [master] if master is not None else []
+    if "ssd" in args.rows:
+        # A memory tier smaller than two prompts' KV, so every hit is read back from SSD.
+        ssd_master, ssd_address = _start_master(
+            workdir,
+            "--segment_size", args.ssd_memory,
+            "--enable_offload=true",
+            "--ssd_offload_path", str(workdir / "ssd"),
+        )  # fmt: skip
+        masters.append(ssd_master)
+        remote = _store({"backend": "kvpool", "master": ssd_address})
+        runs.append(
+            (
+                "pool hit (master, SSD tier)",
+                {"connector": remote, "prefix_caching": False, "push_out": True},
+            )
+        )
     results = []
     try:
         for name, spec in runs:
             out = _run_child({**base, **spec, "name": name}, env)
+            if spec.get("push_out"):
+                out["ssd_objects"] = _ssd_objects(ssd_address)
             results.append({"name": name, **out})
             cold, hit = statistics.median(out["cold"]), statistics.median(out["hit"])
             print(f"{name}: cold {cold:.3f}s hit {hit:.3f}s", file=sys.stderr)
     finally:
-        if master is not None:
-            master.kill()
-            master.wait(timeout=10)
+        for proc in masters:
+            proc.kill()
+            proc.wait(timeout=10)
     return results
+
+
+def _ssd_objects(address: str) -> int:
+    from kvpool.service.client import Client
+
+    with Client(address, timeout_s=10) as client:
+        return int(client.stats()["tiers"]["ssd"]["objects"])
 
 
 def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -191,7 +234,8 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     for r in results:
         cold = statistics.median(r["cold"])
         hit = statistics.median(r["hit"])
-        lines.append(f"| {r['name']} | {cold:.3f} | {hit:.3f} | {hit / cold:.3f} | {r['cached']} |")
+        name = r["name"] + (f" ({r['ssd_objects']} blocks on SSD)" if "ssd_objects" in r else "")
+        lines.append(f"| {name} | {cold:.3f} | {hit:.3f} | {hit / cold:.3f} | {r['cached']} |")
     return "\n".join(lines)
 
 
@@ -203,9 +247,10 @@ def main() -> int:
     parser.add_argument(
         "--rows",
         type=lambda text: set(text.split(",")),
-        default={"local", "embedded", "master"},
-        help="comma-separated: local (vLLM prefix cache), embedded, master",
+        default={"local", "embedded", "master", "ssd"},
+        help="comma-separated: local (vLLM prefix cache), embedded, master, ssd",
     )
+    parser.add_argument("--ssd-memory", default="32MiB", help="memory tier of the ssd row's master")
     parser.add_argument("--markdown", action="store_true", help="print the docs table")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()

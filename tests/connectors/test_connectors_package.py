@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_package_import_is_lazy_and_names_resolve() -> None:
+    code = (
+        "import sys, kvpool.connectors as c\n"
+        "assert 'vllm' not in sys.modules, 'importing the package imported vLLM'\n"
+        "assert c.KVPoolStoreConnector.__module__ == 'kvpool.connectors.store'\n"
+        "try:\n"
+        "    c.Nope\n"
+        "except AttributeError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    assert "has no attribute 'Nope'" in out.stdout
