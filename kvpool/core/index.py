@@ -165,6 +165,8 @@ class _Object:
         return Location(s.segment_id, s.client_id, s.tier, self.extent.offset, self.extent.length)
 
     def held(self, now_ms: int) -> bool:
+        if not self.holds:  # the common case, and on the eviction hot path
+            return False
         return any(exp > now_ms for exp in self.holds.values())
 
 
@@ -469,18 +471,20 @@ class ObjectIndex:
             placed = self._fit(segments, size)
             if placed is not None:
                 return placed
-            victims = policy.choose_victims(8, lambda k: self._can_evict(k, now_ms))
+            # one victim at a time: KV objects are mostly of one size, so one eviction
+            # usually makes exactly the room needed (and asking for more costs checks)
+            victims = policy.choose_victims(1, lambda k: self._can_evict(k, now_ms))
             if not victims:
                 return None
-            for key in victims:
-                self._evict(self._objects[key], now_ms, events)
-                placed = self._fit(segments, size)
-                if placed is not None:
-                    return placed
+            self._evict(self._objects[victims[0]], now_ms, events)
 
     @staticmethod
     def _fit(segments: list[Segment], size: int) -> tuple[Segment, Extent] | None:
         """Allocate in the segment with the most free space that has a large enough hole."""
+        if len(segments) == 1:
+            only = segments[0]
+            extent = only.space.allocate(size) if only.space.free >= size else None
+            return None if extent is None else (only, extent)
         for seg in sorted(segments, key=lambda s: s.space.free, reverse=True):
             if seg.space.free >= size:
                 extent = seg.space.allocate(size)
