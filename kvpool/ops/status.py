@@ -109,6 +109,7 @@ class PoolSnapshot:
     revoked_writes: int = 0
     errors: dict[str, float] = field(default_factory=dict)  # error code -> replies
     recent_errors: tuple[str, ...] = ()
+    config: dict[str, Any] = field(default_factory=dict)  # the flags the master runs with
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -202,6 +203,7 @@ def parse_snapshot(master: str, status: Mapping[str, Any], metrics_text: str) ->
         revoked_writes=int(stats.get("revoked_writes", 0)),
         errors=_by_label(samples, "kvpool_request_errors_total", "code"),
         recent_errors=tuple(str(e) for e in status.get("recent_errors", ())),
+        config=dict(status.get("config") or {}),
     )
 
 
@@ -309,7 +311,9 @@ def render(snapshot: PoolSnapshot, rate: Rates | None = None) -> RenderableType:
         )
     else:
         errors = Text("No recent errors", style="green")
-    return Group(head, tiers, pool, clients, errors)
+    shown = {k: v for k, v in s.config.items() if k not in ("host", "port")}
+    flags = Text("flags: " + "  ".join(f"{k}={v}" for k, v in shown.items()), style="dim")
+    return Group(head, *([flags] if shown else []), tiers, pool, clients, errors)
 
 
 # --------------------------------------------------------------------------------- I/O

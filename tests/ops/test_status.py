@@ -72,6 +72,7 @@ STATUS: dict[str, Any] = {
         "prefix_tokens_hit": 256.0,
     },
     "recent_errors": ["PutStart: NO_SPACE: no memory segment can hold 9 bytes"],
+    "config": {"host": "10.0.0.1", "port": 50088, "eviction_high_watermark_ratio": 0.9},
 }
 
 METRICS = """\
@@ -137,6 +138,7 @@ def test_render_shows_every_fact() -> None:
     assert "node-p0" in text and "0.8 s ago" in text and "node-d0" in text and "45.0 s ago" in text
     assert "NO_SPACE: no memory segment can hold 9 bytes" in text
     assert "rates" not in text  # no previous snapshot, no rates
+    assert "flags: eviction_high_watermark_ratio=0.9" in text
 
 
 def test_render_empty_pool_says_so() -> None:
@@ -206,6 +208,7 @@ def test_status_of_a_real_master(pool: PoolProcess) -> None:
     assert "50.0% (4 of 8 gets)" in text
     assert "50.0% (4 of 8 blocks)" in text
     assert "master/mem" in text  # the master's own segment, with its heartbeat
+    assert "segment_size=1000000" in text  # the flags it runs with
     assert "evictions" in text and "(memory " in text
 
     snap = fetch_snapshot(pool.address)

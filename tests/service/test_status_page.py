@@ -142,7 +142,7 @@ class Page:
 
 READ_NUMBERS = """JSON.stringify(Object.fromEntries(
   ["updates", "puts", "gets", "objects", "mem-used", "mem-pct", "get-hit", "get-hit-den",
-   "prefix-hit-den", "evictions", "clients-count", "state"]
+   "prefix-hit-den", "evictions", "clients-count", "state", "flags"]
   .map(id => [id, document.getElementById(id).textContent])))"""
 
 
@@ -260,6 +260,7 @@ def test_status_page_is_live_in_a_real_browser(master: PoolProcess, tmp_path: Pa
     # the ratio is shown with its denominator: "N of 36 gets"
     assert after["get-hit-den"].endswith(" of 36 gets"), after
     assert int(after["evictions"]) > 0
+    assert "segment_size=2097152" in after["flags"]  # the flags the master runs with
     assert seen["charts"] == [1, 2, 2], "use (memory), hit (gets+prefix), rate (puts+gets)"
     assert seen["overflow"] <= 0, "the page scrolls sideways on a phone"
     assert seen["js_errors"] == []
