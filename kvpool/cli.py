@@ -173,7 +173,12 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=["round_robin", "least_inflight", "prefix_affinity"], help="proxy routing",
     )  # fmt: skip
     add_flag(p, "cpus", help="cores for the vLLM instances, e.g. 0,1 (default: all usable)")
-    add_flag(p, "vllm_args", default="", help='extra vLLM flags, one string: "--foo 1 --bar"')
+    add_flag(
+        p,
+        "vllm_args",
+        default="",
+        help='extra vLLM flags for every instance, one string: --vllm-args="--foo 1 --bar"',
+    )
     add_flag(p, "start_timeout", type=float, default=300.0, help="seconds to become healthy")
     add_flag(p, "stop_timeout", type=float, default=20.0, help="SIGTERM grace before SIGKILL, s")
     p.set_defaults(run=_run_up)
