@@ -127,6 +127,8 @@ def _claim_state_dir(state: Path) -> None:
             f"--state-dir: {state} is in use by another kvpool up (pid {pid});"
             " stop it (Ctrl-C or kill -TERM) or pick another --state-dir"
         )
+    # left by a kvpool up that was killed: it describes nothing that runs
+    path.unlink(missing_ok=True)
 
 
 def _write_state(plan: UpPlan, sup: Supervisor, status: str) -> None:

@@ -498,13 +498,14 @@ def start_up(*flags: str) -> subprocess.Popen[str]:
     )
 
 
-def read_state(state: Path, timeout_s: float = 60.0) -> dict[str, object]:
+def read_state(state: Path, pid: int, timeout_s: float = 60.0) -> dict[str, object]:
+    """``up.json`` once the ``kvpool up`` with this pid says it is ready."""
     path = state / STATE_FILE
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             data = json.loads(path.read_text())
-            if data.get("status") == "ready":
+            if data.get("status") == "ready" and data.get("pid") == pid:
                 return data  # type: ignore[no-any-return]
         except (OSError, ValueError):
             pass
@@ -516,7 +517,7 @@ def test_up_no_vllm_serves_the_seeds_metrics_and_stops_clean(tmp_path: Path) -> 
     state = tmp_path / "state"
     up = start_up("--no-vllm", "--state-dir", str(state), "--master-port", "0")
     try:
-        info = read_state(state)
+        info = read_state(state, up.pid)
         master = info["master"]
         assert isinstance(master, str)
         master_pid = info["processes"]["master"]["pid"]  # type: ignore[index]
@@ -554,3 +555,52 @@ def test_up_no_vllm_serves_the_seeds_metrics_and_stops_clean(tmp_path: Path) -> 
     assert "kvpool up: ready" in out and "master     stopped" in out
     assert gone(master_pid)
     assert not (state / STATE_FILE).exists()
+
+
+def _run_no_vllm(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, object], int]:
+    state = tmp_path / "state"
+    up = start_up("--no-vllm", "--state-dir", str(state), "--master-port", "0")
+    info = read_state(state, up.pid)
+    master_pid = info["processes"]["master"]["pid"]  # type: ignore[index]
+    assert isinstance(master_pid, int)
+    return up, info, master_pid
+
+
+def test_ctrl_c_stops_the_stack(tmp_path: Path) -> None:
+    up, _, master_pid = _run_no_vllm(tmp_path)
+    try:
+        up.send_signal(signal.SIGINT)
+        out, _ = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.communicate(timeout=10)
+    assert up.returncode == 0, out
+    assert "master     stopped" in out and gone(master_pid)
+
+
+def test_a_dead_master_ends_the_stack(tmp_path: Path) -> None:
+    up, _, master_pid = _run_no_vllm(tmp_path)
+    try:
+        os.kill(master_pid, signal.SIGKILL)
+        out, _ = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.communicate(timeout=10)
+    assert up.returncode == 1, out
+    assert "master exited (signal SIGKILL)" in out
+    assert "the master is gone; stopping the stack" in out
+
+
+def test_a_killed_kvpool_up_takes_its_children_along(tmp_path: Path) -> None:
+    up, _, master_pid = _run_no_vllm(tmp_path)
+    up.kill()  # no chance to clean up: the children's parent-death signal must do it
+    up.communicate(timeout=10)
+    assert wait_for(lambda: gone(master_pid), 30), "the master outlived a SIGKILLed kvpool up"
+    # the up.json it left behind names a dead pid: the next kvpool up takes the directory
+    again, _, again_master = _run_no_vllm(tmp_path)
+    again.send_signal(signal.SIGTERM)
+    out, _ = again.communicate(timeout=60)
+    assert again.returncode == 0, out
+    assert gone(again_master)
