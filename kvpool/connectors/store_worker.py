@@ -100,6 +100,7 @@ class LoadResult:
     req_id: str
     loaded: int
     failed_block_ids: frozenset[int]
+    dropped: int = 0  # unreadable objects removed from the pool
 
 
 class StoreWorker:
@@ -149,6 +150,7 @@ class StoreWorker:
         if paged is None:
             return LoadResult(spec.req_id, 0, frozenset(spec.block_ids))
         loaded = 0
+        dropped = 0
         for start in range(0, len(keys), _BATCH):
             block_ids = spec.block_ids[start : start + _BATCH]
             pages = paged.new_pages(len(block_ids))
@@ -171,32 +173,33 @@ class StoreWorker:
                         type(exc).__name__,
                         exc,
                     )
-                    self._drop_unreadable(handle, key, exc)
+                    dropped = int(self._drop_unreadable(handle, key, exc))
                     break
                 good += 1
             paged.scatter(block_ids[:good], pages)
             loaded += good
             if good < len(block_ids):
-                return LoadResult(spec.req_id, loaded, frozenset(spec.block_ids[start + good :]))
+                failed = frozenset(spec.block_ids[start + good :])
+                return LoadResult(spec.req_id, loaded, failed, dropped)
         return LoadResult(spec.req_id, loaded, frozenset())
 
-    def _drop_unreadable(self, handle: PoolHandle, key: str, exc: Exception) -> None:
+    def _drop_unreadable(self, handle: PoolHandle, key: str, exc: Exception) -> bool:
         """Remove an object the pool listed but could not deliver intact (corrupt, short,
         or on a dead node), so that the copy vLLM now recomputes replaces it instead of
         failing every later hit.  Best effort: an outage or a reader's lease leaves it."""
         if is_outage(exc):
-            return
+            return False
         try:
-            handle.call(partial(_remove, key=key))
+            return bool(handle.call(partial(_remove, key=key)))
         except Exception:  # busy (leased by a reader) or gone: the next failure retries
-            return
-        self.counters["dropped_blocks"] += 1
+            return False
 
     def _record(self, result: LoadResult) -> None:
         with self._lock:
             self._invalid |= result.failed_block_ids
             self.counters["loaded_blocks"] += result.loaded
             self.counters["failed_blocks"] += len(result.failed_block_ids)
+            self.counters["dropped_blocks"] += result.dropped
             if self.paged is not None:
                 self.counters["loaded_bytes"] += result.loaded * self.paged.page_bytes
 
