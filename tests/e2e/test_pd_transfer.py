@@ -15,6 +15,7 @@ kills the prefill runs last.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -37,7 +38,7 @@ from tests.e2e.conftest import Master, start_master
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MAX_TOKENS = 12
-START_TIMEOUT_S = 240.0
+START_TIMEOUT_S = 360.0  # generous: the machine may be shared
 REQUEST_TIMEOUT_S = 60.0
 # Prompts longer than one 128-token CPU block, so several whole blocks move, the last one
 # partly filled; plus one prompt shorter than a block.
@@ -228,20 +229,30 @@ def start_server(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     server = Server(name, port, proc, log, str(model))
+    try:
+        _wait_healthy(server)
+    except BaseException:
+        server.stop()  # never leave an instance behind, whatever went wrong
+        raise
+    return server
+
+
+def _wait_healthy(server: Server) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if not server.alive():
-            raise AssertionError(f"{name} exited while starting:\n{server.log_text()[-4000:]}")
+            raise AssertionError(
+                f"{server.name} exited while starting:\n{server.log_text()[-4000:]}"
+            )
         try:
             with urllib.request.urlopen(f"{server.url}/health", timeout=2) as resp:
                 if resp.status == 200:
-                    return server
-        except (urllib.error.URLError, OSError):
+                    return
+        except (OSError, http.client.HTTPException):  # not up yet (URLError is an OSError)
             pass
         time.sleep(1)
-    server.stop()
     raise AssertionError(
-        f"{name} not healthy after {START_TIMEOUT_S}s:\n{server.log_text()[-4000:]}"
+        f"{server.name} not healthy after {START_TIMEOUT_S}s:\n{server.log_text()[-4000:]}"
     )
 
 
@@ -454,6 +465,69 @@ def test_a_shared_prefix_hits_the_pool_on_prefill(pd: PDPair, reference: dict[st
     text, _ = proxy_request(pd.prefill, pd.decode, SHARED_PREFIX_PROMPT)
     assert text == reference[SHARED_PREFIX_PROMPT]
     assert external_hits(pd.prefill) > hits_before
+
+
+def test_kvpool_proxy_streams_the_pairs_answer(pd: PDPair, reference: dict[str, str]) -> None:
+    """The same pair behind ``kvpool proxy`` (P leg, then D leg, D's answer streamed)."""
+    port = _free_port()
+    log = pd.logs / "proxy.log"
+    with log.open("wb") as out:
+        proxy = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvpool",
+                "proxy",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prefill",
+                pd.prefill.url,
+                "--decode",
+                pd.decode.url,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        via = Server("proxy", port, proxy, log, pd.decode.model_name)
+        deadline = time.monotonic() + 60
+        while True:
+            assert via.alive(), log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{via.url}/health", timeout=2):
+                    break
+            except urllib.error.HTTPError:
+                break  # it answers; an unhealthy verdict is not ours to judge here
+            except OSError:
+                assert time.monotonic() < deadline, "kvpool proxy did not start"
+                time.sleep(0.2)
+        loads_before = pd.decode.log_text().count(LOADED)
+        body = {
+            "model": pd.decode.model_name,
+            "prompt": PROMPTS[2],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        req = urllib.request.Request(
+            f"{via.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        text = ""
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[len("data: ") :])["choices"][0]["text"]
+        assert text == reference[PROMPTS[2]]
+        assert pd.decode.log_text().count(LOADED) == loads_before + 1
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=30)
 
 
 def test_decode_recomputes_when_the_prefill_died(pd: PDPair, reference: dict[str, str]) -> None:
