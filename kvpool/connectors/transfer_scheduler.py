@@ -131,6 +131,10 @@ class TransferScheduler:
         # One transfer per request: a second call (after the load) must not pull again.
         params["do_remote_prefill"] = False
         if not should_pull:
+            if all(key in params for key in _REQUIRED):
+                # A reachable P that this D will not read from (other block size, hybrid
+                # model): let it free the blocks now.  P refuses it for a foreign group.
+                self._jobs.releases.append(self._release(request.request_id, params))
             return
         if num_external_tokens == 0:
             # Nothing to load (another connector or the local cache has it all): let P go.

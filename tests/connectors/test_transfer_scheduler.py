@@ -146,6 +146,10 @@ def test_decode_computes_locally_when_params_do_not_fit() -> None:
         assert d.get_num_new_matched_tokens(FakeRequest("d", 300, dict(bad)), 0) == (0, False)
     hybrid = sched("kv_consumer", groups=2)
     assert hybrid.get_num_new_matched_tokens(FakeRequest("d", 300, dict(params)), 0) == (0, False)
+    # computing locally, D lets P go when it knows where P is
+    d.update_state_after_alloc(FakeRequest("d-b", 300, dict(other_block)), FakeBlocks(), 0)
+    d.update_state_after_alloc(FakeRequest("d-c", 300, dict(broken)), FakeBlocks(), 0)
+    assert [r.request_id for r in d.build_jobs().releases] == ["d-b"]
 
 
 def test_generated_engine_ids_pair_with_anything() -> None:
