@@ -157,7 +157,20 @@ def _write_state(plan: UpPlan, sup: Supervisor, status: str) -> None:
     os.replace(tmp, path)
 
 
+def _check_vllm(plan: UpPlan) -> None:
+    if plan.options.no_vllm or plan.options.python != sys.executable:
+        return  # another interpreter: its own failure will be shown with its log
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "vLLM is not installed in this environment; run scripts/setup.sh (without"
+            " --no-vllm), or start the pool alone with kvpool up --no-vllm"
+        )
+
+
 def _prepare(plan: UpPlan, console: Console) -> None:
+    _check_vllm(plan)
     for d in plan.dirs:
         d.mkdir(parents=True, exist_ok=True)
     for path, text in plan.files.items():

@@ -604,3 +604,17 @@ def test_a_killed_kvpool_up_takes_its_children_along(tmp_path: Path) -> None:
     out, _ = again.communicate(timeout=60)
     assert again.returncode == 0, out
     assert gone(again_master)
+
+
+def test_without_vllm_installed_the_error_says_what_to_do(tmp_path: Path) -> None:
+    # sys.modules["vllm"] = None makes the import system report vLLM as absent
+    code = (
+        "import sys; sys.modules['vllm'] = None; from kvpool.cli import main;"
+        f" sys.exit(main(['up', '--state-dir', {str(tmp_path)!r}, '--master-port', '0']))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "vLLM is not installed" in done.stderr and "--no-vllm" in done.stderr
+    assert not (tmp_path / "model").exists()  # refused before building anything
