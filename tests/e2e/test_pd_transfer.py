@@ -38,6 +38,7 @@ from tests.e2e.conftest import Master, start_master
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MAX_TOKENS = 12
+HOLD_TIMEOUT_MS = 30_000
 START_TIMEOUT_S = 360.0  # generous: the machine may be shared
 REQUEST_TIMEOUT_S = 60.0
 # Prompts longer than one 128-token CPU block, so several whole blocks move, the last one
@@ -223,6 +224,8 @@ def start_server(
         # a dead prefill must cost D seconds, not the 10 s defaults
         "KVPOOL_CONNECT_TIMEOUT_MS": "2000",
         "KVPOOL_TRANSFER_TIMEOUT_MS": "5000",
+        # P frees blocks no D came for after 30 s (not 120 s): a test waits for it
+        "KVPOOL_HOLD_TIMEOUT_MS": str(HOLD_TIMEOUT_MS),
     }
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -528,6 +531,27 @@ def test_kvpool_proxy_streams_the_pairs_answer(pd: PDPair, reference: dict[str, 
     finally:
         proxy.terminate()
         proxy.wait(timeout=30)
+
+
+def test_prefill_frees_the_blocks_of_a_decode_that_never_comes(
+    pd: PDPair, reference: dict[str, str]
+) -> None:
+    # The proxy's first leg only: no D ever pulls.  After hold_timeout_ms P reports the
+    # request in finished_sending and vLLM frees the blocks; P keeps serving.
+    expired_before = metric(pd.prefill, "vllm:kvpool_transfer_holds_expired_total")
+    first = complete(
+        pd.prefill, PROMPTS[1], max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    orphan = first["kv_transfer_params"]["remote_request_id"]
+    deadline = time.monotonic() + HOLD_TIMEOUT_MS / 1000 + 60
+    while metric(pd.prefill, "vllm:kvpool_transfer_holds_expired_total") == expired_before:
+        assert time.monotonic() < deadline, "P never gave up on the decode that did not come"
+        time.sleep(1)
+    assert f"no decode pulled request {orphan} within hold_timeout_ms={HOLD_TIMEOUT_MS}" in (
+        pd.prefill.log_text()
+    )
+    text, _ = proxy_request(pd.prefill, pd.decode, PROMPTS[0])
+    assert text == reference[PROMPTS[0]]
 
 
 def test_decode_recomputes_when_the_prefill_died(pd: PDPair, reference: dict[str, str]) -> None:
