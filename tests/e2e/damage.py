@@ -3,7 +3,9 @@
 It wraps the real in-process pool (:class:`~kvpool.service.embedded.EmbeddedPool`):
 "remove" deletes objects from it (a missing block); "corrupt" overwrites the first bytes
 of the stored object inside the pool's memory segment, so that the pool's own checksum
-has to catch it.
+has to catch it; "swap" serves two objects' intact bytes under each other's keys (what a
+key collision would do), which nothing below the keys can catch — the control that shows
+the output comparison of the tests would notice wrong KV.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class DamagingPool:
     def __init__(self, inner: EmbeddedPool) -> None:
         self.inner = inner
         self.stored: list[str] = []
+        self.swapped: dict[str, str] = {}
 
     def damage(self, mode: str, count: int, start: int = 1) -> dict[str, Any]:
         keys = self.stored[start : start + count]
@@ -47,6 +50,9 @@ class DamagingPool:
                 self.inner.remove(key)
             elif mode == "corrupt":
                 corrupt_in_place(self.inner, key)
+            elif mode == "swap":
+                other = self.stored[start - 1]
+                self.swapped.update({key: other, other: key})
             else:
                 raise ValueError(mode)
         return {"damaged": len(keys), "stored": len(self.stored)}
@@ -57,7 +63,7 @@ class DamagingPool:
             self.stored.append(key)
 
     def get_into(self, key: str, buffer: Any) -> int:
-        return self.inner.get_into(key, buffer)
+        return self.inner.get_into(self.swapped.get(key, key), buffer)
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:
         return self.inner.prefix_lookup(keys)
