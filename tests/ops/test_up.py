@@ -266,6 +266,9 @@ def test_cli_flags_become_options(tmp_path: Path) -> None:
         32 << 20,
     )
     assert opts.cpus == (0, 1, 3) and opts.decode_instances == 2 and opts.proxy_port == 9001
+    assert opts.state_dir == tmp_path
+    relative = options_from_args(build_parser().parse_args(["up"]), {}, (0,), "py")[0]
+    assert relative.state_dir == Path.cwd() / ".kvpool-state"
     assert opts.vllm_args == ("--max-num-seqs", "4", "--trust-remote-code")
     resolved = resolve_ports(opts, zero)
     assert resolved.master_port not in (0, 1) and resolved.proxy_port == 9001
