@@ -1,17 +1,54 @@
-"""vLLM's KV cache tensors as byte pages the transfer worker can send and receive in place.
+"""KV caches as byte pages that the transfer connector sends and receives in place.
 
-Only torch here (no vLLM), so it is tested without starting an engine.
+:class:`PagedCaches` needs only numpy; :func:`byte_pages` turns vLLM's torch tensors into
+one (torch is imported when it is called, so the worker and its tests stay torch-free).
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvpool.connectors.transfer_config import CONNECTOR_NAME
-from kvpool.connectors.transfer_worker import PagedCaches
 from kvpool.errors import ConfigError
 
-__all__ = ["byte_pages"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PagedCaches", "byte_pages"]
+
+
+class PagedCaches:
+    """vLLM's per-layer KV caches as ``uint8`` arrays ``[num_blocks, heads, block_size, row]``.
+
+    A *page slice* (``[block, h0:h1]``) is contiguous in this layout, which is what lets
+    both sides send and receive in place.
+    """
+
+    def __init__(self, layers: Mapping[str, np.ndarray]) -> None:
+        if not layers:
+            raise ConfigError(f"{CONNECTOR_NAME}: no KV cache layers were registered")
+        shapes = {arr.shape for arr in layers.values()}
+        if len(shapes) != 1:
+            raise ConfigError(
+                f"{CONNECTOR_NAME}: KV cache layers differ in shape: {sorted(shapes)}"
+            )
+        for name, arr in layers.items():
+            if arr.ndim != 4 or arr.dtype != np.uint8 or not arr.flags.c_contiguous:
+                raise ConfigError(
+                    f"{CONNECTOR_NAME}: layer {name} is not a contiguous "
+                    "[num_blocks, heads, block_size, row] byte view"
+                )
+        self._layers = dict(layers)
+        self.names: list[str] = list(layers)
+        self.num_blocks, self.num_heads, self.block_size, row = next(iter(shapes))
+        self.head_bytes = self.block_size * row
+
+    def page(self, layer: str, block: int, head_start: int, head_count: int) -> memoryview:
+        page = self._layers[layer][block, head_start : head_start + head_count]
+        return page.data.cast("B")
 
 
 def byte_pages(kv_caches: dict[str, torch.Tensor], block_size: int) -> PagedCaches:
@@ -21,6 +58,8 @@ def byte_pages(kv_caches: dict[str, torch.Tensor], block_size: int) -> PagedCach
     ``[num_blocks, block_size, latent]`` is one replicated head.  The arrays share memory
     with vLLM's tensors: pulls write straight into the KV cache.
     """
+    import torch
+
     layers = {}
     for name, tensor in kv_caches.items():
         if tensor.device.type != "cpu":

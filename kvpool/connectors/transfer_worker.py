@@ -3,8 +3,8 @@
 No vLLM import: the caches are numpy ``uint8`` views of vLLM's KV tensors, so this
 module is tested with plain arrays, real sockets and real threads.
 
-P (producer) runs one TCP server thread per worker rank on
-``rank_port(kv_port, dp_rank, tp_size, tp_rank)``.  It holds each finished prefill
+P (producer) runs one TCP server per worker rank (:mod:`kvpool.connectors.transfer_server`)
+on ``rank_port(kv_port, dp_rank, tp_size, tp_rank)``.  It holds each finished prefill
 request's blocks (told by the scheduler through :class:`HoldJob`) until every expected D
 rank pulled its heads or released them, or ``hold_timeout_ms`` passed; then the request
 appears once in ``finished_sending`` and vLLM frees the blocks.
@@ -23,15 +23,14 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-import numpy as np
 
 from kvpool.connectors.topology import expected_pullers, local_heads, plan_pulls, rank_port
 from kvpool.connectors.transfer_config import CONNECTOR_NAME, TransferConfig
 from kvpool.connectors.transfer_jobs import RecvJob, ReleaseJob, TransferJobs
+from kvpool.connectors.transfer_pages import PagedCaches
 from kvpool.connectors.transfer_protocol import (
     REPLY_CODEC,
     REQUEST_CODEC,
@@ -41,57 +40,23 @@ from kvpool.connectors.transfer_protocol import (
     Refused,
     Release,
 )
+from kvpool.connectors.transfer_server import KVServer
 from kvpool.connectors.transfer_state import RecvResults, SendTracker
-from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
+from kvpool.errors import ConfigError, KVPoolError, ProtocolError, TransferError
 from kvpool.transfer.wire import (
-    BadRequest,
     deadline_after,
     recv_exactly_into,
     recv_frame,
-    recv_request,
     send_frame,
     tune_socket,
 )
 
-__all__ = ["PagedCaches", "RankInfo", "TransferResults", "TransferWorker"]
+__all__ = ["RankInfo", "TransferResults", "TransferWorker"]
 
 # Under "vllm." so that vLLM's log handler prints these lines in the server log.
 logger = logging.getLogger("vllm.kvpool.transfer")
 _PREFIX = f"[{CONNECTOR_NAME}]"
-_ACCEPT_POLL_S = 0.5  # how often the accept loop looks at the stop flag
-_IDLE_S = 60.0  # a D connection idle this long between requests is closed
 _PULL_THREADS = 4
-
-
-class PagedCaches:
-    """vLLM's per-layer KV caches as ``uint8`` arrays ``[num_blocks, heads, block_size, row]``.
-
-    A *page slice* (``[block, h0:h1]``) is contiguous in this layout, which is what lets
-    both sides send and receive in place.
-    """
-
-    def __init__(self, layers: Mapping[str, np.ndarray]) -> None:
-        if not layers:
-            raise ConfigError(f"{CONNECTOR_NAME}: no KV cache layers were registered")
-        shapes = {arr.shape for arr in layers.values()}
-        if len(shapes) != 1:
-            raise ConfigError(
-                f"{CONNECTOR_NAME}: KV cache layers differ in shape: {sorted(shapes)}"
-            )
-        for name, arr in layers.items():
-            if arr.ndim != 4 or arr.dtype != np.uint8 or not arr.flags.c_contiguous:
-                raise ConfigError(
-                    f"{CONNECTOR_NAME}: layer {name} is not a contiguous "
-                    "[num_blocks, heads, block_size, row] byte view"
-                )
-        self._layers = dict(layers)
-        self.names: list[str] = list(layers)
-        self.num_blocks, self.num_heads, self.block_size, row = next(iter(shapes))
-        self.head_bytes = self.block_size * row
-
-    def page(self, layer: str, block: int, head_start: int, head_count: int) -> memoryview:
-        page = self._layers[layer][block, head_start : head_start + head_count]
-        return page.data.cast("B")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +96,6 @@ class TransferWorker:
         self._load_errors: set[int] = set()
         self._counts: Counter[str] = Counter()  # see transfer_stats.COUNTERS
         self._counts_lock = threading.Lock()
-        self._listener: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
-        self._stopping = threading.Event()
         self._pool = ThreadPoolExecutor(_PULL_THREADS, thread_name_prefix="kvpool-pull")
         self.port = rank_port(config.kv_port, rank.dp_rank, rank.tp_size, rank.tp_rank)
         peer_tp = config.peer.tp_size if config.peer is not None else rank.tp_size
@@ -142,6 +104,16 @@ class TransferWorker:
             expected_pullers(rank.total_kv_heads, rank.tp_size, peer_tp, rank.tp_rank)
             if config.is_producer
             else frozenset()
+        )
+        self._server = KVServer(
+            config,
+            port=self.port,
+            tp_rank=rank.tp_rank,
+            peer_tp=peer_tp,
+            expected=self._expected,
+            tracker=self._tracker,
+            cond=self._cond,
+            count=self._count,
         )
 
     # -- life cycle ------------------------------------------------------------------
@@ -157,7 +129,7 @@ class TransferWorker:
             )
         self._caches = caches
         if self.config.is_producer:
-            self._listen()
+            self._server.start(caches)
         peer = self.config.peer
         logger.info(
             "%s role=%s, port=%d, host=%s, tp_rank=%d/%d, dp_rank=%d, peer=%s, engine_id=%s",
@@ -173,12 +145,8 @@ class TransferWorker:
         )
 
     def close(self) -> None:
-        self._stopping.set()
-        if self._listener is not None:
-            self._listener.close()
+        self._server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for thread in self._threads:
-            thread.join(timeout=2 * _ACCEPT_POLL_S)
 
     # -- per step ----------------------------------------------------------------------
 
@@ -241,156 +209,6 @@ class TransferWorker:
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
-
-    # -- P: the server -----------------------------------------------------------------
-
-    def _listen(self) -> None:
-        try:
-            listener = socket.create_server((self.config.kv_host, self.port), reuse_port=False)
-        except OSError as exc:
-            raise ConfigError(
-                f"{CONNECTOR_NAME}: cannot listen on {self.config.kv_host}:{self.port} "
-                f"(kv_port {self.config.kv_port} + rank offset): {exc}"
-            ) from None
-        listener.settimeout(_ACCEPT_POLL_S)
-        self._listener = listener
-        self._spawn(self._accept_loop, "kvpool-kv-accept")
-
-    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        thread.start()
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # closed
-            self._spawn(self._serve, "kvpool-kv-send", conn)
-
-    def _serve(self, conn: socket.socket) -> None:
-        timeout_s = self.config.transfer_timeout_ms / 1000
-        with conn:
-            tune_socket(conn)
-            while not self._stopping.is_set():
-                try:
-                    got = recv_request(conn, REQUEST_CODEC, timeout_s, idle_timeout=_IDLE_S)
-                    if got is None:
-                        return
-                    if isinstance(got, BadRequest):  # another version? say so, keep serving
-                        reply = Refused(f"bad request: {got.error}")
-                        send_frame(conn, REPLY_CODEC, reply, None, deadline_after(timeout_s))
-                        continue
-                    message, _ = got
-                    if isinstance(message, Pull):
-                        self._serve_pull(conn, message, deadline_after(timeout_s))
-                    else:
-                        self._serve_release(conn, message, deadline_after(timeout_s))
-                except KVPoolError as exc:
-                    logger.warning("%s dropping a decode connection: %s", _PREFIX, exc)
-                    return
-
-    def _refusal(self, pull: Pull | Release) -> str | None:
-        """Why this rank will not serve ``pull`` (``None``: it will)."""
-        group = self.config.group
-        if group is not None and pull.group is not None and pull.group != group:
-            return (
-                f"engine_id group {pull.group!r} of the decode does not pair with this "
-                f"prefill's {group!r}"
-            )
-        if pull.dst_tp_size != self._peer_tp:
-            return (
-                f"decode has tp_size {pull.dst_tp_size} but this prefill's "
-                f'kv_connector_extra_config["decode"] says {self._peer_tp}'
-            )
-        if pull.dst_rank not in self._expected:
-            return (
-                f"decode rank {pull.dst_rank} does not read from prefill rank {self.rank.tp_rank}"
-            )
-        return None
-
-    def _wait_held(self, request_id: str, deadline: float) -> tuple[int, ...] | None:
-        # The pull may race the scheduler's hold job (P answered the proxy one step before
-        # its worker heard of the request), so wait for it, bounded.
-        with self._cond:
-            while True:
-                held = self._tracker.get(request_id)
-                if held is not None:
-                    return held.block_ids
-                if self._tracker.was_released(request_id):
-                    return None
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-
-    def _serve_pull(self, conn: socket.socket, pull: Pull, deadline: float) -> None:
-        caches = self._caches
-        assert caches is not None
-        reason = self._refusal(pull)
-        held = None if reason else self._wait_held(pull.request_id, deadline)
-        if reason is None and held is None:
-            reason = f"request {pull.request_id} is not held here (expired, aborted or unknown)"
-        if reason is None:
-            reason = self._check_pull(pull, held or (), caches)
-        if reason is not None:
-            logger.warning("%s refusing pull of %s: %s", _PREFIX, pull.request_id, reason)
-            send_frame(conn, REPLY_CODEC, Refused(reason), None, deadline)
-            return
-        page_bytes = pull.head_count * caches.head_bytes
-        layer_bytes = page_bytes * len(pull.block_ids)
-        for index, name in enumerate(pull.layers):
-            _send_all(conn, REPLY_CODEC.encode(Layer(index, page_bytes), layer_bytes), deadline)
-            for block in pull.block_ids:
-                _send_all(
-                    conn, caches.page(name, block, pull.head_start, pull.head_count), deadline
-                )
-        total = layer_bytes * len(pull.layers)
-        send_frame(conn, REPLY_CODEC, Done(total), None, deadline)
-        # Count before releasing: the engine step that frees the blocks may be P's last
-        # one for a while, and it should carry these counts.
-        self._count(served_pulls=1, served_bytes=total)
-        with self._cond:
-            freed = self._tracker.mark_done(pull.request_id, pull.dst_rank, total)
-        logger.info(
-            "%s sent request %s to decode rank %d: %d blocks, %d bytes%s",
-            _PREFIX,
-            pull.request_id,
-            pull.dst_rank,
-            len(pull.block_ids),
-            total,
-            "; blocks released" if freed else "",
-        )
-
-    def _check_pull(self, pull: Pull, held: tuple[int, ...], caches: PagedCaches) -> str | None:
-        if not set(pull.block_ids) <= set(held):
-            return f"blocks {sorted(set(pull.block_ids) - set(held))} are not this request's"
-        if pull.head_start < 0 or pull.head_count <= 0:
-            return f"bad head range {pull.head_start}+{pull.head_count}"
-        if pull.head_start + pull.head_count > caches.num_heads:
-            return (
-                f"heads {pull.head_start}+{pull.head_count} exceed this rank's {caches.num_heads}"
-            )
-        unknown = [name for name in pull.layers if name not in caches.names]
-        if unknown or not pull.layers:
-            return f"unknown layers {unknown[:3]} (different models on P and D?)"
-        if pull.page_bytes != pull.head_count * caches.head_bytes:
-            return (
-                f"page size differs: decode expects {pull.page_bytes} bytes per page slice, "
-                f"prefill has {pull.head_count * caches.head_bytes} (block size or dtype differ)"
-            )
-        return None
-
-    def _serve_release(self, conn: socket.socket, release: Release, deadline: float) -> None:
-        reason = self._refusal(release)
-        if reason is None:
-            with self._cond:
-                self._tracker.mark_done(release.request_id, release.dst_rank)
-        send_frame(conn, REPLY_CODEC, Refused(reason) if reason else Done(0), None, deadline)
 
     # -- D: the puller -----------------------------------------------------------------
 
@@ -523,16 +341,3 @@ def _expect_layer(reply: object, payload: int, index: int, page_bytes: int, bloc
             f"layer {index}: {payload} bytes of {reply.page_bytes}-byte pages, "
             f"expected {blocks} pages of {page_bytes}"
         )
-
-
-def _send_all(sock: socket.socket, data: bytes | memoryview, deadline: float) -> None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise PeerTimeout("timed out sending KV pages")
-    sock.settimeout(left)
-    try:
-        sock.sendall(data)
-    except TimeoutError:
-        raise PeerTimeout("timed out sending KV pages: the decode stopped reading") from None
-    except OSError as exc:
-        raise TransferError(f"connection to the decode failed: {exc}") from None
