@@ -346,7 +346,9 @@ def child_pid(log: Path) -> int:
 
 @pytest.fixture
 def sup() -> Iterator[Supervisor]:
-    s = Supervisor(base_env=dict(os.environ), term_timeout_s=1.0, kill_timeout_s=5.0)
+    # a process that exits on SIGTERM gets ample time even on a loaded machine, so that
+    # "stopped" never turns into "killed" by chance
+    s = Supervisor(base_env=dict(os.environ), term_timeout_s=10.0, kill_timeout_s=10.0)
     try:
         yield s
     finally:
@@ -356,6 +358,7 @@ def sup() -> Iterator[Supervisor]:
 def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path: Path, sup: Supervisor) -> None:
     running = sup.start(spec(tmp_path, "stubborn", STUBBORN))
     grandchild = child_pid(running.spec.log_path)
+    sup.term_timeout_s = 1.0  # it will not stop on SIGTERM: no need to wait long
     stopped: list[tuple[str, str]] = []
     sup.stop_all(lambda r, how: stopped.append((r.spec.name, how)))
     assert stopped == [("stubborn", "killed (did not stop on SIGTERM)")]
