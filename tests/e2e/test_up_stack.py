@@ -425,8 +425,10 @@ def test_a_decode_killed_mid_stream_errors_that_request_and_the_rest_is_served(
         assert time.monotonic() < deadline, stack.output()
         time.sleep(0.2)
     assert stack.proc.poll() is None
-    # and stops what the dead API server left behind (its engine processes)
-    while f"{victim:<10} rest of its process group stopped" not in stack.output():
+    # and stops what the dead API server left behind (its engine processes): SIGTERM,
+    # then SIGKILL after kvpool up's 20 s stop timeout
+    deadline = time.monotonic() + 60
+    while f"{victim:<10} rest of its process group " not in stack.output():
         assert time.monotonic() < deadline, stack.output()
         time.sleep(0.2)
     assert group_members(stack.pid(victim)) == []
