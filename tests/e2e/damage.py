@@ -3,9 +3,9 @@
 It wraps the real in-process pool (:class:`~kvpool.service.embedded.EmbeddedPool`):
 "remove" deletes objects from it (a missing block); "corrupt" overwrites the first bytes
 of the stored object inside the pool's memory segment, so that the pool's own checksum
-has to catch it; "swap" serves two objects' intact bytes under each other's keys (what a
-key collision would do), which nothing below the keys can catch — the control that shows
-the output comparison of the tests would notice wrong KV.
+has to catch it; "zero" serves zeros of the right size in place of the stored bytes (a
+pool that lost data without noticing) — the control that shows the tests' comparison of
+outputs would notice wrong KV.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class DamagingPool:
     def __init__(self, inner: EmbeddedPool) -> None:
         self.inner = inner
         self.stored: list[str] = []
-        self.swapped: dict[str, str] = {}
+        self.zeroed: set[str] = set()
 
     def damage(self, mode: str, count: int, start: int = 1) -> dict[str, Any]:
         keys = self.stored[start : start + count]
@@ -50,9 +50,8 @@ class DamagingPool:
                 self.inner.remove(key)
             elif mode == "corrupt":
                 corrupt_in_place(self.inner, key)
-            elif mode == "swap":
-                other = self.stored[start - 1]
-                self.swapped.update({key: other, other: key})
+            elif mode == "zero":
+                self.zeroed.add(key)
             else:
                 raise ValueError(mode)
         return {"damaged": len(keys), "stored": len(self.stored)}
@@ -63,7 +62,11 @@ class DamagingPool:
             self.stored.append(key)
 
     def get_into(self, key: str, buffer: Any) -> int:
-        return self.inner.get_into(self.swapped.get(key, key), buffer)
+        n = self.inner.get_into(key, buffer)
+        if key in self.zeroed:
+            view = memoryview(buffer).cast("B")
+            view[:n] = bytes(n)
+        return n
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:
         return self.inner.prefix_lookup(keys)
