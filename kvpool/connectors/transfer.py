@@ -10,8 +10,10 @@ it by module path, alone or as a child of vLLM's own ``MultiConnector``::
 
 This module is the thin vLLM adapter: the decisions live in
 :mod:`kvpool.connectors.transfer_scheduler`, the bytes move in
-:mod:`kvpool.connectors.transfer_worker`, head routing in :mod:`kvpool.connectors.topology`,
-settings in :mod:`kvpool.connectors.transfer_config`.  P pushes nothing: D pulls from P's
+:mod:`kvpool.connectors.transfer_worker` (D's pulls) and
+:mod:`kvpool.connectors.transfer_server` (P's side), head routing in
+:mod:`kvpool.connectors.topology`, settings in :mod:`kvpool.connectors.transfer_config`,
+counters in :mod:`kvpool.connectors.transfer_stats`.  P pushes nothing: D pulls from P's
 ``kv_port`` after P has answered, so P's engine never waits on D.
 """
 
