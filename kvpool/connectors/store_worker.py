@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +41,7 @@ __all__ = ["LoadResult", "PagedKV", "StoreWorker"]
 
 # Pages staged per batch: bounds the staging memory of one load or save.
 _BATCH = 16
+_WARN_EVERY_S = 30.0
 
 
 class PagedKV:
@@ -135,6 +137,7 @@ class StoreWorker:
         self._invalid: set[int] = set()
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
+        self._last_save_warning = -_WARN_EVERY_S
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches)
@@ -264,13 +267,18 @@ class StoreWorker:
                 except Exception as exc:
                     # The rest of the chain hangs off this chunk: stop here.
                     self.counters["save_errors"] += 1
-                    self._log.warning(
-                        "[KVPoolStoreConnector] save of %s for request %s failed: %s: %s",
-                        key,
-                        spec.req_id,
-                        type(exc).__name__,
-                        exc,
-                    )
+                    now = time.monotonic()
+                    if now - self._last_save_warning >= _WARN_EVERY_S:  # one line per outage
+                        self._last_save_warning = now
+                        self._log.warning(
+                            "[KVPoolStoreConnector] save of %s for request %s failed: %s: %s"
+                            " (further save failures within %.0fs are only counted)",
+                            key,
+                            spec.req_id,
+                            type(exc).__name__,
+                            exc,
+                            _WARN_EVERY_S,
+                        )
                     return
                 else:
                     self.counters["saved_blocks"] += 1
