@@ -7,7 +7,8 @@
   shared pool, or the process's embedded pool.
 - :class:`PoolHandle` — opens the pool lazily, turns a dead pool into a fast
   :class:`~kvpool.errors.TransferError` for ``reconnect_interval`` instead of letting every
-  request wait out a timeout, and reconnects afterwards.  A miss (``ObjectNotFound``) or a
+  request wait out a timeout, and reconnects afterwards; the wait doubles with each outage
+  in a row, up to a minute.  A miss (``ObjectNotFound``) or a
   full pool (``NoSpace``) is an answer, not an outage, and keeps the connection.
 """
 
@@ -25,6 +26,9 @@ from kvpool.errors import ChecksumMismatch, KVPoolError, PoolError, TransferErro
 __all__ = ["EmbeddedPools", "PoolClient", "PoolHandle", "is_outage", "open_pool"]
 
 T = TypeVar("T")
+# A pool that stays down is retried at most this far apart (a hung one costs a timeout per
+# try, paid by whoever asks: the scheduler, for lookups).
+_MAX_WAIT_S = 60.0
 
 
 class PoolClient(Protocol):
@@ -163,6 +167,7 @@ class PoolHandle:
         self._clock = clock
         self._client: PoolClient | None = None
         self._down_until = 0.0
+        self._failures = 0  # outages in a row: the wait doubles with each, up to _MAX_WAIT_S
         self._last_error = ""
         self._lock = threading.Lock()
 
@@ -190,15 +195,19 @@ class PoolHandle:
                     raise TransferError(f"cannot open pool {self._describe}: {exc}") from exc
             client = self._client
             try:
-                return fn(client)
+                result = fn(client)
             except Exception as exc:
                 if is_outage(exc):
                     self._mark_down(exc)
                 raise
+            self._failures = 0
+            return result
 
     def _mark_down(self, exc: BaseException) -> None:
         self._last_error = f"{type(exc).__name__}: {exc}"
-        self._down_until = self._clock() + self._interval
+        self._failures += 1
+        wait = min(self._interval * 2 ** (self._failures - 1), max(self._interval, _MAX_WAIT_S))
+        self._down_until = self._clock() + wait
         client, self._client = self._client, None
         if client is not None:
             # Closing a broken connection may fail too; it is gone either way.

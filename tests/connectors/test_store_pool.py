@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvpool.connectors.store_pool import EmbeddedPools, PoolHandle
@@ -84,3 +86,29 @@ def test_embedded_pools_are_shared_per_process() -> None:
     finally:
         EmbeddedPools.release("t1")
     assert made[0].closed and EmbeddedPools.peek("t1") is None
+
+
+def test_repeated_outages_back_off() -> None:
+    clock = Clock()
+    pool = FakePool()
+    pool.down = True
+    handle = PoolHandle(lambda: pool, reconnect_interval_s=5, describe="test", clock=clock)
+
+    def outage_then_wait() -> float:
+        with pytest.raises(PeerTimeout):
+            handle.call(lambda p: p.prefix_lookup([]))
+        with pytest.raises(TransferError, match="unavailable") as info:
+            handle.call(lambda p: p.prefix_lookup([]))
+        found = re.search(r"retrying in ([0-9.]+)s", str(info.value))
+        assert found is not None
+        return float(found.group(1))
+
+    waits = []
+    for _ in range(6):
+        waits.append(outage_then_wait())
+        clock.now += waits[-1]
+    assert waits == [5, 10, 20, 40, 60, 60]
+    pool.down = False
+    assert handle.call(lambda p: p.prefix_lookup([])) == 0  # a success resets the wait
+    pool.down = True
+    assert outage_then_wait() == 5
