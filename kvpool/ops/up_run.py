@@ -360,7 +360,7 @@ def options_from_args(
     opts = UpOptions(
         # absolute, so the printed paths (KVPOOL_CONFIG_PATH=...) work from any directory
         state_dir=(Path(args.state_dir) if args.state_dir else default_state_dir(env)).absolute(),
-        model=Path(args.model).expanduser() if args.model else None,
+        model=Path(args.model).expanduser().absolute() if args.model else None,
         no_vllm=args.no_vllm,
         prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances,
