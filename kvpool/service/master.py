@@ -72,6 +72,7 @@ class MasterService:
         # per remote storage owner: catalog changes not yet sent with a heartbeat reply
         self.outbox: dict[str, tuple[list[tuple[str, str, int, int, int]], list[str]]] = {}
         self.started_ms = clock()
+        self.rpc_connections = 0  # open client connections (kept by the server)
         self.config_view: dict[str, Any] = {}  # the flags it runs with, for doctor and status
         self._handlers: dict[type, Callable[[Any, int], Any]] = {
             m.Register: self._register,
@@ -379,6 +380,7 @@ class MasterService:
             "pending": idx.count(state=State.PENDING),
             "clients": clients,
             "active_leases": idx.active_leases(now),
+            "rpc_connections": self.rpc_connections,
             "stats": {
                 "evictions": idx.stats.evictions,
                 "offloads": idx.stats.demotions,

@@ -48,6 +48,10 @@ class _RpcProtocol(asyncio.Protocol):
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.service.rpc_connections += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.service.rpc_connections -= 1
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None

@@ -38,7 +38,14 @@ class MasterMetrics:
         r = self.registry = CollectorRegistry()
         self.blocks = Gauge("kvpool_kv_cache_blocks_total", "READY objects in the pool", registry=r)
         self.connected = Gauge(
-            "kvpool_connected_clients", "registered, live clients and nodes", registry=r
+            "kvpool_connected_clients",
+            "processes connected to the master (open RPC connections: nodes, vLLM workers, "
+            "clients) plus the master's own segment owner",
+            registry=r,
+        )
+        self.registered = Gauge(
+            "kvpool_registered_nodes", "live storage owners (nodes contributing segments)",
+            registry=r,
         )
         self.tier_capacity = Gauge(
             "kvpool_tier_capacity_bytes", "capacity per tier", ["tier"], registry=r
@@ -101,7 +108,8 @@ class MasterMetrics:
 
         idx = master.index
         self.blocks.set(idx.count())
-        self.connected.set(len(idx.registry.clients))
+        self.connected.set(master.rpc_connections + len(master.local))
+        self.registered.set(len(idx.registry.clients))
         for tier in Tier:
             capacity, used = idx.usage(tier)
             self.tier_capacity.labels(tier=tier.value).set(capacity)

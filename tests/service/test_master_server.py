@@ -89,7 +89,8 @@ def test_seed_metrics_command_shows_blocks_and_clients(master: PoolProcess, clie
         check=True,
     ).stdout
     assert metric(out, "kvpool_kv_cache_blocks_total") == 2
-    assert metric(out, "kvpool_connected_clients") == 1  # the master's own segment owner
+    # the master's own segment owner and this test's client connection
+    assert metric(out, "kvpool_connected_clients") == 2
     text = http_get(master, "/metrics")
     assert metric(text, "kvpool_tier_used_bytes") > 0
     assert "kvpool_request_seconds_bucket" in text
