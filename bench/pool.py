@@ -104,6 +104,7 @@ def _worker(address: str, shm: bool, size: int, seconds: float, tag: str, out: m
         value = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
         into = np.empty(size, dtype=np.uint8)
         c.put_from(tag, value)
+        c.pin([tag], "bench", ttl_ms=3_600_000)
         out.put(timed(lambda: c.get_into(tag, into), seconds))
 
 
@@ -126,6 +127,8 @@ class Bench:
                 n[0] += 1
 
             c.put_from(f"{c.client_id}-{size}-get", value)
+            # pinned: the fresh keys of the put rows must not evict what the get rows read
+            c.pin([f"{c.client_id}-{size}-get"], "bench", ttl_ms=3_600_000)
 
             def get(c: Client = c, into: np.ndarray = into) -> None:
                 c.get_into(f"{c.client_id}-{size}-get", into)
