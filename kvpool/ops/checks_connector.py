@@ -364,20 +364,41 @@ def check_consumer_is_to_put(side: Side, model: ModelInfo | None) -> Check | Non
             f"consumer_is_to_put is set on the {side.side} side, where it has no effect",
             "remove it; it is a decode-side (kv_consumer) option",
         )
-    if model is None:
-        return warn(
+    if model is not None and model.is_mla:
+        return pass_(name, f"consumer_is_to_put on an MLA model ({model.reason})")
+    # Not MLA (or unknown): decode's blocks match prefill's only when KV heads are split
+    # alike, i.e. both sides run the same tp_size (the store connector refuses otherwise).
+    prefill = _topology_of(side, "prefill")
+    decode = _actual_topology(side)
+    what = f"the model is not MLA ({model.reason})" if model is not None else "the model is unknown"
+    if isinstance(prefill, Topology) and decode is not None:
+        if prefill.tp_size != decode.tp_size and model is None:
+            return warn(
+                name,
+                f"consumer_is_to_put is on, prefill tp_size {prefill.tp_size} != decode tp_size"
+                f" {decode.tp_size}, and {what}: it is only safe for an MLA model here",
+                "run doctor with --model /path/to/model (the directory with config.json)",
+            )
+        if prefill.tp_size != decode.tp_size:
+            return fail(
+                name,
+                f"consumer_is_to_put is on, {what}, and prefill tp_size {prefill.tp_size} !="
+                f" decode tp_size {decode.tp_size}: decode's KV layout differs from prefill's,"
+                " so written-back blocks could never be read by prefill",
+                f'remove "consumer_is_to_put" from {store.name}, or run both sides with the'
+                " same tp_size",
+            )
+        return pass_(
             name,
-            "consumer_is_to_put is on, but the model is unknown: it is only safe for MLA models",
-            "run doctor with --model /path/to/model (the directory with config.json)",
+            f"consumer_is_to_put with {what}: both sides use tp_size {decode.tp_size}, so the"
+            " KV layouts match",
         )
-    if not model.is_mla:
-        return fail(
-            name,
-            f"consumer_is_to_put is on but the model is not MLA ({model.reason}): decode's KV"
-            " layout differs from prefill's, so written-back blocks would be wrong",
-            f'remove "consumer_is_to_put" from {store.name} on the decode side',
-        )
-    return pass_(name, f"consumer_is_to_put on an MLA model ({model.reason})")
+    return warn(
+        name,
+        f"consumer_is_to_put is on, {what}, and the two sides' tp_size is not known: it is"
+        " only safe for MLA models or when prefill and decode use the same tp_size",
+        'give --model, and "prefill"/"decode" dp_size/tp_size in the transfer connector',
+    )
 
 
 def check_engine_id(sides: Sequence[Side]) -> Check | None:

@@ -214,6 +214,16 @@ def test_consumer_is_to_put_on_a_non_mla_model_fails() -> None:
     assert unknown is not None and unknown.status is Status.WARN and "--model" in unknown.fix
 
 
+def test_consumer_is_to_put_on_a_non_mla_model_passes_when_both_sides_share_tp() -> None:
+    d = seed_d()
+    extra = children(d)[0]["kv_connector_extra_config"]
+    extra["prefill"]["tp_size"] = extra["decode"]["tp_size"] = 4
+    children(d)[1]["kv_connector_extra_config"]["consumer_is_to_put"] = True
+    check = check_consumer_is_to_put(side("decode", d), model_info(GQA_MODEL))
+    assert check is not None and check.status is Status.PASS
+    assert "tp_size 4" in check.message
+
+
 def test_consumer_is_to_put_on_prefill_warns_and_absent_is_no_check() -> None:
     p = seed_p()
     assert check_consumer_is_to_put(side("prefill", p), None) is None
