@@ -45,6 +45,10 @@ __all__ = ["Client", "split_address"]
 log = logging.getLogger("kvpool.client")
 
 
+class _Corrupt(ObjectNotFound):
+    """A read whose bytes failed their checksum: a miss, and the stored copy is bad."""
+
+
 def split_address(address: str, default_port: int = 50088) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep:
@@ -212,11 +216,22 @@ class Client:
         assert isinstance(placement, m.Placement)
         if not placement.found:
             raise ObjectNotFound(key)
+        corrupt = False
         try:
             return self._read(placement, writable_byte_view(buffer))
+        except _Corrupt:
+            corrupt = True
+            raise
         finally:
-            with contextlib.suppress(KVPoolError):  # the lease expires on its own
-                self.call(m.Release(owner, [key]))
+            self._finish_read(owner, key, corrupt)
+
+    def _finish_read(self, owner: str, key: str, corrupt: bool) -> None:
+        """Release the read lease; drop a copy that failed its checksum so that whoever
+        recomputes the value can store a good one under the same key."""
+        with contextlib.suppress(KVPoolError):  # the lease expires on its own
+            self.call(m.Release(owner, [key]))
+            if corrupt:
+                self.call(m.Remove(key))
 
     def _read(self, placement: m.Placement, dst: memoryview) -> int:
         size = placement.size
@@ -241,7 +256,7 @@ class Client:
         if checksum(target) != placement.checksum:
             self.corrupt_reads += 1
             log.warning("%s failed its checksum: treated as a miss", placement.key)
-            raise ObjectNotFound(f"{placement.key}: checksum mismatch")
+            raise _Corrupt(f"{placement.key}: checksum mismatch")
         return size
 
     def get(self, key: str) -> bytes:
@@ -251,13 +266,16 @@ class Client:
         assert isinstance(placement, m.Placement)
         if not placement.found:
             raise ObjectNotFound(key)
+        corrupt = False
         try:
             buf = bytearray(placement.size)
             self._read(placement, memoryview(buf))
             return bytes(buf)
+        except _Corrupt:
+            corrupt = True
+            raise
         finally:
-            with contextlib.suppress(KVPoolError):
-                self.call(m.Release(owner, [key]))
+            self._finish_read(owner, key, corrupt)
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         """Read several objects; the size read per key, or -1 for a miss."""
@@ -265,6 +283,7 @@ class Client:
         reply = self.call(m.BatchGet(owner, list(keys)))
         assert isinstance(reply, m.Placements)
         sizes: list[int] = []
+        corrupt: list[str] = []
         try:
             for placement, buffer in zip(reply.items, buffers, strict=True):
                 if not placement.found:
@@ -272,11 +291,15 @@ class Client:
                     continue
                 try:
                     sizes.append(self._read(placement, writable_byte_view(buffer)))
-                except ObjectNotFound:
+                except ObjectNotFound as exc:
                     sizes.append(-1)
+                    if isinstance(exc, _Corrupt):
+                        corrupt.append(placement.key)
         finally:
             with contextlib.suppress(KVPoolError):
                 self.call(m.ReleaseOwner(owner))
+                for key in corrupt:
+                    self.call(m.Remove(key))
         return sizes
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:

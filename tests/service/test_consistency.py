@@ -7,8 +7,12 @@ import threading
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from kvpool.errors import KVPoolError, ObjectNotFound
+from kvpool.protocol import messages as m
 from kvpool.service.client import Client
+from kvpool.storage.segment import Segment
 from kvpool.testing.processes import start_master
 
 
@@ -56,6 +60,26 @@ def test_reads_racing_evictions_and_removals_return_only_their_own_bytes() -> No
         assert not any(t.is_alive() for t in threads)
     assert wrong == []
     assert served[0] > 50  # the race really happened with reads that hit
+
+
+def test_corrupt_memory_copy_is_a_miss_and_leaves_the_pool(tmp_path: Path) -> None:
+    with start_master("--segment_size", "4MiB") as master, Client(master.address) as c:
+        c.put("good", value_of("good"))
+        c.put("bad", value_of("bad"))
+        placement = c.call(m.Get("test", "bad"))
+        assert isinstance(placement, m.Placement) and placement.shm_name
+        c.call(m.Release("test", ["bad"]))
+        with Segment.attach(placement.shm_name) as seg:
+            view = seg.view(placement.offset + 100, 1)
+            view[0] ^= 0xFF
+            del view
+        with pytest.raises(ObjectNotFound):
+            c.get("bad")
+        assert c.corrupt_reads == 1
+        assert not c.exists("bad")  # dropped, so a recomputed copy can take its place
+        c.put("bad", value_of("bad"))
+        assert c.get("bad") == value_of("bad")
+        assert c.get("good") == value_of("good")
 
 
 def test_ssd_tier_keeps_evicted_objects_and_corruption_is_a_miss(tmp_path: Path) -> None:
