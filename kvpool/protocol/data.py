@@ -31,11 +31,13 @@ __all__ = [
     "DataRequest",
     "Error",
     "Ok",
+    "SegmentDemote",
     "SegmentInfo",
     "SegmentInfoReply",
     "SegmentRead",
     "SegmentWrite",
     "SsdRead",
+    "SsdRemove",
     "error_reply",
 ]
 
@@ -62,6 +64,25 @@ class SsdRead(msgspec.Struct, frozen=True, tag=True):
 
     key: str
     length: int
+
+
+class SegmentDemote(msgspec.Struct, frozen=True, tag=True):
+    """Copy ``length`` bytes at ``offset`` of the segment into the node's SSD tier under
+    ``key`` (the master demoting an object it evicts from memory).  The node refuses when
+    the bytes no longer match ``checksum`` (xxh3-64), so a copy that was overtaken by a new
+    write is never kept."""
+
+    segment_id: str
+    offset: int
+    length: int
+    key: str
+    checksum: int
+
+
+class SsdRemove(msgspec.Struct, frozen=True, tag=True):
+    """Delete SSD objects the master dropped from the index."""
+
+    keys: list[str]
 
 
 class SegmentInfo(msgspec.Struct, frozen=True, tag=True):
@@ -105,7 +126,7 @@ def error_reply(exc: BaseException) -> Error:
     return Error(error_code(exc), str(exc) or type(exc).__name__)
 
 
-DataRequest = SegmentWrite | SegmentRead | SegmentInfo | SsdRead
+DataRequest = SegmentWrite | SegmentRead | SegmentInfo | SsdRead | SegmentDemote | SsdRemove
 DataReply = Ok | Error | SegmentInfoReply
 
 REQUEST_CODEC: Codec[DataRequest] = Codec(DataRequest)

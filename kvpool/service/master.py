@@ -31,6 +31,7 @@ from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok, error_reply
 from kvpool.service.metrics import MasterMetrics
 from kvpool.service.storage import LocalStorage
+from kvpool.transfer.tcp_client import SegmentConnection
 
 __all__ = ["Endpoint", "MasterService", "monotonic_ms"]
 
@@ -68,6 +69,8 @@ class MasterService:
         self.endpoints: dict[str, Endpoint] = {}  # segment_id -> endpoint
         self.client_addresses: dict[str, tuple[str, str]] = {}  # id -> (data addr, token)
         self.local: dict[str, LocalStorage] = {}  # storage hosted in this very process
+        self._node_conns: dict[str, SegmentConnection] = {}  # data address -> connection
+        self.node_timeout_s = 10.0
         self.recent_errors: deque[str] = deque(maxlen=20)
         # per remote storage owner: catalog changes not yet sent with a heartbeat reply
         self.outbox: dict[str, tuple[list[tuple[str, str, int, int, int]], list[str]]] = {}
@@ -126,12 +129,19 @@ class MasterService:
         if len(self.endpoints) != len(self.index.registry.segments):
             self._forget_segments()  # clients expired
 
+    def close(self) -> None:
+        for conn in self._node_conns.values():
+            conn.close()
+        self._node_conns.clear()
+
     # ---------------------------------------------------------------------------- effects
     def _apply(self, events: list[Event]) -> None:
+        ssd_gone: dict[str, list[str]] = {}  # remote owner -> SSD keys to delete there
         for event in events:
             if isinstance(event, Demote):
                 owner = self.local.get(event.src.client_id)
-                if owner is None or not owner.demote(event):
+                done = owner.demote(event) if owner is not None else self._remote_demote(event)
+                if not done:
                     self.index.demote_failed(event.key)
                     self.metrics.demote_failures.inc()
                 else:
@@ -145,6 +155,45 @@ class MasterService:
                     owner.forget_ssd(event.key)
                 elif event.client_id in self.outbox:
                     self.outbox[event.client_id][1].append(event.key)
+                    if event.tier is Tier.SSD and event.reason != "expired_client":
+                        ssd_gone.setdefault(event.client_id, []).append(event.key)
+        for client_id, keys in ssd_gone.items():
+            self._remote_ssd_remove(client_id, keys)
+
+    def _node_connection(self, client_id: str) -> SegmentConnection | None:
+        address = self.client_addresses.get(client_id, ("", ""))[0]
+        if not address:
+            return None
+        conn = self._node_conns.get(address)
+        if conn is None:
+            host, _, port = address.rpartition(":")
+            conn = SegmentConnection(host, int(port), timeout_s=self.node_timeout_s)
+            self._node_conns[address] = conn
+        return conn
+
+    def _remote_demote(self, event: Demote) -> bool:
+        """Have a node copy its own object to its SSD tier.  Blocking on purpose: the
+        freed memory extent must not be handed out before the copy is done."""
+        conn = self._node_connection(event.src.client_id)
+        if conn is None:
+            return False
+        try:
+            conn.demote(
+                event.src.segment_id, event.src.offset, event.src.size, event.key, event.checksum
+            )
+        except KVPoolError as exc:
+            log.warning("demotion of %s on %s failed: %s", event.key, event.src.client_id, exc)
+            return False
+        return True
+
+    def _remote_ssd_remove(self, client_id: str, keys: list[str]) -> None:
+        conn = self._node_connection(client_id)
+        if conn is None:
+            return
+        try:
+            conn.ssd_remove(keys)
+        except KVPoolError as exc:  # the files are orphans, cleared when the node restarts
+            log.warning("could not delete %d SSD objects on %s: %s", len(keys), client_id, exc)
 
     def _placement(self, key: str, loc: Location, checksum: int = 0) -> m.Placement:
         ep = self.endpoints.get(loc.segment_id)

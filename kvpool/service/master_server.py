@@ -188,6 +188,7 @@ class MasterServer:
             await self._runner.cleanup()
         if self.storage is not None:
             self.storage.close()
+        self.service.close()
         log.info("kvpool master stopped")
 
     async def serve_until_signal(self) -> None:

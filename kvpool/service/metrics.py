@@ -44,7 +44,8 @@ class MasterMetrics:
             registry=r,
         )
         self.registered = Gauge(
-            "kvpool_registered_nodes", "live storage owners (nodes contributing segments)",
+            "kvpool_registered_nodes",
+            "live storage owners (nodes contributing segments)",
             registry=r,
         )
         self.tier_capacity = Gauge(

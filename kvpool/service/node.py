@@ -36,18 +36,15 @@ class NodeService:
     def __init__(self, config: NodeConfig, *, bind_host: str = "", data_port: int = 0) -> None:
         self.config = config
         self.client_id = f"node-{config.local_hostname}-{uuid.uuid4().hex[:8]}"
-        if config.enable_ssd_offload:
-            log.warning(
-                "enable_ssd_offload: the SSD tier of a separate node is not served yet; "
-                "run the SSD tier on the master (kvpool master --enable_offload=true "
-                "--ssd_offload_path ...)"
-            )
+        ssd = config.enable_ssd_offload
         self.storage = LocalStorage(
             self.client_id,
             config.global_segment_size,
             host=bind_host or config.local_hostname,
             data_port=data_port,
             timeout_s=config.timeouts.transfer_timeout_ms / 1000,
+            ssd_path=config.ssd_offload_path if ssd else "",
+            ssd_limit=config.ssd_offload_limit if ssd else 0,
         )
         self.master = Client(
             config.master_address,
@@ -94,6 +91,12 @@ class NodeService:
         self.master.call(
             m.AddSegment(self.client_id, st.segment_id, st.segment.size, "memory", st.shm_name)
         )
+        if st.ssd is not None:
+            # the index forgot what the SSD tier held (a restarted master, or ours is new):
+            # those files can never be read again, so give their space back
+            for key in list(st.ssd):
+                st.ssd.remove(key)
+            self.master.call(m.AddSegment(self.client_id, st.ssd_segment_id, st.ssd_limit, "ssd"))
         self.registrations += 1
         if self.catalog:
             self._restore()

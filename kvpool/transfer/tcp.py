@@ -29,6 +29,8 @@ import threading
 from dataclasses import dataclass, field
 from types import TracebackType
 
+import xxhash
+
 from kvpool.errors import (
     ChecksumMismatch,
     KVPoolError,
@@ -45,10 +47,12 @@ from kvpool.protocol.data import (
     DataRequest,
     Error,
     Ok,
+    SegmentDemote,
     SegmentInfoReply,
     SegmentRead,
     SegmentWrite,
     SsdRead,
+    SsdRemove,
     error_reply,
 )
 from kvpool.storage.segment import Segment
@@ -290,9 +294,25 @@ class SegmentServer:
             return Ok(request.length), source
         if isinstance(request, SsdRead):
             return self._ssd_read(request)
+        if isinstance(request, SegmentDemote):
+            return self._demote(request)
+        if isinstance(request, SsdRemove):
+            if self.ssd is not None:
+                for key in request.keys:
+                    self.ssd.remove(key)
+            return Ok(), None
         segment = self._segment(request.segment_id)
         info = SegmentInfoReply(request.segment_id, segment.size, segment.name, self.host_token)
         return info, None
+
+    def _demote(self, request: SegmentDemote) -> tuple[DataReply, memoryview | None]:
+        if self.ssd is None:
+            raise UnknownSegment("this node has no SSD tier")
+        data = self._segment(request.segment_id).view(request.offset, request.length)
+        if xxhash.xxh3_64_intdigest(data) != request.checksum:
+            raise ChecksumMismatch(f"{request.key}: its bytes changed before the demotion")
+        self.ssd.put(request.key, data)
+        return Ok(), None
 
     def _ssd_read(self, request: SsdRead) -> tuple[DataReply, memoryview | None]:
         """An SSD object into a fresh buffer (the file is checked before anything is

@@ -22,11 +22,13 @@ from kvpool.protocol.data import (
     DataRequest,
     Error,
     Ok,
+    SegmentDemote,
     SegmentInfo,
     SegmentInfoReply,
     SegmentRead,
     SegmentWrite,
     SsdRead,
+    SsdRemove,
 )
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.transfer import wire
@@ -176,6 +178,20 @@ class SegmentConnection:
             self.close()
             raise ProtocolError(f"unexpected reply to an SSD read: {reply!r}")
         return len(dst)
+
+    def demote(self, segment_id: str, offset: int, length: int, key: str, checksum: int) -> None:
+        """Ask the node to copy an object of its segment into its SSD tier."""
+        reply = self._exchange(SegmentDemote(segment_id, offset, length, key, checksum), None, None)
+        if not isinstance(reply, Ok):
+            self.close()
+            raise ProtocolError(f"unexpected reply to a demotion: {reply!r}")
+
+    def ssd_remove(self, keys: list[str]) -> None:
+        """Delete objects from the node's SSD tier."""
+        reply = self._exchange(SsdRemove(keys), None, None)
+        if not isinstance(reply, Ok):
+            self.close()
+            raise ProtocolError(f"unexpected reply to an SSD removal: {reply!r}")
 
     def info(self, segment_id: str) -> SegmentInfoReply:
         """The segment's size, shared-memory name and host token."""

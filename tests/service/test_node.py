@@ -169,3 +169,42 @@ def test_restarted_master_gets_objects_re_announced_by_the_node(tmp_path: Path) 
                 assert readable >= 297  # at least 99%
         finally:
             master.stop()
+
+
+def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
+    ssd = tmp_path / "node-ssd"
+    config = tmp_path / "mooncake.json"
+    config.write_text(
+        json.dumps(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": "127.0.0.1:1",  # replaced below
+                "protocol": "tcp",
+                "global_segment_size": "1MiB",
+                "enable_ssd_offload": True,
+                "ssd_offload_path": str(ssd),
+                "ssd_offload_limit": "16MiB",
+            }
+        )
+    )
+    with start_master("--segment_size", "0", "--enable_offload=true") as master:
+        data = json.loads(config.read_text())
+        data["metadata_server"] = master.address
+        config.write_text(json.dumps(data))
+        with start_node(config), Client(master.address, allow_shm=False) as c:
+            wait_until(lambda: c.stats()["tiers"]["ssd"]["capacity"] > 0)
+            values = {f"n{i}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB
+            for key, value in values.items():
+                c.put(key, value)
+            snap = c.stats()
+            assert snap["tiers"]["ssd"]["objects"] > 0 and snap["stats"]["offloads"] > 0
+            for key, value in values.items():
+                assert c.get(key) == value  # from the node's memory or its SSD tier
+            assert any(p.is_file() for p in ssd.rglob("n*"))
+            # removing an SSD object deletes the node's file too
+            files = {p.name: p for p in ssd.rglob("n*") if p.is_file()}
+            assert files
+            key = sorted(files)[0]
+            assert c.remove(key)
+            assert not files[key].exists()
+            assert not c.exists(key)
