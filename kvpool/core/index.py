@@ -31,14 +31,24 @@ Time is a parameter (``now_ms``); the index never reads a clock.
 
 from __future__ import annotations
 
-import enum
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.core.eviction import EvictionPolicy, make_policy
+from kvpool.core.objects import (
+    Demote,
+    Dropped,
+    Event,
+    IndexConfig,
+    IndexStats,
+    Location,
+    ObjectRecord,
+    ReadGrant,
+    Reservation,
+    State,
+)
 from kvpool.core.registry import Registry, Segment, Tier
 from kvpool.core.space import Extent
 from kvpool.errors import (
@@ -63,113 +73,6 @@ __all__ = [
 ]
 
 
-class State(enum.Enum):
-    PENDING = "pending"
-    READY = "ready"
-
-
-@dataclass(frozen=True, slots=True)
-class IndexConfig:
-    high_watermark: float = 0.9
-    eviction_ratio: float = 0.1
-    lease_ttl_ms: int = 11_000
-    writer_ttl_ms: int = 30_000
-    client_ttl_ms: int = 120_000
-    enable_offload: bool = False
-    policy: str = "default"
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.high_watermark <= 1.0:
-            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
-        if not 0.0 < self.eviction_ratio <= 1.0:
-            raise ValueError(f"eviction_ratio must be in (0, 1], got {self.eviction_ratio}")
-        for name in ("lease_ttl_ms", "writer_ttl_ms", "client_ttl_ms"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True, slots=True)
-class Location:
-    segment_id: str
-    client_id: str
-    tier: Tier
-    offset: int
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """Where a writer must put the bytes before calling put_end."""
-
-    key: str
-    location: Location
-    writer_expiry_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReadGrant:
-    key: str
-    location: Location
-    checksum: int
-    lease_expiry_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class Dropped:
-    """An object left the index; ``reason`` is evicted, removed, expired_client, revoked,
-    writer_expired or demote_failed."""
-
-    key: str
-    tier: Tier
-    reason: str
-    client_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Demote:
-    """Copy ``src`` (memory) to ``dst`` (SSD) now; the index already points at ``dst``."""
-
-    key: str
-    src: Location
-    dst: Location
-    checksum: int
-
-
-Event = Dropped | Demote
-
-
-@dataclass(slots=True)
-class IndexStats:
-    evictions: int = 0
-    demotions: int = 0
-    demote_failures: int = 0
-    expired_leases: int = 0
-    revoked_writes: int = 0
-    put_failures_no_space: int = 0
-
-
-@dataclass(slots=True)
-class _Object:
-    key: str
-    state: State
-    segment: Segment
-    extent: Extent
-    parent: str | None
-    writer: str
-    writer_expiry_ms: int
-    checksum: int = 0
-    holds: dict[str, int] = field(default_factory=dict)  # owner -> expiry (leases and pins)
-
-    def location(self) -> Location:
-        s = self.segment
-        return Location(s.segment_id, s.client_id, s.tier, self.extent.offset, self.extent.length)
-
-    def held(self, now_ms: int) -> bool:
-        if not self.holds:  # the common case, and on the eviction hot path
-            return False
-        return any(exp > now_ms for exp in self.holds.values())
-
-
 class ObjectIndex:
     """All objects of the pool, their placement, leases, pins and eviction order."""
 
@@ -177,7 +80,7 @@ class ObjectIndex:
         self.config = config or IndexConfig()
         self.registry = Registry(self.config.client_ttl_ms)
         self.stats = IndexStats()
-        self._objects: dict[str, _Object] = {}
+        self._objects: dict[str, ObjectRecord] = {}
         self._policies: dict[Tier, EvictionPolicy[Any]] = {
             t: make_policy(self.config.policy) for t in Tier
         }
@@ -237,7 +140,7 @@ class ObjectIndex:
             )
         seg, extent = placed
         expiry = now_ms + self.config.writer_ttl_ms
-        obj = _Object(key, State.PENDING, seg, extent, parent, writer, expiry)
+        obj = ObjectRecord(key, State.PENDING, seg, extent, parent, writer, expiry)
         self._objects[key] = obj
         heapq.heappush(self._writer_heap, (expiry, key, writer))
         return Reservation(key, obj.location(), expiry), events
@@ -274,7 +177,7 @@ class ObjectIndex:
         extent = Extent(offset, size)
         if key in self._objects or not seg.space.take(extent):
             return False
-        self._objects[key] = _Object(key, State.READY, seg, extent, parent, "", 0, checksum)
+        self._objects[key] = ObjectRecord(key, State.READY, seg, extent, parent, "", 0, checksum)
         self._policies[seg.tier].on_insert(key, parent)
         return True
 
@@ -432,13 +335,13 @@ class ObjectIndex:
             assert live == mine, f"{seg.segment_id}: extents and objects disagree"
 
     # --------------------------------------------------------------------------- internals
-    def _pending_of(self, key: str, writer: str) -> _Object:
+    def _pending_of(self, key: str, writer: str) -> ObjectRecord:
         obj = self._objects.get(key)
         if obj is None or obj.state is not State.PENDING or obj.writer != writer:
             raise StaleWrite(f"no pending write of {key} by {writer} (expired or revoked?)")
         return obj
 
-    def _hold(self, obj: _Object, owner: str, expiry: int) -> int:
+    def _hold(self, obj: ObjectRecord, owner: str, expiry: int) -> int:
         expiry = max(expiry, obj.holds.get(owner, 0))
         obj.holds[owner] = expiry
         self._owner_keys.setdefault(owner, set()).add(obj.key)
@@ -492,7 +395,7 @@ class ObjectIndex:
                     return seg, extent
         return None
 
-    def _evict(self, obj: _Object, now_ms: int, events: list[Event]) -> None:
+    def _evict(self, obj: ObjectRecord, now_ms: int, events: list[Event]) -> None:
         tier = obj.segment.tier
         if tier is Tier.MEMORY and self.config.enable_offload:
             dst = self._ssd_room(obj, now_ms, events)
@@ -510,7 +413,7 @@ class ObjectIndex:
         events.append(self._drop(obj, "evicted"))
 
     def _ssd_room(
-        self, obj: _Object, now_ms: int, events: list[Event]
+        self, obj: ObjectRecord, now_ms: int, events: list[Event]
     ) -> tuple[Segment, Extent] | None:
         """An SSD extent on the same client as ``obj`` (it copies the bytes locally)."""
         owner = obj.segment.client_id
@@ -530,7 +433,7 @@ class ObjectIndex:
                     events.append(self._drop(self._objects[key], "evicted"))
         return None
 
-    def _drop(self, obj: _Object, reason: str, release_space: bool = True) -> Dropped:
+    def _drop(self, obj: ObjectRecord, reason: str, release_space: bool = True) -> Dropped:
         del self._objects[obj.key]
         if release_space:
             obj.segment.space.release(obj.extent)

@@ -1,0 +1,132 @@
+"""The values the object index works with: its config, where objects are, what it grants,
+and the effects it returns (events).  Small frozen dataclasses, no behaviour beyond
+trivial derivations.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvpool.core.registry import Segment, Tier
+from kvpool.core.space import Extent
+
+__all__ = [
+    "Demote",
+    "Dropped",
+    "Event",
+    "IndexConfig",
+    "IndexStats",
+    "Location",
+    "ObjectRecord",
+    "ReadGrant",
+    "Reservation",
+    "State",
+]
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    READY = "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    high_watermark: float = 0.9
+    eviction_ratio: float = 0.1
+    lease_ttl_ms: int = 11_000
+    writer_ttl_ms: int = 30_000
+    client_ttl_ms: int = 120_000
+    enable_offload: bool = False
+    policy: str = "default"
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.high_watermark <= 1.0:
+            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
+        if not 0.0 < self.eviction_ratio <= 1.0:
+            raise ValueError(f"eviction_ratio must be in (0, 1], got {self.eviction_ratio}")
+        for name in ("lease_ttl_ms", "writer_ttl_ms", "client_ttl_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    segment_id: str
+    client_id: str
+    tier: Tier
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Where a writer must put the bytes before calling put_end."""
+
+    key: str
+    location: Location
+    writer_expiry_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadGrant:
+    key: str
+    location: Location
+    checksum: int
+    lease_expiry_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """An object left the index; ``reason`` is evicted, removed, expired_client, revoked,
+    writer_expired or demote_failed."""
+
+    key: str
+    tier: Tier
+    reason: str
+    client_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Demote:
+    """Copy ``src`` (memory) to ``dst`` (SSD) now; the index already points at ``dst``."""
+
+    key: str
+    src: Location
+    dst: Location
+    checksum: int
+
+
+Event = Dropped | Demote
+
+
+@dataclass(slots=True)
+class IndexStats:
+    evictions: int = 0
+    demotions: int = 0
+    demote_failures: int = 0
+    expired_leases: int = 0
+    revoked_writes: int = 0
+    put_failures_no_space: int = 0
+
+
+@dataclass(slots=True)
+class ObjectRecord:
+    key: str
+    state: State
+    segment: Segment
+    extent: Extent
+    parent: str | None
+    writer: str
+    writer_expiry_ms: int
+    checksum: int = 0
+    holds: dict[str, int] = field(default_factory=dict)  # owner -> expiry (leases and pins)
+
+    def location(self) -> Location:
+        s = self.segment
+        return Location(s.segment_id, s.client_id, s.tier, self.extent.offset, self.extent.length)
+
+    def held(self, now_ms: int) -> bool:
+        if not self.holds:  # the common case, and on the eviction hot path
+            return False
+        return any(exp > now_ms for exp in self.holds.values())
