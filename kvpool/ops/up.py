@@ -157,13 +157,23 @@ class UpPlan:
         return proxies[0].url if proxies else None
 
 
-def cpu_sets(cpus: Sequence[int], instances: int) -> list[str]:
+def cpu_sets(cpus: Sequence[int], instances: int, *, dedicated: int = 0) -> list[str]:
     """``VLLM_CPU_OMP_THREADS_BIND`` per instance: disjoint contiguous groups of cores when
-    there are enough, otherwise one core each, round robin (instances then share cores)."""
+    there are enough, otherwise one core each, round robin (instances then share cores).
+
+    With too few cores, the first ``dedicated`` instances (the prefills) still get a core of
+    their own when that leaves at least one for the rest: while a prefill holds blocks for a
+    decode, vLLM keeps stepping it in a busy loop, and a decode pinned to the same core was
+    seen to make no progress until the prefill's hold timed out.
+    """
     if instances <= 0:
         return []
     per = len(cpus) // instances
     if per == 0:
+        if 0 < dedicated < len(cpus):
+            rest = list(cpus[dedicated:])
+            own = [str(c) for c in cpus[:dedicated]]
+            return own + [str(rest[i % len(rest)]) for i in range(instances - dedicated)]
         return [str(cpus[i % len(cpus)]) for i in range(instances)]
     out = []
     for i in range(instances):
@@ -282,7 +292,7 @@ def make_plan(opts: UpOptions) -> UpPlan:
         instances = [("prefill", i) for i in range(opts.prefill_instances)] + [
             ("decode", i) for i in range(opts.decode_instances)
         ]
-        cores = cpu_sets(opts.cpus, len(instances))
+        cores = cpu_sets(opts.cpus, len(instances), dedicated=opts.prefill_instances)
         for (role, i), core in zip(instances, cores, strict=True):
             processes.append(
                 _vllm_spec(opts, role, i, core, model_dir, model_name, chat_template, logs)

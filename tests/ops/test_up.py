@@ -170,13 +170,17 @@ def test_several_decode_instances_get_their_own_ports_and_cores(tmp_path: Path) 
         ports.append(config["kv_connector_extra_config"]["connectors"][0]["kv_port"])
     assert ports == ["30100", "30101"]
     cores = [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plan.by_role("prefill") + decodes]
-    assert cores == ["0", "1", "0"]  # two cores, three instances: round robin
+    # two cores, three instances: the prefill keeps a core of its own, the decodes share
+    assert cores == ["0", "1", "1"]
 
 
 def test_cpu_sets() -> None:
     assert cpu_sets(range(8), 2) == ["0-3", "4-7"]
     assert cpu_sets((0, 1), 2) == ["0", "1"]
     assert cpu_sets((0, 1), 3) == ["0", "1", "0"]
+    assert cpu_sets((0, 1), 3, dedicated=1) == ["0", "1", "1"]
+    assert cpu_sets((0, 1, 2), 5, dedicated=1) == ["0", "1", "2", "1", "2"]
+    assert cpu_sets((0,), 2, dedicated=1) == ["0", "0"]  # nothing left to share: round robin
     assert cpu_sets((0, 2, 4, 6), 2) == ["0,2", "4,6"]
     assert cpu_sets((5,), 2) == ["5", "5"]
 
