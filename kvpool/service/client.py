@@ -45,10 +45,6 @@ __all__ = ["Client", "split_address"]
 log = logging.getLogger("kvpool.client")
 
 
-class _Corrupt(ObjectNotFound):
-    """A read whose bytes failed their checksum: a miss, and the stored copy is bad."""
-
-
 def split_address(address: str, default_port: int = 50088) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep:
@@ -216,22 +212,17 @@ class Client:
         assert isinstance(placement, m.Placement)
         if not placement.found:
             raise ObjectNotFound(key)
-        corrupt = False
         try:
             return self._read(placement, writable_byte_view(buffer))
-        except _Corrupt:
-            corrupt = True
-            raise
         finally:
-            self._finish_read(owner, key, corrupt)
+            self._finish_read(owner, key)
 
-    def _finish_read(self, owner: str, key: str, corrupt: bool) -> None:
-        """Release the read lease; drop a copy that failed its checksum so that whoever
-        recomputes the value can store a good one under the same key."""
+    def _finish_read(self, owner: str, key: str) -> None:
+        """Release the read lease.  A copy that failed its checksum stays where it is: the
+        caller decides (the store connector removes it so its recomputed copy replaces it,
+        and counts that in its own stats)."""
         with contextlib.suppress(KVPoolError):  # the lease expires on its own
             self.call(m.Release(owner, [key]))
-            if corrupt:
-                self.call(m.Remove(key))
 
     def _read(self, placement: m.Placement, dst: memoryview) -> int:
         size = placement.size
@@ -256,7 +247,7 @@ class Client:
         if checksum(target) != placement.checksum:
             self.corrupt_reads += 1
             log.warning("%s failed its checksum: treated as a miss", placement.key)
-            raise _Corrupt(f"{placement.key}: checksum mismatch")
+            raise ObjectNotFound(f"{placement.key}: checksum mismatch")
         return size
 
     def get(self, key: str) -> bytes:
@@ -266,16 +257,12 @@ class Client:
         assert isinstance(placement, m.Placement)
         if not placement.found:
             raise ObjectNotFound(key)
-        corrupt = False
         try:
             buf = bytearray(placement.size)
             self._read(placement, memoryview(buf))
             return bytes(buf)
-        except _Corrupt:
-            corrupt = True
-            raise
         finally:
-            self._finish_read(owner, key, corrupt)
+            self._finish_read(owner, key)
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         """Read several objects; the size read per key, or -1 for a miss."""
@@ -283,7 +270,6 @@ class Client:
         reply = self.call(m.BatchGet(owner, list(keys)))
         assert isinstance(reply, m.Placements)
         sizes: list[int] = []
-        corrupt: list[str] = []
         try:
             for placement, buffer in zip(reply.items, buffers, strict=True):
                 if not placement.found:
@@ -291,15 +277,11 @@ class Client:
                     continue
                 try:
                     sizes.append(self._read(placement, writable_byte_view(buffer)))
-                except ObjectNotFound as exc:
+                except ObjectNotFound:
                     sizes.append(-1)
-                    if isinstance(exc, _Corrupt):
-                        corrupt.append(placement.key)
         finally:
             with contextlib.suppress(KVPoolError):
                 self.call(m.ReleaseOwner(owner))
-                for key in corrupt:
-                    self.call(m.Remove(key))
         return sizes
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
