@@ -376,11 +376,11 @@ def test_completion_and_streamed_chat_equal_a_plain_instance(
 _PD_STALL = pytest.mark.xfail(
     strict=False,
     reason=(
-        "known bug, seen once in a full CI-like run (2026-11-29): under 4 concurrent streams "
-        "both decode instances stopped pulling from prefill until prefill's hold_timeout_ms "
-        "(120 s) expired, so clients timed out; recompute kept answers right afterwards. "
-        "Other runs passed. Root cause not found yet (decode workers blocked before sending "
-        "their pulls); see the closing note of the connectors work."
+        "known intermittent bug, seen once (2026-11-29): under 4 concurrent streams the decode "
+        "pinned to the prefill's core sent no pull until the prefill's 120 s hold_timeout_ms "
+        "expired (a holding prefill is stepped in a busy loop), so clients timed out; answers "
+        "stayed right. kvpool up now gives the prefill a core of its own; these marks go once "
+        "repeated runs confirm that was the cause."
     ),
 )
 
