@@ -24,13 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
-from vllm.v1.metrics.utils import create_metric_per_engine
+from kvpool.connectors.counter_stats import CounterPromMetrics, CounterStats
 
 __all__ = ["COUNTERS", "KVPoolTransferPromMetrics", "KVPoolTransferStats", "stats_from_counts"]
 
@@ -48,26 +44,10 @@ COUNTERS = (
 
 
 @dataclass
-class KVPoolTransferStats(KVConnectorStats):
+class KVPoolTransferStats(CounterStats):
     """Counter deltas since the last report; ``data`` maps counter name -> int."""
 
-    def __post_init__(self) -> None:
-        for name in COUNTERS:
-            self.data.setdefault(name, 0)
-
-    def reset(self) -> None:
-        self.data = dict.fromkeys(COUNTERS, 0)
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name in COUNTERS:
-            self.data[name] = int(self.data.get(name, 0)) + int(other.data.get(name, 0))
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {name: int(self.data.get(name, 0)) for name in COUNTERS}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.get(name, 0) for name in COUNTERS)
+    COUNTERS: ClassVar[tuple[str, ...]] = COUNTERS
 
 
 def stats_from_counts(counts: Mapping[str, int]) -> KVPoolTransferStats | None:
@@ -77,28 +57,8 @@ def stats_from_counts(counts: Mapping[str, int]) -> KVPoolTransferStats | None:
     return KVPoolTransferStats(data={name: int(counts.get(name, 0)) for name in COUNTERS})
 
 
-class KVPoolTransferPromMetrics(KVConnectorPromMetrics):
+class KVPoolTransferPromMetrics(CounterPromMetrics):
     """One Prometheus counter per statistic, labelled per engine as vLLM's own metrics are."""
 
-    def __init__(
-        self,
-        vllm_config: Any,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[str, dict[int, Any]] = {}
-        for name in COUNTERS:
-            metric = self._counter_cls(
-                name=f"vllm:kvpool_transfer_{name}",
-                documentation=f"kvpool transfer connector: {name.replace('_', ' ')}",
-                labelnames=labelnames,
-            )
-            self._counters[name] = create_metric_per_engine(metric, per_engine_labelvalues)
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name in COUNTERS:
-            value = int(transfer_stats_data.get(name, 0))
-            if value:
-                self._counters[name][engine_idx].inc(value)
+    COUNTERS: ClassVar[tuple[str, ...]] = COUNTERS
+    PREFIX: ClassVar[str] = "transfer"

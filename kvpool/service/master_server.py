@@ -108,9 +108,6 @@ class _Sniffer(asyncio.Protocol):
         proto.connection_made(self.transport)
         proto.data_received(self.buffer)
 
-    def eof_received(self) -> bool | None:
-        return None
-
 
 class MasterServer:
     """The master process: service, embedded storage, RPC+HTTP listener, tick loop."""
