@@ -1,20 +1,28 @@
 """The SSD tier: objects as checksummed files under one directory, within a size limit.
 
 Layout: ``<root>/<key[:2]>/<key>`` (a two-character fan-out keeps directories small),
-temporary files in ``<root>/.tmp/``.  Each file is a 16-byte header then the value::
+temporary files in ``<root>/.tmp/``.  Each file is a 24-byte header then the value::
 
-    "KVS1" | value length u64 | crc32(value) u32 | value bytes
+    "KVS2" | value length u64 | xxh3_64(value) u64 | crc32(the 20 bytes before) u32 | value
+
+The value's checksum is the pool's own end-to-end checksum (xxh3-64, the one the index
+keeps per object and readers verify), so a tier left by a previous process can be
+re-announced to the master from its headers alone (:meth:`SsdStore.scan`): a 100 GiB tier
+costs one small read per file at start-up, never a pass over every value.  The header has
+its own CRC, so a flipped bit in it is caught by that scan (the file is dropped, never
+announced with a wrong length or checksum).  Files of any other format (``KVS1``, which
+kept only a CRC32 of the value) fail the check and are deleted: a miss, never wrong data.
 
 Rules:
 
 - A write is atomic: the file is written under ``.tmp`` and renamed into place with
   ``os.replace``, so a reader sees the old object, the new one, or none -- never half.
   There is no ``fsync`` (this is a cache): after a power loss a renamed file may hold
-  garbage, which the checksum turns into a miss on its first read.
-- A read checks magic, length (against the file size) and CRC32; a missing file is
-  :class:`~kvpool.errors.ObjectNotFound`, a truncated or corrupted one is
-  :class:`~kvpool.errors.ChecksumMismatch` (a miss, and the file is deleted so its
-  space comes back).  Wrong bytes are never returned as a success.
+  garbage, which the checksums turn into a miss on its first read (or its scan).
+- A read checks the header (magic, CRC, length against the file size) and the value's
+  xxh3; a missing file is :class:`~kvpool.errors.ObjectNotFound`, a truncated or
+  corrupted one is :class:`~kvpool.errors.ChecksumMismatch` (a miss, and the file is
+  deleted so its space comes back).  Wrong bytes are never returned as a success.
 - The total of all file sizes (headers included) never exceeds ``limit_bytes``; a write
   that would is refused with :class:`~kvpool.errors.NoSpace`.  A failing disk (ENOSPC,
   EIO, quota) is also ``NoSpace``, counted, and leaves no file behind.
@@ -37,14 +45,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import xxhash
+
 from kvpool.errors import ChecksumMismatch, ConfigError, NoSpace, ObjectNotFound
 from kvpool.storage.buffers import byte_view, writable_byte_view
 
-__all__ = ["HEADER_SIZE", "SsdStats", "SsdStore"]
+__all__ = ["HEADER_SIZE", "SsdScan", "SsdStats", "SsdStore"]
 
-_HEADER = struct.Struct("!4sQI")
-HEADER_SIZE = _HEADER.size
-_MAGIC = b"KVS1"
+_FIELDS = struct.Struct("!4sQQ")  # magic, value length, xxh3_64 of the value
+_CRC = struct.Struct("!I")  # crc32 of the fields: the header checks itself
+HEADER_SIZE = _FIELDS.size + _CRC.size
+_MAGIC = b"KVS2"
 _KEY = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 _TMP = ".tmp"
 
@@ -61,6 +72,44 @@ class SsdStats:
     corruptions: int = 0
     rejected_full: int = 0
     write_failures: int = 0
+    bad_headers: int = 0  # files a scan found unreadable or corrupt, and deleted
+
+
+@dataclass(frozen=True)
+class SsdScan:
+    """What :meth:`SsdStore.scan` found: intact objects (oldest first) and what it dropped."""
+
+    entries: list[tuple[str, int, int]]  # key, value length, xxh3_64 of the value
+    dropped: int = 0
+    dropped_bytes: int = 0
+
+    @property
+    def value_bytes(self) -> int:
+        return sum(size for _, size, _ in self.entries)
+
+
+class _BadHeader(Exception):
+    """A header that cannot be trusted (internal: becomes a miss or a dropped file)."""
+
+
+def _pack_header(length: int, value_checksum: int) -> bytes:
+    fields = _FIELDS.pack(_MAGIC, length, value_checksum)
+    return fields + _CRC.pack(zlib.crc32(fields))
+
+
+def _parse_header(raw: bytes, file_size: int) -> tuple[int, int]:
+    """(value length, value checksum) of a header, checked against itself and the file."""
+    if len(raw) < HEADER_SIZE:
+        raise _BadHeader("file shorter than its header")
+    fields = raw[: _FIELDS.size]
+    magic, length, value_checksum = _FIELDS.unpack(fields)
+    if magic != _MAGIC:
+        raise _BadHeader(f"bad magic {magic!r}")
+    if _CRC.unpack(raw[_FIELDS.size : HEADER_SIZE])[0] != zlib.crc32(fields):
+        raise _BadHeader("header checksum mismatch")
+    if file_size != HEADER_SIZE + length:
+        raise _BadHeader(f"{file_size - HEADER_SIZE} bytes on disk, {length} written")
+    return int(length), int(value_checksum)
 
 
 def _check_key(key: str) -> None:
@@ -84,8 +133,9 @@ class SsdStore:
     def open(cls, root: str | os.PathLike[str], limit_bytes: int) -> SsdStore:
         """Open (creating if needed) the tier at ``root``; index what is already there.
 
-        Objects left by a previous run are kept (their integrity is checked when read);
-        stale temporary files are removed.
+        Objects left by a previous run are kept and counted against the limit (only
+        listed here: :meth:`scan` checks their headers, reads check their values); stale
+        temporary files are removed.
         """
         path = Path(root)
         if limit_bytes <= 0:
@@ -130,7 +180,7 @@ class SsdStore:
             return key in self._sizes
 
     def keys(self) -> list[str]:
-        """Keys present (for re-announcing to the master after a restart)."""
+        """Keys present (listed, not checked: :meth:`scan` checks them)."""
         with self._lock:
             return list(self._sizes)
 
@@ -151,8 +201,13 @@ class SsdStore:
 
     # -- objects ----------------------------------------------------------------
 
-    def put(self, key: str, data: Any) -> None:
-        """Store ``data`` (any buffer) under ``key``, replacing an older value atomically."""
+    def put(self, key: str, data: Any, checksum: int | None = None) -> None:
+        """Store ``data`` (any buffer) under ``key``, replacing an older value atomically.
+
+        ``checksum`` is the value's xxh3-64 when the caller has just computed it (a
+        demotion checks the bytes against the index's checksum first); otherwise it is
+        computed here.  A wrong one is a miss on read, never wrong bytes.
+        """
         final = self._path(key)
         src = byte_view(data)
         need = HEADER_SIZE + len(src)
@@ -167,7 +222,9 @@ class SsdStore:
             self._reserved += need
         tmp = self.root / _TMP / f"{key}.{secrets.token_hex(4)}"
         try:
-            header = _HEADER.pack(_MAGIC, len(src), zlib.crc32(src))
+            if checksum is None:
+                checksum = xxhash.xxh3_64_intdigest(src)
+            header = _pack_header(len(src), checksum)
             final.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(header)
@@ -202,19 +259,13 @@ class SsdStore:
                 self.stats.misses += 1
             raise ObjectNotFound(f"{key} is not on SSD") from None
         with f:
-            header = f.read(HEADER_SIZE)
+            raw = f.read(HEADER_SIZE)
             st = os.fstat(f.fileno())
-            file_size, inode = st.st_size, st.st_ino
-            if len(header) < HEADER_SIZE:
-                self._corrupt(key, path, inode, "file shorter than its header")
-            magic, length, crc = _HEADER.unpack(header)
-            length = int(length)
-            if magic != _MAGIC:
-                self._corrupt(key, path, inode, f"bad magic {magic!r}")
-            if file_size != HEADER_SIZE + length:
-                self._corrupt(
-                    key, path, inode, f"{file_size - HEADER_SIZE} bytes on disk, {length} written"
-                )
+            inode = st.st_ino
+            try:
+                length, value_checksum = _parse_header(raw, st.st_size)
+            except _BadHeader as exc:
+                self._corrupt(key, path, inode, str(exc))
             if len(dst) < length:
                 raise ValueError(f"buffer of {len(dst)} bytes is too small for {key} ({length})")
             target = dst[:length]
@@ -224,7 +275,7 @@ class SsdStore:
                 if not n:
                     self._corrupt(key, path, inode, "file shrank while reading")
                 got += n
-        if zlib.crc32(target) != crc:
+        if xxhash.xxh3_64_intdigest(target) != value_checksum:
             self._corrupt(key, path, inode, "checksum mismatch")
         with self._lock:
             self.stats.reads += 1
@@ -256,14 +307,59 @@ class SsdStore:
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
 
-    def _corrupt(self, key: str, path: Path, inode: int, why: str) -> NoReturn:
-        """Count, delete the bad file (its space comes back), and raise the miss."""
-        with self._lock:
-            self.stats.corruptions += 1
-        # Only if the name still points at the file we read: a concurrent put may
-        # already have replaced it with a good one.
+    # -- re-announcing ----------------------------------------------------------
+
+    def scan(self) -> SsdScan:
+        """Check the header of every object and list the intact ones, oldest first.
+
+        Reads :data:`HEADER_SIZE` bytes per file, never a value: this is what a process
+        re-announces to a master that does not know the tier (a restarted master, or a
+        restarted owner).  A file whose header fails its check is deleted and counted,
+        so it is never announced; a value corrupted behind an intact header is caught by
+        its checksum on the first read.  Oldest first, so that announcing in this order
+        leaves the index's recency order close to the files' ages.
+        """
+        found: list[tuple[int, str, int, int]] = []
+        dropped = dropped_bytes = 0
+        for key in self.keys():
+            path = self._path(key)
+            try:
+                with open(path, "rb") as f:
+                    raw = f.read(HEADER_SIZE)
+                    st = os.fstat(f.fileno())
+            except FileNotFoundError:
+                self._forget(key)
+                continue
+            except OSError:  # unreadable (EIO, permissions): no use to anyone
+                raw = b""
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+            try:
+                length, value_checksum = _parse_header(raw, st.st_size)
+            except _BadHeader:
+                dropped += 1
+                dropped_bytes += st.st_size
+                with self._lock:
+                    self.stats.bad_headers += 1
+                self._discard(key, path, st.st_ino)
+                continue
+            found.append((st.st_mtime_ns, key, length, value_checksum))
+        found.sort()
+        return SsdScan([(k, n, c) for _, k, n, c in found], dropped, dropped_bytes)
+
+    def _discard(self, key: str, path: Path, inode: int) -> None:
+        """Delete a bad file, but only if the name still points at the file that was
+        checked: a concurrent put may already have replaced it with a good one."""
         with contextlib.suppress(OSError):
             if path.stat().st_ino == inode:
                 self._forget(key)
                 path.unlink()
+
+    def _corrupt(self, key: str, path: Path, inode: int, why: str) -> NoReturn:
+        """Count, delete the bad file (its space comes back), and raise the miss."""
+        with self._lock:
+            self.stats.corruptions += 1
+        self._discard(key, path, inode)
         raise ChecksumMismatch(f"SSD object {key} is corrupt ({why}); treated as a miss")

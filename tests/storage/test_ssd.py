@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import os
+import struct
 import subprocess
 import sys
 import threading
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvpool.errors import ChecksumMismatch, ConfigError, NoSpace, ObjectNotFound
 from kvpool.storage.ssd import HEADER_SIZE, SsdStore
@@ -96,6 +100,94 @@ def test_corrupted_header_magic_is_a_miss(tmp_path: Path) -> None:
     path = object_file(tmp_path, KEY)
     path.write_bytes(b"JUNK" + path.read_bytes()[4:])
     with pytest.raises(ChecksumMismatch, match="magic"):
+        store.get(KEY)
+
+
+# ------------------------------------------------------------------ scan (re-announce)
+def test_header_carries_the_pools_checksum_so_a_scan_needs_no_value(tmp_path: Path) -> None:
+    store = SsdStore.open(tmp_path, 1 << 20)
+    value = os.urandom(5000)
+    store.put(KEY, value)
+    again = SsdStore.open(tmp_path, 1 << 20)
+    scan = again.scan()
+    assert scan.entries == [(KEY, 5000, xxhash.xxh3_64_intdigest(value))]
+    assert scan.dropped == 0 and scan.value_bytes == 5000
+    assert again.get(KEY) == value
+
+
+def test_scan_lists_oldest_first(tmp_path: Path) -> None:
+    store = SsdStore.open(tmp_path, 1 << 20)
+    for i, key in enumerate(["new", "old", "mid"]):
+        store.put(key, bytes([i]) * 10)
+    ages = {"old": 1_000, "mid": 2_000, "new": 3_000}
+    for key, t in ages.items():
+        os.utime(object_file(tmp_path, key), (t, t))
+    assert [k for k, _, _ in SsdStore.open(tmp_path, 1 << 20).scan().entries] == [
+        "old",
+        "mid",
+        "new",
+    ]
+
+
+@pytest.mark.parametrize("at", [0, 5, 13, 21])  # magic, length, checksum, header CRC
+def test_scan_deletes_a_file_whose_header_is_corrupt(tmp_path: Path, at: int) -> None:
+    store = SsdStore.open(tmp_path, 1 << 20)
+    store.put(KEY, b"h" * 100)
+    store.put("intact", b"i" * 100)
+    path = object_file(tmp_path, KEY)
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x40
+    path.write_bytes(raw)
+    again = SsdStore.open(tmp_path, 1 << 20)
+    scan = again.scan()
+    assert [k for k, _, _ in scan.entries] == ["intact"]
+    assert scan.dropped == 1 and scan.dropped_bytes == HEADER_SIZE + 100
+    assert again.stats.bad_headers == 1
+    assert not path.exists() and KEY not in again
+    assert again.used_bytes == HEADER_SIZE + 100
+
+
+def test_scan_drops_files_of_the_old_format(tmp_path: Path) -> None:
+    # "KVS1" | length u64 | crc32 u32: no pool checksum, so it cannot be re-announced
+    value = b"old format" * 10
+    path = object_file(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(struct.pack("!4sQI", b"KVS1", len(value), zlib.crc32(value)) + value)
+    store = SsdStore.open(tmp_path, 1 << 20)
+    assert store.scan().entries == [] and not path.exists()
+    with pytest.raises(ObjectNotFound):
+        store.get(KEY)
+
+
+def test_scan_lists_a_corrupt_value_whose_read_is_then_a_miss(tmp_path: Path) -> None:
+    store = SsdStore.open(tmp_path, 1 << 20)
+    store.put(KEY, b"v" * 1000)
+    path = object_file(tmp_path, KEY)
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_SIZE + 999] ^= 0x01
+    path.write_bytes(raw)
+    assert [k for k, _, _ in store.scan().entries] == [KEY]  # headers only: values unread
+    with pytest.raises(ChecksumMismatch):
+        store.get(KEY)
+    assert not path.exists()
+
+
+def test_scan_forgets_files_deleted_behind_its_back(tmp_path: Path) -> None:
+    store = SsdStore.open(tmp_path, 1 << 20)
+    store.put(KEY, b"x" * 10)
+    object_file(tmp_path, KEY).unlink()
+    scan = store.scan()
+    assert scan.entries == [] and scan.dropped == 0
+    assert KEY not in store and store.used_bytes == 0
+
+
+def test_a_wrong_checksum_from_the_caller_is_a_miss_not_wrong_bytes(tmp_path: Path) -> None:
+    store = SsdStore.open(tmp_path, 1 << 20)
+    value = b"w" * 64
+    store.put(KEY, value, checksum=xxhash.xxh3_64_intdigest(value))
+    assert store.get(KEY) == value
+    store.put(KEY, value, checksum=12345)
+    with pytest.raises(ChecksumMismatch):
         store.get(KEY)
 
 
