@@ -1,0 +1,73 @@
+"""Typed configuration: the node's ``mooncake.json`` keys, the master's flags, timeouts.
+
+Two layers, as everywhere in kvpool:
+
+- pure parsing — :func:`parse_size`, :func:`parse_host_port`, :func:`parse_node_config`,
+  :meth:`MasterConfig.from_flags`, :func:`parse_timeouts` — take plain values and an
+  environment *mapping*; they never touch the disk or ``os.environ``;
+- the edge — :func:`load_node_config`, :func:`config_path_from_env` — reads the file and
+  the real environment and hands both to the pure layer.
+
+Modules: :mod:`~kvpool.config.values` (sizes, booleans, host:port, timeouts),
+:mod:`~kvpool.config.node` (``mooncake.json``), :mod:`~kvpool.config.master` (master flags).
+
+Every mistake is a :class:`~kvpool.errors.ConfigError` whose message names the key (or
+flag, or environment variable) and says how to fix it.  Nothing is silently ignored: an
+unknown key is an error, not a warning.
+
+Precedence: ``KVPOOL_*`` environment variables win over their ``MOONCAKE_*``/``ASCEND_*``
+twins (which exist for drop-in use of the seed's deployments), and the environment wins
+over the file.
+"""
+
+from __future__ import annotations
+
+from kvpool.config.master import MasterConfig
+from kvpool.config.node import (
+    NODE_KEYS,
+    SERVED_PROTOCOLS,
+    NodeConfig,
+    config_path_from_env,
+    load_node_config,
+    parse_node_config,
+    served_protocols,
+)
+from kvpool.config.values import (
+    CONFIG_PATH_VARS,
+    CONNECT_TIMEOUT_VARS,
+    DEFAULT_MASTER_PORT,
+    DEFAULT_OFFLOAD_LIMIT,
+    DEFAULT_SEGMENT_SIZE,
+    OFFLOAD_LIMIT_VARS,
+    TRANSFER_TIMEOUT_VARS,
+    Timeouts,
+    env_lookup,
+    parse_bool_value,
+    parse_host_port,
+    parse_size,
+    parse_timeouts,
+)
+
+__all__ = [
+    "CONFIG_PATH_VARS",
+    "CONNECT_TIMEOUT_VARS",
+    "DEFAULT_MASTER_PORT",
+    "DEFAULT_OFFLOAD_LIMIT",
+    "DEFAULT_SEGMENT_SIZE",
+    "NODE_KEYS",
+    "OFFLOAD_LIMIT_VARS",
+    "SERVED_PROTOCOLS",
+    "TRANSFER_TIMEOUT_VARS",
+    "MasterConfig",
+    "NodeConfig",
+    "Timeouts",
+    "config_path_from_env",
+    "env_lookup",
+    "load_node_config",
+    "parse_bool_value",
+    "parse_host_port",
+    "parse_node_config",
+    "parse_size",
+    "parse_timeouts",
+    "served_protocols",
+]

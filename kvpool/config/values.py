@@ -1,0 +1,214 @@
+"""Plain values of kvpool's configuration: sizes, booleans, integers, ratios, host:port,
+environment lookups and the connect/transfer timeouts.
+
+Pure: every function takes values and an environment *mapping*; none touches the disk or
+``os.environ``.  Every mistake is a :class:`~kvpool.errors.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from kvpool.errors import ConfigError
+
+__all__ = [
+    "CONFIG_PATH_VARS",
+    "CONNECT_TIMEOUT_VARS",
+    "DEFAULT_MASTER_PORT",
+    "DEFAULT_OFFLOAD_LIMIT",
+    "DEFAULT_SEGMENT_SIZE",
+    "OFFLOAD_LIMIT_VARS",
+    "TRANSFER_TIMEOUT_VARS",
+    "Timeouts",
+    "env_lookup",
+    "parse_bool_value",
+    "parse_host_port",
+    "parse_int",
+    "parse_ratio",
+    "parse_size",
+    "parse_timeouts",
+    "require_str",
+]
+
+KiB = 1024
+GiB = 1024**3
+TiB = 1024**4
+
+DEFAULT_MASTER_PORT = 50088
+DEFAULT_SEGMENT_SIZE = 1 * GiB
+# The seed: "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES 默认 2TB" — Mooncake means 2 TiB.
+DEFAULT_OFFLOAD_LIMIT = 2 * TiB
+
+# Environment variables, most authoritative first.
+CONFIG_PATH_VARS = ("KVPOOL_CONFIG_PATH", "MOONCAKE_CONFIG_PATH")
+OFFLOAD_LIMIT_VARS = (
+    "KVPOOL_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES",
+    "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES",
+)
+# Milliseconds.  Both kvpool spellings work; ``_MS`` first, as the connectors write it.
+CONNECT_TIMEOUT_VARS = (
+    "KVPOOL_CONNECT_TIMEOUT_MS",
+    "KVPOOL_CONNECT_TIMEOUT",
+    "ASCEND_CONNECT_TIMEOUT",
+)
+TRANSFER_TIMEOUT_VARS = (
+    "KVPOOL_TRANSFER_TIMEOUT_MS",
+    "KVPOOL_TRANSFER_TIMEOUT",
+    "ASCEND_TRANSFER_TIMEOUT",
+)
+
+
+# --------------------------------------------------------------------------- sizes
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "pb": 1000**5,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "pib": 1024**5,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object, *, key: str) -> int:
+    """Bytes from ``4GB`` (10^9 each), ``512MiB`` (2^20 each), ``1.5 GiB`` or plain bytes.
+
+    Decimal units (kB, MB, GB, TB, PB) are powers of 1000 and binary units (KiB, MiB, GiB,
+    TiB, PiB) powers of 1024, as in SI/IEC; unit letters are case-insensitive.  A bare
+    ``4G`` is refused because it is ambiguous.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(
+            f"{key}: expected a size such as 4GB, 512MiB or a number of bytes, got {value!r}"
+        )
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: a size cannot be negative (got {value})")
+        return value
+    match = _SIZE_RE.match(value)
+    if match is None:
+        raise ConfigError(
+            f"{key}: cannot read {value!r} as a size; write e.g. 4GB, 512MiB, 1.5GiB or 1073741824"
+        )
+    number, unit = match.group(1), match.group(2).lower()
+    if unit not in _UNITS:
+        hint = f" (write {number}{unit.upper()}B for 10^n or {number}{unit.upper()}iB for 2^n)"
+        ambiguous = unit in ("k", "m", "g", "t", "p")
+        raise ConfigError(
+            f"{key}: unknown size unit {match.group(2)!r} in {value!r}"
+            + (hint if ambiguous else "; use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        )
+    try:
+        exact = Decimal(number) * _UNITS[unit]
+    except InvalidOperation:  # pragma: no cover - the regex admits only decimals
+        raise ConfigError(f"{key}: cannot read {value!r} as a size") from None
+    if exact != exact.to_integral_value():
+        raise ConfigError(f"{key}: {value!r} is not a whole number of bytes")
+    return int(exact)
+
+
+def parse_bool_value(value: object, *, key: str) -> bool:
+    """A JSON boolean, or the strings true/false (templates often render strings)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def parse_int(value: object, *, key: str, minimum: int = 0) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value.strip())
+    if not isinstance(value, int):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{key}: must be at least {minimum}, got {value}")
+    return value
+
+
+def parse_ratio(value: object, *, key: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a number in (0, 1], got {value!r}")
+    try:
+        ratio = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a number in (0, 1], got {value!r}") from None
+    if not 0.0 < ratio <= 1.0:
+        raise ConfigError(f"{key}: must be in (0, 1], got {ratio}")
+    return ratio
+
+
+def parse_host_port(value: object, *, key: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) → (host, port)."""
+    if not isinstance(value, str) or ":" not in value:
+        raise ConfigError(
+            f"{key}: expected host:port such as 10.0.0.1:{DEFAULT_MASTER_PORT}, got {value!r}"
+        )
+    host, _, port_text = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(
+            f"{key}: expected host:port such as 10.0.0.1:{DEFAULT_MASTER_PORT}, got {value!r}"
+        )
+    return host, int(port_text)
+
+
+def env_lookup(env: Mapping[str, str], names: Sequence[str]) -> tuple[str, str] | None:
+    """The first of ``names`` set (non-empty) in ``env``, as (name, value)."""
+    for name in names:
+        value = env.get(name, "").strip()
+        if value:
+            return name, value
+    return None
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Connect and transfer timeouts in milliseconds (the seed's §5.1 variables)."""
+
+    connect_timeout_ms: int = 10_000
+    transfer_timeout_ms: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_ms", "transfer_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be a positive number of milliseconds")
+
+
+def parse_timeouts(
+    env: Mapping[str, str], *, connect_ms: object = None, transfer_ms: object = None
+) -> Timeouts:
+    """Timeouts from the file values given, overridden by KVPOOL_/ASCEND_ variables (ms)."""
+    values: dict[str, int] = {}
+    for name, file_value, variables in (
+        ("connect_timeout_ms", connect_ms, CONNECT_TIMEOUT_VARS),
+        ("transfer_timeout_ms", transfer_ms, TRANSFER_TIMEOUT_VARS),
+    ):
+        found = env_lookup(env, variables)
+        if found is not None:
+            values[name] = parse_int(found[1], key=found[0], minimum=1)
+        elif file_value is not None:
+            values[name] = parse_int(file_value, key=name, minimum=1)
+    return Timeouts(**values)
+
+
+def require_str(value: object, key: str) -> str:
+    """``value`` if it is a string; a ConfigError naming ``key`` otherwise."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value

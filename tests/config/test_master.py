@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from kvpool.config import (
+    MasterConfig,
+    parse_node_config,
+)
+from kvpool.errors import ConfigError
+
+
+def test_master_server_address_is_accepted_as_mooncake_spells_it() -> None:
+    data = {"local_hostname": "h", "master_server_address": "m:1234"}
+    assert parse_node_config(data).master_address == "m:1234"
+
+
+def test_master_defaults_are_the_seeds() -> None:
+    cfg = MasterConfig()
+    assert (cfg.host, cfg.port) == ("127.0.0.1", 50088)
+    assert (cfg.eviction_high_watermark_ratio, cfg.eviction_ratio) == (0.9, 0.1)
+    assert (cfg.default_kv_lease_ttl, cfg.client_ttl, cfg.enable_offload) == (11000, 120, False)
+    assert cfg.client_ttl_ms == 120_000 and cfg.lease_ttl_ms == 11_000
+
+
+def test_master_parses_the_seeds_command_lines_as_written() -> None:
+    line = (
+        "mooncake_master --port 50088 --eviction_high_watermark_ratio 0.9 --eviction_ratio 0.1"
+        " --default_kv_lease_ttl 11000 --enable_offload=true --client_ttl=120"
+    )
+    argv = shlex.split(line)
+    cfg = MasterConfig.from_argv(argv)
+    assert cfg.enable_offload is True and cfg.client_ttl == 120 and cfg.port == 50088
+    dashed = MasterConfig.from_argv(
+        ["kvpool", "master", "--eviction-ratio=0.2", "--segment-size", "4GiB", "--enable_offload"]
+    )
+    assert dashed.eviction_ratio == 0.2 and dashed.segment_size == 4 * 2**30
+    assert dashed.enable_offload is True
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        ({"eviction_high_watermark_ratio": "1.5"}, "--eviction_high_watermark_ratio"),
+        ({"eviction_ratio": "0"}, "--eviction_ratio"),
+        ({"default_kv_lease_ttl": "-1"}, "--default_kv_lease_ttl"),
+        ({"client_ttl": "0"}, "--client_ttl"),
+        ({"port": "70000"}, "--port"),
+        ({"enable_offload": "maybe"}, "--enable_offload"),
+        ({"segment_size": "big"}, "--segment_size"),
+        ({"eviction_policy": "random"}, "--eviction_policy"),
+        ({"rpc_thread_num": "4"}, "--rpc_thread_num"),
+    ],
+)
+def test_master_flags_out_of_range_name_the_flag(flags: dict[str, object], flag: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        MasterConfig.from_flags(flags)
+    assert flag in str(err.value)
+
+
+def test_master_typed_construction_is_validated_too() -> None:
+    with pytest.raises(ConfigError, match="--eviction_ratio"):
+        MasterConfig(eviction_ratio=2.0)

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpool.config import (
+    Timeouts,
+    parse_host_port,
+    parse_size,
+    parse_timeouts,
+)
+from kvpool.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4GB", 4 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5 GiB", 3 * 2**29),
+        ("1073741824000", 1073741824000),
+        (1073741824000, 1073741824000),
+        ("2TiB", 2 * 2**40),
+        ("2tb", 2 * 10**12),
+        ("0.5kB", 500),
+        (" 7 B ", 7),
+    ],
+)
+def test_parse_size_accepts_decimal_binary_and_plain_bytes(text: object, expected: int) -> None:
+    assert parse_size(text, key="global_segment_size") == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("4G", "4GB"),  # ambiguous: the message offers 4GB and 4GiB
+        ("4 bananas", "unknown size unit"),
+        ("-4GB", "cannot read"),
+        ("1.5", "whole number"),
+        ("0.1 B", "whole number"),
+        (True, "expected a size"),
+        (-1, "negative"),
+        (1.5, "expected a size"),
+    ],
+)
+def test_parse_size_refuses_bad_values_naming_the_key(text: object, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_size(text, key="ssd_offload_limit")
+    assert "ssd_offload_limit" in str(err.value)
+    assert fragment in str(err.value)
+
+
+@given(st.integers(min_value=0, max_value=2**50))
+def test_parse_size_of_plain_bytes_round_trips(n: int) -> None:
+    assert parse_size(str(n), key="k") == n
+    assert parse_size(f"{n}B", key="k") == n
+
+
+def test_timeouts_env_wins_and_kvpool_names_win_over_ascend() -> None:
+    assert parse_timeouts({}) == Timeouts(10_000, 10_000)
+    env = {"ASCEND_CONNECT_TIMEOUT": "20000", "ASCEND_TRANSFER_TIMEOUT": "15000"}
+    assert parse_timeouts(env, connect_ms=5) == Timeouts(20_000, 15_000)
+    env["KVPOOL_TRANSFER_TIMEOUT"] = "3000"
+    assert parse_timeouts(env).transfer_timeout_ms == 3000
+    assert parse_timeouts({}, connect_ms=7, transfer_ms="8") == Timeouts(7, 8)
+    with pytest.raises(ConfigError, match="ASCEND_CONNECT_TIMEOUT"):
+        parse_timeouts({"ASCEND_CONNECT_TIMEOUT": "soon"})
+
+
+def test_parse_host_port_accepts_ipv6_brackets() -> None:
+    assert parse_host_port("[::1]:50088", key="m") == ("::1", 50088)
+    with pytest.raises(ConfigError, match="m: expected host:port"):
+        parse_host_port(":50088", key="m")
