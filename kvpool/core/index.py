@@ -169,14 +169,27 @@ class ObjectIndex:
     ) -> bool:
         """Re-announce a READY object a node still holds (after a master restart).
 
-        False when the key is already known or the extent is not free: the node then drops
+        False when the key is already known or there is no room for it: the node then drops
         its copy, since the index is the one truth about what is readable.
+
+        In a memory segment the object takes exactly its extent (``offset`` is where its
+        bytes are).  In an SSD segment ``offset`` is ignored: files are found by key, so
+        an SSD extent only accounts for space and any free one will do (the owner cannot
+        know the offsets a previous master handed out).
         """
         self._now = max(self._now, now_ms)
         seg = self.registry.segment(segment_id)
-        extent = Extent(offset, size)
-        if key in self._objects or not seg.space.take(extent):
+        if key in self._objects or size <= 0:
             return False
+        if seg.tier is Tier.SSD:
+            placed = seg.space.allocate(size) if seg.space.free >= size else None
+            if placed is None:
+                return False
+            extent = placed
+        else:
+            extent = Extent(offset, size)
+            if not seg.space.take(extent):
+                return False
         self._objects[key] = ObjectRecord(key, State.READY, seg, extent, parent, "", 0, checksum)
         self._policies[seg.tier].on_insert(key, parent)
         return True

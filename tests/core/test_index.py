@@ -312,3 +312,41 @@ def test_restore_re_announces_objects_after_a_master_restart() -> None:
     assert idx.get("k", "r", 0).location.offset == 20
     assert idx.state_of("k") is State.READY
     idx.check()
+
+
+def test_restore_into_an_ssd_segment_takes_any_free_extent() -> None:
+    idx = make_offload(mem=30, ssd=30)
+    # the owner cannot know a previous master's SSD offsets: they are ignored
+    assert idx.restore("a", "node/ssd", 0, 10, 11, 0)
+    assert idx.restore("b", "node/ssd", 0, 10, 12, 0)
+    assert idx.restore("c", "node/ssd", 999, 10, 13, 0)
+    grant = idx.get("b", "r", 1)
+    assert grant.location.tier is Tier.SSD and grant.checksum == 12
+    assert idx.usage(Tier.SSD) == (30, 30) and idx.count(Tier.SSD) == 3
+    idx.check()
+
+
+def test_restore_into_an_ssd_segment_refuses_what_does_not_fit_or_is_known() -> None:
+    idx = make_offload(mem=30, ssd=25)
+    put(idx, "m")  # a memory object
+    assert idx.restore("a", "node/ssd", 0, 20, 1, 0)
+    assert not idx.restore("b", "node/ssd", 0, 10, 2, 0)  # over capacity
+    assert not idx.restore("a", "node/ssd", 0, 5, 1, 0)  # already on SSD
+    assert not idx.restore("m", "node/ssd", 0, 5, 7, 0)  # already present elsewhere
+    assert not idx.restore("z", "node/ssd", 0, 0, 1, 0)  # nothing to account for
+    assert idx.location_of("m") is not None and idx.location_of("m").tier is Tier.MEMORY
+    assert idx.usage(Tier.SSD) == (25, 20)
+    idx.check()
+
+
+def test_restored_ssd_objects_are_evicted_and_removed_like_demoted_ones() -> None:
+    idx = make_offload(mem=10, ssd=20)
+    assert idx.restore("old", "node/ssd", 0, 10, 1, 0)
+    assert idx.restore("gone", "node/ssd", 0, 10, 2, 0)
+    assert idx.remove("gone", 1) == Dropped("gone", Tier.SSD, "removed", "node")
+    put(idx, "a", now=1)
+    put(idx, "b", now=2)  # demotes "a" into the free half
+    _, events = idx.put_start("c", 10, "w", 3)  # demotes "b": the SSD must make room
+    assert Dropped("old", Tier.SSD, "evicted", "node") in events
+    assert any(isinstance(e, Demote) and e.key == "b" for e in events)
+    idx.check()
