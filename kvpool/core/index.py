@@ -169,8 +169,10 @@ class ObjectIndex:
     ) -> bool:
         """Re-announce a READY object a node still holds (after a master restart).
 
-        False when the key is already known or there is no room for it: the node then drops
-        its copy, since the index is the one truth about what is readable.
+        False when the key is already known elsewhere or there is no room for it: the node
+        then drops its copy, since the index is the one truth about what is readable.  The
+        same object announced again from the same place is True (a node may retry a
+        re-announcement that failed part-way, and must not delete what is in use).
 
         In a memory segment the object takes exactly its extent (``offset`` is where its
         bytes are).  In an SSD segment ``offset`` is ignored: files are found by key, so
@@ -179,7 +181,16 @@ class ObjectIndex:
         """
         self._now = max(self._now, now_ms)
         seg = self.registry.segment(segment_id)
-        if key in self._objects or size <= 0:
+        known = self._objects.get(key)
+        if known is not None:
+            return (
+                known.segment is seg
+                and known.state is State.READY
+                and known.checksum == checksum
+                and known.extent.length == size
+                and (seg.tier is Tier.SSD or known.extent.offset == offset)
+            )
+        if size <= 0:
             return False
         if seg.tier is Tier.SSD:
             placed = seg.space.allocate(size) if seg.space.free >= size else None

@@ -307,7 +307,9 @@ def test_remove_client_drops_its_objects_even_if_leased() -> None:
 def test_restore_re_announces_objects_after_a_master_restart() -> None:
     idx = make()
     assert idx.restore("k", "node/mem", 20, 10, 99, 0)
-    assert not idx.restore("k", "node/mem", 40, 10, 99, 0)  # already known
+    assert idx.restore("k", "node/mem", 20, 10, 99, 0)  # the same again: a retry
+    assert not idx.restore("k", "node/mem", 40, 10, 99, 0)  # already known elsewhere
+    assert not idx.restore("k", "node/mem", 20, 10, 98, 0)  # not the same object
     assert not idx.restore("j", "node/mem", 25, 10, 99, 0)  # overlaps k
     assert idx.get("k", "r", 0).location.offset == 20
     assert idx.state_of("k") is State.READY
@@ -331,8 +333,9 @@ def test_restore_into_an_ssd_segment_refuses_what_does_not_fit_or_is_known() -> 
     put(idx, "m")  # a memory object
     assert idx.restore("a", "node/ssd", 0, 20, 1, 0)
     assert not idx.restore("b", "node/ssd", 0, 10, 2, 0)  # over capacity
-    assert not idx.restore("a", "node/ssd", 0, 5, 1, 0)  # already on SSD
-    assert not idx.restore("m", "node/ssd", 0, 5, 7, 0)  # already present elsewhere
+    assert idx.restore("a", "node/ssd", 0, 20, 1, 0)  # the same again: a retry
+    assert not idx.restore("a", "node/ssd", 0, 5, 1, 0)  # not the same object
+    assert not idx.restore("m", "node/ssd", 0, 10, 7, 0)  # already present elsewhere
     assert not idx.restore("z", "node/ssd", 0, 0, 1, 0)  # nothing to account for
     assert idx.location_of("m") is not None and idx.location_of("m").tier is Tier.MEMORY
     assert idx.usage(Tier.SSD) == (25, 20)
