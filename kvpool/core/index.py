@@ -72,6 +72,12 @@ __all__ = [
     "State",
 ]
 
+# Module names for the enum members the hot paths test (a global load, not an attribute
+# lookup on the enum class, and never an enum hash: dict lookups keyed by Tier hash it in
+# Python code).
+_READY, _PENDING = State.READY, State.PENDING
+_MEMORY, _SSD = Tier.MEMORY, Tier.SSD
+
 
 class ObjectIndex:
     """All objects of the pool, their placement, leases, pins and eviction order."""
@@ -84,6 +90,11 @@ class ObjectIndex:
         self._policies: dict[Tier, EvictionPolicy[Any]] = {
             t: make_policy(self.config.policy) for t in Tier
         }
+        self._mem_policy = self._policies[_MEMORY]
+        self._ssd_policy = self._policies[_SSD]
+        # each tier's segments, kept until add_segment or remove_client changes them
+        self._mem_segments: list[Segment] | None = None
+        self._ssd_segments: list[Segment] | None = None
         self._owner_keys: dict[str, set[str]] = {}
         self._hold_heap: list[tuple[int, str, str]] = []  # (expiry, key, owner), lazy
         self._writer_heap: list[tuple[int, str, str]] = []  # (expiry, key, writer), lazy
@@ -102,10 +113,12 @@ class ObjectIndex:
         self, client_id: str, segment_id: str, capacity: int, tier: Tier = Tier.MEMORY
     ) -> None:
         self.registry.add_segment(client_id, segment_id, capacity, tier)
+        self._mem_segments = self._ssd_segments = None
 
     def remove_client(self, client_id: str, reason: str = "expired_client") -> list[Event]:
         """Drop a client, its segments and every object in them at once."""
         segments = {s.segment_id for s in self.registry.drop(client_id)}
+        self._mem_segments = self._ssd_segments = None
         gone = [o for o in self._objects.values() if o.segment.segment_id in segments]
         return [self._drop(o, reason, release_space=False) for o in gone]
 
@@ -120,18 +133,20 @@ class ObjectIndex:
         Raises WriteConflict when another writer holds the key PENDING, NoSpace when no
         room can be made.
         """
-        self._now = max(self._now, now_ms)
+        if now_ms > self._now:
+            self._now = now_ms
         if size <= 0:
             raise ValueError(f"object size must be positive, got {size}")
-        obj = self._objects.get(key)
+        objects = self._objects
+        obj = objects.get(key)
         if obj is not None:
-            if obj.state is State.READY:
+            if obj.state is _READY:
                 return None, []
             if obj.writer != writer and obj.writer_expiry_ms > now_ms:
                 raise WriteConflict(f"{key} is being written by {obj.writer}")
             self._drop(obj, "revoked")  # our own retry, or an expired writer
         events: list[Event] = []
-        placed = self._allocate(Tier.MEMORY, size, now_ms, events)
+        placed = self._allocate(_MEMORY, size, now_ms, events)
         if placed is None:
             self.stats.put_failures_no_space += 1
             raise NoSpace(
@@ -140,18 +155,20 @@ class ObjectIndex:
             )
         seg, extent = placed
         expiry = now_ms + self.config.writer_ttl_ms
-        obj = ObjectRecord(key, State.PENDING, seg, extent, parent, writer, expiry)
-        self._objects[key] = obj
+        obj = ObjectRecord(key, _PENDING, seg, extent, parent, writer, expiry)
+        objects[key] = obj
         heapq.heappush(self._writer_heap, (expiry, key, writer))
         return Reservation(key, obj.location(), expiry), events
 
     def put_end(self, key: str, writer: str, now_ms: int, checksum: int = 0) -> None:
         """Make a written object visible."""
-        self._now = max(self._now, now_ms)
+        if now_ms > self._now:
+            self._now = now_ms
         obj = self._pending_of(key, writer)
-        obj.state = State.READY
+        obj.state = _READY
         obj.checksum = checksum
-        self._policies[obj.segment.tier].on_insert(key, obj.parent)
+        policy = self._mem_policy if obj.segment.tier is _MEMORY else self._ssd_policy
+        policy.on_insert(key, obj.parent)
 
     def put_revoke(self, key: str, writer: str) -> None:
         """Abandon a reservation; its space is free again."""
@@ -217,19 +234,20 @@ class ObjectIndex:
         n = 0
         for key in keys:
             obj = objects.get(key)
-            if obj is None or obj.state is not State.READY:
+            if obj is None or obj.state is not _READY:
                 break
             n += 1
         return n
 
     def get(self, key: str, owner: str, now_ms: int) -> ReadGrant:
         """Grant a read lease of ``lease_ttl_ms`` on a READY object."""
-        self._now = max(self._now, now_ms)
+        if now_ms > self._now:
+            self._now = now_ms
         obj = self._objects.get(key)
-        if obj is None or obj.state is not State.READY:
+        if obj is None or obj.state is not _READY:
             raise ObjectNotFound(key)
         expiry = self._hold(obj, owner, now_ms + self.config.lease_ttl_ms)
-        self._policies[obj.segment.tier].on_access(key)
+        (self._mem_policy if obj.segment.tier is _MEMORY else self._ssd_policy).on_access(key)
         return ReadGrant(key, obj.location(), obj.checksum, expiry)
 
     def pin(self, key: str, owner: str, now_ms: int, ttl_ms: int) -> None:
@@ -252,9 +270,12 @@ class ObjectIndex:
 
     def release_owner(self, owner: str) -> int:
         """Drop every lease and pin of ``owner`` (an aborted or finished request)."""
-        keys = self._owner_keys.pop(owner, set())
+        keys = self._owner_keys.pop(owner, None)
+        if keys is None:
+            return 0
+        objects = self._objects
         for key in keys:
-            obj = self._objects.get(key)
+            obj = objects.get(key)
             if obj is not None:
                 obj.holds.pop(owner, None)
         return len(keys)
@@ -294,9 +315,7 @@ class ObjectIndex:
         events: list[Event] = []
         evicted = 0
         while True:
-            victims = policy.choose_victims(
-                max(want - evicted, 16), lambda k: self._can_evict(k, now_ms)
-            )
+            victims = policy.choose_victims(max(want - evicted, 16), self._evictable(now_ms))
             if not victims:
                 break
             for key in victims:
@@ -308,7 +327,7 @@ class ObjectIndex:
 
     def usage(self, tier: Tier) -> tuple[int, int]:
         """(capacity, used) bytes over every segment of a tier."""
-        segs = self.registry.tier_segments(tier)
+        segs = self._segments(tier)
         return sum(s.capacity for s in segs), sum(s.space.used for s in segs)
 
     def demote_failed(self, key: str) -> None:
@@ -366,18 +385,46 @@ class ObjectIndex:
         return obj
 
     def _hold(self, obj: ObjectRecord, owner: str, expiry: int) -> int:
-        expiry = max(expiry, obj.holds.get(owner, 0))
-        obj.holds[owner] = expiry
-        self._owner_keys.setdefault(owner, set()).add(obj.key)
+        holds = obj.holds
+        before = holds.get(owner, 0)
+        if before > expiry:
+            expiry = before
+        holds[owner] = expiry
+        keys = self._owner_keys.get(owner)
+        if keys is None:  # no set made and thrown away when the owner has one
+            self._owner_keys[owner] = {obj.key}
+        else:
+            keys.add(obj.key)
         heapq.heappush(self._hold_heap, (expiry, obj.key, owner))
         return expiry
 
-    def _can_evict(self, key: str, now_ms: int) -> bool:
-        obj = self._objects.get(key)
-        return obj is not None and obj.state is State.READY and not obj.held(now_ms)
+    def _evictable(self, now_ms: int) -> Callable[[str], bool]:
+        """The ``can_evict`` a policy is given: READY, and no unexpired lease or pin."""
+        objects = self._objects
+
+        def can_evict(key: str) -> bool:
+            obj = objects.get(key)
+            return (
+                obj is not None and obj.state is _READY and (not obj.holds or not obj.held(now_ms))
+            )
+
+        return can_evict
 
     def _evictable_in(self, seg: Segment, now_ms: int) -> Callable[[str], bool]:
-        return lambda k: self._can_evict(k, now_ms) and self._objects[k].segment is seg
+        can_evict = self._evictable(now_ms)
+        return lambda k: can_evict(k) and self._objects[k].segment is seg
+
+    def _segments(self, tier: Tier) -> list[Segment]:
+        """``registry.tier_segments(tier)``, made again only after segments change."""
+        if tier is _MEMORY:
+            segs = self._mem_segments
+            if segs is None:
+                segs = self._mem_segments = self.registry.tier_segments(tier)
+        else:
+            segs = self._ssd_segments
+            if segs is None:
+                segs = self._ssd_segments = self.registry.tier_segments(tier)
+        return segs
 
     def _evictable_count(self, tier: Tier, now_ms: int) -> int:
         return sum(
@@ -390,28 +437,44 @@ class ObjectIndex:
         self, tier: Tier, size: int, now_ms: int, events: list[Event]
     ) -> tuple[Segment, Extent] | None:
         """Find room in ``tier``, evicting inline (best victims first) while that helps."""
-        segments = self.registry.tier_segments(tier)
+        segments = self._segments(tier)
+        policy = self._mem_policy if tier is _MEMORY else self._ssd_policy
+        objects = self._objects
+        can_evict: Callable[[str], bool] | None = None  # made on the first eviction only
+        if len(segments) == 1:  # the usual case, without _fit's search
+            only = segments[0]
+            space = only.space
+            if space.capacity < size:
+                return None
+            while True:
+                if space.free >= size:
+                    extent = space.allocate(size)
+                    if extent is not None:
+                        return only, extent
+                if can_evict is None:
+                    can_evict = self._evictable(now_ms)
+                victims = policy.choose_victims(1, can_evict)
+                if not victims:
+                    return None
+                self._evict(objects[victims[0]], now_ms, events)
         if not any(s.capacity >= size for s in segments):
             return None
-        policy = self._policies[tier]
         while True:
             placed = self._fit(segments, size)
             if placed is not None:
                 return placed
             # one victim at a time: KV objects are mostly of one size, so one eviction
             # usually makes exactly the room needed (and asking for more costs checks)
-            victims = policy.choose_victims(1, lambda k: self._can_evict(k, now_ms))
+            if can_evict is None:
+                can_evict = self._evictable(now_ms)
+            victims = policy.choose_victims(1, can_evict)
             if not victims:
                 return None
-            self._evict(self._objects[victims[0]], now_ms, events)
+            self._evict(objects[victims[0]], now_ms, events)
 
     @staticmethod
     def _fit(segments: list[Segment], size: int) -> tuple[Segment, Extent] | None:
         """Allocate in the segment with the most free space that has a large enough hole."""
-        if len(segments) == 1:
-            only = segments[0]
-            extent = only.space.allocate(size) if only.space.free >= size else None
-            return None if extent is None else (only, extent)
         for seg in sorted(segments, key=lambda s: s.space.free, reverse=True):
             if seg.space.free >= size:
                 extent = seg.space.allocate(size)
@@ -420,16 +483,15 @@ class ObjectIndex:
         return None
 
     def _evict(self, obj: ObjectRecord, now_ms: int, events: list[Event]) -> None:
-        tier = obj.segment.tier
-        if tier is Tier.MEMORY and self.config.enable_offload:
+        if obj.segment.tier is _MEMORY and self.config.enable_offload:
             dst = self._ssd_room(obj, now_ms, events)
             if dst is not None:
                 seg, extent = dst
                 src = obj.location()
-                self._policies[tier].on_remove(obj.key)
+                self._mem_policy.on_remove(obj.key)
                 obj.segment.space.release(obj.extent)
-                obj.segment, obj.extent = seg, extent
-                self._policies[Tier.SSD].on_insert(obj.key, obj.parent)
+                obj.move(seg, extent)
+                self._ssd_policy.on_insert(obj.key, obj.parent)
                 self.stats.demotions += 1
                 events.append(Demote(obj.key, src, obj.location(), obj.checksum))
                 return
@@ -441,15 +503,13 @@ class ObjectIndex:
     ) -> tuple[Segment, Extent] | None:
         """An SSD extent on the same client as ``obj`` (it copies the bytes locally)."""
         owner = obj.segment.client_id
-        ssd = [s for s in self.registry.tier_segments(Tier.SSD) if s.client_id == owner]
+        ssd = [s for s in self._segments(_SSD) if s.client_id == owner]
         for seg in ssd:
             while True:
                 extent = seg.space.allocate(obj.extent.length)
                 if extent is not None:
                     return seg, extent
-                victims = self._policies[Tier.SSD].choose_victims(
-                    4, self._evictable_in(seg, now_ms)
-                )
+                victims = self._ssd_policy.choose_victims(4, self._evictable_in(seg, now_ms))
                 if not victims:
                     break
                 for key in victims:
@@ -458,18 +518,22 @@ class ObjectIndex:
         return None
 
     def _drop(self, obj: ObjectRecord, reason: str, release_space: bool = True) -> Dropped:
-        del self._objects[obj.key]
+        key = obj.key
+        seg = obj.segment
+        del self._objects[key]
         if release_space:
-            obj.segment.space.release(obj.extent)
-        if obj.state is State.READY:
-            self._policies[obj.segment.tier].on_remove(obj.key)
-        for owner in obj.holds:
-            keys = self._owner_keys.get(owner)
-            if keys is not None:
-                keys.discard(obj.key)
-                if not keys:
-                    del self._owner_keys[owner]
-        return Dropped(obj.key, obj.segment.tier, reason, obj.segment.client_id)
+            seg.space.release(obj.extent)
+        if obj.state is _READY:
+            (self._mem_policy if seg.tier is _MEMORY else self._ssd_policy).on_remove(key)
+        if obj.holds:
+            owner_keys = self._owner_keys
+            for owner in obj.holds:
+                keys = owner_keys.get(owner)
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del owner_keys[owner]
+        return Dropped(key, seg.tier, reason, seg.client_id)
 
     def _expire_holds(self, now_ms: int) -> None:
         heap = self._hold_heap

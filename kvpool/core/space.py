@@ -14,19 +14,37 @@ O(1) instead of scanning the free list.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Extent", "ExtentAllocator"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Extent:
     offset: int
     length: int
 
+    # Hand-written: one is made per allocation, and the generated frozen __init__ (an
+    # object.__setattr__ call per field) costs about twice as much as setting the slots
+    # through their descriptors.  Still frozen: assignment raises FrozenInstanceError.
+    def __init__(self, offset: int, length: int) -> None:
+        _set_offset(self, offset)
+        _set_length(self, length)
+
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+def _slot_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
+    setter: Callable[[Any, Any], None] = getattr(cls, name).__set__
+    return setter
+
+
+_set_offset = _slot_setter(Extent, "offset")
+_set_length = _slot_setter(Extent, "length")
 
 
 class ExtentAllocator:
@@ -61,7 +79,15 @@ class ExtentAllocator:
             raise ValueError(f"length must be positive, got {length}")
         exact = self._by_len.get(length)
         if exact:
+            # the hot path (every KV object of a model has one size): the free extent
+            # goes whole, _drop_free inlined
             offset = next(iter(exact))
+            exact.remove(offset)
+            if not exact:
+                del self._by_len[length]
+            del self._free_len[offset]
+            offsets = self._free_offsets
+            del offsets[bisect.bisect_left(offsets, offset)]
         else:
             offset = -1
             for off in self._free_offsets:
@@ -70,10 +96,10 @@ class ExtentAllocator:
                     break
             if offset < 0:
                 return None
-        size = self._free_len[offset]
-        self._drop_free(offset)
-        if size > length:
-            self._add_free(offset + length, size - length)
+            size = self._free_len[offset]
+            self._drop_free(offset)
+            if size > length:
+                self._add_free(offset + length, size - length)
         self._live[offset] = length
         self.used += length
         return Extent(offset, length)
@@ -148,7 +174,11 @@ class ExtentAllocator:
     def _add_free(self, offset: int, length: int) -> None:
         bisect.insort(self._free_offsets, offset)
         self._free_len[offset] = length
-        self._by_len.setdefault(length, set()).add(offset)
+        bucket = self._by_len.get(length)
+        if bucket is None:  # no set made and thrown away when the bucket exists
+            self._by_len[length] = {offset}
+        else:
+            bucket.add(offset)
 
     def _drop_free(self, offset: int) -> None:
         i = bisect.bisect_left(self._free_offsets, offset)
