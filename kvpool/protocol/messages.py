@@ -92,7 +92,10 @@ class HeartbeatReply(msgspec.Struct, frozen=True, tag=True):
 
 
 class Restore(msgspec.Struct, frozen=True, tag=True):
-    """Objects a node still holds after the master restarted: (key, offset, size, checksum)."""
+    """Objects a node still holds after the master restarted: (key, offset, size, checksum).
+
+    For an SSD segment ``offset`` is ignored (files are found by key).  Senders split a
+    large announcement into messages of a few thousand objects, far below the frame limit."""
 
     client_id: str
     segment_id: str

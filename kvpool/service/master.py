@@ -146,6 +146,10 @@ class MasterService:
                     self.metrics.demote_failures.inc()
                 else:
                     self.metrics.offloads.inc()
+                    if event.src.client_id in self.outbox:
+                        # the node's catalog lists its memory objects, for re-announcing
+                        # after a restart: this one's memory extent is no longer its own
+                        self.outbox[event.src.client_id][1].append(event.key)
             elif isinstance(event, Dropped):
                 self.metrics.dropped.labels(reason=event.reason, tier=event.tier.value).inc()
                 if event.reason == "evicted":
@@ -233,7 +237,18 @@ class MasterService:
                 m.AddSegment(storage.client_id, storage.ssd_segment_id, storage.ssd_limit, "ssd"),
                 now,
             )
+            self._restore_local_ssd(storage, now)
         self.local[storage.client_id] = storage
+
+    def _restore_local_ssd(self, storage: LocalStorage, now: int) -> None:
+        """What a previous run left on this SSD path is served again, not leaked: the
+        same rules as a node's re-announcement (headers checked, refusals deleted)."""
+
+        def restore(batch: list[tuple[str, int, int, int]]) -> list[bool]:
+            req = m.Restore(storage.client_id, storage.ssd_segment_id, batch)
+            return self._restore(req, now).values
+
+        storage.announce_ssd(restore)
 
     def _register(self, req: m.Register, now: int) -> m.RegisterReply:
         new = self.index.register_client(req.client_id, now, req.data_address)

@@ -3,10 +3,13 @@
 The node registers with the master, adds its segment, and heartbeats every
 ``heartbeat_interval`` the master asks for.  Each heartbeat reply carries the objects
 committed into (and dropped from) the node's segment since the last one, so the node
-keeps a catalog of what it holds.  When the master answers a heartbeat with
-UnknownClient (it restarted, or dropped us), the node registers again and re-announces
-its catalog — every entry re-checked against its checksum first, so only intact objects
-come back.
+keeps a catalog of what its memory holds.  At each registration -- its first, and
+whenever the master answers a heartbeat with UnknownClient (it restarted, or dropped
+us) -- the node announces what it holds: its memory catalog, every entry re-checked
+against its checksum first, and its SSD tier, whose files carry their checksum in their
+headers (so a warm SSD cache outlives a master restart, and a restart of the node).  What
+the master refuses is dropped here, SSD files deleted, so no space leaks.  Announcements
+go in bounded batches, so a large catalog never builds one huge frame.
 
 Data never passes through the master: clients write and read the node's segment
 directly over TCP, or through its shared memory when they share the host.
@@ -18,12 +21,13 @@ import logging
 import signal
 import threading
 import uuid
+from collections.abc import Callable
 
 from kvpool.config import NodeConfig
 from kvpool.errors import KVPoolError, UnknownClient
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
-from kvpool.service.storage import LocalStorage, checksum
+from kvpool.service.storage import LocalStorage, RestoreEntry, checksum, restore_in_batches
 
 __all__ = ["NodeService", "run_node"]
 
@@ -56,6 +60,7 @@ class NodeService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registrations = 0
+        self._announce_pending = False
 
     # ------------------------------------------------------------------------- lifetime
     def start(self) -> str:
@@ -92,17 +97,34 @@ class NodeService:
             m.AddSegment(self.client_id, st.segment_id, st.segment.size, "memory", st.shm_name)
         )
         if st.ssd is not None:
-            # the index forgot what the SSD tier held (a restarted master, or ours is new):
-            # those files can never be read again, so give their space back
-            for key in list(st.ssd):
-                st.ssd.remove(key)
             self.master.call(m.AddSegment(self.client_id, st.ssd_segment_id, st.ssd_limit, "ssd"))
         self.registrations += 1
+        self._announce_pending = True
+        try:
+            self._announce()
+        except KVPoolError as exc:  # registered all the same: the heartbeat loop retries
+            log.warning("re-announcing to the master failed part-way: %s (retrying)", exc)
+
+    def _announce(self) -> None:
+        """Tell a master that does not know this node (it restarted, or this node did)
+        what it holds: the memory catalog and the SSD tier.  If this fails part-way the
+        next heartbeat tries again; the index accepts the same announcement twice."""
         if self.catalog:
             self._restore()
+        if self.storage.ssd is not None:
+            self.storage.announce_ssd(self._send_restore(self.storage.ssd_segment_id))
+        self._announce_pending = False
+
+    def _send_restore(self, segment_id: str) -> Callable[[list[RestoreEntry]], list[bool]]:
+        def send(batch: list[RestoreEntry]) -> list[bool]:
+            reply = self.master.call(m.Restore(self.client_id, segment_id, batch))
+            assert isinstance(reply, m.Bools)
+            return reply.values
+
+        return send
 
     def _restore(self) -> None:
-        """Re-announce intact objects to a master that forgot them."""
+        """Re-announce intact memory objects to a master that forgot them."""
         st = self.storage
         assert st.segment is not None
         intact = [
@@ -110,9 +132,8 @@ class NodeService:
             for key, (off, size, csum) in self.catalog.items()
             if checksum(st.segment.view(off, size)) == csum
         ]
-        reply = self.master.call(m.Restore(self.client_id, st.segment_id, intact))
-        assert isinstance(reply, m.Bools)
-        kept = {key for (key, *_), ok in zip(intact, reply.values, strict=True) if ok}
+        accepted = restore_in_batches(intact, self._send_restore(st.segment_id))
+        kept = {key for (key, *_), ok in zip(intact, accepted, strict=True) if ok}
         self.catalog = {k: v for k, v in self.catalog.items() if k in kept}
         log.info("re-announced %d of %d objects to the master", len(kept), len(intact))
 
@@ -128,6 +149,8 @@ class NodeService:
             self.catalog[key] = (offset, size, csum)
         for key in reply.removed:
             self.catalog.pop(key, None)
+        if self._announce_pending:
+            self._announce()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
