@@ -5,6 +5,13 @@ node's segment (shared memory on the same host, TCP otherwise) → ``PutEnd`` wi
 xxh3 checksum makes the object visible.  Get path: ``Get`` (grants a read lease) →
 direct read → checksum verified → ``Release``.
 
+Requests whose answer the caller does not need — a lease release, a put's revoke, a
+failure report — are *posted* (:meth:`Channel.post <kvpool.transfer.channel.Channel.post>`):
+sent at once, their replies read just before the next call's own reply.  So a get costs
+one metadata round trip, and the master has dropped its lease by the time this client's
+next call returns (requests of one connection are handled in order; other connections
+may still see the lease for the moment the release is in flight).
+
 A read that fails in any way — missing, corrupt, node unreachable — is a miss
 (:class:`~kvpool.errors.ObjectNotFound`), never wrong bytes; a node that failed a transfer
 is reported to the master, which drops its objects at once.
@@ -14,7 +21,6 @@ Thread-safe: metadata calls are serialised on one connection; data paths are per
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import socket
@@ -43,6 +49,15 @@ from kvpool.transfer.path import NodeDataPath
 __all__ = ["Client", "split_address"]
 
 log = logging.getLogger("kvpool.client")
+
+CLOSE_SETTLE_S = 1.0
+
+
+def _owed_reply(reply: m.MasterReply) -> None:
+    """The reply to a posted request: only an error is worth a word, and not a loud one
+    (a release of a lease that already expired is no one's problem)."""
+    if isinstance(reply, Error):
+        log.debug("a request sent without waiting failed: %s: %s", reply.code, reply.message)
 
 
 def split_address(address: str, default_port: int = 50088) -> tuple[str, int]:
@@ -100,8 +115,20 @@ class Client:
             except OSError as exc:
                 raise TransferError(f"cannot reach the master at {self.master}: {exc}") from None
             wire.tune_socket(sock)
-            self._channel = Channel(sock, m.REQUEST_CODEC, m.REPLY_CODEC, self.timeout_s)
+            self._channel = Channel(
+                sock, m.REQUEST_CODEC, m.REPLY_CODEC, self.timeout_s, _owed_reply
+            )
         return self._channel
+
+    def _post(self, request: m.MasterRequest) -> None:
+        """Send a request whose answer nobody needs, without waiting for it.  Failing to
+        send is not the caller's problem either: what it undoes expires on the master."""
+        with self._lock:
+            try:
+                self._connected().post(request)
+            except KVPoolError as exc:
+                self._drop()
+                log.debug("%s not sent: %s", type(request).__name__, exc)
 
     def _drop(self) -> None:
         if self._channel is not None:
@@ -119,9 +146,7 @@ class Client:
             return path
 
     def _report(self, placement: m.Placement, exc: BaseException) -> None:
-        # the master being gone too is not this caller's problem now
-        with contextlib.suppress(KVPoolError):
-            self.call(m.ReportFailure(placement.segment_id, f"{type(exc).__name__}: {exc}"))
+        self._post(m.ReportFailure(placement.segment_id, f"{type(exc).__name__}: {exc}"))
         with self._paths_lock:
             path = self._paths.pop(placement.data_address, None)
         if path is not None:
@@ -154,8 +179,7 @@ class Client:
     put = put_from
 
     def _revoke(self, key: str) -> None:
-        with contextlib.suppress(KVPoolError):  # the writer lease expires on the master anyway
-            self.call(m.PutRevoke(self.client_id, key))
+        self._post(m.PutRevoke(self.client_id, key))  # the writer lease expires anyway
 
     def batch_put(self, keys: Sequence[str], values: Sequence[Any]) -> list[KVPoolError | None]:
         """Put several objects in two metadata round trips; one result per key (None for
@@ -221,8 +245,7 @@ class Client:
         """Release the read lease.  A copy that failed its checksum stays where it is: the
         caller decides (the store connector removes it so its recomputed copy replaces it,
         and counts that in its own stats)."""
-        with contextlib.suppress(KVPoolError):  # the lease expires on its own
-            self.call(m.Release(owner, [key]))
+        self._post(m.Release(owner, [key]))
 
     def _read(self, placement: m.Placement, dst: memoryview) -> int:
         size = placement.size
@@ -280,8 +303,7 @@ class Client:
                 except ObjectNotFound:
                     sizes.append(-1)
         finally:
-            with contextlib.suppress(KVPoolError):
-                self.call(m.ReleaseOwner(owner))
+            self._post(m.ReleaseOwner(owner))
         return sizes
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -337,6 +359,14 @@ class Client:
     # ---------------------------------------------------------------------------- lifetime
     def close(self) -> None:
         with self._lock:
+            if self._channel is not None:
+                # Read the owed replies first: closing a socket with unread bytes resets
+                # the connection, and a reset can discard a release the master has not
+                # read yet.  Bounded, so a hung master does not hold up the close.
+                try:
+                    self._channel.settle(min(self.timeout_s, CLOSE_SETTLE_S))
+                except KVPoolError as exc:
+                    log.debug("replies owed at close not read: %s", exc)
             self._drop()
         with self._paths_lock:
             paths = list(self._paths.values())

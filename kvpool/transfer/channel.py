@@ -18,6 +18,12 @@ Why it looks like this (CPython on loopback spends its time in syscalls, not cop
 - Header and body are read through a small staging buffer, usually in one ``recv``;
   whatever payload bytes came along with them (at most :data:`STAGE_SIZE`) are copied
   out of it, and the rest of the payload is ``recv_into`` the caller's buffer directly.
+- A request whose answer the caller does not need (a lease release) can be *posted*:
+  sent at once, its reply read later, just before the next :meth:`Channel.call`'s reply
+  or by :meth:`Channel.settle`.  That takes a round trip off the caller's path and
+  relies on one thing of the peer: it answers a connection's requests in order, one
+  reply each (the master and the storage nodes do).  The count of replies owed lives
+  in the channel, so it is forgotten with it.
 """
 
 from __future__ import annotations
@@ -25,19 +31,23 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
 from kvpool.transfer.wire import BadRequest, deadline_after
 
-__all__ = ["STAGE_SIZE", "Channel"]
+__all__ = ["MAX_OWED", "STAGE_SIZE", "Channel"]
 
 S = TypeVar("S")
 R = TypeVar("R")
 
 STAGE_SIZE = 8 * 1024
 _DISCARD_CHUNK = 1 << 20
+# Posted requests whose replies are not read yet.  The bound keeps a caller that only
+# posts from filling both socket buffers (a peer blocked writing replies stops reading).
+MAX_OWED = 64
 
 
 def _timeval(seconds: float) -> bytes:
@@ -59,6 +69,7 @@ class Channel(Generic[S, R]):
         send_codec: Codec[S],
         recv_codec: Codec[R],
         timeout_s: float,
+        on_owed_reply: Callable[[R], None] | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -72,6 +83,8 @@ class Channel(Generic[S, R]):
         self._stage = memoryview(bytearray(STAGE_SIZE))
         self._start = 0  # staged bytes not consumed yet: [_start, _end)
         self._end = 0
+        self.owed = 0  # replies of posted requests not read yet
+        self._on_owed_reply = on_owed_reply
 
     def close(self) -> None:
         self.sock.close()
@@ -234,7 +247,45 @@ class Channel(Generic[S, R]):
             length -= chunk
 
     def call(self, message: S, payload: memoryview | None = None) -> tuple[R, int]:
-        """Send a request and receive its reply's message and payload length."""
+        """Send a request and receive its reply's message and payload length (after the
+        replies owed to posted requests, which go to ``on_owed_reply``)."""
         deadline = deadline_after(self.timeout_s)
         self.send(message, payload)
+        if self.owed:
+            self._settle(deadline)
         return self.recv(deadline)
+
+    # -- requests whose reply nobody waits for --------------------------------------
+
+    def post(self, message: S) -> None:
+        """Send a request without waiting for its reply; see the module docstring."""
+        if self.owed >= MAX_OWED:
+            self.settle()
+        self.send(message)
+        self.owed += 1
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Read every reply owed to posted requests, within ``timeout_s`` (default: the
+        channel's; a shorter one, e.g. before closing, bounds the wait on a hung peer)."""
+        if not self.owed:
+            return
+        if timeout_s is None or timeout_s >= self.timeout_s:
+            self._settle(deadline_after(self.timeout_s))
+            return
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
+        try:
+            self._settle(deadline_after(timeout_s))
+        finally:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout_s))
+
+    def _settle(self, deadline: float) -> None:
+        while self.owed:
+            got = self._recv_frame(deadline)
+            self.owed -= 1  # consumed, even when undecodable (its payload is dropped too)
+            if isinstance(got, BadRequest):
+                continue
+            reply, payload_length = got
+            if payload_length:
+                self.discard_payload(payload_length, deadline)
+            if self._on_owed_reply is not None:
+                self._on_owed_reply(reply)
