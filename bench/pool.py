@@ -8,8 +8,8 @@ Rows, per value size (64 KiB, 1 MiB, 16 MiB by default):
   (``allow_shm=False``): a full put is PutStart + bytes + xxh3 + PutEnd; a full get is
   Get (lease) + bytes + checksum + Release;
 - the same with two client processes at once (aggregate).
-Metadata latency: ``exists``, ``batch_exists`` of 64 keys, and a put's control path alone
-(PutStart + PutEnd of a 1-byte value, minus nothing).
+Metadata latency: ``exists``, ``batch_exists`` of 64 keys, and the control paths of a put
+and a get alone (a 1-byte value: PutStart + write + PutEnd, Get + read + Release).
 
 Rows of a size are interleaved round by round, and each ratio is the median over rounds of
 the row divided by its baseline in the same round, so load from other jobs hits both sides.
@@ -171,6 +171,7 @@ def metadata_latency(address: str, count: int = 3000) -> list[tuple[str, float, 
             ("exists", lambda: c.exists("meta")),
             ("batch_exists(64)", lambda: c.batch_exists(keys)),
             ("put control path (1 B)", control_path),
+            ("get control path (1 B)", lambda: c.get("meta")),
         ):
             for _ in range(200):
                 op()
