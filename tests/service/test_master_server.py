@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from kvpool.errors import NoSpace, ObjectBusy, ObjectNotFound, ProtocolError
 from kvpool.protocol import messages as m
 from kvpool.protocol.codec import MAGIC
 from kvpool.service.client import Client
+from kvpool.storage.ssd import HEADER_SIZE
 from kvpool.testing.processes import PoolProcess, start_master
 
 
@@ -209,3 +211,93 @@ def test_bad_flag_values_name_the_flag() -> None:
     )
     assert done.returncode == 2
     assert "--eviction_ratio" in done.stderr
+
+
+# ------------------------------------------------------------- its own SSD tier, restarted
+def ssd_flags(ssd: Path) -> tuple[str, ...]:
+    return (
+        "--segment_size",
+        "1MiB",
+        "--enable_offload=true",
+        f"--ssd_offload_path={ssd}",
+        "--ssd_offload_limit",
+        "16MiB",
+    )
+
+
+def tiers_of(c: Client, keys: list[str]) -> dict[str, str]:
+    """Where the index says each key is ("" for a miss); the read leases are released."""
+    owner = "test-tiers"
+    reply = c.call(m.BatchGet(owner, keys))
+    assert isinstance(reply, m.Placements)
+    c.call(m.ReleaseOwner(owner))
+    return {p.key: p.tier if p.found else "" for p in reply.items}
+
+
+def fill_ssd(ssd: Path, *, kill: bool) -> tuple[dict[str, bytes], list[str]]:
+    """Run a master until most of 40 objects sit on its SSD; stop (or SIGKILL) it."""
+    values = {f"r{i:02d}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB
+    master = start_master(*ssd_flags(ssd))
+    try:
+        with Client(master.address) as c:
+            for key, value in values.items():
+                c.put(key, value)
+            on_ssd = sorted(k for k, t in tiers_of(c, list(values)).items() if t == "ssd")
+    finally:
+        if kill:
+            master.kill()
+        else:
+            assert master.stop() == 0
+    assert len(on_ssd) >= 20  # 1 MiB of memory holds at most 16 of them
+    return values, on_ssd
+
+
+def test_master_serves_its_previous_ssd_objects_after_a_restart(tmp_path: Path) -> None:
+    ssd = tmp_path / "ssd"
+    values, on_ssd = fill_ssd(ssd, kill=False)
+    with start_master(*ssd_flags(ssd)) as master, Client(master.address) as c:
+        line = master.wait_for_line(r"restored \d+ SSD objects", 10)
+        size = 64 * 1024 * len(on_ssd)
+        assert f"restored {len(on_ssd)} SSD objects ({size} bytes), dropped 0" in line
+        assert set(tiers_of(c, on_ssd).values()) == {"ssd"}
+        for key in on_ssd:
+            assert c.get(key) == values[key]
+        snap = c.stats()
+        assert snap["tiers"]["ssd"]["objects"] == len(on_ssd)
+        assert snap["tiers"]["ssd"]["used"] == size
+        assert not any(c.batch_exists([k for k in values if k not in on_ssd]))  # memory's
+        # the restored tier keeps working: new objects push old ones to SSD and back out
+        more = {f"m{i:02d}": os.urandom(64 * 1024) for i in range(40)}
+        for key, value in more.items():
+            c.put(key, value)
+        for key, value in (values | more).items():
+            try:
+                got = c.get(key)
+            except ObjectNotFound:
+                continue  # evicted to make room: a miss, fine
+            assert got == value
+        # no file is left that the index does not know (a leak) or vice versa
+        files = {p.name for p in ssd.rglob("*") if p.is_file() and ".tmp" not in p.parts}
+        assert files == {k for k, t in tiers_of(c, list(values | more)).items() if t == "ssd"}
+
+
+def test_corrupt_ssd_files_across_a_master_restart_are_misses_and_deleted(
+    tmp_path: Path,
+) -> None:
+    ssd = tmp_path / "ssd"
+    values, on_ssd = fill_ssd(ssd, kill=True)
+    bad_header, bad_value, *intact = on_ssd
+    for key, at in ((bad_header, 2), (bad_value, HEADER_SIZE + 4096)):
+        path = ssd / key[:2] / key
+        raw = bytearray(path.read_bytes())
+        raw[at] ^= 0x5A
+        path.write_bytes(raw)
+    with start_master(*ssd_flags(ssd)) as master, Client(master.address) as c:
+        master.wait_for_line(rf"restored {len(intact) + 1} SSD objects \(\d+ bytes\), dropped 1")
+        assert not c.exists(bad_header)  # its header failed: never announced
+        assert not (ssd / bad_header[:2] / bad_header).exists()
+        with pytest.raises(ObjectNotFound):
+            c.get(bad_value)  # its value failed: a miss, never the wrong bytes
+        assert not (ssd / bad_value[:2] / bad_value).exists()
+        for key in intact:
+            assert c.get(key) == values[key]

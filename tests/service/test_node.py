@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvpool.errors import KVPoolError, ObjectNotFound
+from kvpool.protocol import messages as m
 from kvpool.service.client import Client
+from kvpool.storage.ssd import HEADER_SIZE
 from kvpool.testing.processes import PoolProcess, start_master, start_node
 
 
@@ -208,3 +210,77 @@ def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
             assert c.remove(key)
             assert not files[key].exists()
             assert not c.exists(key)
+
+
+def ssd_node_config(tmp_path: Path, master: str, ssd: Path) -> Path:
+    path = tmp_path / "mooncake.json"
+    path.write_text(
+        json.dumps(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": master,
+                "protocol": "tcp",
+                "global_segment_size": "1MiB",
+                "enable_ssd_offload": True,
+                "ssd_offload_path": str(ssd),
+                "ssd_offload_limit": "16MiB",
+            }
+        )
+    )
+    return path
+
+
+def tiers_of(c: Client, keys: list[str]) -> dict[str, str]:
+    """Where the index says each key is ("" for a miss); the read leases are released."""
+    owner = "test-tiers"
+    reply = c.call(m.BatchGet(owner, keys))
+    assert isinstance(reply, m.Placements)
+    c.call(m.ReleaseOwner(owner))
+    return {p.key: p.tier if p.found else "" for p in reply.items}
+
+
+def flip(path: Path, at: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x5A
+    path.write_bytes(raw)
+
+
+def test_restarted_master_gets_the_nodes_ssd_objects_re_announced(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ("--port", str(port), "--segment_size", "0", "--enable_offload=true")
+    flags += ("--client_ttl", "5")
+    ssd = tmp_path / "node-ssd"
+    master = start_master(*flags)
+    try:
+        with start_node(ssd_node_config(tmp_path, master.address, ssd)) as node:
+            values = {f"s{i:02d}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB
+            with Client(master.address, allow_shm=False) as c:
+                wait_until(lambda: c.stats()["tiers"]["ssd"]["capacity"] > 0)
+                for key, value in values.items():
+                    c.put(key, value)
+                on_ssd = sorted(k for k, t in tiers_of(c, list(values)).items() if t == "ssd")
+            assert len(on_ssd) >= 20  # 1 MiB of memory holds at most 16 of them
+            master.kill()  # SIGKILL: the index is gone, the node and its files are not
+
+            # while the master is down, one file's header and another's value go bad
+            bad_header, bad_value, *intact = on_ssd
+            flip(ssd / bad_header[:2] / bad_header, 5)
+            flip(ssd / bad_value[:2] / bad_value, HEADER_SIZE + 1000)
+
+            master = start_master(*flags)
+            node.wait_for_line(r"restored \d+ SSD objects \(\d+ bytes\), dropped 1", 20)
+            with Client(master.address, allow_shm=False) as c:
+                wait_until(lambda: all(c.batch_exists(intact)), timeout_s=20)
+                assert set(tiers_of(c, intact).values()) == {"ssd"}
+                for key in intact:
+                    assert c.get(key) == values[key]
+                # a bad header is never announced; a bad value is a miss, never wrong data
+                assert not c.exists(bad_header)
+                assert not (ssd / bad_header[:2] / bad_header).exists()
+                with pytest.raises(ObjectNotFound):
+                    c.get(bad_value)
+                assert not (ssd / bad_value[:2] / bad_value).exists()
+    finally:
+        master.stop()
