@@ -38,6 +38,12 @@ __all__ = ["Endpoint", "MasterService", "monotonic_ms"]
 log = logging.getLogger("kvpool.master")
 
 
+# Drops of a whole storage owner.  Its SSD files are left alone: they outlive the
+# owner's registration, and it re-announces them when it registers again (what the
+# index then refuses, it deletes itself).
+_OWNER_GONE = frozenset({"expired_client", "transfer_failed", "restarted"})
+
+
 def monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
@@ -159,7 +165,7 @@ class MasterService:
                     owner.forget_ssd(event.key)
                 elif event.client_id in self.outbox:
                     self.outbox[event.client_id][1].append(event.key)
-                    if event.tier is Tier.SSD and event.reason != "expired_client":
+                    if event.tier is Tier.SSD and event.reason not in _OWNER_GONE:
                         ssd_gone.setdefault(event.client_id, []).append(event.key)
         for client_id, keys in ssd_gone.items():
             self._remote_ssd_remove(client_id, keys)
@@ -251,6 +257,13 @@ class MasterService:
         storage.announce_ssd(restore)
 
     def _register(self, req: m.Register, now: int) -> m.RegisterReply:
+        if req.client_id in self.index.registry.clients and req.client_id not in self.local:
+            # Only a new run of a storage owner registers a known id (a node restarted
+            # with the same SSD directory, or retrying a start that failed part-way):
+            # what the old run held is gone from memory, and it re-announces its SSD.
+            log.info("client %s registered again: dropping its previous run", req.client_id)
+            self._apply(self.index.remove_client(req.client_id, reason="restarted"))
+            self._forget_segments()
         new = self.index.register_client(req.client_id, now, req.data_address)
         self.client_addresses[req.client_id] = (req.data_address, req.host_token)
         if new:

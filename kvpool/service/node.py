@@ -17,11 +17,14 @@ directly over TCP, or through its shared memory when they share the host.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import signal
 import threading
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 from kvpool.config import NodeConfig
 from kvpool.errors import KVPoolError, UnknownClient
@@ -29,9 +32,35 @@ from kvpool.protocol import messages as m
 from kvpool.service.client import Client
 from kvpool.service.storage import LocalStorage, RestoreEntry, checksum, restore_in_batches
 
-__all__ = ["NodeService", "run_node"]
+__all__ = ["NodeService", "node_id", "run_node"]
 
 log = logging.getLogger("kvpool.node")
+
+
+_ID_FILE = ".kvpool-node-id"
+_VALID_ID = re.compile(r"^node-[A-Za-z0-9._:-]{1,120}$")
+
+
+def node_id(hostname: str, ssd_path: str = "") -> str:
+    """This node's client id: new for each run, unless it has an SSD tier.
+
+    The SSD files outlive the process, and the index files them under the owner's id: a
+    node restarted on the same SSD directory keeps its id (kept in the directory), so
+    the master sees the same owner come back (and drops what its previous run held in
+    memory) instead of a stranger announcing keys the old registration still lists.
+    """
+    fresh = f"node-{hostname}-{uuid.uuid4().hex[:8]}"
+    if not ssd_path:
+        return fresh
+    path = Path(ssd_path) / _ID_FILE
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        saved = path.read_text().strip()
+        if _VALID_ID.match(saved):
+            return saved
+    with contextlib.suppress(OSError):  # an unusable path is reported by the SSD tier
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(fresh + "\n")
+    return fresh
 
 
 class NodeService:
@@ -39,8 +68,8 @@ class NodeService:
 
     def __init__(self, config: NodeConfig, *, bind_host: str = "", data_port: int = 0) -> None:
         self.config = config
-        self.client_id = f"node-{config.local_hostname}-{uuid.uuid4().hex[:8]}"
         ssd = config.enable_ssd_offload
+        self.client_id = node_id(config.local_hostname, config.ssd_offload_path if ssd else "")
         self.storage = LocalStorage(
             self.client_id,
             config.global_segment_size,

@@ -16,6 +16,7 @@ import pytest
 from kvpool.errors import KVPoolError, ObjectNotFound
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
+from kvpool.service.node import node_id
 from kvpool.storage.ssd import HEADER_SIZE
 from kvpool.testing.processes import PoolProcess, start_master, start_node
 
@@ -282,5 +283,45 @@ def test_restarted_master_gets_the_nodes_ssd_objects_re_announced(tmp_path: Path
                 with pytest.raises(ObjectNotFound):
                     c.get(bad_value)
                 assert not (ssd / bad_value[:2] / bad_value).exists()
+                # one bad file costs that object only: every other one is (again) readable
+                wait_until(lambda: all(c.batch_exists(intact)), timeout_s=20)
+                for key in intact:
+                    assert c.get(key) == values[key]
     finally:
         master.stop()
+
+
+def test_restarted_node_re_announces_its_ssd_objects(tmp_path: Path) -> None:
+    ssd = tmp_path / "node-ssd"
+    # a long client_ttl: the old run is still registered when the new one comes up
+    with start_master("--segment_size", "0", "--enable_offload=true") as master:
+        config = ssd_node_config(tmp_path, master.address, ssd)
+        values = {f"t{i:02d}": os.urandom(64 * 1024) for i in range(40)}
+        with start_node(config) as node, Client(master.address, allow_shm=False) as c:
+            wait_until(lambda: c.stats()["tiers"]["ssd"]["capacity"] > 0)
+            for key, value in values.items():
+                c.put(key, value)
+            tiers = tiers_of(c, list(values))
+            on_ssd = sorted(k for k, t in tiers.items() if t == "ssd")
+            in_memory = sorted(k for k, t in tiers.items() if t == "memory")
+            assert len(on_ssd) >= 20
+            node.kill()
+        with start_node(config) as node, Client(master.address, allow_shm=False) as c:
+            size = 64 * 1024 * len(on_ssd)
+            node.wait_for_line(rf"restored {len(on_ssd)} SSD objects \({size} bytes\)", 20)
+            master.wait_for_line(r"registered again: dropping its previous run", 5)
+            assert len(c.stats()["clients"]) == 1  # the same owner, not a second one
+            assert set(tiers_of(c, on_ssd).values()) == {"ssd"}
+            for key in on_ssd:
+                assert c.get(key) == values[key]
+            assert not any(c.batch_exists(in_memory))  # the old run's memory is gone
+
+
+def test_a_node_keeps_its_id_with_its_ssd_directory(tmp_path: Path) -> None:
+    assert node_id("h") != node_id("h")  # no SSD tier: a new owner each run
+    first = node_id("h", str(tmp_path / "ssd"))
+    assert first.startswith("node-h-") and node_id("h", str(tmp_path / "ssd")) == first
+    assert node_id("h", str(tmp_path / "other")) != first
+    (tmp_path / "ssd" / ".kvpool-node-id").write_text("../../etc\n")  # not an id: replaced
+    replaced = node_id("h", str(tmp_path / "ssd"))
+    assert replaced != first and replaced.startswith("node-h-")
