@@ -141,15 +141,17 @@ class _Node(Generic[K]):
 
     __slots__ = ("children", "cls", "key", "kids", "orphan", "parent", "reads", "stamp", "where")
 
-    def __init__(self, key: K, parent: _Node[K] | None) -> None:
+    def __init__(self, key: K, parent: _Node[K] | None, orphan: bool) -> None:
         self.key = key
         self.parent = parent
-        self.kids: set[_Node[K]] | None = None  # cached children, created on the first one
+        # cached children, created on the first one; a dict, not a set, so that orphaned
+        # subtrees are queued in an order that does not depend on object addresses
+        self.kids: dict[_Node[K], None] | None = None
         self.children = 0  # len(kids), kept apart because it is read on every choice
         self.reads = 0
         self.stamp = 0  # the policy's clock when the node was last placed in a queue
         self.cls = 0  # reuse class = queue index while queued
-        self.orphan = False
+        self.orphan = orphan
         self.where = _RUN
 
 
@@ -176,6 +178,10 @@ class PrefixAwarePolicy(Generic[K]):
         self._orphans: OrderedDict[K, _Node[K]] = OrderedDict()
         self._run: list[_Node[K]] = []
         self._clock = 0
+        # (class, weight, queue) for the one-victim path, which scans every class
+        self._classes = tuple(
+            zip(range(len(self._weights)), self._weights, self._queues, strict=True)
+        )
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -186,16 +192,21 @@ class PrefixAwarePolicy(Generic[K]):
         if key in nodes:
             self.on_access(key)
             return
-        p = nodes.get(parent) if parent is not None else None
-        node = _Node(key, p)
-        nodes[key] = node
-        if p is not None:
-            if p.kids is None:
-                p.kids = {node}
+        if parent is None:
+            node = nodes[key] = _Node(key, None, False)
+            p = None
+        else:
+            p = nodes.get(parent)
+            if p is None:
+                node = nodes[key] = _Node(key, None, False)
             else:
-                p.kids.add(node)
-            p.children += 1
-            node.orphan = p.orphan
+                node = nodes[key] = _Node(key, p, p.orphan)
+                kids = p.kids
+                if kids is None:
+                    p.kids = {node: None}
+                else:
+                    kids[node] = None
+                p.children += 1
         run = self._run
         if run and p is not run[-1]:
             self._place_run()
@@ -206,12 +217,16 @@ class PrefixAwarePolicy(Generic[K]):
         if node is None:
             return
         node.reads += 1
-        if node.where == _RUN:
+        where = node.where
+        if where == _RUN:
             return  # already among the youngest; it is placed when the run ends
-        if node.where == _ORPHAN:
-            del self._orphans[key]
+        if where == _QUEUED:
+            c = node.cls
+            del self._queues[c][key]
+            if self._heads[c] is node:
+                self._heads[c] = None
         else:
-            self._unqueue(node)
+            del self._orphans[key]
         node.where = _RUN
         run = self._run
         if run and node.parent is not run[-1]:
@@ -222,23 +237,25 @@ class PrefixAwarePolicy(Generic[K]):
         node = self._nodes.pop(key, None)
         if node is None:
             return
-        if node.where == _RUN:
-            self._run.remove(node)
-        elif node.where == _ORPHAN:
-            del self._orphans[key]
-        else:
+        where = node.where
+        if where == _QUEUED:  # the usual case: an evicted victim
             c = node.cls
             del self._queues[c][key]
             if self._heads[c] is node:
                 self._heads[c] = None
-        if node.kids:
+        elif where == _RUN:
+            self._run.remove(node)
+        else:
+            del self._orphans[key]
+        if node.children:
+            assert node.kids is not None
             for kid in node.kids:
                 kid.parent = None
                 self._orphan_subtree(kid)
         p = node.parent
         if p is not None:
             assert p.kids is not None
-            p.kids.discard(node)
+            del p.kids[node]
             p.children -= 1
 
     def choose_victims(self, count: int, can_evict: Callable[[K], bool]) -> list[K]:
@@ -252,13 +269,12 @@ class PrefixAwarePolicy(Generic[K]):
             best: _Node[K] | None = None
             best_score = -1.0
             heads = self._heads
-            queues = self._queues
-            for c, weight in enumerate(self._weights):
+            for c, weight, queue in self._classes:
                 head = heads[c]
                 if head is None:
-                    if not queues[c]:
+                    if not queue:
                         continue
-                    head = heads[c] = next(iter(queues[c].values()))
+                    head = heads[c] = next(iter(queue.values()))
                 score = (clock - head.stamp) * weight
                 if score > best_score:
                     best, best_score = head, score
@@ -295,6 +311,7 @@ class PrefixAwarePolicy(Generic[K]):
     def _place_run(self) -> None:
         clock = self._clock
         top = self._top
+        queues = self._queues
         for node in reversed(self._run):
             clock += 1
             node.stamp = clock
@@ -305,9 +322,9 @@ class PrefixAwarePolicy(Generic[K]):
                 node.where = _QUEUED
                 reads = node.reads
                 # never-read: 0 at the end of its chain, else 1; read n times: n + 1
-                c = min(reads + 1, top) if reads else (1 if node.children else 0)
+                c = (reads + 1 if reads < top else top) if reads else (1 if node.children else 0)
                 node.cls = c
-                self._queues[c][node.key] = node
+                queues[c][node.key] = node
         self._clock = clock
         self._run.clear()
 

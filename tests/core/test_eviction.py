@@ -130,6 +130,19 @@ def test_default_offers_orphans_before_anything_else() -> None:
     assert p.choose_victims(4, always)[2:] == ["old", "y"]
 
 
+def test_default_offers_orphaned_siblings_in_the_order_they_came() -> None:
+    """Not in the order of their addresses (a set of nodes once decided it), so that two
+    masters told the same calls evict the same blocks."""
+    p: PrefixAwarePolicy[str] = PrefixAwarePolicy()
+    p.on_insert("root", None)
+    kids = [f"k{i}" for i in range(40)]
+    for k in kids:
+        p.on_insert(k, "root")
+    p.on_insert("z", None)  # places the last kid
+    p.on_remove("root")
+    assert p.choose_victims(40, always) == kids
+
+
 def test_default_gives_read_blocks_a_longer_life_than_never_read_ones() -> None:
     p: PrefixAwarePolicy[str] = PrefixAwarePolicy()
     p.on_insert("hot", None)
