@@ -89,6 +89,7 @@ class NodeService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registrations = 0
+        self._register_pending = False
         self._announce_pending = False
 
     # ------------------------------------------------------------------------- lifetime
@@ -117,6 +118,9 @@ class NodeService:
 
     # ---------------------------------------------------------------------------- master
     def _register(self) -> None:
+        # until the segments are added, every heartbeat registers again (the master drops
+        # a half-registered previous attempt), rather than heartbeating an empty owner
+        self._register_pending = True
         st = self.storage
         reply = self.master.call(m.Register(self.client_id, st.data_address, st.host_token))
         assert isinstance(reply, m.RegisterReply)
@@ -128,6 +132,7 @@ class NodeService:
         if st.ssd is not None:
             self.master.call(m.AddSegment(self.client_id, st.ssd_segment_id, st.ssd_limit, "ssd"))
         self.registrations += 1
+        self._register_pending = False
         self._announce_pending = True
         try:
             self._announce()
@@ -167,6 +172,9 @@ class NodeService:
         log.info("re-announced %d of %d objects to the master", len(kept), len(intact))
 
     def heartbeat_once(self) -> None:
+        if self._register_pending:
+            self._register()
+            return
         try:
             reply = self.master.call(m.Heartbeat(self.client_id))
         except UnknownClient:

@@ -1,0 +1,82 @@
+"""The master's handler in-process: owners that leave and come back, and their SSD files.
+
+The "node" here is a real data server with a real SSD tier on disk, so the test sees
+which files the master has the node delete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.core.index import IndexConfig
+from kvpool.protocol import messages as m
+from kvpool.protocol.data import Error, Ok
+from kvpool.service.master import MasterService
+from kvpool.storage.ssd import SsdStore
+from kvpool.transfer.tcp import SegmentServer
+
+NODE = "node-h-1234abcd"
+
+
+@pytest.fixture
+def node_ssd(tmp_path: Path) -> Iterator[tuple[SsdStore, str]]:
+    store = SsdStore.open(tmp_path, 1 << 20)
+    with SegmentServer(ssd=store) as server:  # started on entry
+        yield store, f"127.0.0.1:{server.port}"
+
+
+def join(svc: MasterService, address: str) -> None:
+    """Register the node with a memory and an SSD segment."""
+    reply = svc.handle(m.Register(NODE, address, "token"))
+    assert isinstance(reply, m.RegisterReply) and reply.new
+    for segment_id, tier in ((f"{NODE}/mem", "memory"), (f"{NODE}/ssd", "ssd")):
+        assert isinstance(svc.handle(m.AddSegment(NODE, segment_id, 1000, tier)), Ok)
+
+
+def announce(svc: MasterService, store: SsdStore) -> list[bool]:
+    entries = [(k, 0, n, c) for k, n, c in store.scan().entries]
+    reply = svc.handle(m.Restore(NODE, f"{NODE}/ssd", entries))
+    assert isinstance(reply, m.Bools)
+    return reply.values
+
+
+def test_a_known_owner_registering_again_replaces_its_previous_run(
+    node_ssd: tuple[SsdStore, str],
+) -> None:
+    store, address = node_ssd
+    store.put("s1", b"x" * 10)
+    svc = MasterService(IndexConfig(enable_offload=True))
+    join(svc, address)
+    assert announce(svc, store) == [True]
+    memory = m.Restore(NODE, f"{NODE}/mem", [("m1", 0, 10, 6)])
+    assert svc.handle(memory) == m.Bools([True])
+
+    # the same id again: a new run of that node (its memory is gone, its SSD is not)
+    join(svc, address)  # the segments can be added again: no "already registered"
+    assert not svc.index.exists("m1") and not svc.index.exists("s1")
+    assert "s1" in store  # the master did not have the node delete its file
+    assert announce(svc, store) == [True]
+    assert svc.index.exists("s1")
+    svc.close()
+
+
+def test_dropping_a_whole_owner_keeps_its_ssd_files_and_dropping_an_object_does_not(
+    node_ssd: tuple[SsdStore, str],
+) -> None:
+    store, address = node_ssd
+    for key in ("s1", "s2"):
+        store.put(key, key.encode() * 5)
+    svc = MasterService(IndexConfig(enable_offload=True))
+    join(svc, address)
+    assert announce(svc, store) == [True, True]
+    assert isinstance(svc.handle(m.Remove("s1")), Ok)
+    assert "s1" not in store  # one object removed: its file goes
+    svc.handle(m.ReportFailure(f"{NODE}/ssd", "TransferError: test"))
+    assert isinstance(svc.handle(m.Heartbeat(NODE)), Error)  # dropped: unknown now
+    assert "s2" in store  # the owner left: its files wait for it to come back
+    join(svc, address)
+    assert announce(svc, store) == [True]
+    svc.close()
