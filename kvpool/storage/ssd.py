@@ -112,6 +112,16 @@ def _parse_header(raw: bytes, file_size: int) -> tuple[int, int]:
     return int(length), int(value_checksum)
 
 
+def _read_header(path: Path) -> tuple[bytes, os.stat_result]:
+    """The first bytes of a file and its stat, with raw calls (no buffered file object:
+    a scan does this once per object)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, HEADER_SIZE), os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
 def _check_key(key: str) -> None:
     if not _KEY.match(key):
         raise ValueError(f"invalid SSD object key {key!r}: use 1-200 of [A-Za-z0-9._-]")
@@ -324,9 +334,7 @@ class SsdStore:
         for key in self.keys():
             path = self._path(key)
             try:
-                with open(path, "rb") as f:
-                    raw = f.read(HEADER_SIZE)
-                    st = os.fstat(f.fileno())
+                raw, st = _read_header(path)
             except FileNotFoundError:
                 self._forget(key)
                 continue
