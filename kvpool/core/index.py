@@ -95,6 +95,8 @@ class ObjectIndex:
         # each tier's segments, kept until add_segment or remove_client changes them
         self._mem_segments: list[Segment] | None = None
         self._ssd_segments: list[Segment] | None = None
+        self._evictable_at = 0
+        self._evictable_fn: Callable[[str], bool] | None = None
         self._owner_keys: dict[str, set[str]] = {}
         self._hold_heap: list[tuple[int, str, str]] = []  # (expiry, key, owner), lazy
         self._writer_heap: list[tuple[int, str, str]] = []  # (expiry, key, writer), lazy
@@ -164,7 +166,9 @@ class ObjectIndex:
         """Make a written object visible."""
         if now_ms > self._now:
             self._now = now_ms
-        obj = self._pending_of(key, writer)
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not _PENDING or obj.writer != writer:
+            obj = self._pending_of(key, writer)  # raises StaleWrite
         obj.state = _READY
         obj.checksum = checksum
         policy = self._mem_policy if obj.segment.tier is _MEMORY else self._ssd_policy
@@ -399,7 +403,10 @@ class ObjectIndex:
         return expiry
 
     def _evictable(self, now_ms: int) -> Callable[[str], bool]:
-        """The ``can_evict`` a policy is given: READY, and no unexpired lease or pin."""
+        """The ``can_evict`` a policy is given: READY, and no unexpired lease or pin.
+        Kept for the last ``now_ms`` asked: the puts of one request share their time."""
+        if now_ms == self._evictable_at and self._evictable_fn is not None:
+            return self._evictable_fn
         objects = self._objects
 
         def can_evict(key: str) -> bool:
@@ -408,6 +415,7 @@ class ObjectIndex:
                 obj is not None and obj.state is _READY and (not obj.holds or not obj.held(now_ms))
             )
 
+        self._evictable_at, self._evictable_fn = now_ms, can_evict
         return can_evict
 
     def _evictable_in(self, seg: Segment, now_ms: int) -> Callable[[str], bool]:
@@ -437,7 +445,9 @@ class ObjectIndex:
         self, tier: Tier, size: int, now_ms: int, events: list[Event]
     ) -> tuple[Segment, Extent] | None:
         """Find room in ``tier``, evicting inline (best victims first) while that helps."""
-        segments = self._segments(tier)
+        segments = self._mem_segments if tier is _MEMORY else self._ssd_segments
+        if segments is None:
+            segments = self._segments(tier)
         policy = self._mem_policy if tier is _MEMORY else self._ssd_policy
         objects = self._objects
         can_evict: Callable[[str], bool] | None = None  # made on the first eviction only
@@ -447,7 +457,7 @@ class ObjectIndex:
             if space.capacity < size:
                 return None
             while True:
-                if space.free >= size:
+                if space.capacity - space.used >= size:
                     extent = space.allocate(size)
                     if extent is not None:
                         return only, extent

@@ -127,11 +127,12 @@ class ExtentAllocator:
 
     def release(self, extent: Extent) -> None:
         """Give an extent back, merging it with free neighbours."""
-        if self._live.get(extent.offset) != extent.length:
-            raise ValueError(f"{extent} is not a live extent of this segment")
-        del self._live[extent.offset]
-        self.used -= extent.length
         offset, length = extent.offset, extent.length
+        live = self._live
+        if live.get(offset) != length:
+            raise ValueError(f"{extent} is not a live extent of this segment")
+        del live[offset]
+        self.used -= length
         i = bisect.bisect_left(self._free_offsets, offset)
         if i < len(self._free_offsets):
             nxt = self._free_offsets[i]
@@ -144,7 +145,14 @@ class ExtentAllocator:
                 offset = prev
                 length += self._free_len[prev]
                 self._drop_free(prev)
-        self._add_free(offset, length)
+        # _add_free, inlined: every eviction releases an extent
+        bisect.insort(self._free_offsets, offset)
+        self._free_len[offset] = length
+        bucket = self._by_len.get(length)
+        if bucket is None:
+            self._by_len[length] = {offset}
+        else:
+            bucket.add(offset)
 
     def live_extents(self) -> list[Extent]:
         return [Extent(o, n) for o, n in sorted(self._live.items())]
