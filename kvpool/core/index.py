@@ -160,7 +160,10 @@ class ObjectIndex:
         obj = ObjectRecord(key, _PENDING, seg, extent, parent, writer, expiry)
         objects[key] = obj
         heapq.heappush(self._writer_heap, (expiry, key, writer))
-        return Reservation(key, obj.location(), expiry), events
+        loc = obj._location = Location(
+            seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length
+        )
+        return Reservation(key, loc, expiry), events
 
     def put_end(self, key: str, writer: str, now_ms: int, checksum: int = 0) -> None:
         """Make a written object visible."""
@@ -466,7 +469,11 @@ class ObjectIndex:
                 victims = policy.choose_victims(1, can_evict)
                 if not victims:
                     return None
-                self._evict(objects[victims[0]], now_ms, events)
+                if self.config.enable_offload:
+                    self._evict(objects[victims[0]], now_ms, events)
+                else:  # _evict without offload, inlined
+                    self.stats.evictions += 1
+                    events.append(self._drop(objects[victims[0]], "evicted"))
         if not any(s.capacity >= size for s in segments):
             return None
         while True:
