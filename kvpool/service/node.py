@@ -141,12 +141,15 @@ class NodeService:
 
     def _announce(self) -> None:
         """Tell a master that does not know this node (it restarted, or this node did)
-        what it holds: the memory catalog and the SSD tier.  If this fails part-way the
-        next heartbeat tries again; the index accepts the same announcement twice."""
-        if self.catalog:
-            self._restore()
+        what it holds: the SSD tier, then the memory catalog.  SSD first: a key demoted
+        just before the master died may still be listed in the catalog (the heartbeat
+        that would have removed it never came), and the SSD copy is the one the index
+        last held.  If this fails part-way the next heartbeat tries again; the index
+        accepts the same announcement twice."""
         if self.storage.ssd is not None:
             self.storage.announce_ssd(self._send_restore(self.storage.ssd_segment_id))
+        if self.catalog:
+            self._restore()
         self._announce_pending = False
 
     def _send_restore(self, segment_id: str) -> Callable[[list[RestoreEntry]], list[bool]]:
