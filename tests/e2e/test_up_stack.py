@@ -373,19 +373,6 @@ def test_completion_and_streamed_chat_equal_a_plain_instance(
         time.sleep(0.5)
 
 
-_PD_STALL = pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "known intermittent bug, seen once (2026-11-29): under 4 concurrent streams the decode "
-        "pinned to the prefill's core sent no pull until the prefill's 120 s hold_timeout_ms "
-        "expired (a holding prefill is stepped in a busy loop), so clients timed out; answers "
-        "stayed right. kvpool up now gives the prefill a core of its own; these marks go once "
-        "repeated runs confirm that was the cause."
-    ),
-)
-
-
-@_PD_STALL
 def test_concurrent_streaming_clients_get_no_errors_and_right_answers(
     stack: Stack, reference: dict[str, str]
 ) -> None:
@@ -407,7 +394,6 @@ def _serving_decode(stack: Stack) -> str | None:
     return busy[0] if len(busy) == 1 else None
 
 
-@_PD_STALL  # a stall left by the test above blocks this one too
 def test_a_decode_killed_mid_stream_errors_that_request_and_the_rest_is_served(
     stack: Stack, reference: dict[str, str]
 ) -> None:
