@@ -117,6 +117,29 @@ class IndexMachine(RuleBasedStateMachine):
             return
         assert self.leased.get(key, -1) <= self.now, "removed a leased object"
 
+    @rule(
+        key=KEYS,
+        size=SIZES,
+        node=st.sampled_from(["n1", "n2"]),
+        ssd=st.booleans(),
+        offset=st.integers(0, 56),
+    )
+    def restore(self, key: str, size: int, node: str, ssd: bool, offset: int) -> None:
+        segment_id = f"{node}/ssd" if ssd else f"{node}/mem"
+        if segment_id not in self.idx.registry.segments:
+            return
+        before = self.idx.location_of(key)
+        ok = self.idx.restore(key, segment_id, offset, size, 5, self.now)
+        after = self.idx.location_of(key)
+        if before is not None:
+            assert after == before  # a known object is never moved or replaced
+            return
+        assert ok == (after is not None)
+        if after is not None:
+            assert after.segment_id == segment_id and after.size == size
+            assert ssd or after.offset == offset  # memory: exactly where its bytes are
+            assert self.idx.exists(key)
+
     @rule(keys=st.lists(KEYS, max_size=6))
     def prefix(self, keys: list[str]) -> None:
         leases_before = self.idx.active_leases(self.now)
