@@ -5,8 +5,12 @@ Rows, per value size (64 KiB, 1 MiB, 16 MiB by default):
 - raw memcpy (numpy.copyto) and raw TCP loopback (sendall + 1-byte ack / 1-byte request +
   recv_into, one value per round trip) — the baselines;
 - client put / get over the same-host path (the node's shared memory) and over TCP
-  (``allow_shm=False``): a full put is PutStart + bytes + xxh3 + PutEnd; a full get is
-  Get (lease) + bytes + checksum + Release;
+  (``allow_shm=False``): a full put is PutStart (the value hashed meanwhile) + bytes +
+  PutEnd; a full get is Get (lease) + bytes + checksum + Release, posted (its reply is
+  read with the next call's);
+- ``unpipelined``: the same with a client that waits for each Release's reply and hashes
+  a put's value after PutStart's reply, as kvpool's did before 2026-11-29 — what
+  pipelining saves, in the same run;
 - the same with two client processes at once (aggregate).
 Metadata latency: ``exists``, ``batch_exists`` of 64 keys, and the control paths of a put
 and a get alone (a 1-byte value: PutStart + write + PutEnd, Get + read + Release).
@@ -20,7 +24,10 @@ the row divided by its baseline in the same round, so load from other jobs hits 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import multiprocessing as mp
+import multiprocessing.queues as mpq
 import socket
 import statistics
 import threading
@@ -30,10 +37,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvpool.errors import KVPoolError
+from kvpool.protocol import messages as m
 from kvpool.service.client import Client
 from kvpool.testing.processes import start_master
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+
+
+class UnpipelinedClient(Client):
+    """The client before pipelining: a get waits for its Release's reply, a put hashes
+    its value after PutStart's reply."""
+
+    overlap_checksum_max = 0
+
+    def _finish_read(self, owner: str, key: str) -> None:
+        with contextlib.suppress(KVPoolError):
+            self.call(m.Release(owner, [key]))
 
 
 @dataclass
@@ -45,13 +65,18 @@ class Row:
     ratios: list[float] = field(default_factory=list)
 
 
-def timed(op: Callable[[], None], seconds: float) -> float:
+def timed(op: Callable[[], object], seconds: float) -> float:
     """ops/s of ``op`` run for about ``seconds`` (bounded: at least 3, at most 100k ops)."""
     n, start = 0, time.perf_counter()
     while n < 3 or (time.perf_counter() - start < seconds and n < 100_000):
         op()
         n += 1
     return n / (time.perf_counter() - start)
+
+
+def timed_row(op: Callable[[], object], seconds: float) -> Callable[[], float]:
+    """A row's measurement for one round."""
+    return lambda: timed(op, seconds)
 
 
 # ------------------------------------------------------------------------ raw TCP peer
@@ -99,7 +124,9 @@ def raw_tcp(size: int) -> tuple[Callable[[], None], Callable[[], None], Callable
 
 
 # -------------------------------------------------------------------- client processes
-def _worker(address: str, shm: bool, size: int, seconds: float, tag: str, out: mp.Queue) -> None:
+def _worker(
+    address: str, shm: bool, size: int, seconds: float, tag: str, out: mpq.Queue[float]
+) -> None:
     with Client(address, allow_shm=shm) as c:
         value = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
         into = np.empty(size, dtype=np.uint8)
@@ -133,14 +160,25 @@ class Bench:
             def get(c: Client = c, into: np.ndarray = into) -> None:
                 c.get_into(f"{c.client_id}-{size}-get", into)
 
-            rows[f"client put ({path})"] = lambda put=put: timed(put, self.seconds)
-            rows[f"client get ({path})"] = lambda get=get: timed(get, self.seconds)
-            rows[f"client get ({path}) x2"] = lambda shm=shm: self.parallel(shm, size)
+            unpipelined = UnpipelinedClient(self.address, allow_shm=shm)
+
+            def get_unpipelined(
+                w: Client = unpipelined, c: Client = c, into: np.ndarray = into
+            ) -> None:
+                w.get_into(f"{c.client_id}-{size}-get", into)
+
+            rows[f"client put ({path})"] = timed_row(put, self.seconds)
+            rows[f"client put ({path}) unpipelined"] = timed_row(
+                functools.partial(put, unpipelined), self.seconds
+            )
+            rows[f"client get ({path})"] = timed_row(get, self.seconds)
+            rows[f"client get ({path}) unpipelined"] = timed_row(get_unpipelined, self.seconds)
+            rows[f"client get ({path}) x2"] = functools.partial(self.parallel, shm, size)
         return rows
 
     def parallel(self, shm: bool, size: int) -> float:
         ctx = mp.get_context("spawn")
-        out: mp.Queue = ctx.Queue()
+        out: mpq.Queue[float] = ctx.Queue()
         procs = [
             ctx.Process(
                 target=_worker,
@@ -158,7 +196,7 @@ class Bench:
 
 def metadata_latency(address: str, count: int = 3000) -> list[tuple[str, float, float]]:
     out = []
-    with Client(address) as c:
+    with Client(address) as c, UnpipelinedClient(address) as w:
         c.put("meta", b"x")
         keys = [f"meta{i}" for i in range(64)]
         n = [0]
@@ -172,6 +210,7 @@ def metadata_latency(address: str, count: int = 3000) -> list[tuple[str, float, 
             ("batch_exists(64)", lambda: c.batch_exists(keys)),
             ("put control path (1 B)", control_path),
             ("get control path (1 B)", lambda: c.get("meta")),
+            ("get control path (1 B), unpipelined", lambda: w.get("meta")),
         ):
             for _ in range(200):
                 op()
@@ -203,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             dst = np.empty(size, dtype=np.uint8)
             write, read, close = raw_tcp(size)
             baselines: dict[str, Callable[[], float]] = {
-                "memcpy": lambda d=dst, s=src: timed(lambda: np.copyto(d, s), args.seconds),
-                "raw tcp write": lambda w=write: timed(w, args.seconds),
-                "raw tcp read": lambda r=read: timed(r, args.seconds),
+                "memcpy": timed_row(functools.partial(np.copyto, dst, src), args.seconds),
+                "raw tcp write": timed_row(write, args.seconds),
+                "raw tcp read": timed_row(read, args.seconds),
             }
             rows = {n: Row(n, size) for n in baselines}
             clients = bench.client_rows(size)
@@ -213,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                 "client put (shm)": "memcpy",
                 "client get (shm)": "memcpy",
                 "client get (shm) x2": "client get (shm)",
+                "client get (shm) unpipelined": "client get (shm)",
+                "client put (shm) unpipelined": "client put (shm)",
+                "client put (tcp) unpipelined": "client put (tcp)",
+                "client get (tcp) unpipelined": "client get (tcp)",
                 "client put (tcp)": "raw tcp write",
                 "client get (tcp)": "raw tcp read",
                 "client get (tcp) x2": "client get (tcp)",
@@ -255,9 +298,9 @@ def print_table(rows: list[Row], meta: list[tuple[str, float, float]], markdown:
             print(f"| {name} | {p50:.0f} | {p99:.0f} |")
     else:
         for ln in [header, *lines]:
-            print(f"{ln[0]:>8} {ln[1]:<24} {ln[2]:>7} {ln[3]:>10} {ln[4]:>6}  {ln[5]}")
+            print(f"{ln[0]:>8} {ln[1]:<30} {ln[2]:>7} {ln[3]:>10} {ln[4]:>6}  {ln[5]}")
         for name, p50, p99 in meta:
-            print(f"{name:<28} p50 {p50:8.1f} µs   p99 {p99:8.1f} µs")
+            print(f"{name:<36} p50 {p50:8.1f} µs   p99 {p99:8.1f} µs")
 
 
 if __name__ == "__main__":

@@ -21,14 +21,15 @@ Thread-safe: metadata calls are serialised on one connection; data paths are per
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import socket
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 from kvpool.errors import (
     KVPoolError,
@@ -51,6 +52,10 @@ __all__ = ["Client", "split_address"]
 log = logging.getLogger("kvpool.client")
 
 CLOSE_SETTLE_S = 1.0
+# A put hashes its value while PutStart is in flight (the round trip is spent waiting
+# anyway), under the metadata lock; beyond this size hashing outlasts a round trip and
+# would hold up other threads' calls, so it waits until after.
+OVERLAP_CHECKSUM_MAX = 4 << 20
 
 
 def _owed_reply(reply: m.MasterReply) -> None:
@@ -69,6 +74,16 @@ def split_address(address: str, default_port: int = 50088) -> tuple[str, int]:
 
 class Client:
     """A connection to a kvpool master and direct data paths to its nodes."""
+
+    #: values up to this size are hashed while their PutStart is in flight
+    overlap_checksum_max = OVERLAP_CHECKSUM_MAX
+    #: False for a subclass with a ``call`` of its own (the embedded pool runs the
+    #: master's handler in-process): it has no channel to post on or to overlap with
+    _pipelined: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._pipelined = cls.call is Client.call
 
     def __init__(
         self,
@@ -92,10 +107,16 @@ class Client:
     # ---------------------------------------------------------------------------- plumbing
     def call(self, request: m.MasterRequest) -> m.MasterReply:
         """One metadata round trip; raises the master's error as its own class."""
+        return self._call(request, None)
+
+    def _call(
+        self, request: m.MasterRequest, meanwhile: Callable[[], object] | None
+    ) -> m.MasterReply:
+        """:meth:`call`, running ``meanwhile`` while the master handles the request."""
         with self._lock:
             channel = self._connected()
             try:
-                reply, payload = channel.call(request)
+                reply, payload = channel.call(request, meanwhile=meanwhile)
                 if payload:
                     channel.discard_payload(payload)
             except KVPoolError:
@@ -123,6 +144,10 @@ class Client:
     def _post(self, request: m.MasterRequest) -> None:
         """Send a request whose answer nobody needs, without waiting for it.  Failing to
         send is not the caller's problem either: what it undoes expires on the master."""
+        if not self._pipelined:
+            with contextlib.suppress(KVPoolError):
+                self.call(request)
+            return
         with self._lock:
             try:
                 self._connected().post(request)
@@ -159,10 +184,20 @@ class Client:
         A key that is already stored is left as is (same key, same content).
         """
         view = byte_view(buffer)
-        placement = self.call(m.PutStart(self.client_id, key, len(view), parent))
+        digest = 0
+
+        def hash_value() -> None:
+            nonlocal digest
+            digest = checksum(view)
+
+        start = m.PutStart(self.client_id, key, len(view), parent)
+        overlap = self._pipelined and len(view) <= self.overlap_checksum_max
+        placement = self._call(start, hash_value) if overlap else self.call(start)
         assert isinstance(placement, m.Placement)
         if not placement.found:
             return
+        if not overlap:
+            hash_value()
         try:
             self._path(placement).write(
                 placement.segment_id, placement.offset, view, shm_name=placement.shm_name
@@ -174,7 +209,7 @@ class Client:
         except BaseException:
             self._revoke(key)
             raise
-        self.call(m.PutEnd(self.client_id, key, checksum(view)))
+        self.call(m.PutEnd(self.client_id, key, digest))
 
     put = put_from
 

@@ -246,11 +246,27 @@ class Channel(Generic[S, R]):
             self.recv_payload_into(scratch[:chunk], deadline)
             length -= chunk
 
-    def call(self, message: S, payload: memoryview | None = None) -> tuple[R, int]:
+    def call(
+        self,
+        message: S,
+        payload: memoryview | None = None,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> tuple[R, int]:
         """Send a request and receive its reply's message and payload length (after the
-        replies owed to posted requests, which go to ``on_owed_reply``)."""
+        replies owed to posted requests, which go to ``on_owed_reply``).
+
+        ``meanwhile`` runs between sending and receiving: work the caller needs anyway
+        (a checksum) done while the peer handles the request.  Its time counts against
+        the exchange's deadline; if it raises, the reply is owed and read later.
+        """
         deadline = deadline_after(self.timeout_s)
         self.send(message, payload)
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except BaseException:
+                self.owed += 1
+                raise
         if self.owed:
             self._settle(deadline)
         return self.recv(deadline)

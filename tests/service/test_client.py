@@ -13,7 +13,8 @@ import pytest
 
 from kvpool.errors import KVPoolError, ObjectBusy, ObjectNotFound
 from kvpool.protocol import messages as m
-from kvpool.service.client import CLOSE_SETTLE_S, Client
+from kvpool.service.client import CLOSE_SETTLE_S, OVERLAP_CHECKSUM_MAX, Client
+from kvpool.service.embedded import EmbeddedPool
 from kvpool.testing.processes import PoolProcess, start_master
 
 
@@ -171,3 +172,28 @@ def test_a_failed_put_revokes_its_reservation_without_waiting(
     with Client(master.address, timeout_s=5) as other:
         other.put("r", b"second")
         assert other.get("r") == b"second"
+
+
+@pytest.mark.parametrize("size", [1, 100_000, OVERLAP_CHECKSUM_MAX, OVERLAP_CHECKSUM_MAX + 1])
+def test_puts_hashed_during_or_after_put_start_read_back_whole(client: Client, size: int) -> None:
+    value = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+    client.put_from(f"v{size}", value)
+    into = np.zeros(size, dtype=np.uint8)
+    assert client.get_into(f"v{size}", into) == size
+    assert np.array_equal(into, value)
+    client.put_from(f"v{size}", value)  # already stored: a no-op, nothing owed or lost
+    assert client.exists(f"v{size}")
+    assert client.remove(f"v{size}")
+
+
+def test_a_subclass_with_its_own_call_gets_releases_through_it() -> None:
+    """The embedded pool has no master connection: its releases and revokes must still
+    reach its in-process handler, and its puts hash after PutStart."""
+    with EmbeddedPool(8 << 20) as pool:
+        value = os.urandom(100_000)
+        pool.put("k", value)
+        assert pool.get("k") == value
+        assert leases(pool) == 0
+        assert pool.batch_get_into(["k"], [bytearray(100_000)]) == [100_000]
+        assert leases(pool) == 0
+        assert pool.remove("k") is True  # ObjectBusy if a lease were left

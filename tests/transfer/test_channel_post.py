@@ -167,3 +167,36 @@ def test_settle_with_nothing_owed_does_not_touch_the_socket() -> None:
     assert channel.recv() == (Msg("unsolicited"), 0)
     channel.close()
     b.close()
+
+
+def test_meanwhile_runs_after_the_request_left_and_before_its_reply_is_read() -> None:
+    a, b = socket.socketpair()
+    channel: Channel[Msg, Reply] = Channel(a, requests, replies, 5.0)
+    peer: Channel[Reply, Msg] = Channel(b, replies, requests, 5.0)
+    seen: list[str] = []
+
+    def meanwhile() -> None:
+        got = peer.recv()  # the request is already on the wire
+        seen.append(got[0].text)
+        peer.send(Msg("answer"))
+
+    assert channel.call(Msg("put-start"), meanwhile=meanwhile) == (Msg("answer"), 0)
+    assert seen == ["put-start"]
+    channel.close()
+    peer.close()
+
+
+def test_meanwhile_that_raises_leaves_its_reply_owed_not_lost() -> None:
+    channel, owed, peer = client_and_peer()
+
+    def explode() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        channel.call(Msg("first"), meanwhile=explode)
+    assert channel.owed == 1
+    assert channel.call(Msg("second")) == (Msg("re:second"), 0)
+    assert owed == [Msg("re:first")]
+    channel.send(Msg("quit"))
+    peer.join(5)
+    channel.close()
