@@ -38,7 +38,10 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpool.testing.processes import PoolProcess
 
 REPO = Path(__file__).resolve().parents[1]
 MARK = "TTFT_RESULT "
@@ -113,39 +116,13 @@ def _store(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _start_master(workdir: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
-    import socket
-    import urllib.request
+def _start_master(workdir: Path, *flags: str) -> tuple[PoolProcess, str]:
+    from kvpool.testing.processes import start_master
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = (workdir / f"master-{port}.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvpool",
-            "master",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *flags,
-        ],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
+    master = start_master(
+        *flags, log_path=workdir / f"master-{len(list(workdir.glob('master-*')))}.log"
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc, f"127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("kvpool master did not become healthy")
+    return master, master.address
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -209,8 +186,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(f"{name}: cold {cold:.3f}s hit {hit:.3f}s", file=sys.stderr)
     finally:
         for proc in masters:
-            proc.kill()
-            proc.wait(timeout=10)
+            proc.stop()
     return results
 
 

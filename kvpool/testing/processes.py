@@ -128,12 +128,15 @@ class PoolProcess:
         self.stop()
 
 
-def start_master(*flags: str, env: dict[str, str] | None = None) -> PoolProcess:
-    """``kvpool master --port 0 <flags>`` (a free port unless flags name one)."""
+def start_master(
+    *flags: str, env: dict[str, str] | None = None, log_path: Path | None = None
+) -> PoolProcess:
+    """``kvpool master --port 0 <flags>`` (a free port unless flags name one); its log is
+    also appended to ``log_path`` when given."""
     argv = ["master"]
     if not any(f.startswith(("--port", "--port=")) for f in flags):
         argv += ["--port", "0"]
-    return PoolProcess([*argv, *flags], env=env)
+    return PoolProcess([*argv, *flags], env=env, log_path=log_path)
 
 
 def start_node(config_path: Path, *flags: str, env: dict[str, str] | None = None) -> PoolProcess:

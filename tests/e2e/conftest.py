@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from kvpool.testing import processes
+from kvpool.testing.processes import PoolProcess
 from kvpool.testing.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,54 +96,14 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@dataclass
-class Master:
-    port: int
-    proc: subprocess.Popen[bytes]
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+# A real ``kvpool master`` on a free port, as the pool's own tests start it.
+Master = PoolProcess
 
 
 def start_master(log_path: Path, *flags: str) -> Master:
-    """A real ``kvpool master`` on a free port, healthy before this returns."""
-    port = free_port()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvpool",
-                "master",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                *flags,
-            ],
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    master = Master(port, proc)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"master exited: {log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://{master.address}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return master
-        except OSError:
-            time.sleep(0.2)
-    master.kill()
-    raise AssertionError(f"master not healthy in 60 s: {log_path.read_text()[-3000:]}")
+    """A real ``kvpool master`` on 127.0.0.1, listening before this returns; its log goes
+    to ``log_path`` as well."""
+    return processes.start_master("--host", "127.0.0.1", *flags, log_path=log_path)
 
 
 @pytest.fixture
