@@ -102,6 +102,11 @@ class MasterMetrics:
         self.ssd_corruptions = Gauge(
             "kvpool_ssd_corrupt_reads", "SSD reads that failed their checksum (misses)", registry=r
         )
+        self.ssd_bad_files = Gauge(
+            "kvpool_ssd_bad_files",
+            "SSD files a start-up scan found corrupt or unreadable (deleted, never announced)",
+            registry=r,
+        )
 
     def refresh(self, master: MasterService) -> None:
         """Copy gauges from the index (cheap; called on each tick and before a scrape)."""
@@ -117,9 +122,9 @@ class MasterMetrics:
             self.tier_used.labels(tier=tier.value).set(used)
             self.tier_objects.labels(tier=tier.value).set(idx.count(tier))
         self.active_leases.set(idx.active_leases(master.clock()))
-        self.ssd_corruptions.set(
-            sum(o.ssd.stats.corruptions for o in master.local.values() if o.ssd is not None)
-        )
+        tiers = [o.ssd.stats for o in master.local.values() if o.ssd is not None]
+        self.ssd_corruptions.set(sum(stats.corruptions for stats in tiers))
+        self.ssd_bad_files.set(sum(stats.bad_headers for stats in tiers))
 
     def lookup_counts(self) -> dict[str, Any]:
         def total(counter: Any, **labels: str) -> float:

@@ -311,7 +311,7 @@ class SegmentServer:
         data = self._segment(request.segment_id).view(request.offset, request.length)
         if xxhash.xxh3_64_intdigest(data) != request.checksum:
             raise ChecksumMismatch(f"{request.key}: its bytes changed before the demotion")
-        self.ssd.put(request.key, data)
+        self.ssd.put(request.key, data, checksum=request.checksum)  # just verified: hash once
         return Ok(), None
 
     def _ssd_read(self, request: SsdRead) -> tuple[DataReply, memoryview | None]:

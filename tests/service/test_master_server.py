@@ -305,3 +305,8 @@ def test_corrupt_ssd_files_across_a_master_restart_are_misses_and_deleted(
         assert not (ssd / bad_value[:2] / bad_value).exists()
         for key in intact:
             assert c.get(key) == values[key]
+        # both are counted where an operator looks
+        with urllib.request.urlopen(f"http://{master.address}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        assert "kvpool_ssd_bad_files 1.0" in text.splitlines()
+        assert "kvpool_ssd_corrupt_reads 1.0" in text.splitlines()
