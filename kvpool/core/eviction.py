@@ -50,15 +50,28 @@ Invariants of every policy (tested by property tests over random call sequences)
    itself.  So instead of segments of fixed size the default keeps one LRU queue per
    *reuse class* and evicts the queue head with the largest ``age * weight[class]`` (age
    counts placed blocks since the block was last touched): classes are a never-read block
-   at the end of its chain (weight 4), any other never-read block (1) and a block read at
-   least once (0.4).  A block lives about ``1 / weight`` times as long as a never-read
+   at the end of its chain (weight 8), any other never-read block (1) and a block read at
+   least once (0.35).  A block lives about ``1 / weight`` times as long as a never-read
    one whatever the cache size, so the trade-off scales with capacity instead of being a
    fixed split.
+4. *A block written again after it was evicted was evicted too early.*  The policy
+   remembers the keys of the blocks that left it (a ghost list, as in ARC, of
+   ``GHOST_FACTOR`` times the most blocks it has held, oldest forgotten first); a block
+   inserted while its key is there counts as read once (its conversation came back after
+   the block had gone), so it joins the read class.  In the trace this is the strongest
+   online signal found: +4.4 % hit ratio at 10,000 blocks, +14-15 % at 2,000 and 5,000,
+   +2.3 % at 20,000 over the same policy without it.  Cost: a key and an ordered-dict
+   entry per remembered block.
 
 Ideas measured and dropped: valuing blocks by depth or by their chain's length (no gain),
 more reuse classes (read 2, 3+ times: within 0.001), LHD-style learned hit densities and
 random-sampling eviction (worse than LRU: sampling noise), inheriting a conversation's
 turn count into its new blocks (worse), random admission (helps only at 5,000 blocks).
+With ghosts: a class of their own (weight 0.25-0.4: within 0.001 of joining the read
+class), a longer life for new blocks of a returning conversation (worse at every size:
+their blocks are reused less than a first turn's, 10 % against 26 %), a shorter one for
+them (better at 2,000 blocks, worse at 20,000), ghost lists of 0.5, 1 and 1.5 times the
+blocks held (each a little worse than 2).
 """
 
 from __future__ import annotations
@@ -69,6 +82,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 __all__ = [
     "DEFAULT_WEIGHTS",
+    "GHOST_FACTOR",
     "POLICY_NAMES",
     "EvictionPolicy",
     "LRUPolicy",
@@ -82,7 +96,11 @@ K = TypeVar("K", bound=Hashable)
 #: its chain, any other never-read block, a block read at least once (more classes, for
 #: blocks read 2, 3, ... times, may follow).  A block's expected life is proportional to
 #: 1 / weight.  Tuned on the Mooncake conversation trace (docs/benchmarks.md).
-DEFAULT_WEIGHTS: tuple[float, ...] = (4.0, 1.0, 0.4)
+DEFAULT_WEIGHTS: tuple[float, ...] = (8.0, 1.0, 0.35)
+
+#: How many evicted keys the default policy remembers, as a multiple of the most blocks it
+#: has held (see 4. in the module docstring).
+GHOST_FACTOR = 2.0
 
 
 class EvictionPolicy(Protocol[K]):
@@ -161,9 +179,17 @@ class PrefixAwarePolicy(Generic[K]):
 
     name = "default"
 
-    def __init__(self, weights: Sequence[float] = DEFAULT_WEIGHTS) -> None:
+    def __init__(
+        self, weights: Sequence[float] = DEFAULT_WEIGHTS, ghost_factor: float = GHOST_FACTOR
+    ) -> None:
         if len(weights) < 2 or any(w <= 0 for w in weights):
             raise ValueError(f"weights must be two or more positive numbers, got {weights}")
+        if ghost_factor < 0:
+            raise ValueError(f"ghost_factor must be >= 0, got {ghost_factor}")
+        self._ghost_factor = ghost_factor
+        # keys that left, oldest first (True: a value that is never the pop default)
+        self._ghosts: OrderedDict[K, bool] = OrderedDict()
+        self._most = 0  # the most blocks held at once: the ghost list's scale
         self._weights = tuple(float(w) for w in weights)
         self._top = len(self._weights) - 1
         self._nodes: dict[K, _Node[K]] = {}
@@ -207,6 +233,10 @@ class PrefixAwarePolicy(Generic[K]):
                 else:
                     kids[node] = None
                 p.children += 1
+        if self._ghosts.pop(key, False):
+            node.reads = 1  # it was here before: its conversation came back too late
+        if len(nodes) > self._most:
+            self._most = len(nodes)
         run = self._run
         if run and p is not run[-1]:
             self._place_run()
@@ -257,6 +287,10 @@ class PrefixAwarePolicy(Generic[K]):
             assert p.kids is not None
             del p.kids[node]
             p.children -= 1
+        ghosts = self._ghosts
+        ghosts[key] = True
+        if len(ghosts) > self._most * self._ghost_factor:
+            ghosts.popitem(last=False)
 
     def choose_victims(self, count: int, can_evict: Callable[[K], bool]) -> list[K]:
         out: list[K] = []

@@ -159,6 +159,44 @@ def test_default_gives_read_blocks_a_longer_life_than_never_read_ones() -> None:
     assert lru.choose_victims(1, always) == ["hot"]
 
 
+def remembered_block_order(ghost_factor: float) -> list[str]:
+    p: PrefixAwarePolicy[str] = PrefixAwarePolicy(ghost_factor=ghost_factor)
+    p.on_insert("a", None)
+    p.on_insert("x", None)
+    p.on_remove("a")  # evicted
+    p.on_insert("a", None)  # written again: its conversation came back too late
+    for k in ["b", "y1", "y2", "y3", "y4"]:  # b is as new as a, never read
+        p.on_insert(k, None)
+    return p.choose_victims(3, always)
+
+
+def test_default_a_block_written_again_after_eviction_lives_like_a_read_one() -> None:
+    assert remembered_block_order(ghost_factor=2.0) == ["x", "b", "y1"]
+    # without the ghost list, a is a never-read block older than b: it goes first
+    assert remembered_block_order(ghost_factor=0.0) == ["x", "a", "b"]
+
+
+def forgotten_block_order(ghost_factor: float) -> list[str]:
+    p: PrefixAwarePolicy[str] = PrefixAwarePolicy(ghost_factor=ghost_factor)
+    for k in ["a", "b", "c"]:  # one block held at a time
+        p.on_insert(k, None)
+        p.on_remove(k)
+    for k in ["a", "b", "c", "f1", "f2", "f3"]:
+        p.on_insert(k, None)
+    return p.choose_victims(2, always)
+
+
+def test_default_ghost_list_holds_ghost_factor_times_the_most_blocks_held() -> None:
+    # most blocks held at once: 1, so factor 2 remembers b and c only: a is new again
+    assert forgotten_block_order(ghost_factor=2.0) == ["a", "f1"]
+    assert forgotten_block_order(ghost_factor=3.0) == ["f1", "a"]
+
+
+def test_default_ghost_factor_is_validated() -> None:
+    with pytest.raises(ValueError, match="ghost_factor"):
+        PrefixAwarePolicy(ghost_factor=-1.0)
+
+
 def test_default_a_never_read_leaf_goes_before_an_older_inner_block() -> None:
     p: PrefixAwarePolicy[str] = PrefixAwarePolicy()
     chain(p, ["r", "s"])  # r inner, s the never-read leaf at the end of the chain
