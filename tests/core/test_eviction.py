@@ -178,17 +178,19 @@ def test_default_a_block_written_again_after_eviction_lives_like_a_read_one() ->
 
 def forgotten_block_order(ghost_factor: float) -> list[str]:
     p: PrefixAwarePolicy[str] = PrefixAwarePolicy(ghost_factor=ghost_factor)
-    for k in ["a", "b", "c"]:  # one block held at a time
+    for k in ["a", "b", "c", "d", "e"]:  # one block held at a time
         p.on_insert(k, None)
         p.on_remove(k)
-    for k in ["a", "b", "c", "f1", "f2", "f3"]:
+    for k in ["a", "c", "f1", "f2", "f3"]:
         p.on_insert(k, None)
     return p.choose_victims(2, always)
 
 
-def test_default_ghost_list_holds_ghost_factor_times_the_most_blocks_held() -> None:
-    # most blocks held at once: 1, so factor 2 remembers b and c only: a is new again
+def test_default_ghost_lists_remember_one_to_two_times_ghost_factor_blocks() -> None:
+    # one block held at most, factor 2: generations of 2 keys, {a, b} then {c, d}, and
+    # {e} growing: a is forgotten (new again, the oldest never-read block), c is not
     assert forgotten_block_order(ghost_factor=2.0) == ["a", "f1"]
+    # factor 3: {a, b, c} and {d, e}: a is remembered and outlives f1
     assert forgotten_block_order(ghost_factor=3.0) == ["f1", "a"]
 
 
