@@ -108,6 +108,27 @@ def test_table_output_and_one_policy(tmp_path: Path) -> None:
     assert len(lines) == 1 and " 8 " in lines[0]
 
 
+def test_repeat_keeps_the_hits_and_reports_one_row_per_policy_and_capacity(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, crafted())
+    once = run_script("--trace", str(trace), "--capacity", "8", "--json")
+    thrice = run_script("--trace", str(trace), "--capacity", "8", "--json", "--repeat", "3")
+    assert once.returncode == 0 and thrice.returncode == 0, once.stderr + thrice.stderr
+    hits_once = {r["policy"]: r["hits"] for r in map(json.loads, once.stdout.splitlines())}
+    rows = [json.loads(line) for line in thrice.stdout.splitlines()]
+    assert {r["policy"]: r["hits"] for r in rows} == hits_once
+    assert len(rows) == 3
+
+
+def test_repeat_below_one_is_refused(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, crafted())
+    proc = run_script("--trace", str(trace), "--repeat", "0")
+    assert proc.returncode == 2 and "--repeat" in proc.stderr
+
+
 @pytest.mark.parametrize("policy", ["lru", "default"])
 @pytest.mark.parametrize("capacity", [5, 20, 60])
 def test_index_mode_gives_the_same_hits_as_direct_mode(policy: str, capacity: int) -> None:
