@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Any, ClassVar
 
 from kvpool.errors import (
+    ChecksumMismatch,
     KVPoolError,
     ObjectNotFound,
     PeerTimeout,
@@ -295,6 +296,11 @@ class Client:
                 path.read_into(
                     placement.segment_id, placement.offset, target, shm_name=placement.shm_name
                 )
+        except ChecksumMismatch as exc:
+            # the node answered: its copy is corrupt, the node itself is fine (reporting it
+            # would drop every object it holds)
+            self.corrupt_reads += 1
+            raise ObjectNotFound(f"{placement.key}: {exc}") from exc
         except (TransferError, PeerTimeout) as exc:
             self._report(placement, exc)
             raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc

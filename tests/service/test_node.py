@@ -326,3 +326,28 @@ def test_a_node_keeps_its_id_with_its_ssd_directory(tmp_path: Path) -> None:
     (tmp_path / "ssd" / ".kvpool-node-id").write_text("../../etc\n")  # not an id: replaced
     replaced = node_id("h", str(tmp_path / "ssd"))
     assert replaced != first and replaced.startswith("node-h-")
+
+
+def test_a_corrupt_object_on_a_nodes_ssd_is_a_miss_and_the_node_keeps_serving(
+    tmp_path: Path,
+) -> None:
+    # The node answers the read with a checksum error: it is alive and its other objects
+    # are fine, so the client must not report it as failed (which drops all of them).
+    ssd = tmp_path / "node-ssd"
+    with start_master("--segment_size", "0", "--enable_offload=true") as master:
+        config = ssd_node_config(tmp_path, master.address, ssd)
+        with start_node(config), Client(master.address, allow_shm=False) as c:
+            wait_until(lambda: c.stats()["tiers"]["ssd"]["capacity"] > 0)
+            values = {f"c{i:02d}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB
+            for key, value in values.items():
+                c.put(key, value)
+            tiers = tiers_of(c, list(values))
+            on_ssd = sorted(k for k, t in tiers.items() if t == "ssd")
+            in_memory = sorted(k for k, t in tiers.items() if t == "memory")
+            assert on_ssd and in_memory
+            bad = on_ssd[0]
+            flip(ssd / bad[:2] / bad, HEADER_SIZE + 100)
+            with pytest.raises(ObjectNotFound):
+                c.get(bad)
+            for key in in_memory + on_ssd[1:]:
+                assert c.get(key) == values[key]
