@@ -37,6 +37,10 @@ __all__ = ["Endpoint", "MasterService", "monotonic_ms"]
 
 log = logging.getLogger("kvpool.master")
 
+# handler, op name (metric label), that op's latency histogram child
+_Route = tuple[Callable[[Any, int], Any], str, Any]
+_TIER_NAMES = {tier: tier.value for tier in Tier}  # an Enum .value is a descriptor call
+
 
 # Drops of a whole storage owner.  Its SSD files are left alone: they outlive the
 # owner's registration, and it re-announces them when it registers again (what the
@@ -105,14 +109,19 @@ class MasterService:
             m.ReportFailure: self._report_failure,
             m.Stats: self._stats,
         }
+        self._routes: dict[type, _Route] = {}  # filled by _route
+        self._hits_by_tier: dict[Tier, Any] = {}  # Get hits counter child per tier
 
     # ----------------------------------------------------------------------------- entry
     def handle(self, request: m.MasterRequest) -> m.MasterReply:
         """One request in, one reply out; never raises."""
-        op = type(request).__name__
+        route = self._routes.get(type(request))
+        if route is None:
+            route = self._route(type(request))
+        handler, op, latency = route
         started = time.perf_counter()
         try:
-            reply: m.MasterReply = self._handlers[type(request)](request, self.clock())
+            reply: m.MasterReply = handler(request, self.clock())
         except KVPoolError as exc:
             self.metrics.errors.labels(op=op, code=exc.code).inc()
             if not isinstance(exc, ObjectNotFound):
@@ -123,8 +132,22 @@ class MasterService:
             self.metrics.errors.labels(op=op, code="INTERNAL").inc()
             self.recent_errors.append(f"{op}: INTERNAL: {exc}")
             reply = error_reply(exc)
-        self.metrics.latency.labels(op=op).observe(time.perf_counter() - started)
+        latency.observe(time.perf_counter() - started)
         return reply
+
+    def _route(self, kind: type) -> _Route:
+        """Handler, op name and latency child of a request type, looked up once per type:
+        a ``labels()`` call per request cost more than an ``Exists`` itself."""
+        op = kind.__name__
+        route = self._routes[kind] = (
+            self._handlers.get(kind, self._unhandled),
+            op,
+            self.metrics.latency_of(op),
+        )
+        return route
+
+    def _unhandled(self, request: Any, now: int) -> m.MasterReply:
+        raise KeyError(type(request))  # a bug: an INTERNAL error reply, as for any other
 
     def tick(self) -> None:
         """Expire leases, writers and clients; run watermark eviction.  Called periodically."""
@@ -213,7 +236,7 @@ class MasterService:
             True,
             key,
             loc.segment_id,
-            loc.tier.value,
+            _TIER_NAMES[loc.tier],
             loc.offset,
             loc.size,
             checksum,
@@ -373,13 +396,17 @@ class MasterService:
 
     # ------------------------------------------------------------------------------ reads
     def _get(self, req: m.Get, now: int) -> m.Placement:
-        self.metrics.lookups.labels(kind="get").inc()
+        self.metrics.lookups_of("get").inc()
         try:
             grant = self.index.get(req.key, req.owner, now)
         except ObjectNotFound:
             return m.Placement(False, req.key)
-        self.metrics.hits.labels(kind="get", tier=grant.location.tier.value).inc()
-        return self._placement(req.key, grant.location, grant.checksum)
+        loc = grant.location
+        hits = self._hits_by_tier.get(loc.tier)
+        if hits is None:
+            hits = self._hits_by_tier[loc.tier] = self.metrics.hits_of("get", loc.tier.value)
+        hits.inc()
+        return self._placement(req.key, loc, grant.checksum)
 
     def _batch_get(self, req: m.BatchGet, now: int) -> m.Placements:
         items = []

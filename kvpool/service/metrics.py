@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 if TYPE_CHECKING:
     from kvpool.service.master import MasterService
 
-__all__ = ["MasterMetrics"]
+__all__ = ["LabelCache", "MasterMetrics"]
 
 _LATENCY_BUCKETS = (
     0.00002,
@@ -31,6 +31,29 @@ _LATENCY_BUCKETS = (
     0.1,
     1.0,
 )
+
+
+class LabelCache:
+    """The children of a labelled metric, looked up once per label values.
+
+    ``metric.labels(...)`` costs a few microseconds (it validates, sorts and locks on
+    every call): more than the master's whole ``Exists``.  The hot handlers call this
+    instead.  A child is still made on first use only, so ``/metrics`` shows exactly
+    the series it showed before (none for a label set never used).
+    """
+
+    __slots__ = ("_children", "_metric")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        """The child for these label values, in the metric's label order."""
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class MasterMetrics:
@@ -99,6 +122,10 @@ class MasterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # per-request children, cached (see LabelCache); never removed from the metrics
+        self.latency_of = LabelCache(self.latency)
+        self.lookups_of = LabelCache(self.lookups)
+        self.hits_of = LabelCache(self.hits)
         self.ssd_corruptions = Gauge(
             "kvpool_ssd_corrupt_reads", "SSD reads that failed their checksum (misses)", registry=r
         )

@@ -16,15 +16,23 @@ Rules:
 - Every access is bounds-checked; an out-of-range access raises
   :class:`~kvpool.errors.PoolError` and touches nothing.
 - Files are mode 0600: only processes of the same user can attach.
+- Pages are populated up front, in the owner at creation and in every process that
+  attaches (:func:`populate`).  A first write to a page otherwise costs a page fault in
+  *each* process that touches it: a 1 MiB copy into untouched pages took ~9x one into
+  pages written before.  ``posix_fallocate`` already committed the memory; populating
+  adds the page tables (2 MiB per GiB per process) and moves the zeroing to start-up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import mmap
 import os
 import re
 import secrets
+import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -32,12 +40,67 @@ from typing import Any
 from kvpool.errors import ConfigError, NoSpace, PoolError
 from kvpool.storage.buffers import byte_view, copy_bytes, writable_byte_view
 
-__all__ = ["SHM_DIR", "Segment", "check_range", "remove_stale_segments"]
+__all__ = ["SHM_DIR", "Segment", "check_range", "populate", "remove_stale_segments"]
+
+log = logging.getLogger("kvpool.segment")
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 # Default names carry the creator's pid, so leftovers of a killed process can be found.
 _DEFAULT_NAME = re.compile(r"^kvpool-(\d+)-[0-9a-f]{12}$")
+
+
+# madvise(MADV_POPULATE_WRITE) (Linux >= 5.14) faults a range in, writable, in one call.
+# Python 3.11's mmap lacks the constant; its value is fixed by the kernel ABI (23 in
+# asm-generic/mman-common.h, and on every architecture that has it).
+_POPULATE_WRITE: int | None = getattr(
+    mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None
+)
+# Populate this much per call: one madvise holds the GIL (it does not release it), and
+# 32 MiB takes ~10 ms in the owner (zeroing included), ~5 ms in a process attaching.
+POPULATE_CHUNK = 32 << 20
+
+
+def _touch(mapping: mmap.mmap, start: int, length: int) -> None:
+    """Fault pages in by reading one byte of each (content untouched, in C)."""
+    with memoryview(mapping) as whole:
+        bytes(whole[start : start + length : mmap.PAGESIZE])
+
+
+def populate(mapping: mmap.mmap, *, owner: bool) -> None:
+    """Map every page of ``mapping`` now, so later copies do not page-fault.
+
+    ``MADV_POPULATE_WRITE`` where the kernel has it; where it does not (EINVAL: a kernel
+    before 5.14, or no such constant), one byte of each page is read instead: as fast
+    here (a read fault on a shared tmpfs mapping maps the page writable) though without
+    the kernel's promise, so the madvise is preferred.  Done in chunks, so other threads
+    of the process run in between.  A failure other than EINVAL means the memory is not
+    there (ENOMEM, or EFAULT for a SIGBUS): for the owner that is :class:`NoSpace` now,
+    not a SIGBUS on some later write; a process attaching only logs it and keeps the
+    lazy mapping (the owner's pages exist; only its own page tables are missing).
+    """
+    global _POPULATE_WRITE
+    size = len(mapping)
+    for start in range(0, size, POPULATE_CHUNK):
+        length = min(POPULATE_CHUNK, size - start)
+        advice = _POPULATE_WRITE
+        if advice is not None:
+            try:
+                mapping.madvise(advice, start, length)
+                continue
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    if owner:
+                        raise NoSpace(
+                            f"cannot populate {size} bytes of shared memory: {exc}"
+                        ) from None
+                    log.warning("shared memory not populated (%s): pages fault lazily", exc)
+                    return
+                _POPULATE_WRITE = None  # this kernel does not know it: never ask again
+        _touch(mapping, start, length)
+
+
+_populate = populate  # create()/attach() take a ``populate`` flag that shadows it
 
 
 def check_range(offset: int, length: int, size: int, what: str = "segment") -> None:
@@ -102,8 +165,18 @@ class Segment:
         self._view: memoryview | None = memoryview(mapping)
 
     @classmethod
-    def create(cls, size: int, name: str | None = None, *, directory: Path = SHM_DIR) -> Segment:
-        """Create and own a new segment of ``size`` bytes (zero-filled)."""
+    def create(
+        cls,
+        size: int,
+        name: str | None = None,
+        *,
+        directory: Path = SHM_DIR,
+        populate: bool = True,
+    ) -> Segment:
+        """Create and own a new segment of ``size`` bytes (zero-filled).
+
+        ``populate`` maps every page now (see :func:`populate`): ~0.3 s per GiB here.
+        """
         if size <= 0:
             raise ConfigError(f"segment size must be positive, got {size}")
         name = name or f"kvpool-{os.getpid()}-{secrets.token_hex(6)}"
@@ -123,6 +196,12 @@ class Segment:
                     f"cannot reserve {size} bytes in {directory} for segment {name!r}: {exc}"
                 ) from None
             mapping = mmap.mmap(fd, size)
+            try:
+                if populate:
+                    _populate(mapping, owner=True)
+            except BaseException:
+                mapping.close()
+                raise
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -131,8 +210,12 @@ class Segment:
         return cls(name, path, mapping, owner=True)
 
     @classmethod
-    def attach(cls, name: str, *, directory: Path = SHM_DIR) -> Segment:
-        """Map an existing segment created by another process on this host."""
+    def attach(cls, name: str, *, directory: Path = SHM_DIR, populate: bool = True) -> Segment:
+        """Map an existing segment created by another process on this host.
+
+        ``populate`` maps every page now (~0.2 s per GiB here), so no copy later pays a
+        page fault per 4 KiB; it never changes the segment's content.
+        """
         _check_name(name)
         path = Path(directory) / name
         try:
@@ -146,6 +229,8 @@ class Segment:
             mapping = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        if populate:
+            _populate(mapping, owner=False)
         return cls(name, path, mapping, owner=False)
 
     @property
