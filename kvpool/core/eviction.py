@@ -67,9 +67,9 @@ Ideas measured and dropped: valuing blocks by depth or by their chain's length (
 more reuse classes (read 2, 3+ times: within 0.001), LHD-style learned hit densities and
 random-sampling eviction (worse than LRU: sampling noise), inheriting a conversation's
 turn count into its new blocks (worse), random admission (helps only at 5,000 blocks).
-With ghosts: a class of their own (weight 0.25-0.4: within 0.001 of joining the read
+With ghosts: a class of their own (weight 0.2-0.6: at best 0.001 above joining the read
 class), a longer life for new blocks of a returning conversation (worse at every size:
-their blocks are reused less than a first turn's, 10 % against 26 %), a shorter one for
+their blocks are reused less than a first turn's, 7-18 % against 26 %), a shorter one for
 them (better at 2,000 blocks, worse at 20,000), an exact FIFO of ghosts (an ordered
 dict: the same hit ratios within 0.001, but 15 % of the policy's time; two sets cost too
 little to measure), remembering fewer keys (0.5 to 1.5 times the blocks held: up to 0.0025
