@@ -353,3 +353,31 @@ def test_restored_ssd_objects_are_evicted_and_removed_like_demoted_ones() -> Non
     assert Dropped("old", Tier.SSD, "evicted", "node") in events
     assert any(isinstance(e, Demote) and e.key == "b" for e in events)
     idx.check()
+
+
+# ------------------------------------------------------------------ segments kept per tier
+def test_a_segment_added_later_takes_puts_without_evicting() -> None:
+    idx = make(capacity=20)
+    put(idx, "a")
+    put(idx, "b")  # full
+    idx.add_segment("node", "node/mem2", 20)
+    res, events = idx.put_start("c", 10, "w", 0)
+    assert res is not None and events == []  # room in the new segment, nothing evicted
+    assert res.location.segment_id == "node/mem2"
+    assert idx.exists("a") and idx.exists("b")
+    idx.check()
+
+
+def test_a_removed_client_s_segment_takes_no_more_puts() -> None:
+    idx = make(capacity=20)
+    idx.register_client("other", 0)
+    idx.add_segment("other", "other/mem", 100)
+    put(idx, "a")  # into other/mem, the segment with the most free space
+    assert idx.location_of("a").segment_id == "other/mem"  # type: ignore[union-attr]
+    idx.remove_client("other")
+    put(idx, "b")
+    put(idx, "c")
+    res, events = idx.put_start("d", 10, "w", 0)  # node/mem is full: evicts, not other/mem
+    assert res is not None and res.location.segment_id == "node/mem"
+    assert [e.key for e in events if isinstance(e, Dropped)] == ["b"]
+    idx.check()
