@@ -11,11 +11,17 @@ Rows, per value size (64 KiB, 1 MiB, 16 MiB by default):
 - ``unpipelined``: the same with a client that waits for each Release's reply and hashes
   a put's value after PutStart's reply, as kvpool's did before 2026-11-29 — what
   pipelining saves, in the same run;
-- the same with two client processes at once (aggregate).
+- the same with two client processes at once (aggregate);
+- ``segment write``: the copy alone into a fresh segment's never-touched pages, through
+  a second mapping as a client has (its own page tables), created and attached without
+  populating (as before 2026-11-29: a page fault per 4 KiB in each process) and with
+  (``MADV_POPULATE_WRITE`` at create and attach) — both in the same round.
 Metadata latency: ``exists``, ``batch_exists`` of 64 keys, and the control paths of a put
 and a get alone (a 1-byte value: PutStart + write + PutEnd, Get + read + Release), back to
 back; and a 1-byte get pipelined and not, sampled alternately, back to back and after 1 ms
-idle.
+idle.  The master's own handler cost, in-process (no socket): ``Get`` + ``Release`` of a
+hit, against ``Exists``.  The time to populate a 256 MiB segment, in the owner and in a
+process attaching.
 
 Rows of a size are interleaved round by round, and each ratio is the median over rounds of
 the row divided by its baseline in the same round, so load from other jobs hits both sides.
@@ -39,9 +45,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvpool.core.index import IndexConfig
 from kvpool.errors import KVPoolError
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
+from kvpool.service.master import MasterService
+from kvpool.storage.segment import Segment
 from kvpool.testing.processes import start_master
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
@@ -123,6 +132,71 @@ def raw_tcp(size: int) -> tuple[Callable[[], None], Callable[[], None], Callable
         listener.close()
 
     return write, read, close
+
+
+# ------------------------------------------------------------------- segment pages
+def segment_write(size: int, *, populate: bool) -> float:
+    """ops/s of ``size``-byte copies into a new segment's untouched pages, through an
+    attached mapping (a client's); the segment is made and mapped outside the timing."""
+    total = max(64 << 20, 8 * size)
+    src = np.ones(size, dtype=np.uint8)
+    with (
+        Segment.create(total, populate=populate) as owner,
+        Segment.attach(owner.name, populate=populate) as seg,
+    ):
+        offsets = range(0, total - size + 1, size)
+        start = time.perf_counter()
+        for offset in offsets:
+            seg.write(offset, src)
+        return len(offsets) / (time.perf_counter() - start)
+
+
+def populate_latency(size: int = 256 << 20, count: int = 3) -> list[tuple[str, float, float]]:
+    """Seconds (as µs) to create a populated segment, and to attach it populated."""
+    owner_s: list[float] = []
+    attach_s: list[float] = []
+    for _ in range(count):
+        t = time.perf_counter()
+        with Segment.create(size) as owner:
+            owner_s.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            with Segment.attach(owner.name):
+                attach_s.append(time.perf_counter() - t)
+    label = f"{size >> 20} MiB"
+    return [
+        _percentiles(f"create segment {label} (populated)", owner_s),
+        _percentiles(f"attach segment {label} (populated)", attach_s),
+    ]
+
+
+def handler_latency(count: int = 20_000) -> list[tuple[str, float, float]]:
+    """The master's handler alone, in this process: Get + Release of a hit, and Exists,
+    sampled alternately."""
+    service = MasterService(IndexConfig())
+    for request in (
+        m.Register("n", "127.0.0.1:1", "token"),
+        m.AddSegment("n", "n/mem", 1 << 30, "memory", "shm"),
+        m.PutStart("c", "k", 4096),
+        m.PutEnd("c", "k", 1),
+    ):
+        service.handle(request)
+    handle = service.handle
+    get, release, exists = m.Get("o", "k"), m.Release("o", ["k"]), m.Exists("k")
+    pair: list[float] = []
+    alone: list[float] = []
+    for _ in range(count):
+        t = time.perf_counter()
+        handle(get)
+        handle(release)
+        pair.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        handle(exists)
+        alone.append(time.perf_counter() - t)
+    service.close()
+    return [
+        _percentiles("master handler: Get + Release", pair),
+        _percentiles("master handler: Exists", alone),
+    ]
 
 
 # -------------------------------------------------------------------- client processes
@@ -273,8 +347,16 @@ def main(argv: list[str] | None = None) -> int:
                 "raw tcp read": timed_row(read, args.seconds),
             }
             rows = {n: Row(n, size) for n in baselines}
-            clients = bench.client_rows(size)
+            clients: dict[str, Callable[[], float]] = {
+                "segment write (lazy pages)": functools.partial(
+                    segment_write, size, populate=False
+                ),
+                "segment write (populated)": functools.partial(segment_write, size, populate=True),
+                **bench.client_rows(size),
+            }
             base_of = {
+                "segment write (lazy pages)": "memcpy",
+                "segment write (populated)": "memcpy",
                 "client put (shm)": "memcpy",
                 "client get (shm)": "memcpy",
                 "client get (shm) x2": "client get (shm)",
@@ -299,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                         row.ratios.append(this[row.name] / this[row.baseline])
             close()
             table.extend(rows.values())
-        meta = metadata_latency(master.address)
+        meta = metadata_latency(master.address) + handler_latency() + populate_latency()
     print_table(table, meta, args.markdown)
     return 0
 

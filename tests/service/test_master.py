@@ -80,3 +80,38 @@ def test_dropping_a_whole_owner_keeps_its_ssd_files_and_dropping_an_object_does_
     join(svc, address)
     assert announce(svc, store) == [True]
     svc.close()
+
+
+def test_get_metrics_count_every_request_and_show_only_label_sets_used() -> None:
+    """The handler caches its metric children; what /metrics says must not change."""
+    svc = MasterService(IndexConfig())
+    svc.handle(m.Register("n", "127.0.0.1:1", "token"))
+    svc.handle(m.AddSegment("n", "n/mem", 1 << 20, "memory", "shm-n"))
+    text = svc.metrics.exposition().decode()
+    assert "kvpool_lookups_total{" not in text and "kvpool_hits_total{" not in text
+    assert 'op="Get"' not in text  # no series for an op never handled
+    assert svc.handle(m.PutStart("c", "k", 100)).found  # type: ignore[union-attr]
+    assert svc.handle(m.PutEnd("c", "k", 7)) == Ok()
+    for _ in range(3):
+        reply = svc.handle(m.Get("o", "k"))
+        assert reply == m.Placement(
+            True, "k", "n/mem", "memory", 0, 100, 7, "127.0.0.1:1", "shm-n", "token"
+        )
+        assert svc.handle(m.Release("o", ["k"])) == Ok()
+    assert svc.handle(m.Get("o", "missing")) == m.Placement(False, "missing")
+
+    class Unknown:
+        pass
+
+    for _ in range(2):  # a request no handler knows: an internal error reply, every time
+        bad = svc.handle(Unknown())  # type: ignore[arg-type]
+        assert isinstance(bad, Error) and bad.code == "INTERNAL"
+    text = svc.metrics.exposition().decode()
+    assert 'kvpool_lookups_total{kind="get"} 4.0' in text
+    assert 'kvpool_hits_total{kind="get",tier="memory"} 3.0' in text
+    assert 'tier="ssd"' not in text.split("kvpool_hits_total", 1)[1].split("# HELP", 1)[0]
+    assert 'kvpool_request_seconds_count{op="Get"} 4.0' in text
+    assert 'kvpool_request_seconds_count{op="Release"} 3.0' in text
+    assert 'kvpool_request_seconds_count{op="Unknown"} 2.0' in text
+    assert 'kvpool_request_errors_total{code="INTERNAL",op="Unknown"} 2.0' in text
+    svc.close()

@@ -1,14 +1,19 @@
 from __future__ import annotations
 
+import errno
+import logging
+import mmap
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
 
-from kvpool.errors import ConfigError, PoolError
+from kvpool.errors import ConfigError, NoSpace, PoolError
+from kvpool.storage import segment as segment_module
 from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
 
 
@@ -118,3 +123,114 @@ def test_segments_of_killed_processes_are_removed_and_live_ones_kept(tmp_path: P
     finally:
         live.close()
         explicit.close()
+
+
+# ------------------------------------------------------------------------- populating
+def resident(path: Path) -> list[int]:
+    """Resident bytes of each mapping of ``path`` in this process (from smaps)."""
+    sizes: list[int] = []
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            inside = line.endswith(str(path))
+        elif inside and fields[0] == "Rss:":
+            sizes.append(int(fields[1]) * 1024)
+    return sizes
+
+
+SIZE = 4 << 20
+
+
+def test_create_and_attach_populate_every_page_and_keep_the_content() -> None:
+    with Segment.create(SIZE) as owner:
+        assert resident(owner.path) == [SIZE]  # mapped at creation, before any write
+        assert owner.read(0, SIZE) == bytes(SIZE)  # still zero-filled
+        owner.write(SIZE - 5, b"owner")
+        with Segment.attach(owner.name) as seg:
+            assert sorted(resident(owner.path)) == [SIZE, SIZE]
+            assert seg.size == SIZE and seg.read(SIZE - 5, 5) == b"owner"  # populating reads
+            seg.write(0, b"client")  # and writes still land in the owner's memory
+        assert owner.read(0, 6) == b"client"
+
+
+def test_populate_false_maps_lazily() -> None:
+    with (
+        Segment.create(SIZE, populate=False) as owner,
+        Segment.attach(owner.name, populate=False) as seg,
+    ):
+        assert resident(owner.path) == [0, 0]
+        seg.write(0, b"x" * 4096)  # one page, in this mapping only (a huge page at most)
+        untouched, written = sorted(resident(owner.path))
+        assert untouched == 0 and 4096 <= written < SIZE
+
+
+def test_without_madvise_populate_falls_back_to_touching_each_page(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    touched: list[tuple[int, int]] = []
+    touch = segment_module._touch
+
+    def spy(mapping: mmap.mmap, start: int, length: int) -> None:
+        touched.append((start, length))
+        touch(mapping, start, length)
+
+    monkeypatch.setattr(segment_module, "_POPULATE_WRITE", None)  # a Python/OS without it
+    monkeypatch.setattr(segment_module, "_touch", spy)
+    monkeypatch.setattr(segment_module, "POPULATE_CHUNK", 1 << 20)
+    size = SIZE + 4096 + 10  # a last chunk of one page and a bit
+    with Segment.create(size) as owner:
+        owner.write(size - 3, b"end")
+        with Segment.attach(owner.name) as seg:
+            assert sorted(resident(owner.path)) == [size + 4086] * 2  # whole pages
+            assert seg.read(size - 3, 3) == b"end"
+            seg.write(0, b"start")
+        assert owner.read(0, 5) == b"start"
+    chunks = [(i << 20, 1 << 20) for i in range(4)] + [(SIZE, 4106)]
+    assert touched == chunks * 2  # owner, then attach: every chunk by the fallback
+
+
+def test_a_kernel_refusing_the_advice_falls_back_once_and_for_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # an advice number no kernel knows: madvise fails with EINVAL, as MADV_POPULATE_WRITE
+    # does before Linux 5.14
+    monkeypatch.setattr(segment_module, "_POPULATE_WRITE", 0x7FFF)
+    with Segment.create(SIZE) as owner:
+        assert segment_module._POPULATE_WRITE is None  # not asked again
+        assert resident(owner.path) == [SIZE]
+        assert owner.read(0, SIZE) == bytes(SIZE)
+
+
+class _FailingMapping:
+    """A mapping whose madvise fails as with no memory left."""
+
+    def __len__(self) -> int:
+        return SIZE
+
+    def madvise(self, option: int, start: int, length: int) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+
+def test_no_memory_to_populate_is_no_space_for_the_owner_and_lazy_for_others(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(segment_module, "_POPULATE_WRITE", 23)
+    fake = cast(mmap.mmap, _FailingMapping())
+    with pytest.raises(NoSpace, match="cannot populate"):
+        segment_module.populate(fake, owner=True)
+    with caplog.at_level(logging.WARNING, logger="kvpool.segment"):
+        segment_module.populate(fake, owner=False)  # the attach goes on, lazily mapped
+    assert "not populated" in caplog.text
+
+
+def test_a_failed_populate_at_creation_leaves_no_segment_behind(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def fail(mapping: mmap.mmap, *, owner: bool) -> None:
+        raise NoSpace("cannot populate")
+
+    monkeypatch.setattr(segment_module, "_populate", fail)
+    with pytest.raises(NoSpace):
+        Segment.create(SIZE, "kvpool-populate-test", directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []

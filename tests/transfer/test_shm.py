@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,3 +59,29 @@ def test_host_token_is_stable_and_shared_by_processes_on_this_host() -> None:
         [sys.executable, "-c", code], check=True, timeout=60, capture_output=True, text=True
     )
     assert child.stdout.strip() == host_token() == host_token()
+
+
+def test_attach_maps_every_page_up_front_and_keeps_what_the_owner_wrote(
+    segment: Segment,
+) -> None:
+    segment.write(segment.size - 4, b"tail")
+
+    def resident() -> list[int]:  # bytes mapped per mapping of the segment (smaps' Rss)
+        rss, inside = [], False
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 5 and "-" in fields[0] and not fields[0].endswith(":"):
+                inside = line.endswith(str(segment.path))
+            elif inside and fields[0] == "Rss:":
+                rss.append(int(fields[1]) * 1024)
+        return rss
+
+    with ShmConnection() as shm:
+        shm.attach("seg0", segment.name, segment.size)
+        # the owner's mapping and this one: both whole, so no copy pays a page fault
+        assert resident() == [segment.size, segment.size]
+        out = bytearray(4)
+        shm.read_into("seg0", segment.size - 4, out)
+        assert out == b"tail"
+        shm.write("seg0", 0, b"head")
+    assert segment.read(0, 4) == b"head"
