@@ -15,7 +15,8 @@ Rows, per value size (64 KiB, 1 MiB, 16 MiB by default):
 - ``segment write``: the copy alone into a fresh segment's never-touched pages, through
   a second mapping as a client has (its own page tables), created and attached without
   populating (as before 2026-11-29: a page fault per 4 KiB in each process) and with
-  (``MADV_POPULATE_WRITE`` at create and attach) — both in the same round.
+  (``MADV_POPULATE_WRITE`` at create and attach) — both in the same round; and the
+  same over TCP into the owner's mapping (a data server's ``recv_into``).
 Metadata latency: ``exists``, ``batch_exists`` of 64 keys, and the control paths of a put
 and a get alone (a 1-byte value: PutStart + write + PutEnd, Get + read + Release), back to
 back; and a 1-byte get pipelined and not, sampled alternately, back to back and after 1 ms
@@ -52,6 +53,8 @@ from kvpool.service.client import Client
 from kvpool.service.master import MasterService
 from kvpool.storage.segment import Segment
 from kvpool.testing.processes import start_master
+from kvpool.transfer.tcp import SegmentServer
+from kvpool.transfer.tcp_client import SegmentConnection
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 
@@ -149,6 +152,27 @@ def segment_write(size: int, *, populate: bool) -> float:
         for offset in offsets:
             seg.write(offset, src)
         return len(offsets) / (time.perf_counter() - start)
+
+
+def tcp_segment_write(size: int, *, populate: bool) -> float:
+    """ops/s of ``size``-byte TCP writes into a new segment's untouched pages: the data
+    server's ``recv_into`` lands in the owner's mapping (a server thread here)."""
+    total = max(64 << 20, 8 * size)
+    src = np.ones(size, dtype=np.uint8)
+    with Segment.create(total, populate=populate) as owner:
+        server = SegmentServer(timeout_s=30.0)
+        server.add_segment("s", owner)
+        conn = SegmentConnection(*server.start(), 30.0)
+        try:
+            conn.write("s", 0, b"x")  # connected before the timing
+            offsets = range(0, total - size + 1, size)
+            start = time.perf_counter()
+            for offset in offsets:
+                conn.write("s", offset, src)
+            return len(offsets) / (time.perf_counter() - start)
+        finally:
+            conn.close()
+            server.close()
 
 
 def populate_latency(size: int = 256 << 20, count: int = 3) -> list[tuple[str, float, float]]:
@@ -352,11 +376,19 @@ def main(argv: list[str] | None = None) -> int:
                     segment_write, size, populate=False
                 ),
                 "segment write (populated)": functools.partial(segment_write, size, populate=True),
+                "segment write over tcp (lazy pages)": functools.partial(
+                    tcp_segment_write, size, populate=False
+                ),
+                "segment write over tcp (populated)": functools.partial(
+                    tcp_segment_write, size, populate=True
+                ),
                 **bench.client_rows(size),
             }
             base_of = {
                 "segment write (lazy pages)": "memcpy",
                 "segment write (populated)": "memcpy",
+                "segment write over tcp (lazy pages)": "raw tcp write",
+                "segment write over tcp (populated)": "raw tcp write",
                 "client put (shm)": "memcpy",
                 "client get (shm)": "memcpy",
                 "client get (shm) x2": "client get (shm)",
