@@ -1,20 +1,22 @@
 """The values the object index works with: its config, where objects are, what it grants,
-and the effects it returns (events).  Small frozen dataclasses, no behaviour beyond
-trivial derivations.
+and the effects it returns (events).  Small frozen values, no behaviour beyond trivial
+derivations.
 
 The values made on every put, read and eviction (Location, Reservation, ReadGrant,
-Dropped, Demote) have hand-written ``__init__`` methods that set their slots through the
-slot descriptors: the generated frozen ``__init__`` makes one ``object.__setattr__`` call
-per field, about twice the cost, and these constructors were a third of the index's time
-per block.  They stay frozen (assignment raises FrozenInstanceError), equal and hashable.
+Dropped, Demote) are frozen ``msgspec.Struct`` types rather than frozen dataclasses: a
+frozen dataclass's generated ``__init__`` makes one ``object.__setattr__`` call per field,
+and those constructors were a third of the index's time per block; a Struct is built in C
+(about 0.11 µs against 0.9 µs for a Location here).  They are equal by value, hashable,
+printable, and assignment raises AttributeError.  No encoding happens here: msgspec is
+only the value type.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+import msgspec
 
 from kvpool.core.registry import Segment, Tier
 from kvpool.core.space import Extent
@@ -58,75 +60,30 @@ class IndexConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-def _slot_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
-    setter: Callable[[Any, Any], None] = getattr(cls, name).__set__
-    return setter
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class Location:
+class Location(msgspec.Struct, frozen=True):
     segment_id: str
     client_id: str
     tier: Tier
     offset: int
     size: int
 
-    def __init__(self, segment_id: str, client_id: str, tier: Tier, offset: int, size: int):
-        _loc_segment_id(self, segment_id)
-        _loc_client_id(self, client_id)
-        _loc_tier(self, tier)
-        _loc_offset(self, offset)
-        _loc_size(self, size)
 
-
-_loc_segment_id = _slot_setter(Location, "segment_id")
-_loc_client_id = _slot_setter(Location, "client_id")
-_loc_tier = _slot_setter(Location, "tier")
-_loc_offset = _slot_setter(Location, "offset")
-_loc_size = _slot_setter(Location, "size")
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class Reservation:
+class Reservation(msgspec.Struct, frozen=True):
     """Where a writer must put the bytes before calling put_end."""
 
     key: str
     location: Location
     writer_expiry_ms: int
 
-    def __init__(self, key: str, location: Location, writer_expiry_ms: int) -> None:
-        _res_key(self, key)
-        _res_location(self, location)
-        _res_writer_expiry_ms(self, writer_expiry_ms)
 
-
-_res_key = _slot_setter(Reservation, "key")
-_res_location = _slot_setter(Reservation, "location")
-_res_writer_expiry_ms = _slot_setter(Reservation, "writer_expiry_ms")
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class ReadGrant:
+class ReadGrant(msgspec.Struct, frozen=True):
     key: str
     location: Location
     checksum: int
     lease_expiry_ms: int
 
-    def __init__(self, key: str, location: Location, checksum: int, lease_expiry_ms: int):
-        _grant_key(self, key)
-        _grant_location(self, location)
-        _grant_checksum(self, checksum)
-        _grant_lease_expiry_ms(self, lease_expiry_ms)
 
-
-_grant_key = _slot_setter(ReadGrant, "key")
-_grant_location = _slot_setter(ReadGrant, "location")
-_grant_checksum = _slot_setter(ReadGrant, "checksum")
-_grant_lease_expiry_ms = _slot_setter(ReadGrant, "lease_expiry_ms")
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class Dropped:
+class Dropped(msgspec.Struct, frozen=True):
     """An object left the index; ``reason`` is evicted, removed, expired_client, revoked,
     writer_expired or demote_failed."""
 
@@ -135,39 +92,14 @@ class Dropped:
     reason: str
     client_id: str = ""
 
-    def __init__(self, key: str, tier: Tier, reason: str, client_id: str = "") -> None:
-        _drop_key(self, key)
-        _drop_tier(self, tier)
-        _drop_reason(self, reason)
-        _drop_client_id(self, client_id)
 
-
-_drop_key = _slot_setter(Dropped, "key")
-_drop_tier = _slot_setter(Dropped, "tier")
-_drop_reason = _slot_setter(Dropped, "reason")
-_drop_client_id = _slot_setter(Dropped, "client_id")
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class Demote:
+class Demote(msgspec.Struct, frozen=True):
     """Copy ``src`` (memory) to ``dst`` (SSD) now; the index already points at ``dst``."""
 
     key: str
     src: Location
     dst: Location
     checksum: int
-
-    def __init__(self, key: str, src: Location, dst: Location, checksum: int) -> None:
-        _demote_key(self, key)
-        _demote_src(self, src)
-        _demote_dst(self, dst)
-        _demote_checksum(self, checksum)
-
-
-_demote_key = _slot_setter(Demote, "key")
-_demote_src = _slot_setter(Demote, "src")
-_demote_dst = _slot_setter(Demote, "dst")
-_demote_checksum = _slot_setter(Demote, "checksum")
 
 
 Event = Dropped | Demote

@@ -337,7 +337,8 @@ def test_restore_into_an_ssd_segment_refuses_what_does_not_fit_or_is_known() -> 
     assert not idx.restore("a", "node/ssd", 0, 5, 1, 0)  # not the same object
     assert not idx.restore("m", "node/ssd", 0, 10, 7, 0)  # already present elsewhere
     assert not idx.restore("z", "node/ssd", 0, 0, 1, 0)  # nothing to account for
-    assert idx.location_of("m") is not None and idx.location_of("m").tier is Tier.MEMORY
+    where = idx.location_of("m")
+    assert where is not None and where.tier is Tier.MEMORY
     assert idx.usage(Tier.SSD) == (25, 20)
     idx.check()
 
