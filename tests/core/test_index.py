@@ -382,3 +382,36 @@ def test_a_removed_client_s_segment_takes_no_more_puts() -> None:
     assert res is not None and res.location.segment_id == "node/mem"
     assert [e.key for e in events if isinstance(e, Dropped)] == ["b"]
     idx.check()
+
+
+# ------------------------------------------------------------------ kept counts
+def test_counts_are_kept_through_puts_reads_demotions_and_drops_without_a_tick() -> None:
+    idx = ObjectIndex(IndexConfig(policy="lru", lease_ttl_ms=50, enable_offload=True))
+    idx.register_client("node", 0)
+    idx.add_segment("node", "node/mem", 30)
+    idx.add_segment("node", "node/ssd", 30, Tier.SSD)
+    for k in ("a", "b", "c"):
+        put(idx, k)
+    idx.get("a", "r1", 0)  # a lease until 50, never released
+    idx.get("a", "r2", 0)
+    idx.pin("b", "r3", 0, 1_000)
+    idx.get("c", "r4", 0)  # read after a: a is the least recently used
+    idx.release("c", "r4")
+    assert idx.count() == 3 and idx.count(Tier.MEMORY) == 3 and idx.active_leases(0) == 3
+    idx.check()
+    # at 60 a's leases have expired but no tick ran: a is evictable, and moving it to the
+    # SSD tier carries its (expired) holds along until they are purged
+    res, events = idx.put_start("d", 10, "w", 60)
+    assert res is not None and [e.key for e in events] == ["a"]
+    assert isinstance(events[0], Demote)
+    idx.check()
+    assert idx.count(Tier.SSD) == 1 and idx.count(Tier.MEMORY) == 2
+    assert idx.count(Tier.MEMORY, State.PENDING) == 1 and idx.count(Tier.SSD, State.PENDING) == 0
+    assert idx.active_leases(60) == 1  # b's pin; a's expired leases are released
+    idx.check()
+    idx.put_end("d", "w", 60)
+    assert idx.remove("d", 60).key == "d"
+    assert idx.count() == 3
+    idx.remove_client("node")
+    assert idx.count() == 0 and idx.active_leases(60) == 0
+    idx.check()
