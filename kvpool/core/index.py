@@ -168,10 +168,7 @@ class ObjectIndex:
         objects[key] = obj
         self._pending += 1
         heapq.heappush(self._writer_heap, (expiry, key, writer))
-        loc = obj._location = Location(
-            seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length
-        )
-        return Reservation(key, loc, expiry), events
+        return Reservation(key, obj.location(), expiry), events
 
     def put_end(self, key: str, writer: str, now_ms: int, checksum: int = 0) -> None:
         """Make a written object visible."""
@@ -459,6 +456,7 @@ class ObjectIndex:
 
     def _segments(self, tier: Tier) -> list[Segment]:
         """``registry.tier_segments(tier)``, made again only after segments change."""
+        # two attributes rather than a dict keyed by Tier: an Enum's hash is Python code
         if tier is _MEMORY:
             segs = self._mem_segments
             if segs is None:
@@ -477,13 +475,10 @@ class ObjectIndex:
         self, tier: Tier, size: int, now_ms: int, events: list[Event]
     ) -> tuple[Segment, Extent] | None:
         """Find room in ``tier``, evicting inline (best victims first) while that helps."""
-        segments = self._mem_segments if tier is _MEMORY else self._ssd_segments
-        if segments is None:
-            segments = self._segments(tier)
+        segments = self._segments(tier)
         policy = self._mem_policy if tier is _MEMORY else self._ssd_policy
-        objects = self._objects
         can_evict: Callable[[str], bool] | None = None  # made on the first eviction only
-        if len(segments) == 1:  # the usual case, without _fit's search
+        if len(segments) == 1:  # the usual case: no search over segments (~30% of a put)
             only = segments[0]
             space = only.space
             if space.capacity < size:
@@ -498,11 +493,7 @@ class ObjectIndex:
                 victims = policy.choose_victims(1, can_evict)
                 if not victims:
                     return None
-                if self.config.enable_offload:
-                    self._evict(objects[victims[0]], now_ms, events)
-                else:  # _evict without offload, inlined
-                    self.stats.evictions += 1
-                    events.append(self._drop(objects[victims[0]], "evicted"))
+                self._evict(self._objects[victims[0]], now_ms, events)
         if not any(s.capacity >= size for s in segments):
             return None
         while True:
@@ -516,12 +507,14 @@ class ObjectIndex:
             victims = policy.choose_victims(1, can_evict)
             if not victims:
                 return None
-            self._evict(objects[victims[0]], now_ms, events)
+            self._evict(self._objects[victims[0]], now_ms, events)
 
     @staticmethod
     def _fit(segments: list[Segment], size: int) -> tuple[Segment, Extent] | None:
         """Allocate in the segment with the most free space that has a large enough hole."""
-        for seg in sorted(segments, key=lambda s: s.space.free, reverse=True):
+        if len(segments) > 1:  # one segment (the usual case) needs no ordering
+            segments = sorted(segments, key=lambda s: s.space.free, reverse=True)
+        for seg in segments:
             if seg.space.free >= size:
                 extent = seg.space.allocate(size)
                 if extent is not None:
