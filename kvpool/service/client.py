@@ -82,10 +82,6 @@ class Client:
     #: master's handler in-process): it has no channel to post on or to overlap with
     _pipelined: ClassVar[bool] = True
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._pipelined = cls.call is Client.call
-
     def __init__(
         self,
         master: str = "127.0.0.1:50088",

@@ -49,6 +49,8 @@ class _LocalPath:
 class EmbeddedPool(Client):
     """A whole pool inside this process."""
 
+    _pipelined = False  # call() below runs the master's handler: nothing to post on
+
     def __init__(
         self,
         segment_size: int,
