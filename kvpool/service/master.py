@@ -110,7 +110,6 @@ class MasterService:
             m.Stats: self._stats,
         }
         self._routes: dict[type, _Route] = {}  # filled by _route
-        self._hits_by_tier: dict[Tier, Any] = {}  # Get hits counter child per tier
 
     # ----------------------------------------------------------------------------- entry
     def handle(self, request: m.MasterRequest) -> m.MasterReply:
@@ -402,10 +401,7 @@ class MasterService:
         except ObjectNotFound:
             return m.Placement(False, req.key)
         loc = grant.location
-        hits = self._hits_by_tier.get(loc.tier)
-        if hits is None:
-            hits = self._hits_by_tier[loc.tier] = self.metrics.hits_of("get", loc.tier.value)
-        hits.inc()
+        self.metrics.hits_of("get", _TIER_NAMES[loc.tier]).inc()
         return self._placement(req.key, loc, grant.checksum)
 
     def _batch_get(self, req: m.BatchGet, now: int) -> m.Placements:
