@@ -14,37 +14,22 @@ O(1) instead of scanning the free list.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+
+import msgspec
 
 __all__ = ["Extent", "ExtentAllocator"]
 
 
-@dataclass(frozen=True, slots=True, init=False)
-class Extent:
+class Extent(msgspec.Struct, frozen=True):
+    """``length`` bytes at ``offset``.  A frozen Struct rather than a frozen dataclass:
+    one is made per allocation, and it is built in C (see kvpool.core.objects)."""
+
     offset: int
     length: int
-
-    # Hand-written: one is made per allocation, and the generated frozen __init__ (an
-    # object.__setattr__ call per field) costs about twice as much as setting the slots
-    # through their descriptors.  Still frozen: assignment raises FrozenInstanceError.
-    def __init__(self, offset: int, length: int) -> None:
-        _set_offset(self, offset)
-        _set_length(self, length)
 
     @property
     def end(self) -> int:
         return self.offset + self.length
-
-
-def _slot_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
-    setter: Callable[[Any, Any], None] = getattr(cls, name).__set__
-    return setter
-
-
-_set_offset = _slot_setter(Extent, "offset")
-_set_length = _slot_setter(Extent, "length")
 
 
 class ExtentAllocator:
@@ -78,16 +63,9 @@ class ExtentAllocator:
         if length <= 0:
             raise ValueError(f"length must be positive, got {length}")
         exact = self._by_len.get(length)
-        if exact:
-            # the hot path (every KV object of a model has one size): the free extent
-            # goes whole, _drop_free inlined
+        if exact:  # the usual case: every KV object of a model has one size
             offset = next(iter(exact))
-            exact.remove(offset)
-            if not exact:
-                del self._by_len[length]
-            del self._free_len[offset]
-            offsets = self._free_offsets
-            del offsets[bisect.bisect_left(offsets, offset)]
+            self._drop_free(offset)
         else:
             offset = -1
             for off in self._free_offsets:
@@ -145,14 +123,7 @@ class ExtentAllocator:
                 offset = prev
                 length += self._free_len[prev]
                 self._drop_free(prev)
-        # _add_free, inlined: every eviction releases an extent
-        bisect.insort(self._free_offsets, offset)
-        self._free_len[offset] = length
-        bucket = self._by_len.get(length)
-        if bucket is None:
-            self._by_len[length] = {offset}
-        else:
-            bucket.add(offset)
+        self._add_free(offset, length)
 
     def live_extents(self) -> list[Extent]:
         return [Extent(o, n) for o, n in sorted(self._live.items())]
