@@ -261,10 +261,7 @@ class PrefixAwarePolicy(Generic[K]):
         if where == _RUN:
             return  # already among the youngest; it is placed when the run ends
         if where == _QUEUED:
-            c = node.cls
-            del self._queues[c][key]
-            if self._heads[c] is node:
-                self._heads[c] = None
+            self._unqueue(node)
         else:
             del self._orphans[key]
         node.where = _RUN
@@ -279,10 +276,7 @@ class PrefixAwarePolicy(Generic[K]):
             return
         where = node.where
         if where == _QUEUED:  # the usual case: an evicted victim
-            c = node.cls
-            del self._queues[c][key]
-            if self._heads[c] is node:
-                self._heads[c] = None
+            self._unqueue(node)
         elif where == _RUN:
             self._run.remove(node)
         else:
