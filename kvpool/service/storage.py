@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvpool.core.index import Demote
-from kvpool.errors import KVPoolError, ProtocolError
+from kvpool.errors import ChecksumMismatch, KVPoolError, ProtocolError
 from kvpool.storage.segment import Segment, remove_stale_segments
 from kvpool.storage.ssd import SsdStore
 from kvpool.transfer.shm import host_token
@@ -150,11 +150,11 @@ class LocalStorage:
         if self.segment is None or self.ssd is None:
             return False
         data = self.segment.view(event.src.offset, event.src.size)
-        if event.checksum and checksum(data) != event.checksum:
+        try:
+            self.ssd.put(event.key, data, expect=event.checksum or None)
+        except ChecksumMismatch:
             log.warning("not demoting %s: its bytes changed under it", event.key)
             return False
-        try:
-            self.ssd.put(event.key, data, event.checksum or None)  # checked just above
         except KVPoolError as exc:
             log.warning("demotion of %s failed: %s", event.key, exc)
             return False

@@ -211,15 +211,19 @@ class SsdStore:
 
     # -- objects ----------------------------------------------------------------
 
-    def put(self, key: str, data: Any, checksum: int | None = None) -> None:
+    def put(self, key: str, data: Any, expect: int | None = None) -> None:
         """Store ``data`` (any buffer) under ``key``, replacing an older value atomically.
 
-        ``checksum`` is the value's xxh3-64 when the caller has just computed it (a
-        demotion checks the bytes against the index's checksum first); otherwise it is
-        computed here.  A wrong one is a miss on read, never wrong bytes.
+        ``expect`` is the xxh3-64 the bytes must still have (a demotion copies an object
+        the index knows by its checksum, and a write may have overtaken it): when they do
+        not, :class:`~kvpool.errors.ChecksumMismatch` and nothing is written.  The value
+        is hashed once, for this check and the file's header alike.
         """
         final = self._path(key)
         src = byte_view(data)
+        checksum = xxhash.xxh3_64_intdigest(src)
+        if expect is not None and checksum != expect:
+            raise ChecksumMismatch(f"{key}: its bytes no longer match their checksum")
         need = HEADER_SIZE + len(src)
         with self._lock:
             old = self._sizes.get(key, 0)
@@ -232,8 +236,6 @@ class SsdStore:
             self._reserved += need
         tmp = self.root / _TMP / f"{key}.{secrets.token_hex(4)}"
         try:
-            if checksum is None:
-                checksum = xxhash.xxh3_64_intdigest(src)
             header = _pack_header(len(src), checksum)
             final.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:

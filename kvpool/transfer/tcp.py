@@ -29,8 +29,6 @@ import threading
 from dataclasses import dataclass, field
 from types import TracebackType
 
-import xxhash
-
 from kvpool.errors import (
     ChecksumMismatch,
     KVPoolError,
@@ -309,9 +307,8 @@ class SegmentServer:
         if self.ssd is None:
             raise UnknownSegment("this node has no SSD tier")
         data = self._segment(request.segment_id).view(request.offset, request.length)
-        if xxhash.xxh3_64_intdigest(data) != request.checksum:
-            raise ChecksumMismatch(f"{request.key}: its bytes changed before the demotion")
-        self.ssd.put(request.key, data, checksum=request.checksum)  # just verified: hash once
+        # a changed copy is refused (ChecksumMismatch, an error reply) and never kept
+        self.ssd.put(request.key, data, expect=request.checksum or None)
         return Ok(), None
 
     def _ssd_read(self, request: SsdRead) -> tuple[DataReply, memoryview | None]:

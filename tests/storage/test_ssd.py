@@ -181,14 +181,17 @@ def test_scan_forgets_files_deleted_behind_its_back(tmp_path: Path) -> None:
     assert KEY not in store and store.used_bytes == 0
 
 
-def test_a_wrong_checksum_from_the_caller_is_a_miss_not_wrong_bytes(tmp_path: Path) -> None:
+def test_bytes_that_no_longer_match_the_expected_checksum_are_not_written(
+    tmp_path: Path,
+) -> None:
     store = SsdStore.open(tmp_path, 1 << 20)
     value = b"w" * 64
-    store.put(KEY, value, checksum=xxhash.xxh3_64_intdigest(value))
+    store.put(KEY, value, expect=xxhash.xxh3_64_intdigest(value))
     assert store.get(KEY) == value
-    store.put(KEY, value, checksum=12345)
     with pytest.raises(ChecksumMismatch):
-        store.get(KEY)
+        store.put(KEY, b"x" * 64, expect=xxhash.xxh3_64_intdigest(value))
+    assert store.get(KEY) == value  # the old copy stays, the changed one was refused
+    assert store.used_bytes == HEADER_SIZE + 64
 
 
 def test_size_cap_is_never_exceeded(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+import xxhash
 
 from kvpool.errors import (
     ChecksumMismatch,
@@ -346,3 +347,21 @@ def test_pipelined_large_values_do_not_deadlock(server: SegmentServer) -> None:
         )
     for v, o in zip(values, outs, strict=True):
         np.testing.assert_array_equal(v, o)
+
+
+def test_a_demotion_copies_matching_bytes_and_refuses_changed_ones(
+    tmp_path: Path, segment: Segment
+) -> None:
+    ssd = SsdStore.open(tmp_path, 1 << 20)
+    with SegmentServer(ssd=ssd) as srv:
+        srv.add_segment("seg0", segment)
+        with connect(srv) as conn:
+            conn.write("seg0", 0, b"demote-me" * 10)
+            good = xxhash.xxh3_64_intdigest(b"demote-me" * 10)
+            conn.demote("seg0", 0, 90, "kept", good)
+            assert ssd.get("kept") == b"demote-me" * 10
+            conn.write("seg0", 0, b"overtaken" * 10)  # a new write got there first
+            with pytest.raises(ChecksumMismatch):
+                conn.demote("seg0", 0, 90, "stale", good)
+            assert "stale" not in ssd
+            assert conn.read("seg0", 0, 9) == b"overtaken"  # the connection keeps serving
