@@ -36,6 +36,7 @@ from kvpool.ops.up import (
 )
 from kvpool.ops.up_procs import StartupFailed, Supervisor
 from kvpool.ops.up_run import (
+from tests.waiting import wait_until
     STATE_FILE,
     default_state_dir,
     options_from_args,
@@ -333,17 +334,8 @@ def gone(pid: int) -> bool:
         return True
 
 
-def wait_for(predicate: object, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def child_pid(log: Path) -> int:
-    assert wait_for(lambda: "CHILDPID " in log.read_text(errors="replace"))
+    wait_until(lambda: "CHILDPID " in log.read_text(errors="replace"))
     line = next(x for x in log.read_text().splitlines() if x.startswith("CHILDPID "))
     return int(line.split()[1])
 
@@ -381,7 +373,7 @@ def test_stop_clears_what_a_dead_leader_left_in_its_group(tmp_path: Path, sup: S
     running = sup.start(spec(tmp_path, "server", parent))
     engine = child_pid(running.spec.log_path)
     os.kill(running.pid, signal.SIGKILL)  # the API server crashes, its engine lives on
-    assert wait_for(lambda: running.proc.poll() is not None)
+    wait_until(lambda: running.proc.poll() is not None)
     assert [r.spec.name for r in sup.exited()] == ["server"] and sup.exited() == []
     assert not gone(engine)
     assert sup.stop(running) == "stopped"
@@ -461,7 +453,7 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
     try:
         assert parent.stdout is not None
         kid = int(parent.stdout.readline())
-        assert wait_for(lambda: "==> kvpool up" in (tmp_path / "kid.log").read_text())
+        wait_until(lambda: "==> kvpool up" in (tmp_path / "kid.log").read_text())
         time.sleep(0.5)  # past the launcher's prctl
         assert not gone(kid)
     finally:
@@ -469,7 +461,7 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
         parent.wait(10)
         if parent.stdout is not None:
             parent.stdout.close()
-    assert wait_for(lambda: gone(kid)), "the child outlived its SIGKILLed supervisor"
+    wait_until(lambda: gone(kid), what="the child outlived its SIGKILLed supervisor")
 
 
 def test_run_up_prints_the_failing_process_log_and_leaves_nothing(tmp_path: Path) -> None:
@@ -607,7 +599,7 @@ def test_a_killed_kvpool_up_takes_its_children_along(tmp_path: Path) -> None:
     up, _, master_pid = _run_no_vllm(tmp_path)
     up.kill()  # no chance to clean up: the children's parent-death signal must do it
     up.communicate(timeout=10)
-    assert wait_for(lambda: gone(master_pid), 30), "the master outlived a SIGKILLed kvpool up"
+    wait_until(lambda: gone(master_pid), 30, what="the master outlived a SIGKILLed kvpool up")
     # the up.json it left behind names a dead pid: the next kvpool up takes the directory
     again, _, again_master = _run_no_vllm(tmp_path)
     again.send_signal(signal.SIGTERM)

@@ -10,15 +10,7 @@ import aiohttp
 from kvpool.proxy import ProxyConfig, ProxyServer
 from tests.proxy.harness import StubProcess, proxy_stack, read_sse, run
 from tests.proxy.stub_upstream import StubUpstream, reference_text
-
-
-async def _wait_until(predicate: Any, timeout: float = 10.0) -> None:
-    """Poll a condition the health checker will make true; bounded, never a hang."""
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    assert predicate(), "condition not reached in time"
+from tests.waiting import async_wait_until
 
 
 def test_failing_health_poll_takes_endpoint_out_and_recovery_puts_it_back() -> None:
@@ -27,7 +19,7 @@ def test_failing_health_poll_takes_endpoint_out_and_recovery_puts_it_back() -> N
             sick, well = stack.decodes
             group = stack.proxy.decode
             sick.healthy = False  # its /health now answers 503
-            await _wait_until(lambda: not group.get(sick.url).healthy)
+            await async_wait_until(lambda: not group.get(sick.url).healthy)
             assert "503" in group.get(sick.url).last_error
             body = {"prompt": "hello", "max_tokens": 3}
             for _ in range(4):
@@ -35,7 +27,7 @@ def test_failing_health_poll_takes_endpoint_out_and_recovery_puts_it_back() -> N
                     assert r.status == 200
             assert len(sick.received) == 0 and len(well.received) == 4
             sick.healthy = True
-            await _wait_until(lambda: group.get(sick.url).healthy)
+            await async_wait_until(lambda: group.get(sick.url).healthy)
             for _ in range(4):
                 async with stack.session.post(stack.url + "/v1/completions", json=body) as r:
                     assert r.status == 200
@@ -90,7 +82,7 @@ def test_decode_killed_mid_stream_fails_that_request_and_the_rest_go_on() -> Non
             # d0 comes back on the same port; its /health brings it back into rotation
             d0 = StubProcess("d0", port=d0.port)
             await d0.start()
-            await _wait_until(lambda: proxy is not None and proxy.decode.get(d0.url).healthy)
+            await async_wait_until(lambda: proxy is not None and proxy.decode.get(d0.url).healthy)
             for _ in range(4):
                 assert await stream(session, proxy.url, short) == reference_text(short)
             async with session.get(d0.url + "/_stub/received") as r:

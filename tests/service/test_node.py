@@ -19,6 +19,7 @@ from kvpool.service.client import Client
 from kvpool.service.node import node_id
 from kvpool.storage.ssd import HEADER_SIZE
 from kvpool.testing.processes import PoolProcess, start_master, start_node
+from tests.waiting import wait_until
 
 
 def node_config(tmp_path: Path, master: str, size: str = "16MiB") -> Path:
@@ -34,15 +35,6 @@ def node_config(tmp_path: Path, master: str, size: str = "16MiB") -> Path:
         )
     )
     return path
-
-
-def wait_until(predicate: object, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met in {timeout_s}s")
 
 
 @pytest.fixture

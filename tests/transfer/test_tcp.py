@@ -36,6 +36,7 @@ from kvpool.transfer.tcp import (
 )
 
 from .conftest import SEGMENT_SIZE
+from tests.waiting import wait_until
 
 
 def connect(server: SegmentServer, timeout_s: float = 5.0) -> SegmentConnection:
@@ -50,15 +51,6 @@ def raw_socket(server: SegmentServer) -> socket.socket:
 
 def read_reply(sock: socket.socket) -> tuple[DataReply, int]:
     return wire.recv_frame(sock, REPLY_CODEC, wire.deadline_after(5))
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def assert_closed(sock: socket.socket) -> None:
@@ -162,7 +154,7 @@ def test_client_vanishing_mid_payload_does_not_hurt_the_server(server: SegmentSe
     with raw_socket(server) as sock:
         sock.sendall(REQUEST_CODEC.encode(SegmentWrite("seg0", 0, 1 << 20), 1 << 20))
         sock.sendall(b"p" * 1000)
-    assert wait_until(lambda: server.stats.dropped_connections == 1)
+    wait_until(lambda: server.stats.dropped_connections == 1)
     assert_still_serves(server)
 
 
@@ -171,7 +163,7 @@ def test_server_drops_a_stalled_request_after_its_timeout(segment: Segment) -> N
         srv.add_segment("seg0", segment)
         with raw_socket(srv) as sock:
             sock.sendall(MAGIC)  # a header that never completes
-            assert wait_until(lambda: srv.stats.dropped_connections == 1)
+            wait_until(lambda: srv.stats.dropped_connections == 1)
             assert_closed(sock)
         assert_still_serves(srv)
 
