@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from kvpool.errors import ConfigError
+from kvpool.net import DEFAULT_MASTER_PORT
 
 __all__ = [
     "CONFIG_PATH_VARS",
@@ -37,7 +38,6 @@ KiB = 1024
 GiB = 1024**3
 TiB = 1024**4
 
-DEFAULT_MASTER_PORT = 50088
 DEFAULT_SEGMENT_SIZE = 1 * GiB
 # The seed: "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES 默认 2TB" — Mooncake means 2 TiB.
 DEFAULT_OFFLOAD_LIMIT = 2 * TiB

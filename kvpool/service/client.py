@@ -40,6 +40,7 @@ from kvpool.errors import (
     TransferError,
     error_from_code,
 )
+from kvpool.net import DEFAULT_MASTER_PORT, split_address
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
 from kvpool.service.storage import checksum
@@ -48,7 +49,7 @@ from kvpool.transfer import wire
 from kvpool.transfer.channel import Channel
 from kvpool.transfer.path import NodeDataPath
 
-__all__ = ["Client", "split_address"]
+__all__ = ["Client"]
 
 log = logging.getLogger("kvpool.client")
 
@@ -66,12 +67,6 @@ def _owed_reply(reply: m.MasterReply) -> None:
         log.debug("a request sent without waiting failed: %s: %s", reply.code, reply.message)
 
 
-def split_address(address: str, default_port: int = 50088) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep:
-        return address, default_port
-    return host.strip("[]") or "127.0.0.1", int(port)
-
 
 class Client:
     """A connection to a kvpool master and direct data paths to its nodes."""
@@ -84,7 +79,7 @@ class Client:
 
     def __init__(
         self,
-        master: str = "127.0.0.1:50088",
+        master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}",
         *,
         timeout_s: float = 10.0,
         client_id: str | None = None,

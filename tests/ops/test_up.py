@@ -36,13 +36,13 @@ from kvpool.ops.up import (
 )
 from kvpool.ops.up_procs import StartupFailed, Supervisor
 from kvpool.ops.up_run import (
-from tests.waiting import wait_until
     STATE_FILE,
     default_state_dir,
     options_from_args,
     resolve_ports,
     run_up,
 )
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -34,9 +33,9 @@ from kvpool.transfer.tcp import (
     SegmentConnection,
     SegmentServer,
 )
+from tests.waiting import wait_until
 
 from .conftest import SEGMENT_SIZE
-from tests.waiting import wait_until
 
 
 def connect(server: SegmentServer, timeout_s: float = 5.0) -> SegmentConnection:

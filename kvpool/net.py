@@ -1,0 +1,94 @@
+"""The small network helpers every part of kvpool shares (standard library only).
+
+- :data:`DEFAULT_MASTER_PORT` — the master's one port for RPC and HTTP (Mooncake's 50088
+  in the production guide).
+- :func:`split_address` — ``host:port`` / ``[v6]:port`` / bare ``host`` → (host, port).
+- :func:`port_free` / :func:`free_port` — ask the kernel whether a port can be bound, or
+  for one that can.
+- :func:`http_get` — one bounded GET whose failure is a value, not an exception, for
+  tools that report what they found (``doctor``, ``status``, ``up``'s health waits).
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "HttpReply",
+    "free_port",
+    "http_get",
+    "port_free",
+    "split_address",
+]
+
+DEFAULT_MASTER_PORT = 50088
+
+
+def split_address(address: str, default_port: int = DEFAULT_MASTER_PORT) -> tuple[str, int]:
+    """``host:port`` → (host, port); a bare host gets ``default_port``, an empty host
+    means 127.0.0.1, IPv6 brackets are dropped.  A port that is not a number is a
+    :class:`ValueError` (config parsers turn that into a :class:`~kvpool.errors.ConfigError`
+    naming their key)."""
+    text = address.strip()
+    if text.startswith("[") and "]" in text:  # [v6] or [v6]:port
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    else:  # a bare host name, IPv4 address or unbracketed IPv6 address
+        host, port = text, ""
+    return host or "127.0.0.1", int(port) if port else default_port
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether ``port`` on ``host`` can be bound now (nobody listens there)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel says is free on ``host`` at this moment."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    """What one GET found: ``status`` is None when no HTTP answer came at all, and
+    ``error`` says why in a line (refused, timed out, ``HTTP 404 Not Found``)."""
+
+    status: int | None
+    body: bytes
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+
+def http_get(url: str, timeout_s: float = 3.0, *, max_bytes: int = 4 << 20) -> HttpReply:
+    """GET ``url``, reading at most ``max_bytes`` of the body; never raises for network
+    trouble (a timeout, a refusal, an HTTP error status are all in the reply)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return HttpReply(reply.status, reply.read(max_bytes))
+    except urllib.error.HTTPError as exc:
+        return HttpReply(exc.code, b"", f"HTTP {exc.code} {exc.reason}")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
+            return HttpReply(None, b"", f"no answer in {timeout_s:g} s")
+        return HttpReply(None, b"", str(reason))
