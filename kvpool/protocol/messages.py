@@ -23,8 +23,8 @@ from kvpool.protocol.codec import Codec
 from kvpool.protocol.data import Error, Ok
 
 __all__ = [
-    "REPLY_CODEC",
-    "REQUEST_CODEC",
+    "MASTER_REPLY_CODEC",
+    "MASTER_REQUEST_CODEC",
     "AddSegment",
     "BatchExists",
     "BatchGet",
@@ -256,5 +256,5 @@ MasterReply = (
 
 # Built once: msgspec decoders are compiled per type.
 
-REQUEST_CODEC: Codec[MasterRequest] = Codec(MasterRequest)
-REPLY_CODEC: Codec[MasterReply] = Codec(MasterReply)
+MASTER_REQUEST_CODEC: Codec[MasterRequest] = Codec(MasterRequest)
+MASTER_REPLY_CODEC: Codec[MasterReply] = Codec(MasterReply)

@@ -43,9 +43,9 @@ from kvpool.errors import (
 from kvpool.net import DEFAULT_MASTER_PORT, split_address
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
-from kvpool.service.storage import checksum
+from kvpool.service.local_storage import checksum
 from kvpool.storage.buffers import byte_view, writable_byte_view
-from kvpool.transfer import wire
+from kvpool.transfer import framing
 from kvpool.transfer.channel import Channel
 from kvpool.transfer.path import NodeDataPath
 
@@ -127,9 +127,9 @@ class Client:
                 raise PeerTimeout(f"connecting to the master at {self.master} timed out") from None
             except OSError as exc:
                 raise TransferError(f"cannot reach the master at {self.master}: {exc}") from None
-            wire.tune_socket(sock)
+            framing.tune_socket(sock)
             self._channel = Channel(
-                sock, m.REQUEST_CODEC, m.REPLY_CODEC, self.timeout_s, _owed_reply
+                sock, m.MASTER_REQUEST_CODEC, m.MASTER_REPLY_CODEC, self.timeout_s, _owed_reply
             )
         return self._channel
 

@@ -16,8 +16,8 @@ from kvpool.errors import ObjectNotFound
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
 from kvpool.service.client import Client
+from kvpool.service.local_storage import LocalStorage
 from kvpool.service.master import MasterService
-from kvpool.service.storage import LocalStorage
 
 __all__ = ["EmbeddedPool"]
 

@@ -29,9 +29,9 @@ from kvpool.core.registry import Tier
 from kvpool.errors import KVPoolError, NoSpace, ObjectNotFound, PoolError, UnknownSegment
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok, error_reply
+from kvpool.service.local_storage import LocalStorage
 from kvpool.service.metrics import MasterMetrics
-from kvpool.service.storage import LocalStorage
-from kvpool.transfer.tcp_client import SegmentConnection
+from kvpool.transfer.segment_client import SegmentConnection
 
 __all__ = ["Endpoint", "MasterService", "monotonic_ms"]
 

@@ -15,8 +15,8 @@ from types import TracebackType
 from typing import Any, Literal, Protocol
 
 from kvpool.errors import KVPoolError, PoolError
+from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.shm import ShmConnection, host_token
-from kvpool.transfer.tcp_client import SegmentConnection
 
 __all__ = ["DataPath", "NodeDataPath"]
 

@@ -16,7 +16,7 @@ from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok
 from kvpool.service.master import MasterService
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer.tcp import SegmentServer
+from kvpool.transfer.segment_server import SegmentServer
 
 NODE = "node-h-1234abcd"
 

@@ -152,20 +152,20 @@ def test_malformed_frames_get_errors_and_the_master_keeps_serving(
     # bad magic after the sniffer chose RPC: a frame header with an absurd body length
     s = _raw(master)
     s.sendall(MAGIC + struct.pack("!II", 1 << 30, 0))
-    reply, _ = m.REPLY_CODEC.decode_header(s.recv(12)), None
+    reply, _ = m.MASTER_REPLY_CODEC.decode_header(s.recv(12)), None
     s.close()
     assert reply.body_length > 0
     # an unknown message type: an error reply, and the same connection still works
     s = _raw(master)
     body = b"\x81\xa4type\xa7Unknown"
     s.sendall(MAGIC + struct.pack("!II", len(body), 0) + body)
-    header = m.REPLY_CODEC.decode_header(s.recv(12))
-    err = m.REPLY_CODEC.decode_body(s.recv(header.body_length))
+    header = m.MASTER_REPLY_CODEC.decode_header(s.recv(12))
+    err = m.MASTER_REPLY_CODEC.decode_body(s.recv(header.body_length))
     assert isinstance(err, m.Error) and err.code == ProtocolError.code
-    frame = m.REQUEST_CODEC.encode(m.Exists("nothing"))
+    frame = m.MASTER_REQUEST_CODEC.encode(m.Exists("nothing"))
     s.sendall(frame)
-    header = m.REPLY_CODEC.decode_header(s.recv(12))
-    assert m.REPLY_CODEC.decode_body(s.recv(header.body_length)) == m.Bools([False])
+    header = m.MASTER_REPLY_CODEC.decode_header(s.recv(12))
+    assert m.MASTER_REPLY_CODEC.decode_body(s.recv(header.body_length)) == m.Bools([False])
     s.close()
     # a client that disconnects mid-frame
     s = _raw(master)

@@ -16,8 +16,7 @@ multi-megabyte transfers with the GIL released, where an event loop would wake p
   :class:`~kvpool.transfer.channel.Channel`); a client that vanishes mid-payload only ends
   its own connection thread.
 
-:class:`~kvpool.transfer.tcp_client.SegmentConnection` is the client side (re-exported
-here).
+:class:`~kvpool.transfer.segment_client.SegmentConnection` is the client side.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ from kvpool.errors import (
     UnknownSegment,
 )
 from kvpool.protocol.data import (
-    REPLY_CODEC,
-    REQUEST_CODEC,
+    DATA_REPLY_CODEC,
+    DATA_REQUEST_CODEC,
     DataReply,
     DataRequest,
     Error,
@@ -55,19 +54,11 @@ from kvpool.protocol.data import (
 )
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer import wire
+from kvpool.transfer import framing
 from kvpool.transfer.channel import Channel
-from kvpool.transfer.tcp_client import PIPELINE_DEPTH, SegmentConnection
-from kvpool.transfer.wire import BadRequest
+from kvpool.transfer.framing import BadRequest
 
-__all__ = [
-    "PIPELINE_DEPTH",
-    "REPLY_CODEC",
-    "REQUEST_CODEC",
-    "SegmentConnection",
-    "SegmentServer",
-    "ServerStats",
-]
+__all__ = ["SegmentServer", "ServerStats"]
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +191,7 @@ class SegmentServer:
                 if self._stopping.is_set():
                     return
                 raise
-            wire.tune_socket(conn)
+            framing.tune_socket(conn)
             _keepalive(conn)
             thread = threading.Thread(
                 target=self._serve_connection, args=(conn,), name="kvpool-data-conn", daemon=True
@@ -214,7 +205,7 @@ class SegmentServer:
 
     def _serve_connection(self, conn: socket.socket) -> None:
         channel: Channel[DataReply, DataRequest] = Channel(
-            conn, REPLY_CODEC, REQUEST_CODEC, self.timeout_s
+            conn, DATA_REPLY_CODEC, DATA_REQUEST_CODEC, self.timeout_s
         )
         try:
             while not self._stopping.is_set() and self._serve_one(channel):
