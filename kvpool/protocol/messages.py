@@ -185,11 +185,15 @@ class Stats(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-class Placement(msgspec.Struct, frozen=True, tag=True):
-    """Where an object is (or is to be written).  ``found`` False: a miss, or for a put, a
-    key that is already READY (nothing to write)."""
+class Placement(msgspec.Struct, frozen=True, tag=True, rename={"placed": "found"}):
+    """Where an object is (a get) or is to be written (a put).
 
-    found: bool
+    ``placed`` says whether the master gave a place at all.  False means, for a get, a
+    miss; for a put, nothing to write: the key is already stored (or, in a batch, refused:
+    see ``error``).  On the wire the field keeps its first name, ``found``.
+    """
+
+    placed: bool
     key: str = ""
     segment_id: str = ""
     tier: str = "memory"

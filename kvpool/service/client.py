@@ -186,8 +186,8 @@ class Client:
         overlap = self._pipelined and len(view) <= self.overlap_checksum_max
         placement = self._call(start, hash_value) if overlap else self.call(start)
         assert isinstance(placement, m.Placement)
-        if not placement.found:
-            return
+        if not placement.placed:
+            return  # already stored: same key, same content
         if not overlap:
             hash_value()
         try:
@@ -221,7 +221,7 @@ class Client:
         for i, placement in enumerate(reply.items):
             if placement.error:
                 results[i] = error_from_code(placement.error, f"{keys[i]}: refused")
-            elif placement.found:
+            elif placement.placed:
                 by_node.setdefault(placement.data_address, []).append(i)
         written: list[int] = []
         for indices in by_node.values():
@@ -261,7 +261,7 @@ class Client:
         owner = f"{self.client_id}#{next(self._reads)}"
         placement = self.call(m.Get(owner, key))
         assert isinstance(placement, m.Placement)
-        if not placement.found:
+        if not placement.placed:
             raise ObjectNotFound(key)
         try:
             return self._read(placement, writable_byte_view(buffer))
@@ -310,7 +310,7 @@ class Client:
         owner = f"{self.client_id}#{next(self._reads)}"
         placement = self.call(m.Get(owner, key))
         assert isinstance(placement, m.Placement)
-        if not placement.found:
+        if not placement.placed:
             raise ObjectNotFound(key)
         try:
             buf = bytearray(placement.size)
@@ -327,7 +327,7 @@ class Client:
         sizes: list[int] = []
         try:
             for placement, buffer in zip(reply.items, buffers, strict=True):
-                if not placement.found:
+                if not placement.placed:
                     sizes.append(-1)
                     continue
                 try:

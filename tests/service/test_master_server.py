@@ -231,7 +231,7 @@ def tiers_of(c: Client, keys: list[str]) -> dict[str, str]:
     reply = c.call(m.BatchGet(owner, keys))
     assert isinstance(reply, m.Placements)
     c.call(m.ReleaseOwner(owner))
-    return {p.key: p.tier if p.found else "" for p in reply.items}
+    return {p.key: p.tier if p.placed else "" for p in reply.items}
 
 
 def fill_ssd(ssd: Path, *, kill: bool) -> tuple[dict[str, bytes], list[str]]:
