@@ -134,6 +134,12 @@ class MasterService:
         latency.observe(time.perf_counter() - started)
         return reply
 
+    @property
+    def request_types(self) -> frozenset[type]:
+        """The request types this service handles (all of ``m.MasterRequest``: a test
+        holds it to that)."""
+        return frozenset(self._handlers)
+
     def _route(self, kind: type) -> _Route:
         """Handler, op name and latency child of a request type, looked up once per type:
         a ``labels()`` call per request cost more than an ``Exists`` itself."""
