@@ -1,5 +1,6 @@
 """``kvpool master``: one TCP port for the binary RPC and for HTTP (/metrics, /health,
-the status page), as the seed's ``curl http://<master>:50088/metrics`` expects.
+the status page), as the production guide's §8.1 check
+``curl http://<master>:50088/metrics`` expects.
 
 Each connection's first four bytes decide: ``KVP1`` (the frame magic) is an RPC
 connection, anything else is handed to aiohttp's HTTP protocol with the bytes already

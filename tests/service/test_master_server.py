@@ -79,10 +79,12 @@ def test_duplicate_put_keeps_the_first_value(client: Client) -> None:
     assert client.get("k") == b"first"
 
 
-def test_seed_metrics_command_shows_blocks_and_clients(master: PoolProcess, client: Client) -> None:
+def test_the_guides_metrics_check_shows_blocks_and_clients(
+    master: PoolProcess, client: Client
+) -> None:
     client.put("x", b"1" * 1000)
     client.put("y", b"2" * 1000)
-    # the seed's §8.1 check, as written
+    # the production guide's §8.1 check, as written
     out = subprocess.run(
         f'curl -s http://{master.address}/metrics | grep -E "kv_cache|connected"',
         shell=True,
@@ -180,7 +182,7 @@ def test_malformed_frames_get_errors_and_the_master_keeps_serving(
     assert client.get("still") == b"serving"
 
 
-def test_seed_master_command_line_is_accepted_as_written(tmp_path: object) -> None:
+def test_mooncakes_master_command_line_is_accepted_as_written(tmp_path: object) -> None:
     flags = [
         "--eviction_high_watermark_ratio",
         "0.9",
