@@ -53,8 +53,8 @@ from kvpool.service.client import Client
 from kvpool.service.master import MasterService
 from kvpool.storage.segment import Segment
 from kvpool.testing.processes import start_master
-from kvpool.transfer.tcp import SegmentServer
-from kvpool.transfer.tcp_client import SegmentConnection
+from kvpool.transfer.segment_client import SegmentConnection
+from kvpool.transfer.segment_server import SegmentServer
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 

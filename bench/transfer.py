@@ -53,8 +53,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpool.storage.segment import Segment
+from kvpool.transfer.segment_client import SegmentConnection
+from kvpool.transfer.segment_server import SegmentServer
 from kvpool.transfer.shm import ShmConnection, host_token
-from kvpool.transfer.tcp import SegmentConnection, SegmentServer
 
 GiB = 1 << 30
 _CMD = struct.Struct("!cQQ")  # raw peer command: op, value size, count

@@ -128,25 +128,26 @@ class PeerTimeout(KVPoolError):
     code = "TIMEOUT"
 
 
-_BY_CODE: dict[str, type[KVPoolError]] = {
-    cls.code: cls
-    for cls in (
-        KVPoolError,
-        ConfigError,
-        ProtocolError,
-        PoolError,
-        NoSpace,
-        ObjectNotFound,
-        ObjectBusy,
-        WriteConflict,
-        StaleWrite,
-        UnknownClient,
-        UnknownSegment,
-        TransferError,
-        ChecksumMismatch,
-        PeerTimeout,
-    )
-}
+def _wire_table() -> dict[str, type[KVPoolError]]:
+    """Wire code → class, for every class of the tree above that names its own code.
+
+    Derived from the classes, so a new error is on the wire the moment it is written; a
+    subclass elsewhere that keeps its parent's code (a private refinement) crosses the
+    wire as that parent.  Two classes with one code would make the table ambiguous."""
+    table: dict[str, type[KVPoolError]] = {}
+    todo: list[type[KVPoolError]] = [KVPoolError]
+    while todo:
+        cls = todo.pop(0)
+        todo.extend(cls.__subclasses__())
+        if "code" not in vars(cls):
+            continue
+        if cls.code in table:
+            raise TypeError(f"{cls.__name__} and {table[cls.code].__name__} share {cls.code}")
+        table[cls.code] = cls
+    return table
+
+
+_BY_CODE: dict[str, type[KVPoolError]] = _wire_table()
 
 
 def error_code(exc: BaseException) -> str:

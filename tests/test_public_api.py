@@ -1,11 +1,45 @@
+"""The public API is ``kvpool.__all__``: pinned here, both directions (as httpx's
+``tests/test_exported_members.py`` does), so a name is added or removed on purpose."""
+
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 
 import kvpool
+import kvpool.errors
+
+PUBLIC = [
+    "AsyncClient",
+    "BlockKey",
+    "ChecksumMismatch",
+    "Client",
+    "ConfigError",
+    "EmbeddedPool",
+    "KVPoolError",
+    "KeyNamespace",
+    "NoSpace",
+    "ObjectBusy",
+    "ObjectNotFound",
+    "PeerTimeout",
+    "PoolError",
+    "ProtocolError",
+    "StaleWrite",
+    "TransferError",
+    "UnknownClient",
+    "UnknownSegment",
+    "WriteConflict",
+    "__version__",
+    "chunk_keys",
+]
 
 
-def test_all_names_exist_and_are_exported_explicitly() -> None:
+def test_all_is_the_pinned_list() -> None:
+    assert kvpool.__all__ == PUBLIC
+
+
+def test_every_exported_name_exists_and_nothing_else_is_public() -> None:
     for name in kvpool.__all__:
         assert hasattr(kvpool, name), name
     public = {
@@ -14,3 +48,38 @@ def test_all_names_exist_and_are_exported_explicitly() -> None:
         if not n.startswith("_") and not isinstance(v, types.ModuleType)
     }
     assert public - {"annotations"} - set(kvpool.__all__) == set()
+    assert set(kvpool.__all__) <= set(dir(kvpool))
+
+
+def test_the_clients_are_the_service_classes() -> None:
+    from kvpool.service.async_client import AsyncClient
+    from kvpool.service.client import Client
+    from kvpool.service.embedded import EmbeddedPool
+
+    assert kvpool.Client is Client
+    assert kvpool.AsyncClient is AsyncClient
+    assert kvpool.EmbeddedPool is EmbeddedPool
+    assert issubclass(kvpool.EmbeddedPool, kvpool.Client)
+
+
+def test_the_whole_error_tree_is_exported() -> None:
+    tree = {
+        getattr(kvpool.errors, n)
+        for n in kvpool.errors.__all__
+        if isinstance(getattr(kvpool.errors, n), type)
+    }
+    assert tree == {getattr(kvpool, n) for n in kvpool.__all__ if getattr(kvpool, n) in tree}
+    assert tree == set(kvpool.errors._BY_CODE.values())
+
+
+def test_import_kvpool_is_light() -> None:
+    code = (
+        "import sys, kvpool\n"
+        "heavy = [m for m in ('vllm', 'torch', 'numpy', 'prometheus_client', 'aiohttp',"
+        " 'kvpool.service.client') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]"

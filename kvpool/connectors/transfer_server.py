@@ -30,7 +30,13 @@ from kvpool.connectors.transfer_protocol import (
 )
 from kvpool.connectors.transfer_state import SendTracker
 from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, TransferError
-from kvpool.transfer.wire import BadRequest, deadline_after, recv_request, send_frame, tune_socket
+from kvpool.transfer.framing import (
+    BadRequest,
+    deadline_after,
+    recv_request,
+    send_frame,
+    tune_socket,
+)
 
 __all__ = ["KVServer"]
 

@@ -43,7 +43,7 @@ from kvpool.connectors.transfer_protocol import (
 from kvpool.connectors.transfer_server import KVServer
 from kvpool.connectors.transfer_state import RecvResults, SendTracker
 from kvpool.errors import ConfigError, KVPoolError, ProtocolError, TransferError
-from kvpool.transfer.wire import (
+from kvpool.transfer.framing import (
     deadline_after,
     recv_exactly_into,
     recv_frame,

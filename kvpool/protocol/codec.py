@@ -29,7 +29,7 @@ Primitives:
 - :class:`FrameDecoder` -- incremental, sans-I/O: ``feed(bytes)`` then iterate
   :class:`Frame` events (payload buffered; for asyncio control-plane traffic).
 - Blocking-socket helpers that receive payloads in place live in
-  :mod:`kvpool.transfer.wire`.
+  :mod:`kvpool.transfer.framing`.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from kvpool.errors import KVPoolError, error_code, error_from_code
 from kvpool.protocol.codec import Codec
 
 __all__ = [
-    "REPLY_CODEC",
-    "REQUEST_CODEC",
+    "DATA_REPLY_CODEC",
+    "DATA_REQUEST_CODEC",
     "DataReply",
     "DataRequest",
     "Error",
@@ -129,5 +129,5 @@ def error_reply(exc: BaseException) -> Error:
 DataRequest = SegmentWrite | SegmentRead | SegmentInfo | SsdRead | SegmentDemote | SsdRemove
 DataReply = Ok | Error | SegmentInfoReply
 
-REQUEST_CODEC: Codec[DataRequest] = Codec(DataRequest)
-REPLY_CODEC: Codec[DataReply] = Codec(DataReply)
+DATA_REQUEST_CODEC: Codec[DataRequest] = Codec(DataRequest)
+DATA_REPLY_CODEC: Codec[DataReply] = Codec(DataReply)

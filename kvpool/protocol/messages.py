@@ -23,8 +23,8 @@ from kvpool.protocol.codec import Codec
 from kvpool.protocol.data import Error, Ok
 
 __all__ = [
-    "REPLY_CODEC",
-    "REQUEST_CODEC",
+    "MASTER_REPLY_CODEC",
+    "MASTER_REQUEST_CODEC",
     "AddSegment",
     "BatchExists",
     "BatchGet",
@@ -185,11 +185,15 @@ class Stats(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-class Placement(msgspec.Struct, frozen=True, tag=True):
-    """Where an object is (or is to be written).  ``found`` False: a miss, or for a put, a
-    key that is already READY (nothing to write)."""
+class Placement(msgspec.Struct, frozen=True, tag=True, rename={"placed": "found"}):
+    """Where an object is (a get) or is to be written (a put).
 
-    found: bool
+    ``placed`` says whether the master gave a place at all.  False means, for a get, a
+    miss; for a put, nothing to write: the key is already stored (or, in a batch, refused:
+    see ``error``).  On the wire the field keeps its first name, ``found``.
+    """
+
+    placed: bool
     key: str = ""
     segment_id: str = ""
     tier: str = "memory"
@@ -256,5 +260,5 @@ MasterReply = (
 
 # Built once: msgspec decoders are compiled per type.
 
-REQUEST_CODEC: Codec[MasterRequest] = Codec(MasterRequest)
-REPLY_CODEC: Codec[MasterReply] = Codec(MasterReply)
+MASTER_REQUEST_CODEC: Codec[MasterRequest] = Codec(MasterRequest)
+MASTER_REPLY_CODEC: Codec[MasterReply] = Codec(MasterReply)

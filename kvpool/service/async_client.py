@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from kvpool.errors import KVPoolError
+from kvpool.net import DEFAULT_MASTER_PORT
 from kvpool.service.client import Client
 
 __all__ = ["AsyncClient"]
@@ -41,7 +42,7 @@ class AsyncClient:
 
     def __init__(
         self,
-        master: str = "127.0.0.1:50088",
+        master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}",
         *,
         client: Client | None = None,
         max_workers: int = 4,

@@ -1,20 +1,25 @@
 """``kvpool.Client``: the synchronous pool client.
 
 Put path: ``PutStart`` (the master reserves space) → the bytes go straight to the owning
-node's segment (shared memory on the same host, TCP otherwise) → ``PutEnd`` with the
-xxh3 checksum makes the object visible.  Get path: ``Get`` (grants a read lease) →
+node's segment through the client's transport (:mod:`kvpool.transfer.transport`: shared
+memory on the same host, TCP otherwise) → ``PutEnd`` with the xxh3 checksum makes the
+object visible.  Get path: ``Get`` (grants a read lease) →
 direct read → checksum verified → ``Release``.
 
 Requests whose answer the caller does not need — a lease release, a put's revoke, a
-failure report — are *posted* (:meth:`Channel.post <kvpool.transfer.channel.Channel.post>`):
-sent at once, their replies read just before the next call's own reply.  So a get costs
-one metadata round trip, and the master has dropped its lease by the time this client's
-next call returns (requests of one connection are handled in order; other connections
-may still see the lease for the moment the release is in flight).
+failure report — are *posted* (:meth:`MasterLink.post
+<kvpool.service.master_link.MasterLink.post>`): sent at once, their replies read just
+before the next call's own reply.  So a get costs one metadata round trip, and the
+master has dropped its lease by the time this client's next call returns (requests of
+one connection are handled in order; other connections may still see the lease for the
+moment the release is in flight).
 
 A read that fails in any way — missing, corrupt, node unreachable — is a miss
 (:class:`~kvpool.errors.ObjectNotFound`), never wrong bytes; a node that failed a transfer
 is reported to the master, which drops its objects at once.
+
+Two seams, both set in the constructor: the *transport* (how bytes move) and the *link*
+to the master's request handler (TCP, or in-process for the embedded pool).
 
 Thread-safe: metadata calls are serialised on one connection; data paths are per node.
 """
@@ -24,12 +29,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import socket
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any
 
 from kvpool.errors import (
     ChecksumMismatch,
@@ -40,42 +44,36 @@ from kvpool.errors import (
     TransferError,
     error_from_code,
 )
-from kvpool.net import DEFAULT_MASTER_PORT, split_address
+from kvpool.net import DEFAULT_MASTER_PORT
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
-from kvpool.service.storage import checksum
+from kvpool.service.local_storage import checksum
+from kvpool.service.master_link import CLOSE_SETTLE_S, MasterLink, TcpMasterLink
 from kvpool.storage.buffers import byte_view, writable_byte_view
-from kvpool.transfer import wire
-from kvpool.transfer.channel import Channel
-from kvpool.transfer.path import NodeDataPath
+from kvpool.transfer.transport import DataPath, Transport, transport_named
 
-__all__ = ["Client"]
+__all__ = ["CLOSE_SETTLE_S", "OVERLAP_CHECKSUM_MAX", "Client"]
 
 log = logging.getLogger("kvpool.client")
 
-CLOSE_SETTLE_S = 1.0
 # A put hashes its value while PutStart is in flight (the round trip is spent waiting
 # anyway), under the metadata lock; beyond this size hashing outlasts a round trip and
 # would hold up other threads' calls, so it waits until after.
 OVERLAP_CHECKSUM_MAX = 4 << 20
 
 
-def _owed_reply(reply: m.MasterReply) -> None:
-    """The reply to a posted request: only an error is worth a word, and not a loud one
-    (a release of a lease that already expired is no one's problem)."""
-    if isinstance(reply, Error):
-        log.debug("a request sent without waiting failed: %s: %s", reply.code, reply.message)
-
-
-
 class Client:
-    """A connection to a kvpool master and direct data paths to its nodes."""
+    """A connection to a kvpool master and direct data paths to its nodes.
+
+    ``transport`` chooses how bytes reach the segments: a
+    :class:`~kvpool.transfer.transport.Transport`, or its name in config (``"shm"``:
+    shared memory on this host and TCP for the rest; ``"tcp"``: TCP only).  Without it,
+    ``allow_shm`` picks between those two.  ``link`` replaces the TCP connection to the
+    master (the embedded pool's in-process handler); ``master`` is then only a label.
+    """
 
     #: values up to this size are hashed while their PutStart is in flight
     overlap_checksum_max = OVERLAP_CHECKSUM_MAX
-    #: False for a subclass with a ``call`` of its own (the embedded pool runs the
-    #: master's handler in-process): it has no channel to post on or to overlap with
-    _pipelined: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -84,14 +82,20 @@ class Client:
         timeout_s: float = 10.0,
         client_id: str | None = None,
         allow_shm: bool = True,
+        transport: Transport | str | None = None,
+        link: MasterLink | None = None,
     ) -> None:
         self.master = master
         self.timeout_s = timeout_s
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.allow_shm = allow_shm
-        self._channel: Channel[m.MasterRequest, m.MasterReply] | None = None
-        self._lock = threading.Lock()
-        self._paths: dict[str, NodeDataPath] = {}
+        if transport is None:
+            transport = "shm" if allow_shm else "tcp"
+        self.transport: Transport = (
+            transport_named(transport, timeout_s) if isinstance(transport, str) else transport
+        )
+        self.link: MasterLink = link if link is not None else TcpMasterLink(master, timeout_s)
+        self._paths: dict[str, DataPath] = {}  # data address -> open data path
         self._paths_lock = threading.Lock()
         self._reads = itertools.count()
         self.corrupt_reads = 0
@@ -99,70 +103,31 @@ class Client:
     # ---------------------------------------------------------------------------- plumbing
     def call(self, request: m.MasterRequest) -> m.MasterReply:
         """One metadata round trip; raises the master's error as its own class."""
-        return self._call(request, None)
-
-    def _call(
-        self, request: m.MasterRequest, meanwhile: Callable[[], object] | None
-    ) -> m.MasterReply:
-        """:meth:`call`, running ``meanwhile`` while the master handles the request."""
-        with self._lock:
-            channel = self._connected()
-            try:
-                reply, payload = channel.call(request, meanwhile=meanwhile)
-                if payload:
-                    channel.discard_payload(payload)
-            except KVPoolError:
-                self._drop()
-                raise
+        reply = self.link.call(request)
         if isinstance(reply, Error):
             raise reply.to_exception()
         return reply
 
-    def _connected(self) -> Channel[m.MasterRequest, m.MasterReply]:
-        if self._channel is None:
-            host, port = split_address(self.master)
-            try:
-                sock = socket.create_connection((host, port), timeout=self.timeout_s)
-            except TimeoutError:
-                raise PeerTimeout(f"connecting to the master at {self.master} timed out") from None
-            except OSError as exc:
-                raise TransferError(f"cannot reach the master at {self.master}: {exc}") from None
-            wire.tune_socket(sock)
-            self._channel = Channel(
-                sock, m.REQUEST_CODEC, m.REPLY_CODEC, self.timeout_s, _owed_reply
-            )
-        return self._channel
-
     def _post(self, request: m.MasterRequest) -> None:
-        """Send a request whose answer nobody needs, without waiting for it.  Failing to
-        send is not the caller's problem either: what it undoes expires on the master."""
-        if not self._pipelined:
-            with contextlib.suppress(KVPoolError):
-                self.call(request)
+        """Send a request whose answer nobody needs, without waiting for it when the link
+        pipelines.  Failing is not the caller's problem: what it undoes expires anyway."""
+        if self.link.pipelined:
+            self.link.post(request)
             return
-        with self._lock:
-            try:
-                self._connected().post(request)
-            except KVPoolError as exc:
-                self._drop()
-                log.debug("%s not sent: %s", type(request).__name__, exc)
+        with contextlib.suppress(KVPoolError):
+            self.call(request)
 
-    def _drop(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-
-    def _path(self, placement: m.Placement) -> NodeDataPath:
+    def _path(self, placement: m.Placement) -> DataPath:
         address = placement.data_address
         with self._paths_lock:
             path = self._paths.get(address)
             if path is None:
-                host, port = split_address(address)
-                path = NodeDataPath(host, port, timeout_s=self.timeout_s, allow_shm=self.allow_shm)
-                self._paths[address] = path
+                path = self._paths[address] = self.transport.connect(address)
             return path
 
     def _report(self, placement: m.Placement, exc: BaseException) -> None:
+        """A transfer to this placement's owner failed: tell the master (it drops the
+        owner's objects at once) and open a fresh path next time."""
         self._post(m.ReportFailure(placement.segment_id, f"{type(exc).__name__}: {exc}"))
         with self._paths_lock:
             path = self._paths.pop(placement.data_address, None)
@@ -183,11 +148,13 @@ class Client:
             digest = checksum(view)
 
         start = m.PutStart(self.client_id, key, len(view), parent)
-        overlap = self._pipelined and len(view) <= self.overlap_checksum_max
-        placement = self._call(start, hash_value) if overlap else self.call(start)
+        overlap = self.link.pipelined and len(view) <= self.overlap_checksum_max
+        placement = self.link.call(start, hash_value if overlap else None)
+        if isinstance(placement, Error):
+            raise placement.to_exception()
         assert isinstance(placement, m.Placement)
-        if not placement.found:
-            return
+        if not placement.placed:
+            return  # already stored: same key, same content
         if not overlap:
             hash_value()
         try:
@@ -221,7 +188,7 @@ class Client:
         for i, placement in enumerate(reply.items):
             if placement.error:
                 results[i] = error_from_code(placement.error, f"{keys[i]}: refused")
-            elif placement.found:
+            elif placement.placed:
                 by_node.setdefault(placement.data_address, []).append(i)
         written: list[int] = []
         for indices in by_node.values():
@@ -261,7 +228,7 @@ class Client:
         owner = f"{self.client_id}#{next(self._reads)}"
         placement = self.call(m.Get(owner, key))
         assert isinstance(placement, m.Placement)
-        if not placement.found:
+        if not placement.placed:
             raise ObjectNotFound(key)
         try:
             return self._read(placement, writable_byte_view(buffer))
@@ -282,7 +249,7 @@ class Client:
         path = self._path(placement)
         try:
             if placement.tier == "ssd":
-                path.tcp.ssd_read_into(placement.key, target)
+                path.ssd_read_into(placement.key, target)
             else:
                 path.read_into(
                     placement.segment_id, placement.offset, target, shm_name=placement.shm_name
@@ -310,7 +277,7 @@ class Client:
         owner = f"{self.client_id}#{next(self._reads)}"
         placement = self.call(m.Get(owner, key))
         assert isinstance(placement, m.Placement)
-        if not placement.found:
+        if not placement.placed:
             raise ObjectNotFound(key)
         try:
             buf = bytearray(placement.size)
@@ -327,7 +294,7 @@ class Client:
         sizes: list[int] = []
         try:
             for placement, buffer in zip(reply.items, buffers, strict=True):
-                if not placement.found:
+                if not placement.placed:
                     sizes.append(-1)
                     continue
                 try:
@@ -390,16 +357,7 @@ class Client:
 
     # ---------------------------------------------------------------------------- lifetime
     def close(self) -> None:
-        with self._lock:
-            if self._channel is not None:
-                # Read the owed replies first: closing a socket with unread bytes resets
-                # the connection, and a reset can discard a release the master has not
-                # read yet.  Bounded, so a hung master does not hold up the close.
-                try:
-                    self._channel.settle(min(self.timeout_s, CLOSE_SETTLE_S))
-                except KVPoolError as exc:
-                    log.debug("replies owed at close not read: %s", exc)
-            self._drop()
+        self.link.close()
         with self._paths_lock:
             paths = list(self._paths.values())
             self._paths.clear()

@@ -1,55 +1,71 @@
 """An in-process pool with no master: the same API as :class:`~kvpool.service.client.Client`.
 
-For a single node (the store connector's ``backend: embedded``) and for tests.  The
-master's request handler runs in this process behind a lock, and bytes are copied
-straight into and out of a local memory segment (and SSD tier, when given).  Nothing
-listens on a socket.
+For a single node (the store connector's ``backend: embedded``) and for tests.  It *is*
+a Client, built with two in-process seams instead of sockets: its link to the master
+(:class:`InProcessMaster`) runs the master's request handler in this process behind a
+lock, and its transport (:class:`~kvpool.transfer.in_process.InProcessTransport`) copies
+bytes straight into and out of a local memory segment (and SSD tier, when given).
+Nothing listens on a socket.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from collections.abc import Callable
 
 from kvpool.core.index import IndexConfig
-from kvpool.errors import ObjectNotFound
+from kvpool.errors import KVPoolError
 from kvpool.protocol import messages as m
-from kvpool.protocol.data import Error
 from kvpool.service.client import Client
+from kvpool.service.local_storage import LocalStorage
 from kvpool.service.master import MasterService
-from kvpool.service.storage import LocalStorage
+from kvpool.transfer.in_process import InProcessTransport
 
-__all__ = ["EmbeddedPool"]
+__all__ = ["TICK_INTERVAL_MS", "EmbeddedPool", "InProcessMaster"]
+
+#: how often calls run the master's periodic work (what its tick loop does in a server)
+TICK_INTERVAL_MS = 100
 
 
-class _LocalPath:
-    """The data path to this process's own storage: plain memory copies."""
+class InProcessMaster:
+    """A :class:`~kvpool.service.master_link.MasterLink` to a handler in this process.
 
-    def __init__(self, storage: LocalStorage) -> None:
-        self.storage = storage
-        self.tcp = self  # SSD reads are asked of ``path.tcp`` by the client
+    Nothing to pipeline: a request is handled before ``call`` returns, so ``post`` is a
+    call whose reply is dropped.  Leases, writers and clients still expire on time: the
+    master's tick runs before a request once :data:`TICK_INTERVAL_MS` has passed.
+    """
 
-    def write(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        assert self.storage.segment is not None
-        return self.storage.segment.write(offset, buffer)
+    pipelined = False
 
-    def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        assert self.storage.segment is not None
-        return self.storage.segment.read_into(offset, buffer)
+    def __init__(self, service: MasterService) -> None:
+        self.service = service
+        self._lock = threading.Lock()
+        self._last_tick_ms = 0
 
-    def ssd_read_into(self, key: str, buffer: Any) -> int:
-        if self.storage.ssd is None:
-            raise ObjectNotFound(f"{key}: no SSD tier")
-        return self.storage.ssd.read_into(key, buffer)
+    def call(
+        self, request: m.MasterRequest, meanwhile: Callable[[], object] | None = None
+    ) -> m.MasterReply:
+        with self._lock:
+            now = self.service.clock()
+            if now - self._last_tick_ms >= TICK_INTERVAL_MS:
+                self._last_tick_ms = now
+                self.service.tick()
+            reply = self.service.handle(request)
+        if meanwhile is not None:
+            meanwhile()
+        return reply
+
+    def post(self, request: m.MasterRequest) -> None:
+        with contextlib.suppress(KVPoolError):
+            self.call(request)
 
     def close(self) -> None:
-        pass
+        pass  # the service lives as long as the pool that made it
 
 
 class EmbeddedPool(Client):
     """A whole pool inside this process."""
-
-    _pipelined = False  # call() below runs the master's handler: nothing to post on
 
     def __init__(
         self,
@@ -59,35 +75,21 @@ class EmbeddedPool(Client):
         ssd_path: str = "",
         ssd_limit: int = 0,
     ) -> None:
-        super().__init__("embedded", client_id="embedded-client")
         cfg = config or IndexConfig(enable_offload=bool(ssd_path))
-        self.service = MasterService(cfg)
+        service = MasterService(cfg)
         # No data server is needed in-process, but LocalStorage owns the segment and SSD
         # tier the same way a node does; its server is simply never started.
-        self.storage = LocalStorage(
-            "embedded", segment_size, ssd_path=ssd_path, ssd_limit=ssd_limit
+        storage = LocalStorage("embedded", segment_size, ssd_path=ssd_path, ssd_limit=ssd_limit)
+        service.attach_local(storage)
+        super().__init__(
+            "embedded",
+            client_id="embedded-client",
+            transport=InProcessTransport(storage.segment, storage.ssd),
+            link=InProcessMaster(service),
         )
-        self.service.attach_local(self.storage)
-        self._local_path = _LocalPath(self.storage)
-        self._service_lock = threading.Lock()
-        self._last_tick_ms = 0
-
-    def call(self, request: m.MasterRequest) -> m.MasterReply:
-        with self._service_lock:
-            now = self.service.clock()
-            if now - self._last_tick_ms >= 100:  # what the master's tick loop would do
-                self._last_tick_ms = now
-                self.service.tick()
-            reply = self.service.handle(request)
-        if isinstance(reply, Error):
-            raise reply.to_exception()
-        return reply
-
-    def _path(self, placement: m.Placement) -> Any:
-        return self._local_path
-
-    def _report(self, placement: m.Placement, exc: BaseException) -> None:
-        pass  # nothing remote to blame
+        self.service = service
+        self.storage = storage
 
     def close(self) -> None:
+        super().close()
         self.storage.close()

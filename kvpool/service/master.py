@@ -23,15 +23,16 @@ from kvpool.core.index import (
     IndexConfig,
     Location,
     ObjectIndex,
-    State,
 )
 from kvpool.core.registry import Tier
 from kvpool.errors import KVPoolError, NoSpace, ObjectNotFound, PoolError, UnknownSegment
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok, error_reply
+from kvpool.service.catalog import Outbox
+from kvpool.service.local_storage import LocalStorage
 from kvpool.service.metrics import MasterMetrics
-from kvpool.service.storage import LocalStorage
-from kvpool.transfer.tcp_client import SegmentConnection
+from kvpool.service.node_links import NodeLinks
+from kvpool.service.snapshot import pool_snapshot
 
 __all__ = ["Endpoint", "MasterService", "monotonic_ms"]
 
@@ -79,11 +80,10 @@ class MasterService:
         self.endpoints: dict[str, Endpoint] = {}  # segment_id -> endpoint
         self.client_addresses: dict[str, tuple[str, str]] = {}  # id -> (data addr, token)
         self.local: dict[str, LocalStorage] = {}  # storage hosted in this very process
-        self._node_conns: dict[str, SegmentConnection] = {}  # data address -> connection
-        self.node_timeout_s = 10.0
+        self.node_links = NodeLinks()  # demotions and SSD deletions on remote nodes
         self.recent_errors: deque[str] = deque(maxlen=20)
         # per remote storage owner: catalog changes not yet sent with a heartbeat reply
-        self.outbox: dict[str, tuple[list[tuple[str, str, int, int, int]], list[str]]] = {}
+        self.outbox = Outbox()
         self.started_ms = clock()
         self.rpc_connections = 0  # open client connections (kept by the server)
         self.config_view: dict[str, Any] = {}  # the flags it runs with, for doctor and status
@@ -134,6 +134,12 @@ class MasterService:
         latency.observe(time.perf_counter() - started)
         return reply
 
+    @property
+    def request_types(self) -> frozenset[type]:
+        """The request types this service handles (all of ``m.MasterRequest``: a test
+        holds it to that)."""
+        return frozenset(self._handlers)
+
     def _route(self, kind: type) -> _Route:
         """Handler, op name and latency child of a request type, looked up once per type:
         a ``labels()`` call per request cost more than an ``Exists`` itself."""
@@ -158,9 +164,7 @@ class MasterService:
             self._forget_segments()  # clients expired
 
     def close(self) -> None:
-        for conn in self._node_conns.values():
-            conn.close()
-        self._node_conns.clear()
+        self.node_links.close()
 
     # ---------------------------------------------------------------------------- effects
     def _apply(self, events: list[Event]) -> None:
@@ -174,10 +178,9 @@ class MasterService:
                     self.metrics.demote_failures.inc()
                 else:
                     self.metrics.offloads.inc()
-                    if event.src.client_id in self.outbox:
-                        # the node's catalog lists its memory objects, for re-announcing
-                        # after a restart: this one's memory extent is no longer its own
-                        self.outbox[event.src.client_id][1].append(event.key)
+                    # the node's catalog lists its memory objects, for re-announcing
+                    # after a restart: this one's memory extent is no longer its own
+                    self.outbox.remove(event.src.client_id, event.key)
             elif isinstance(event, Dropped):
                 self.metrics.dropped.labels(reason=event.reason, tier=event.tier.value).inc()
                 if event.reason == "evicted":
@@ -186,46 +189,20 @@ class MasterService:
                 if owner is not None and event.tier is Tier.SSD:
                     owner.forget_ssd(event.key)
                 elif event.client_id in self.outbox:
-                    self.outbox[event.client_id][1].append(event.key)
+                    self.outbox.remove(event.client_id, event.key)
                     if event.tier is Tier.SSD and event.reason not in _OWNER_GONE:
                         ssd_gone.setdefault(event.client_id, []).append(event.key)
         for client_id, keys in ssd_gone.items():
             self._remote_ssd_remove(client_id, keys)
 
-    def _node_connection(self, client_id: str) -> SegmentConnection | None:
-        address = self.client_addresses.get(client_id, ("", ""))[0]
-        if not address:
-            return None
-        conn = self._node_conns.get(address)
-        if conn is None:
-            host, _, port = address.rpartition(":")
-            conn = SegmentConnection(host, int(port), timeout_s=self.node_timeout_s)
-            self._node_conns[address] = conn
-        return conn
-
     def _remote_demote(self, event: Demote) -> bool:
-        """Have a node copy its own object to its SSD tier.  Blocking on purpose: the
-        freed memory extent must not be handed out before the copy is done."""
-        conn = self._node_connection(event.src.client_id)
-        if conn is None:
-            return False
-        try:
-            conn.demote(
-                event.src.segment_id, event.src.offset, event.src.size, event.key, event.checksum
-            )
-        except KVPoolError as exc:
-            log.warning("demotion of %s on %s failed: %s", event.key, event.src.client_id, exc)
-            return False
-        return True
+        address = self.client_addresses.get(event.src.client_id, ("", ""))[0]
+        return bool(address) and self.node_links.demote(address, event)
 
     def _remote_ssd_remove(self, client_id: str, keys: list[str]) -> None:
-        conn = self._node_connection(client_id)
-        if conn is None:
-            return
-        try:
-            conn.ssd_remove(keys)
-        except KVPoolError as exc:  # the files are orphans, cleared when the node restarts
-            log.warning("could not delete %d SSD objects on %s: %s", len(keys), client_id, exc)
+        address = self.client_addresses.get(client_id, ("", ""))[0]
+        if address:
+            self.node_links.ssd_remove(address, client_id, keys)
 
     def _placement(self, key: str, loc: Location, checksum: int = 0) -> m.Placement:
         ep = self.endpoints.get(loc.segment_id)
@@ -298,7 +275,7 @@ class MasterService:
         address, token = self.client_addresses.get(req.client_id, ("", ""))
         self.endpoints[req.segment_id] = Endpoint(address, req.shm_name, token)
         if req.client_id not in self.local:
-            self.outbox.setdefault(req.client_id, ([], []))
+            self.outbox.watch(req.client_id)
         log.info(
             "segment %s: %d bytes of %s from %s",
             req.segment_id,
@@ -310,10 +287,8 @@ class MasterService:
 
     def _heartbeat(self, req: m.Heartbeat, now: int) -> m.HeartbeatReply:
         self.index.heartbeat(req.client_id, now)
-        added, removed = self.outbox.get(req.client_id, ([], []))
-        if req.client_id in self.outbox:
-            self.outbox[req.client_id] = ([], [])
-        return m.HeartbeatReply(added, removed)
+        changes = self.outbox.take(req.client_id)
+        return m.HeartbeatReply(changes.added, changes.removed)
 
     def _restore(self, req: m.Restore, now: int) -> m.Bools:
         return m.Bools(
@@ -335,9 +310,7 @@ class MasterService:
         for segment_id in list(self.endpoints):
             if segment_id not in self.index.registry.segments:
                 del self.endpoints[segment_id]
-        for client_id in list(self.outbox):
-            if client_id not in self.index.registry.clients:
-                del self.outbox[client_id]
+        self.outbox.forget_gone(self.index.registry.clients)
 
     # ----------------------------------------------------------------------------- writes
     def _put_start(self, req: m.PutStart, now: int) -> m.Placement:
@@ -373,9 +346,9 @@ class MasterService:
         self.index.put_end(req.key, req.client_id, now, req.checksum)
         self.metrics.puts.inc()
         loc = self.index.location_of(req.key)
-        if loc is not None and loc.client_id in self.outbox:
-            self.outbox[loc.client_id][0].append(
-                (req.key, loc.segment_id, loc.offset, loc.size, req.checksum)
+        if loc is not None:
+            self.outbox.add(
+                loc.client_id, (req.key, loc.segment_id, loc.offset, loc.size, req.checksum)
             )
         return Ok()
 
@@ -458,38 +431,4 @@ class MasterService:
     # ----------------------------------------------------------------------------- status
     def snapshot(self) -> dict[str, Any]:
         """The pool at a glance, JSON-able (for `kvpool status` and the status page)."""
-        now = self.clock()
-        idx = self.index
-        tiers = {}
-        for tier in Tier:
-            capacity, used = idx.usage(tier)
-            tiers[tier.value] = {"capacity": capacity, "used": used, "objects": idx.count(tier)}
-        clients = [
-            {
-                "client_id": c.client_id,
-                "address": c.address,
-                "last_heartbeat_ms_ago": now - c.last_seen_ms,
-                "segments": list(c.segment_ids),
-            }
-            for c in idx.registry.clients.values()
-        ]
-        return {
-            "uptime_s": (now - self.started_ms) / 1000,
-            "tiers": tiers,
-            "objects": len(idx),
-            "pending": idx.count(state=State.PENDING),
-            "clients": clients,
-            "active_leases": idx.active_leases(now),
-            "rpc_connections": self.rpc_connections,
-            "stats": {
-                "evictions": idx.stats.evictions,
-                "offloads": idx.stats.demotions,
-                "demote_failures": idx.stats.demote_failures,
-                "put_failures_no_space": idx.stats.put_failures_no_space,
-                "expired_leases": idx.stats.expired_leases,
-                "revoked_writes": idx.stats.revoked_writes,
-            },
-            "lookups": self.metrics.lookup_counts(),
-            "recent_errors": list(self.recent_errors),
-            "config": self.config_view,
-        }
+        return pool_snapshot(self)

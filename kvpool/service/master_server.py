@@ -1,5 +1,6 @@
 """``kvpool master``: one TCP port for the binary RPC and for HTTP (/metrics, /health,
-the status page), as the seed's ``curl http://<master>:50088/metrics`` expects.
+the status page), as the production guide's §8.1 check
+``curl http://<master>:50088/metrics`` expects.
 
 Each connection's first four bytes decide: ``KVP1`` (the frame magic) is an RPC
 connection, anything else is handed to aiohttp's HTTP protocol with the bytes already
@@ -23,10 +24,10 @@ from kvpool.core.index import IndexConfig
 from kvpool.errors import ProtocolError
 from kvpool.protocol.codec import MAGIC, FrameDecoder
 from kvpool.protocol.data import error_reply
-from kvpool.protocol.messages import REPLY_CODEC, REQUEST_CODEC, MasterRequest
+from kvpool.protocol.messages import MASTER_REPLY_CODEC, MASTER_REQUEST_CODEC, MasterRequest
 from kvpool.service.http import build_app
+from kvpool.service.local_storage import LocalStorage
 from kvpool.service.master import MasterService
-from kvpool.service.storage import LocalStorage
 
 __all__ = ["MasterServer", "run_master"]
 
@@ -38,7 +39,7 @@ TICK_S = 0.1
 class _RpcProtocol(asyncio.Protocol):
     def __init__(self, service: MasterService) -> None:
         self.service = service
-        self.decoder: FrameDecoder[MasterRequest] = FrameDecoder(REQUEST_CODEC)
+        self.decoder: FrameDecoder[MasterRequest] = FrameDecoder(MASTER_REQUEST_CODEC)
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -63,16 +64,16 @@ class _RpcProtocol(asyncio.Protocol):
                 except ProtocolError as exc:
                     if self._broken():
                         raise
-                    self.transport.write(REPLY_CODEC.encode(error_reply(exc)))
+                    self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(exc)))
                     continue
                 if frame is None:
                     return
                 reply = self.service.handle(frame.message)
-                self.transport.write(REPLY_CODEC.encode(reply))
+                self.transport.write(MASTER_REPLY_CODEC.encode(reply))
         except ProtocolError as exc:
             # A bad header: the stream cannot be resynchronised.  Say why and close.
             log.info("closing RPC connection: %s", exc)
-            self.transport.write(REPLY_CODEC.encode(error_reply(exc)))
+            self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(exc)))
             self.transport.close()
 
     def _broken(self) -> bool:

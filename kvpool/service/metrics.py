@@ -1,6 +1,7 @@
 """The master's Prometheus metrics, in a registry of its own (several masters may share a
-process in tests).  Names keep the seed's ``kv_cache`` / ``connected`` words so its
-``curl …/metrics | grep -E "kv_cache|connected"`` check works as written.
+process in tests).  Names keep Mooncake's ``kv_cache`` / ``connected`` words so the
+production guide's §8.1 check, ``curl …/metrics | grep -E "kv_cache|connected"``, works as
+written.
 
 Every ratio has its denominator exported next to it: hits with lookups, used bytes with
 capacity.

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from pathlib import Path
 from types import TracebackType
@@ -44,6 +43,7 @@ class PoolProcess:
             env=full_env,
         )
         self.lines: deque[str] = deque(maxlen=2000)
+        self._new_line = threading.Condition()  # notified per line: waiters never poll
         self._log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed in stop
         self._ready = threading.Event()
         self.host = ""
@@ -62,7 +62,9 @@ class PoolProcess:
     def _read(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
+            with self._new_line:
+                self.lines.append(line.rstrip())
+                self._new_line.notify_all()
             if self._log is not None:
                 self._log.write(line)
                 self._log.flush()
@@ -108,12 +110,15 @@ class PoolProcess:
     def wait_for_line(self, pattern: str, timeout_s: float = 10.0) -> str:
         """The first logged line matching ``pattern`` (bounded wait)."""
         rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if rx.search(line):
-                    return line
-            time.sleep(0.05)
+        found: list[str] = []
+
+        def matched() -> bool:
+            found.extend(line for line in self.lines if rx.search(line))
+            return bool(found)
+
+        with self._new_line:
+            if self._new_line.wait_for(matched, timeout_s):
+                return found[0]
         raise TimeoutError(f"no line matching {pattern!r} in {timeout_s}s")
 
     def __enter__(self) -> PoolProcess:

@@ -1,10 +1,10 @@
 """A framed connection end with few syscalls: the fast path for segment transfers.
 
 :class:`Channel` wraps one blocking socket with a send codec and a receive codec.  It
-does what the plain functions in :mod:`kvpool.transfer.wire` do, with fewer syscalls
-per exchange, and is what :mod:`kvpool.transfer.tcp` uses (any synchronous RPC client
+does what the plain functions in :mod:`kvpool.transfer.framing` do, with fewer syscalls
+per exchange, and is what :mod:`kvpool.transfer.segment_server` uses (any synchronous RPC client
 can use :meth:`Channel.call` as is).  The socket belongs to the channel afterwards:
-do not mix it with the functions in ``wire`` (they use Python-level timeouts).
+do not mix it with the functions in ``framing`` (they use Python-level timeouts).
 
 Why it looks like this (CPython on loopback spends its time in syscalls, not copies):
 
@@ -36,7 +36,7 @@ from typing import Generic, TypeVar
 
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
-from kvpool.transfer.wire import BadRequest, deadline_after
+from kvpool.transfer.framing import BadRequest, deadline_after
 
 __all__ = ["MAX_OWED", "STAGE_SIZE", "Channel"]
 

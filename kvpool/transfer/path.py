@@ -1,7 +1,7 @@
 """Pick the data path per segment: shared memory on the same host, TCP otherwise.
 
-:class:`DataPath` is what a client needs from either transport.  :class:`NodeDataPath`
-talks to one node: on first use of a segment it asks the node (``SegmentInfo``) for
+:class:`NodeDataPath` is the :class:`~kvpool.transfer.transport.DataPath` of the network
+transports to one node: on first use of a segment it asks the node (``SegmentInfo``) for
 the segment's shared-memory name and host token; when the token equals this process's
 :func:`~kvpool.transfer.shm.host_token` and the segment attaches, every later access
 is a direct copy, else it goes over TCP.  The choice is made once per segment.
@@ -12,25 +12,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from kvpool.errors import KVPoolError, PoolError
+from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.shm import ShmConnection, host_token
-from kvpool.transfer.tcp_client import SegmentConnection
 
-__all__ = ["DataPath", "NodeDataPath"]
+__all__ = ["NodeDataPath", "Route"]
 
 Route = Literal["shm", "tcp"]
-
-
-class DataPath(Protocol):
-    """Move bytes between a caller buffer and ``(segment_id, offset)``."""
-
-    def write(self, segment_id: str, offset: int, buffer: Any) -> int: ...
-
-    def read_into(self, segment_id: str, offset: int, buffer: Any) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class NodeDataPath:
@@ -122,6 +112,11 @@ class NodeDataPath:
             for i, result in zip(over_tcp, done, strict=True):
                 results[i] = result
         return results
+
+    def ssd_read_into(self, key: str, buffer: Any) -> int:
+        """An object of the node's SSD tier into ``buffer`` (always over TCP: the files
+        are the node's, not mapped here)."""
+        return self.tcp.ssd_read_into(key, buffer)
 
     def close(self) -> None:
         self.tcp.close()

@@ -26,7 +26,7 @@ def make_embedded() -> EmbeddedPool:
 def corrupt_in_place(pool: EmbeddedPool, key: str) -> None:
     """Flip the first bytes of ``key``'s stored copy (found as any reader finds it)."""
     placement = pool.call(m.Get("test-damage", key))
-    assert isinstance(placement, m.Placement) and placement.found, key
+    assert isinstance(placement, m.Placement) and placement.placed, key
     try:
         segment = pool.storage.segment
         assert segment is not None

@@ -73,7 +73,7 @@ def test_a_lease_held_during_the_read_blocks_removal_until_released(client: Clie
     client.put("k", b"x" * 100)
     owner = "reader-1"
     placement = client.call(m.Get(owner, "k"))
-    assert isinstance(placement, m.Placement) and placement.found
+    assert isinstance(placement, m.Placement) and placement.placed
     with pytest.raises(ObjectBusy):
         client.remove("k")
     client._post(m.Release(owner, ["k"]))

@@ -16,7 +16,7 @@ from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok
 from kvpool.service.master import MasterService
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer.tcp import SegmentServer
+from kvpool.transfer.segment_server import SegmentServer
 
 NODE = "node-h-1234abcd"
 
@@ -90,7 +90,7 @@ def test_get_metrics_count_every_request_and_show_only_label_sets_used() -> None
     text = svc.metrics.exposition().decode()
     assert "kvpool_lookups_total{" not in text and "kvpool_hits_total{" not in text
     assert 'op="Get"' not in text  # no series for an op never handled
-    assert svc.handle(m.PutStart("c", "k", 100)).found  # type: ignore[union-attr]
+    assert svc.handle(m.PutStart("c", "k", 100)).placed  # type: ignore[union-attr]
     assert svc.handle(m.PutEnd("c", "k", 7)) == Ok()
     for _ in range(3):
         reply = svc.handle(m.Get("o", "k"))

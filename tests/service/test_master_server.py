@@ -79,10 +79,12 @@ def test_duplicate_put_keeps_the_first_value(client: Client) -> None:
     assert client.get("k") == b"first"
 
 
-def test_seed_metrics_command_shows_blocks_and_clients(master: PoolProcess, client: Client) -> None:
+def test_the_guides_metrics_check_shows_blocks_and_clients(
+    master: PoolProcess, client: Client
+) -> None:
     client.put("x", b"1" * 1000)
     client.put("y", b"2" * 1000)
-    # the seed's §8.1 check, as written
+    # the production guide's §8.1 check, as written
     out = subprocess.run(
         f'curl -s http://{master.address}/metrics | grep -E "kv_cache|connected"',
         shell=True,
@@ -152,20 +154,20 @@ def test_malformed_frames_get_errors_and_the_master_keeps_serving(
     # bad magic after the sniffer chose RPC: a frame header with an absurd body length
     s = _raw(master)
     s.sendall(MAGIC + struct.pack("!II", 1 << 30, 0))
-    reply, _ = m.REPLY_CODEC.decode_header(s.recv(12)), None
+    reply, _ = m.MASTER_REPLY_CODEC.decode_header(s.recv(12)), None
     s.close()
     assert reply.body_length > 0
     # an unknown message type: an error reply, and the same connection still works
     s = _raw(master)
     body = b"\x81\xa4type\xa7Unknown"
     s.sendall(MAGIC + struct.pack("!II", len(body), 0) + body)
-    header = m.REPLY_CODEC.decode_header(s.recv(12))
-    err = m.REPLY_CODEC.decode_body(s.recv(header.body_length))
+    header = m.MASTER_REPLY_CODEC.decode_header(s.recv(12))
+    err = m.MASTER_REPLY_CODEC.decode_body(s.recv(header.body_length))
     assert isinstance(err, m.Error) and err.code == ProtocolError.code
-    frame = m.REQUEST_CODEC.encode(m.Exists("nothing"))
+    frame = m.MASTER_REQUEST_CODEC.encode(m.Exists("nothing"))
     s.sendall(frame)
-    header = m.REPLY_CODEC.decode_header(s.recv(12))
-    assert m.REPLY_CODEC.decode_body(s.recv(header.body_length)) == m.Bools([False])
+    header = m.MASTER_REPLY_CODEC.decode_header(s.recv(12))
+    assert m.MASTER_REPLY_CODEC.decode_body(s.recv(header.body_length)) == m.Bools([False])
     s.close()
     # a client that disconnects mid-frame
     s = _raw(master)
@@ -180,7 +182,7 @@ def test_malformed_frames_get_errors_and_the_master_keeps_serving(
     assert client.get("still") == b"serving"
 
 
-def test_seed_master_command_line_is_accepted_as_written(tmp_path: object) -> None:
+def test_mooncakes_master_command_line_is_accepted_as_written(tmp_path: object) -> None:
     flags = [
         "--eviction_high_watermark_ratio",
         "0.9",
@@ -231,7 +233,7 @@ def tiers_of(c: Client, keys: list[str]) -> dict[str, str]:
     reply = c.call(m.BatchGet(owner, keys))
     assert isinstance(reply, m.Placements)
     c.call(m.ReleaseOwner(owner))
-    return {p.key: p.tier if p.found else "" for p in reply.items}
+    return {p.key: p.tier if p.placed else "" for p in reply.items}
 
 
 def fill_ssd(ssd: Path, *, kill: bool) -> tuple[dict[str, bytes], list[str]]:

@@ -229,7 +229,7 @@ def tiers_of(c: Client, keys: list[str]) -> dict[str, str]:
     reply = c.call(m.BatchGet(owner, keys))
     assert isinstance(reply, m.Placements)
     c.call(m.ReleaseOwner(owner))
-    return {p.key: p.tier if p.found else "" for p in reply.items}
+    return {p.key: p.tier if p.placed else "" for p in reply.items}
 
 
 def flip(path: Path, at: int) -> None:

@@ -5,8 +5,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.storage.segment import Segment
+from kvpool.transfer.segment_server import SegmentServer
 from kvpool.transfer.shm import host_token
-from kvpool.transfer.tcp import SegmentServer
 
 SEGMENT_SIZE = 32 << 20
 

@@ -11,7 +11,7 @@ import pytest
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
 from kvpool.transfer.channel import STAGE_SIZE, Channel
-from kvpool.transfer.wire import BadRequest
+from kvpool.transfer.framing import BadRequest
 
 
 class Msg(msgspec.Struct, tag=True):

@@ -13,7 +13,7 @@ import pytest
 from kvpool.errors import PeerTimeout, TransferError
 from kvpool.protocol.codec import Codec
 from kvpool.transfer.channel import MAX_OWED, Channel
-from kvpool.transfer.wire import BadRequest
+from kvpool.transfer.framing import BadRequest
 
 
 class Msg(msgspec.Struct, tag=True):

@@ -4,8 +4,8 @@ import numpy as np
 
 from kvpool.storage.segment import Segment
 from kvpool.transfer.path import NodeDataPath
+from kvpool.transfer.segment_server import SegmentServer
 from kvpool.transfer.shm import host_token
-from kvpool.transfer.tcp import SegmentServer
 
 
 def test_same_host_segments_go_through_shared_memory(

@@ -14,7 +14,7 @@ from kvpool.errors import ProtocolError
 from kvpool.protocol import messages as m
 from kvpool.protocol.codec import DEFAULT_MAX_BODY
 from kvpool.service.embedded import EmbeddedPool
-from kvpool.service.storage import (
+from kvpool.service.local_storage import (
     RESTORE_BATCH,
     RESTORE_BATCH_BYTES,
     LocalStorage,
@@ -39,7 +39,7 @@ def test_restore_batches_are_bounded_in_entries_and_key_bytes() -> None:
 def test_a_full_batch_of_the_longest_ssd_keys_fits_one_frame() -> None:
     entries = [(f"{i:0200d}", 1 << 40, 1 << 30, (1 << 64) - 1) for i in range(RESTORE_BATCH)]
     (batch,) = restore_batches(entries)
-    frame = m.REQUEST_CODEC.encode(m.Restore("node-x", "node-x/ssd", batch))  # raises if not
+    frame = m.MASTER_REQUEST_CODEC.encode(m.Restore("node-x", "node-x/ssd", batch))  # raises if not
     assert len(frame) < DEFAULT_MAX_BODY // 2
 
 

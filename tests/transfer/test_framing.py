@@ -8,7 +8,7 @@ import pytest
 
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
-from kvpool.transfer import wire
+from kvpool.transfer import framing
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -27,13 +27,13 @@ def test_frames_and_payloads_cross_a_socket_in_place() -> None:
     with a, b:
         payload = memoryview(bytes(range(256)) * 1000)
         sender = threading.Thread(
-            target=wire.send_frame,
-            args=(a, codec, Hello("x"), payload, wire.deadline_after(5)),
+            target=framing.send_frame,
+            args=(a, codec, Hello("x"), payload, framing.deadline_after(5)),
         )
         sender.start()
-        message, length = wire.recv_frame(b, codec, wire.deadline_after(5))
+        message, length = framing.recv_frame(b, codec, framing.deadline_after(5))
         dst = bytearray(length)
-        wire.recv_exactly_into(b, memoryview(dst), wire.deadline_after(5))
+        framing.recv_exactly_into(b, memoryview(dst), framing.deadline_after(5))
         sender.join(10)
     assert message == Hello("x") and dst == payload
 
@@ -42,11 +42,11 @@ def test_silence_is_a_timeout_and_a_close_is_a_transfer_error() -> None:
     a, b = socket.socketpair()
     with a, b:
         with pytest.raises(PeerTimeout, match="timed out"):
-            wire.recv_frame(b, codec, wire.deadline_after(0.2))
+            framing.recv_frame(b, codec, framing.deadline_after(0.2))
         a.sendall(b"KVP")
         a.close()
         with pytest.raises(TransferError, match="closed the connection after 3 of 12"):
-            wire.recv_frame(b, codec, wire.deadline_after(5))
+            framing.recv_frame(b, codec, framing.deadline_after(5))
 
 
 def test_request_with_bad_body_is_consumed_and_reported() -> None:
@@ -54,15 +54,15 @@ def test_request_with_bad_body_is_consumed_and_reported() -> None:
     with a, b:
         other: Codec[Other] = Codec(Other)
         a.sendall(other.encode(Other(1), 5) + b"12345" + codec.encode(Hello("next")))
-        bad = wire.recv_request(b, codec, 5, 5)
-        assert isinstance(bad, wire.BadRequest)
+        bad = framing.recv_request(b, codec, 5, 5)
+        assert isinstance(bad, framing.BadRequest)
         assert isinstance(bad.error, ProtocolError)
-        assert wire.recv_request(b, codec, 5, 5) == (Hello("next"), 0)
+        assert framing.recv_request(b, codec, 5, 5) == (Hello("next"), 0)
         a.close()
-        assert wire.recv_request(b, codec, 5, 5) is None  # clean close between requests
+        assert framing.recv_request(b, codec, 5, 5) is None  # clean close between requests
 
 
 def test_idle_timeout_bounds_the_wait_for_a_request() -> None:
     a, b = socket.socketpair()
     with a, b, pytest.raises(PeerTimeout, match="next request"):
-        wire.recv_request(b, codec, 5, 0.1)
+        framing.recv_request(b, codec, 5, 0.1)

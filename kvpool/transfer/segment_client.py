@@ -16,8 +16,8 @@ from typing import Any
 
 from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.data import (
-    REPLY_CODEC,
-    REQUEST_CODEC,
+    DATA_REPLY_CODEC,
+    DATA_REQUEST_CODEC,
     DataReply,
     DataRequest,
     Error,
@@ -31,7 +31,7 @@ from kvpool.protocol.data import (
     SsdRemove,
 )
 from kvpool.storage.buffers import byte_view, writable_byte_view
-from kvpool.transfer import wire
+from kvpool.transfer import framing
 from kvpool.transfer.channel import Channel
 
 __all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
@@ -70,8 +70,8 @@ class SegmentConnection:
                 raise PeerTimeout(f"connecting to {self.host}:{self.port} timed out") from None
             except OSError as exc:
                 raise TransferError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
-            wire.tune_socket(sock)
-            self._channel = Channel(sock, REQUEST_CODEC, REPLY_CODEC, self.timeout_s)
+            framing.tune_socket(sock)
+            self._channel = Channel(sock, DATA_REQUEST_CODEC, DATA_REPLY_CODEC, self.timeout_s)
         return self._channel
 
     def _exchange(
@@ -81,7 +81,7 @@ class SegmentConnection:
         with self._lock:
             channel = self._connected()
             try:
-                deadline = wire.deadline_after(self.timeout_s)
+                deadline = framing.deadline_after(self.timeout_s)
                 channel.send(request, out)
                 reply, length = channel.recv(deadline)
                 if length:
@@ -151,7 +151,7 @@ class SegmentConnection:
                     for i in window:
                         channel.send(requests[i], outs[i])
                     for i in window:
-                        reply, length = channel.recv(wire.deadline_after(self.timeout_s))
+                        reply, length = channel.recv(framing.deadline_after(self.timeout_s))
                         into = intos[i]
                         expected = 0 if into is None or isinstance(reply, Error) else len(into)
                         if length != expected or not isinstance(reply, Ok | Error):

@@ -22,17 +22,20 @@ from kvpool.errors import (
     UnknownSegment,
 )
 from kvpool.protocol.codec import HEADER_SIZE, MAGIC, Codec
-from kvpool.protocol.data import DataReply, Error, Ok, SegmentRead, SegmentWrite
+from kvpool.protocol.data import (
+    DATA_REPLY_CODEC,
+    DATA_REQUEST_CODEC,
+    DataReply,
+    Error,
+    Ok,
+    SegmentRead,
+    SegmentWrite,
+)
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer import wire
-from kvpool.transfer.tcp import (
-    PIPELINE_DEPTH,
-    REPLY_CODEC,
-    REQUEST_CODEC,
-    SegmentConnection,
-    SegmentServer,
-)
+from kvpool.transfer import framing
+from kvpool.transfer.segment_client import PIPELINE_DEPTH, SegmentConnection
+from kvpool.transfer.segment_server import SegmentServer
 from tests.waiting import wait_until
 
 from .conftest import SEGMENT_SIZE
@@ -49,7 +52,7 @@ def raw_socket(server: SegmentServer) -> socket.socket:
 
 
 def read_reply(sock: socket.socket) -> tuple[DataReply, int]:
-    return wire.recv_frame(sock, REPLY_CODEC, wire.deadline_after(5))
+    return framing.recv_frame(sock, DATA_REPLY_CODEC, framing.deadline_after(5))
 
 
 def assert_closed(sock: socket.socket) -> None:
@@ -132,8 +135,8 @@ def test_unknown_message_type_gets_an_error_and_the_connection_goes_on(
         reply, _ = read_reply(sock)
         assert isinstance(reply, Error) and reply.code == "PROTOCOL"
         assert "invalid message" in reply.message
-        wire.send_frame(
-            sock, REQUEST_CODEC, SegmentRead("seg0", 0, 0), None, wire.deadline_after(5)
+        framing.send_frame(
+            sock, DATA_REQUEST_CODEC, SegmentRead("seg0", 0, 0), None, framing.deadline_after(5)
         )
         assert read_reply(sock) == (Ok(0), 0)
     assert server.stats.protocol_errors == 1
@@ -141,17 +144,17 @@ def test_unknown_message_type_gets_an_error_and_the_connection_goes_on(
 
 def test_payload_length_disagreeing_with_the_request_is_an_error(server: SegmentServer) -> None:
     with raw_socket(server) as sock:
-        sock.sendall(REQUEST_CODEC.encode(SegmentWrite("seg0", 0, 10), 4) + b"abcd")
+        sock.sendall(DATA_REQUEST_CODEC.encode(SegmentWrite("seg0", 0, 10), 4) + b"abcd")
         reply, _ = read_reply(sock)
         assert isinstance(reply, Error) and "declares 10 payload bytes" in reply.message
-        sock.sendall(REQUEST_CODEC.encode(SegmentRead("seg0", 0, 1), 0))
+        sock.sendall(DATA_REQUEST_CODEC.encode(SegmentRead("seg0", 0, 1), 0))
         reply, length = read_reply(sock)
         assert reply == Ok(1) and length == 1
 
 
 def test_client_vanishing_mid_payload_does_not_hurt_the_server(server: SegmentServer) -> None:
     with raw_socket(server) as sock:
-        sock.sendall(REQUEST_CODEC.encode(SegmentWrite("seg0", 0, 1 << 20), 1 << 20))
+        sock.sendall(DATA_REQUEST_CODEC.encode(SegmentWrite("seg0", 0, 1 << 20), 1 << 20))
         sock.sendall(b"p" * 1000)
     wait_until(lambda: server.stats.dropped_connections == 1)
     assert_still_serves(server)
@@ -186,8 +189,8 @@ def test_peer_dying_mid_reply_is_a_transfer_error() -> None:
         def half_reply() -> None:
             conn, _ = fake.accept()
             with conn:
-                wire.recv_frame(conn, REQUEST_CODEC, wire.deadline_after(5))
-                conn.sendall(REPLY_CODEC.encode(Ok(100), 100) + b"x" * 10)
+                framing.recv_frame(conn, DATA_REQUEST_CODEC, framing.deadline_after(5))
+                conn.sendall(DATA_REPLY_CODEC.encode(Ok(100), 100) + b"x" * 10)
 
         thread = threading.Thread(target=half_reply)
         thread.start()
@@ -260,7 +263,7 @@ def test_protocol_error_from_a_garbled_reply_drops_the_connection() -> None:
         def garbage() -> None:
             conn, _ = fake.accept()
             with conn:
-                wire.recv_frame(conn, REQUEST_CODEC, wire.deadline_after(5))
+                framing.recv_frame(conn, DATA_REQUEST_CODEC, framing.deadline_after(5))
                 conn.sendall(b"NOPE" + bytes(8))
 
         thread = threading.Thread(target=garbage)

@@ -24,8 +24,8 @@ from kvpool.core.index import Demote
 from kvpool.errors import ChecksumMismatch, KVPoolError, ProtocolError
 from kvpool.storage.segment import Segment, remove_stale_segments
 from kvpool.storage.ssd import SsdStore
+from kvpool.transfer.segment_server import SegmentServer
 from kvpool.transfer.shm import host_token
-from kvpool.transfer.tcp import SegmentServer
 
 __all__ = [
     "RESTORE_BATCH",

@@ -1,7 +1,8 @@
 """The segment data server.
 
 :class:`SegmentServer` serves :mod:`kvpool.protocol.data` requests against the
-segments a node holds.  One thread per connection with blocking sockets: in CPython
+segments a node holds.  One thread per connection with blocking sockets
+(:class:`~kvpool.transfer.server.ThreadedServer`): in CPython
 the fastest way to move large buffers, because ``recv_into`` / ``sendall`` run whole
 multi-megabyte transfers with the GIL released, where an event loop would wake per chunk.
 
@@ -16,8 +17,7 @@ multi-megabyte transfers with the GIL released, where an event loop would wake p
   :class:`~kvpool.transfer.channel.Channel`); a client that vanishes mid-payload only ends
   its own connection thread.
 
-:class:`~kvpool.transfer.tcp_client.SegmentConnection` is the client side (re-exported
-here).
+:class:`~kvpool.transfer.segment_client.SegmentConnection` is the client side.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from kvpool.errors import (
     UnknownSegment,
 )
 from kvpool.protocol.data import (
-    REPLY_CODEC,
-    REQUEST_CODEC,
+    DATA_REPLY_CODEC,
+    DATA_REQUEST_CODEC,
     DataReply,
     DataRequest,
     Error,
@@ -55,23 +55,14 @@ from kvpool.protocol.data import (
 )
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer import wire
+from kvpool.transfer import framing
 from kvpool.transfer.channel import Channel
-from kvpool.transfer.tcp_client import PIPELINE_DEPTH, SegmentConnection
-from kvpool.transfer.wire import BadRequest
+from kvpool.transfer.framing import BadRequest
+from kvpool.transfer.server import ThreadedServer
 
-__all__ = [
-    "PIPELINE_DEPTH",
-    "REPLY_CODEC",
-    "REQUEST_CODEC",
-    "SegmentConnection",
-    "SegmentServer",
-    "ServerStats",
-]
+__all__ = ["SegmentServer", "ServerStats"]
 
 log = logging.getLogger(__name__)
-
-_ACCEPT_POLL_S = 0.2
 
 
 @dataclass
@@ -119,10 +110,13 @@ class SegmentServer:
         self.stats = ServerStats()
         self._segments: dict[str, Segment] = {}
         self._lock = threading.Lock()
-        self._listener: socket.socket | None = None
-        self._accept_thread: threading.Thread | None = None
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._stopping = threading.Event()
+        self._server = ThreadedServer(
+            host,
+            port,
+            self._serve_connection,
+            name="kvpool-data",
+            on_connection=lambda: self.stats.add("connections"),
+        )
 
     # -- segments ---------------------------------------------------------------
 
@@ -152,30 +146,12 @@ class SegmentServer:
 
     def start(self) -> tuple[str, int]:
         """Bind, listen, and start accepting; returns the bound address."""
-        listener = socket.create_server((self.host, self.port), backlog=128)
-        listener.settimeout(_ACCEPT_POLL_S)
-        self.port = listener.getsockname()[1]
-        self._listener = listener
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name=f"kvpool-data-accept:{self.port}", daemon=True
-        )
-        self._accept_thread.start()
+        self.host, self.port = self._server.start()
         return self.address
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, end every connection, and wait (bounded) for their threads."""
-        self._stopping.set()
-        if self._accept_thread is not None:
-            self._accept_thread.join(timeout_s)
-        if self._listener is not None:
-            self._listener.close()
-        with self._lock:
-            conns = list(self._conns.items())
-        for conn, _ in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
-        for _, thread in conns:
-            thread.join(timeout_s)
+        self._server.close(timeout_s)
 
     def __enter__(self) -> SegmentServer:
         self.start()
@@ -189,35 +165,17 @@ class SegmentServer:
     ) -> None:
         self.close()
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                raise
-            wire.tune_socket(conn)
-            _keepalive(conn)
-            thread = threading.Thread(
-                target=self._serve_connection, args=(conn,), name="kvpool-data-conn", daemon=True
-            )
-            with self._lock:
-                self._conns[conn] = thread
-                self.stats.add("connections")
-            thread.start()
-
     # -- one connection ---------------------------------------------------------
 
     def _serve_connection(self, conn: socket.socket) -> None:
+        """One client's conversation, in its own thread (the server closes ``conn``)."""
+        framing.tune_socket(conn)
+        _keepalive(conn)
         channel: Channel[DataReply, DataRequest] = Channel(
-            conn, REPLY_CODEC, REQUEST_CODEC, self.timeout_s
+            conn, DATA_REPLY_CODEC, DATA_REQUEST_CODEC, self.timeout_s
         )
         try:
-            while not self._stopping.is_set() and self._serve_one(channel):
+            while not self._server.stopping and self._serve_one(channel):
                 pass
         except ProtocolError as exc:
             # Bad header: the stream cannot be resynchronised.  Say why, then close.
@@ -228,10 +186,6 @@ class SegmentServer:
         except (TransferError, PeerTimeout) as exc:
             self.stats.add("dropped_connections")
             log.info("data connection ended: %s", exc)
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
 
     def _reply(
         self,

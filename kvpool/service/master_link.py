@@ -1,0 +1,131 @@
+"""The client's way to its master's request handler: over TCP, or in this process.
+
+A :class:`MasterLink` carries :mod:`kvpool.protocol.messages` requests and brings back
+their replies (an :class:`~kvpool.protocol.data.Error` reply is returned, not raised:
+the client turns it into its class).  A failure of the link itself raises
+:class:`~kvpool.errors.TransferError` or :class:`~kvpool.errors.PeerTimeout`.
+
+- :class:`TcpMasterLink` -- one connection to ``kvpool master``, opened on first use and
+  again after a failure.  It *pipelines*: :meth:`~MasterLink.post` sends a request whose
+  answer nobody waits for, and its reply is read just before the next call's own, and
+  :meth:`~MasterLink.call` runs the caller's ``meanwhile`` while the master works.
+- The embedded pool's link runs the handler in-process
+  (:class:`~kvpool.service.embedded.InProcessMaster`); it does not pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from kvpool.errors import KVPoolError, PeerTimeout, TransferError
+from kvpool.net import split_address
+from kvpool.protocol import messages as m
+from kvpool.protocol.data import Error
+from kvpool.transfer import framing
+from kvpool.transfer.channel import Channel
+
+__all__ = ["CLOSE_SETTLE_S", "MasterLink", "TcpMasterLink"]
+
+log = logging.getLogger("kvpool.client")
+
+#: how long a closing link waits for the replies it is owed
+CLOSE_SETTLE_S = 1.0
+
+
+class MasterLink(Protocol):
+    """Carries one client's requests to a master's handler, in order."""
+
+    #: whether :meth:`post` returns before the master answered and :meth:`call` can
+    #: overlap the caller's work with the round trip
+    pipelined: bool
+
+    def call(
+        self, request: m.MasterRequest, meanwhile: Callable[[], object] | None = None
+    ) -> m.MasterReply:
+        """One round trip; ``meanwhile`` (if any) runs while the master handles it."""
+        ...
+
+    def post(self, request: m.MasterRequest) -> None:
+        """Send a request whose answer nobody needs; never raises (what it undoes
+        expires on the master anyway)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _owed_reply(reply: m.MasterReply) -> None:
+    """The reply to a posted request: only an error is worth a word, and not a loud one
+    (a release of a lease that already expired is no one's problem)."""
+    if isinstance(reply, Error):
+        log.debug("a request sent without waiting failed: %s: %s", reply.code, reply.message)
+
+
+class TcpMasterLink:
+    """One TCP connection to ``kvpool master`` at ``address``; thread-safe (calls are
+    serialised on the connection)."""
+
+    pipelined = True
+
+    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel: Channel[m.MasterRequest, m.MasterReply] | None = None
+        self._lock = threading.Lock()
+
+    def call(
+        self, request: m.MasterRequest, meanwhile: Callable[[], object] | None = None
+    ) -> m.MasterReply:
+        with self._lock:
+            channel = self._connected()
+            try:
+                reply, payload = channel.call(request, meanwhile=meanwhile)
+                if payload:
+                    channel.discard_payload(payload)
+            except KVPoolError:
+                self._drop()
+                raise
+        return reply
+
+    def post(self, request: m.MasterRequest) -> None:
+        with self._lock:
+            try:
+                self._connected().post(request)
+            except KVPoolError as exc:
+                self._drop()
+                log.debug("%s not sent: %s", type(request).__name__, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                # Read the owed replies first: closing a socket with unread bytes resets
+                # the connection, and a reset can discard a release the master has not
+                # read yet.  Bounded, so a hung master does not hold up the close.
+                try:
+                    self._channel.settle(min(self.timeout_s, CLOSE_SETTLE_S))
+                except KVPoolError as exc:
+                    log.debug("replies owed at close not read: %s", exc)
+            self._drop()
+
+    def _connected(self) -> Channel[m.MasterRequest, m.MasterReply]:
+        if self._channel is None:
+            host, port = split_address(self.address)
+            try:
+                sock = socket.create_connection((host, port), timeout=self.timeout_s)
+            except TimeoutError:
+                raise PeerTimeout(f"connecting to the master at {self.address} timed out") from None
+            except OSError as exc:
+                raise TransferError(f"cannot reach the master at {self.address}: {exc}") from None
+            framing.tune_socket(sock)
+            self._channel = Channel(
+                sock, m.MASTER_REQUEST_CODEC, m.MASTER_REPLY_CODEC, self.timeout_s, _owed_reply
+            )
+        return self._channel
+
+    def _drop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None

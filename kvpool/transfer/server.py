@@ -1,0 +1,150 @@
+"""One listening socket, one thread per connection, and a stop that is bounded.
+
+Both of kvpool's blocking TCP servers are this shape: the segment data server
+(:class:`~kvpool.transfer.segment_server.SegmentServer`) and the prefill's pull server
+(the P→D connector's ``kv_port``).  Threads rather than an event loop because their work is
+``recv_into``/``sendall`` of multi-megabyte buffers, which CPython runs with the GIL
+released; an event loop would wake per chunk.
+
+Rules:
+
+- ``handle(conn)`` runs in the connection's own thread and owns the conversation; the
+  server closes ``conn`` when it returns or raises (an exception ends that connection
+  only, and is logged).
+- Between requests a handler should look at :attr:`ThreadedServer.stopping`; it need not
+  poll, because :meth:`ThreadedServer.close` shuts every open connection down, which
+  wakes a thread blocked in ``recv``.
+- :meth:`ThreadedServer.close` waits at most ``timeout_s`` for the accept thread and
+  again per connection thread: a stuck handler cannot hold up a shutdown for longer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from types import TracebackType
+
+__all__ = ["ACCEPT_POLL_S", "ThreadedServer"]
+
+log = logging.getLogger(__name__)
+
+#: how often the accept loop looks at the stop flag
+ACCEPT_POLL_S = 0.2
+
+
+class ThreadedServer:
+    """Accepts TCP connections on ``(host, port)`` and serves each with ``handle`` in a
+    thread of its own."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handle: Callable[[socket.socket], None],
+        *,
+        name: str = "kvpool-server",
+        backlog: int | None = 128,
+        accept_poll_s: float = ACCEPT_POLL_S,
+        on_connection: Callable[[], None] | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.name = name
+        self._handle = handle
+        self._backlog = backlog
+        self._accept_poll_s = accept_poll_s
+        self._on_connection = on_connection
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` actually bound (the port is chosen when 0 was asked)."""
+        return self.host, self.port
+
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`close` began: handlers end their conversation."""
+        return self._stopping.is_set()
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        with self._lock:
+            return len(self._conns)
+
+    def start(self) -> tuple[str, int]:
+        """Bind, listen and start accepting; returns the bound address.  ``OSError`` when
+        the address cannot be bound (the caller says which setting chose it)."""
+        listener = socket.create_server((self.host, self.port), backlog=self._backlog)
+        listener.settimeout(self._accept_poll_s)
+        self.port = listener.getsockname()[1]
+        self._listener = listener
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"{self.name}-accept:{self.port}", daemon=True
+        )
+        self._accept_thread.start()
+        return self.address
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, end every connection, and wait (bounded) for their threads."""
+        self._stopping.set()
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout_s)
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns.items())
+        for conn, _ in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+        for _, thread in conns:
+            thread.join(timeout_s)
+
+    def __enter__(self) -> ThreadedServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                raise
+            thread = threading.Thread(
+                target=self._serve, args=(conn,), name=f"{self.name}-conn", daemon=True
+            )
+            with self._lock:
+                self._conns[conn] = thread
+            if self._on_connection is not None:
+                self._on_connection()
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._handle(conn)
+        except Exception:  # a handler's bug ends its own connection, never the server
+            log.exception("%s: connection handler failed", self.name)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()

@@ -1,0 +1,113 @@
+"""The client's transport seam: how its bytes reach the segments the master names.
+
+A :class:`Transport` opens a :class:`DataPath` to one storage owner (a node, or the
+master's own segment) by its data address; a data path moves bytes between caller
+buffers and ``(segment_id, offset)`` of that owner's segments, and reads objects of its
+SSD tier.  The client holds one data path per owner, drops it when a transfer fails,
+and opens it again on next use.  The transports:
+
+- :class:`SharedMemoryTransport` (``"shm"``, the default): segments on this host are
+  attached and copied into directly; every other segment is reached over TCP.
+- :class:`TcpTransport` (``"tcp"``): every byte over kvpool's TCP data plane.
+- :class:`~kvpool.transfer.in_process.InProcessTransport`: this process's own storage,
+  plain memory copies (the embedded pool).
+
+Another fabric (Mooncake's Transfer Engine, RDMA) is one more class with ``connect``.
+Buffers are anything with the buffer protocol, NumPy arrays, or CPU tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kvpool.errors import ConfigError, KVPoolError
+from kvpool.net import split_address
+from kvpool.transfer.path import NodeDataPath
+
+__all__ = [
+    "TRANSPORTS",
+    "DataPath",
+    "Item",
+    "SharedMemoryTransport",
+    "TcpTransport",
+    "Transport",
+    "transport_named",
+]
+
+#: one transfer of a batch: segment id, offset in it, the caller's buffer
+Item = tuple[str, int, Any]
+
+
+class DataPath(Protocol):
+    """What a client needs from a connection to one storage owner.
+
+    Single transfers raise on failure (:class:`~kvpool.errors.TransferError` or
+    :class:`~kvpool.errors.PeerTimeout` when the owner cannot be reached, the owner's
+    refusal otherwise); batches return one result per item (None for success).
+    ``shm_name`` is the segment's shared-memory name when the master's placement
+    carries one; paths that do not use shared memory ignore it.
+    """
+
+    def write(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int: ...
+
+    def read_into(
+        self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = ""
+    ) -> int: ...
+
+    def write_many(self, items: Sequence[Item]) -> list[KVPoolError | None]: ...
+
+    def read_many_into(self, items: Sequence[Item]) -> list[KVPoolError | None]: ...
+
+    def ssd_read_into(self, key: str, buffer: Any) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    """Opens data paths; one instance serves one client."""
+
+    #: what config calls it (``"shm"``, ``"tcp"``, ``"in-process"``)
+    name: str
+
+    def connect(self, address: str) -> DataPath:
+        """A data path to the storage owner serving at ``address`` (``host:port``);
+        connecting may be deferred to the first transfer."""
+        ...
+
+
+class TcpTransport:
+    """Every transfer over kvpool's TCP data plane (zero-copy into the destination)."""
+
+    name = "tcp"
+    _shared_memory = False
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self.timeout_s = timeout_s
+
+    def connect(self, address: str) -> NodeDataPath:
+        host, port = split_address(address)
+        return NodeDataPath(host, port, timeout_s=self.timeout_s, allow_shm=self._shared_memory)
+
+
+class SharedMemoryTransport(TcpTransport):
+    """Shared memory for segments on this host (same host token), TCP for the rest."""
+
+    name = "shm"
+    _shared_memory = True
+
+
+#: the transports a client can be configured with by name
+TRANSPORTS: dict[str, type[TcpTransport]] = {
+    SharedMemoryTransport.name: SharedMemoryTransport,
+    TcpTransport.name: TcpTransport,
+}
+
+
+def transport_named(name: str, timeout_s: float = 10.0) -> TcpTransport:
+    """The network transport called ``name`` in config (``"shm"`` or ``"tcp"``)."""
+    try:
+        return TRANSPORTS[name](timeout_s)
+    except KeyError:
+        known = ", ".join(sorted(TRANSPORTS))
+        raise ConfigError(f"transport {name!r} is not one of {known}") from None
