@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from kvpool.connectors.store_plan import LoadSpec, SaveSpec, StorePlan
-from kvpool.connectors.store_pool import PoolClient, PoolHandle
+from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
+from kvpool.connectors.store.pool import PoolClient, PoolHandle
 from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
 
 __all__ = ["StoreScheduler"]

@@ -9,8 +9,8 @@ Load it in vLLM with::
 
 or as a child of vLLM's MultiConnector (the same dict inside ``"connectors"``).  Settings
 are described in :mod:`kvpool.connectors.store_config`; the scheduler half is
-:mod:`~kvpool.connectors.store_scheduler`, the worker half
-:mod:`~kvpool.connectors.store_worker`.  This module only wires them to vLLM's hooks.
+:mod:`~kvpool.connectors.store.scheduler`, the worker half
+:mod:`~kvpool.connectors.store.worker`.  This module only wires them to vLLM's hooks.
 
 Roles: ``kv_producer`` and ``kv_both`` save what they compute; every role loads hits (a
 prefill node reuses a shared system prompt just as a decode node does); ``kv_consumer``
@@ -35,22 +35,22 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import load_node_config
+from kvpool.connectors.store.lookup import LookupClient, LookupServer, channel_path
+from kvpool.connectors.store.plan import StorePlan
+from kvpool.connectors.store.pool import PoolClient, PoolHandle, open_pool
+from kvpool.connectors.store.scheduler import StoreScheduler
+from kvpool.connectors.store.stats import (
+    KVPoolStorePromMetrics,
+    KVPoolStoreStats,
+    stats_from_counters,
+)
+from kvpool.connectors.store.worker import StoreWorker
 from kvpool.connectors.store_config import (
     CONNECTOR_NAME,
     StoreConfig,
     check_put_back,
     parse_store_config,
 )
-from kvpool.connectors.store_lookup import LookupClient, LookupServer, channel_path
-from kvpool.connectors.store_plan import StorePlan
-from kvpool.connectors.store_pool import PoolClient, PoolHandle, open_pool
-from kvpool.connectors.store_scheduler import StoreScheduler
-from kvpool.connectors.store_stats import (
-    KVPoolStorePromMetrics,
-    KVPoolStoreStats,
-    stats_from_counters,
-)
-from kvpool.connectors.store_worker import StoreWorker
 from kvpool.core.keys import KeyNamespace
 from kvpool.errors import ConfigError
 

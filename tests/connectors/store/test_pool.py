@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from kvpool.connectors.store_pool import EmbeddedPools, PoolHandle
+from kvpool.connectors.store.pool import EmbeddedPools, PoolHandle
 from kvpool.errors import ObjectNotFound, PeerTimeout, TransferError
-from tests.connectors.fake_pool import FakePool
+from tests.connectors.store.fake_pool import FakePool
 
 
 class Clock:

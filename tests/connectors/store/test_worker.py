@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from kvpool.connectors.store_plan import LoadSpec, SaveSpec, StorePlan
-from kvpool.connectors.store_pool import PoolHandle
-from kvpool.connectors.store_worker import PagedKV, StoreWorker
-from tests.connectors.fake_pool import FakePool
+from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
+from kvpool.connectors.store.pool import PoolHandle
+from kvpool.connectors.store.worker import PagedKV, StoreWorker
+from tests.connectors.store.fake_pool import FakePool
 
 NUM_BLOCKS, HEADS, BS, HEAD2 = 12, 2, 4, 6
 

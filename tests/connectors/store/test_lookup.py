@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.connectors.store_lookup import LookupClient, LookupServer, channel_path
+from kvpool.connectors.store.lookup import LookupClient, LookupServer, channel_path
 from kvpool.errors import TransferError
-from tests.connectors.fake_pool import FakePool
+from tests.connectors.store.fake_pool import FakePool
 
 LOG = logging.getLogger("test")
 

@@ -14,7 +14,7 @@ Rules:
 - Saves happen in ``wait_for_save``, after the step's forward pass, synchronously: a block
   is never freed or reused while it is being written out.  A failed save only costs a
   future hit.
-- Each pool call goes through a :class:`~kvpool.connectors.store_pool.PoolHandle`, so a
+- Each pool call goes through a :class:`~kvpool.connectors.store.pool.PoolHandle`, so a
   dead pool fails fast instead of stalling every step for a timeout.
 """
 
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool.connectors.store_plan import LoadSpec, SaveSpec, StorePlan
-from kvpool.connectors.store_pool import PoolClient, PoolHandle, is_outage
+from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
+from kvpool.connectors.store.pool import PoolClient, PoolHandle, is_outage
 from kvpool.errors import ChecksumMismatch, WriteConflict
 
 __all__ = ["LoadResult", "PagedKV", "StoreWorker"]
