@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
-DOCUMENTED = '{"kv_connector": "KVPoolStoreConnector", "kv_connector_module_path": "kvpool.connectors.store"}'
+DOCUMENTED = (
+    '{"kv_connector": "KVPoolStoreConnector",'
+    ' "kv_connector_module_path": "kvpool.connectors.store"}'
+)
 
 
 def test_documented_json_resolves_the_class_as_vllm_does() -> None:
@@ -40,6 +43,6 @@ def test_vllm_free_parts_import_without_vllm() -> None:
         "import kvpool.connectors.store, kvpool.connectors.store.scheduler\n"
         "import kvpool.connectors.store.plan, kvpool.connectors.store.pool\n"
         "import kvpool.connectors.store.lookup\n"
-        "assert 'vllm' not in sys.modules, 'a vLLM-free part of the store connector imported vLLM'\n"
+        "assert 'vllm' not in sys.modules, 'a vLLM-free part imported vLLM'\n"
     )
     subprocess.run([sys.executable, "-W", "ignore", "-c", code], timeout=120, check=True)
