@@ -37,7 +37,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool.config import load_node_config
 from kvpool.connectors.store.lookup import LookupClient, LookupServer, channel_path
 from kvpool.connectors.store.plan import StorePlan
-from kvpool.connectors.store.pool import PoolClient, PoolHandle, open_pool
+from kvpool.connectors.store.pool import PoolHandle, open_pool
 from kvpool.connectors.store.scheduler import StoreScheduler
 from kvpool.connectors.store.stats import (
     KVPoolStorePromMetrics,
@@ -52,6 +52,7 @@ from kvpool.connectors.store_config import (
     parse_store_config,
 )
 from kvpool.core.keys import KeyNamespace
+from kvpool.engines import PoolEngine
 from kvpool.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -158,17 +159,17 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
             lookup_rpc_port=config.lookup_rpc_port,
         )
 
-        def handle(opener: Callable[[], PoolClient]) -> PoolHandle:
+        def handle(opener: Callable[[], PoolEngine]) -> PoolHandle:
             return PoolHandle(
                 opener,
                 reconnect_interval_s=config.reconnect_interval_ms / 1000,
                 describe=f"{config.backend}@{where}",
             )
 
-        def pool() -> PoolClient:
+        def pool() -> PoolEngine:
             return open_pool(config)
 
-        def lookups() -> PoolClient:
+        def lookups() -> PoolEngine:
             if config.backend == "embedded":  # the pool lives in the worker: ask it there
                 return LookupClient(channel, timeout_s=config.lookup_timeout_ms / 1000)
             return open_pool(config, timeout_ms=config.lookup_timeout_ms)

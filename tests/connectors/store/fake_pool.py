@@ -1,7 +1,8 @@
-"""A test double of the pool client (kvpool.Client / EmbeddedPool methods), in memory.
+"""A test double of a pool engine (:class:`kvpool.engines.PoolEngine`), in memory.
 
-Only for unit tests of the store connector: it has the agreed methods and lets a test
-break things on purpose (an outage, a corrupt or missing object).
+Only for unit tests of the store connector: it keeps the engine's rules (per-key batch
+answers, a duplicate put is a no-op, a failed read is a miss) and lets a test break things
+on purpose (an outage, a corrupt or missing object, a write conflict).
 """
 
 from __future__ import annotations
@@ -10,15 +11,19 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.errors import ChecksumMismatch, ObjectNotFound, PeerTimeout, WriteConflict
+from kvpool.engines import MISS
+from kvpool.errors import KVPoolError, PeerTimeout, WriteConflict
 
 __all__ = ["FakePool"]
 
 
 class FakePool:
+    engine = "fake"
+
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.parents: dict[str, str | None] = {}
+        self.pins: dict[str, set[str]] = {}
         self.calls: Counter[str] = Counter()
         self.down = False
         self.corrupt: set[str] = set()
@@ -31,28 +36,41 @@ class FakePool:
         if self.down:
             raise PeerTimeout("fake pool is down")
 
-    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None:
-        self._check("put_from")
-        if key in self.conflict:
-            raise WriteConflict(key)
-        if key not in self.objects:  # duplicate put is a no-op
-            self.objects[key] = bytes(memoryview(buffer).cast("B"))
-            self.parents[key] = parent
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        self._check("batch_put_from")
+        results: list[KVPoolError | None] = []
+        for i, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
+            if key in self.conflict:
+                results.append(WriteConflict(key))
+                continue
+            if key not in self.objects:  # a duplicate put is a no-op
+                self.objects[key] = bytes(memoryview(buffer).cast("B"))
+                self.parents[key] = None if parents is None else parents[i]
+            results.append(None)
+        return results
 
-    def get_into(self, key: str, buffer: Any) -> int:
-        self._check("get_into")
-        if key not in self.objects:
-            raise ObjectNotFound(key)
-        if key in self.corrupt:
-            raise ChecksumMismatch(key)
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        self._check("batch_get_into")
+        sizes = []
         self.leases += 1
         try:
-            data = self.objects[key]
-            view = memoryview(buffer).cast("B")
-            view[: len(data)] = data
-            return len(data)
+            for key, buffer in zip(keys, buffers, strict=True):
+                if key not in self.objects or key in self.corrupt:
+                    sizes.append(MISS)
+                    continue
+                data = self.objects[key]
+                view = memoryview(buffer).cast("B")
+                view[: len(data)] = data
+                sizes.append(len(data))
         finally:
             self.leases -= 1
+        return sizes
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:
         self._check("prefix_lookup")
@@ -67,9 +85,23 @@ class FakePool:
         self._check("batch_exists")
         return [k in self.objects for k in keys]
 
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        self._check("pin")
+        held = [k for k in keys if k in self.objects]
+        self.pins.setdefault(owner, set()).update(held)
+        return len(held)
+
+    def release(self, owner: str) -> int:
+        self._check("release")
+        return len(self.pins.pop(owner, ()))
+
     def remove(self, key: str) -> bool:
         self._check("remove")
         return self.objects.pop(key, None) is not None
+
+    def health(self) -> dict[str, Any]:
+        self._check("health")
+        return {"objects": len(self.objects)}
 
     def close(self) -> None:
         self.closed = True
