@@ -48,6 +48,8 @@ class ClientEngine:
     """A :class:`~kvpool.engines.base.PoolEngine` over a kvpool client."""
 
     engine = "kvpool"
+    #: False: every put is a ``put_from`` of its own (see :class:`~.embedded.EmbeddedEngine`)
+    batch_puts = True
 
     def __init__(self, client: ClientAPI) -> None:
         self.client = client
@@ -69,10 +71,10 @@ class ClientEngine:
             raise ValueError("keys, buffers and parents differ in length")
         if not keys:
             return []
-        if parents is None or all(p is None for p in parents):
+        if self.batch_puts and (parents is None or all(p is None for p in parents)):
             return self.client.batch_put(keys, buffers)
         results: list[KVPoolError | None] = []
-        for key, buffer, parent in zip(keys, buffers, parents, strict=True):
+        for key, buffer, parent in zip(keys, buffers, parents or [None] * len(keys), strict=True):
             try:
                 self.client.put_from(key, buffer, parent=parent)
             except PoolError as exc:  # an answer about this key (full, conflict): go on
