@@ -1,4 +1,4 @@
-"""KVPoolStoreConnector: vLLM's KV in kvpool, keyed by prefix (the seed's AscendStoreConnector).
+"""KVPoolStoreConnector: vLLM's KV in kvpool, keyed by prefix (vllm-ascend's AscendStoreConnector).
 
 Load it in vLLM with::
 
