@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +10,7 @@ from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.worker import StoreWorker
 from tests.connectors.store.fake_pool import FakePool
+from tests.waiting import wait_until
 
 NUM_BLOCKS, HEADS, BS, HEAD2 = 12, 2, 4, 6
 
@@ -91,13 +91,12 @@ def test_missing_short_and_dead_pool_are_failures() -> None:
 
 
 def wait_finished(worker: StoreWorker, finished: set[str] | None = None) -> set[str]:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        done = worker.finished_loads(finished or set())
-        if done:
-            return done
-        time.sleep(0.01)
-    raise AssertionError("async load never finished")
+    return wait_until(
+        lambda: worker.finished_loads(finished or set()),
+        timeout_s=10,
+        interval_s=0.01,
+        what="the async load to finish",
+    )
 
 
 def test_async_load_reports_once_with_its_failures() -> None:
