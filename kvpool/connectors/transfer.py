@@ -34,9 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import NodeConfig, config_path_from_env, load_node_config
+from kvpool.connectors.pages import byte_pages
 from kvpool.connectors.transfer_config import CONNECTOR_NAME, TransferConfig
 from kvpool.connectors.transfer_jobs import TransferJobs
-from kvpool.connectors.transfer_pages import byte_pages
 from kvpool.connectors.transfer_scheduler import TransferScheduler
 from kvpool.connectors.transfer_stats import (
     KVPoolTransferPromMetrics,

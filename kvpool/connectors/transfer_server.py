@@ -17,8 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.transfer_config import CONNECTOR_NAME, TransferConfig
-from kvpool.connectors.transfer_pages import PagedCaches
 from kvpool.connectors.transfer_protocol import (
     REPLY_CODEC,
     REQUEST_CODEC,

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.topology import expected_pullers, local_heads, plan_pulls, rank_port
 from kvpool.connectors.transfer_config import CONNECTOR_NAME, TransferConfig
 from kvpool.connectors.transfer_jobs import RecvJob, ReleaseJob, TransferJobs
-from kvpool.connectors.transfer_pages import PagedCaches
 from kvpool.connectors.transfer_protocol import (
     REPLY_CODEC,
     REQUEST_CODEC,

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.topology import PeerTopology
 from kvpool.connectors.transfer_config import TransferConfig
 from kvpool.connectors.transfer_jobs import HoldJob, RecvJob, ReleaseJob, TransferJobs
-from kvpool.connectors.transfer_pages import PagedCaches
 from kvpool.connectors.transfer_worker import RankInfo, TransferResults, TransferWorker
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")

@@ -1,6 +1,7 @@
 """A pool wrapper for e2e tests: records what the connector stores and damages it on demand.
 
-It wraps the real in-process pool (:class:`~kvpool.service.embedded.EmbeddedPool`):
+It wraps the real in-process pool (:class:`~kvpool.service.embedded.EmbeddedPool`, as the
+embedded engine does):
 "remove" deletes objects from it (a missing block); "corrupt" overwrites the first bytes
 of the stored object inside the pool's memory segment, so that the pool's own checksum
 has to catch it; "zero" serves zeros of the right size in place of the stored bytes (a
@@ -13,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.engines import EmbeddedEngine
+from kvpool.errors import KVPoolError
 from kvpool.protocol import messages as m
 from kvpool.service.embedded import EmbeddedPool
 
@@ -38,8 +41,14 @@ def corrupt_in_place(pool: EmbeddedPool, key: str) -> None:
 
 
 class DamagingPool:
+    """A :class:`~kvpool.engines.PoolEngine` over the embedded pool that remembers what was
+    stored, in order, and damages it on demand."""
+
+    engine = "embedded"
+
     def __init__(self, inner: EmbeddedPool) -> None:
         self.inner = inner
+        self._engine = EmbeddedEngine(inner)
         self.stored: list[str] = []
         self.zeroed: set[str] = set()
 
@@ -56,26 +65,44 @@ class DamagingPool:
                 raise ValueError(mode)
         return {"damaged": len(keys), "stored": len(self.stored)}
 
-    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None:
-        self.inner.put_from(key, buffer, parent=parent)
-        if key not in self.stored:
-            self.stored.append(key)
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        results = self._engine.batch_put_from(keys, buffers, parents=parents)
+        for key, error in zip(keys, results, strict=True):
+            if error is None and key not in self.stored:
+                self.stored.append(key)
+        return results
 
-    def get_into(self, key: str, buffer: Any) -> int:
-        n = self.inner.get_into(key, buffer)
-        if key in self.zeroed:
-            view = memoryview(buffer).cast("B")
-            view[:n] = bytes(n)
-        return n
-
-    def prefix_lookup(self, keys: Sequence[str]) -> int:
-        return self.inner.prefix_lookup(keys)
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        sizes = self._engine.batch_get_into(keys, buffers)
+        for key, buffer, n in zip(keys, buffers, sizes, strict=True):
+            if key in self.zeroed and n > 0:
+                view = memoryview(buffer).cast("B")
+                view[:n] = bytes(n)
+        return sizes
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return self.inner.batch_exists(keys)
+        return self._engine.batch_exists(keys)
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        return self._engine.prefix_lookup(keys)
+
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        return self._engine.pin(keys, owner, ttl_ms)
+
+    def release(self, owner: str) -> int:
+        return self._engine.release(owner)
 
     def remove(self, key: str) -> bool:
-        return self.inner.remove(key)
+        return self._engine.remove(key)
+
+    def health(self) -> dict[str, Any]:
+        return self._engine.health()
 
     def close(self) -> None:
-        self.inner.close()
+        self._engine.close()

@@ -47,7 +47,7 @@ def main(spec_path: str) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvpool.connectors.store_pool import EmbeddedPools
+    from kvpool.connectors.store.pool import EmbeddedPools
     from tests.e2e.damage import DamagingPool, make_embedded
 
     damaging: DamagingPool | None = None

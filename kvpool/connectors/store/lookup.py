@@ -1,4 +1,4 @@
-"""The scheduler↔worker lookup channel of the embedded backend (the seed's lookup_rpc_port).
+"""The scheduler↔worker lookup channel of the embedded backend (vllm-ascend's ``lookup_rpc_port``).
 
 With ``backend: embedded`` the pool lives inside vLLM's worker process, but lookups come
 from the scheduler, which ``vllm serve`` runs in another process (EngineCore).  The worker
@@ -9,11 +9,11 @@ The socket's name is derived from what both halves share and no other instance h
 ``instance_id`` (a nanosecond timestamp taken when the config is made), the ``engine_id``,
 the data-parallel rank and ``lookup_rpc_port``.  So ``"lookup_rpc_port": "0"`` (or any
 value) never collides between two instances on one host — not even a P and a D that share
-an ``engine_id`` as the seed pairs them — and no TCP port is taken.
+an ``engine_id`` as the production guide pairs them — and no TCP port is taken.
 
-Wire format, one request per round trip on a persistent connection: a 4-byte little-endian
-length, then msgpack ``[keys...]``; the reply is a 4-byte length and msgpack ``int``
-(the number of leading keys present), or ``str`` (an error message).
+Wire format: kvpool's frames (:mod:`kvpool.protocol.codec`), one request per round trip
+on a persistent connection: a :class:`Lookup` (the keys), answered by a :class:`Found`
+(how many leading keys are present) or a :class:`Failed` (the worker's error message).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import hashlib
 import logging
 import os
 import socket
-import struct
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -32,12 +31,43 @@ from typing import Any
 
 import msgspec
 
-from kvpool.errors import PeerTimeout, ProtocolError, TransferError
+from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
+from kvpool.protocol.codec import Codec
+from kvpool.transfer import wire
 
-__all__ = ["LookupClient", "LookupServer", "channel_path"]
+__all__ = [
+    "LOOKUP_CODEC",
+    "REPLY_CODEC",
+    "Failed",
+    "Found",
+    "Lookup",
+    "LookupClient",
+    "LookupServer",
+    "channel_path",
+]
 
-_LEN = struct.Struct("<I")
-_MAX_FRAME = 64 << 20  # a lookup of a 1M-token prompt is ~300 KiB; anything bigger is junk
+
+class Lookup(msgspec.Struct, frozen=True, tag=True):
+    """How many leading ``keys`` does the pool hold?"""
+
+    keys: list[str]
+
+
+class Found(msgspec.Struct, frozen=True, tag=True):
+    count: int
+
+
+class Failed(msgspec.Struct, frozen=True, tag=True):
+    """The lookup raised in the worker (the scheduler counts it as a miss)."""
+
+    message: str
+
+
+# A lookup of a 1M-token prompt is ~300 KiB; anything over 64 MiB is junk.
+LOOKUP_CODEC: Codec[Lookup] = Codec(Lookup, max_body=64 << 20, max_payload=0)
+REPLY_CODEC: Codec[Found | Failed] = Codec(Found | Failed, max_payload=0)
+# Once a request has started, the rest of it must arrive within this long.
+_REQUEST_TIMEOUT_S = 30.0
 
 
 def channel_path(
@@ -49,30 +79,6 @@ def channel_path(
     ).hexdigest()
     base = Path(root or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
     return str(base / f"kvpool-lookup-{digest}.sock")
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("lookup channel closed")
-        got += k
-    return bytes(buf)
-
-
-def _send(sock: socket.socket, payload: Any) -> None:
-    data = msgspec.msgpack.encode(payload)
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv(sock: socket.socket) -> Any:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > _MAX_FRAME:
-        raise ProtocolError(f"lookup frame of {n} bytes is over the {_MAX_FRAME}-byte limit")
-    return msgspec.msgpack.decode(_recv_exact(sock, n))
 
 
 class LookupServer:
@@ -108,18 +114,23 @@ class LookupServer:
         with conn:
             while not self._closed.is_set():
                 try:
-                    keys = _recv(conn)
-                except (EOFError, OSError, ProtocolError, msgspec.DecodeError):
+                    got = wire.recv_request(conn, LOOKUP_CODEC, _REQUEST_TIMEOUT_S, None)
+                except KVPoolError:  # a bad header, a closed or stuck peer: drop it
                     return
+                if got is None:
+                    return
+                reply: Found | Failed
+                if isinstance(got, wire.BadRequest):
+                    reply = Failed(f"ProtocolError: {got.error}")
+                else:
+                    try:
+                        reply = Found(int(self._lookup(got[0].keys)))
+                    except Exception as exc:  # the scheduler treats any error as a miss
+                        reply = Failed(f"{type(exc).__name__}: {exc}")
                 try:
-                    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                        raise ProtocolError("a lookup is a list of key strings")
-                    reply: int | str = int(self._lookup(keys))
-                except Exception as exc:  # the scheduler treats any error as a miss
-                    reply = f"{type(exc).__name__}: {exc}"
-                try:
-                    _send(conn, reply)
-                except OSError:
+                    deadline = wire.deadline_after(_REQUEST_TIMEOUT_S)
+                    wire.send_frame(conn, REPLY_CODEC, reply, None, deadline)
+                except KVPoolError:
                     return
 
     def close(self) -> None:
@@ -135,8 +146,11 @@ class LookupServer:
 class LookupClient:
     """The scheduler's view of the embedded pool: ``prefix_lookup`` only, over the channel."""
 
+    engine = "embedded"
+
     def __init__(self, path: str, *, timeout_s: float) -> None:
         self._path = path
+        self._timeout_s = timeout_s
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         try:
@@ -147,27 +161,44 @@ class LookupClient:
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:
         try:
-            _send(self._sock, list(keys))
-            reply = _recv(self._sock)
-        except TimeoutError as exc:
+            reply, _ = wire.call(
+                self._sock, LOOKUP_CODEC, REPLY_CODEC, Lookup(list(keys)), self._timeout_s
+            )
+        except PeerTimeout as exc:
             raise PeerTimeout(f"lookup channel {self._path}: no answer in time") from exc
-        except (OSError, EOFError) as exc:
+        except (TransferError, ProtocolError) as exc:
             raise TransferError(f"lookup channel {self._path}: {exc}") from exc
-        if isinstance(reply, str):
-            raise TransferError(f"lookup failed in the worker: {reply}")
-        return int(reply)
+        if isinstance(reply, Failed):
+            raise TransferError(f"lookup failed in the worker: {reply.message}")
+        return reply.count
 
-    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
-    def get_into(self, key: str, buffer: Any) -> int:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
+    # The rest of PoolEngine: the scheduler half only looks up.
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        raise NotImplementedError("the lookup channel only answers lookups")
+
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        raise NotImplementedError("the lookup channel only answers lookups")
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        raise NotImplementedError("the lookup channel only answers lookups")
+
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        raise NotImplementedError("the lookup channel only answers lookups")
+
+    def release(self, owner: str) -> int:
         raise NotImplementedError("the lookup channel only answers lookups")
 
     def remove(self, key: str) -> bool:
         raise NotImplementedError("the lookup channel only answers lookups")
+
+    def health(self) -> dict[str, Any]:
+        return {"lookup_channel": self._path}
 
     def close(self) -> None:
         self._sock.close()

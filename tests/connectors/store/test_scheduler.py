@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from kvpool.connectors.store_pool import PoolHandle
-from kvpool.connectors.store_scheduler import StoreScheduler
+from kvpool.connectors.store.pool import PoolHandle
+from kvpool.connectors.store.scheduler import StoreScheduler
 from kvpool.core.keys import KeyNamespace, chunk_keys
-from tests.connectors.fake_pool import FakePool
+from tests.connectors.store.fake_pool import FakePool
 
 BS = 4
 NS = KeyNamespace("m", "float32", BS, layout="cpu:test", tp_size=1)

@@ -33,16 +33,17 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from kvpool.connectors.store_plan import LoadSpec, SaveSpec, StorePlan
-from kvpool.connectors.store_pool import PoolClient, PoolHandle
+from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
+from kvpool.connectors.store.pool import PoolHandle
 from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
+from kvpool.engines import PoolEngine
 
 __all__ = ["StoreScheduler"]
 
 _WARN_EVERY_S = 30.0
 
 
-def _present_prefix(pool: PoolClient, keys: list[list[str]]) -> int:
+def _present_prefix(pool: PoolEngine, keys: list[list[str]]) -> int:
     """Leading chunks present for every rank (probing only: no lease is taken)."""
     if len(keys) == 1:
         return pool.prefix_lookup(keys[0])

@@ -1,15 +1,15 @@
-"""The pool as the store connector sees it: a protocol, the openers, and a reconnecting handle.
+"""The pool as the store connector sees it: an engine, the process's shared embedded pool,
+and a reconnecting handle.
 
-- :class:`PoolClient` — the methods of ``kvpool.Client`` / ``EmbeddedPool`` this connector
-  uses (the agreed interface; anything with these methods works, which is also the seam
-  tests use).
-- :func:`open_pool` — a client for the configured backend: ``Client(master)`` for the
-  shared pool, or the process's embedded pool.
+- The pool is a :class:`~kvpool.engines.PoolEngine` (kvpool's master, or the embedded pool),
+  opened by :func:`open_pool` through :func:`kvpool.engines.open_engine`; tests pass any
+  object with the engine's methods.
+- :class:`EmbeddedPools` — the process's embedded pool, shared by the connector's halves.
 - :class:`PoolHandle` — opens the pool lazily, turns a dead pool into a fast
   :class:`~kvpool.errors.TransferError` for ``reconnect_interval`` instead of letting every
   request wait out a timeout, and reconnects afterwards; the wait doubles with each outage
-  in a row, up to a minute.  A miss (``ObjectNotFound``) or a
-  full pool (``NoSpace``) is an answer, not an outage, and keeps the connection.
+  in a row, up to a minute.  A miss or a full pool (``NoSpace``) is an answer, not an
+  outage, and keeps the connection.
 """
 
 from __future__ import annotations
@@ -18,62 +18,70 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from kvpool.connectors.store_config import StoreConfig
+from kvpool.engines import PoolEngine, open_engine
 from kvpool.errors import ChecksumMismatch, KVPoolError, PoolError, TransferError
 
-__all__ = ["EmbeddedPools", "PoolClient", "PoolHandle", "is_outage", "open_pool"]
+__all__ = ["ENGINE_OF_BACKEND", "EmbeddedPools", "PoolHandle", "is_outage", "open_pool"]
 
 T = TypeVar("T")
 # A pool that stays down is retried at most this far apart (a hung one costs a timeout per
 # try, paid by whoever asks: the scheduler, for lookups).
 _MAX_WAIT_S = 60.0
 
-
-class PoolClient(Protocol):
-    """What the store connector needs from a pool (kvpool.Client and EmbeddedPool have it)."""
-
-    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None: ...
-
-    def get_into(self, key: str, buffer: Any) -> int: ...
-
-    def prefix_lookup(self, keys: Sequence[str]) -> int: ...
-
-    def batch_exists(self, keys: Sequence[str]) -> list[bool]: ...
-
-    def remove(self, key: str) -> bool: ...
-
-    def close(self) -> None: ...
+#: the engine behind each ``backend`` value: vllm-ascend's ``"mooncake"`` names the shared
+#: pool behind a master, which kvpool's master serves here
+ENGINE_OF_BACKEND = {"mooncake": "kvpool", "kvpool": "kvpool", "embedded": "embedded"}
 
 
 class _Serialized:
-    """Calls one shared pool object under one lock (the embedded pool is shared by the
-    scheduler half, the worker half and the worker's loader thread of one process)."""
+    """Calls one shared engine under one lock (the embedded pool is shared by the scheduler
+    half, the worker half and the worker's loader thread of one process)."""
 
-    def __init__(self, pool: PoolClient, lock: threading.Lock) -> None:
+    def __init__(self, pool: PoolEngine, lock: threading.Lock) -> None:
         self._pool = pool
         self._lock = lock
-
-    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None:
-        with self._lock:
-            self._pool.put_from(key, buffer, parent=parent)
-
-    def get_into(self, key: str, buffer: Any) -> int:
-        with self._lock:
-            return self._pool.get_into(key, buffer)
-
-    def prefix_lookup(self, keys: Sequence[str]) -> int:
-        with self._lock:
-            return self._pool.prefix_lookup(keys)
+        self.engine = pool.engine
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
             return self._pool.batch_exists(keys)
 
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            return self._pool.prefix_lookup(keys)
+
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        with self._lock:
+            return self._pool.batch_put_from(keys, buffers, parents=parents)
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        with self._lock:
+            return self._pool.batch_get_into(keys, buffers)
+
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        with self._lock:
+            return self._pool.pin(keys, owner, ttl_ms)
+
+    def release(self, owner: str) -> int:
+        with self._lock:
+            return self._pool.release(owner)
+
     def remove(self, key: str) -> bool:
         with self._lock:
             return self._pool.remove(key)
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            return self._pool.health()
 
     def close(self) -> None:
         """The shared pool outlives any one user; see :meth:`EmbeddedPools.release`."""
@@ -90,10 +98,10 @@ class EmbeddedPools:
     """
 
     _lock = threading.Lock()
-    _pools: dict[str, tuple[PoolClient, threading.Lock]] = {}  # noqa: RUF012 - registry
+    _pools: dict[str, tuple[PoolEngine, threading.Lock]] = {}  # noqa: RUF012 - registry
 
     @classmethod
-    def get(cls, name: str, factory: Callable[[], PoolClient]) -> PoolClient:
+    def get(cls, name: str, factory: Callable[[], PoolEngine]) -> PoolEngine:
         with cls._lock:
             if name not in cls._pools:
                 cls._pools[name] = (factory(), threading.Lock())
@@ -101,7 +109,7 @@ class EmbeddedPools:
         return _Serialized(pool, lock)
 
     @classmethod
-    def install(cls, pool: PoolClient, name: str = "default") -> None:
+    def install(cls, pool: PoolEngine, name: str = "default") -> None:
         """Make ``pool`` this process's embedded pool (before vLLM starts): tests wrap the
         real pool this way to watch or damage what the connector stores."""
         with cls._lock:
@@ -110,7 +118,7 @@ class EmbeddedPools:
             cls._pools[name] = (pool, threading.Lock())
 
     @classmethod
-    def peek(cls, name: str = "default") -> PoolClient | None:
+    def peek(cls, name: str = "default") -> PoolEngine | None:
         """The pool itself (tests and tools inspect or damage it on purpose)."""
         with cls._lock:
             entry = cls._pools.get(name)
@@ -124,23 +132,16 @@ class EmbeddedPools:
             entry[0].close()
 
 
-def _new_embedded(config: StoreConfig) -> PoolClient:
-    from kvpool.service.embedded import EmbeddedPool  # lazy: the service layer is optional
-
-    pool: PoolClient = EmbeddedPool(segment_size=config.embedded_capacity)
-    return pool
-
-
-def open_pool(config: StoreConfig, *, timeout_ms: int | None = None) -> PoolClient:
-    """A pool client for ``config.backend`` (a new connection, or the shared embedded pool);
+def open_pool(config: StoreConfig, *, timeout_ms: int | None = None) -> PoolEngine:
+    """The engine for ``config.backend`` (a new connection, or the shared embedded pool);
     ``timeout_ms`` overrides ``config.pool_timeout_ms`` (the scheduler's lookups)."""
-    if config.backend == "embedded":
-        return EmbeddedPools.get("default", lambda: _new_embedded(config))
-    from kvpool.service.client import Client  # lazy: import only when a master is used
-
+    engine = ENGINE_OF_BACKEND[config.backend]
+    if engine == "embedded":
+        return EmbeddedPools.get(
+            "default", lambda: open_engine("embedded", capacity=config.embedded_capacity)
+        )
     timeout_s = (timeout_ms or config.pool_timeout_ms) / 1000
-    client: PoolClient = Client(config.master, timeout_s=timeout_s)
-    return client
+    return open_engine(engine, master=config.master, timeout_s=timeout_s)
 
 
 def is_outage(exc: BaseException) -> bool:
@@ -155,7 +156,7 @@ class PoolHandle:
 
     def __init__(
         self,
-        opener: Callable[[], PoolClient],
+        opener: Callable[[], PoolEngine],
         *,
         reconnect_interval_s: float,
         describe: str,
@@ -165,7 +166,7 @@ class PoolHandle:
         self._interval = reconnect_interval_s
         self._describe = describe
         self._clock = clock
-        self._client: PoolClient | None = None
+        self._client: PoolEngine | None = None
         self._down_until = 0.0
         self._failures = 0  # outages in a row: the wait doubles with each, up to _MAX_WAIT_S
         self._last_error = ""
@@ -175,7 +176,7 @@ class PoolHandle:
     def last_error(self) -> str:
         return self._last_error
 
-    def call(self, fn: Callable[[PoolClient], T]) -> T:
+    def call(self, fn: Callable[[PoolEngine], T]) -> T:
         """Run ``fn`` on the pool; an outage marks the pool down and re-raises.
 
         Raises TransferError at once (no network wait) while the pool is marked down.

@@ -1,4 +1,4 @@
-"""KVPoolStoreConnector: vLLM's KV in kvpool, keyed by prefix (the seed's AscendStoreConnector).
+"""KVPoolStoreConnector: vLLM's KV in kvpool, keyed by prefix (vllm-ascend's AscendStoreConnector).
 
 Load it in vLLM with::
 
@@ -9,8 +9,8 @@ Load it in vLLM with::
 
 or as a child of vLLM's MultiConnector (the same dict inside ``"connectors"``).  Settings
 are described in :mod:`kvpool.connectors.store_config`; the scheduler half is
-:mod:`~kvpool.connectors.store_scheduler`, the worker half
-:mod:`~kvpool.connectors.store_worker`.  This module only wires them to vLLM's hooks.
+:mod:`~kvpool.connectors.store.scheduler`, the worker half
+:mod:`~kvpool.connectors.store.worker`.  This module only wires them to vLLM's hooks.
 
 Roles: ``kv_producer`` and ``kv_both`` save what they compute; every role loads hits (a
 prefill node reuses a shared system prompt just as a decode node does); ``kv_consumer``
@@ -35,23 +35,24 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import load_node_config
+from kvpool.connectors.store.lookup import LookupClient, LookupServer, channel_path
+from kvpool.connectors.store.plan import StorePlan
+from kvpool.connectors.store.pool import PoolHandle, open_pool
+from kvpool.connectors.store.scheduler import StoreScheduler
+from kvpool.connectors.store.stats import (
+    KVPoolStorePromMetrics,
+    KVPoolStoreStats,
+    stats_from_counters,
+)
+from kvpool.connectors.store.worker import StoreWorker
 from kvpool.connectors.store_config import (
     CONNECTOR_NAME,
     StoreConfig,
     check_put_back,
     parse_store_config,
 )
-from kvpool.connectors.store_lookup import LookupClient, LookupServer, channel_path
-from kvpool.connectors.store_plan import StorePlan
-from kvpool.connectors.store_pool import PoolClient, PoolHandle, open_pool
-from kvpool.connectors.store_scheduler import StoreScheduler
-from kvpool.connectors.store_stats import (
-    KVPoolStorePromMetrics,
-    KVPoolStoreStats,
-    stats_from_counters,
-)
-from kvpool.connectors.store_worker import StoreWorker
 from kvpool.core.keys import KeyNamespace
+from kvpool.engines import PoolEngine
 from kvpool.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -158,17 +159,17 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
             lookup_rpc_port=config.lookup_rpc_port,
         )
 
-        def handle(opener: Callable[[], PoolClient]) -> PoolHandle:
+        def handle(opener: Callable[[], PoolEngine]) -> PoolHandle:
             return PoolHandle(
                 opener,
                 reconnect_interval_s=config.reconnect_interval_ms / 1000,
                 describe=f"{config.backend}@{where}",
             )
 
-        def pool() -> PoolClient:
+        def pool() -> PoolEngine:
             return open_pool(config)
 
-        def lookups() -> PoolClient:
+        def lookups() -> PoolEngine:
             if config.backend == "embedded":  # the pool lives in the worker: ask it there
                 return LookupClient(channel, timeout_s=config.lookup_timeout_ms / 1000)
             return open_pool(config, timeout_ms=config.lookup_timeout_ms)

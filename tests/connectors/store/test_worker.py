@@ -1,15 +1,16 @@
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Sequence
+from typing import Any
 
-import pytest
 import torch
 
-from kvpool.connectors.store_plan import LoadSpec, SaveSpec, StorePlan
-from kvpool.connectors.store_pool import PoolHandle
-from kvpool.connectors.store_worker import PagedKV, StoreWorker
-from tests.connectors.fake_pool import FakePool
+from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
+from kvpool.connectors.store.pool import PoolHandle
+from kvpool.connectors.store.worker import StoreWorker
+from tests.connectors.store.fake_pool import FakePool
+from tests.waiting import wait_until
 
 NUM_BLOCKS, HEADS, BS, HEAD2 = 12, 2, 4, 6
 
@@ -90,13 +91,12 @@ def test_missing_short_and_dead_pool_are_failures() -> None:
 
 
 def wait_finished(worker: StoreWorker, finished: set[str] | None = None) -> set[str]:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        done = worker.finished_loads(finished or set())
-        if done:
-            return done
-        time.sleep(0.01)
-    raise AssertionError("async load never finished")
+    return wait_until(
+        lambda: worker.finished_loads(finished or set()),
+        timeout_s=10,
+        interval_s=0.01,
+        what="the async load to finish",
+    )
 
 
 def test_async_load_reports_once_with_its_failures() -> None:
@@ -130,7 +130,8 @@ def test_save_stops_at_a_full_pool_but_skips_a_conflict() -> None:
     assert set(pool.objects) == set(keys(3)[1:])
     pool.down = True
     worker.save(save_plan((3, 4), keys(2, "z")))
-    assert worker.counters["save_errors"] == 1 and pool.calls["put_from"] == 4
+    # one engine call per save, and none after the one the dead pool refused
+    assert worker.counters["save_errors"] == 1 and pool.calls["batch_put_from"] == 2
 
 
 def test_rank_picks_its_own_keys() -> None:
@@ -141,8 +142,36 @@ def test_rank_picks_its_own_keys() -> None:
     assert list(pool.objects) == [keys(1, "b")[0]]
 
 
-def test_paged_kv_rejects_mixed_layers() -> None:
-    with pytest.raises(ValueError, match="mixed layouts"):
-        PagedKV({"a": torch.zeros(2, 1, 4, 4), "b": torch.zeros(2, 2, 4, 4)})
-    paged = PagedKV(kv_caches(0))
-    assert paged.page_bytes == 3 * HEADS * BS * HEAD2 * 4
+def test_a_request_moves_in_one_engine_call_per_batch() -> None:
+    pool = FakePool()
+    src, dst = kv_caches(1), kv_caches(2)
+    make(pool, src).save(save_plan(tuple(range(12)), keys(12)))
+    assert pool.calls["batch_put_from"] == 1
+    assert list(pool.parents.values()) == [None, *keys(12)[:-1]]  # the chain is kept
+    worker = make(pool, dst)
+    worker.start_loads(load_plan(tuple(range(12)), keys(12)))
+    assert pool.calls["batch_get_into"] == 1 and worker.take_invalid_block_ids() == set()
+    assert all(torch.equal(src[n], dst[n]) for n in src)
+
+
+class OversizedPool(FakePool):
+    """Reads a too-large object the way kvpool's client does: the batch raises."""
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        for key, buffer in zip(keys, buffers, strict=True):
+            if len(self.objects.get(key, b"")) > len(memoryview(buffer).cast("B")):
+                self.calls["batch_get_into"] += 1
+                raise ValueError(f"buffer too small for {key}")
+        return super().batch_get_into(keys, buffers)
+
+
+def test_an_object_larger_than_a_page_fails_its_own_block_and_is_dropped() -> None:
+    pool = OversizedPool()
+    src, dst = kv_caches(1), kv_caches(2)
+    make(pool, src).save(save_plan((0, 1, 2), keys(3)))
+    pool.objects[keys(3)[1]] += b"extra"
+    worker = make(pool, dst)
+    worker.start_loads(load_plan((4, 5, 6), keys(3)))
+    assert worker.take_invalid_block_ids() == {5, 6}
+    assert keys(3)[1] not in pool.objects and worker.counters["dropped_blocks"] == 1
+    assert all(torch.equal(dst[n][4], src[n][0]) for n in src)

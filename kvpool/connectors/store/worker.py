@@ -1,7 +1,7 @@
 """The worker half of the store connector: copies pages between vLLM's KV cache and the pool.
 
-A *page* is one vLLM block of every layer: ``kv[layer][block_id]`` for each layer, stacked.
-Pages move whole and opaque — on CPU the kernel does not keep a block's tokens in position
+A *page* is one vLLM block of every layer (see :mod:`kvpool.connectors.pages`).  Pages
+move whole and opaque — on CPU the kernel does not keep a block's tokens in position
 order, so nothing here looks inside a block.  One pool object holds one page of one TP rank.
 
 Rules:
@@ -14,7 +14,10 @@ Rules:
 - Saves happen in ``wait_for_save``, after the step's forward pass, synchronously: a block
   is never freed or reused while it is being written out.  A failed save only costs a
   future hit.
-- Each pool call goes through a :class:`~kvpool.connectors.store_pool.PoolHandle`, so a
+- A request's blocks move in batches of up to ``_BATCH`` pages, one engine call per batch
+  (:meth:`~kvpool.engines.PoolEngine.batch_get_into`,
+  :meth:`~kvpool.engines.PoolEngine.batch_put_from`) instead of one per block.
+- Each pool call goes through a :class:`~kvpool.connectors.store.pool.PoolHandle`, so a
   dead pool fails fast instead of stalling every step for a timeout.
 """
 
@@ -24,88 +27,41 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
-import numpy as np
 import torch
 
-from kvpool.connectors.store_plan import LoadSpec, SaveSpec, StorePlan
-from kvpool.connectors.store_pool import PoolClient, PoolHandle, is_outage
-from kvpool.errors import ChecksumMismatch, WriteConflict
+from kvpool.connectors.pages import PagedCaches, block_pages, page_view
+from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
+from kvpool.connectors.store.pool import PoolHandle, is_outage
+from kvpool.engines import MISS, PoolEngine
+from kvpool.errors import ChecksumMismatch, KVPoolError, ObjectNotFound, WriteConflict
 
-__all__ = ["LoadResult", "PagedKV", "StoreWorker"]
+__all__ = ["LoadResult", "StoreWorker"]
 
 # Pages staged per batch: bounds the staging memory of one load or save.
 _BATCH = 16
 _WARN_EVERY_S = 30.0
 
 
-class PagedKV:
-    """vLLM's per-layer KV tensors seen as pages (one block of every layer), as bytes.
-
-    Copies go through NumPy byte views of the KV tensors: a plain single-threaded memcpy
-    per layer page.  Torch's ``copy_`` would open an OpenMP parallel region per 256 KiB
-    page, and on a loaded host (vLLM pins its OpenMP threads to cores) each region can
-    wait a scheduler tick: measured 0.5 s instead of 5 ms for a 24 MiB load.
-    """
-
-    def __init__(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        if not kv_caches:
-            raise ValueError("store connector: vLLM registered no KV cache tensors")
-        self.layer_names = list(kv_caches)
-        tensors = [kv_caches[name] for name in self.layer_names]
-        first = tensors[0]
-        for name, t in zip(self.layer_names, tensors, strict=True):
-            if t.shape != first.shape or t.dtype != first.dtype:
-                raise ValueError(
-                    f"store connector: layer {name} has KV shape {tuple(t.shape)} {t.dtype},"
-                    f" unlike {tuple(first.shape)} {first.dtype}; mixed layouts are unsupported"
-                )
-            if not t.is_contiguous():
-                raise ValueError(f"store connector: layer {name}'s KV cache is not contiguous")
-        self.num_blocks = int(first.shape[0])
-        self.layer_page_bytes = first[0].numel() * first.element_size()
-        # [num_blocks, layer_page_bytes] byte views sharing the tensors' memory
-        self._layers: list[np.ndarray[Any, Any]] = [
-            t.detach().view(torch.uint8).numpy().reshape(self.num_blocks, -1) for t in tensors
-        ]
-        self.page_bytes = self.layer_page_bytes * len(tensors)
-
-    def new_pages(self, n: int) -> np.ndarray[Any, Any]:
-        """Staging for ``n`` pages: ``[n, layers, layer_page_bytes]`` bytes."""
-        return np.empty((n, len(self._layers), self.layer_page_bytes), dtype=np.uint8)
-
-    def gather(self, block_ids: Iterable[int], out: np.ndarray[Any, Any]) -> None:
-        for j, block in enumerate(block_ids):
-            for layer, kv in enumerate(self._layers):
-                np.copyto(out[j, layer], kv[block])
-
-    def scatter(self, block_ids: Iterable[int], pages: np.ndarray[Any, Any]) -> None:
-        for j, block in enumerate(block_ids):
-            for layer, kv in enumerate(self._layers):
-                np.copyto(kv[block], pages[j, layer])
+def _get_into(pool: PoolEngine, keys: Sequence[str], views: Sequence[memoryview]) -> list[int]:
+    return pool.batch_get_into(keys, views)
 
 
-def _bytes_view(page: np.ndarray[Any, Any]) -> memoryview:
-    """A writable byte view of one contiguous page (what the pool client reads/writes)."""
-    buffer: Any = page  # NumPy arrays export the buffer protocol; its stubs do not say so
-    return memoryview(buffer).cast("B")
-
-
-def _get_into(pool: PoolClient, key: str, view: memoryview) -> int:
-    return pool.get_into(key, view)
-
-
-def _remove(pool: PoolClient, key: str) -> bool:
+def _remove(pool: PoolEngine, key: str) -> bool:
     return pool.remove(key)
 
 
-def _put_from(pool: PoolClient, key: str, view: memoryview, parent: str | None) -> None:
-    pool.put_from(key, view, parent=parent)
+def _put_from(
+    pool: PoolEngine,
+    keys: Sequence[str],
+    views: Sequence[memoryview],
+    parents: Sequence[str | None],
+) -> list[KVPoolError | None]:
+    return pool.batch_put_from(keys, views, parents=parents)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +87,7 @@ class StoreWorker:
         self._pool = pool
         self._loader_pool = loader_pool  # async loads run on their own connection
         self._log = logger
-        self.paged: PagedKV | None = None
+        self.paged: PagedCaches | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[Future[LoadResult], threading.Event]] = {}
         self._invalid: set[int] = set()
@@ -140,7 +96,7 @@ class StoreWorker:
         self._last_save_warning = -_WARN_EVERY_S
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        self.paged = PagedKV(kv_caches)
+        self.paged = block_pages(kv_caches)
 
     # ------------------------------------------------------------------ loads
 
@@ -164,38 +120,57 @@ class StoreWorker:
         if paged is None:
             return LoadResult(spec.req_id, 0, frozenset(spec.block_ids))
         loaded = 0
-        dropped = 0
         for start in range(0, len(keys), _BATCH):
+            if cancel is not None and cancel.is_set():
+                # Aborted: vLLM frees the blocks once we report; nobody reads them.
+                return LoadResult(spec.req_id, loaded, frozenset())
+            batch = keys[start : start + _BATCH]
             block_ids = spec.block_ids[start : start + _BATCH]
             pages = paged.new_pages(len(block_ids))
-            good = 0
-            for j, key in enumerate(keys[start : start + _BATCH]):
-                if cancel is not None and cancel.is_set():
-                    # Aborted: vLLM frees the blocks once we report; nobody reads them.
-                    return LoadResult(spec.req_id, loaded, frozenset())
-                try:
-                    n = handle.call(partial(_get_into, key=key, view=_bytes_view(pages[j])))
-                    if n != paged.page_bytes:
-                        raise ChecksumMismatch(
-                            f"object {key} has {n} bytes, a page has {paged.page_bytes}"
-                        )
-                except Exception as exc:
-                    self._log.warning(
-                        "[KVPoolStoreConnector] load of %s for request %s failed: %s: %s",
-                        key,
-                        spec.req_id,
-                        type(exc).__name__,
-                        exc,
-                    )
-                    dropped = int(self._drop_unreadable(handle, key, exc))
-                    break
-                good += 1
+            good, failure = self._read(handle, batch, [page_view(p) for p in pages])
             paged.scatter(block_ids[:good], pages)
             loaded += good
-            if good < len(block_ids):
+            if failure is not None:
+                key = batch[good]
+                self._log.warning(
+                    "[KVPoolStoreConnector] load of %s for request %s failed: %s: %s",
+                    key,
+                    spec.req_id,
+                    type(failure).__name__,
+                    failure,
+                )
+                dropped = int(self._drop_unreadable(handle, key, failure))
                 failed = frozenset(spec.block_ids[start + good :])
                 return LoadResult(spec.req_id, loaded, failed, dropped)
         return LoadResult(spec.req_id, loaded, frozenset())
+
+    def _read(
+        self, handle: PoolHandle, keys: Sequence[str], views: Sequence[memoryview]
+    ) -> tuple[int, Exception | None]:
+        """Read ``keys`` into ``views``: how many leading pages are good, and why the page
+        after them is not (None when all are)."""
+        assert self.paged is not None
+        page_bytes = self.paged.page_bytes
+        try:
+            sizes = handle.call(partial(_get_into, keys=keys, views=views))
+        except Exception as exc:
+            if is_outage(exc) or len(keys) == 1:
+                return 0, exc
+            # An answer about one object failed the whole batch (an object larger than a
+            # page): read them one by one to find which, so that the right one is dropped.
+            for j in range(len(keys)):
+                _, failure = self._read(handle, keys[j : j + 1], views[j : j + 1])
+                if failure is not None:
+                    return j, failure
+            return len(keys), None
+        for j, n in enumerate(sizes):
+            if n == MISS:
+                return j, ObjectNotFound(f"{keys[j]}: missing, corrupt or unreachable")
+            if n != page_bytes:
+                return j, ChecksumMismatch(
+                    f"object {keys[j]} has {n} bytes, a page has {page_bytes}"
+                )
+        return len(keys), None
 
     def _drop_unreadable(self, handle: PoolHandle, key: str, exc: Exception) -> bool:
         """Remove an object the pool listed but could not deliver intact (corrupt, short,
@@ -250,40 +225,47 @@ class StoreWorker:
         for spec in plan.saves:
             self._save_one(spec, paged)
 
-    def _save_one(self, spec: SaveSpec, paged: PagedKV) -> None:
+    def _save_one(self, spec: SaveSpec, paged: PagedCaches) -> None:
         keys = spec.keys[self._rank]
         parent = spec.parents[self._rank]
         for start in range(0, len(keys), _BATCH):
+            batch = keys[start : start + _BATCH]
             block_ids = spec.block_ids[start : start + _BATCH]
             pages = paged.new_pages(len(block_ids))
             paged.gather(block_ids, pages)
-            for j, key in enumerate(keys[start : start + _BATCH]):
-                try:
-                    self._pool.call(
-                        partial(_put_from, key=key, view=_bytes_view(pages[j]), parent=parent)
-                    )
-                except WriteConflict:
-                    pass  # another instance is writing the same chunk right now
-                except Exception as exc:
-                    # The rest of the chain hangs off this chunk: stop here.
-                    self.counters["save_errors"] += 1
-                    now = time.monotonic()
-                    if now - self._last_save_warning >= _WARN_EVERY_S:  # one line per outage
-                        self._last_save_warning = now
-                        self._log.warning(
-                            "[KVPoolStoreConnector] save of %s for request %s failed: %s: %s"
-                            " (further save failures within %.0fs are only counted)",
-                            key,
-                            spec.req_id,
-                            type(exc).__name__,
-                            exc,
-                            _WARN_EVERY_S,
-                        )
-                    return
-                else:
-                    self.counters["saved_blocks"] += 1
-                    self.counters["saved_bytes"] += paged.page_bytes
-                parent = key
+            views = [page_view(p) for p in pages]
+            parents = [parent, *batch[:-1]]  # each chunk hangs off the one before it
+            try:
+                results = self._pool.call(
+                    partial(_put_from, keys=batch, views=views, parents=parents)
+                )
+            except Exception as exc:
+                self._save_failed(spec, batch[0], exc)
+                return
+            saved = sum(1 for r in results if r is None)
+            self.counters["saved_blocks"] += saved
+            self.counters["saved_bytes"] += saved * paged.page_bytes
+            for key, error in zip(batch, results, strict=True):
+                # Another instance writing the same chunk right now is no failure.
+                if error is not None and not isinstance(error, WriteConflict):
+                    self._save_failed(spec, key, error)
+                    return  # the rest of the chain hangs off this chunk: stop here
+            parent = batch[-1]
+
+    def _save_failed(self, spec: SaveSpec, key: str, exc: BaseException) -> None:
+        self.counters["save_errors"] += 1
+        now = time.monotonic()
+        if now - self._last_save_warning >= _WARN_EVERY_S:  # one line per outage
+            self._last_save_warning = now
+            self._log.warning(
+                "[KVPoolStoreConnector] save of %s for request %s failed: %s: %s"
+                " (further save failures within %.0fs are only counted)",
+                key,
+                spec.req_id,
+                type(exc).__name__,
+                exc,
+                _WARN_EVERY_S,
+            )
 
     def shutdown(self) -> None:
         for _, cancel in self._inflight.values():

@@ -7,9 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.connectors.store_lookup import LookupClient, LookupServer, channel_path
+from kvpool.connectors.store.lookup import (
+    LOOKUP_CODEC,
+    REPLY_CODEC,
+    Failed,
+    Found,
+    Lookup,
+    LookupClient,
+    LookupServer,
+    channel_path,
+)
 from kvpool.errors import TransferError
-from tests.connectors.fake_pool import FakePool
+from kvpool.protocol.codec import Codec
+from kvpool.transfer import wire
+from tests.connectors.store.fake_pool import FakePool
 
 LOG = logging.getLogger("test")
 
@@ -54,3 +65,33 @@ def test_lookup_round_trip_and_worker_errors(tmp_path: Path) -> None:
     assert not Path(path).exists()
     with pytest.raises(TransferError, match="not reachable"):
         LookupClient(path, timeout_s=1)
+
+
+def test_the_channel_speaks_kvpools_frames(tmp_path: Path) -> None:
+    pool = FakePool()
+    pool.objects["a"] = b"1"
+    path = str(tmp_path / "ch.sock")
+    server = LookupServer(path, pool.prefix_lookup, LOG)
+    try:
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(path)
+            # A frame of the right shape whose body is not a Lookup is answered, not fatal.
+            wrong = Codec(Found)
+            reply, _ = wire.call(raw, wrong, REPLY_CODEC, Found(1), timeout_s=5)
+            assert isinstance(reply, Failed) and "ProtocolError" in reply.message
+            reply, _ = wire.call(raw, LOOKUP_CODEC, REPLY_CODEC, Lookup(["a", "b"]), 5)
+            assert reply == Found(1)
+        with socket.socket(socket.AF_UNIX) as raw:  # another protocol: the server hangs up
+            raw.connect(path)
+            raw.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            raw.settimeout(5)
+            try:
+                hung_up = raw.recv(1) == b""
+            except ConnectionResetError:  # closed with our bytes unread
+                hung_up = True
+            assert hung_up
+        client = LookupClient(path, timeout_s=5)
+        assert client.prefix_lookup(["a"]) == 1 and client.engine == "embedded"
+        client.close()
+    finally:
+        server.close()

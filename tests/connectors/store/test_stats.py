@@ -7,7 +7,7 @@ from collections import Counter
 # deprecations; pytest turns warnings into errors, so import it with them silenced.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from kvpool.connectors.store_stats import COUNTERS, KVPoolStoreStats, stats_from_counters
+    from kvpool.connectors.store.stats import COUNTERS, KVPoolStoreStats, stats_from_counters
 
 
 def test_counters_become_stats_once() -> None:

@@ -1,0 +1,27 @@
+"""The ``embedded`` engine: a whole pool inside this process (:class:`kvpool.EmbeddedPool`).
+
+For one node without a master (the store connector's ``backend: embedded``, tensor
+parallel size 1) and for tests.  Nothing listens on a socket; bytes are memory copies.
+"""
+
+from __future__ import annotations
+
+from kvpool.engines.kvpool_client import ClientEngine
+
+__all__ = ["EmbeddedEngine"]
+
+
+class EmbeddedEngine(ClientEngine):
+    """An in-process pool as a :class:`~kvpool.engines.base.PoolEngine`."""
+
+    engine = "embedded"
+    # In-process a batch saves no round trip, and EmbeddedPool's batch_put fails (its local
+    # data path has no write_many, which the client's batch_put calls): put key by key.
+    batch_puts = False
+
+    @classmethod
+    def create(cls, capacity: int) -> EmbeddedEngine:
+        """A new, empty pool of ``capacity`` bytes of memory."""
+        from kvpool.service.embedded import EmbeddedPool
+
+        return cls(EmbeddedPool(segment_size=capacity))

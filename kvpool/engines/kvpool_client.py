@@ -1,0 +1,105 @@
+"""The adapter over kvpool's client API, shared by the two engines that speak it.
+
+:class:`kvpool.Client` (kvpool's master) and :class:`kvpool.EmbeddedPool` (in-process)
+have the same public methods, so one adapter maps :class:`~kvpool.engines.base.PoolEngine`
+onto them; :mod:`.kvpool_master` and :mod:`.embedded` only name the engine and build the
+client.  Only the clients' public methods are used.
+
+Why a chained batch put is written key by key: the client's ``batch_put`` carries no
+parents, and kvpool's eviction policy needs each block's parent to trim a prefix from its
+tail.  A batch with no parents is one ``batch_put`` (two metadata round trips).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kvpool.errors import KVPoolError, PoolError
+
+__all__ = ["ClientAPI", "ClientEngine"]
+
+
+class ClientAPI(Protocol):
+    """The public methods of kvpool's clients that the adapter uses."""
+
+    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None: ...
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[Any]) -> list[KVPoolError | None]: ...
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]: ...
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def prefix_lookup(self, keys: Sequence[str], tokens_per_key: int = 0) -> int: ...
+
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int: ...
+
+    def release_owner(self, owner: str) -> int: ...
+
+    def remove(self, key: str) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class ClientEngine:
+    """A :class:`~kvpool.engines.base.PoolEngine` over a kvpool client."""
+
+    engine = "kvpool"
+    #: False: every put is a ``put_from`` of its own (see :class:`~.embedded.EmbeddedEngine`)
+    batch_puts = True
+
+    def __init__(self, client: ClientAPI) -> None:
+        self.client = client
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return self.client.batch_exists(keys) if keys else []
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        return self.client.prefix_lookup(keys) if keys else 0
+
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        if len(buffers) != len(keys) or (parents is not None and len(parents) != len(keys)):
+            raise ValueError("keys, buffers and parents differ in length")
+        if not keys:
+            return []
+        if self.batch_puts and (parents is None or all(p is None for p in parents)):
+            return self.client.batch_put(keys, buffers)
+        results: list[KVPoolError | None] = []
+        for key, buffer, parent in zip(keys, buffers, parents or [None] * len(keys), strict=True):
+            try:
+                self.client.put_from(key, buffer, parent=parent)
+            except PoolError as exc:  # an answer about this key (full, conflict): go on
+                results.append(exc)
+            else:
+                results.append(None)
+        return results
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        if len(buffers) != len(keys):
+            raise ValueError("keys and buffers differ in length")
+        # The client answers -1 for a miss, a corrupt copy and an unreachable node alike.
+        return self.client.batch_get_into(keys, buffers) if keys else []
+
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        return self.client.pin(keys, owner, ttl_ms) if keys else 0
+
+    def release(self, owner: str) -> int:
+        return self.client.release_owner(owner)
+
+    def remove(self, key: str) -> bool:
+        return self.client.remove(key)
+
+    def health(self) -> dict[str, Any]:
+        return self.client.stats()
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,107 @@
+"""A test double of a pool engine (:class:`kvpool.engines.PoolEngine`), in memory.
+
+Only for unit tests of the store connector: it keeps the engine's rules (per-key batch
+answers, a duplicate put is a no-op, a failed read is a miss) and lets a test break things
+on purpose (an outage, a corrupt or missing object, a write conflict).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.engines import MISS
+from kvpool.errors import KVPoolError, PeerTimeout, WriteConflict
+
+__all__ = ["FakePool"]
+
+
+class FakePool:
+    engine = "fake"
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.parents: dict[str, str | None] = {}
+        self.pins: dict[str, set[str]] = {}
+        self.calls: Counter[str] = Counter()
+        self.down = False
+        self.corrupt: set[str] = set()
+        self.conflict: set[str] = set()
+        self.leases = 0  # open read leases: must be 0 between calls
+        self.closed = False
+
+    def _check(self, name: str) -> None:
+        self.calls[name] += 1
+        if self.down:
+            raise PeerTimeout("fake pool is down")
+
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        self._check("batch_put_from")
+        results: list[KVPoolError | None] = []
+        for i, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
+            if key in self.conflict:
+                results.append(WriteConflict(key))
+                continue
+            if key not in self.objects:  # a duplicate put is a no-op
+                self.objects[key] = bytes(memoryview(buffer).cast("B"))
+                self.parents[key] = None if parents is None else parents[i]
+            results.append(None)
+        return results
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        self._check("batch_get_into")
+        sizes = []
+        self.leases += 1
+        try:
+            for key, buffer in zip(keys, buffers, strict=True):
+                if key not in self.objects or key in self.corrupt:
+                    sizes.append(MISS)
+                    continue
+                data = self.objects[key]
+                view = memoryview(buffer).cast("B")
+                view[: len(data)] = data
+                sizes.append(len(data))
+        finally:
+            self.leases -= 1
+        return sizes
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        self._check("prefix_lookup")
+        n = 0
+        for key in keys:
+            if key not in self.objects:
+                break
+            n += 1
+        return n
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        self._check("batch_exists")
+        return [k in self.objects for k in keys]
+
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        self._check("pin")
+        held = [k for k in keys if k in self.objects]
+        self.pins.setdefault(owner, set()).update(held)
+        return len(held)
+
+    def release(self, owner: str) -> int:
+        self._check("release")
+        return len(self.pins.pop(owner, ()))
+
+    def remove(self, key: str) -> bool:
+        self._check("remove")
+        return self.objects.pop(key, None) is not None
+
+    def health(self) -> dict[str, Any]:
+        self._check("health")
+        return {"objects": len(self.objects)}
+
+    def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,128 @@
+"""One contract suite, every engine: the fixtures that give each test a pool of each kind.
+
+Each engine has a *harness*: a context manager that opens a small pool (room for exactly
+:data:`CAPACITY` objects of :data:`OBJECT_SIZE` bytes, no background eviction rounds),
+and knows how to corrupt a stored object behind the engine's back and how to make an
+engine that points at no pool at all.  Adding an engine (Mooncake Store) means writing its
+adapter and harness, and adding the harness to :data:`HARNESSES`: one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kvpool.core.index import IndexConfig
+from kvpool.engines import EmbeddedEngine, MasterEngine, PoolEngine
+from kvpool.net import free_port
+from kvpool.protocol import messages as m
+from kvpool.service.client import Client
+from kvpool.service.embedded import EmbeddedPool
+from kvpool.storage.segment import Segment
+from kvpool.testing.processes import start_master
+
+OBJECT_SIZE = 1 << 20
+CAPACITY = 4  # objects of OBJECT_SIZE a pool holds
+# Tests pin as these owners; both are released after each test.
+OWNER = "contract-owner"
+HOLDER = "contract-holder"
+
+_names = itertools.count()
+_created: list[str] = []  # keys handed out by fresh() during the running test
+
+
+def fresh(n: int, tag: str = "k") -> list[str]:
+    """Keys no earlier test used; removed again when the test ends, so each test starts
+    with an empty pool (what a fill evicts depends on what else the pool holds)."""
+    keys = [f"{tag}-{next(_names):06d}" for _ in range(n)]
+    _created.extend(keys)
+    return keys
+
+
+@dataclass
+class Harness:
+    name: str
+    engine: PoolEngine
+    corrupt: Callable[[str], None]  # flip bytes of a stored object where it lives
+    unreachable: Callable[[], PoolEngine] | None  # an engine whose pool is gone, if any
+
+
+@contextlib.contextmanager
+def embedded() -> Iterator[Harness]:
+    pool = EmbeddedPool(CAPACITY * OBJECT_SIZE, config=IndexConfig(high_watermark=1.0))
+
+    def corrupt(key: str) -> None:
+        placement = pool.call(m.Get("contract-damage", key))
+        assert isinstance(placement, m.Placement) and placement.found, key
+        try:
+            segment = pool.storage.segment
+            assert segment is not None
+            original = bytearray(64)
+            segment.read_into(placement.offset, memoryview(original))
+            segment.write(placement.offset, bytes(b ^ 0xFF for b in original))
+        finally:
+            pool.call(m.Release("contract-damage", [key]))
+
+    engine = EmbeddedEngine(pool)
+    try:
+        yield Harness("embedded", engine, corrupt, None)
+    finally:
+        engine.close()
+
+
+@contextlib.contextmanager
+def kvpool_master() -> Iterator[Harness]:
+    # No watermark rounds: only a put's own inline eviction makes room.
+    flags = (
+        "--segment_size",
+        f"{CAPACITY * OBJECT_SIZE}",
+        "--eviction_high_watermark_ratio",
+        "1.0",
+    )
+    with start_master(*flags) as proc, Client(proc.address, timeout_s=5) as backdoor:
+
+        def corrupt(key: str) -> None:
+            placement = backdoor.call(m.Get("contract-damage", key))
+            assert isinstance(placement, m.Placement) and placement.found, key
+            backdoor.call(m.Release("contract-damage", [key]))
+            with Segment.attach(placement.shm_name) as segment:
+                view = segment.view(placement.offset + 100, 1)
+                view[0] ^= 0xFF
+                del view
+
+        def unreachable() -> PoolEngine:
+            return MasterEngine.connect(f"127.0.0.1:{free_port()}", timeout_s=2)
+
+        engine = MasterEngine.connect(proc.address, timeout_s=5)
+        try:
+            yield Harness("kvpool", engine, corrupt, unreachable)
+        finally:
+            engine.close()
+
+
+#: every engine the suite runs against, by its ``engine`` name
+HARNESSES: dict[str, Callable[[], contextlib.AbstractContextManager[Harness]]] = {
+    "embedded": embedded,
+    "kvpool": kvpool_master,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(HARNESSES))
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    """One pool per engine for the whole module (one master process, not one per test)."""
+    with HARNESSES[request.param]() as h:
+        yield h
+
+
+@pytest.fixture
+def engine(harness: Harness) -> Iterator[PoolEngine]:
+    yield harness.engine
+    for owner in (OWNER, HOLDER):  # a test's pins never outlive it
+        harness.engine.release(owner)
+    for key in _created:
+        harness.engine.remove(key)
+    _created.clear()

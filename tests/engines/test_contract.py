@@ -1,0 +1,166 @@
+"""The rules of :mod:`kvpool.engines.base`, checked with real bytes against every engine."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+
+from kvpool.engines import MISS, PoolEngine
+from kvpool.errors import NoSpace, PeerTimeout, TransferError
+from tests.engines.conftest import CAPACITY, HOLDER, OBJECT_SIZE, OWNER, Harness, fresh
+from tests.waiting import wait_until
+
+
+def value(key: str) -> bytes:
+    digest = hashlib.blake2b(key.encode()).digest()
+    return (digest * (OBJECT_SIZE // len(digest) + 1))[:OBJECT_SIZE]
+
+
+def put(engine: PoolEngine, keys: list[str], parents: list[str | None] | None = None) -> list:
+    return engine.batch_put_from(keys, [value(k) for k in keys], parents=parents)
+
+
+def read(engine: PoolEngine, keys: list[str]) -> list[bytes | None]:
+    buffers = [bytearray(OBJECT_SIZE) for _ in keys]
+    sizes = engine.batch_get_into(keys, buffers)
+    return [bytes(b[:n]) if n != MISS else None for b, n in zip(buffers, sizes, strict=True)]
+
+
+def fill(engine: PoolEngine) -> list[str]:
+    """Put as many new objects as the pool holds; each must be stored."""
+    keys = fresh(CAPACITY, "fill")
+    assert put(engine, keys) == [None] * CAPACITY
+    return keys
+
+
+def hold_the_rest(engine: PoolEngine, stored: int) -> None:
+    """Fill the pool's free room (it holds ``stored`` objects) with objects pinned by
+    HOLDER, so that only the ``stored`` ones can be evicted."""
+    others = fresh(CAPACITY - stored, "held")
+    assert put(engine, others) == [None] * len(others)
+    assert engine.pin(others, HOLDER, 60_000) == len(others)
+
+
+def put_one(engine: PoolEngine) -> object:
+    return put(engine, fresh(1, "new"))[0]
+
+
+def test_engine_names_its_adapter_and_answers_health(harness: Harness) -> None:
+    assert isinstance(harness.engine, PoolEngine)
+    assert harness.engine.engine == harness.name
+    assert isinstance(harness.engine.health(), dict)
+
+
+def test_batch_results_are_per_key_in_the_order_asked(engine: PoolEngine) -> None:
+    a, b, c = fresh(3)
+    (missing,) = fresh(1, "missing")
+    assert put(engine, [a, b, c]) == [None, None, None]
+    assert read(engine, [c, missing, a]) == [value(c), None, value(a)]
+    assert engine.batch_exists([a, missing, c]) == [True, False, True]
+    assert engine.prefix_lookup([a, b, missing, c]) == 2
+    assert engine.batch_exists([]) == [] and engine.prefix_lookup([]) == 0
+
+
+def test_a_chained_put_is_stored_per_key_too(engine: PoolEngine) -> None:
+    a, b, c = fresh(3)
+    assert put(engine, [a, b, c], parents=[None, a, b]) == [None, None, None]
+    assert read(engine, [a, b, c]) == [value(a), value(b), value(c)]
+
+
+def test_a_duplicate_put_is_a_harmless_success(engine: PoolEngine) -> None:
+    a, b = fresh(2)
+    assert put(engine, [a]) == [None]
+    assert engine.batch_put_from([a, b], [bytes(OBJECT_SIZE), value(b)]) == [None, None]
+    assert put(engine, [a], parents=[b]) == [None]
+    assert read(engine, [a, b]) == [value(a), value(b)]  # the first copy stays
+
+
+def test_a_miss_is_MISS_and_leaves_the_buffer_alone(engine: PoolEngine) -> None:
+    buffer = bytearray(b"\x07" * 16)
+    assert engine.batch_get_into(fresh(1, "missing"), [buffer]) == [MISS]
+    assert buffer == bytearray(b"\x07" * 16)
+
+
+def test_a_corrupted_object_is_a_miss_until_replaced(harness: Harness, engine: PoolEngine) -> None:
+    good, bad = fresh(2)
+    put(engine, [good, bad])
+    harness.corrupt(bad)
+    assert read(engine, [good, bad]) == [value(good), None]  # never the wrong bytes
+    assert read(engine, [bad]) == [None]
+    assert engine.remove(bad) is True  # the connector drops it ...
+    assert put(engine, [bad]) == [None]  # ... so that a recomputed copy replaces it
+    assert read(engine, [bad]) == [value(bad)]
+
+
+def test_probes_take_no_lease(engine: PoolEngine) -> None:
+    (probed,) = fresh(1, "probed")
+    put(engine, [probed])
+    for _ in range(3):
+        assert engine.batch_exists([probed]) == [True]
+        assert engine.prefix_lookup([probed]) == 1
+    hold_the_rest(engine, stored=1)
+    assert put_one(engine) is None  # NoSpace if a probe had left a lease behind
+    assert engine.batch_exists([probed]) == [False]
+
+
+def test_reads_leave_no_lease_behind(engine: PoolEngine) -> None:
+    (was_read,) = fresh(1, "read")
+    put(engine, [was_read])
+    assert read(engine, [was_read]) == [value(was_read)]
+    hold_the_rest(engine, stored=1)
+    assert put_one(engine) is None
+    assert engine.batch_exists([was_read]) == [False]
+
+
+def test_a_pin_protects_until_released(engine: PoolEngine) -> None:
+    (pinned,) = fresh(1, "pinned")
+    put(engine, [pinned])
+    assert engine.pin([pinned, *fresh(1, "missing")], OWNER, 60_000) == 1  # stored ones only
+    hold_the_rest(engine, stored=1)
+    assert isinstance(put_one(engine), NoSpace)
+    assert read(engine, [pinned]) == [value(pinned)]
+    assert engine.release(OWNER) == 1
+    assert put_one(engine) is None
+    assert engine.batch_exists([pinned]) == [False]
+
+
+def test_a_pin_ends_with_its_ttl(engine: PoolEngine) -> None:
+    (pinned,) = fresh(1, "pinned")
+    put(engine, [pinned])
+    assert engine.pin([pinned], OWNER, 1500) == 1
+    hold_the_rest(engine, stored=1)
+    assert isinstance(put_one(engine), NoSpace)
+    wait_until(lambda: put_one(engine) is None, timeout_s=10, what="the pin's TTL to end")
+    assert engine.batch_exists([pinned]) == [False]
+
+
+def test_a_full_pool_answers_no_space_per_key(engine: PoolEngine) -> None:
+    held = fill(engine)
+    assert engine.pin(held, OWNER, 60_000) == CAPACITY
+    for parents in (None, [None, "x"]):  # both put paths
+        keys = fresh(2, "refused")
+        results = put(engine, keys, parents=parents)
+        assert [type(r) for r in results] == [NoSpace, NoSpace], results
+        assert engine.batch_exists(keys) == [False, False]
+    assert read(engine, held) == [value(k) for k in held]
+
+
+def test_an_unreachable_pool_raises_quickly(harness: Harness) -> None:
+    if harness.unreachable is None:
+        pytest.skip(f"{harness.name} runs in this process: there is no pool to lose")
+    engine = harness.unreachable()
+    try:
+        for call in (
+            lambda: engine.batch_exists(["k"]),
+            lambda: engine.prefix_lookup(["k"]),
+            lambda: engine.batch_get_into(["k"], [bytearray(4)]),
+            lambda: engine.batch_put_from(["k"], [b"v"]),
+        ):
+            start = time.monotonic()
+            with pytest.raises((TransferError, PeerTimeout)):
+                call()
+            assert time.monotonic() - start < 3
+    finally:
+        engine.close()

@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import pytest
+
+from kvpool.engines import ENGINES, EmbeddedEngine, MasterEngine, open_engine
+from kvpool.errors import ConfigError
+from tests.engines.conftest import HARNESSES
+
+
+def test_open_engine_opens_each_engine_by_name() -> None:
+    embedded = open_engine("embedded", capacity=1 << 20)
+    try:
+        assert isinstance(embedded, EmbeddedEngine) and embedded.engine == "embedded"
+    finally:
+        embedded.close()
+    master = open_engine("kvpool", master="127.0.0.1:1", timeout_s=1)  # connects on first use
+    try:
+        assert isinstance(master, MasterEngine) and master.engine == "kvpool"
+    finally:
+        master.close()
+
+
+def test_open_engine_refuses_what_it_cannot_open() -> None:
+    with pytest.raises(ConfigError, match="unknown pool engine 'redis'"):
+        open_engine("redis")
+    with pytest.raises(ConfigError, match="needs the master"):
+        open_engine("kvpool")
+
+
+def test_the_contract_suite_covers_every_engine() -> None:
+    assert sorted(HARNESSES) == sorted(ENGINES)
