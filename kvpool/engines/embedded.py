@@ -15,9 +15,6 @@ class EmbeddedEngine(ClientEngine):
     """An in-process pool as a :class:`~kvpool.engines.base.PoolEngine`."""
 
     engine = "embedded"
-    # In-process a batch saves no round trip, and EmbeddedPool's batch_put fails (its local
-    # data path has no write_many, which the client's batch_put calls): put key by key.
-    batch_puts = False
 
     @classmethod
     def create(cls, capacity: int) -> EmbeddedEngine:

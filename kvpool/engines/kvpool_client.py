@@ -5,9 +5,8 @@ have the same public methods, so one adapter maps :class:`~kvpool.engines.base.P
 onto them; :mod:`.kvpool_master` and :mod:`.embedded` only name the engine and build the
 client.  Only the clients' public methods are used.
 
-Why a chained batch put is written key by key: the client's ``batch_put`` carries no
-parents, and kvpool's eviction policy needs each block's parent to trim a prefix from its
-tail.  A batch with no parents is one ``batch_put`` (two metadata round trips).
+A batch put is one ``batch_put``: two metadata round trips whatever its length, each
+key's parent carried along (kvpool's eviction policy trims a prefix from its tail).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvpool.errors import KVPoolError, PoolError
+from kvpool.errors import KVPoolError
 
 __all__ = ["ClientAPI", "ClientEngine"]
 
@@ -23,9 +22,13 @@ __all__ = ["ClientAPI", "ClientEngine"]
 class ClientAPI(Protocol):
     """The public methods of kvpool's clients that the adapter uses."""
 
-    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None: ...
-
-    def batch_put(self, keys: Sequence[str], values: Sequence[Any]) -> list[KVPoolError | None]: ...
+    def batch_put(
+        self,
+        keys: Sequence[str],
+        values: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]: ...
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]: ...
 
@@ -48,8 +51,6 @@ class ClientEngine:
     """A :class:`~kvpool.engines.base.PoolEngine` over a kvpool client."""
 
     engine = "kvpool"
-    #: False: every put is a ``put_from`` of its own (see :class:`~.embedded.EmbeddedEngine`)
-    batch_puts = True
 
     def __init__(self, client: ClientAPI) -> None:
         self.client = client
@@ -71,17 +72,7 @@ class ClientEngine:
             raise ValueError("keys, buffers and parents differ in length")
         if not keys:
             return []
-        if self.batch_puts and (parents is None or all(p is None for p in parents)):
-            return self.client.batch_put(keys, buffers)
-        results: list[KVPoolError | None] = []
-        for key, buffer, parent in zip(keys, buffers, parents or [None] * len(keys), strict=True):
-            try:
-                self.client.put_from(key, buffer, parent=parent)
-            except PoolError as exc:  # an answer about this key (full, conflict): go on
-                results.append(exc)
-            else:
-                results.append(None)
-        return results
+        return self.client.batch_put(keys, buffers, parents=parents)
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         if len(buffers) != len(keys):

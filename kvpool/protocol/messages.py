@@ -113,6 +113,9 @@ class BatchPutStart(msgspec.Struct, frozen=True, tag=True):
     client_id: str
     keys: list[str]
     sizes: list[int]
+    #: each key's parent block (the eviction policy trims a prefix from its tail); empty
+    #: when none has one
+    parents: list[str | None] = []
 
 
 class PutEnd(msgspec.Struct, frozen=True, tag=True):

@@ -175,13 +175,22 @@ class Client:
     def _revoke(self, key: str) -> None:
         self._post(m.PutRevoke(self.client_id, key))  # the writer lease expires anyway
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[Any]) -> list[KVPoolError | None]:
+    def batch_put(
+        self,
+        keys: Sequence[str],
+        values: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
         """Put several objects in two metadata round trips; one result per key (None for
-        success, or for a key that was already stored)."""
+        success, or for a key that was already stored).  ``parents`` names each key's
+        parent block, as :meth:`put_from`'s ``parent`` does."""
         views = [byte_view(v) for v in values]
-        if len(views) != len(keys):
-            raise ValueError("keys and values differ in length")
-        reply = self.call(m.BatchPutStart(self.client_id, list(keys), [len(v) for v in views]))
+        if len(views) != len(keys) or (parents is not None and len(parents) != len(keys)):
+            raise ValueError("keys, values and parents differ in length")
+        sizes = [len(v) for v in views]
+        chained = list(parents) if parents is not None and any(parents) else []
+        reply = self.call(m.BatchPutStart(self.client_id, list(keys), sizes, chained))
         assert isinstance(reply, m.Placements)
         results: list[KVPoolError | None] = [None] * len(keys)
         by_node: dict[str, list[int]] = {}

@@ -330,11 +330,12 @@ class MasterService:
         return self._placement(req.key, reservation.location)
 
     def _batch_put_start(self, req: m.BatchPutStart, now: int) -> m.Placements:
-        if len(req.keys) != len(req.sizes):
-            raise PoolError("keys and sizes differ in length")
+        parents = req.parents or [None] * len(req.keys)
+        if not len(req.keys) == len(req.sizes) == len(parents):
+            raise PoolError("keys, sizes and parents differ in length")
         items = []
-        for key, size in zip(req.keys, req.sizes, strict=True):
-            reply = self.handle(m.PutStart(req.client_id, key, size))
+        for key, size, parent in zip(req.keys, req.sizes, parents, strict=True):
+            reply = self.handle(m.PutStart(req.client_id, key, size, parent))
             if isinstance(reply, Error):
                 items.append(m.Placement(False, key, error=reply.code))
             else:

@@ -48,7 +48,19 @@ class Harness:
     name: str
     engine: PoolEngine
     corrupt: Callable[[str], None]  # flip bytes of a stored object where it lives
-    unreachable: Callable[[], PoolEngine] | None  # an engine whose pool is gone, if any
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How to open one engine's pool, and, for a pool behind a socket, an engine that
+    points at no pool at all (an in-process pool cannot be lost)."""
+
+    open: Callable[[], contextlib.AbstractContextManager[Harness]]
+    unreachable: Callable[[], PoolEngine] | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.unreachable is not None
 
 
 @contextlib.contextmanager
@@ -57,7 +69,7 @@ def embedded() -> Iterator[Harness]:
 
     def corrupt(key: str) -> None:
         placement = pool.call(m.Get("contract-damage", key))
-        assert isinstance(placement, m.Placement) and placement.found, key
+        assert isinstance(placement, m.Placement) and placement.placed, key
         try:
             segment = pool.storage.segment
             assert segment is not None
@@ -69,7 +81,7 @@ def embedded() -> Iterator[Harness]:
 
     engine = EmbeddedEngine(pool)
     try:
-        yield Harness("embedded", engine, corrupt, None)
+        yield Harness("embedded", engine, corrupt)
     finally:
         engine.close()
 
@@ -87,34 +99,33 @@ def kvpool_master() -> Iterator[Harness]:
 
         def corrupt(key: str) -> None:
             placement = backdoor.call(m.Get("contract-damage", key))
-            assert isinstance(placement, m.Placement) and placement.found, key
+            assert isinstance(placement, m.Placement) and placement.placed, key
             backdoor.call(m.Release("contract-damage", [key]))
             with Segment.attach(placement.shm_name) as segment:
                 view = segment.view(placement.offset + 100, 1)
                 view[0] ^= 0xFF
                 del view
 
-        def unreachable() -> PoolEngine:
-            return MasterEngine.connect(f"127.0.0.1:{free_port()}", timeout_s=2)
-
         engine = MasterEngine.connect(proc.address, timeout_s=5)
         try:
-            yield Harness("kvpool", engine, corrupt, unreachable)
+            yield Harness("kvpool", engine, corrupt)
         finally:
             engine.close()
 
 
 #: every engine the suite runs against, by its ``engine`` name
-HARNESSES: dict[str, Callable[[], contextlib.AbstractContextManager[Harness]]] = {
-    "embedded": embedded,
-    "kvpool": kvpool_master,
+HARNESSES: dict[str, Kind] = {
+    "embedded": Kind(embedded),
+    "kvpool": Kind(
+        kvpool_master, lambda: MasterEngine.connect(f"127.0.0.1:{free_port()}", timeout_s=2)
+    ),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(HARNESSES))
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     """One pool per engine for the whole module (one master process, not one per test)."""
-    with HARNESSES[request.param]() as h:
+    with HARNESSES[request.param].open() as h:
         yield h
 
 

@@ -33,7 +33,7 @@ import msgspec
 
 from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
-from kvpool.transfer import wire
+from kvpool.transfer import framing
 
 __all__ = [
     "LOOKUP_CODEC",
@@ -114,13 +114,13 @@ class LookupServer:
         with conn:
             while not self._closed.is_set():
                 try:
-                    got = wire.recv_request(conn, LOOKUP_CODEC, _REQUEST_TIMEOUT_S, None)
+                    got = framing.recv_request(conn, LOOKUP_CODEC, _REQUEST_TIMEOUT_S, None)
                 except KVPoolError:  # a bad header, a closed or stuck peer: drop it
                     return
                 if got is None:
                     return
                 reply: Found | Failed
-                if isinstance(got, wire.BadRequest):
+                if isinstance(got, framing.BadRequest):
                     reply = Failed(f"ProtocolError: {got.error}")
                 else:
                     try:
@@ -128,8 +128,8 @@ class LookupServer:
                     except Exception as exc:  # the scheduler treats any error as a miss
                         reply = Failed(f"{type(exc).__name__}: {exc}")
                 try:
-                    deadline = wire.deadline_after(_REQUEST_TIMEOUT_S)
-                    wire.send_frame(conn, REPLY_CODEC, reply, None, deadline)
+                    deadline = framing.deadline_after(_REQUEST_TIMEOUT_S)
+                    framing.send_frame(conn, REPLY_CODEC, reply, None, deadline)
                 except KVPoolError:
                     return
 
@@ -161,7 +161,7 @@ class LookupClient:
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:
         try:
-            reply, _ = wire.call(
+            reply, _ = framing.call(
                 self._sock, LOOKUP_CODEC, REPLY_CODEC, Lookup(list(keys)), self._timeout_s
             )
         except PeerTimeout as exc:

@@ -19,7 +19,7 @@ from kvpool.connectors.store.lookup import (
 )
 from kvpool.errors import TransferError
 from kvpool.protocol.codec import Codec
-from kvpool.transfer import wire
+from kvpool.transfer import framing
 from tests.connectors.store.fake_pool import FakePool
 
 LOG = logging.getLogger("test")
@@ -77,9 +77,9 @@ def test_the_channel_speaks_kvpools_frames(tmp_path: Path) -> None:
             raw.connect(path)
             # A frame of the right shape whose body is not a Lookup is answered, not fatal.
             wrong = Codec(Found)
-            reply, _ = wire.call(raw, wrong, REPLY_CODEC, Found(1), timeout_s=5)
+            reply, _ = framing.call(raw, wrong, REPLY_CODEC, Found(1), timeout_s=5)
             assert isinstance(reply, Failed) and "ProtocolError" in reply.message
-            reply, _ = wire.call(raw, LOOKUP_CODEC, REPLY_CODEC, Lookup(["a", "b"]), 5)
+            reply, _ = framing.call(raw, LOOKUP_CODEC, REPLY_CODEC, Lookup(["a", "b"]), 5)
             assert reply == Found(1)
         with socket.socket(socket.AF_UNIX) as raw:  # another protocol: the server hangs up
             raw.connect(path)
