@@ -32,9 +32,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kvpool.ops.up import CHAT_TEMPLATE
-from kvpool.ops.up_run import STATE_FILE
-from kvpool.testing.tiny_model import sample_text
+from kvpool.ops.up.lifecycle import STATE_FILE
+from kvpool.ops.up.plan import CHAT_TEMPLATE
+from kvpool.ops.up.tiny_model import sample_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.ops.checks import Status
-from kvpool.ops.checks_node import (
+from kvpool.ops.doctor.checks import Status
+from kvpool.ops.doctor.checks_node import (
     ConfigFileFacts,
     MasterFacts,
     check_config_file,

@@ -1,7 +1,7 @@
 """Doctor checks over this host's resources: the SSD tier, timeouts and ports
 (seed §3.3, §5.1, §8.3, §9).
 
-Pure: the facts are gathered by :mod:`kvpool.ops.probes` and passed in as values.
+Pure: the facts are gathered by :mod:`kvpool.ops.doctor.probes` and passed in as values.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.config import MasterConfig, NodeConfig, Timeouts
-from kvpool.ops.checks import Check, fail, pass_, skip, warn
+from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
 
 __all__ = [
     "PortFacts",

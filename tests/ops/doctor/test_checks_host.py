@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvpool.config import MasterConfig, NodeConfig, Timeouts
-from kvpool.ops.checks import Status
-from kvpool.ops.checks_host import (
+from kvpool.ops.doctor.checks import Status
+from kvpool.ops.doctor.checks_host import (
     PortFacts,
     SsdFacts,
     check_peer_reachable,

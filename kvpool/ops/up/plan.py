@@ -13,8 +13,8 @@ host):
 
 :func:`make_plan` is pure: options in, commands, environments, ports, health URLs and the
 files to write out.  Nothing here starts a process, touches the disk or reads the clock;
-:mod:`kvpool.ops.up_procs` supervises the processes and :mod:`kvpool.ops.up_run` is the
-entry point.
+:mod:`kvpool.ops.up.supervisor` supervises the processes and
+:mod:`kvpool.ops.up.lifecycle` is the edge (startup, serve, shutdown).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any
 
 from kvpool.errors import ConfigError
 from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
+from kvpool.ops.up.options import PORT_FLAGS, UpOptions
 
 __all__ = [
     "CHAT_TEMPLATE",
     "TINY_MODEL_NAME",
     "ProcessSpec",
-    "UpOptions",
     "UpPlan",
     "cpu_sets",
     "kv_transfer_config",
@@ -47,69 +47,6 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
-_MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class UpOptions:
-    """Everything ``kvpool up`` takes.  Ports must be real ports here: the edge turns a
-    ``0`` (any free port) into one before planning."""
-
-    state_dir: Path
-    model: Path | None = None  # None: the locally built tiny model under state_dir
-    no_vllm: bool = False
-    host: str = "127.0.0.1"
-    master_port: int = 50088
-    proxy_port: int = 8000
-    prefill_port: int = 8100  # instance i listens on prefill_port + i
-    decode_port: int = 8200
-    prefill_kv_port: int = 30000  # the seed's kv_port values, + i per instance
-    decode_kv_port: int = 30100
-    prefill_instances: int = 1
-    decode_instances: int = 1
-    segment_size: int = 256 * _MiB  # the master's own memory segment
-    ssd_limit: int = 1024 * _MiB  # cap of the SSD tier under state_dir/ssd
-    kv_cache_bytes: int = 64 * _MiB  # per vLLM instance
-    max_model_len: int = 2048
-    dtype: str | None = None  # None: float32 for the tiny model, vLLM's "auto" otherwise
-    served_model_name: str | None = None
-    policy: str = "round_robin"
-    cpus: tuple[int, ...] = (0,)  # cores to share among the vLLM instances
-    connect_timeout_ms: int = 2000  # one host: a dead prefill should cost seconds
-    transfer_timeout_ms: int = 10000
-    vllm_args: tuple[str, ...] = ()  # appended to every vLLM command line
-    python: str = "python3"
-
-    def __post_init__(self) -> None:
-        ports = {
-            "--master-port": self.master_port,
-            "--proxy-port": self.proxy_port,
-            "--prefill-port": self.prefill_port,
-            "--decode-port": self.decode_port,
-            "--prefill-kv-port": self.prefill_kv_port,
-            "--decode-kv-port": self.decode_kv_port,
-        }
-        for flag, port in ports.items():
-            if not 1 <= port <= 65535:
-                raise ConfigError(f"{flag}: {port} is not a TCP port (1..65535)")
-        for flag, count in (
-            ("--prefill-instances", self.prefill_instances),
-            ("--decode-instances", self.decode_instances),
-        ):
-            if not 1 <= count <= 16:
-                raise ConfigError(f"{flag}: must be 1..16, got {count}")
-        if self.segment_size <= 0:
-            raise ConfigError("--segment-size: must be a positive size, e.g. 256MiB")
-        if self.ssd_limit <= 0:
-            raise ConfigError("--ssd-limit: must be a positive size, e.g. 1GiB")
-        if self.kv_cache_bytes < 4 * _MiB:
-            raise ConfigError("--kv-cache-bytes: at least 4MiB per instance, e.g. 64MiB")
-        if self.max_model_len < 16:
-            raise ConfigError(f"--max-model-len: must be at least 16, got {self.max_model_len}")
-        if not self.cpus or any(c < 0 for c in self.cpus):
-            raise ConfigError(f"--cpus: expected core numbers, got {list(self.cpus)}")
-        if self.connect_timeout_ms <= 0 or self.transfer_timeout_ms <= 0:
-            raise ConfigError("timeouts: must be positive milliseconds")
 
 
 @dataclass(frozen=True)
@@ -226,6 +163,9 @@ def kv_transfer_config(role: str, kv_port: int, host: str) -> dict[str, Any]:
 
 
 def _check_port_clashes(opts: UpOptions) -> None:
+    for name, flag, _ in PORT_FLAGS:
+        if getattr(opts, name) == 0:  # the edge resolves 0 (any free port) before planning
+            raise ConfigError(f"{flag}: 0 is not a TCP port (1..65535)")
     owners: dict[int, str] = {}
 
     def claim(port: int, what: str) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.ops.checks import Check, Status
 from kvpool.ops.doctor import DoctorOptions, exit_code, format_text, run_doctor
+from kvpool.ops.doctor.checks import Check, Status
 from tests.ops.helpers import (
     GQA_MODEL,
     MLA_MODEL,

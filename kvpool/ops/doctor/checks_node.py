@@ -1,7 +1,7 @@
 """Doctor checks over one node's config file, the master it points at, the environment and
 block keys (seed §4, §5.1, §8.1, §8.3, §9).
 
-Pure: the facts are gathered by :mod:`kvpool.ops.probes` and passed in as values.
+Pure: the facts are gathered by :mod:`kvpool.ops.doctor.probes` and passed in as values.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from kvpool.config import (
     MasterConfig,
     NodeConfig,
 )
-from kvpool.ops.checks import Check, fail, pass_, skip, warn
+from kvpool.net import split_address
+from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
 
 __all__ = [
     "ConfigFileFacts",
@@ -127,10 +128,17 @@ def check_master_address(node: NodeConfig | None, master: str | None) -> Check:
     return pass_("config.master", f"the config points at the master {node.master_address}{note}")
 
 
+def _split(address: str) -> tuple[str, int | None]:
+    """(host, port) of ``address``; the port is None when it is not a number."""
+    try:
+        return split_address(address)
+    except ValueError:
+        return address, None
+
+
 def _same_address(a: str, b: str) -> bool:
     local = {"127.0.0.1", "localhost", "::1"}
-    ha, _, pa = a.rpartition(":")
-    hb, _, pb = b.rpartition(":")
+    (ha, pa), (hb, pb) = _split(a), _split(b)
     return pa == pb and (ha == hb or (ha in local and hb in local))
 
 
@@ -158,7 +166,7 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
                 "master.reachable",
                 f"cannot connect to the master at {addr}: {facts.connect_error}",
                 "start it on that host: kvpool master --host 0.0.0.0 --port"
-                f" {addr.rpartition(':')[2]} (and open the port in the firewall)",
+                f" {_split(addr)[1] or DEFAULT_MASTER_PORT} (and open the port in the firewall)",
             )
         ]
     results = [pass_("master.reachable", f"TCP connect to {addr} succeeded")]
@@ -353,11 +361,7 @@ def check_registered(facts: MasterFacts | None, node: NodeConfig | None) -> Chec
     clients = facts.status.get("clients")
     if not isinstance(clients, list):
         return None
-    hosts = {
-        str(c.get("address", "")).rpartition(":")[0].strip("[]") or str(c.get("address", ""))
-        for c in clients
-        if isinstance(c, Mapping)
-    }
+    hosts = {_split(str(c.get("address", "")))[0] for c in clients if isinstance(c, Mapping)}
     if node.local_hostname in hosts:
         return pass_("master.registered", f"the master lists a client from {node.local_hostname}")
     return warn(

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.ops.checks import Check, Status
-from kvpool.ops.checks_connector import (
+from kvpool.ops.doctor.checks import Check, Status
+from kvpool.ops.doctor.checks_connector import (
     Side,
     check_connector_classes,
     check_consumer_is_to_put,
