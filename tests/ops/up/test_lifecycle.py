@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
@@ -63,16 +62,16 @@ def start_up(*flags: str) -> subprocess.Popen[str]:
 def read_state(state: Path, pid: int, timeout_s: float = 60.0) -> dict[str, object]:
     """``up.json`` once the ``kvpool up`` with this pid says it is ready."""
     path = state / STATE_FILE
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def ready() -> dict[str, object] | None:
         try:
             data = json.loads(path.read_text())
-            if data.get("status") == "ready" and data.get("pid") == pid:
-                return data  # type: ignore[no-any-return]
         except (OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"kvpool up not ready in {timeout_s} s")
+            return None
+        ok = data.get("status") == "ready" and data.get("pid") == pid
+        return data if ok else None
+
+    return wait_until(ready, timeout_s, interval_s=0.1, what=f"kvpool up (pid {pid}) ready")
 
 
 def test_up_no_vllm_serves_the_seeds_metrics_and_stops_clean(tmp_path: Path) -> None:

@@ -48,7 +48,6 @@ def spec(tmp_path: Path, name: str, code: str, *, stage: int = 0, health: str = 
     )
 
 
-
 def child_pid(log: Path) -> int:
     wait_until(lambda: "CHILDPID " in log.read_text(errors="replace"))
     line = next(x for x in log.read_text().splitlines() if x.startswith("CHILDPID "))
