@@ -1,4 +1,4 @@
-"""``kvpool config render``: per-node files from one inventory, as the seed's §4 Ansible
+"""``kvpool config render``: per-node files from one inventory, as the production guide's §4 Ansible
 template does — with the peer topologies filled in for you.
 
 Inventory (TOML or JSON, same shape; docs/configuration.md has the reference)::
@@ -257,8 +257,9 @@ def _node_json(inv: Inventory, host: Host) -> dict[str, Any]:
 
 
 def _kv_transfer_config(inv: Inventory, host: Host) -> dict[str, Any]:
-    """The seed's §5.2/§5.3 layout under kvpool's class names.  Both topology blocks are
-    written, as in the seed; the one named after the peer is what the connector routes by."""
+    """The production guide's §5.2/§5.3 layout under kvpool's class names.  Both topology
+    blocks are written, as in the guide; the one named after the peer is what the
+    connector routes by."""
     role = "kv_producer" if host.role == "prefill" else "kv_consumer"
     transfer_name, store_name = "KVPoolTransferConnector", "KVPoolStoreConnector"
     store_extra: dict[str, Any] = {"lookup_rpc_port": "0", "backend": "kvpool"}
@@ -303,7 +304,7 @@ def render(inv: Inventory) -> dict[str, str]:
     """Relative path → file text for the whole cluster."""
     files: dict[str, str] = {}
     decode_ranks = inv.topology("decode").ranks
-    connect_ms = max(10_000, 500 * decode_ranks)  # seed §5.1: ≥ 500 ms × decode ranks
+    connect_ms = max(10_000, 500 * decode_ranks)  # the guide's §5.1: ≥ 500 ms × decode ranks
     m = inv.master
     master_argv = [
         "kvpool", "master", "--host", m.host, "--port", str(m.port),

@@ -18,7 +18,7 @@ def test_master_server_address_is_accepted_as_mooncake_spells_it() -> None:
     assert parse_node_config(data).master_address == "m:1234"
 
 
-def test_master_defaults_are_the_seeds() -> None:
+def test_master_defaults_are_the_guides() -> None:
     cfg = MasterConfig()
     assert (cfg.host, cfg.port) == ("127.0.0.1", 50088)
     assert (cfg.eviction_high_watermark_ratio, cfg.eviction_ratio) == (0.9, 0.1)
@@ -26,7 +26,7 @@ def test_master_defaults_are_the_seeds() -> None:
     assert cfg.client_ttl_ms == 120_000 and cfg.lease_ttl_ms == 11_000
 
 
-def test_master_parses_the_seeds_command_lines_as_written() -> None:
+def test_master_parses_the_guides_command_lines_as_written() -> None:
     line = (
         "mooncake_master --port 50088 --eviction_high_watermark_ratio 0.9 --eviction_ratio 0.1"
         " --default_kv_lease_ttl 11000 --enable_offload=true --client_ttl=120"

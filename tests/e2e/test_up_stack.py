@@ -349,7 +349,7 @@ def master_metric(stack: Stack, name: str) -> float:
 
 
 @pytest.mark.timeout(1200)  # includes the reference run and the stack's start
-def test_the_stack_is_up_with_the_seeds_connectors(stack: Stack, tiny_model_dir: Path) -> None:
+def test_the_stack_is_up_with_the_guides_connectors(stack: Stack, tiny_model_dir: Path) -> None:
     assert set(stack.info["processes"]) == {"master", "prefill-0", "decode-0", "decode-1", "proxy"}
     assert all(p["alive"] for p in stack.info["processes"].values())
     # the model kvpool up built is byte for byte the one the reference ran
@@ -361,7 +361,7 @@ def test_the_stack_is_up_with_the_seeds_connectors(stack: Stack, tiny_model_dir:
     assert len(health["decode"]) == 2 and all(d["healthy"] for d in health["decode"])
     status, models = get_json(stack.proxy + "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
-    # the seed's §8.2 log checks, with kvpool's class names
+    # the production guide's §8.2 log checks, with kvpool's class names
     p_log = stack.log("prefill-0")
     assert "[KVPoolTransferConnector] role=kv_producer" in p_log
     assert "[KVPoolStoreConnector] role=kv_producer, backend=mooncake" in p_log

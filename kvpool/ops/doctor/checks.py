@@ -9,7 +9,7 @@ __all__ = ["Check", "Status", "fail", "pass_", "skip", "warn"]
 
 
 class Status(enum.Enum):
-    """PASS: fine.  WARN: works, but not as the seed recommends.  FAIL: will break.
+    """PASS: fine.  WARN: works, but not as the production guide recommends.  FAIL: will break.
     SKIP: the inputs this check needs were not given (the message says which)."""
 
     PASS = "PASS"

@@ -1,14 +1,14 @@
 """``kvpool up``: the plan of the whole P/D stack on one machine, as plain data.
 
-What ``kvpool up`` starts, in order (the seed's §3.2 Compose file and §5 commands, on one
+What ``kvpool up`` starts, in order (the production guide's §3.2 Compose file and §5 commands, on
 host):
 
 1. ``kvpool master`` with its own memory segment and an SSD tier under the state
    directory (``--enable_offload=true``);
 2. the prefill and decode vLLM instances (``python -m vllm.entrypoints.openai.api_server``,
    started together), each with vLLM's MultiConnector holding kvpool's transfer connector
-   and store connector, ``kv_load_failure_policy: recompute`` at the top level (the seed's
-   §5.2/§5.3 JSON), the master found through ``KVPOOL_CONFIG_PATH``;
+   and store connector, ``kv_load_failure_policy: recompute`` at the top level (the
+   production guide's §5.2/§5.3 JSON), the master found through ``KVPOOL_CONFIG_PATH``;
 3. ``kvpool proxy`` in front of them.
 
 :func:`make_plan` is pure: options in, commands, environments, ports, health URLs and the
@@ -126,7 +126,7 @@ def cpu_sets(cpus: Sequence[int], instances: int, *, dedicated: int = 0) -> list
 
 
 def kv_transfer_config(role: str, kv_port: int, host: str) -> dict[str, Any]:
-    """The seed's §5.2 (``prefill``) / §5.3 (``decode``) ``--kv-transfer-config`` with
+    """The production guide's §5.2 (``prefill``) / §5.3 (``decode``) ``--kv-transfer-config`` with
     kvpool's classes; every instance here runs dp 1, tp 1, so both peer sections say so."""
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
     transfer, store = "KVPoolTransferConnector", "KVPoolStoreConnector"
@@ -198,7 +198,7 @@ def make_plan(opts: UpOptions) -> UpPlan:
     model_name = opts.served_model_name or (TINY_MODEL_NAME if build_model else model_dir.name)
     master_addr = f"{opts.host}:{opts.master_port}"
     files: dict[Path, str] = {
-        # the seed's §4 mooncake.json, for this host; the connectors read it
+        # the production guide's §4 mooncake.json, for this host; the connectors read it
         node_config_path: json.dumps(
             {"local_hostname": opts.host, "metadata_server": master_addr, "protocol": "tcp"},
             indent=2,
@@ -281,11 +281,11 @@ def _vllm_spec(
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONUNBUFFERED": "1",
-        # the seed's §5.1: where the master is (kvpool's own name for the variable)
+        # the production guide's §5.1: where the master is (kvpool's own name for the variable)
         "KVPOOL_CONFIG_PATH": str(opts.state_dir / "mooncake.json"),
         "KVPOOL_CONNECT_TIMEOUT_MS": str(opts.connect_timeout_ms),
         "KVPOOL_TRANSFER_TIMEOUT_MS": str(opts.transfer_timeout_ms),
-        # the seed asks for it; kvpool's keys do not need it, and it is harmless
+        # the production guide asks for it; kvpool's keys do not need it, and it is harmless
         "PYTHONHASHSEED": "0",
     }
     url = f"http://{opts.host}:{port}"

@@ -74,7 +74,7 @@ def read_state(state: Path, pid: int, timeout_s: float = 60.0) -> dict[str, obje
     return wait_until(ready, timeout_s, interval_s=0.1, what=f"kvpool up (pid {pid}) ready")
 
 
-def test_up_no_vllm_serves_the_seeds_metrics_and_stops_clean(tmp_path: Path) -> None:
+def test_up_no_vllm_serves_the_guides_metrics_and_stops_clean(tmp_path: Path) -> None:
     state = tmp_path / "state"
     up = start_up("--no-vllm", "--state-dir", str(state), "--master-port", "0")
     try:
@@ -82,7 +82,7 @@ def test_up_no_vllm_serves_the_seeds_metrics_and_stops_clean(tmp_path: Path) -> 
         master = info["master"]
         assert isinstance(master, str)
         master_pid = info["processes"]["master"]["pid"]  # type: ignore[index]
-        # the seed's §8.1 command, as written
+        # the production guide's §8.1 command, as written
         grep = subprocess.run(
             ["bash", "-c", f'curl -s {master}/metrics | grep -E "kv_cache|connected"'],
             capture_output=True,

@@ -64,7 +64,7 @@ def test_vllm_instances_get_the_cpu_flags_and_environment(tmp_path: Path) -> Non
     assert node.local_hostname == "127.0.0.1"
 
 
-def test_the_connectors_are_the_seeds_multiconnector_with_recompute(tmp_path: Path) -> None:
+def test_the_connectors_are_the_guides_multiconnector_with_recompute(tmp_path: Path) -> None:
     plan = make_plan(UpOptions(state_dir=tmp_path, cpus=(0,), python="py"))
     configs = {}
     for spec in plan.by_role("prefill") + plan.by_role("decode"):
@@ -74,7 +74,7 @@ def test_the_connectors_are_the_seeds_multiconnector_with_recompute(tmp_path: Pa
         config = configs[role]
         assert config["kv_connector"] == "MultiConnector"
         assert config["kv_role"] == kv_role
-        assert config["kv_load_failure_policy"] == "recompute"  # top level, the seed's §8.3
+        assert config["kv_load_failure_policy"] == "recompute"  # top level, the guide's §8.3
         children = config["kv_connector_extra_config"]["connectors"]
         assert [c["kv_connector"] for c in children] == [
             "KVPoolTransferConnector",  # first: for a P/D request it claims the whole prompt
