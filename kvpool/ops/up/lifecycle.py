@@ -34,7 +34,7 @@ from rich.console import Console
 from kvpool.errors import ConfigError
 from kvpool.net import free_port, port_free
 from kvpool.ops.up.options import PORT_FLAGS, UpOptions
-from kvpool.ops.up.plan import UpPlan, make_plan, ready_text
+from kvpool.ops.up.plan import UpPlan, make_plan, planned_ports, ready_text
 from kvpool.ops.up.supervisor import Running, StartupFailed, Supervisor, describe_exit, log_tail
 
 __all__ = ["STATE_FILE", "resolve_ports", "run", "usable_cpus"]
@@ -59,21 +59,14 @@ def resolve_ports(opts: UpOptions) -> UpOptions:
 
 
 def _check_ports(plan: UpPlan) -> None:
-    opts = plan.options
-    wanted: list[tuple[int, str]] = [(opts.master_port, "--master-port")]
-    if not opts.no_vllm:
-        wanted.append((opts.proxy_port, "--proxy-port"))
-        for role in ("prefill", "decode"):
-            n = opts.prefill_instances if role == "prefill" else opts.decode_instances
-            http = opts.prefill_port if role == "prefill" else opts.decode_port
-            kv = opts.prefill_kv_port if role == "prefill" else opts.decode_kv_port
-            wanted += [(http + i, f"--{role}-port") for i in range(n)]
-            wanted += [(kv + i, f"--{role}-kv-port") for i in range(n)]
-    for port, flag in wanted:
-        if not port_free(opts.host, port):
+    """A taken port is refused before anything starts, naming its flag, instead of a
+    child dying later with "address already in use" in its log."""
+    host = plan.options.host
+    for use in planned_ports(plan.options):
+        if not port_free(host, use.port):
             raise ConfigError(
-                f"{flag}: {opts.host}:{port} is already in use (another kvpool up?);"
-                f" stop what holds it or choose another port with {flag} (0: any free port)"
+                f"{use.flag}: {host}:{use.port} is already in use (another kvpool up?);"
+                f" stop what holds it or choose another port with {use.flag} (0: any free port)"
             )
 
 

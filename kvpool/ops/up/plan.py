@@ -33,11 +33,13 @@ from kvpool.ops.up.options import PORT_FLAGS, UpOptions
 __all__ = [
     "CHAT_TEMPLATE",
     "TINY_MODEL_NAME",
+    "PortUse",
     "ProcessSpec",
     "UpPlan",
     "cpu_sets",
     "kv_transfer_config",
     "make_plan",
+    "planned_ports",
     "ready_text",
 ]
 
@@ -162,28 +164,46 @@ def kv_transfer_config(role: str, kv_port: int, host: str) -> dict[str, Any]:
     }
 
 
-def _check_port_clashes(opts: UpOptions) -> None:
-    for name, flag, _ in PORT_FLAGS:
-        if getattr(opts, name) == 0:  # the edge resolves 0 (any free port) before planning
-            raise ConfigError(f"{flag}: 0 is not a TCP port (1..65535)")
-    owners: dict[int, str] = {}
+@dataclass(frozen=True)
+class PortUse:
+    """One port the stack listens on, and the flag that chose it."""
 
-    def claim(port: int, what: str) -> None:
-        if port in owners:
-            raise ConfigError(f"{what} and {owners[port]} both use port {port}; move one")
-        owners[port] = what
+    port: int
+    flag: str  # "--decode-kv-port"
+    instance: int | None = None  # which vLLM instance (the flag's port + instance)
 
-    claim(opts.master_port, "--master-port")
+    @property
+    def owner(self) -> str:
+        return self.flag if self.instance is None else f"{self.flag} (instance {self.instance})"
+
+
+def planned_ports(opts: UpOptions) -> list[PortUse]:
+    """Every port the stack will listen on, in start order (the master's first)."""
+    uses = [PortUse(opts.master_port, "--master-port")]
     if opts.no_vllm:
-        return
-    claim(opts.proxy_port, "--proxy-port")
+        return uses
+    uses.append(PortUse(opts.proxy_port, "--proxy-port"))
     for role, http, kv, n in (
         ("prefill", opts.prefill_port, opts.prefill_kv_port, opts.prefill_instances),
         ("decode", opts.decode_port, opts.decode_kv_port, opts.decode_instances),
     ):
         for i in range(n):
-            claim(http + i, f"--{role}-port (instance {i})")
-            claim(kv + i, f"--{role}-kv-port (instance {i})")
+            uses.append(PortUse(http + i, f"--{role}-port", i))
+            uses.append(PortUse(kv + i, f"--{role}-kv-port", i))
+    return uses
+
+
+def _check_port_clashes(opts: UpOptions) -> None:
+    for name, flag, _ in PORT_FLAGS:
+        if getattr(opts, name) == 0:  # the edge resolves 0 (any free port) before planning
+            raise ConfigError(f"{flag}: 0 is not a TCP port (1..65535)")
+    owners: dict[int, str] = {}
+    for use in planned_ports(opts):
+        if use.port in owners:
+            raise ConfigError(
+                f"{use.owner} and {owners[use.port]} both use port {use.port}; move one"
+            )
+        owners[use.port] = use.owner
 
 
 def make_plan(opts: UpOptions) -> UpPlan:
