@@ -188,7 +188,7 @@ def _add_master(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "master",
         help="run the pool's metadata service (with an embedded memory segment by default)",
         description="Flags take Mooncake's spellings: --flag value, --flag=value, "
-        "snake_case or kebab-case, booleans as true/false.",
+        "snake_case or kebab-case, booleans as true/false (or yes/no, on/off, 1/0).",
     )
     # Values stay strings here: MasterConfig.from_flags parses them (one parser per flag,
     # shared with doctor's --master-cmd), and an absent flag keeps MasterConfig's default.
