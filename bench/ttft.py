@@ -21,8 +21,8 @@ hit per prompt, and reports medians.  Ratios are against ``cold`` of the same pr
     .venv/bin/python bench/ttft.py [--tokens 3072] [--repeats 3] [--layers 4]
                                    [--rows local,embedded,master,ssd] [--markdown]
 
-The model is kvpool.testing's "bench" preset with ``--layers`` layers and dummy weights
-(``load_format="dummy"``): hidden 1024, 16 heads of dim 64, 4 KV heads.
+The model is kvpool.ops.up.tiny_model's "bench" preset with ``--layers`` layers and dummy
+weights (``load_format="dummy"``): hidden 1024, 16 heads of dim 64, 4 KV heads.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """Run inside a fresh process: one engine, cold + hit TTFT per prompt."""
     from vllm import LLM, SamplingParams
 
-    from kvpool.testing.tiny_model import sample_text
+    from kvpool.ops.up.tiny_model import sample_text
 
     kwargs: dict[str, Any] = {}
     if spec["connector"] is not None:
@@ -126,7 +126,7 @@ def _start_master(workdir: Path, *flags: str) -> tuple[PoolProcess, str]:
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kvpool.testing.tiny_model import PRESETS, build_from_spec
+    from kvpool.ops.up.tiny_model import PRESETS, build_from_spec
 
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-ttft-"))
     model = build_from_spec(

@@ -1,33 +1,33 @@
-"""The ``kvpool`` command: parse → config → run.  Nothing else lives here.
+"""The ``kvpool`` command: parse → options → ``run(options)``.  Nothing else lives here.
 
-Subcommands import their implementation lazily so that ``kvpool --help`` stays fast and
-``kvpool doctor`` works on a host without vLLM.
+Each subcommand's parser sets ``run=``, a function that turns the parsed flags into that
+command's options and calls its ``run`` (:mod:`kvpool.ops`).  :func:`main` is the one
+place where a :class:`~kvpool.errors.ConfigError` becomes a one-line message on stderr
+and exit status 2.  Commands import their implementation lazily so that ``kvpool --help``
+stays fast and ``kvpool doctor`` works on a host without vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 from kvpool import __version__
+from kvpool.config.master import MASTER_FLAGS
+from kvpool.errors import ConfigError
+from kvpool.net import DEFAULT_MASTER_PORT
 
-__all__ = ["build_parser", "main", "parse_bool"]
+__all__ = ["build_parser", "main"]
 
-
-def parse_bool(text: str) -> bool:
-    """The seed writes booleans as ``true``/``false`` (``--enable_offload=true``)."""
-    lowered = text.strip().lower()
-    if lowered in ("true", "1", "yes", "on"):
-        return True
-    if lowered in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+_POLICIES = ["round_robin", "least_inflight", "prefix_affinity"]
 
 
 def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
-    """Add ``--name`` under both spellings: ``--snake_case`` (as the seed writes it) and
-    ``--kebab-case``.  argparse itself accepts ``--flag value`` and ``--flag=value``."""
+    """Add ``--name`` under both spellings: ``--snake_case`` (as Mooncake and the
+    production guide write them) and ``--kebab-case``.  argparse itself accepts
+    ``--flag value`` and ``--flag=value``."""
     spellings = [f"--{name}"]
     kebab = name.replace("_", "-")
     if kebab != name:
@@ -70,13 +70,13 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p,
         "policy",
         default="round_robin",
-        choices=["round_robin", "least_inflight", "prefix_affinity"],
+        choices=_POLICIES,
         help="how to pick the prefill endpoint (and the decode one, see --decode-policy)",
     )
     add_flag(
         p,
         "decode_policy",
-        choices=["round_robin", "least_inflight", "prefix_affinity"],
+        choices=_POLICIES,
         help="decode policy (default: --policy; least_inflight with prefix_affinity)",
     )
     add_flag(
@@ -104,15 +104,15 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="on SIGINT/SIGTERM, seconds to let in-flight requests finish",
     )
     add_flag(p, "max_connections", type=int, default=1024, help="upstream connection pool size")
-    p.set_defaults(run=_run_proxy)
+    p.set_defaults(run=_run_proxy, command_name=p.prog)
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
-    from kvpool.errors import ConfigError
-    from kvpool.proxy import ProxyConfig, run_proxy
+    from kvpool.ops.serve import run_proxy
+    from kvpool.proxy import ProxyConfig
 
-    try:
-        config = ProxyConfig(
+    return run_proxy(
+        ProxyConfig(
             prefill=tuple(args.prefill),
             decode=tuple(args.decode),
             host=args.host,
@@ -127,10 +127,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
             shutdown_timeout_s=args.shutdown_timeout,
             max_connections=args.max_connections,
         )
-    except ConfigError as exc:
-        print(f"kvpool proxy: {exc}", file=sys.stderr)
-        return 2
-    return run_proxy(config)
+    )
 
 
 def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -150,15 +147,10 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )  # fmt: skip
     p.add_argument("--model", help="a model directory (default: build a small Llama locally)")
     add_flag(p, "no_vllm", action="store_true", help="start the pool (master) alone")
-    ports = (
-        ("master_port", 50088, "the master's RPC + HTTP port"),
-        ("proxy_port", 8000, "the proxy's port"),
-        ("prefill_port", 8100, "first prefill instance's HTTP port (+1 per instance)"),
-        ("decode_port", 8200, "first decode instance's HTTP port (+1 per instance)"),
-        ("prefill_kv_port", 30000, "first prefill instance's kv_port (+1 per instance)"),
-        ("decode_kv_port", 30100, "first decode instance's kv_port (+1 per instance)"),
-    )
-    for name, default, text in ports:
+    from kvpool.ops.up.options import PORT_FLAGS, port_default
+
+    for name, _, text in PORT_FLAGS:
+        default = port_default(name)
         add_flag(p, name, type=int, default=default, help=f"{text} (default {default})")
     add_flag(p, "prefill_instances", type=int, default=1, help="prefill instances (1)")
     add_flag(p, "decode_instances", type=int, default=1, help="decode instances (1)")
@@ -170,7 +162,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "served_model_name", help="the model name requests use")
     add_flag(
         p, "policy", default="round_robin",
-        choices=["round_robin", "least_inflight", "prefix_affinity"], help="proxy routing",
+        choices=_POLICIES, help="proxy routing",
     )  # fmt: skip
     add_flag(p, "cpus", help="cores for the vLLM instances, e.g. 0,1 (default: all usable)")
     add_flag(
@@ -181,63 +173,39 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_flag(p, "start_timeout", type=float, default=300.0, help="seconds to become healthy")
     add_flag(p, "stop_timeout", type=float, default=20.0, help="SIGTERM grace before SIGKILL, s")
-    p.set_defaults(run=_run_up)
+    p.set_defaults(run=_run_up, command_name=p.prog)
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from kvpool.ops.up_run import run_cli
+    from kvpool.ops import up
 
-    return run_cli(args)
+    opts = up.options_from_args(args, os.environ, up.usable_cpus(), sys.executable)
+    return up.run(opts)
 
 
 def _add_master(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "master",
         help="run the pool's metadata service (with an embedded memory segment by default)",
-        description="Flags take the seed's spellings: --flag value, --flag=value, "
-        "snake_case or kebab-case, booleans as true/false.",
+        description="Flags take Mooncake's spellings: --flag value, --flag=value, "
+        "snake_case or kebab-case, booleans as true/false (or yes/no, on/off, 1/0).",
     )
-    add_flag(p, "host", help="bind address (default 127.0.0.1)")
-    add_flag(p, "port", help="RPC and HTTP (/metrics, /health) port (default 50088)")
-    add_flag(p, "eviction_high_watermark_ratio", help="start evicting at this use (default 0.9)")
-    add_flag(p, "eviction_ratio", help="fraction of evictable objects per round (default 0.1)")
-    add_flag(p, "default_kv_lease_ttl", help="read lease, milliseconds (default 11000)")
-    add_flag(
-        p, "enable_offload", nargs="?", const="true",
-        help="demote evicted objects to the SSD tier (true/false)",
-    )
-    add_flag(p, "client_ttl", help="seconds without heartbeat before a client is dropped (120)")
-    add_flag(p, "segment_size", help="memory the master hosts itself, e.g. 4GB (0: none)")
-    add_flag(p, "ssd_offload_path", help="directory of the master's SSD tier")
-    add_flag(p, "ssd_offload_limit", help="SSD tier cap, e.g. 100GB")
-    add_flag(p, "eviction_policy", help="default (prefix-aware) or lru")
+    # Values stay strings here: MasterConfig.from_flags parses them (one parser per flag,
+    # shared with doctor's --master-cmd), and an absent flag keeps MasterConfig's default.
+    for flag in MASTER_FLAGS:
+        bare = {"nargs": "?", "const": "true"} if flag.is_bool else {}
+        add_flag(p, flag.name, help=f"{flag.help} (default {flag.shown_default})", **bare)
     add_flag(p, "log_level", help="debug, info (default), warning")
-    p.set_defaults(run=_run_master)
+    p.set_defaults(run=_run_master, command_name=p.prog)
 
 
 def _run_master(args: argparse.Namespace) -> int:
-    import logging
-
     from kvpool.config import MasterConfig
-    from kvpool.errors import ConfigError
-    from kvpool.service.master_server import run_master
+    from kvpool.ops.serve import run_master
 
-    names = (
-        "host", "port", "eviction_high_watermark_ratio", "eviction_ratio",
-        "default_kv_lease_ttl", "enable_offload", "client_ttl", "segment_size",
-        "ssd_offload_path", "ssd_offload_limit", "eviction_policy",
-    )
-    values = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    logging.basicConfig(
-        level=(args.log_level or "info").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        config = MasterConfig.from_flags(values)
-    except ConfigError as exc:
-        print(f"kvpool master: {exc}", file=sys.stderr)
-        return 2
-    return run_master(config)
+    given = {f.name: getattr(args, f.name) for f in MASTER_FLAGS}
+    config = MasterConfig.from_flags({n: v for n, v in given.items() if v is not None})
+    return run_master(config, log_level=args.log_level)
 
 
 def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -251,32 +219,24 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "data_port", type=int, default=0, help="data server port (default: any free)")
     add_flag(p, "bind", default="", help="data server bind address (default: local_hostname)")
     add_flag(p, "log_level", help="debug, info (default), warning")
-    p.set_defaults(run=_run_node)
+    p.set_defaults(run=_run_node, command_name=p.prog)
 
 
 def _run_node(args: argparse.Namespace) -> int:
-    import logging
+    from kvpool.ops.serve import NodeOptions, run_node
 
-    from kvpool.config import load_node_config
-    from kvpool.errors import ConfigError
-    from kvpool.service.node import run_node
-
-    logging.basicConfig(
-        level=(args.log_level or "info").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    return run_node(
+        NodeOptions(
+            config=args.config, data_port=args.data_port, bind=args.bind, log_level=args.log_level
+        )
     )
-    try:
-        config = load_node_config(args.config)
-    except ConfigError as exc:
-        print(f"kvpool node: {exc}", file=sys.stderr)
-        return 2
-    return run_node(config, bind_host=args.bind, data_port=args.data_port)
 
 
 def _add_doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "doctor",
-        help="check a node or a P/D pair against the seed's troubleshooting table and checklist",
+        help="check a node or a P/D pair against the production guide's §8.3 table and"
+        " §9 checklist",
         description="One line per check (PASS/WARN/FAIL/SKIP) with the exact fix; exit 1 on FAIL.",
     )
     p.add_argument(
@@ -294,7 +254,9 @@ def _add_doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument(
         "--master-cmd", help='the master\'s command line, e.g. "kvpool master --port ..."'
     )
-    p.add_argument("--prefill-host", help="connect to the prefill kv_port there (seed: nc -zv)")
+    p.add_argument(
+        "--prefill-host", help="connect to the prefill kv_port there (the guide's nc -zv)"
+    )
     p.add_argument(
         "--live", action="store_true", help="the instances are running: ports must be held"
     )
@@ -305,13 +267,13 @@ def _add_doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     p.add_argument("--no-key-probe", action="store_true", help="skip the block-key subprocesses")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run=_run_doctor)
+    p.set_defaults(run=_run_doctor, command_name=p.prog)
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
-    from kvpool.ops.doctor import DoctorOptions, run_cli
+    from kvpool.ops import doctor
 
-    options = DoctorOptions(
+    options = doctor.DoctorOptions(
         config=args.config,
         kv_transfer_config=args.kv_transfer_config,
         vllm_cmd=args.vllm_cmd,
@@ -324,8 +286,9 @@ def _run_doctor(args: argparse.Namespace) -> int:
         live=args.live,
         separate_hosts=args.separate_hosts,
         probe_keys=not args.no_key_probe,
+        as_json=args.json,
     )
-    return run_cli(options, as_json=args.json)
+    return doctor.run(options)
 
 
 def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -338,22 +301,22 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "inventory", help="inventory file (.toml or .json; see docs/configuration.md)"
     )
     render.add_argument("--out", required=True, help="output directory (one folder per host)")
-    render.set_defaults(run=_run_config_render)
+    render.set_defaults(run=_run_config_render, command_name=render.prog)
     check = actions.add_parser("check", help="validate a node config file and print it resolved")
     check.add_argument("path", nargs="?", help="default: KVPOOL_CONFIG_PATH, MOONCAKE_CONFIG_PATH")
-    check.set_defaults(run=_run_config_check)
+    check.set_defaults(run=_run_config_check, command_name=check.prog)
 
 
 def _run_config_render(args: argparse.Namespace) -> int:
-    from kvpool.ops.render import run_cli
+    from kvpool.ops import render
 
-    return run_cli(args.inventory, args.out)
+    return render.run(render.RenderOptions(inventory=args.inventory, out=args.out))
 
 
 def _run_config_check(args: argparse.Namespace) -> int:
-    from kvpool.ops.render import check_cli
+    from kvpool.ops import render
 
-    return check_cli(args.path)
+    return render.run_check(render.CheckOptions(path=args.path))
 
 
 def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -366,7 +329,8 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument(
         "--master",
         metavar="HOST:PORT",
-        help="the master (default: the node config's metadata_server, else 127.0.0.1:50088)",
+        help="the master (default: the node config's metadata_server, else"
+        f" 127.0.0.1:{DEFAULT_MASTER_PORT})",
     )
     p.add_argument(
         "--watch",
@@ -377,19 +341,14 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="refresh every SECONDS (default 2) until Ctrl-C",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output (one line each)")
-    p.set_defaults(run=_run_status)
+    p.set_defaults(run=_run_status, command_name=p.prog)
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    import os
+    from kvpool.ops import status
 
-    from kvpool.ops.status import default_master, run_cli
-
-    if args.watch is not None and args.watch <= 0:
-        print("kvpool status: --watch: SECONDS must be positive", file=sys.stderr)
-        return 2
-    master = args.master or default_master(os.environ)
-    return run_cli(master, watch_s=args.watch, as_json=args.json)
+    options = status.StatusOptions(master=args.master, watch_s=args.watch, as_json=args.json)
+    return status.run(options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -399,4 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         parser.print_help(sys.stderr)
         return 2
-    return run(args)
+    try:
+        return run(args)
+    except ConfigError as exc:  # the one place a usage error becomes exit status 2
+        print(f"{args.command_name}: {exc}", file=sys.stderr)
+        return 2

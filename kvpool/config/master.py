@@ -1,9 +1,17 @@
-"""``kvpool master``'s flags: the seed's names, units and command-line spellings."""
+"""``kvpool master``'s flags: Mooncake's names, units and command-line spellings.
+
+Each flag is declared once, as a field of :class:`MasterConfig` whose metadata holds its
+parser and help text; :data:`MASTER_FLAGS` lists them.  Everything that reads a master's
+flags reads that table: the ``kvpool master`` argparse builder (``kvpool.cli``),
+:meth:`MasterConfig.from_flags` (values as typed or as a running master reports them) and
+:meth:`MasterConfig.from_argv` (a whole command line as the production guide writes it,
+which ``doctor --master-cmd`` and the deploy files use).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvpool.config.values import (
@@ -18,28 +26,89 @@ from kvpool.config.values import (
 )
 from kvpool.errors import ConfigError
 
-__all__ = ["MasterConfig"]
+__all__ = ["MASTER_FLAGS", "Flag", "MasterConfig"]
+
+Parser = Callable[[object, str], object]  # (value as given, "--flag") -> typed value
+
+
+def _string(value: object, key: str) -> str:
+    return require_str(value, key)
+
+
+def _integer(value: object, key: str) -> int:
+    return parse_int(value, key=key)
+
+
+def _positive(value: object, key: str) -> int:
+    return parse_int(value, key=key, minimum=1)
+
+
+def _ratio(value: object, key: str) -> float:
+    return parse_ratio(value, key=key)
+
+
+def _size(value: object, key: str) -> int:
+    return parse_size(value, key=key)
+
+
+def _bool(value: object, key: str) -> bool:
+    return parse_bool_value(value, key=key)
+
+
+def _flag(default: Any, parse: Parser, help: str) -> Any:
+    """A MasterConfig field that is also a command-line flag."""
+    return field(default=default, metadata={"parse": parse, "help": help})
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One master flag: ``--name`` (or ``--kebab-name``), how its text is read, its
+    default and its help line."""
+
+    name: str
+    parse: Parser
+    default: object
+    help: str
+
+    @property
+    def is_bool(self) -> bool:
+        """A bare ``--name`` means true (gflags style, as Mooncake's master takes it)."""
+        return self.parse is _bool
+
+    @property
+    def shown_default(self) -> str:
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        if self.parse is _size and isinstance(self.default, int) and self.default:
+            for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+                if self.default % size == 0:
+                    return f"{self.default // size}{unit}"
+        return str(self.default) if self.default != "" else "none"
 
 
 @dataclass(frozen=True, slots=True)
 class MasterConfig:
-    """Everything ``kvpool master`` takes; field names are the seed's flag names.
+    """Everything ``kvpool master`` takes; field names are Mooncake's master flag names.
 
-    Units as in the seed: ``default_kv_lease_ttl`` in milliseconds, ``client_ttl`` in
+    Units as Mooncake's: ``default_kv_lease_ttl`` in milliseconds, ``client_ttl`` in
     seconds.  ``port`` 0 asks the OS for a free port (tests).
     """
 
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_MASTER_PORT
-    eviction_high_watermark_ratio: float = 0.9
-    eviction_ratio: float = 0.1
-    default_kv_lease_ttl: int = 11_000
-    enable_offload: bool = False
-    client_ttl: int = 120
-    segment_size: int = DEFAULT_SEGMENT_SIZE
-    ssd_offload_path: str = ""
-    ssd_offload_limit: int = DEFAULT_OFFLOAD_LIMIT
-    eviction_policy: str = "default"
+    host: str = _flag("127.0.0.1", _string, "bind address")
+    port: int = _flag(DEFAULT_MASTER_PORT, _integer, "RPC and HTTP (/metrics, /health) port")
+    eviction_high_watermark_ratio: float = _flag(0.9, _ratio, "start evicting at this use")
+    eviction_ratio: float = _flag(0.1, _ratio, "fraction of evictable objects per round")
+    default_kv_lease_ttl: int = _flag(11_000, _positive, "read lease, milliseconds")
+    enable_offload: bool = _flag(
+        False, _bool, "demote evicted objects to the SSD tier (true/false)"
+    )
+    client_ttl: int = _flag(120, _positive, "seconds without heartbeat before a client is dropped")
+    segment_size: int = _flag(
+        DEFAULT_SEGMENT_SIZE, _size, "memory the master hosts itself, e.g. 4GB (0: none)"
+    )
+    ssd_offload_path: str = _flag("", _string, "directory of the master's SSD tier")
+    ssd_offload_limit: int = _flag(DEFAULT_OFFLOAD_LIMIT, _size, "SSD tier cap, e.g. 100GB")
+    eviction_policy: str = _flag("default", _string, "default (prefix-aware) or lru")
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -77,34 +146,23 @@ class MasterConfig:
 
         Keys may use ``_`` or ``-``; an unknown key is a ConfigError naming the flag.
         """
-        parsers: dict[str, Callable[[object, str], object]] = {
-            "host": lambda v, k: require_str(v, k),
-            "port": lambda v, k: parse_int(v, key=k),
-            "eviction_high_watermark_ratio": lambda v, k: parse_ratio(v, key=k),
-            "eviction_ratio": lambda v, k: parse_ratio(v, key=k),
-            "default_kv_lease_ttl": lambda v, k: parse_int(v, key=k, minimum=1),
-            "enable_offload": lambda v, k: parse_bool_value(v, key=k),
-            "client_ttl": lambda v, k: parse_int(v, key=k, minimum=1),
-            "segment_size": lambda v, k: parse_size(v, key=k),
-            "ssd_offload_path": lambda v, k: require_str(v, k),
-            "ssd_offload_limit": lambda v, k: parse_size(v, key=k),
-            "eviction_policy": lambda v, k: require_str(v, k),
-        }
         typed: dict[str, Any] = {}
         for raw_key, value in values.items():
             key = raw_key.lstrip("-").replace("-", "_")
-            if key not in parsers:
+            flag = _BY_NAME.get(key)
+            if flag is None:
                 raise ConfigError(
                     f"--{key}: unknown master flag; known: "
-                    + ", ".join(f"--{f.name}" for f in fields(cls))
+                    + ", ".join(f"--{f.name}" for f in MASTER_FLAGS)
                 )
-            typed[key] = parsers[key](value, f"--{key}")
+            typed[key] = flag.parse(value, f"--{key}")
         return cls(**typed)
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> MasterConfig:
-        """Parse a master command line as the seed writes it (``mooncake_master --port 50088
-        --enable_offload=true ...`` or ``kvpool master ...``); the program name is skipped."""
+        """Parse a master command line as the production guide writes it
+        (``mooncake_master --port 50088 --enable_offload=true ...`` or ``kvpool master
+        ...``); the program name is skipped."""
         args = list(argv)
         while args and not args[0].startswith("-"):
             args.pop(0)  # mooncake_master / kvpool master
@@ -115,17 +173,21 @@ class MasterConfig:
             if not token.startswith("--"):
                 raise ConfigError(f"master command: unexpected argument {token!r}")
             name, eq, value = token[2:].partition("=")
-            if (
-                not eq
-                and name.replace("-", "_") == "enable_offload"
-                and (i + 1 >= len(args) or args[i + 1].startswith("--"))
-            ):
+            flag = _BY_NAME.get(name.replace("-", "_"))
+            bare = i + 1 >= len(args) or args[i + 1].startswith("--")
+            if not eq and flag is not None and flag.is_bool and bare:
                 value = "true"  # gflags style: a bare boolean flag means true
             elif not eq:
-                if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                if bare:
                     raise ConfigError(f"--{name}: missing its value (write --{name}=VALUE)")
                 value = args[i + 1]
                 i += 1
             values[name] = value
             i += 1
         return cls.from_flags(values)
+
+
+MASTER_FLAGS: tuple[Flag, ...] = tuple(
+    Flag(f.name, f.metadata["parse"], f.default, f.metadata["help"]) for f in fields(MasterConfig)
+)
+_BY_NAME = {flag.name: flag for flag in MASTER_FLAGS}

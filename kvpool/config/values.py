@@ -117,12 +117,20 @@ def parse_size(value: object, *, key: str) -> int:
     return int(exact)
 
 
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
 def parse_bool_value(value: object, *, key: str) -> bool:
-    """A JSON boolean, or the strings true/false (templates often render strings)."""
+    """kvpool's one boolean parser, for JSON values and command-line flags alike: a JSON
+    boolean, or one of true/false, 1/0, yes/no, on/off in any case (Mooncake's flags write
+    ``--enable_offload=true``; templates often render booleans as strings)."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
     raise ConfigError(f"{key}: expected true or false, got {value!r}")
 
 

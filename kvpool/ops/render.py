@@ -1,4 +1,4 @@
-"""``kvpool config render``: per-node files from one inventory, as the seed's §4 Ansible
+"""``kvpool config render``: per-node files from one inventory, as the production guide's §4 Ansible
 template does — with the peer topologies filled in for you.
 
 Inventory (TOML or JSON, same shape; docs/configuration.md has the reference)::
@@ -12,14 +12,13 @@ Inventory (TOML or JSON, same shape; docs/configuration.md has the reference)::
 Output: ``master.sh`` (run on the first prefill host) and, per host, ``<name>/mooncake.json``,
 ``<name>/kv-transfer-config.json``, ``<name>/env.sh``, ``<name>/node.sh`` and
 ``<name>/serve.sh``.  :func:`render` is pure (inventory in, file texts out);
-:func:`run_cli` does the reading and writing.
+:func:`run` does the reading and writing.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
-import sys
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,17 +34,19 @@ from kvpool.config import (
     served_protocols,
 )
 from kvpool.errors import ConfigError
-from kvpool.ops.checks_connector import model_info
+from kvpool.ops.doctor.checks_connector import model_info
 from kvpool.ops.kvconfig import KVPOOL_CONNECTORS, Topology
 
 __all__ = [
+    "CheckOptions",
     "Host",
     "Inventory",
-    "check_cli",
+    "RenderOptions",
     "load_inventory",
     "parse_inventory",
     "render",
-    "run_cli",
+    "run",
+    "run_check",
     "write_rendered",
 ]
 
@@ -54,7 +55,7 @@ _TOP_KEYS = {
     "config_dir": "where mooncake.json lives on each node (/workspace/config)",
     "protocol": "tcp (rdma needs an RDMA transport)",
     "device_name": "RDMA NIC name (unused with tcp)",
-    "master_port": "the master's port (50088)",
+    "master_port": f"the master's port ({DEFAULT_MASTER_PORT})",
     "global_segment_size": "memory each node contributes (size, e.g. 4GB)",
     "prefill_kv_port": "base kv_port of prefill instances (30000)",
     "decode_kv_port": "base kv_port of decode instances (30100)",
@@ -256,8 +257,9 @@ def _node_json(inv: Inventory, host: Host) -> dict[str, Any]:
 
 
 def _kv_transfer_config(inv: Inventory, host: Host) -> dict[str, Any]:
-    """The seed's §5.2/§5.3 layout under kvpool's class names.  Both topology blocks are
-    written, as in the seed; the one named after the peer is what the connector routes by."""
+    """The production guide's §5.2/§5.3 layout under kvpool's class names.  Both topology
+    blocks are written, as in the guide; the one named after the peer is what the
+    connector routes by."""
     role = "kv_producer" if host.role == "prefill" else "kv_consumer"
     transfer_name, store_name = "KVPoolTransferConnector", "KVPoolStoreConnector"
     store_extra: dict[str, Any] = {"lookup_rpc_port": "0", "backend": "kvpool"}
@@ -302,7 +304,7 @@ def render(inv: Inventory) -> dict[str, str]:
     """Relative path → file text for the whole cluster."""
     files: dict[str, str] = {}
     decode_ranks = inv.topology("decode").ranks
-    connect_ms = max(10_000, 500 * decode_ranks)  # seed §5.1: ≥ 500 ms × decode ranks
+    connect_ms = max(10_000, 500 * decode_ranks)  # the guide's §5.1: ≥ 500 ms × decode ranks
     m = inv.master
     master_argv = [
         "kvpool", "master", "--host", m.host, "--port", str(m.port),
@@ -399,32 +401,39 @@ def _check_model(inv: Inventory) -> None:
         )
 
 
-def run_cli(inventory: str, out_dir: str) -> int:
-    """Entry point of ``kvpool config render``."""
-    try:
-        inv = parse_inventory(load_inventory(inventory))
-        if inv.protocol not in served_protocols():
-            raise ConfigError(
-                f'protocol: {inv.protocol!r} cannot be served here; set protocol = "tcp"'
-            )
-        _check_model(inv)
-    except ConfigError as exc:
-        print(f"kvpool config render: {exc}", file=sys.stderr)
-        return 2
-    written = write_rendered(render(inv), out_dir)
+@dataclass(frozen=True, slots=True)
+class RenderOptions:
+    """``kvpool config render INVENTORY --out DIR``."""
+
+    inventory: str
+    out: str
+
+
+def run(options: RenderOptions) -> int:
+    """``kvpool config render``: write every host's files, print what was written.  A bad
+    inventory is a ConfigError naming the key (nothing is written then)."""
+    inv = parse_inventory(load_inventory(options.inventory))
+    if inv.protocol not in served_protocols():
+        raise ConfigError(f'protocol: {inv.protocol!r} cannot be served here; set protocol = "tcp"')
+    _check_model(inv)
+    written = write_rendered(render(inv), options.out)
     for path in written:
         print(path)
     print(f"master: {inv.master.address} (run master.sh on {inv.role('prefill')[0].name})")
     return 0
 
 
-def check_cli(path: str | None) -> int:
-    """Entry point of ``kvpool config check``: validate a node config, print it resolved."""
-    try:
-        node = load_node_config(path)
-    except ConfigError as exc:
-        print(f"kvpool config check: {exc}", file=sys.stderr)
-        return 2
+@dataclass(frozen=True, slots=True)
+class CheckOptions:
+    """``kvpool config check [PATH]``: None reads KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH."""
+
+    path: str | None = None
+
+
+def run_check(options: CheckOptions) -> int:
+    """``kvpool config check``: validate a node config and print it resolved (a bad one is
+    a ConfigError naming the key)."""
+    node = load_node_config(options.path)
     for name in node.__dataclass_fields__:
         print(f"{name} = {getattr(node, name)!r}")
     return 0

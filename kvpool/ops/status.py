@@ -5,7 +5,7 @@ snapshot: tiers, clients, index stats) and ``/metrics`` (counters the snapshot l
 put failures by reason, evictions per tier).  :func:`parse_snapshot` turns the two answers
 into a :class:`PoolSnapshot` and :func:`render` turns that into rich renderables; both
 are pure, so the picture is unit-tested without a master.  Only :func:`fetch_snapshot`
-and :func:`run_cli` do I/O.
+and :func:`run` do I/O.
 
 Every ratio is shown with its denominator ("hit 37.5% (300 of 800 blocks)"): a ratio of
 nothing is printed as such, never as 0 %.
@@ -14,10 +14,9 @@ nothing is printed as such, never as 0 %.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
@@ -27,13 +26,16 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvpool.errors import PeerTimeout, ProtocolError, TransferError
+from kvpool.config import config_path_from_env, load_node_config
+from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
+from kvpool.net import DEFAULT_MASTER_PORT, http_get
 
 __all__ = [
     "ClientInfo",
     "PoolSnapshot",
     "Rates",
     "Ratio",
+    "StatusOptions",
     "TierUse",
     "default_master",
     "fetch_snapshot",
@@ -41,7 +43,7 @@ __all__ = [
     "parse_snapshot",
     "rates",
     "render",
-    "run_cli",
+    "run",
 ]
 
 
@@ -318,20 +320,15 @@ def render(snapshot: PoolSnapshot, rate: Rates | None = None) -> RenderableType:
 
 # --------------------------------------------------------------------------------- I/O
 def _get(url: str, timeout_s: float) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            body: bytes = resp.read()
-            return body
-    except urllib.error.HTTPError as exc:
-        raise ProtocolError(f"GET {url}: HTTP {exc.code} (is this a kvpool master?)") from exc
-    except TimeoutError as exc:
-        raise PeerTimeout(f"GET {url}: no answer in {timeout_s} s") from exc
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, TimeoutError):
-            raise PeerTimeout(f"GET {url}: no answer in {timeout_s} s") from exc
-        raise TransferError(f"GET {url}: {exc.reason}") from exc
-    except OSError as exc:
-        raise TransferError(f"GET {url}: {exc}") from exc
+    """The body of a 2xx answer; anything else is the typed error the CLI reports."""
+    reply = http_get(url, timeout_s, max_bytes=64 << 20)
+    if reply.ok:
+        return reply.body
+    if reply.status is not None:
+        raise ProtocolError(f"GET {url}: HTTP {reply.status} (is this a kvpool master?)")
+    if reply.error is not None and reply.error.startswith("no answer in"):
+        raise PeerTimeout(f"GET {url}: no answer in {timeout_s} s")
+    raise TransferError(f"GET {url}: {reply.error}")
 
 
 def fetch_snapshot(master: str, timeout_s: float = 5.0) -> PoolSnapshot:
@@ -351,9 +348,6 @@ def fetch_snapshot(master: str, timeout_s: float = 5.0) -> PoolSnapshot:
 def default_master(env: Mapping[str, str]) -> str:
     """The master named by the node config (KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH) when
     one is set and valid, else the local default: status on a node needs no flag."""
-    from kvpool.config import DEFAULT_MASTER_PORT, config_path_from_env, load_node_config
-    from kvpool.errors import ConfigError
-
     if config_path_from_env(env) is not None:
         try:
             return load_node_config(env=env).master_address
@@ -362,19 +356,29 @@ def default_master(env: Mapping[str, str]) -> str:
     return f"127.0.0.1:{DEFAULT_MASTER_PORT}"
 
 
-def run_cli(
-    master: str,
+@dataclass(frozen=True, slots=True)
+class StatusOptions:
+    """``kvpool status``: ``master`` None means the node config's, else the local default."""
+
+    master: str | None = None
+    watch_s: float | None = None  # refresh every so many seconds until Ctrl-C
+    as_json: bool = False  # one JSON line per update
+    max_updates: int | None = None  # stop after so many updates (scripts, tests)
+
+    def __post_init__(self) -> None:
+        if self.watch_s is not None and self.watch_s <= 0:
+            raise ConfigError("--watch: SECONDS must be positive")
+
+
+def run(
+    options: StatusOptions,
     *,
-    watch_s: float | None = None,
-    as_json: bool = False,
-    max_updates: int | None = None,
     out: TextIO | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """Print the status once, or every ``watch_s`` seconds until Ctrl-C (or
     ``max_updates``).  Exit status 1 when the master cannot be read."""
-    from kvpool.errors import KVPoolError
-
+    master = options.master or default_master(os.environ)
     stream = out or sys.stdout
     console = Console(file=stream, highlight=False)
     previous: PoolSnapshot | None = None
@@ -390,16 +394,18 @@ def run_cli(
                     file=sys.stderr,
                 )
                 return 1
-            if as_json:
+            if options.as_json:
                 print(json.dumps(snap.to_json()), file=stream, flush=True)
             else:
-                if watch_s is not None and stream.isatty():
+                if options.watch_s is not None and stream.isatty():
                     console.clear()
                 console.print(render(snap, rates(previous, snap) if previous else None))
             updates += 1
-            if watch_s is None or (max_updates is not None and updates >= max_updates):
+            if options.watch_s is None or (
+                options.max_updates is not None and updates >= options.max_updates
+            ):
                 return 0
             previous = snap
-            sleep(watch_s)
+            sleep(options.watch_s)
     except KeyboardInterrupt:
         return 0

@@ -4,10 +4,12 @@ import shlex
 
 import pytest
 
+from kvpool.cli import build_parser
 from kvpool.config import (
     MasterConfig,
     parse_node_config,
 )
+from kvpool.config.master import MASTER_FLAGS
 from kvpool.errors import ConfigError
 
 
@@ -16,7 +18,7 @@ def test_master_server_address_is_accepted_as_mooncake_spells_it() -> None:
     assert parse_node_config(data).master_address == "m:1234"
 
 
-def test_master_defaults_are_the_seeds() -> None:
+def test_master_defaults_are_the_guides() -> None:
     cfg = MasterConfig()
     assert (cfg.host, cfg.port) == ("127.0.0.1", 50088)
     assert (cfg.eviction_high_watermark_ratio, cfg.eviction_ratio) == (0.9, 0.1)
@@ -24,7 +26,7 @@ def test_master_defaults_are_the_seeds() -> None:
     assert cfg.client_ttl_ms == 120_000 and cfg.lease_ttl_ms == 11_000
 
 
-def test_master_parses_the_seeds_command_lines_as_written() -> None:
+def test_master_parses_the_guides_command_lines_as_written() -> None:
     line = (
         "mooncake_master --port 50088 --eviction_high_watermark_ratio 0.9 --eviction_ratio 0.1"
         " --default_kv_lease_ttl 11000 --enable_offload=true --client_ttl=120"
@@ -62,3 +64,41 @@ def test_master_flags_out_of_range_name_the_flag(flags: dict[str, object], flag:
 def test_master_typed_construction_is_validated_too() -> None:
     with pytest.raises(ConfigError, match="--eviction_ratio"):
         MasterConfig(eviction_ratio=2.0)
+
+
+def test_every_master_field_is_a_flag_declared_once() -> None:
+    assert [f.name for f in MASTER_FLAGS] == list(MasterConfig.__dataclass_fields__)
+    defaults = MasterConfig()
+    for flag in MASTER_FLAGS:
+        assert flag.default == getattr(defaults, flag.name), flag.name
+        assert flag.help, flag.name
+
+
+def test_kvpool_master_takes_every_flag_in_both_spellings_with_its_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["master", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps long lines
+    for flag in MASTER_FLAGS:
+        assert f"--{flag.name}" in text, flag.name
+        assert f"--{flag.name.replace('_', '-')}" in text, flag.name
+        assert f"(default {flag.shown_default})" in text, flag.name
+    assert "(default 50088)" in text and "(default 1GiB)" in text
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--enable_offload=on", "--port", "50099", "--eviction-ratio=0.2"],
+        ["--enable-offload", "yes", "--port=50099", "--eviction_ratio", "0.2"],
+        ["--port", "50099", "--eviction_ratio=0.2", "--enable_offload"],
+    ],
+)
+def test_argparse_and_the_command_line_parser_read_the_same_table(argv: list[str]) -> None:
+    from_argv = MasterConfig.from_argv(["kvpool", "master", *argv])
+    args = build_parser().parse_args(["master", *argv])
+    given = {f.name: getattr(args, f.name) for f in MASTER_FLAGS}
+    from_cli = MasterConfig.from_flags({k: v for k, v in given.items() if v is not None})
+    assert from_argv == from_cli
+    assert (from_cli.enable_offload, from_cli.port, from_cli.eviction_ratio) == (True, 50099, 0.2)

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from kvpool.config import (
     Timeouts,
+    parse_bool_value,
     parse_host_port,
     parse_size,
     parse_timeouts,
@@ -72,3 +73,20 @@ def test_parse_host_port_accepts_ipv6_brackets() -> None:
     assert parse_host_port("[::1]:50088", key="m") == ("::1", 50088)
     with pytest.raises(ConfigError, match="m: expected host:port"):
         parse_host_port(":50088", key="m")
+
+
+@pytest.mark.parametrize("word", ["true", "1", "yes", "on", "TRUE", " Yes ", "On"])
+def test_one_bool_parser_takes_every_true_word(word: str) -> None:
+    assert parse_bool_value(word, key="k") is True
+
+
+@pytest.mark.parametrize("word", ["false", "0", "no", "off", "False", " NO ", "Off"])
+def test_one_bool_parser_takes_every_false_word(word: str) -> None:
+    assert parse_bool_value(word, key="k") is False
+
+
+@pytest.mark.parametrize("value", ["maybe", "", "2", 1, 0, None, 1.0])
+def test_the_bool_parser_refuses_anything_else_naming_the_key(value: object) -> None:
+    with pytest.raises(ConfigError, match="enable_ssd_offload: expected true or false"):
+        parse_bool_value(value, key="enable_ssd_offload")
+    assert parse_bool_value(True, key="k") is True and parse_bool_value(False, key="k") is False

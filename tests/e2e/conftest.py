@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from kvpool.ops.up.tiny_model import build_tiny_model
 from kvpool.testing import processes
 from kvpool.testing.processes import PoolProcess
-from kvpool.testing.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT_MARK = "KVPOOL_E2E_RESULT "

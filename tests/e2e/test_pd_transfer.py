@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.testing.tiny_model import sample_text
+from kvpool.ops.up.tiny_model import sample_text
 from tests.e2e.conftest import Master, start_master
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -32,9 +31,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kvpool.ops.up import CHAT_TEMPLATE
-from kvpool.ops.up_run import STATE_FILE
-from kvpool.testing.tiny_model import sample_text
+from kvpool.ops.up.lifecycle import STATE_FILE
+from kvpool.ops.up.plan import CHAT_TEMPLATE
+from kvpool.ops.up.tiny_model import sample_text
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -156,6 +156,7 @@ class Stack:
     info: dict[str, Any]
     lines: list[str] = field(default_factory=list)
     children: dict[int, str] = field(default_factory=dict)
+    reader: threading.Thread | None = None  # appends kvpool up's output to lines
 
     @property
     def proxy(self) -> str:
@@ -163,6 +164,19 @@ class Stack:
 
     def output(self) -> str:
         return "\n".join(self.lines)
+
+    def wait_for_output(self, text: str, timeout_s: float) -> None:
+        """Until kvpool up has printed ``text`` (the output so far when it does not)."""
+        try:
+            wait_until(lambda: text in self.output(), timeout_s, interval_s=0.2, what=repr(text))
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{self.output()}") from None
+
+    def read_to_end(self) -> str:
+        """The whole output once kvpool up has exited: the reader ends at end of file."""
+        if self.reader is not None:
+            _join_reader(self.reader)
+        return self.output()
 
     def pid(self, name: str) -> int:
         return int(self.info["processes"][name]["pid"])
@@ -175,6 +189,11 @@ def _read_lines(proc: subprocess.Popen[str], sink: list[str]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
         sink.append(line.rstrip("\n"))
+
+
+def _join_reader(reader: threading.Thread) -> None:
+    reader.join(30)
+    assert not reader.is_alive(), "kvpool up exited but its output did not end"
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +216,8 @@ def stack(reference: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
     reader = threading.Thread(target=_read_lines, args=(proc, lines), daemon=True)
     reader.start()
     try:
-        info = _wait_ready(proc, state, lines)
-        stack = Stack(proc, state, info, lines)
+        info = _wait_ready(proc, state, lines, reader)
+        stack = Stack(proc, state, info, lines, reader=reader)
         stack.children = descendants(proc.pid)
         yield stack
     finally:
@@ -214,20 +233,23 @@ def stack(reference: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
             proc.stdout.close()
 
 
-def _wait_ready(proc: subprocess.Popen[str], state: Path, lines: list[str]) -> dict[str, Any]:
-    deadline = time.monotonic() + START_TIMEOUT_S + 60
-    while time.monotonic() < deadline:
+def _wait_ready(
+    proc: subprocess.Popen[str], state: Path, lines: list[str], reader: threading.Thread
+) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
         if proc.poll() is not None:
-            time.sleep(0.5)  # let the reader catch the last lines
-            raise AssertionError(f"kvpool up exited with {proc.returncode}:\n" + "\n".join(lines))
+            _join_reader(reader)  # every last line, then say why
+            raise AssertionError(f"kvpool up exited with {proc.returncode}")
         try:
             info: dict[str, Any] = json.loads((state / STATE_FILE).read_text())
-            if info["status"] == "ready":
-                return info
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(1)
-    raise AssertionError("kvpool up not ready in time:\n" + "\n".join(lines))
+        except (OSError, ValueError):
+            return None
+        return info if info.get("status") == "ready" else None
+
+    try:
+        return wait_until(ready, START_TIMEOUT_S + 60, interval_s=1, what="kvpool up ready")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n" + "\n".join(lines)) from None
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -327,7 +349,7 @@ def master_metric(stack: Stack, name: str) -> float:
 
 
 @pytest.mark.timeout(1200)  # includes the reference run and the stack's start
-def test_the_stack_is_up_with_the_seeds_connectors(stack: Stack, tiny_model_dir: Path) -> None:
+def test_the_stack_is_up_with_the_guides_connectors(stack: Stack, tiny_model_dir: Path) -> None:
     assert set(stack.info["processes"]) == {"master", "prefill-0", "decode-0", "decode-1", "proxy"}
     assert all(p["alive"] for p in stack.info["processes"].values())
     # the model kvpool up built is byte for byte the one the reference ran
@@ -339,7 +361,7 @@ def test_the_stack_is_up_with_the_seeds_connectors(stack: Stack, tiny_model_dir:
     assert len(health["decode"]) == 2 and all(d["healthy"] for d in health["decode"])
     status, models = get_json(stack.proxy + "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
-    # the seed's §8.2 log checks, with kvpool's class names
+    # the production guide's §8.2 log checks, with kvpool's class names
     p_log = stack.log("prefill-0")
     assert "[KVPoolTransferConnector] role=kv_producer" in p_log
     assert "[KVPoolStoreConnector] role=kv_producer, backend=mooncake" in p_log
@@ -367,10 +389,12 @@ def test_completion_and_streamed_chat_equal_a_plain_instance(
     loads = sum(stack.log(d).count("loaded request") for d in ("decode-0", "decode-1"))
     assert loads == loads_before + len(PROMPTS) + 1
     # ...and the long prompt's full blocks went into the pool through the store connector
-    deadline = time.monotonic() + 30
-    while master_metric(stack, "kvpool_kv_cache_blocks_total") < 2:
-        assert time.monotonic() < deadline, "no block of the long prompt reached the pool"
-        time.sleep(0.5)
+    wait_until(
+        lambda: master_metric(stack, "kvpool_kv_cache_blocks_total") >= 2,
+        30,
+        interval_s=0.5,
+        what="a block of the long prompt in the pool",
+    )
 
 
 def test_concurrent_streaming_clients_get_no_errors_and_right_answers(
@@ -420,17 +444,11 @@ def test_a_decode_killed_mid_stream_errors_that_request_and_the_rest_is_served(
     assert not client.result.done
     assert client.result.errors, client.result
     # kvpool up reports the death and keeps the rest running
-    deadline = time.monotonic() + 30
-    while f"{victim} exited (signal SIGKILL)" not in stack.output():
-        assert time.monotonic() < deadline, stack.output()
-        time.sleep(0.2)
+    stack.wait_for_output(f"{victim} exited (signal SIGKILL)", 30)
     assert stack.proc.poll() is None
     # and stops what the dead API server left behind (its engine processes): SIGTERM,
     # then SIGKILL after kvpool up's 20 s stop timeout
-    deadline = time.monotonic() + 60
-    while f"{victim:<10} rest of its process group " not in stack.output():
-        assert time.monotonic() < deadline, stack.output()
-        time.sleep(0.2)
+    stack.wait_for_output(f"{victim:<10} rest of its process group ", 60)
     assert group_members(stack.pid(victim)) == []
     # the proxy stays up and serves every next request on the other decode instance
     for prompt in AFTER_KILL_PROMPTS:
@@ -449,8 +467,7 @@ def test_sigterm_stops_every_process_it_started(stack: Stack) -> None:
     assert len(children) >= 5 + 2 * 3
     stack.proc.send_signal(signal.SIGTERM)
     stack.proc.wait(timeout=180)
-    time.sleep(1)  # the reader thread takes the last lines
-    out = stack.output()
+    out = stack.read_to_end()
     assert stack.proc.returncode == 0, out
     assert still_alive(children) == [], out
     assert not (stack.state / STATE_FILE).exists()

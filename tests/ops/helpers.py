@@ -1,5 +1,5 @@
 """Helpers for the operator tools' tests: a stand-in master answering /health and /metrics on a
-real 127.0.0.1 socket, and helpers that build the seed's configurations."""
+real 127.0.0.1 socket, and helpers that build the production guide's configurations."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-# The seed's §5.2 / §5.3 configurations, with kvpool's class names and module paths.
+# The production guide's §5.2 / §5.3 configurations, with kvpool's class names and module paths.
 SEED_P: dict[str, Any] = {
     "kv_connector": "MultiConnector",
     "kv_role": "kv_producer",
@@ -128,7 +128,7 @@ def seed_d() -> dict[str, Any]:
 
 
 def seedify(config: dict[str, Any]) -> dict[str, Any]:
-    """The same config under the seed's own class names (no module paths)."""
+    """The same config under the production guide's own class names (no module paths)."""
     c = copy.deepcopy(config)
     transfer, store = c["kv_connector_extra_config"]["connectors"]
     transfer["kv_connector"], store["kv_connector"] = "MooncakeConnectorV1", "AscendStoreConnector"

@@ -16,8 +16,8 @@ import pytest
 
 from kvpool.config import load_node_config
 from kvpool.errors import ConfigError
-from kvpool.ops.checks import Status
 from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
+from kvpool.ops.doctor.checks import Status
 from kvpool.ops.kvconfig import Topology, parse_kv_transfer_text, parse_vllm_command
 from kvpool.ops.render import load_inventory, parse_inventory, render, write_rendered
 from tests.ops.helpers import MLA_MODEL, StandInMaster, free_port_range
@@ -29,7 +29,7 @@ def example() -> dict[str, Any]:
     return tomllib.loads(EXAMPLE.read_text())
 
 
-def test_the_example_inventory_renders_the_seeds_configs() -> None:
+def test_the_example_inventory_renders_the_guides_configs() -> None:
     files = render(parse_inventory(example()))
     assert set(files) == {
         "master.sh",
@@ -54,7 +54,7 @@ def test_the_example_inventory_renders_the_seeds_configs() -> None:
     assert {e.role for e in d.entries} == {"kv_consumer"}
     assert p.transfer is not None and d.transfer is not None
     assert (p.transfer.port("kv_port"), d.transfer.port("kv_port")) == (30000, 30100)
-    # the peer's layout, as the seed's §5.4 requires
+    # the peer's layout, as the production guide's §5.4 requires
     assert p.transfer.topology("decode") == Topology(8, 4)
     assert d.transfer.topology("prefill") == Topology(4, 8)
     assert p.store is not None and d.store is not None

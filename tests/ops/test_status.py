@@ -21,13 +21,14 @@ from kvpool.errors import ObjectNotFound, ProtocolError, TransferError
 from kvpool.ops.status import (
     PoolSnapshot,
     Ratio,
+    StatusOptions,
     default_master,
     fetch_snapshot,
     format_bytes,
     parse_snapshot,
     rates,
     render,
-    run_cli,
+    run,
 )
 from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
@@ -202,7 +203,7 @@ def pool() -> Iterator[PoolProcess]:
 
 def test_status_of_a_real_master(pool: PoolProcess) -> None:
     out = io.StringIO()
-    assert run_cli(pool.address, out=out) == 0
+    assert run(StatusOptions(master=pool.address), out=out) == 0
     text = out.getvalue()
     assert f"kvpool {pool.address}" in text
     assert "50.0% (4 of 8 gets)" in text
@@ -224,8 +225,10 @@ def test_status_json_and_watch(pool: PoolProcess) -> None:
     out = io.StringIO()
     sleeps: list[float] = []
     assert (
-        run_cli(
-            pool.address, watch_s=0.5, as_json=True, max_updates=3, out=out, sleep=sleeps.append
+        run(
+            StatusOptions(master=pool.address, watch_s=0.5, as_json=True, max_updates=3),
+            out=out,
+            sleep=sleeps.append,
         )
         == 0
     )

@@ -1,6 +1,7 @@
-"""Build a tiny Llama model directory locally, for tests and benchmarks that run real vLLM.
+"""Build a tiny Llama model directory locally: ``kvpool up``'s model when no ``--model`` is
+given, and the model of the tests and benchmarks that run real vLLM.
 
-Nothing can be downloaded from a model hub here, so tests make their own model:
+Nothing needs to be downloaded from a model hub: the model is made here.
 
 - ``config.json``: a Llama config (by default hidden 128, 2 layers, 2 heads of dim 64 — the
   CPU attention kernel supports head dim 64);
@@ -13,7 +14,7 @@ Nothing can be downloaded from a model hub here, so tests make their own model:
 The same arguments always give byte-identical files, so two processes (or two test runs)
 that build the model from the same seed serve the same model.
 
-    python -m kvpool.testing.tiny_model PATH [--preset tiny|bench] [--seed N]
+    python -m kvpool.ops.up.tiny_model PATH [--preset tiny|bench] [--seed N]
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def build_from_spec(path: str | Path, spec: TinyModelSpec, *, weights: bool = Tr
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvpool.testing.tiny_model", description="Build a tiny Llama model dir."
+        prog="python -m kvpool.ops.up.tiny_model", description="Build a tiny Llama model dir."
     )
     parser.add_argument("path", type=Path)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.testing.tiny_model import build_tiny_model, main, sample_text
+from kvpool.ops.up.tiny_model import build_tiny_model, main, sample_text
 
 
 def test_build_is_deterministic(tmp_path: Path) -> None:

@@ -13,14 +13,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool.core.keys import KeyNamespace, chunk_keys
-from kvpool.ops.checks_host import SsdFacts
-from kvpool.ops.checks_node import MasterFacts
+from kvpool.net import http_get, split_address
+from kvpool.ops.doctor.checks_host import SsdFacts
+from kvpool.ops.doctor.checks_node import MasterFacts
 
 __all__ = [
     "CROSS_NODE_KEY",
@@ -28,7 +27,6 @@ __all__ = [
     "PROBE_TOKENS",
     "address_is_local",
     "cross_node_probe",
-    "http_get",
     "key_probe",
     "local_probe_keys",
     "port_bind_error",
@@ -51,39 +49,29 @@ def tcp_connect_error(host: str, port: int, timeout_s: float = 2.0) -> str | Non
         return exc.strerror or str(exc) or type(exc).__name__
 
 
-def http_get(url: str, timeout_s: float = 3.0) -> tuple[int | None, str, str | None]:
-    """(status, body, error)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
-            body = reply.read(4 << 20).decode("utf-8", "replace")
-            return reply.status, body, None
-    except urllib.error.HTTPError as exc:
-        return exc.code, "", f"HTTP {exc.code} {exc.reason}"
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return None, "", str(reason)
-
-
 def probe_master(address: str, timeout_s: float = 3.0) -> MasterFacts:
     """TCP connect, then GET /health, /metrics and /api/status on the same port (the master
     serves its RPC and HTTP on one port)."""
-    host, _, port = address.rpartition(":")
-    error = tcp_connect_error(host.strip("[]"), int(port), timeout_s)
+    try:
+        host, port = split_address(address)
+    except ValueError:
+        return MasterFacts(address, f"{address!r} is not host:port")
+    error = tcp_connect_error(host, port, timeout_s)
     if error is not None:
         return MasterFacts(address, error)
-    status, _, health_error = http_get(f"http://{address}/health", timeout_s)
-    if status != 200:
-        return MasterFacts(address, None, status, health_error)
-    _, metrics, _ = http_get(f"http://{address}/metrics", timeout_s)
-    code, body, _ = http_get(f"http://{address}/api/status", timeout_s)
+    health = http_get(f"http://{address}/health", timeout_s)
+    if health.status != 200:
+        return MasterFacts(address, None, health.status, health.error)
+    metrics = http_get(f"http://{address}/metrics", timeout_s).text
+    status = http_get(f"http://{address}/api/status", timeout_s)
     snapshot = None
-    if code == 200:
+    if status.status == 200:
         try:
-            parsed = json.loads(body)
+            parsed = json.loads(status.text)
         except json.JSONDecodeError:
             parsed = None
         snapshot = parsed if isinstance(parsed, dict) else None
-    return MasterFacts(address, None, status, None, metrics, snapshot)
+    return MasterFacts(address, None, health.status, None, metrics, snapshot)
 
 
 def port_bind_error(port: int, host: str = "127.0.0.1") -> str | None:
@@ -150,7 +138,7 @@ def _tree_bytes(root: Path) -> int:
 
 
 _PROBE_SCRIPT = (
-    "import json; from kvpool.ops.probes import local_probe_keys;"
+    "import json; from kvpool.ops.doctor.probes import local_probe_keys;"
     " print(json.dumps(local_probe_keys()))"
 )
 

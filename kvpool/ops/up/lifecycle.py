@@ -21,10 +21,9 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
@@ -33,75 +32,41 @@ from typing import Any
 from rich.console import Console
 
 from kvpool.errors import ConfigError
-from kvpool.ops.up import UpOptions, UpPlan, make_plan, ready_text
-from kvpool.ops.up_procs import Running, StartupFailed, Supervisor, describe_exit, log_tail
+from kvpool.net import free_port, port_free
+from kvpool.ops.up.options import PORT_FLAGS, UpOptions
+from kvpool.ops.up.plan import UpPlan, make_plan, planned_ports, ready_text
+from kvpool.ops.up.supervisor import Running, StartupFailed, Supervisor, describe_exit, log_tail
 
-__all__ = [
-    "STATE_FILE",
-    "default_state_dir",
-    "options_from_args",
-    "resolve_ports",
-    "run_cli",
-    "run_up",
-]
+__all__ = ["STATE_FILE", "resolve_ports", "run", "usable_cpus"]
 
 STATE_FILE = "up.json"
-_PORT_FIELDS = (
-    ("master_port", "--master-port"),
-    ("proxy_port", "--proxy-port"),
-    ("prefill_port", "--prefill-port"),
-    ("decode_port", "--decode-port"),
-    ("prefill_kv_port", "--prefill-kv-port"),
-    ("decode_kv_port", "--decode-kv-port"),
-)
 
 
-def default_state_dir(env: Mapping[str, str]) -> Path:
-    """``$KVPOOL_STATE_DIR``, else ``$XDG_STATE_HOME/kvpool/up``, else ``./.kvpool-state``."""
-    if env.get("KVPOOL_STATE_DIR"):
-        return Path(env["KVPOOL_STATE_DIR"])
-    if env.get("XDG_STATE_HOME"):
-        return Path(env["XDG_STATE_HOME"]) / "kvpool" / "up"
-    return Path(".kvpool-state")
+def usable_cpus() -> tuple[int, ...]:
+    """The cores this process may run on (the vLLM instances share them by default)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return tuple(range(os.cpu_count() or 1))
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
-
-
-def resolve_ports(opts: UpOptions, zero: Mapping[str, bool]) -> UpOptions:
-    """Give every port flag that was ``0`` a free port (``zero`` names those fields)."""
-    changes: dict[str, Any] = {n: _free_port(opts.host) for n, is_zero in zero.items() if is_zero}
+def resolve_ports(opts: UpOptions) -> UpOptions:
+    """Give every port that is ``0`` (any free port) a port the kernel says is free."""
+    changes: dict[str, Any] = {
+        name: free_port(opts.host) for name, _, _ in PORT_FLAGS if getattr(opts, name) == 0
+    }
     return replace(opts, **changes) if changes else opts
 
 
 def _check_ports(plan: UpPlan) -> None:
-    opts = plan.options
-    wanted: list[tuple[int, str]] = [(opts.master_port, "--master-port")]
-    if not opts.no_vllm:
-        wanted.append((opts.proxy_port, "--proxy-port"))
-        for role in ("prefill", "decode"):
-            n = opts.prefill_instances if role == "prefill" else opts.decode_instances
-            http = opts.prefill_port if role == "prefill" else opts.decode_port
-            kv = opts.prefill_kv_port if role == "prefill" else opts.decode_kv_port
-            wanted += [(http + i, f"--{role}-port") for i in range(n)]
-            wanted += [(kv + i, f"--{role}-kv-port") for i in range(n)]
-    for port, flag in wanted:
-        if not _port_free(opts.host, port):
+    """A taken port is refused before anything starts, naming its flag, instead of a
+    child dying later with "address already in use" in its log."""
+    host = plan.options.host
+    for use in planned_ports(plan.options):
+        if not port_free(host, use.port):
             raise ConfigError(
-                f"{flag}: {opts.host}:{port} is already in use (another kvpool up?);"
-                f" stop what holds it or choose another port with {flag} (0: any free port)"
+                f"{use.flag}: {host}:{use.port} is already in use (another kvpool up?);"
+                f" stop what holds it or choose another port with {use.flag} (0: any free port)"
             )
 
 
@@ -184,7 +149,7 @@ def _prepare(plan: UpPlan, console: Console) -> None:
 def _ensure_tiny_model(model_dir: Path, console: Console) -> None:
     if (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file():
         return
-    from kvpool.testing.tiny_model import build_tiny_model
+    from kvpool.ops.up.tiny_model import build_tiny_model
 
     with console.status(f"building a small model in {model_dir} (no hub access needed)"):
         tmp = model_dir.with_name(model_dir.name + f".tmp{os.getpid()}")
@@ -222,30 +187,24 @@ def _handle_signals(flag: _StopFlag) -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def run_up(
-    opts: UpOptions,
-    *,
-    start_timeout_s: float = 300.0,
-    stop_timeout_s: float = 20.0,
-    console: Console | None = None,
-) -> int:
-    """Bring the stack up, serve until a signal, stop everything.  Returns the exit status:
-    0 after a requested stop, 1 when something failed, 2 for a usage error."""
+def run(opts: UpOptions, *, console: Console | None = None) -> int:
+    """``kvpool up``: bring the stack up, serve until a signal, stop everything.
+
+    Returns 0 after a requested stop and 1 when something failed; a usage error found
+    before anything starts (a taken port, a busy state directory) is a ConfigError.
+    """
     console = console or Console(highlight=False, soft_wrap=True)
-    try:
-        plan = make_plan(opts)
-        _claim_state_dir(opts.state_dir)
-        _check_ports(plan)
-        _prepare(plan, console)
-    except ConfigError as exc:
-        print(f"kvpool up: {exc}", file=sys.stderr)
-        return 2
+    opts = resolve_ports(opts)
+    plan = make_plan(opts)
+    _claim_state_dir(opts.state_dir)
+    _check_ports(plan)
+    _prepare(plan, console)
     stop = _StopFlag()
-    sup = Supervisor(base_env=dict(os.environ), term_timeout_s=stop_timeout_s)
+    sup = Supervisor(base_env=dict(os.environ), term_timeout_s=opts.stop_timeout_s)
     status = 0
     with _handle_signals(stop):
         try:
-            status = _start_and_serve(plan, sup, stop, start_timeout_s, console)
+            status = _start_and_serve(plan, sup, stop, opts.start_timeout_s, console)
         finally:
             _shutdown(plan, sup, console)
     return status
@@ -327,74 +286,3 @@ def _shutdown(plan: UpPlan, sup: Supervisor, console: Console) -> None:
     sup.stop_all(stopped)
     with contextlib.suppress(FileNotFoundError):
         (plan.options.state_dir / STATE_FILE).unlink()
-
-
-def _parse_cpus(text: str) -> tuple[int, ...]:
-    """``0,1`` or ``0-3`` or ``0-1,4``."""
-    cores: list[int] = []
-    try:
-        for part in text.split(","):
-            lo, dash, hi = part.strip().partition("-")
-            cores += range(int(lo), int(hi) + 1) if dash else [int(lo)]
-    except ValueError:
-        raise ConfigError(f"--cpus: expected core numbers like 0,1 or 0-3, got {text!r}") from None
-    return tuple(cores)
-
-
-def options_from_args(
-    args: Any, env: Mapping[str, str], usable_cpus: tuple[int, ...], python: str
-) -> tuple[UpOptions, dict[str, bool]]:
-    """``kvpool up``'s parsed flags → options, plus which port flags asked for any free
-    port (0), which the caller resolves with :func:`resolve_ports`."""
-    import shlex
-
-    from kvpool.config import parse_size
-
-    zero = {name: getattr(args, name) == 0 for name, _ in _PORT_FIELDS}
-    # 0 (any free port) is resolved later; 1 holds its place so the options validate
-    ports: dict[str, Any] = {name: getattr(args, name) or 1 for name, _ in _PORT_FIELDS}
-    try:
-        vllm_args = tuple(shlex.split(args.vllm_args or ""))
-    except ValueError as exc:
-        raise ConfigError(f"--vllm-args: {exc}") from None
-    opts = UpOptions(
-        # absolute, so the printed paths (KVPOOL_CONFIG_PATH=...) work from any directory
-        state_dir=(Path(args.state_dir) if args.state_dir else default_state_dir(env)).absolute(),
-        model=Path(args.model).expanduser().absolute() if args.model else None,
-        no_vllm=args.no_vllm,
-        prefill_instances=args.prefill_instances,
-        decode_instances=args.decode_instances,
-        segment_size=parse_size(args.segment_size, key="--segment-size"),
-        ssd_limit=parse_size(args.ssd_limit, key="--ssd-limit"),
-        kv_cache_bytes=parse_size(args.kv_cache_bytes, key="--kv-cache-bytes"),
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        served_model_name=args.served_model_name,
-        policy=args.policy,
-        cpus=_parse_cpus(args.cpus) if args.cpus else usable_cpus,
-        vllm_args=vllm_args,
-        python=python,
-        **ports,
-    )
-    return opts, zero
-
-
-def run_cli(args: Any) -> int:
-    """``kvpool up`` from parsed flags (the CLI's thin ``run=``)."""
-    console = Console(highlight=False, soft_wrap=True)
-    try:
-        usable = tuple(sorted(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        usable = tuple(range(os.cpu_count() or 1))
-    try:
-        opts, zero = options_from_args(args, os.environ, usable, sys.executable)
-        opts = resolve_ports(opts, zero)
-    except ConfigError as exc:
-        print(f"kvpool up: {exc}", file=sys.stderr)
-        return 2
-    return run_up(
-        opts,
-        start_timeout_s=args.start_timeout,
-        stop_timeout_s=args.stop_timeout,
-        console=console,
-    )

@@ -1,4 +1,5 @@
-"""Doctor checks over the ``--kv-transfer-config`` of a P, a D, or both (seed §5–§7, §9).
+"""Doctor checks over the ``--kv-transfer-config`` of a P, a D, or both (the
+production guide's §5–§7, §9).
 
 Pure functions: parsed configs and model facts in, :class:`Check` results out.
 """
@@ -9,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.ops.checks import Check, fail, pass_, skip, warn
+from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
 from kvpool.ops.kvconfig import (
     KVPOOL_CONNECTORS,
     SEED_CONNECTORS,
@@ -67,7 +68,8 @@ class ModelInfo:
 
 def model_info(config: Mapping[str, Any]) -> ModelInfo:
     """MLA (multi-head latent attention) stores one compressed latent per token, the same
-    on P and D whatever their TP: that is why the seed allows decode write-back only there."""
+    on P and D whatever their TP: that is why the production guide allows decode
+    write-back only there."""
     text_config = config.get("text_config")
     if isinstance(text_config, Mapping):  # multimodal wrappers nest the LM's config
         config = {**config, **text_config}
@@ -96,7 +98,7 @@ def check_connector_classes(side: Side) -> Check:
         if entry.name in SEED_CONNECTORS:
             kvpool_name = SEED_CONNECTORS[entry.name][1]
             module = KVPOOL_CONNECTORS[kvpool_name][1]
-            notes.append(f"{entry.name} is the seed's class")
+            notes.append(f"{entry.name} is the production guide's class")
             fixes.append(
                 f'replace "kv_connector": "{entry.name}" with "kv_connector": "{kvpool_name}",'
                 f' "kv_connector_module_path": "{module}"'
@@ -114,7 +116,9 @@ def check_connector_classes(side: Side) -> Check:
     kinds = {e.kind for e in side.config.entries}
     if side.side in ("prefill", "decode") and not {"transfer", "store"} <= kinds:
         missing = sorted({"transfer", "store"} - kinds)
-        problems.append(f"no {' or '.join(missing)} connector (the seed's P/D layout has both)")
+        problems.append(
+            f"no {' or '.join(missing)} connector (the production guide's P/D layout has both)"
+        )
         fixes.append(
             "use MultiConnector with KVPoolTransferConnector and KVPoolStoreConnector children"
             " (kvpool config render writes one)"
@@ -159,7 +163,7 @@ def check_failure_policy(side: Side) -> Check:
             name,
             f"kv_load_failure_policy is inside the child connector(s) {', '.join(in_children)};"
             " vLLM reads it only at the top level, so a failed load fails the request"
-            " (the seed's most common mistake)",
+            " (the production guide's most common mistake)",
             f"move it out of the child: {move}",
         )
     if policy not in (None, "recompute", "fail"):
@@ -204,7 +208,8 @@ def check_kv_ports(sides: Sequence[Side]) -> list[Check]:
                     "connector.kv_port[pair]",
                     f"P's kv_port range {p.start}..{p.stop - 1} and D's {d.start}..{d.stop - 1}"
                     " overlap: on a shared host the second instance cannot listen",
-                    'use "kv_port": "30000" on P and "kv_port": "30100" on D (the seed\'s values)',
+                    'use "kv_port": "30000" on P and "kv_port": "30100" on D'
+                    " (the production guide's values)",
                 )
             )
         else:
@@ -218,7 +223,7 @@ def _topology_of(side: Side, which: str) -> Topology | str | None:
 
 
 def check_topology(sides: Sequence[Side]) -> list[Check]:
-    """The seed's trap: the extra config's dp_size/tp_size must describe the PEER."""
+    """The production guide's trap: the extra config's dp_size/tp_size must describe the PEER."""
     results: list[Check] = []
     by_side = {s.side: s for s in sides}
     for side in sides:
@@ -409,7 +414,7 @@ def check_engine_id(sides: Sequence[Side]) -> Check | None:
         return warn(
             "connector.engine_id[pair]",
             f"P has engine_id {ids['prefill']!r} and D {ids['decode']!r};"
-            " the seed pairs a P and its D by one engine_id",
+            " the production guide pairs a P and its D by one engine_id",
             "give the paired P and D the same engine_id (or leave it unset on both)",
         )
     return pass_("connector.engine_id[pair]", f"P and D share engine_id {ids['prefill']!r}")

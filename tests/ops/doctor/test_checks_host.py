@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvpool.config import MasterConfig, NodeConfig, Timeouts
-from kvpool.ops.checks import Status
-from kvpool.ops.checks_host import (
+from kvpool.ops.doctor.checks import Status
+from kvpool.ops.doctor.checks_host import (
     PortFacts,
     SsdFacts,
     check_peer_reachable,
@@ -29,7 +29,7 @@ SSD_NODE = NodeConfig(
 )
 
 
-def test_the_seeds_2tb_default_on_a_1tb_disk_fails_with_the_export_fix() -> None:
+def test_the_guides_2tb_default_on_a_1tb_disk_fails_with_the_export_fix() -> None:
     facts = SsdFacts("/mnt/nvme/kvpool_ssd", True, True, True, free_bytes=1 * TB)
     check = check_ssd(SSD_NODE, facts, None)
     assert check.status is Status.FAIL
@@ -83,10 +83,10 @@ def test_transfer_timeout_within_seven_rdma_timeouts_fails() -> None:
     )
     transfer = next(c for c in checks if c.name == "timeouts.transfer")
     assert transfer.status is Status.FAIL
-    seed = check_timeouts(
+    guide = check_timeouts(
         Timeouts(10_000, 10_000), lease_ttl_ms=11_000, decode_ranks=16, rdma_timeout_exp=17
     )
-    assert all(c.status is Status.PASS for c in seed)  # the seed's own §5.1 values
+    assert all(c.status is Status.PASS for c in guide)  # the production guide's own §5.1 values
 
 
 # §8.3 "Decode cannot reach Prefill: nc -zv $P0_IP 30000" and port freedom
@@ -99,7 +99,7 @@ def test_busy_ports_before_start_fail_and_free_ports_when_live_fail() -> None:
     assert check_ports([PortFacts("p", 1, "in use")], live=True)[0].status is Status.PASS
 
 
-def test_prefill_kv_port_unreachable_fails_with_the_seeds_nc_command() -> None:
+def test_prefill_kv_port_unreachable_fails_with_the_guides_nc_command() -> None:
     check = check_peer_reachable("10.0.0.1", 30000, "Connection refused")
     assert check.status is Status.FAIL and "nc -zv 10.0.0.1 30000" in check.fix
     assert check_peer_reachable("10.0.0.1", 30000, None).status is Status.PASS

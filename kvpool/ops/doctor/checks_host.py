@@ -1,7 +1,7 @@
 """Doctor checks over this host's resources: the SSD tier, timeouts and ports
-(seed §3.3, §5.1, §8.3, §9).
+(the production guide's §3.3, §5.1, §8.3, §9).
 
-Pure: the facts are gathered by :mod:`kvpool.ops.probes` and passed in as values.
+Pure: the facts are gathered by :mod:`kvpool.ops.doctor.probes` and passed in as values.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.config import MasterConfig, NodeConfig, Timeouts
-from kvpool.ops.checks import Check, fail, pass_, skip, warn
+from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
 
 __all__ = [
     "PortFacts",
@@ -42,10 +42,10 @@ class PortFacts:
 def check_ssd(
     node: NodeConfig | None, facts: SsdFacts | None, master: MasterConfig | None
 ) -> Check:
-    """Seed §3.3, §8.3 row 7 and §9 box 9."""
+    """The production guide's §3.3, §8.3 row 7 and §9 box 9."""
     name = "ssd.offload"
     if node is None or not node.enable_ssd_offload:
-        # Not a warning: the seed enables SSD only on nodes that have NVMe (§9).
+        # Not a warning: the production guide enables SSD only on nodes that have NVMe (§9).
         offloads = master is not None and master.enable_offload
         note = " (the master offloads to nodes that have one)" if offloads else ""
         return pass_(name, "SSD offload is off on this node" + note)
@@ -93,8 +93,8 @@ def check_timeouts(
     decode_ranks: int | None,
     rdma_timeout_exp: int | None,
 ) -> list[Check]:
-    """Seed §5.1: connect ≥ 500 ms × decode ranks; transfer > RDMA timeout × 7; plus kvpool's
-    rule that a read lease outlives the transfer it protects."""
+    """The production guide's §5.1: connect ≥ 500 ms × decode ranks; transfer > RDMA
+    timeout × 7; plus kvpool's rule that a read lease outlives the transfer it protects."""
     results: list[Check] = []
     transfer = timeouts.transfer_timeout_ms
     if lease_ttl_ms <= transfer:
@@ -114,7 +114,7 @@ def check_timeouts(
         results.append(skip("timeouts.connect", "decode rank count unknown (no topology given)"))
     elif timeouts.connect_timeout_ms < 500 * decode_ranks:
         need = 500 * decode_ranks
-        # WARN, not FAIL: the seed counts decode *cards per node*, which doctor cannot see;
+        # WARN, not FAIL: the guide counts decode *cards per node*, which doctor cannot see;
         # with every rank counted this is the safe side of its rule.
         results.append(
             warn(
@@ -176,7 +176,7 @@ def check_ports(ports: Sequence[PortFacts], *, live: bool) -> list[Check]:
 
 
 def check_peer_reachable(host: str, port: int, error: str | None) -> Check:
-    """Seed §8.3 row 1: ``nc -zv $P0_IP 30000`` from the decode host."""
+    """The production guide's §8.3 row 1: ``nc -zv $P0_IP 30000`` from the decode host."""
     if error is not None:
         return fail(
             "ports.prefill_reachable",

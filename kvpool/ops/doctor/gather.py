@@ -1,10 +1,8 @@
-"""``kvpool doctor``: the seed's troubleshooting table (§8.3) and checklist (§9) as one command.
+"""The edge of ``kvpool doctor``: read every input (flags, files, the environment) and
+probe the outside world (through :mod:`.probes`) into one :class:`~.facts.Gathered`.
 
-    inputs (flags, files, env) ──gather──▶ facts ──pure checks──▶ [Check] ──▶ text | JSON
-
-:func:`gather` is the only function here that touches files, sockets or the environment
-(through :mod:`kvpool.ops.probes`); :func:`diagnose` turns gathered inputs into checks and
-is what the tests drive with broken setups.
+Nothing here decides whether a fact is good or bad; :mod:`.diagnose` does, purely.  An
+input that cannot be read becomes a failed ``input.*`` check rather than a traceback.
 """
 
 from __future__ import annotations
@@ -12,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 
 from kvpool import __version__
@@ -22,38 +18,19 @@ from kvpool.config import (
     CONFIG_PATH_VARS,
     MasterConfig,
     NodeConfig,
-    Timeouts,
     config_path_from_env,
     env_lookup,
     load_node_config,
     parse_timeouts,
 )
 from kvpool.errors import ConfigError
-from kvpool.ops import probes
-from kvpool.ops.checks import Check, Status, fail
-from kvpool.ops.checks_connector import ModelInfo, Side, connector_checks, model_info
-from kvpool.ops.checks_host import (
-    PortFacts,
-    SsdFacts,
-    check_peer_reachable,
-    check_ports,
-    check_ssd,
-    check_timeouts,
-)
-from kvpool.ops.checks_node import (
-    ConfigFileFacts,
-    MasterFacts,
-    check_config_file,
-    check_cross_node,
-    check_hashseed,
-    check_key_agreement,
-    check_local_hostname,
-    check_master,
-    check_master_address,
-    check_master_flags,
-    check_registered,
-)
-from kvpool.ops.checks_settings import settings_checks, transfer_settings
+from kvpool.ops.doctor import probes
+from kvpool.ops.doctor.checks import fail
+from kvpool.ops.doctor.checks_connector import Side, model_info
+from kvpool.ops.doctor.checks_host import PortFacts
+from kvpool.ops.doctor.checks_node import ConfigFileFacts
+from kvpool.ops.doctor.facts import Gathered
+from kvpool.ops.doctor.options import DoctorOptions
 from kvpool.ops.kvconfig import (
     KVTransferConfig,
     command_argv,
@@ -61,62 +38,9 @@ from kvpool.ops.kvconfig import (
     parse_vllm_command,
 )
 
-__all__ = [
-    "DoctorOptions",
-    "Gathered",
-    "diagnose",
-    "exit_code",
-    "format_json",
-    "format_text",
-    "gather",
-    "read_connector_input",
-    "run_cli",
-    "run_doctor",
-]
+__all__ = ["gather", "read_connector_input"]
 
 _MAX_PORTS_PER_RANGE = 64
-
-
-@dataclass(frozen=True, slots=True)
-class DoctorOptions:
-    """What the operator gave on the command line (strings as typed)."""
-
-    config: str | None = None
-    kv_transfer_config: str | None = None  # JSON, a file, or a vLLM command line
-    vllm_cmd: str | None = None
-    prefill_config: str | None = None
-    decode_config: str | None = None
-    model: str | None = None
-    master: str | None = None
-    master_cmd: str | None = None
-    prefill_host: str | None = None
-    live: bool = False
-    separate_hosts: bool = False
-    probe_keys: bool = True
-
-
-@dataclass(slots=True)
-class Gathered:
-    """Every fact doctor's checks need, already read from the outside world."""
-
-    env: Mapping[str, str]
-    input_errors: list[Check] = field(default_factory=list)
-    sides: list[Side] = field(default_factory=list)
-    local_sides: set[str] = field(default_factory=set)
-    model: ModelInfo | None = None
-    config_file: ConfigFileFacts | None = None
-    hostname_error: str | None = None
-    master: MasterFacts | None = None
-    master_arg: str | None = None
-    master_config: MasterConfig | None = None
-    master_config_error: str | None = None
-    timeouts: Timeouts | None = None
-    ssd: SsdFacts | None = None
-    ports: list[PortFacts] = field(default_factory=list)
-    live: bool = False
-    peer: tuple[str, int, str | None] | None = None
-    key_probe: Mapping[str, Sequence[str] | str] = field(default_factory=dict)
-    cross_node: tuple[Mapping[str, object] | None, bool, str | None] | None = None
 
 
 def read_connector_input(value: str) -> tuple[KVTransferConfig, object]:
@@ -292,7 +216,7 @@ def _gather_ports(g: Gathered, options: DoctorOptions) -> None:
                 label = f"{side.side} kv_port"
                 g.ports.append(_port_facts(label, port, ranks, options.live))
         if side.config.store is not None and side.config.store.is_seed_name:
-            # kvpool's store connector takes no TCP port for lookups; the seed's does.
+            # kvpool's store connector takes no TCP port for lookups; AscendStoreConnector does.
             port = side.config.store.port("lookup_rpc_port")
             if isinstance(port, int) and 0 < port < 65536:
                 label = f"{side.side} lookup_rpc_port"
@@ -303,113 +227,3 @@ def _gather_ports(g: Gathered, options: DoctorOptions) -> None:
         port = transfer.port("kv_port") if transfer is not None else None
         port = port if isinstance(port, int) else 30000
         g.peer = (options.prefill_host, port, probes.tcp_connect_error(options.prefill_host, port))
-
-
-def _decode_ranks(sides: Sequence[Side]) -> int | None:
-    for side in sides:
-        if side.side == "decode" and side.own_topology is not None:
-            return side.own_topology.ranks
-    for side in sides:
-        topology = side.config.transfer.topology("decode") if side.config.transfer else None
-        if topology is not None and not isinstance(topology, str):
-            return topology.ranks
-    return None
-
-
-def _effective_timeouts(g: Gathered) -> Timeouts | None:
-    """The transfer connector's own values when it is configured here (its extra config and
-    variables win there), else the node config's / environment's."""
-    for side in g.sides:
-        node = g.config_file.node if g.config_file else None
-        local = side.side in g.local_sides
-        settings = transfer_settings(side, g.env, node) if local else None
-        if settings is not None:
-            return Timeouts(settings.connect_timeout_ms, settings.transfer_timeout_ms)
-    return g.timeouts
-
-
-def diagnose(g: Gathered) -> list[Check]:
-    """Every check, in report order, from gathered facts (pure)."""
-    checks: list[Check] = list(g.input_errors)
-    node = g.config_file.node if g.config_file else None
-    if g.config_file is not None:
-        checks += check_config_file(g.config_file)
-    checks.append(check_local_hostname(node, g.hostname_error))
-    checks.append(check_master_address(node, g.master_arg))
-    checks += check_master(g.master)
-    registered = check_registered(g.master, node) if g.live else None
-    checks += [registered] if registered is not None else []
-    checks += check_master_flags(g.master_config, g.master_config_error)
-    seed_names = any(e.is_seed_name for s in g.sides for e in s.config.entries)
-    checks.append(check_hashseed(g.env, seed_connectors=seed_names))
-    checks += check_key_agreement(g.key_probe)
-    mine = g.key_probe.get("this process")
-    if isinstance(mine, list):
-        checks.append(check_cross_node(g.cross_node, mine))
-    same_host = len(g.local_sides) == len(g.sides)
-    checks += connector_checks(g.sides, g.model, same_host=same_host)
-    node_error = g.config_file.error if g.config_file else None
-    checks += settings_checks(g.sides, g.env, node, node_error)
-    checks.append(check_ssd(node, g.ssd, g.master_config))
-    timeouts = _effective_timeouts(g)
-    if timeouts is not None:
-        lease = (g.master_config or MasterConfig()).default_kv_lease_ttl
-        rdma = g.env.get("HCCL_RDMA_TIMEOUT", "").strip()
-        checks += check_timeouts(
-            timeouts,
-            lease_ttl_ms=lease,
-            decode_ranks=_decode_ranks(g.sides),
-            rdma_timeout_exp=int(rdma) if rdma.isdigit() else None,
-        )
-    checks += check_ports(g.ports, live=g.live)
-    if g.peer is not None:
-        checks.append(check_peer_reachable(*g.peer))
-    return checks
-
-
-def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> list[Check]:
-    return diagnose(gather(options, env))
-
-
-def exit_code(checks: Sequence[Check]) -> int:
-    return 1 if any(c.status is Status.FAIL for c in checks) else 0
-
-
-def _summary(checks: Sequence[Check]) -> dict[str, int]:
-    return {s.value.lower(): sum(c.status is s for c in checks) for s in Status}
-
-
-def format_text(checks: Sequence[Check]) -> str:
-    width = max((len(c.name) for c in checks), default=10)
-    lines = []
-    for c in checks:
-        line = f"{c.status.value:<4}  {c.name:<{width}}  {c.message}"
-        lines.append(line + (f" — fix: {c.fix}" if c.fix else ""))
-    counts = _summary(checks)
-    lines.append(
-        f"{counts['fail']} failed, {counts['warn']} warnings, {counts['pass']} passed,"
-        f" {counts['skip']} skipped"
-    )
-    return "\n".join(lines)
-
-
-def format_json(checks: Sequence[Check]) -> str:
-    return json.dumps(
-        {
-            "ok": exit_code(checks) == 0,
-            "summary": _summary(checks),
-            "checks": [c.to_dict() for c in checks],
-        },
-        indent=2,
-        ensure_ascii=False,
-    )
-
-
-def run_cli(options: DoctorOptions, *, as_json: bool) -> int:
-    """Entry point of ``kvpool doctor``: print the report, return the exit status."""
-    checks = run_doctor(options)
-    try:
-        print(format_json(checks) if as_json else format_text(checks), flush=True)
-    except BrokenPipeError:  # `kvpool doctor | head`: the reader left; the status stands
-        sys.stderr.close()
-    return exit_code(checks)

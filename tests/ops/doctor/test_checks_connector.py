@@ -1,5 +1,5 @@
-"""One broken configuration per row of the seed's §8.3 table and box of §9 that concerns
-the connectors, each asserting doctor's diagnosis; and the correct seed config passing."""
+"""One broken configuration per row of the production guide's §8.3 table and box of §9 that concerns
+the connectors, each asserting doctor's diagnosis; and the correct guide config passing."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.ops.checks import Check, Status
-from kvpool.ops.checks_connector import (
+from kvpool.ops.doctor.checks import Check, Status
+from kvpool.ops.doctor.checks_connector import (
     Side,
     check_connector_classes,
     check_consumer_is_to_put,
@@ -34,7 +34,7 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
     return {c.name: c for c in checks}
 
 
-def test_the_seeds_pd_pair_with_kvpool_names_passes_every_check() -> None:
+def test_the_guides_pd_pair_with_kvpool_names_passes_every_check() -> None:
     sides = [
         side("prefill", seed_p(), Topology(4, 8)),
         side("decode", seed_d(), Topology(8, 4)),
@@ -74,7 +74,7 @@ def test_decode_child_left_as_kv_producer_fails() -> None:
 
 
 # §8.3 "KV load fails, logs full of recompute": policy in a child connector
-def test_failure_policy_inside_a_child_is_the_seeds_most_common_mistake() -> None:
+def test_failure_policy_inside_a_child_is_the_guides_most_common_mistake() -> None:
     p = seed_p()
     del p["kv_load_failure_policy"]
     children(p)[0]["kv_load_failure_policy"] = "recompute"
@@ -171,7 +171,7 @@ def test_own_block_disagreeing_with_the_command_line_warns() -> None:
 
 
 # §8.3 "port conflict between ranks on one node: lookup_rpc_port equal"
-def test_seed_store_with_the_same_fixed_lookup_port_on_one_host_fails() -> None:
+def test_ascend_store_with_the_same_fixed_lookup_port_on_one_host_fails() -> None:
     p, d = seedify(seed_p()), seedify(seed_d())
     children(p)[1]["kv_connector_extra_config"]["lookup_rpc_port"] = "5555"
     children(d)[1]["kv_connector_extra_config"]["lookup_rpc_port"] = "5555"
@@ -184,7 +184,7 @@ def test_seed_store_with_the_same_fixed_lookup_port_on_one_host_fails() -> None:
     assert all(c.status is not Status.FAIL for c in apart)
 
 
-def test_seed_store_fixed_lookup_port_for_many_ranks_warns() -> None:
+def test_ascend_store_fixed_lookup_port_for_many_ranks_warns() -> None:
     p = seedify(seed_p())
     children(p)[1]["kv_connector_extra_config"]["lookup_rpc_port"] = "5555"
     check = check_lookup_rpc_ports([side("prefill", p, Topology(4, 8))], same_host=True)[0]
@@ -247,7 +247,7 @@ def test_model_info_detects_mla(config: dict[str, Any], mla: bool) -> None:
     assert model_info(config).is_mla is mla
 
 
-# seed §5.4 / §7: load_async true on the decode side
+# the guide's §5.4 / §7: load_async true on the decode side
 def test_decode_without_load_async_warns() -> None:
     d = seed_d()
     del children(d)[1]["kv_connector_extra_config"]["load_async"]
@@ -257,7 +257,7 @@ def test_decode_without_load_async_warns() -> None:
     assert check_load_async(side("prefill", seed_p())) is None
 
 
-def test_seed_class_names_warn_with_the_kvpool_replacement() -> None:
+def test_the_guides_class_names_warn_with_the_kvpool_replacement() -> None:
     check = check_connector_classes(side("prefill", seedify(seed_p())))
     assert check.status is Status.WARN
     assert '"kv_connector": "KVPoolTransferConnector"' in check.fix
@@ -279,7 +279,7 @@ def test_pd_side_without_a_store_child_fails() -> None:
     assert check.status is Status.FAIL and "store" in check.message
 
 
-def test_kv_both_store_alone_is_the_seeds_colocated_mode() -> None:
+def test_kv_both_store_alone_is_the_guides_colocated_mode() -> None:
     both = {
         "kv_connector": "KVPoolStoreConnector",
         "kv_connector_module_path": "kvpool.connectors.store",

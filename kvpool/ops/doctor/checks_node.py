@@ -1,7 +1,7 @@
 """Doctor checks over one node's config file, the master it points at, the environment and
-block keys (seed §4, §5.1, §8.1, §8.3, §9).
+block keys (the production guide's §4, §5.1, §8.1, §8.3, §9).
 
-Pure: the facts are gathered by :mod:`kvpool.ops.probes` and passed in as values.
+Pure: the facts are gathered by :mod:`kvpool.ops.doctor.probes` and passed in as values.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from kvpool.config import (
     MasterConfig,
     NodeConfig,
 )
-from kvpool.ops.checks import Check, fail, pass_, skip, warn
+from kvpool.net import split_address
+from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
 
 __all__ = [
     "ConfigFileFacts",
@@ -59,7 +60,7 @@ class MasterFacts:
 
 
 def check_config_file(facts: ConfigFileFacts) -> list[Check]:
-    """Seed §8.3 row 4 ("AscendStore cannot reach the master") and §9 box 2."""
+    """The production guide's §8.3 row 4 ("AscendStore cannot reach the master") and §9 box 2."""
     results: list[Check] = []
     if facts.source is None:
         return [
@@ -122,15 +123,22 @@ def check_master_address(node: NodeConfig | None, master: str | None) -> Check:
     note = (
         ""
         if node.master_port == DEFAULT_MASTER_PORT
-        else f" (not the seed's {DEFAULT_MASTER_PORT})"
+        else f" (not Mooncake's {DEFAULT_MASTER_PORT})"
     )
     return pass_("config.master", f"the config points at the master {node.master_address}{note}")
 
 
+def _split(address: str) -> tuple[str, int | None]:
+    """(host, port) of ``address``; the port is None when it is not a number."""
+    try:
+        return split_address(address)
+    except ValueError:
+        return address, None
+
+
 def _same_address(a: str, b: str) -> bool:
     local = {"127.0.0.1", "localhost", "::1"}
-    ha, _, pa = a.rpartition(":")
-    hb, _, pb = b.rpartition(":")
+    (ha, pa), (hb, pb) = _split(a), _split(b)
     return pa == pb and (ha == hb or (ha in local and hb in local))
 
 
@@ -148,7 +156,8 @@ def check_local_hostname(node: NodeConfig | None, bind_error: str | None) -> Che
 
 
 def check_master(facts: MasterFacts | None) -> list[Check]:
-    """Seed §9 box 1 and §8.1: the master answers on its port, /health and /metrics."""
+    """The production guide's §9 box 1 and §8.1: the master answers on its port, /health
+    and /metrics."""
     if facts is None:
         return [skip("master.reachable", "no --master and no node config to find it")]
     addr = facts.address
@@ -158,7 +167,7 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
                 "master.reachable",
                 f"cannot connect to the master at {addr}: {facts.connect_error}",
                 "start it on that host: kvpool master --host 0.0.0.0 --port"
-                f" {addr.rpartition(':')[2]} (and open the port in the firewall)",
+                f" {_split(addr)[1] or DEFAULT_MASTER_PORT} (and open the port in the firewall)",
             )
         ]
     results = [pass_("master.reachable", f"TCP connect to {addr} succeeded")]
@@ -179,9 +188,9 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
 
 
 def _check_metrics(addr: str, text: str | None) -> list[Check]:
-    """Seed §8.1's grep, plus §8.3 row 5: a prefix hit ratio of 0, or a pool kept at its
-    eviction watermark (kvpool_prefix_blocks_total and kvpool_tier_*_bytes, as the master
-    exports them)."""
+    """The production guide's §8.1 grep, plus §8.3 row 5: a prefix hit ratio of 0, or a
+    pool kept at its eviction watermark (kvpool_prefix_blocks_total and
+    kvpool_tier_*_bytes, as the master exports them)."""
     grep = f'curl -s http://{addr}/metrics | grep -E "kv_cache|connected"'
     if not text:
         return [fail("master.metrics", f"http://{addr}/metrics gave nothing", grep)]
@@ -236,14 +245,15 @@ def _check_metrics(addr: str, text: str | None) -> list[Check]:
 
 
 def check_master_flags(master: MasterConfig | None, error: str | None) -> list[Check]:
-    """Seed §3.1/§3.3 values in range; §8.3 row 5 (a pool kept too full never hits)."""
+    """The production guide's §3.1/§3.3 values in range; §8.3 row 5 (a pool kept too full
+    never hits)."""
     if error is not None:
         return [fail("master.flags", f"master command: {error}", "fix the flag named above")]
     if master is None:
         return [
             skip(
                 "master.flags",
-                "no --master-cmd and the master does not report its flags; the seed's"
+                "no --master-cmd and the master does not report its flags; the production guide's"
                 " defaults are assumed",
             )
         ]
@@ -261,7 +271,7 @@ def check_master_flags(master: MasterConfig | None, error: str | None) -> list[C
                 "master.watermark",
                 f"eviction starts only at {master.eviction_high_watermark_ratio:.0%} full: puts"
                 " fail while eviction catches up, and hit rates drop",
-                "--eviction_high_watermark_ratio 0.9 (the seed's value)",
+                "--eviction_high_watermark_ratio 0.9 (the production guide's value)",
             )
         )
     if master.eviction_ratio > 0.5:
@@ -269,21 +279,22 @@ def check_master_flags(master: MasterConfig | None, error: str | None) -> list[C
             warn(
                 "master.watermark",
                 f"each eviction round drops {master.eviction_ratio:.0%} of the pool",
-                "--eviction_ratio 0.1 (the seed's value)",
+                "--eviction_ratio 0.1 (the production guide's value)",
             )
         )
     return results
 
 
 def check_hashseed(env: Mapping[str, str], *, seed_connectors: bool) -> Check:
-    """Seed §5.1 and §8.3 row 3.  kvpool's keys are content hashes, so the seed's rule only
-    binds deployments still running the seed's own connectors."""
+    """The production guide's §5.1 and §8.3 row 3.  kvpool's keys are content hashes, so
+    the guide's rule only binds deployments still running Mooncake's and vllm-ascend's
+    own connectors."""
     value = env.get("PYTHONHASHSEED")
     if seed_connectors and value != "0":
         return fail(
             "env.pythonhashseed",
-            f"PYTHONHASHSEED is {value!r}: the seed's connectors hash with Python's hash(), so"
-            " nodes disagree on keys and never hit",
+            f"PYTHONHASHSEED is {value!r}: MooncakeConnectorV1 and AscendStoreConnector hash"
+            " with Python's hash(), so nodes disagree on keys and never hit",
             "export PYTHONHASHSEED=0 on every node, or switch to kvpool's connectors",
         )
     return pass_(
@@ -353,11 +364,7 @@ def check_registered(facts: MasterFacts | None, node: NodeConfig | None) -> Chec
     clients = facts.status.get("clients")
     if not isinstance(clients, list):
         return None
-    hosts = {
-        str(c.get("address", "")).rpartition(":")[0].strip("[]") or str(c.get("address", ""))
-        for c in clients
-        if isinstance(c, Mapping)
-    }
+    hosts = {_split(str(c.get("address", "")))[0] for c in clients if isinstance(c, Mapping)}
     if node.local_hostname in hosts:
         return pass_("master.registered", f"the master lists a client from {node.local_hostname}")
     return warn(

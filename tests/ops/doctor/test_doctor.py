@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.ops.checks import Check, Status
 from kvpool.ops.doctor import DoctorOptions, exit_code, format_text, run_doctor
+from kvpool.ops.doctor.checks import Check, Status
 from tests.ops.helpers import (
     GQA_MODEL,
     MLA_MODEL,
@@ -39,7 +39,7 @@ def serve(config: dict[str, Any], flags: str = "") -> str:
 
 
 class Cluster:
-    """A correct seed-style node on this host: config file, SSD dir, MLA model, free ports."""
+    """A correct guide-style node on this host: config file, SSD dir, MLA model, free ports."""
 
     def __init__(self, tmp: Path, master: StandInMaster) -> None:
         self.tmp = tmp
@@ -99,7 +99,7 @@ def statuses(checks: dict[str, Check], status: Status) -> list[str]:
     return [name for name, c in checks.items() if c.status is status]
 
 
-def test_a_fully_correct_seed_style_node_passes_every_check(cluster: Cluster) -> None:
+def test_a_fully_correct_guide_style_node_passes_every_check(cluster: Cluster) -> None:
     checks = run_doctor(cluster.options(probe_keys=True), env=cluster.env)
     report = format_text(checks)
     assert exit_code(checks) == 0, report
@@ -163,7 +163,7 @@ def test_rdma_protocol_on_this_machine_is_a_config_failure(cluster: Cluster) -> 
 
 
 def test_ssd_limit_beyond_the_disk(cluster: Cluster) -> None:
-    del cluster.node["ssd_offload_limit"]  # the seed's 2 TiB default
+    del cluster.node["ssd_offload_limit"]  # the production guide's 2 TiB default
     cluster.write_node()
     cluster.env["KVPOOL_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES"] = "1PB"
     check = cluster.run()["ssd.offload"]
@@ -219,13 +219,13 @@ def test_unreadable_inputs_are_reported_not_raised(cluster: Cluster) -> None:
     assert "kv-transfer-config" in checks["input.prefill-config"].message
 
 
-def test_the_seeds_own_prefill_command_through_the_real_cli(tmp_path: Path) -> None:
-    """Exit status and JSON of the real command, fed the seed's config with its classes."""
+def test_the_guides_own_prefill_command_through_the_real_cli(tmp_path: Path) -> None:
+    """Exit status and JSON of the real command, fed the guide's config with its classes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOOL_", "MOONCAKE_"))}
     env.pop("PYTHONHASHSEED", None)
-    seed = seedify(SEED_P)
-    children(seed)[0]["kv_load_failure_policy"] = seed.pop("kv_load_failure_policy")
-    command = serve(seed)
+    config = seedify(SEED_P)
+    children(config)[0]["kv_load_failure_policy"] = config.pop("kv_load_failure_policy")
+    command = serve(config)
     argv = [
         sys.executable,
         "-m",

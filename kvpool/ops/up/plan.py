@@ -1,20 +1,20 @@
 """``kvpool up``: the plan of the whole P/D stack on one machine, as plain data.
 
-What ``kvpool up`` starts, in order (the seed's §3.2 Compose file and §5 commands, on one
+What ``kvpool up`` starts, in order (the production guide's §3.2 Compose file and §5 commands, on
 host):
 
 1. ``kvpool master`` with its own memory segment and an SSD tier under the state
    directory (``--enable_offload=true``);
 2. the prefill and decode vLLM instances (``python -m vllm.entrypoints.openai.api_server``,
    started together), each with vLLM's MultiConnector holding kvpool's transfer connector
-   and store connector, ``kv_load_failure_policy: recompute`` at the top level (the seed's
-   §5.2/§5.3 JSON), the master found through ``KVPOOL_CONFIG_PATH``;
+   and store connector, ``kv_load_failure_policy: recompute`` at the top level (the
+   production guide's §5.2/§5.3 JSON), the master found through ``KVPOOL_CONFIG_PATH``;
 3. ``kvpool proxy`` in front of them.
 
 :func:`make_plan` is pure: options in, commands, environments, ports, health URLs and the
 files to write out.  Nothing here starts a process, touches the disk or reads the clock;
-:mod:`kvpool.ops.up_procs` supervises the processes and :mod:`kvpool.ops.up_run` is the
-entry point.
+:mod:`kvpool.ops.up.supervisor` supervises the processes and
+:mod:`kvpool.ops.up.lifecycle` is the edge (startup, serve, shutdown).
 """
 
 from __future__ import annotations
@@ -28,16 +28,18 @@ from typing import Any
 
 from kvpool.errors import ConfigError
 from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
+from kvpool.ops.up.options import PORT_FLAGS, UpOptions
 
 __all__ = [
     "CHAT_TEMPLATE",
     "TINY_MODEL_NAME",
+    "PortUse",
     "ProcessSpec",
-    "UpOptions",
     "UpPlan",
     "cpu_sets",
     "kv_transfer_config",
     "make_plan",
+    "planned_ports",
     "ready_text",
 ]
 
@@ -47,69 +49,6 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
-_MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class UpOptions:
-    """Everything ``kvpool up`` takes.  Ports must be real ports here: the edge turns a
-    ``0`` (any free port) into one before planning."""
-
-    state_dir: Path
-    model: Path | None = None  # None: the locally built tiny model under state_dir
-    no_vllm: bool = False
-    host: str = "127.0.0.1"
-    master_port: int = 50088
-    proxy_port: int = 8000
-    prefill_port: int = 8100  # instance i listens on prefill_port + i
-    decode_port: int = 8200
-    prefill_kv_port: int = 30000  # the seed's kv_port values, + i per instance
-    decode_kv_port: int = 30100
-    prefill_instances: int = 1
-    decode_instances: int = 1
-    segment_size: int = 256 * _MiB  # the master's own memory segment
-    ssd_limit: int = 1024 * _MiB  # cap of the SSD tier under state_dir/ssd
-    kv_cache_bytes: int = 64 * _MiB  # per vLLM instance
-    max_model_len: int = 2048
-    dtype: str | None = None  # None: float32 for the tiny model, vLLM's "auto" otherwise
-    served_model_name: str | None = None
-    policy: str = "round_robin"
-    cpus: tuple[int, ...] = (0,)  # cores to share among the vLLM instances
-    connect_timeout_ms: int = 2000  # one host: a dead prefill should cost seconds
-    transfer_timeout_ms: int = 10000
-    vllm_args: tuple[str, ...] = ()  # appended to every vLLM command line
-    python: str = "python3"
-
-    def __post_init__(self) -> None:
-        ports = {
-            "--master-port": self.master_port,
-            "--proxy-port": self.proxy_port,
-            "--prefill-port": self.prefill_port,
-            "--decode-port": self.decode_port,
-            "--prefill-kv-port": self.prefill_kv_port,
-            "--decode-kv-port": self.decode_kv_port,
-        }
-        for flag, port in ports.items():
-            if not 1 <= port <= 65535:
-                raise ConfigError(f"{flag}: {port} is not a TCP port (1..65535)")
-        for flag, count in (
-            ("--prefill-instances", self.prefill_instances),
-            ("--decode-instances", self.decode_instances),
-        ):
-            if not 1 <= count <= 16:
-                raise ConfigError(f"{flag}: must be 1..16, got {count}")
-        if self.segment_size <= 0:
-            raise ConfigError("--segment-size: must be a positive size, e.g. 256MiB")
-        if self.ssd_limit <= 0:
-            raise ConfigError("--ssd-limit: must be a positive size, e.g. 1GiB")
-        if self.kv_cache_bytes < 4 * _MiB:
-            raise ConfigError("--kv-cache-bytes: at least 4MiB per instance, e.g. 64MiB")
-        if self.max_model_len < 16:
-            raise ConfigError(f"--max-model-len: must be at least 16, got {self.max_model_len}")
-        if not self.cpus or any(c < 0 for c in self.cpus):
-            raise ConfigError(f"--cpus: expected core numbers, got {list(self.cpus)}")
-        if self.connect_timeout_ms <= 0 or self.transfer_timeout_ms <= 0:
-            raise ConfigError("timeouts: must be positive milliseconds")
 
 
 @dataclass(frozen=True)
@@ -189,7 +128,7 @@ def cpu_sets(cpus: Sequence[int], instances: int, *, dedicated: int = 0) -> list
 
 
 def kv_transfer_config(role: str, kv_port: int, host: str) -> dict[str, Any]:
-    """The seed's §5.2 (``prefill``) / §5.3 (``decode``) ``--kv-transfer-config`` with
+    """The production guide's §5.2 (``prefill``) / §5.3 (``decode``) ``--kv-transfer-config`` with
     kvpool's classes; every instance here runs dp 1, tp 1, so both peer sections say so."""
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
     transfer, store = "KVPoolTransferConnector", "KVPoolStoreConnector"
@@ -225,25 +164,46 @@ def kv_transfer_config(role: str, kv_port: int, host: str) -> dict[str, Any]:
     }
 
 
-def _check_port_clashes(opts: UpOptions) -> None:
-    owners: dict[int, str] = {}
+@dataclass(frozen=True)
+class PortUse:
+    """One port the stack listens on, and the flag that chose it."""
 
-    def claim(port: int, what: str) -> None:
-        if port in owners:
-            raise ConfigError(f"{what} and {owners[port]} both use port {port}; move one")
-        owners[port] = what
+    port: int
+    flag: str  # "--decode-kv-port"
+    instance: int | None = None  # which vLLM instance (the flag's port + instance)
 
-    claim(opts.master_port, "--master-port")
+    @property
+    def owner(self) -> str:
+        return self.flag if self.instance is None else f"{self.flag} (instance {self.instance})"
+
+
+def planned_ports(opts: UpOptions) -> list[PortUse]:
+    """Every port the stack will listen on, in start order (the master's first)."""
+    uses = [PortUse(opts.master_port, "--master-port")]
     if opts.no_vllm:
-        return
-    claim(opts.proxy_port, "--proxy-port")
+        return uses
+    uses.append(PortUse(opts.proxy_port, "--proxy-port"))
     for role, http, kv, n in (
         ("prefill", opts.prefill_port, opts.prefill_kv_port, opts.prefill_instances),
         ("decode", opts.decode_port, opts.decode_kv_port, opts.decode_instances),
     ):
         for i in range(n):
-            claim(http + i, f"--{role}-port (instance {i})")
-            claim(kv + i, f"--{role}-kv-port (instance {i})")
+            uses.append(PortUse(http + i, f"--{role}-port", i))
+            uses.append(PortUse(kv + i, f"--{role}-kv-port", i))
+    return uses
+
+
+def _check_port_clashes(opts: UpOptions) -> None:
+    for name, flag, _ in PORT_FLAGS:
+        if getattr(opts, name) == 0:  # the edge resolves 0 (any free port) before planning
+            raise ConfigError(f"{flag}: 0 is not a TCP port (1..65535)")
+    owners: dict[int, str] = {}
+    for use in planned_ports(opts):
+        if use.port in owners:
+            raise ConfigError(
+                f"{use.owner} and {owners[use.port]} both use port {use.port}; move one"
+            )
+        owners[use.port] = use.owner
 
 
 def make_plan(opts: UpOptions) -> UpPlan:
@@ -258,7 +218,7 @@ def make_plan(opts: UpOptions) -> UpPlan:
     model_name = opts.served_model_name or (TINY_MODEL_NAME if build_model else model_dir.name)
     master_addr = f"{opts.host}:{opts.master_port}"
     files: dict[Path, str] = {
-        # the seed's §4 mooncake.json, for this host; the connectors read it
+        # the production guide's §4 mooncake.json, for this host; the connectors read it
         node_config_path: json.dumps(
             {"local_hostname": opts.host, "metadata_server": master_addr, "protocol": "tcp"},
             indent=2,
@@ -341,11 +301,11 @@ def _vllm_spec(
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONUNBUFFERED": "1",
-        # the seed's §5.1: where the master is (kvpool's own name for the variable)
+        # the production guide's §5.1: where the master is (kvpool's own name for the variable)
         "KVPOOL_CONFIG_PATH": str(opts.state_dir / "mooncake.json"),
         "KVPOOL_CONNECT_TIMEOUT_MS": str(opts.connect_timeout_ms),
         "KVPOOL_TRANSFER_TIMEOUT_MS": str(opts.transfer_timeout_ms),
-        # the seed asks for it; kvpool's keys do not need it, and it is harmless
+        # the production guide asks for it; kvpool's keys do not need it, and it is harmless
         "PYTHONHASHSEED": "0",
     }
     url = f"http://{opts.host}:{port}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from kvpool.ops import probes
+from kvpool.ops.doctor import probes
 from tests.ops.helpers import StandInMaster, free_ports
 
 

@@ -17,14 +17,13 @@ import os
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.errors import KVPoolError
-from kvpool.ops.up import ProcessSpec
+from kvpool.net import http_get
+from kvpool.ops.up.plan import ProcessSpec
 
 __all__ = ["Running", "StartupFailed", "Supervisor", "describe_exit", "log_tail"]
 
@@ -104,14 +103,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def _healthy(url: str, timeout_s: float) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
-            return bool(200 <= reply.status < 300)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
 @dataclass
 class Supervisor:
     """The stack's processes, in start order."""
@@ -170,7 +161,7 @@ class Supervisor:
                         f"exited with {describe_exit(code)} while starting",
                         r.spec.log_path,
                     )
-                if _healthy(r.spec.health_url, timeout_s=2.0):
+                if http_get(r.spec.health_url, timeout_s=2.0).ok:
                     r.healthy_after_s = time.monotonic() - r.started
                     pending.remove(r)
                     on_healthy(r)

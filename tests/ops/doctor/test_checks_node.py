@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.ops.checks import Status
-from kvpool.ops.checks_node import (
+from kvpool.ops.doctor.checks import Status
+from kvpool.ops.doctor.checks_node import (
     ConfigFileFacts,
     MasterFacts,
     check_config_file,
@@ -88,7 +88,7 @@ def test_metrics_without_kv_cache_and_connected_fail() -> None:
     assert garbage[-1].status is Status.FAIL
 
 
-def test_healthy_master_passes_and_reports_the_seeds_numbers() -> None:
+def test_healthy_master_passes_and_reports_the_guides_numbers() -> None:
     checks = check_master(MasterFacts("h:1", None, 200, None, METRICS))
     assert all(c.status is Status.PASS for c in checks)
     metrics = next(c for c in checks if c.name == "master.metrics")
@@ -128,7 +128,7 @@ def test_pythonhashseed_is_not_needed_by_kvpool_keys() -> None:
     assert check.status is Status.PASS and "do not depend" in check.message
 
 
-def test_pythonhashseed_unset_with_the_seeds_connectors_fails() -> None:
+def test_pythonhashseed_unset_with_the_guides_connectors_fails() -> None:
     check = check_hashseed({"PYTHONHASHSEED": "42"}, seed_connectors=True)
     assert check.status is Status.FAIL and "PYTHONHASHSEED=0" in check.fix
     assert check_hashseed({"PYTHONHASHSEED": "0"}, seed_connectors=True).status is Status.PASS

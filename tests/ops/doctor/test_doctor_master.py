@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.ops import probes
-from kvpool.ops.checks import Status
-from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
+from kvpool.net import http_get
+from kvpool.ops.doctor import DoctorOptions, format_text, probes, run_doctor
+from kvpool.ops.doctor.checks import Status
 from kvpool.ops.render import parse_inventory, render, write_rendered
 from kvpool.service.client import Client
 from tests.ops.helpers import MLA_MODEL, free_port_range
@@ -37,7 +37,7 @@ def real_master(tmp_path: Path) -> Iterator[str]:
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while probes.http_get(f"http://{address}/health", 1.0)[0] != 200:
+        while http_get(f"http://{address}/health", 1.0).status != 200:
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(
                     "kvpool master did not come up:\n" + (tmp_path / "master.log").read_text()

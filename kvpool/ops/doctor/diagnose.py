@@ -1,0 +1,95 @@
+"""The pure half of ``kvpool doctor``: gathered facts in, the report's checks out, in
+report order.  No I/O here: every file, socket and variable was read by :mod:`.gather`,
+so the tests drive this with broken setups built as values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.config import MasterConfig, Timeouts
+from kvpool.ops.checks_settings import settings_checks, transfer_settings
+from kvpool.ops.doctor.checks import Check
+from kvpool.ops.doctor.checks_connector import Side, connector_checks
+from kvpool.ops.doctor.checks_host import (
+    check_peer_reachable,
+    check_ports,
+    check_ssd,
+    check_timeouts,
+)
+from kvpool.ops.doctor.checks_node import (
+    check_config_file,
+    check_cross_node,
+    check_hashseed,
+    check_key_agreement,
+    check_local_hostname,
+    check_master,
+    check_master_address,
+    check_master_flags,
+    check_registered,
+)
+from kvpool.ops.doctor.facts import Gathered
+
+__all__ = ["diagnose"]
+
+
+def _decode_ranks(sides: Sequence[Side]) -> int | None:
+    for side in sides:
+        if side.side == "decode" and side.own_topology is not None:
+            return side.own_topology.ranks
+    for side in sides:
+        topology = side.config.transfer.topology("decode") if side.config.transfer else None
+        if topology is not None and not isinstance(topology, str):
+            return topology.ranks
+    return None
+
+
+def _effective_timeouts(g: Gathered) -> Timeouts | None:
+    """The transfer connector's own values when it is configured here (its extra config and
+    variables win there), else the node config's / environment's."""
+    for side in g.sides:
+        node = g.config_file.node if g.config_file else None
+        local = side.side in g.local_sides
+        settings = transfer_settings(side, g.env, node) if local else None
+        if settings is not None:
+            return Timeouts(settings.connect_timeout_ms, settings.transfer_timeout_ms)
+    return g.timeouts
+
+
+def diagnose(g: Gathered) -> list[Check]:
+    """Every check, in report order, from gathered facts (pure)."""
+    checks: list[Check] = list(g.input_errors)
+    node = g.config_file.node if g.config_file else None
+    if g.config_file is not None:
+        checks += check_config_file(g.config_file)
+    checks.append(check_local_hostname(node, g.hostname_error))
+    checks.append(check_master_address(node, g.master_arg))
+    checks += check_master(g.master)
+    registered = check_registered(g.master, node) if g.live else None
+    checks += [registered] if registered is not None else []
+    checks += check_master_flags(g.master_config, g.master_config_error)
+    seed_names = any(e.is_seed_name for s in g.sides for e in s.config.entries)
+    checks.append(check_hashseed(g.env, seed_connectors=seed_names))
+    checks += check_key_agreement(g.key_probe)
+    mine = g.key_probe.get("this process")
+    if isinstance(mine, list):
+        checks.append(check_cross_node(g.cross_node, mine))
+    same_host = len(g.local_sides) == len(g.sides)
+    checks += connector_checks(g.sides, g.model, same_host=same_host)
+    node_error = g.config_file.error if g.config_file else None
+    checks += settings_checks(g.sides, g.env, node, node_error)
+    checks.append(check_ssd(node, g.ssd, g.master_config))
+    timeouts = _effective_timeouts(g)
+    if timeouts is not None:
+        lease = (g.master_config or MasterConfig()).default_kv_lease_ttl
+        rdma = g.env.get("HCCL_RDMA_TIMEOUT", "").strip()
+        checks += check_timeouts(
+            timeouts,
+            lease_ttl_ms=lease,
+            decode_ranks=_decode_ranks(g.sides),
+            rdma_timeout_exp=int(rdma) if rdma.isdigit() else None,
+        )
+    checks += check_ports(g.ports, live=g.live)
+    if g.peer is not None:
+        checks.append(check_peer_reachable(*g.peer))
+    return checks

@@ -1,0 +1,39 @@
+"""Every fact doctor's checks need, read from the outside world by :mod:`.gather` and
+turned into checks by :mod:`.diagnose` (plain values: the tests build them by hand)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvpool.config import MasterConfig, Timeouts
+from kvpool.ops.doctor.checks import Check
+from kvpool.ops.doctor.checks_connector import ModelInfo, Side
+from kvpool.ops.doctor.checks_host import PortFacts, SsdFacts
+from kvpool.ops.doctor.checks_node import ConfigFileFacts, MasterFacts
+
+__all__ = ["Gathered"]
+
+
+@dataclass(slots=True)
+class Gathered:
+    """Every fact doctor's checks need, already read from the outside world."""
+
+    env: Mapping[str, str]
+    input_errors: list[Check] = field(default_factory=list)
+    sides: list[Side] = field(default_factory=list)
+    local_sides: set[str] = field(default_factory=set)
+    model: ModelInfo | None = None
+    config_file: ConfigFileFacts | None = None
+    hostname_error: str | None = None
+    master: MasterFacts | None = None
+    master_arg: str | None = None
+    master_config: MasterConfig | None = None
+    master_config_error: str | None = None
+    timeouts: Timeouts | None = None
+    ssd: SsdFacts | None = None
+    ports: list[PortFacts] = field(default_factory=list)
+    live: bool = False
+    peer: tuple[str, int, str | None] | None = None
+    key_probe: Mapping[str, Sequence[str] | str] = field(default_factory=dict)
+    cross_node: tuple[Mapping[str, object] | None, bool, str | None] | None = None

@@ -1,0 +1,62 @@
+"""The long-running commands: ``kvpool master``, ``kvpool node`` and ``kvpool proxy``.
+
+Each takes its config already validated and hands over to the service that owns the
+event loop (:mod:`kvpool.service` for the pool, :mod:`kvpool.proxy` for the proxy); what
+stays here is what a command does around a server: logging, and reading the node's config
+file.  The services are imported when a command runs, so ``kvpool --help`` and
+``kvpool doctor`` stay light.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.config import MasterConfig
+    from kvpool.proxy import ProxyConfig
+
+__all__ = ["NodeOptions", "run_master", "run_node", "run_proxy"]
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _configure_logging(level: str | None) -> None:
+    logging.basicConfig(level=(level or "info").upper(), format=_LOG_FORMAT)
+
+
+def run_master(config: MasterConfig, *, log_level: str | None = None) -> int:
+    """``kvpool master``: serve the pool's metadata (and its own segment) until a signal."""
+    from kvpool.service.master_server import run_master as serve_master
+
+    _configure_logging(log_level)
+    return serve_master(config)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOptions:
+    """``kvpool node``: ``config`` None reads KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH."""
+
+    config: str | None = None
+    data_port: int = 0  # 0: any free port
+    bind: str = ""  # "": the config's local_hostname
+    log_level: str | None = None
+
+
+def run_node(options: NodeOptions) -> int:
+    """``kvpool node``: contribute this host's memory to the pool until a signal.  A bad
+    node config is a ConfigError naming the key."""
+    from kvpool.config import load_node_config
+    from kvpool.service.node import run_node as serve_node
+
+    _configure_logging(options.log_level)
+    config = load_node_config(options.config)
+    return serve_node(config, bind_host=options.bind, data_port=options.data_port)
+
+
+def run_proxy(config: ProxyConfig) -> int:
+    """``kvpool proxy``: route each request to a prefill, then a decode, until a signal."""
+    from kvpool.proxy import run_proxy as serve_proxy
+
+    return serve_proxy(config)

@@ -1,0 +1,73 @@
+"""``kvpool up``'s options: what its flags become, and what is refused."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvpool.cli import build_parser
+from kvpool.errors import ConfigError
+from kvpool.ops.up.lifecycle import resolve_ports
+from kvpool.ops.up.options import UpOptions, default_state_dir, options_from_args
+from kvpool.ops.up.plan import make_plan
+
+
+@pytest.mark.parametrize(
+    ("kw", "flag"),
+    [
+        ({"master_port": 0}, "--master-port"),
+        ({"proxy_port": 70000}, "--proxy-port"),
+        ({"decode_instances": 0}, "--decode-instances"),
+        ({"kv_cache_bytes": 1024}, "--kv-cache-bytes"),
+        ({"segment_size": 0}, "--segment-size"),
+        ({"decode_port": 8100}, "--decode-port"),  # clashes with the prefill instance
+        ({"prefill_instances": 2, "decode_port": 8101}, "--decode-port"),
+        ({"proxy_port": 50088}, "--proxy-port"),
+    ],
+)
+def test_bad_options_name_the_flag(tmp_path: Path, kw: dict[str, int], flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        make_plan(UpOptions(state_dir=tmp_path, **kw))  # type: ignore[arg-type]
+
+
+def test_cli_flags_become_options(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        [
+            "up", "--state-dir", str(tmp_path), "--master-port", "0", "--proxy_port", "9001",
+            "--segment-size", "512MiB", "--ssd-limit=2GB", "--kv-cache-bytes", "32MiB",
+            "--cpus", "0-1,3", "--decode-instances", "2",
+            "--vllm-args", "--max-num-seqs 4 --trust-remote-code",
+        ]
+    )  # fmt: skip
+    opts = options_from_args(args, {}, (0,), "py")
+    ports = ("master_port", "proxy_port", "prefill_port", "decode_port")
+    ports += ("prefill_kv_port", "decode_kv_port")
+    assert [p for p in ports if getattr(opts, p) == 0] == ["master_port"]  # any free port
+    assert (opts.segment_size, opts.ssd_limit, opts.kv_cache_bytes) == (
+        512 << 20,
+        2_000_000_000,
+        32 << 20,
+    )
+    assert opts.cpus == (0, 1, 3) and opts.decode_instances == 2 and opts.proxy_port == 9001
+    assert opts.state_dir == tmp_path
+    relative = options_from_args(build_parser().parse_args(["up"]), {}, (0,), "py")
+    assert relative.state_dir == Path.cwd() / ".kvpool-state"
+    assert opts.vllm_args == ("--max-num-seqs", "4", "--trust-remote-code")
+    resolved = resolve_ports(opts)
+    assert resolved.master_port not in (0, 1) and resolved.proxy_port == 9001
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", resolved.master_port))  # really free
+    bad = build_parser().parse_args(["up", "--segment-size", "lots"])
+    with pytest.raises(ConfigError, match="--segment-size"):
+        options_from_args(bad, {}, (0,), "py")
+    bad = build_parser().parse_args(["up", "--cpus", "one"])
+    with pytest.raises(ConfigError, match="--cpus"):
+        options_from_args(bad, {}, (0,), "py")
+
+
+def test_default_state_dir() -> None:
+    assert default_state_dir({"KVPOOL_STATE_DIR": "/s", "XDG_STATE_HOME": "/x"}) == Path("/s")
+    assert default_state_dir({"XDG_STATE_HOME": "/x"}) == Path("/x/kvpool/up")
+    assert default_state_dir({}) == Path(".kvpool-state")
