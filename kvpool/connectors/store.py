@@ -35,8 +35,10 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import load_node_config
-from kvpool.connectors.store_config import (
-    CONNECTOR_NAME,
+from kvpool.config.kv_transfer import (
+    STORE_CONNECTOR as CONNECTOR_NAME,
+)
+from kvpool.config.kv_transfer import (
     StoreConfig,
     check_put_back,
     parse_store_config,

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from kvpool.connectors.store_config import StoreConfig
+from kvpool.config.kv_transfer import StoreConfig
 from kvpool.errors import ChecksumMismatch, KVPoolError, PoolError, TransferError
 
 __all__ = ["EmbeddedPools", "PoolClient", "PoolHandle", "is_outage", "open_pool"]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.connectors.transfer_config import CONNECTOR_NAME
+from kvpool.config.kv_transfer import TRANSFER_CONNECTOR as CONNECTOR_NAME
 from kvpool.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -5,8 +5,8 @@ from typing import Any
 import pytest
 
 from kvpool.config import NodeConfig, Timeouts
-from kvpool.connectors.topology import PeerTopology
-from kvpool.connectors.transfer_config import TransferConfig, pairing_group
+from kvpool.config.kv_transfer import TransferConfig, pairing_group
+from kvpool.config.topology import Topology
 from kvpool.errors import ConfigError
 
 SEED_EXTRA = {"prefill": {"dp_size": 4, "tp_size": 8}, "decode": {"dp_size": 8, "tp_size": 4}}
@@ -30,16 +30,16 @@ def build(
     )
 
 
-def test_seed_json_on_prefill_reads_the_decode_topology() -> None:
+def test_guide_json_on_prefill_reads_the_decode_topology() -> None:
     cfg = build("kv_producer", SEED_EXTRA)
     assert cfg.kv_port == 30000
-    assert cfg.peer == PeerTopology(8, 4)
+    assert cfg.peer == Topology(8, 4)
     assert cfg.is_producer and not cfg.is_consumer
 
 
-def test_seed_json_on_decode_reads_the_prefill_topology() -> None:
+def test_guide_json_on_decode_reads_the_prefill_topology() -> None:
     cfg = build("kv_consumer", SEED_EXTRA, port="30100")
-    assert cfg.peer == PeerTopology(4, 8)
+    assert cfg.peer == Topology(4, 8)
     assert cfg.is_consumer and not cfg.is_producer
 
 
@@ -55,8 +55,8 @@ def test_defaults() -> None:
 
 
 def test_timeouts_from_the_seed_env_names_and_kvpool_twins() -> None:
-    seed = build(env={"ASCEND_CONNECT_TIMEOUT": "7000", "ASCEND_TRANSFER_TIMEOUT": "8000"})
-    assert (seed.connect_timeout_ms, seed.transfer_timeout_ms) == (7000, 8000)
+    ascend = build(env={"ASCEND_CONNECT_TIMEOUT": "7000", "ASCEND_TRANSFER_TIMEOUT": "8000"})
+    assert (ascend.connect_timeout_ms, ascend.transfer_timeout_ms) == (7000, 8000)
     ours = build(
         env={
             "ASCEND_CONNECT_TIMEOUT": "7000",

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from kvpool.config import Topology
 from kvpool.errors import ConfigError
 from kvpool.ops.kvconfig import (
-    Topology,
     command_argv,
     parse_kv_transfer_config,
     parse_kv_transfer_text,
@@ -14,7 +14,7 @@ from kvpool.ops.kvconfig import (
 )
 from tests.ops.helpers import seed_p, seedify
 
-# The seed's §5.2 command exactly as printed: JSON spanning lines inside single quotes.
+# The production guide's §5.2 command exactly as printed: JSON spanning lines inside single quotes.
 SEED_PREFILL_COMMAND = """vllm serve /workspace/GLM-5.2-w8a8 \\
 --kv-transfer-config '{
 "kv_connector": "MultiConnector",
@@ -44,10 +44,10 @@ SEED_PREFILL_COMMAND = """vllm serve /workspace/GLM-5.2-w8a8 \\
 }'"""
 
 
-def test_the_seeds_command_line_is_read_as_a_shell_would() -> None:
+def test_the_guides_command_line_is_read_as_a_shell_would() -> None:
     command = parse_vllm_command(SEED_PREFILL_COMMAND)
     assert command.model == "/workspace/GLM-5.2-w8a8"
-    assert command.topology is None  # no -tp/-dp on the seed's line
+    assert command.topology is None  # no -tp/-dp on the guide's line
     assert command.kv_transfer_config is not None
     config = parse_kv_transfer_text(command.kv_transfer_config)
     assert config.top.name == "MultiConnector"
@@ -110,7 +110,7 @@ def test_bad_json_names_the_line() -> None:
         parse_kv_transfer_text('{\n"kv_connector": }')
 
 
-def test_seed_names_are_recognised_by_kind() -> None:
+def test_mooncake_and_ascend_names_are_recognised_by_kind() -> None:
     config = parse_kv_transfer_config(seedify(seed_p()))
     assert config.transfer is not None and config.transfer.is_seed_name
     assert config.store is not None and config.store.name == "AscendStoreConnector"
