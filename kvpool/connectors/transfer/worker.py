@@ -12,11 +12,12 @@ rank pulled its heads or released them, or ``hold_timeout_ms`` passed; then the 
 appears once in ``finished_sending`` and vLLM frees the blocks.
 
 D (consumer) pulls in a small thread pool, off the engine loop: one connection per P
-rank the topology routes it to, page slices received straight into its KV cache.  A D
-that will not pull after all tells P with a ``PullDone``.  Any
+rank the topology routes it to, page slices received straight into its KV cache.  Any
 failure (refused, connect error, timeout, short read) reports the request as finished
 AND failed, with its blocks as load errors, so ``kv_load_failure_policy: recompute``
-recomputes it.  Connect and transfer waits are bounded by the configured timeouts.
+recomputes it.  A D that will not pull after all (or whose pull broke after reaching P)
+tells P with a ``PullDone``.  Connect and transfer waits are bounded by the configured
+timeouts.
 """
 
 from __future__ import annotations
