@@ -9,19 +9,31 @@ Two layers, as everywhere in kvpool:
   the real environment and hands both to the pure layer.
 
 Modules: :mod:`~kvpool.config.values` (sizes, booleans, host:port, timeouts),
-:mod:`~kvpool.config.node` (``mooncake.json``), :mod:`~kvpool.config.master` (master flags).
+:mod:`~kvpool.config.node` (``mooncake.json``), :mod:`~kvpool.config.master` (master flags),
+:mod:`~kvpool.config.kv_transfer` (the two vLLM connectors' settings) and
+:mod:`~kvpool.config.topology` (the P/D layout and head routing).  None imports vLLM:
+``kvpool doctor`` validates connector settings on hosts without it.
 
 Every mistake is a :class:`~kvpool.errors.ConfigError` whose message names the key (or
 flag, or environment variable) and says how to fix it.  Nothing is silently ignored: an
 unknown key is an error, not a warning.
 
 Precedence: ``KVPOOL_*`` environment variables win over their ``MOONCAKE_*``/``ASCEND_*``
-twins (which exist for drop-in use of the seed's deployments), and the environment wins
-over the file.
+twins (which exist for drop-in use of Mooncake and vllm-ascend deployments), and the
+environment wins over the file.
 """
 
 from __future__ import annotations
 
+from kvpool.config.kv_transfer import (
+    STORE_CONNECTOR,
+    TRANSFER_CONNECTOR,
+    StoreConfig,
+    TransferConfig,
+    check_put_back,
+    pairing_group,
+    parse_store_config,
+)
 from kvpool.config.master import MasterConfig
 from kvpool.config.node import (
     NODE_KEYS,
@@ -32,6 +44,7 @@ from kvpool.config.node import (
     parse_node_config,
     served_protocols,
 )
+from kvpool.config.topology import Topology, parse_topology
 from kvpool.config.values import (
     CONFIG_PATH_VARS,
     CONNECT_TIMEOUT_VARS,
@@ -57,17 +70,26 @@ __all__ = [
     "NODE_KEYS",
     "OFFLOAD_LIMIT_VARS",
     "SERVED_PROTOCOLS",
+    "STORE_CONNECTOR",
+    "TRANSFER_CONNECTOR",
     "TRANSFER_TIMEOUT_VARS",
     "MasterConfig",
     "NodeConfig",
+    "StoreConfig",
     "Timeouts",
+    "Topology",
+    "TransferConfig",
+    "check_put_back",
     "config_path_from_env",
     "env_lookup",
     "load_node_config",
+    "pairing_group",
     "parse_bool_value",
     "parse_host_port",
     "parse_node_config",
     "parse_size",
+    "parse_store_config",
     "parse_timeouts",
+    "parse_topology",
     "served_protocols",
 ]

@@ -1,8 +1,10 @@
 """A typed view of vLLM's ``--kv-transfer-config`` and of a ``vllm serve`` command line.
 
-Pure: text in, dataclasses out.  The shapes understood are the seed's §5.2/§5.3
-(MultiConnector with a transfer child and a store child) and §6.3 (a single store
-connector, ``kv_both``), under kvpool's class names or the seed's.
+Pure: text in, dataclasses out.  The shapes understood are the production guide's
+§5.2/§5.3 (MultiConnector with a transfer child and a store child) and §6.3 (a single
+store connector, ``kv_both``), under kvpool's class names or Mooncake's and vllm-ascend's
+(``MooncakeConnectorV1``, ``AscendStoreConnector``).  A side's layout is the connectors'
+own :class:`~kvpool.config.Topology`, read by their own :func:`~kvpool.config.parse_topology`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.config import Topology, parse_topology
 from kvpool.errors import ConfigError
 
 __all__ = [
@@ -20,7 +23,6 @@ __all__ = [
     "SEED_CONNECTORS",
     "ConnectorSpec",
     "KVTransferConfig",
-    "Topology",
     "VllmCommand",
     "command_argv",
     "parse_kv_transfer_config",
@@ -33,28 +35,13 @@ KVPOOL_CONNECTORS: dict[str, tuple[str, str]] = {
     "KVPoolStoreConnector": ("store", "kvpool.connectors.store"),
     "KVPoolTransferConnector": ("transfer", "kvpool.connectors.transfer"),
 }
-# the seed's class names -> (kind, kvpool replacement)
+# Mooncake's and vllm-ascend's class names -> (kind, kvpool replacement)
 SEED_CONNECTORS: dict[str, tuple[str, str]] = {
     "MooncakeConnectorV1": ("transfer", "KVPoolTransferConnector"),
     "MooncakeConnector": ("transfer", "KVPoolTransferConnector"),
     "AscendStoreConnector": ("store", "KVPoolStoreConnector"),
     "MooncakeStoreConnector": ("store", "KVPoolStoreConnector"),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Topology:
-    """A side's data- and tensor-parallel layout."""
-
-    dp_size: int
-    tp_size: int
-
-    @property
-    def ranks(self) -> int:
-        return self.dp_size * self.tp_size
-
-    def __str__(self) -> str:
-        return f'{{"dp_size": {self.dp_size}, "tp_size": {self.tp_size}}}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +57,7 @@ class ConnectorSpec:
 
     @property
     def is_seed_name(self) -> bool:
+        """A Mooncake or vllm-ascend class name (kvpool has a replacement for it)."""
         return self.name in SEED_CONNECTORS
 
     def port(self, key: str) -> int | str | None:
@@ -84,14 +72,12 @@ class ConnectorSpec:
         return repr(value)
 
     def topology(self, side: str) -> Topology | str | None:
-        """The ``"prefill"``/``"decode"`` block of the extra config; text when malformed."""
-        block = self.extra.get(side)
-        if block is None:
-            return None
+        """The ``"prefill"``/``"decode"`` block of the extra config, read as the connectors
+        read it; the reason as text when they would refuse it."""
         try:
-            return Topology(int(block["dp_size"]), int(block["tp_size"]))
-        except (TypeError, KeyError, ValueError):
-            return f"{side}: {block!r}"
+            return parse_topology(self.extra, side)
+        except ConfigError as exc:
+            return str(exc)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from typing import Any
 from kvpool.config import (
     DEFAULT_MASTER_PORT,
     MasterConfig,
+    Topology,
     load_node_config,
     parse_bool_value,
     parse_size,
@@ -35,7 +36,7 @@ from kvpool.config import (
 )
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor.checks_connector import model_info
-from kvpool.ops.kvconfig import KVPOOL_CONNECTORS, Topology
+from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
 
 __all__ = [
     "CheckOptions",

@@ -3,6 +3,7 @@
 - :mod:`kvpool.protocol.codec` -- frame header, limits, incremental decoder.
 - :mod:`kvpool.protocol.data` -- data-plane messages (segment reads and writes).
 - :mod:`kvpool.protocol.messages` -- the master's metadata messages.
+- :mod:`kvpool.protocol.pull` -- P→D pulls of a request's KV pages (the transfer connector).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
+from kvpool.config import Topology
 from kvpool.errors import ConfigError
 from kvpool.ops.kvconfig import (
-    Topology,
+    ConnectorSpec,
     command_argv,
     parse_kv_transfer_config,
     parse_kv_transfer_text,
@@ -14,8 +15,8 @@ from kvpool.ops.kvconfig import (
 )
 from tests.ops.helpers import seed_p, seedify
 
-# The seed's §5.2 command exactly as printed: JSON spanning lines inside single quotes.
-SEED_PREFILL_COMMAND = """vllm serve /workspace/GLM-5.2-w8a8 \\
+# The production guide's §5.2 command exactly as printed: JSON spanning lines inside single quotes.
+GUIDE_PREFILL_COMMAND = """vllm serve /workspace/GLM-5.2-w8a8 \\
 --kv-transfer-config '{
 "kv_connector": "MultiConnector",
 "kv_role": "kv_producer",
@@ -44,10 +45,10 @@ SEED_PREFILL_COMMAND = """vllm serve /workspace/GLM-5.2-w8a8 \\
 }'"""
 
 
-def test_the_seeds_command_line_is_read_as_a_shell_would() -> None:
-    command = parse_vllm_command(SEED_PREFILL_COMMAND)
+def test_the_guides_command_line_is_read_as_a_shell_would() -> None:
+    command = parse_vllm_command(GUIDE_PREFILL_COMMAND)
     assert command.model == "/workspace/GLM-5.2-w8a8"
-    assert command.topology is None  # no -tp/-dp on the seed's line
+    assert command.topology is None  # no -tp/-dp on the guide's line
     assert command.kv_transfer_config is not None
     config = parse_kv_transfer_text(command.kv_transfer_config)
     assert config.top.name == "MultiConnector"
@@ -110,7 +111,23 @@ def test_bad_json_names_the_line() -> None:
         parse_kv_transfer_text('{\n"kv_connector": }')
 
 
-def test_seed_names_are_recognised_by_kind() -> None:
+def test_mooncake_and_ascend_names_are_recognised_by_kind() -> None:
     config = parse_kv_transfer_config(seedify(seed_p()))
     assert config.transfer is not None and config.transfer.is_seed_name
     assert config.store is not None and config.store.name == "AscendStoreConnector"
+
+
+def test_a_topology_block_reads_as_the_connectors_read_it() -> None:
+    # one parser for connectors and doctor: what the connector accepts, doctor accepts
+    def spec(block: object) -> ConnectorSpec:
+        entry = {"kv_connector": "KVPoolTransferConnector", "kv_connector_extra_config": {}}
+        entry["kv_connector_extra_config"] = {"decode": block}
+        return parse_kv_transfer_config(entry).top
+
+    assert spec({"tp_size": 4}).topology("decode") == Topology(1, 4)
+    assert spec({"dp_size": "2", "tp_size": "4"}).topology("decode") == Topology(2, 4)
+    assert spec({"dp_size": 2, "tp_size": 4}).topology("prefill") is None
+    told = spec({"tp": 4}).topology("decode")
+    assert isinstance(told, str) and '"decode"' in told and "unknown key" in told
+    told = spec({"dp_size": 0, "tp_size": 4}).topology("decode")
+    assert isinstance(told, str) and "dp_size" in told

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from kvpool.config import load_node_config
+from kvpool.config import Topology, load_node_config
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
 from kvpool.ops.doctor.checks import Status
-from kvpool.ops.kvconfig import Topology, parse_kv_transfer_text, parse_vllm_command
+from kvpool.ops.kvconfig import parse_kv_transfer_text, parse_vllm_command
 from kvpool.ops.render import load_inventory, parse_inventory, render, write_rendered
 from tests.ops.helpers import MLA_MODEL, StandInMaster, free_port_range
 

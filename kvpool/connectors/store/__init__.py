@@ -14,7 +14,7 @@ a child of vLLM's MultiConnector.  Laid out as vLLM's own ``kv_connector/v1/offl
 - :mod:`.lookup` — the scheduler↔worker lookup channel of the embedded backend;
 - :mod:`.stats` — hit statistics for vLLM's stats and Prometheus channels.
 
-Settings are :mod:`kvpool.connectors.store_config`.  The connector's names resolve lazily
+Settings are :mod:`kvpool.config.kv_transfer`.  The connector's names resolve lazily
 (vLLM resolves the class with ``getattr`` on this package), so importing a vLLM-free part
 such as :mod:`.scheduler` or :mod:`.plan` does not import vLLM.
 """

@@ -8,7 +8,7 @@ Load it in vLLM with::
         "kv_connector_extra_config": {"backend": "mooncake", "lookup_rpc_port": "0"}}'
 
 or as a child of vLLM's MultiConnector (the same dict inside ``"connectors"``).  Settings
-are described in :mod:`kvpool.connectors.store_config`; the scheduler half is
+are described in :mod:`kvpool.config.kv_transfer`; the scheduler half is
 :mod:`~kvpool.connectors.store.scheduler`, the worker half
 :mod:`~kvpool.connectors.store.worker`.  This module only wires them to vLLM's hooks.
 
@@ -35,6 +35,14 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import load_node_config
+from kvpool.config.kv_transfer import (
+    STORE_CONNECTOR as CONNECTOR_NAME,
+)
+from kvpool.config.kv_transfer import (
+    StoreConfig,
+    check_put_back,
+    parse_store_config,
+)
 from kvpool.connectors.store.lookup import LookupClient, LookupServer, channel_path
 from kvpool.connectors.store.plan import StorePlan
 from kvpool.connectors.store.pool import PoolHandle, open_pool
@@ -45,12 +53,6 @@ from kvpool.connectors.store.stats import (
     stats_from_counters,
 )
 from kvpool.connectors.store.worker import StoreWorker
-from kvpool.connectors.store_config import (
-    CONNECTOR_NAME,
-    StoreConfig,
-    check_put_back,
-    parse_store_config,
-)
 from kvpool.core.keys import KeyNamespace
 from kvpool.engines import PoolEngine
 from kvpool.errors import ConfigError

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvpool.connectors.store_config import StoreConfig
+from kvpool.config.kv_transfer import StoreConfig
 from kvpool.engines import PoolEngine, open_engine
 from kvpool.errors import ChecksumMismatch, KVPoolError, PoolError, TransferError
 

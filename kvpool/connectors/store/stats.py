@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvpool.connectors.counter_stats import CounterPromMetrics, CounterStats
+from kvpool.connectors.stats import CounterPromMetrics, CounterStats
 
 __all__ = ["COUNTERS", "KVPoolStorePromMetrics", "KVPoolStoreStats", "stats_from_counters"]
 

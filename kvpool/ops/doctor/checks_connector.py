@@ -10,13 +10,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.config import Topology
 from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
 from kvpool.ops.kvconfig import (
     KVPOOL_CONNECTORS,
     SEED_CONNECTORS,
     ConnectorSpec,
     KVTransferConfig,
-    Topology,
 )
 
 __all__ = [

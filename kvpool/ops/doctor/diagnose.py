@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.config import MasterConfig, Timeouts
-from kvpool.ops.checks_settings import settings_checks, transfer_settings
 from kvpool.ops.doctor.checks import Check
 from kvpool.ops.doctor.checks_connector import Side, connector_checks
 from kvpool.ops.doctor.checks_host import (
@@ -28,6 +27,7 @@ from kvpool.ops.doctor.checks_node import (
     check_master_flags,
     check_registered,
 )
+from kvpool.ops.doctor.checks_settings import settings_checks, transfer_settings
 from kvpool.ops.doctor.facts import Gathered
 
 __all__ = ["diagnose"]

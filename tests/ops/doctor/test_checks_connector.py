@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.config import Topology
 from kvpool.ops.doctor.checks import Check, Status
 from kvpool.ops.doctor.checks_connector import (
     Side,
@@ -22,7 +23,7 @@ from kvpool.ops.doctor.checks_connector import (
     connector_checks,
     model_info,
 )
-from kvpool.ops.kvconfig import Topology, parse_kv_transfer_config
+from kvpool.ops.kvconfig import parse_kv_transfer_config
 from tests.ops.helpers import GQA_MODEL, MLA_MODEL, children, seed_d, seed_p, seedify
 
 

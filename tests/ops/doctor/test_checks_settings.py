@@ -6,9 +6,9 @@ from typing import Any
 
 from kvpool.config import NodeConfig
 from kvpool.errors import ConfigError
-from kvpool.ops.checks import Status
-from kvpool.ops.checks_connector import Side
-from kvpool.ops.checks_settings import (
+from kvpool.ops.doctor.checks import Status
+from kvpool.ops.doctor.checks_connector import Side
+from kvpool.ops.doctor.checks_settings import (
     check_kv_host,
     check_settings,
     settings_checks,

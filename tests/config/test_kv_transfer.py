@@ -5,11 +5,11 @@ from typing import Any
 import pytest
 
 from kvpool.config import NodeConfig, Timeouts
-from kvpool.connectors.topology import PeerTopology
-from kvpool.connectors.transfer_config import TransferConfig, pairing_group
+from kvpool.config.kv_transfer import TransferConfig, pairing_group
+from kvpool.config.topology import Topology
 from kvpool.errors import ConfigError
 
-SEED_EXTRA = {"prefill": {"dp_size": 4, "tp_size": 8}, "decode": {"dp_size": 8, "tp_size": 4}}
+GUIDE_EXTRA = {"prefill": {"dp_size": 4, "tp_size": 8}, "decode": {"dp_size": 8, "tp_size": 4}}
 
 
 def build(
@@ -30,16 +30,16 @@ def build(
     )
 
 
-def test_seed_json_on_prefill_reads_the_decode_topology() -> None:
-    cfg = build("kv_producer", SEED_EXTRA)
+def test_guide_json_on_prefill_reads_the_decode_topology() -> None:
+    cfg = build("kv_producer", GUIDE_EXTRA)
     assert cfg.kv_port == 30000
-    assert cfg.peer == PeerTopology(8, 4)
+    assert cfg.peer == Topology(8, 4)
     assert cfg.is_producer and not cfg.is_consumer
 
 
-def test_seed_json_on_decode_reads_the_prefill_topology() -> None:
-    cfg = build("kv_consumer", SEED_EXTRA, port="30100")
-    assert cfg.peer == PeerTopology(4, 8)
+def test_guide_json_on_decode_reads_the_prefill_topology() -> None:
+    cfg = build("kv_consumer", GUIDE_EXTRA, port="30100")
+    assert cfg.peer == Topology(4, 8)
     assert cfg.is_consumer and not cfg.is_producer
 
 
@@ -55,8 +55,8 @@ def test_defaults() -> None:
 
 
 def test_timeouts_from_the_seed_env_names_and_kvpool_twins() -> None:
-    seed = build(env={"ASCEND_CONNECT_TIMEOUT": "7000", "ASCEND_TRANSFER_TIMEOUT": "8000"})
-    assert (seed.connect_timeout_ms, seed.transfer_timeout_ms) == (7000, 8000)
+    ascend = build(env={"ASCEND_CONNECT_TIMEOUT": "7000", "ASCEND_TRANSFER_TIMEOUT": "8000"})
+    assert (ascend.connect_timeout_ms, ascend.transfer_timeout_ms) == (7000, 8000)
     ours = build(
         env={
             "ASCEND_CONNECT_TIMEOUT": "7000",
@@ -121,3 +121,9 @@ def test_node_config_timeouts_are_defaults_the_environment_overrides() -> None:
     cfg = build(node=NODE)
     assert (cfg.connect_timeout_ms, cfg.transfer_timeout_ms) == (3000, 4000)
     assert build(node=NODE, env={"ASCEND_CONNECT_TIMEOUT": "500"}).connect_timeout_ms == 500
+
+
+def test_the_node_config_protocol_chooses_the_transport() -> None:
+    assert build().protocol == "tcp"  # no node config: kvpool's TCP
+    assert build(node=NodeConfig("10.0.0.8", "10.0.0.1", protocol="tcp")).protocol == "tcp"
+    assert build(node=NodeConfig("10.0.0.8", "10.0.0.1", protocol="rdma")).protocol == "rdma"

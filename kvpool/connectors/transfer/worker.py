@@ -1,10 +1,12 @@
 """The worker half of the transfer connector: P serves KV pages, D pulls them.
 
 No vLLM import: the caches are numpy ``uint8`` views of vLLM's KV tensors, so this
-module is tested with plain arrays, real sockets and real threads.
+module is tested with plain arrays, real sockets and real threads.  The bytes move
+through a :class:`~.transport.KVTransport` (kvpool's TCP unless the node config's
+``protocol`` names another); this module decides what moves and reports the outcome.
 
-P (producer) runs one TCP server per worker rank (:mod:`kvpool.connectors.transfer_server`)
-on ``rank_port(kv_port, dp_rank, tp_size, tp_rank)``.  It holds each finished prefill
+P (producer) runs one pull server per worker rank (:mod:`.server`) on
+``rank_port(kv_port, dp_rank, tp_size, tp_rank)``.  It holds each finished prefill
 request's blocks (told by the scheduler through :class:`HoldJob`) until every expected D
 rank pulled its heads or released them, or ``hold_timeout_ms`` passed; then the request
 appears once in ``finished_sending`` and vLLM frees the blocks.
@@ -13,13 +15,14 @@ D (consumer) pulls in a small thread pool, off the engine loop: one connection p
 rank the topology routes it to, page slices received straight into its KV cache.  Any
 failure (refused, connect error, timeout, short read) reports the request as finished
 AND failed, with its blocks as load errors, so ``kv_load_failure_policy: recompute``
-recomputes it.  Connect and transfer waits are bounded by the configured timeouts.
+recomputes it.  A D that will not pull after all (or whose pull broke after reaching P)
+tells P with a ``PullDone``.  Connect and transfer waits are bounded by the configured
+timeouts.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections import Counter
@@ -27,35 +30,27 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig
+from kvpool.config.topology import expected_pullers, local_heads, plan_pulls, rank_port
 from kvpool.connectors.pages import PagedCaches
-from kvpool.connectors.topology import expected_pullers, local_heads, plan_pulls, rank_port
-from kvpool.connectors.transfer_config import CONNECTOR_NAME, TransferConfig
-from kvpool.connectors.transfer_jobs import RecvJob, ReleaseJob, TransferJobs
-from kvpool.connectors.transfer_protocol import (
-    REPLY_CODEC,
-    REQUEST_CODEC,
-    Done,
-    Layer,
-    Pull,
-    Refused,
-    Release,
+from kvpool.connectors.transfer.jobs import RecvJob, ReleaseJob, TransferJobs
+from kvpool.connectors.transfer.server import PullServer
+from kvpool.connectors.transfer.state import RecvResults, SendTracker
+from kvpool.connectors.transfer.transport import (
+    KVTransport,
+    PeerLink,
+    PeerUnreachable,
+    make_transport,
 )
-from kvpool.connectors.transfer_server import KVServer
-from kvpool.connectors.transfer_state import RecvResults, SendTracker
-from kvpool.errors import ConfigError, KVPoolError, ProtocolError, TransferError
-from kvpool.transfer.framing import (
-    deadline_after,
-    recv_exactly_into,
-    recv_frame,
-    send_frame,
-    tune_socket,
-)
+from kvpool.errors import ConfigError, KVPoolError, TransferError
+from kvpool.protocol.pull import Pull, PullDone
+from kvpool.transfer.framing import deadline_after
 
 __all__ = ["RankInfo", "TransferResults", "TransferWorker"]
 
 # Under "vllm." so that vLLM's log handler prints these lines in the server log.
 logger = logging.getLogger("vllm.kvpool.transfer")
-_PREFIX = f"[{CONNECTOR_NAME}]"
+_PREFIX = f"[{TRANSFER_CONNECTOR}]"
 _PULL_THREADS = 4
 
 
@@ -84,17 +79,19 @@ class TransferWorker:
         config: TransferConfig,
         rank: RankInfo,
         clock: Callable[[], float] = time.monotonic,
+        transport: KVTransport | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
         self._clock = clock
+        self._transport = make_transport(config) if transport is None else transport
         self._caches: PagedCaches | None = None
         self._cond = threading.Condition()
         self._tracker = SendTracker()
         self._recv = RecvResults()
         self._recv_lock = threading.Lock()
         self._load_errors: set[int] = set()
-        self._counts: Counter[str] = Counter()  # see transfer_stats.COUNTERS
+        self._counts: Counter[str] = Counter()  # see stats.COUNTERS
         self._counts_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(_PULL_THREADS, thread_name_prefix="kvpool-pull")
         self.port = rank_port(config.kv_port, rank.dp_rank, rank.tp_size, rank.tp_rank)
@@ -105,8 +102,9 @@ class TransferWorker:
             if config.is_producer
             else frozenset()
         )
-        self._server = KVServer(
+        self._server = PullServer(
             config,
+            self._transport,
             port=self.port,
             tp_rank=rank.tp_rank,
             peer_tp=peer_tp,
@@ -119,20 +117,22 @@ class TransferWorker:
     # -- life cycle ------------------------------------------------------------------
 
     def register(self, caches: PagedCaches) -> None:
-        """Take the KV caches; on P, start serving them.  Logs the seed's §8.2 line."""
+        """Take the KV caches; on P, start serving them.  Logs the guide's §8.2 line."""
         mine = local_heads(self.rank.total_kv_heads, self.rank.tp_size, self.rank.tp_rank)
         if caches.num_heads != len(mine):
             raise ConfigError(
-                f"{CONNECTOR_NAME}: KV cache holds {caches.num_heads} heads per block but TP rank "
-                f"{self.rank.tp_rank}/{self.rank.tp_size} of {self.rank.total_kv_heads} KV heads "
-                f"should hold {len(mine)}"
+                f"{TRANSFER_CONNECTOR}: KV cache holds {caches.num_heads} heads per block but TP "
+                f"rank {self.rank.tp_rank}/{self.rank.tp_size} of {self.rank.total_kv_heads} KV "
+                f"heads should hold {len(mine)}"
             )
         self._caches = caches
+        self._transport.register(caches)
         if self.config.is_producer:
             self._server.start(caches)
         peer = self.config.peer
         logger.info(
-            "%s role=%s, port=%d, host=%s, tp_rank=%d/%d, dp_rank=%d, peer=%s, engine_id=%s",
+            "%s role=%s, port=%d, host=%s, tp_rank=%d/%d, dp_rank=%d, peer=%s, engine_id=%s, "
+            "protocol=%s",
             _PREFIX,
             self.config.role,
             self.port,
@@ -142,10 +142,11 @@ class TransferWorker:
             self.rank.dp_rank,
             "unset" if peer is None else f"dp_size={peer.dp_size},tp_size={peer.tp_size}",
             self.config.engine_id,
+            self._transport.name,
         )
 
     def close(self) -> None:
-        self._server.close()
+        self._transport.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- per step ----------------------------------------------------------------------
@@ -193,7 +194,7 @@ class TransferWorker:
         return errors
 
     def take_counts(self) -> dict[str, int]:
-        """Counter deltas since the last call (``transfer_stats.COUNTERS``)."""
+        """Counter deltas since the last call (``stats.COUNTERS``)."""
         with self._counts_lock:
             counts, self._counts = dict(self._counts), Counter()
         return counts
@@ -206,6 +207,11 @@ class TransferWorker:
     def num_held(self) -> int:
         with self._cond:
             return len(self._tracker)
+
+    @property
+    def num_waiting_pulls(self) -> int:
+        """P: pulls that arrived before the scheduler's hold of their request."""
+        return self._server.num_waiting
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
@@ -229,7 +235,7 @@ class TransferWorker:
             self._count(pull_failures=1)
             with self._recv_lock:
                 self._recv.failed(job.request_id, list(job.local_block_ids))
-            if not isinstance(exc, _Unreachable):
+            if not isinstance(exc, PeerUnreachable):
                 # P answered but the pull broke: tell it to stop holding the blocks now
                 # rather than after hold_timeout_ms (the request is recomputed here).
                 self._run_release(
@@ -280,18 +286,8 @@ class TransferWorker:
                 page_bytes=piece.count * caches.head_bytes,
                 group=self.config.group,
             )
-            with self._connect(job.remote_host, job.remote_port + piece.src_rank, deadline) as sock:
-                send_frame(sock, REQUEST_CODEC, pull, None, deadline)
-                for index, name in enumerate(caches.names):
-                    reply, payload = recv_frame(sock, REPLY_CODEC, deadline)
-                    _expect_layer(reply, payload, index, pull.page_bytes, len(job.local_block_ids))
-                    for block in job.local_block_ids:
-                        view = caches.page(name, block, piece.dst_start, piece.count)
-                        recv_exactly_into(sock, view, deadline, "KV pages")
-                    total += payload
-                reply, _ = recv_frame(sock, REPLY_CODEC, deadline)
-                if not isinstance(reply, Done):
-                    raise ProtocolError(f"expected the end of the transfer, got {reply!r}")
+            with self._connect(job.remote_host, job.remote_port + piece.src_rank, deadline) as link:
+                total += link.pull(pull, job.local_block_ids, piece.dst_start, deadline)
         return total
 
     def _run_release(self, job: ReleaseJob) -> None:
@@ -302,42 +298,16 @@ class TransferWorker:
                 self.rank.total_kv_heads, job.remote_tp_size, self.rank.tp_size, self.rank.tp_rank
             )
         }
-        release = Release(
+        message = PullDone(
             job.remote_request_id, self.rank.tp_rank, self.rank.tp_size, self.config.group
         )
         for src_rank in sorted(ranks):
             try:
-                with self._connect(job.remote_host, job.remote_port + src_rank, deadline) as sock:
-                    send_frame(sock, REQUEST_CODEC, release, None, deadline)
-                    recv_frame(sock, REPLY_CODEC, deadline)
+                with self._connect(job.remote_host, job.remote_port + src_rank, deadline) as link:
+                    link.done(message, deadline)
             except KVPoolError as exc:  # P's hold timeout frees the blocks anyway
                 logger.info("%s could not release %s on P: %s", _PREFIX, job.remote_request_id, exc)
 
-    def _connect(self, host: str, port: int, deadline: float) -> socket.socket:
+    def _connect(self, host: str, port: int, deadline: float) -> PeerLink:
         timeout = min(self.config.connect_timeout_ms / 1000, deadline - time.monotonic())
-        if timeout <= 0:
-            raise _Unreachable(f"no time left to connect to {host}:{port}")
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except TimeoutError:
-            raise _Unreachable(f"connecting to prefill {host}:{port} timed out") from None
-        except OSError as exc:
-            raise _Unreachable(f"cannot connect to prefill {host}:{port}: {exc}") from None
-        tune_socket(sock)
-        return sock
-
-
-class _Unreachable(TransferError):
-    """The prefill could not be reached at all (no point sending it a release)."""
-
-
-def _expect_layer(reply: object, payload: int, index: int, page_bytes: int, blocks: int) -> None:
-    if isinstance(reply, Refused):
-        raise TransferError(f"prefill refused: {reply.reason}")
-    if not isinstance(reply, Layer) or reply.index != index:
-        raise ProtocolError(f"expected layer {index}, got {reply!r}")
-    if reply.page_bytes != page_bytes or payload != page_bytes * blocks:
-        raise ProtocolError(
-            f"layer {index}: {payload} bytes of {reply.page_bytes}-byte pages, "
-            f"expected {blocks} pages of {page_bytes}"
-        )
+        return self._transport.connect(host, port, timeout)

@@ -1,6 +1,11 @@
-"""The P→D pull protocol: typed messages over kvpool's frame codec.
+"""The P→D pull protocol: typed messages over kvpool's frame codec (no sockets here).
 
-One TCP connection from a D rank to a P rank carries one exchange per request::
+The transfer connector is both ends: a decode (D) rank pulls the KV pages of a request
+from the prefill (P) rank that computed it, from P's ``kv_port``.  Beside the master's
+RPC (:mod:`kvpool.protocol.messages`) and the segment data plane
+(:mod:`kvpool.protocol.data`).
+
+One connection from a D rank to a P rank carries one exchange per request::
 
     D → P   Pull(request_id, block_ids, head_start, head_count, layers, dst_rank, ...)
     P → D   Layer(index=0, page_bytes)  + payload: one page slice per block, in block order
@@ -10,8 +15,12 @@ One TCP connection from a D rank to a P rank carries one exchange per request::
       or at any point
     P → D   Refused(reason)              and no more frames for this pull
 
-    D → P   Release(request_id, dst_rank)   D needs nothing (full local hit, abort)
+    D → P   PullDone(request_id, dst_rank)  D needs nothing (full local hit, abort, failure)
     P → D   Done(0)
+
+``PullDone`` is not the master's ``Release`` (a read lease given back): it tells P that
+this D rank is done with the request's blocks without pulling them, so P may free them
+before ``hold_timeout_ms``.
 
 A *page slice* is ``cache[layer][block_id, head_start : head_start + head_count]``: the
 heads this D rank needs of one whole block.  Blocks travel as opaque pages (the CPU
@@ -27,15 +36,15 @@ import msgspec
 from kvpool.protocol.codec import Codec
 
 __all__ = [
-    "REPLY_CODEC",
-    "REQUEST_CODEC",
+    "PULL_REPLY_CODEC",
+    "PULL_REQUEST_CODEC",
     "Done",
     "Layer",
     "Pull",
+    "PullDone",
+    "PullReply",
+    "PullRequest",
     "Refused",
-    "Release",
-    "Reply",
-    "Request",
 ]
 
 
@@ -53,7 +62,7 @@ class Pull(msgspec.Struct, tag="pull", frozen=True):
     group: str | None = None  # D's pairing group (engine_id); None when D has none
 
 
-class Release(msgspec.Struct, tag="release", frozen=True):
+class PullDone(msgspec.Struct, tag="pull_done", frozen=True):
     """D rank ``dst_rank`` will not pull this request: P may stop holding it for that rank."""
 
     request_id: str
@@ -79,8 +88,8 @@ class Refused(msgspec.Struct, tag="refused", frozen=True):
     reason: str
 
 
-Request = Pull | Release
-Reply = Layer | Done | Refused
+PullRequest = Pull | PullDone
+PullReply = Layer | Done | Refused
 
-REQUEST_CODEC: Codec[Request] = Codec(Request)
-REPLY_CODEC: Codec[Reply] = Codec(Reply)
+PULL_REQUEST_CODEC: Codec[PullRequest] = Codec(PullRequest)
+PULL_REPLY_CODEC: Codec[PullReply] = Codec(PullReply)

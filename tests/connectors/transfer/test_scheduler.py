@@ -4,10 +4,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvpool.connectors.topology import PeerTopology
-from kvpool.connectors.transfer_config import TransferConfig
-from kvpool.connectors.transfer_jobs import HoldJob, RecvJob, ReleaseJob
-from kvpool.connectors.transfer_scheduler import PARAM_KEYS, TransferScheduler
+from kvpool.config.kv_transfer import TransferConfig
+from kvpool.config.topology import Topology
+from kvpool.connectors.transfer.jobs import HoldJob, RecvJob, ReleaseJob
+from kvpool.connectors.transfer.scheduler import PARAM_KEYS, TransferScheduler
 
 BLOCK = 128
 
@@ -47,7 +47,7 @@ class FakeBlocks:
 
 
 def sched(role: str, engine_id: str = "g0", **kw: Any) -> TransferScheduler:
-    cfg = TransferConfig(role, 30000, engine_id, PeerTopology(1, 1), kv_host="10.1.1.1")
+    cfg = TransferConfig(role, 30000, engine_id, Topology(1, 1), kv_host="10.1.1.1")
     return TransferScheduler(
         cfg,
         block_size=BLOCK,

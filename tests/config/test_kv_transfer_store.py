@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvpool.config import NodeConfig, load_node_config
-from kvpool.connectors.store_config import StoreConfig, check_put_back, parse_store_config
+from kvpool.config.kv_transfer import StoreConfig, check_put_back, parse_store_config
 from kvpool.errors import ConfigError
 
 
@@ -23,7 +23,7 @@ def parse(role: str, extra: dict[str, Any], env: dict[str, str] | None = None) -
     return parse_store_config(role, extra, env=env or {}, load_node=node)
 
 
-def test_seed_producer_and_consumer_json() -> None:
+def test_guide_producer_and_consumer_json() -> None:
     # §5.2 and §5.3: the store child's kv_connector_extra_config, verbatim.
     p = parse("kv_producer", {"lookup_rpc_port": "0", "backend": "mooncake"})
     assert (p.backend, p.master, p.load_async, p.saves) == (

@@ -28,14 +28,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvpool.connectors.topology import rank_port
-from kvpool.connectors.transfer_config import CONNECTOR_NAME, TransferConfig, pairing_group
-from kvpool.connectors.transfer_jobs import HoldJob, RecvJob, ReleaseJob, TransferJobs
+from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig, pairing_group
+from kvpool.config.topology import rank_port
+from kvpool.connectors.transfer.jobs import HoldJob, RecvJob, ReleaseJob, TransferJobs
 
 __all__ = ["PARAM_KEYS", "TransferScheduler"]
 
 logger = logging.getLogger("vllm.kvpool.transfer")
-_PREFIX = f"[{CONNECTOR_NAME}]"
+_PREFIX = f"[{TRANSFER_CONNECTOR}]"
 _FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 PARAM_KEYS = (
     "do_remote_prefill",

@@ -1,21 +1,36 @@
 """Counter statistics shared by kvpool's connectors, in vLLM's two channels: connector stats
 (summed across workers and logged each interval) and Prometheus counters
 (``vllm:kvpool_<prefix>_<counter>_total``).  A connector names its counters once in a
-subclass; the summing, reporting and exporting live here.
+subclass; the summing, reporting and exporting live here, and so do the class-level hooks
+vLLM calls on a connector class (:class:`CounterStatsHooks`) and its registration by name
+(:func:`register_connector`).
+
+A connector uses them as::
+
+    class MyStats(CounterStats):          COUNTERS = ("hits", "misses")
+    class MyProm(CounterPromMetrics):     COUNTERS = MyStats.COUNTERS; PREFIX = "mine"
+
+    class MyConnector(CounterStatsHooks, KVConnectorBase_V1):
+        STATS, PROM_METRICS = MyStats, MyProm
+        def get_kv_connector_stats(self):  return MyStats.from_counts(self._take_counts())
+
+    register_connector("MyConnector", "my.module.path")
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["CounterPromMetrics", "CounterStats"]
+__all__ = ["CounterPromMetrics", "CounterStats", "CounterStatsHooks", "register_connector"]
 
 
 @dataclass
@@ -27,6 +42,13 @@ class CounterStats(KVConnectorStats):
     def __post_init__(self) -> None:
         for name in self.COUNTERS:
             self.data.setdefault(name, 0)
+
+    @classmethod
+    def from_counts(cls, counts: Mapping[str, int]) -> Self | None:
+        """Stats for one report; ``None`` when nothing happened (vLLM then sends nothing)."""
+        if not any(counts.values()):
+            return None
+        return cls(data={name: int(counts.get(name, 0)) for name in cls.COUNTERS})
 
     def reset(self) -> None:
         self.data = dict.fromkeys(self.COUNTERS, 0)
@@ -71,3 +93,39 @@ class CounterPromMetrics(KVConnectorPromMetrics):
             value = int(transfer_stats_data.get(name, 0))
             if value:
                 self._counters[name][engine_idx].inc(value)
+
+
+class CounterStatsHooks:
+    """vLLM's class-level stats hooks for a connector that names its two classes.
+
+    Put it before ``KVConnectorBase_V1`` among the bases, so that these win.
+    """
+
+    STATS: ClassVar[type[CounterStats]]
+    PROM_METRICS: ClassVar[type[CounterPromMetrics]]
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> CounterStats:
+        return cls.STATS(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> CounterPromMetrics:
+        return cls.PROM_METRICS(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def register_connector(name: str, module_path: str) -> None:
+    """Make vLLM's connector registry know ``name`` (idempotent).
+
+    vLLM's MultiConnector rebuilds its children's stats by class *name* from the
+    factory's registry, which knows only built-in connectors; a connector module calls
+    this when it is imported (vLLM imports it through ``kv_connector_module_path`` in
+    every process that needs it).
+    """
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module_path, name)

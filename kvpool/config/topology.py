@@ -1,8 +1,13 @@
-"""Which prefill (P) rank sends which KV heads to which decode (D) rank (pure: no I/O).
+"""The P/D layout: one side's :class:`Topology`, and which prefill (P) rank sends which KV
+heads to which decode (D) rank (pure: no I/O, no vLLM).
+
+Both connectors and ``kvpool doctor`` read a side's layout from the same
+``{"dp_size": M, "tp_size": N}`` block of ``kv_connector_extra_config`` with
+:func:`parse_topology`, so doctor refuses exactly what the connectors refuse.
 
 With tensor parallelism each rank holds a slice of the model's KV heads.  P and D may
-run different TP sizes (the seed's GLM example: P ``tp 8``, D ``tp 4``), so a D rank
-may need heads from several P ranks, and several D ranks may read from one P rank.
+run different TP sizes (the production guide's GLM example: P ``tp 8``, D ``tp 4``), so a
+D rank may need heads from several P ranks, and several D ranks may read from one P rank.
 
 Rules (vLLM's head sharding, which this module must mirror exactly):
 
@@ -19,11 +24,11 @@ Invariants checked by the tests (hypothesis):
   how many D ranks will come for a request before it may free the blocks.
 
 Ports: each rank of each DP engine gets its own port,
-``kv_port + dp_rank * tp_size + tp_rank`` (:func:`rank_port`), so the seed's
+``kv_port + dp_rank * tp_size + tp_rank`` (:func:`rank_port`), so the guide's
 ``kv_port`` 30000/30100 are bases and two ranks never collide.
 
-Primitives: :func:`local_heads`, :func:`plan_pulls`, :func:`expected_pullers`,
-:func:`rank_port`, :class:`PeerTopology` / :func:`parse_peer_topology`.
+Primitives: :class:`Topology` / :func:`parse_topology`, :func:`local_heads`,
+:func:`plan_pulls`, :func:`expected_pullers`, :func:`rank_port`.
 """
 
 from __future__ import annotations
@@ -37,10 +42,10 @@ from kvpool.errors import ConfigError
 __all__ = [
     "MAX_PORT",
     "HeadSlice",
-    "PeerTopology",
+    "Topology",
     "expected_pullers",
     "local_heads",
-    "parse_peer_topology",
+    "parse_topology",
     "plan_pulls",
     "rank_port",
 ]
@@ -62,11 +67,23 @@ class HeadSlice:
 
 
 @dataclass(frozen=True, slots=True)
-class PeerTopology:
-    """The other side's layout, as the seed writes it: ``{"dp_size": 4, "tp_size": 8}``."""
+class Topology:
+    """A side's data- and tensor-parallel layout, written ``{"dp_size": 4, "tp_size": 8}``.
+
+    In a connector's extra config it describes the PEER (the guide's §5.4 trap); on a
+    ``vllm serve`` command line (``-dp``/``-tp``) a side's own layout.
+    """
 
     dp_size: int = 1
     tp_size: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Worker ranks of the side: one KV port each (see :func:`rank_port`)."""
+        return self.dp_size * self.tp_size
+
+    def __str__(self) -> str:
+        return f'{{"dp_size": {self.dp_size}, "tp_size": {self.tp_size}}}'
 
 
 def _check_tp(num_kv_heads: int, tp_size: int) -> None:
@@ -168,8 +185,8 @@ def _positive_int(section: str, key: str, value: Any) -> int:
     return number
 
 
-def parse_peer_topology(extra_config: Mapping[str, Any], peer: str) -> PeerTopology | None:
-    """The peer's topology from ``extra_config[peer]`` (``"prefill"`` or ``"decode"``).
+def parse_topology(extra_config: Mapping[str, Any], peer: str) -> Topology | None:
+    """The layout in ``extra_config[peer]`` (``"prefill"`` or ``"decode"``).
 
     ``None`` when the section is absent (the caller then trusts what the peer reports).
     Unknown keys inside the section are errors: a typo such as ``"tp"`` must not
@@ -189,7 +206,7 @@ def parse_peer_topology(extra_config: Mapping[str, Any], peer: str) -> PeerTopol
             f'kv_connector_extra_config["{peer}"] has unknown key(s) {unknown}; '
             'allowed: "dp_size", "tp_size"'
         )
-    return PeerTopology(
+    return Topology(
         dp_size=_positive_int(peer, "dp_size", section.get("dp_size", 1)),
         tp_size=_positive_int(peer, "tp_size", section.get("tp_size", 1)),
     )

@@ -6,7 +6,7 @@ import warnings
 # (pytest turns warnings into errors), as in test_store_stats.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from kvpool.connectors.transfer_stats import COUNTERS, KVPoolTransferStats, stats_from_counts
+    from kvpool.connectors.transfer.stats import COUNTERS, KVPoolTransferStats
 
 
 def test_counters_start_at_zero_and_sum_across_workers() -> None:
@@ -22,6 +22,6 @@ def test_counters_start_at_zero_and_sum_across_workers() -> None:
 
 
 def test_nothing_counted_is_no_report() -> None:
-    assert stats_from_counts({}) is None
-    stats = stats_from_counts({"served_pulls": 1})
+    assert KVPoolTransferStats.from_counts({}) is None
+    stats = KVPoolTransferStats.from_counts({"served_pulls": 1})
     assert stats is not None and stats.reduce()["served_pulls"] == 1

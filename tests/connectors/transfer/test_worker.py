@@ -9,73 +9,25 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvpool.connectors.pages import PagedCaches
-from kvpool.connectors.topology import PeerTopology
-from kvpool.connectors.transfer_config import TransferConfig
-from kvpool.connectors.transfer_jobs import HoldJob, RecvJob, ReleaseJob, TransferJobs
-from kvpool.connectors.transfer_worker import RankInfo, TransferResults, TransferWorker
-
-LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
-NUM_BLOCKS = 8
-BLOCK = 4
-ROW = 16  # bytes of one token row of one head (k and v)
-POLL_S = 15.0  # upper bound for a result to show up; a correct run takes milliseconds
-
-
-def free_port(span: int = 1) -> int:
-    """A base port with ``span`` free ports above it (bind-and-close; fine on 127.0.0.1)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + span > 65535:
-            continue
-        try:
-            held: list[socket.socket] = []
-            for p in range(base, base + span):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
-def caches(heads: int, seed: int | None) -> tuple[PagedCaches, dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    arrays = {
-        name: (
-            rng.integers(0, 256, (NUM_BLOCKS, heads, BLOCK, ROW), dtype=np.uint8)
-            if seed is not None
-            else np.zeros((NUM_BLOCKS, heads, BLOCK, ROW), dtype=np.uint8)
-        )
-        for name in LAYERS
-    }
-    return PagedCaches(arrays), arrays
-
-
-def config(role: str, port: int, peer_tp: int | None = 1, **extra: int) -> TransferConfig:
-    return TransferConfig(
-        role=role,
-        kv_port=port,
-        engine_id="group-a",
-        peer=None if peer_tp is None else PeerTopology(1, peer_tp),
-        connect_timeout_ms=extra.get("connect", 2000),
-        transfer_timeout_ms=extra.get("transfer", 5000),
-        hold_timeout_ms=extra.get("hold", 60000),
-    )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from kvpool.config.kv_transfer import TransferConfig
+from kvpool.config.topology import Topology
+from kvpool.connectors.transfer.jobs import HoldJob, ReleaseJob, TransferJobs
+from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
+from tests.connectors.transfer.helpers import (
+    BLOCK,
+    LAYERS,
+    NUM_BLOCKS,
+    POLL_S,
+    ROW,
+    Clock,
+    caches,
+    config,
+    free_port,
+    recv_job,
+    start,
+    wait_results,
+)
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -84,47 +36,6 @@ def workers() -> Iterator[list[TransferWorker]]:
     yield made
     for w in made:
         w.close()
-
-
-def start(
-    workers: list[TransferWorker],
-    cfg: TransferConfig,
-    rank: int,
-    tp: int,
-    heads: int,
-    seed: int | None,
-    clock: Clock | None = None,
-) -> tuple[TransferWorker, dict[str, np.ndarray]]:
-    worker = TransferWorker(cfg, RankInfo(rank, tp, 0, heads), clock or time.monotonic)
-    paged, arrays = caches(max(1, heads // tp), seed)
-    worker.register(paged)
-    workers.append(worker)
-    return worker, arrays
-
-
-def wait_results(
-    worker: TransferWorker, want_recv: str | None = None, want_send: str | None = None
-) -> TransferResults:
-    """Poll like vLLM's engine loop does, until the wanted request shows up."""
-    sending: set[str] = set()
-    recving: set[str] = set()
-    failed: set[str] = set()
-    deadline = time.monotonic() + POLL_S
-    while time.monotonic() < deadline:
-        r = worker.results()
-        sending |= r.finished_sending
-        recving |= r.finished_recving
-        failed |= r.failed_recving
-        if (want_recv is None or want_recv in recving) and (
-            want_send is None or want_send in sending
-        ):
-            return TransferResults(sending, recving, failed)
-        time.sleep(0.005)
-    raise AssertionError(f"no result for {want_recv or want_send} within {POLL_S}s")
-
-
-def recv_job(rid: str, local: list[int], remote: list[int], port: int, tp: int = 1) -> RecvJob:
-    return RecvJob(rid, tuple(local), tuple(remote), "p-" + rid, "127.0.0.1", port, tp, "group-a")
 
 
 def test_decode_pulls_whole_blocks_into_its_own_block_ids(workers: list[TransferWorker]) -> None:
@@ -185,10 +96,15 @@ def test_pull_before_the_hold_arrives_waits_for_it(workers: list[TransferWorker]
     p, p_kv = start(workers, config("kv_producer", port), 0, 1, 2, seed=3)
     d, d_kv = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
     d.submit(TransferJobs(recvs=[recv_job("late", [4], [1], port)]))
-    time.sleep(0.2)  # the pull is now waiting on P for the scheduler's hold job
+    wait_until(lambda: p.num_waiting_pulls == 1, POLL_S, what="the pull waiting on P's hold")
     p.submit(TransferJobs(holds=[HoldJob("p-late", (1,))]))
     assert wait_results(d, want_recv="late").failed_recving == set()
-    np.testing.assert_array_equal(d_kv[LAYERS[0]][4], p_kv[LAYERS[0]][1])
+    for name in LAYERS:  # nothing lost while it waited: every layer arrived whole
+        np.testing.assert_array_equal(d_kv[name][4], p_kv[name][1])
+    assert p.num_waiting_pulls == 0
+    assert d.take_counts() == {"pulls": 1, "pulled_blocks": 1, "pulled_bytes": 2 * 2 * BLOCK * ROW}
+    assert "p-late" in wait_results(p, want_send="p-late").finished_sending
+    assert p.take_counts()["served_pulls"] == 1
 
 
 def test_dead_prefill_is_a_failed_and_finished_load(workers: list[TransferWorker]) -> None:
@@ -271,7 +187,7 @@ def test_prefill_refuses_bad_pulls(workers: list[TransferWorker], case: str) -> 
     d_cfg = config("kv_consumer", port + 100)
     d_tp = 1
     if case == "group":
-        d_cfg = TransferConfig("kv_consumer", port + 100, "group-b", PeerTopology(1, 1))
+        d_cfg = TransferConfig("kv_consumer", port + 100, "group-b", Topology(1, 1))
     if case == "tp":
         d_tp = 2  # P's config says the decode runs tp 1
     d, _ = start(workers, d_cfg, 0, d_tp, 2, seed=None)
@@ -312,13 +228,7 @@ def test_nothing_leaks_after_many_pulls_and_failures(workers: list[TransferWorke
         wait_results(d, want_recv=str(i))
     # refused pulls released their holds too (the decode recomputes them)
     wait_results(p, want_send="p-16")
-    deadline = time.monotonic() + POLL_S
-    while p.num_held and time.monotonic() < deadline:
-        p.results()
-        time.sleep(0.01)
-    assert p.num_held == 0
-    deadline = time.monotonic() + POLL_S
-    while _threads("kvpool-kv-send") and time.monotonic() < deadline:
-        time.sleep(0.01)  # each decode connection's thread ends when the decode closes it
-    assert _threads("kvpool-kv-send") == 0
+    wait_until(lambda: p.results() is not None and p.num_held == 0, POLL_S, what="no holds")
+    # each decode connection's thread ends when the decode closes it
+    wait_until(lambda: _threads("kvpool-kv-send") == 0, POLL_S, what="no send threads")
     assert len(os.listdir("/proc/self/fd")) == fds_before  # every socket closed, both sides

@@ -22,13 +22,12 @@ holds_expired    P: holds freed by ``hold_timeout_ms`` (a D that never came)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvpool.connectors.counter_stats import CounterPromMetrics, CounterStats
+from kvpool.connectors.stats import CounterPromMetrics, CounterStats
 
-__all__ = ["COUNTERS", "KVPoolTransferPromMetrics", "KVPoolTransferStats", "stats_from_counts"]
+__all__ = ["COUNTERS", "KVPoolTransferPromMetrics", "KVPoolTransferStats"]
 
 COUNTERS = (
     "pulls",
@@ -48,13 +47,6 @@ class KVPoolTransferStats(CounterStats):
     """Counter deltas since the last report; ``data`` maps counter name -> int."""
 
     COUNTERS: ClassVar[tuple[str, ...]] = COUNTERS
-
-
-def stats_from_counts(counts: Mapping[str, int]) -> KVPoolTransferStats | None:
-    """Stats for a report; ``None`` when nothing happened (vLLM then sends nothing)."""
-    if not any(counts.values()):
-        return None
-    return KVPoolTransferStats(data={name: int(counts.get(name, 0)) for name in COUNTERS})
 
 
 class KVPoolTransferPromMetrics(CounterPromMetrics):

@@ -1,20 +1,18 @@
-"""KVPoolTransferConnector: direct P→D transfer of a request's KV blocks (the seed's L1).
+"""KVPoolTransferConnector: direct P→D transfer of a request's KV blocks (the guide's L1).
 
-kvpool's counterpart of the seed's ``MooncakeConnectorV1``, a vLLM v1 KV connector.  Load
-it by module path, alone or as a child of vLLM's own ``MultiConnector``::
+kvpool's counterpart of ``MooncakeConnectorV1``, a vLLM v1 KV connector.  Load it by
+module path, alone or as a child of vLLM's own ``MultiConnector``::
 
     {"kv_connector": "KVPoolTransferConnector",
      "kv_connector_module_path": "kvpool.connectors.transfer",
      "kv_role": "kv_producer", "kv_port": "30000",
      "kv_connector_extra_config": {"decode": {"dp_size": 1, "tp_size": 1}}}
 
-This module is the thin vLLM adapter: the decisions live in
-:mod:`kvpool.connectors.transfer_scheduler`, the bytes move in
-:mod:`kvpool.connectors.transfer_worker` (D's pulls) and
-:mod:`kvpool.connectors.transfer_server` (P's side), head routing in
-:mod:`kvpool.connectors.topology`, settings in :mod:`kvpool.connectors.transfer_config`,
-counters in :mod:`kvpool.connectors.transfer_stats`.  P pushes nothing: D pulls from P's
-``kv_port`` after P has answered, so P's engine never waits on D.
+This module is the thin vLLM adapter: the decisions live in :mod:`.scheduler`, the bytes
+move in :mod:`.worker` (D's pulls) and :mod:`.server` (P's side) through a
+:mod:`.transport`, head routing in :mod:`kvpool.config.topology`, settings in
+:mod:`kvpool.config.kv_transfer`, counters in :mod:`.stats`.  P pushes nothing: D pulls
+from P's ``kv_port`` after P has answered, so P's engine never waits on D.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -33,17 +30,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool.config import NodeConfig, config_path_from_env, load_node_config
-from kvpool.connectors.pages import byte_pages
-from kvpool.connectors.transfer_config import CONNECTOR_NAME, TransferConfig
-from kvpool.connectors.transfer_jobs import TransferJobs
-from kvpool.connectors.transfer_scheduler import TransferScheduler
-from kvpool.connectors.transfer_stats import (
-    KVPoolTransferPromMetrics,
-    KVPoolTransferStats,
-    stats_from_counts,
+from kvpool.config import (
+    TRANSFER_CONNECTOR,
+    NodeConfig,
+    TransferConfig,
+    config_path_from_env,
+    load_node_config,
 )
-from kvpool.connectors.transfer_worker import RankInfo, TransferWorker
+from kvpool.connectors.pages import byte_pages
+from kvpool.connectors.stats import CounterStatsHooks, register_connector
+from kvpool.connectors.transfer.jobs import TransferJobs
+from kvpool.connectors.transfer.scheduler import TransferScheduler
+from kvpool.connectors.transfer.stats import KVPoolTransferPromMetrics, KVPoolTransferStats
+from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,7 +53,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KVPoolTransferConnector", "TransferMetadata", "byte_pages"]
+__all__ = ["KVPoolTransferConnector", "TransferMetadata"]
 
 
 @dataclass
@@ -65,7 +64,7 @@ class TransferMetadata(KVConnectorMetadata):
 
 
 def _node_config() -> NodeConfig | None:
-    """The node config (the seed's mooncake.json), if the environment names one."""
+    """The node config (``mooncake.json``), if the environment names one."""
     if config_path_from_env(os.environ) is None:
         return None
     return load_node_config(env=os.environ)
@@ -80,10 +79,12 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
         return 0
 
 
-class KVPoolTransferConnector(KVConnectorBase_V1):
-    """vLLM connector for P→D KV transfer over TCP (pull by D from P's ``kv_port``)."""
+class KVPoolTransferConnector(CounterStatsHooks, KVConnectorBase_V1):
+    """vLLM connector for P→D KV transfer (pull by D from P's ``kv_port``; TCP by default)."""
 
     _cache_hit_source = CacheHitSource.P2P
+    STATS = KVPoolTransferStats
+    PROM_METRICS = KVPoolTransferPromMetrics
 
     def __init__(
         self,
@@ -202,32 +203,12 @@ class KVPoolTransferConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
 
-    # -- statistics (see transfer_stats) ----------------------------------------------
+    # -- statistics (see .stats; the class-level hooks are CounterStatsHooks') ---------
 
     def get_kv_connector_stats(self) -> KVPoolTransferStats | None:
         if self._worker is None:
             return None
-        return stats_from_counts(self._worker.take_counts())
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolTransferStats:
-        return KVPoolTransferStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVPoolTransferPromMetrics:
-        return KVPoolTransferPromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
+        return KVPoolTransferStats.from_counts(self._worker.take_counts())
 
 
-# vLLM's MultiConnector rebuilds its children's stats by class *name* from the factory's
-# registry, which knows only built-in connectors: register this one when the module is
-# imported (vLLM imports it through kv_connector_module_path in every process).
-if CONNECTOR_NAME not in KVConnectorFactory._registry:
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
+register_connector(TRANSFER_CONNECTOR, "kvpool.connectors.transfer")

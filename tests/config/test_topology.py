@@ -4,12 +4,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.connectors.topology import (
+from kvpool.config.topology import (
     HeadSlice,
-    PeerTopology,
+    Topology,
     expected_pullers,
     local_heads,
-    parse_peer_topology,
+    parse_topology,
     plan_pulls,
     rank_port,
 )
@@ -74,7 +74,7 @@ def test_every_head_held_by_prefill_is_the_union_of_all_ranks(layout: tuple[int,
     assert held == set(range(heads))
 
 
-def test_seed_layout_prefill_tp8_to_decode_tp4() -> None:
+def test_guide_layout_prefill_tp8_to_decode_tp4() -> None:
     # 8 KV heads: each P rank holds 1, each D rank holds 2 = two P ranks merged.
     assert plan_pulls(8, 8, 4, 1) == [HeadSlice(2, 0, 0, 1), HeadSlice(3, 0, 1, 1)]
     assert expected_pullers(8, 8, 4, 3) == {1}
@@ -122,12 +122,12 @@ def test_rank_port_offsets_per_dp_and_tp_rank() -> None:
         rank_port(65535, 0, 2, 1)
 
 
-def test_parse_peer_topology_reads_the_seed_section() -> None:
+def test_parse_topology_reads_the_seed_section() -> None:
     extra = {"prefill": {"dp_size": 4, "tp_size": 8}, "decode": {"dp_size": 8, "tp_size": 4}}
-    assert parse_peer_topology(extra, "prefill") == PeerTopology(4, 8)
-    assert parse_peer_topology(extra, "decode") == PeerTopology(8, 4)
-    assert parse_peer_topology({}, "decode") is None
-    assert parse_peer_topology({"decode": {"tp_size": "2"}}, "decode") == PeerTopology(1, 2)
+    assert parse_topology(extra, "prefill") == Topology(4, 8)
+    assert parse_topology(extra, "decode") == Topology(8, 4)
+    assert parse_topology({}, "decode") is None
+    assert parse_topology({"decode": {"tp_size": "2"}}, "decode") == Topology(1, 2)
 
 
 @pytest.mark.parametrize(
@@ -141,7 +141,7 @@ def test_parse_peer_topology_reads_the_seed_section() -> None:
         ([4, 8], "must be an object"),
     ],
 )
-def test_parse_peer_topology_names_the_bad_key(section: object, message: str) -> None:
+def test_parse_topology_names_the_bad_key(section: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:
-        parse_peer_topology({"decode": section}, "decode")
+        parse_topology({"decode": section}, "decode")
     assert '"decode"' in str(info.value)

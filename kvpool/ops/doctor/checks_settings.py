@@ -2,20 +2,19 @@
 so doctor refuses exactly what the connectors would refuse at vLLM start-up (unknown extra
 keys, bad values) — before any vLLM is started.  Also: where P listens for D.
 
-Pure: the environment and the node config come in as values.  Only vLLM-free modules of
-:mod:`kvpool.connectors` are imported (doctor runs on hosts without vLLM).
+Pure: the environment and the node config come in as values.  The connectors' settings
+live in :mod:`kvpool.config.kv_transfer`, which imports no vLLM (doctor runs on hosts
+without it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from kvpool.config import NodeConfig
-from kvpool.connectors.store_config import parse_store_config
-from kvpool.connectors.transfer_config import TransferConfig
+from kvpool.config import NodeConfig, TransferConfig, parse_store_config
 from kvpool.errors import ConfigError
-from kvpool.ops.checks import Check, fail, pass_, warn
-from kvpool.ops.checks_connector import Side
+from kvpool.ops.doctor.checks import Check, fail, pass_, warn
+from kvpool.ops.doctor.checks_connector import Side
 from kvpool.ops.kvconfig import KVPOOL_CONNECTORS, ConnectorSpec
 
 __all__ = ["check_kv_host", "check_settings", "settings_checks", "transfer_settings"]
@@ -84,7 +83,7 @@ def check_settings(
 
 def check_kv_host(side: Side, env: Mapping[str, str], node: NodeConfig | None) -> Check | None:
     """P tells D where to pull from; a P listening on loopback is unreachable from another
-    host (seed §8.3 row 1, "Decode cannot reach Prefill")."""
+    host (the production guide's §8.3 row 1, "Decode cannot reach Prefill")."""
     if side.side != "prefill":
         return None
     settings = transfer_settings(side, env, node)

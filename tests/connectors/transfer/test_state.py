@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvpool.connectors.transfer_state import RecvResults, SendTracker
+from kvpool.connectors.transfer.state import RecvResults, SendTracker
 
 
 def test_request_is_freed_when_every_expected_rank_is_done() -> None:

@@ -1,0 +1,444 @@
+"""The two connectors' settings, as vLLM's ``--kv-transfer-config`` gives them (pure, no vLLM).
+
+vLLM hands each connector its ``kv_role``, ``kv_port``, ``engine_id`` and
+``kv_connector_extra_config``; :func:`parse_store_config` and
+:meth:`TransferConfig.from_values` validate them once, with the environment passed in as
+a mapping (tests need no monkeypatching) and the node config (``mooncake.json``) as a
+value or a loader.  ``kvpool doctor`` runs the same functions, so it refuses exactly what
+the connectors would refuse at vLLM start-up.  The peer layout and head routing are
+:mod:`kvpool.config.topology`.
+
+Unknown keys in either connector's ``kv_connector_extra_config`` are errors that list the
+known ones (a typo must not silently fall back to a default).
+
+``KVPoolStoreConnector`` (the prefix pool, vllm-ascend's AscendStoreConnector, §6), keys of
+its ``kv_connector_extra_config``:
+
+=====================  =======================================================================
+key                    meaning (default)
+=====================  =======================================================================
+backend                ``mooncake`` or ``kvpool``: the shared pool through its master
+                       (the guide's default, ``mooncake``); ``embedded``: an in-process pool
+                       with no master, for one node with tensor_parallel_size 1
+master                 the master as host:port; default: ``metadata_server`` of the node
+                       config named by ``KVPOOL_CONFIG_PATH`` / ``MOONCAKE_CONFIG_PATH``
+load_async             load hits in the background without stalling the engine (false)
+consumer_is_to_put     a ``kv_consumer`` also writes the KV it computes (false); allowed
+                       only where the decode side's KV layout equals the prefill side's
+lookup_rpc_port        accepted as vllm-ascend takes it (0..65535) and validated; see below
+prefill                optional ``{"tp_size": N, "dp_size": M}`` of the prefill side, so that
+                       ``consumer_is_to_put`` can check the layouts really match
+model_id               the model's name in block keys (default: vLLM's served model name)
+tenant                 isolates one tenant's keys from another's ("")
+pool_timeout_ms        every load's and save's pool call timeout (env KVPOOL_TRANSFER_TIMEOUT /
+                       ASCEND_TRANSFER_TIMEOUT, else 10000)
+lookup_timeout_ms      a scheduler lookup's timeout (2000): the scheduler waits for it, so a
+                       hung pool must cost little; a timed-out lookup is a miss
+reconnect_interval_ms  after a pool failure, how long lookups miss before reconnecting (5000)
+embedded_capacity      size of the embedded pool (e.g. "1GiB"; default 1GiB)
+=====================  =======================================================================
+
+``lookup_rpc_port``: in AscendStoreConnector the scheduler asks its worker, which owns the
+store client, whether a prefix is cached.  With a master, kvpool's scheduler half holds
+its own client and asks the master directly (``prefix_lookup`` takes no lease), so no
+channel is needed.  With ``backend: embedded`` the pool lives in the worker process and
+the scheduler asks it over a Unix socket named after the instance and this value (see the
+store connector's lookup module), so two instances on one host never collide, whatever
+the value; ``0`` is the usual choice.
+
+``KVPoolTransferConnector`` (direct P→D transfer, MooncakeConnectorV1's part, §5); where
+each setting comes from (first match wins):
+
+=====================  ========================================================================
+setting                sources
+=====================  ========================================================================
+role                   ``kv_role``: ``kv_producer`` (P), ``kv_consumer`` (D), ``kv_both``
+kv_port                ``kv_port`` (the guide's P 30000 / D 30100); a base, see ``rank_port``
+engine_id              ``engine_id``; pairs a P with its D (see :func:`pairing_group`)
+peer                   ``kv_connector_extra_config["decode"]`` on P, ``["prefill"]`` on D
+kv_host                extra ``kv_host``, env ``KVPOOL_KV_HOST``, ``local_hostname`` of the
+                       node config (``KVPOOL_CONFIG_PATH`` / ``MOONCAKE_CONFIG_PATH``), env
+                       ``VLLM_HOST_IP``, ``127.0.0.1``: the address P listens on and tells D
+                       to pull from
+protocol               the node config's ``protocol`` (``tcp``): which transport moves the
+                       pages (see ``kvpool.connectors.transfer.transport``)
+connect_timeout_ms     extra ``connect_timeout_ms``, env ``KVPOOL_CONNECT_TIMEOUT_MS``,
+                       ``KVPOOL_CONNECT_TIMEOUT``, ``ASCEND_CONNECT_TIMEOUT`` (vllm-ascend's
+                       name), the node config's ``connect_timeout_ms``, 10000
+transfer_timeout_ms    extra ``transfer_timeout_ms``, env ``KVPOOL_TRANSFER_TIMEOUT_MS``,
+                       ``KVPOOL_TRANSFER_TIMEOUT``, ``ASCEND_TRANSFER_TIMEOUT`` (vllm-ascend's
+                       name), the node config's ``transfer_timeout_ms``, 10000
+hold_timeout_ms        extra ``hold_timeout_ms``, env ``KVPOOL_HOLD_TIMEOUT_MS``, 120000:
+                       how long P keeps a request's blocks for a D that never comes
+=====================  ========================================================================
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.config.node import NodeConfig
+from kvpool.config.topology import MAX_PORT, Topology, parse_topology
+from kvpool.config.values import (
+    CONNECT_TIMEOUT_VARS,
+    TRANSFER_TIMEOUT_VARS,
+    env_lookup,
+    parse_bool_value,
+    parse_host_port,
+    parse_size,
+)
+from kvpool.errors import ConfigError
+
+__all__ = [
+    "BACKENDS",
+    "ROLES",
+    "STORE_CONNECTOR",
+    "STORE_EXTRA_KEYS",
+    "TRANSFER_CONNECTOR",
+    "TRANSFER_EXTRA_KEYS",
+    "StoreConfig",
+    "TransferConfig",
+    "check_put_back",
+    "pairing_group",
+    "parse_store_config",
+]
+
+STORE_CONNECTOR = "KVPoolStoreConnector"
+TRANSFER_CONNECTOR = "KVPoolTransferConnector"
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+# -- the store connector ----------------------------------------------------------------
+
+# "mooncake" is the production guide's spelling of "the shared pool behind a master".
+BACKENDS = ("mooncake", "kvpool", "embedded")
+STORE_EXTRA_KEYS = (
+    "backend",
+    "master",
+    "load_async",
+    "consumer_is_to_put",
+    "lookup_rpc_port",
+    "prefill",
+    "model_id",
+    "tenant",
+    "pool_timeout_ms",
+    "lookup_timeout_ms",
+    "reconnect_interval_ms",
+    "embedded_capacity",
+)
+_DEFAULT_POOL_MS = 10_000
+_DEFAULT_LOOKUP_MS = 2_000
+_DEFAULT_RECONNECT_MS = 5_000
+_DEFAULT_EMBEDDED = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Validated settings; ``master`` is empty for the embedded backend."""
+
+    role: str
+    backend: str
+    master: str = ""
+    load_async: bool = False
+    consumer_is_to_put: bool = False
+    lookup_rpc_port: int = 0
+    prefill_tp_size: int | None = None
+    model_id: str = ""
+    tenant: str = ""
+    pool_timeout_ms: int = _DEFAULT_POOL_MS
+    lookup_timeout_ms: int = _DEFAULT_LOOKUP_MS
+    reconnect_interval_ms: int = _DEFAULT_RECONNECT_MS
+    embedded_capacity: int = _DEFAULT_EMBEDDED
+
+    @property
+    def saves(self) -> bool:
+        """Whether this instance writes the KV it computes into the pool."""
+        return self.role != "kv_consumer" or self.consumer_is_to_put
+
+    @property
+    def uses_master(self) -> bool:
+        return self.backend != "embedded"
+
+
+def _int(value: object, key: str, *, minimum: int, maximum: int | None = None) -> int:
+    # The guide writes ports as strings ("lookup_rpc_port": "0"), so digits in a string count.
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = "" if maximum is None else f"..{maximum}"
+        raise ConfigError(f"{key}: must be in {minimum}{upper}, got {value}")
+    return value
+
+
+def _str(value: object, key: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value.strip()
+
+
+def _prefill_tp(value: object) -> int | None:
+    key = "kv_connector_extra_config.prefill"
+    if not isinstance(value, Mapping):
+        raise ConfigError(f'{key}: expected an object like {{"tp_size": 8, "dp_size": 4}}')
+    for sub in value:
+        if sub not in ("tp_size", "dp_size"):
+            raise ConfigError(f"{key}.{sub}: unknown key; use tp_size and dp_size")
+    if "dp_size" in value:
+        _int(value["dp_size"], f"{key}.dp_size", minimum=1)
+    return None if "tp_size" not in value else _int(value["tp_size"], f"{key}.tp_size", minimum=1)
+
+
+def parse_store_config(
+    kv_role: str | None,
+    extra: Mapping[str, Any] | None,
+    *,
+    env: Mapping[str, str],
+    load_node: Callable[[], NodeConfig],
+) -> StoreConfig:
+    """Validate the connector's settings.  ``load_node`` reads the node config (mooncake.json)
+    and is called only when the backend needs a master and none is given explicitly."""
+    if kv_role not in ROLES:
+        raise ConfigError(
+            f"kv_role: {STORE_CONNECTOR} needs one of {', '.join(ROLES)}, got {kv_role!r}"
+        )
+    extra = dict(extra or {})
+    for key in extra:
+        if key not in STORE_EXTRA_KEYS:
+            raise ConfigError(
+                f"kv_connector_extra_config.{key}: unknown key for {STORE_CONNECTOR};"
+                f" known keys: {', '.join(STORE_EXTRA_KEYS)}"
+            )
+    backend = _str(extra.get("backend", "mooncake"), "backend").lower()
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend: unknown {backend!r}; use one of {', '.join(BACKENDS)}")
+    found = env_lookup(env, TRANSFER_TIMEOUT_VARS)
+    timeout_ms = (
+        _int(extra["pool_timeout_ms"], "pool_timeout_ms", minimum=1)
+        if "pool_timeout_ms" in extra
+        else _int(found[1], found[0], minimum=1)
+        if found is not None
+        else _DEFAULT_POOL_MS
+    )
+    master = ""
+    if backend != "embedded":
+        if "master" in extra:
+            host, port = parse_host_port(_str(extra["master"], "master"), key="master")
+            master = f"{host}:{port}"
+        else:
+            try:
+                master = load_node().master_address
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"backend {backend!r} needs the master's address: {exc}; or give"
+                    ' kv_connector_extra_config "master": "host:50088", or use'
+                    ' "backend": "embedded" for a single node without a master'
+                ) from None
+    consumer_is_to_put = parse_bool_value(
+        extra.get("consumer_is_to_put", False), key="consumer_is_to_put"
+    )
+    return StoreConfig(
+        role=kv_role,
+        backend=backend,
+        master=master,
+        load_async=parse_bool_value(extra.get("load_async", False), key="load_async"),
+        consumer_is_to_put=consumer_is_to_put,
+        lookup_rpc_port=_int(
+            extra.get("lookup_rpc_port", 0), "lookup_rpc_port", minimum=0, maximum=65535
+        ),
+        prefill_tp_size=_prefill_tp(extra["prefill"]) if "prefill" in extra else None,
+        model_id=_str(extra.get("model_id", ""), "model_id"),
+        tenant=_str(extra.get("tenant", ""), "tenant"),
+        pool_timeout_ms=timeout_ms,
+        lookup_timeout_ms=_int(
+            extra.get("lookup_timeout_ms", _DEFAULT_LOOKUP_MS), "lookup_timeout_ms", minimum=1
+        ),
+        reconnect_interval_ms=_int(
+            extra.get("reconnect_interval_ms", _DEFAULT_RECONNECT_MS),
+            "reconnect_interval_ms",
+            minimum=0,
+        ),
+        embedded_capacity=parse_size(
+            extra.get("embedded_capacity", _DEFAULT_EMBEDDED), key="embedded_capacity"
+        ),
+    )
+
+
+def check_put_back(config: StoreConfig, *, is_mla: bool, tp_size: int) -> None:
+    """Refuse ``consumer_is_to_put`` where decode-side KV would not fit prefill-side readers.
+
+    A block written by the decode side is read back by prefill instances under the same key,
+    so its bytes must be laid out as the prefill side lays them out.  Model, dtype, block
+    size and device are in the key's namespace anyway; what can still differ is how KV heads
+    are split across tensor-parallel ranks.  MLA models keep one latent KV per token that
+    every rank holds whole (so vllm-ascend allows write-back only for MLA); other models match
+    only when both sides use the same tp_size.
+    """
+    if not config.consumer_is_to_put or config.role != "kv_consumer" or is_mla:
+        return
+    if config.prefill_tp_size is not None and config.prefill_tp_size != tp_size:
+        raise ConfigError(
+            "consumer_is_to_put: the decode side's KV layout differs from the prefill side's"
+            f" (the model is not MLA and prefill tp_size {config.prefill_tp_size} !="
+            f" decode tp_size {tp_size}), so prefill could never read what decode writes;"
+            " set consumer_is_to_put false or run both sides with the same tp_size"
+        )
+
+
+# -- the transfer connector -------------------------------------------------------------
+
+TRANSFER_EXTRA_KEYS = (
+    "prefill",
+    "decode",
+    "kv_host",
+    "connect_timeout_ms",
+    "transfer_timeout_ms",
+    "hold_timeout_ms",
+)
+_DEFAULT_CONNECT_MS = 10_000
+_DEFAULT_TRANSFER_MS = 10_000
+_DEFAULT_HOLD_MS = 120_000
+_DEFAULT_PROTOCOL = "tcp"
+# vLLM fills an unset engine_id with uuid4() and appends "_dp<rank>" under data parallelism.
+_GENERATED_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+_DP_SUFFIX = re.compile(r"_dp\d+$")
+
+
+def pairing_group(engine_id: str) -> str | None:
+    """The P/D pairing group of an engine id, or ``None`` when vLLM generated the id.
+
+    MooncakeConnectorV1 pairs a P with its D by giving both the same ``engine_id``.  vLLM adds
+    ``_dp<rank>`` to it per data-parallel rank, so that suffix is not part of the group.
+    An id vLLM made up (a random uuid4) pairs with anything: the production guide's JSON
+    sets no engine_id, and it must still work.
+    """
+    group = _DP_SUFFIX.sub("", engine_id)
+    return None if _GENERATED_ID.match(group) else group
+
+
+def _timeout_ms(
+    extra: Mapping[str, Any],
+    env: Mapping[str, str],
+    key: str,
+    env_names: tuple[str, ...],
+    default: int,
+) -> int:
+    sources: list[tuple[str, Any]] = []
+    if key in extra:
+        sources.append((f'kv_connector_extra_config["{key}"]', extra[key]))
+    sources += [(name, env[name]) for name in env_names if env.get(name, "") != ""]
+    if not sources:
+        return default
+    where, raw = sources[0]
+    try:
+        value = int(raw) if not isinstance(raw, bool) else -1
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} must be a whole number of milliseconds, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{where} must be > 0 milliseconds, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """Everything the transfer connector's two halves need to know, validated."""
+
+    role: str
+    kv_port: int
+    engine_id: str
+    peer: Topology | None
+    kv_host: str = "127.0.0.1"
+    protocol: str = _DEFAULT_PROTOCOL  # the transport that moves the pages
+    connect_timeout_ms: int = _DEFAULT_CONNECT_MS
+    transfer_timeout_ms: int = _DEFAULT_TRANSFER_MS
+    hold_timeout_ms: int = _DEFAULT_HOLD_MS
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+    @property
+    def group(self) -> str | None:
+        return pairing_group(self.engine_id)
+
+    @classmethod
+    def from_values(
+        cls,
+        *,
+        role: str | None,
+        kv_port: Any,
+        engine_id: str | None,
+        extra: Mapping[str, Any],
+        env: Mapping[str, str],
+        node: NodeConfig | None = None,
+    ) -> TransferConfig:
+        """Build from vLLM's ``KVTransferConfig`` fields, ``os.environ`` and the node config
+        (``mooncake.json``: its ``local_hostname``, ``protocol`` and timeouts) if given."""
+        node_host = node.local_hostname if node is not None else None
+        connect_default = node.timeouts.connect_timeout_ms if node else _DEFAULT_CONNECT_MS
+        transfer_default = node.timeouts.transfer_timeout_ms if node else _DEFAULT_TRANSFER_MS
+        if role not in ROLES:
+            raise ConfigError(
+                f"kv_role must be one of {list(ROLES)} for {TRANSFER_CONNECTOR}, got {role!r}"
+            )
+        unknown = sorted(set(extra) - set(TRANSFER_EXTRA_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"{TRANSFER_CONNECTOR}: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"known: {list(TRANSFER_EXTRA_KEYS)}"
+            )
+        try:
+            port = int(kv_port)
+        except (TypeError, ValueError):
+            raise ConfigError(f"kv_port must be a TCP port number, got {kv_port!r}") from None
+        if not 0 < port <= MAX_PORT:
+            raise ConfigError(f"kv_port must be in 1..{MAX_PORT}, got {kv_port!r}")
+        # On P the peer is the decode side, on D the prefill side (the guide's §5.4 trap:
+        # these describe the OTHER side, not this one).  kv_both reads whichever is given.
+        peer_key = "decode" if role == "kv_producer" else "prefill"
+        peer = parse_topology(extra, peer_key)
+        if peer is None and role == "kv_both":
+            peer = parse_topology(extra, "decode")
+        parse_topology(extra, "decode" if peer_key == "prefill" else "prefill")  # validate
+        host = (
+            extra.get("kv_host")
+            or env.get("KVPOOL_KV_HOST")
+            or node_host
+            or env.get("VLLM_HOST_IP")
+        )
+        if host is not None and (not isinstance(host, str) or not host.strip()):
+            raise ConfigError(
+                f'kv_connector_extra_config["kv_host"] must be a host name, got {host!r}'
+            )
+        return cls(
+            role=role,
+            kv_port=port,
+            engine_id=engine_id or "",
+            peer=peer,
+            kv_host=(host or "127.0.0.1").strip(),
+            protocol=node.protocol if node is not None else _DEFAULT_PROTOCOL,
+            connect_timeout_ms=_timeout_ms(
+                extra,
+                env,
+                "connect_timeout_ms",
+                CONNECT_TIMEOUT_VARS,
+                connect_default,
+            ),
+            transfer_timeout_ms=_timeout_ms(
+                extra,
+                env,
+                "transfer_timeout_ms",
+                TRANSFER_TIMEOUT_VARS,
+                transfer_default,
+            ),
+            hold_timeout_ms=_timeout_ms(
+                extra, env, "hold_timeout_ms", ("KVPOOL_HOLD_TIMEOUT_MS",), _DEFAULT_HOLD_MS
+            ),
+        )

@@ -1,0 +1,122 @@
+"""The P→D data-plane seam: how KV pages move from a prefill rank to a decode rank.
+
+The transfer worker decides *what* moves (which request, blocks and heads, from which P
+rank); a :class:`KVTransport` moves it.  kvpool's TCP (:mod:`.tcp`) is the default;
+Mooncake's Transfer Engine (RDMA and its other fabrics) is meant to be added beside it as
+one more implementation, chosen by the node config's ``protocol`` the same way.
+
+Primitives, in the order a worker uses them:
+
+- :meth:`KVTransport.register` — both sides: the KV caches pages are read from (P) and
+  written into (D), once, before anything moves;
+- :meth:`KVTransport.serve` — P: answer pulls on ``host:port``, asking a
+  :class:`PullHandler` (the P side's rules, :mod:`.server`) whether and when to serve;
+- :meth:`KVTransport.connect` — D: a :class:`PeerLink` to one P rank, bounded by the
+  connect timeout; :class:`PeerUnreachable` when there is no such peer;
+- :meth:`PeerLink.pull` — D: pull one page slice per block and layer into registered
+  memory, bounded by the transfer deadline; :meth:`PeerLink.done` — D needs nothing;
+- :meth:`PeerLink.close`, :meth:`KVTransport.close`.
+
+Rules every transport keeps: every wait is bounded (a deadline or the configured
+timeouts), a refusal by P surfaces on D as :class:`~kvpool.errors.TransferError` naming
+P's reason, and a broken stream as :class:`~kvpool.errors.ProtocolError` or
+``TransferError``: the worker reports any of them as a failed load, so vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvpool.config.kv_transfer import TransferConfig
+from kvpool.connectors.pages import PagedCaches
+from kvpool.errors import ConfigError, TransferError
+from kvpool.protocol.pull import Pull, PullDone
+
+__all__ = [
+    "TRANSPORTS",
+    "KVTransport",
+    "PeerLink",
+    "PeerUnreachable",
+    "PullHandler",
+    "make_transport",
+]
+
+
+class PeerUnreachable(TransferError):
+    """The prefill could not be reached at all (no point telling it anything)."""
+
+
+class PullHandler(Protocol):
+    """P's rules for the pulls a transport receives (:class:`.server.PullServer`)."""
+
+    def admit(self, pull: Pull, deadline: float) -> str | None:
+        """Why ``pull`` is refused, or ``None``: serve it (may wait, until ``deadline``)."""
+        ...
+
+    def served(self, pull: Pull, nbytes: int) -> None:
+        """Every page of ``pull`` went out (``nbytes`` in all)."""
+        ...
+
+    def done(self, message: PullDone) -> str | None:
+        """A D rank needs nothing of a request: why that is refused, or ``None``."""
+        ...
+
+
+class PeerLink(Protocol):
+    """D's connection to one P rank (a context manager that closes it)."""
+
+    def pull(self, pull: Pull, block_ids: Sequence[int], dst_start: int, deadline: float) -> int:
+        """Receive ``pull``'s page slices into the registered caches' ``block_ids`` (heads
+        from ``dst_start``), layer by layer; return the bytes received."""
+        ...
+
+    def done(self, message: PullDone, deadline: float) -> None:
+        """Tell P this D rank is done with a request without pulling it."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> PeerLink: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class KVTransport(Protocol):
+    """One worker rank's end of the P→D data plane (see the module docstring)."""
+
+    #: the node config's ``protocol`` this transport answers to
+    name: str
+
+    def register(self, caches: PagedCaches) -> None: ...
+
+    def serve(self, host: str, port: int, handler: PullHandler) -> None:
+        """Start answering pulls on ``host:port``; ``OSError`` when it cannot listen."""
+        ...
+
+    def connect(self, host: str, port: int, timeout_s: float) -> PeerLink: ...
+
+    def close(self) -> None: ...
+
+
+def _tcp(config: TransferConfig) -> KVTransport:
+    # Imported when chosen: the implementation imports this module's interface.
+    from kvpool.connectors.transfer.tcp import TcpTransport
+
+    return TcpTransport(transfer_timeout_s=config.transfer_timeout_ms / 1000)
+
+
+# protocol -> factory; a new fabric is one more entry (and the node config's
+# SERVED_PROTOCOLS learning that this machine can serve it).
+TRANSPORTS = {"tcp": _tcp}
+
+
+def make_transport(config: TransferConfig) -> KVTransport:
+    """The transport the node config's ``protocol`` names (``tcp`` without a node config)."""
+    factory = TRANSPORTS.get(config.protocol)
+    if factory is None:
+        raise ConfigError(
+            f"protocol: the transfer connector cannot move KV over {config.protocol!r}"
+            f' (it has: {", ".join(TRANSPORTS)}); set "protocol": "tcp" in the node config'
+        )
+    return factory(config)
