@@ -32,17 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvpool.config.kv_transfer import STORE_CONNECTOR as STORE
+from kvpool.config.kv_transfer import TRANSFER_CONNECTOR as TRANSFER
 from kvpool.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["STORE", "TRANSFER", "PagedCaches", "block_pages", "byte_pages", "page_view"]
-
-# The connectors' class names, for messages; spelled here rather than imported from their
-# settings so that this module imports neither connector (tests check they agree).
-STORE = "KVPoolStoreConnector"
-TRANSFER = "KVPoolTransferConnector"
+__all__ = ["PagedCaches", "block_pages", "byte_pages", "page_view"]
 
 
 class PagedCaches:

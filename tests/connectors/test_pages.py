@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.connectors import pages
 from kvpool.connectors.pages import block_pages, byte_pages
 from kvpool.errors import ConfigError
 
@@ -72,10 +71,3 @@ def test_the_store_view_takes_any_blocks_first_layout() -> None:
     staged = paged.new_pages(1)
     paged.gather([4], staged)
     assert staged.tobytes() == kv["odd"][4].numpy().tobytes()
-
-
-def test_connector_names_match_their_settings() -> None:
-    from kvpool.connectors.store_config import CONNECTOR_NAME as STORE
-    from kvpool.connectors.transfer_config import CONNECTOR_NAME as TRANSFER
-
-    assert (pages.STORE, pages.TRANSFER) == (STORE, TRANSFER)

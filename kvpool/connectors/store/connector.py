@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -43,6 +42,7 @@ from kvpool.config.kv_transfer import (
     check_put_back,
     parse_store_config,
 )
+from kvpool.connectors.stats import CounterStatsHooks, register_connector
 from kvpool.connectors.store.lookup import LookupClient, LookupServer, channel_path
 from kvpool.connectors.store.plan import StorePlan
 from kvpool.connectors.store.pool import PoolHandle, open_pool
@@ -50,7 +50,6 @@ from kvpool.connectors.store.scheduler import StoreScheduler
 from kvpool.connectors.store.stats import (
     KVPoolStorePromMetrics,
     KVPoolStoreStats,
-    stats_from_counters,
 )
 from kvpool.connectors.store.worker import StoreWorker
 from kvpool.core.keys import KeyNamespace
@@ -123,10 +122,12 @@ def namespace_for(
     )
 
 
-class KVPoolStoreConnector(KVConnectorBase_V1):
+class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
     """A vLLM v1 KV connector that keeps KV in the kvpool pool, keyed by prefix."""
 
     _cache_hit_source = CacheHitSource.HOST
+    STATS = KVPoolStoreStats
+    PROM_METRICS = KVPoolStorePromMetrics
 
     def __init__(
         self,
@@ -259,7 +260,9 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVPoolStoreStats | None:
         half = self._scheduler if self._scheduler is not None else self._worker
         assert half is not None
-        return stats_from_counters(half.counters)
+        stats = KVPoolStoreStats.from_counts(half.counters)
+        half.counters.clear()
+        return stats
 
     def shutdown(self) -> None:
         if self._lookup_server is not None:
@@ -297,25 +300,5 @@ class KVPoolStoreConnector(KVConnectorBase_V1):
         self._scheduler.request_finished(request)
         return False, None
 
-    # ------------------------------------------------------------------ stats
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolStoreStats:
-        return KVPoolStoreStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVPoolStorePromMetrics:
-        return KVPoolStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-# vLLM's MultiConnector rebuilds children's stats by class *name* from its registry, which
-# only knows built-in connectors; register ours there when this module is imported (vLLM
-# imports it through kv_connector_module_path, in every process that needs it).
-if CONNECTOR_NAME not in KVConnectorFactory._registry:
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
+register_connector(CONNECTOR_NAME, "kvpool.connectors.store")

@@ -23,13 +23,12 @@ save_errors     saves that failed (pool full or down): a future miss, nothing mo
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
 
 from kvpool.connectors.stats import CounterPromMetrics, CounterStats
 
-__all__ = ["COUNTERS", "KVPoolStorePromMetrics", "KVPoolStoreStats", "stats_from_counters"]
+__all__ = ["COUNTERS", "KVPoolStorePromMetrics", "KVPoolStoreStats"]
 
 COUNTERS = (
     "lookups",
@@ -57,15 +56,6 @@ class KVPoolStoreStats(CounterStats):
         query = out["query_tokens"]
         out["hit_rate"] = round(out["hit_tokens"] / query, 4) if query else 0.0
         return out
-
-
-def stats_from_counters(counters: Counter[str]) -> KVPoolStoreStats | None:
-    """Take the counts accumulated so far (and zero them); None when there are none."""
-    if not any(counters.values()):
-        return None
-    stats = KVPoolStoreStats(data={name: int(counters.get(name, 0)) for name in COUNTERS})
-    counters.clear()
-    return stats
 
 
 class KVPoolStorePromMetrics(CounterPromMetrics):

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
 from kvpool.connectors.pages import PagedCaches
@@ -38,6 +37,7 @@ from kvpool.transfer.framing import (
     send_frame,
     tune_socket,
 )
+from kvpool.transfer.server import ThreadedServer
 
 __all__ = ["TcpLink", "TcpTransport"]
 
@@ -55,19 +55,14 @@ class TcpTransport:
     def __init__(self, *, transfer_timeout_s: float) -> None:
         self._timeout_s = transfer_timeout_s
         self._caches: PagedCaches | None = None
-        self._listener: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
-        self._stopping = threading.Event()
+        self._server: ThreadedServer | None = None
 
     def register(self, caches: PagedCaches) -> None:
         self._caches = caches
 
     def close(self) -> None:
-        self._stopping.set()
-        if self._listener is not None:
-            self._listener.close()
-        for thread in self._threads:
-            thread.join(timeout=2 * _ACCEPT_POLL_S)
+        if self._server is not None:
+            self._server.close(timeout_s=2 * _ACCEPT_POLL_S)
 
     # -- D ---------------------------------------------------------------------------
 
@@ -90,50 +85,39 @@ class TcpTransport:
     def serve(self, host: str, port: int, handler: PullHandler) -> None:
         if self._caches is None:
             raise TransferError("KV caches are not registered yet")
-        listener = socket.create_server((host, port), reuse_port=False)
-        listener.settimeout(_ACCEPT_POLL_S)
-        self._listener = listener
-        self._spawn(self._accept_loop, "kvpool-kv-accept", handler)
-
-    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        thread.start()
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-
-    def _accept_loop(self, handler: PullHandler) -> None:
-        assert self._listener is not None
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # closed
-            self._spawn(self._serve, "kvpool-kv-send", conn, handler)
+        server = ThreadedServer(
+            host,
+            port,
+            lambda conn: self._serve(conn, handler),
+            name="kvpool-kv",
+            backlog=None,
+            accept_poll_s=_ACCEPT_POLL_S,
+        )
+        server.start()
+        self._server = server
 
     def _serve(self, conn: socket.socket, handler: PullHandler) -> None:
-        with conn:
-            tune_socket(conn)
-            while not self._stopping.is_set():
-                try:
-                    got = recv_request(
-                        conn, PULL_REQUEST_CODEC, self._timeout_s, idle_timeout=_IDLE_S
-                    )
-                    if got is None:
-                        return
-                    deadline = deadline_after(self._timeout_s)
-                    if isinstance(got, BadRequest):  # another version? say so, keep serving
-                        _reply(conn, Refused(f"bad request: {got.error}"), deadline)
-                        continue
-                    message, _ = got
-                    if isinstance(message, Pull):
-                        self._serve_pull(conn, message, handler, deadline)
-                    else:
-                        reason = handler.done(message)
-                        _reply(conn, Refused(reason) if reason else Done(0), deadline)
-                except KVPoolError as exc:
-                    logger.warning("%s dropping a decode connection: %s", _PREFIX, exc)
+        # the server closes conn when this returns; its close() wakes a blocked recv
+        assert self._server is not None
+        tune_socket(conn)
+        while not self._server.stopping:
+            try:
+                got = recv_request(conn, PULL_REQUEST_CODEC, self._timeout_s, idle_timeout=_IDLE_S)
+                if got is None:
                     return
+                deadline = deadline_after(self._timeout_s)
+                if isinstance(got, BadRequest):  # another version? say so, keep serving
+                    _reply(conn, Refused(f"bad request: {got.error}"), deadline)
+                    continue
+                message, _ = got
+                if isinstance(message, Pull):
+                    self._serve_pull(conn, message, handler, deadline)
+                else:
+                    reason = handler.done(message)
+                    _reply(conn, Refused(reason) if reason else Done(0), deadline)
+            except KVPoolError as exc:
+                logger.warning("%s dropping a decode connection: %s", _PREFIX, exc)
+                return
 
     def _serve_pull(
         self, conn: socket.socket, pull: Pull, handler: PullHandler, deadline: float

@@ -7,17 +7,17 @@ from collections import Counter
 # deprecations; pytest turns warnings into errors, so import it with them silenced.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from kvpool.connectors.store.stats import COUNTERS, KVPoolStoreStats, stats_from_counters
+    from kvpool.connectors.store.stats import COUNTERS, KVPoolStoreStats
 
 
-def test_counters_become_stats_once() -> None:
+def test_counts_become_stats_with_a_hit_rate() -> None:
     counters: Counter[str] = Counter()
-    assert stats_from_counters(counters) is None
+    assert KVPoolStoreStats.from_counts(counters) is None
     counters["lookups"] += 2
     counters["query_tokens"] += 400
     counters["hit_tokens"] += 100
-    stats = stats_from_counters(counters)
-    assert stats is not None and not counters
+    stats = KVPoolStoreStats.from_counts(counters)
+    assert stats is not None
     reduced = stats.reduce()
     assert reduced["hit_rate"] == 0.25 and reduced["lookups"] == 2
     assert set(COUNTERS) <= set(reduced)
