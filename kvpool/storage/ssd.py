@@ -5,8 +5,9 @@ temporary files in ``<root>/.tmp/``.  Each file is a 24-byte header then the val
 
     "KVS2" | value length u64 | xxh3_64(value) u64 | crc32(the 20 bytes before) u32 | value
 
-The value's checksum is the pool's own end-to-end checksum (xxh3-64, the one the index
-keeps per object and readers verify), so a tier left by a previous process can be
+The value's checksum is the pool's own end-to-end checksum
+(:func:`kvpool.storage.checksum.checksum`, xxh3-64: the one the index keeps per object and
+readers verify), so a tier left by a previous process can be
 re-announced to the master from its headers alone (:meth:`SsdStore.scan`): a 100 GiB tier
 costs one small read per file at start-up, never a pass over every value.  The header has
 its own CRC, so a flipped bit in it is caught by that scan (the file is dropped, never
@@ -45,10 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import xxhash
-
 from kvpool.errors import ChecksumMismatch, ConfigError, NoSpace, ObjectNotFound
 from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.storage.checksum import checksum
 
 __all__ = ["HEADER_SIZE", "SsdScan", "SsdStats", "SsdStore"]
 
@@ -221,8 +221,8 @@ class SsdStore:
         """
         final = self._path(key)
         src = byte_view(data)
-        checksum = xxhash.xxh3_64_intdigest(src)
-        if expect is not None and checksum != expect:
+        digest = checksum(src)
+        if expect is not None and digest != expect:
             raise ChecksumMismatch(f"{key}: its bytes no longer match their checksum")
         need = HEADER_SIZE + len(src)
         with self._lock:
@@ -236,7 +236,7 @@ class SsdStore:
             self._reserved += need
         tmp = self.root / _TMP / f"{key}.{secrets.token_hex(4)}"
         try:
-            header = _pack_header(len(src), checksum)
+            header = _pack_header(len(src), digest)
             final.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(header)
@@ -287,7 +287,7 @@ class SsdStore:
                 if not n:
                     self._corrupt(key, path, inode, "file shrank while reading")
                 got += n
-        if xxhash.xxh3_64_intdigest(target) != value_checksum:
+        if checksum(target) != value_checksum:
             self._corrupt(key, path, inode, "checksum mismatch")
         with self._lock:
             self.stats.reads += 1
