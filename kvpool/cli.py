@@ -210,7 +210,7 @@ def _add_master(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     add_flag(p, "segment_size", help="memory the master hosts itself, e.g. 4GB (0: none)")
     add_flag(p, "ssd_offload_path", help="directory of the master's SSD tier")
     add_flag(p, "ssd_offload_limit", help="SSD tier cap, e.g. 100GB")
-    add_flag(p, "eviction_policy", help="default (prefix-aware) or lru")
+    add_flag(p, "eviction_policy", help="prefix_aware (the default; alias: default) or lru")
     add_flag(p, "log_level", help="debug, info (default), warning")
     p.set_defaults(run=_run_master)
 

@@ -39,7 +39,7 @@ class MasterConfig:
     segment_size: int = DEFAULT_SEGMENT_SIZE
     ssd_offload_path: str = ""
     ssd_offload_limit: int = DEFAULT_OFFLOAD_LIMIT
-    eviction_policy: str = "default"
+    eviction_policy: str = "prefix_aware"  # "default" is its alias (kvpool.core.eviction)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -54,9 +54,10 @@ class MasterConfig:
             raise ConfigError("--client_ttl: must be positive seconds (e.g. 120)")
         if self.segment_size < 0 or self.ssd_offload_limit <= 0:
             raise ConfigError("--segment_size/--ssd_offload_limit: must be positive sizes")
-        if self.eviction_policy not in ("default", "lru"):
+        if self.eviction_policy not in ("prefix_aware", "default", "lru"):
             raise ConfigError(
-                f"--eviction_policy: unknown {self.eviction_policy!r}; use default or lru"
+                f"--eviction_policy: unknown {self.eviction_policy!r}; use prefix_aware "
+                "(alias: default) or lru"
             )
 
     @property

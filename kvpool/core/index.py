@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.core.eviction import EvictionPolicy, make_policy
+from kvpool.core.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.core.objects import (
     Demote,
     Dropped,
@@ -88,7 +88,7 @@ class ObjectIndex:
         self.stats = IndexStats()
         self._objects: dict[str, ObjectRecord] = {}
         self._policies: dict[Tier, EvictionPolicy[Any]] = {
-            t: make_policy(self.config.policy) for t in Tier
+            t: make_eviction_policy(self.config.policy) for t in Tier
         }
         self._mem_policy = self._policies[_MEMORY]
         self._ssd_policy = self._policies[_SSD]

@@ -8,6 +8,12 @@ from kvpool.config import (
     MasterConfig,
     parse_node_config,
 )
+from kvpool.core.eviction import (
+    EVICTION_POLICIES,
+    EVICTION_POLICY_ALIASES,
+    canonical_eviction_policy,
+    make_eviction_policy,
+)
 from kvpool.errors import ConfigError
 
 
@@ -62,3 +68,14 @@ def test_master_flags_out_of_range_name_the_flag(flags: dict[str, object], flag:
 def test_master_typed_construction_is_validated_too() -> None:
     with pytest.raises(ConfigError, match="--eviction_ratio"):
         MasterConfig(eviction_ratio=2.0)
+
+
+def test_every_eviction_policy_and_alias_is_a_master_flag_value() -> None:
+    """``--eviction_policy default`` (the name before ``prefix_aware``) keeps working, and the
+    flag accepts exactly what the core can build."""
+    assert MasterConfig().eviction_policy == "prefix_aware"
+    for name in (*EVICTION_POLICIES, *EVICTION_POLICY_ALIASES):
+        config = MasterConfig.from_argv(["mooncake_master", "--eviction_policy", name])
+        assert make_eviction_policy(config.eviction_policy).name == (
+            canonical_eviction_policy(name)
+        )
