@@ -1,6 +1,6 @@
 """The P/D proxy server: an OpenAI-compatible front for prefill/decode pairs (aiohttp).
 
-One request, two legs (seed §1.1)::
+One request, two legs (the production guide's §1.1)::
 
     client ─► proxy ─► P   max_tokens=1, stream=false,
                 │          kv_transfer_params={"do_remote_decode": true}
