@@ -24,7 +24,7 @@ from kvpool.errors import (
 from kvpool.protocol.codec import HEADER_SIZE, MAGIC, Codec
 from kvpool.protocol.data import DataReply, Error, Ok, SegmentRead, SegmentWrite
 from kvpool.storage.segment import Segment
-from kvpool.storage.ssd import SsdStore
+from kvpool.storage.ssd import SsdStore, object_path
 from kvpool.transfer import wire
 from kvpool.transfer.tcp import (
     PIPELINE_DEPTH,
@@ -285,7 +285,7 @@ def test_ssd_objects_are_read_over_the_data_connection(tmp_path: Path, segment: 
                 conn.ssd_read_into("missing", bytearray(3))
             with pytest.raises(ObjectNotFound, match="expects"):
                 conn.ssd_read_into("k1", bytearray(10))
-            path = tmp_path / "k2"[:2] / "k2"
+            path = object_path(tmp_path, "k2")
             raw = bytearray(path.read_bytes())
             raw[-1] ^= 0xFF
             path.write_bytes(raw)
