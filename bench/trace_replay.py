@@ -355,7 +355,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=(*ALL_POLICIES, *EVICTION_POLICY_ALIASES),
         default=list(ALL_POLICIES),
-        help="eviction policies to replay (default is an alias of prefix_aware)",
+        help="policies to replay (all by default; the name default is an alias of prefix_aware)",
     )
     p.add_argument("--mode", choices=MODES, default="direct", help="see the module docstring")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
