@@ -11,7 +11,7 @@ Modules, from the bottom up:
     objects       the values the index works with: config, records, locations, grants,
                   effects (Demote, Dropped), counters
     placement     where an object goes: allocation, inline eviction, demotion, watermark
-                  rounds (the base class of ObjectIndex)
+                  rounds (IndexPlacement, the base class of ObjectIndex)
     index         the object index: two-phase puts, reads, leases and pins, restore, ticks
 
 The words (block, chunk, object, page, segment, tier) are defined once, in the glossary of

@@ -48,7 +48,7 @@ from kvpool.core.objects import (
     Reservation,
     State,
 )
-from kvpool.core.placement import Placement
+from kvpool.core.placement import IndexPlacement
 from kvpool.core.registry import Tier
 from kvpool.core.space import Extent
 from kvpool.errors import (
@@ -79,9 +79,9 @@ _READY, _PENDING = State.READY, State.PENDING
 _MEMORY, _SSD = Tier.MEMORY, Tier.SSD
 
 
-class ObjectIndex(Placement):
+class ObjectIndex(IndexPlacement):
     """All objects of the pool, their placement, leases, pins and eviction order (how
-    room is made, and what leaves for it, is :class:`~kvpool.core.placement.Placement`)."""
+    room is made, and what leaves for it, is :class:`~kvpool.core.placement.IndexPlacement`)."""
 
     def __init__(self, config: IndexConfig | None = None) -> None:
         super().__init__(config)

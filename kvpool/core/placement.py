@@ -36,7 +36,7 @@ from kvpool.core.objects import (
 from kvpool.core.registry import Registry, Segment, Tier
 from kvpool.core.space import Extent
 
-__all__ = ["Placement"]
+__all__ = ["IndexPlacement"]
 
 # Module names for the enum members the hot paths test (a global load, not an attribute
 # lookup on the enum class, and never an enum hash: dict lookups keyed by Tier hash it in
@@ -45,7 +45,7 @@ _READY = State.READY
 _MEMORY, _SSD = Tier.MEMORY, Tier.SSD
 
 
-class Placement:
+class IndexPlacement:
     """The index's state, and how room is made in it (see the module docstring)."""
 
     def __init__(self, config: IndexConfig | None = None) -> None:
