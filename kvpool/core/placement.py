@@ -147,7 +147,8 @@ class IndexPlacement:
         """Find room in ``tier``, evicting inline (best victims first) while that helps."""
         segments = self._segments(tier)
         policy = self._mem_policy if tier is _MEMORY else self._ssd_policy
-        can_evict: Callable[[str], bool] | None = None  # made on the first eviction only
+        # One victim at a time: KV objects are mostly of one size, so one eviction
+        # usually makes exactly the room needed (and asking for more costs checks).
         if len(segments) == 1:  # the usual case: no search over segments (~30% of a put)
             only = segments[0]
             space = only.space
@@ -158,26 +159,24 @@ class IndexPlacement:
                     extent = space.allocate(size)
                     if extent is not None:
                         return only, extent
-                if can_evict is None:
-                    can_evict = self._evictable(now_ms)
-                victims = policy.choose_victims(1, can_evict)
-                if not victims:
+                if not self._evict_one(policy, now_ms, events):
                     return None
-                self._evict(self._objects[victims[0]], now_ms, events)
         if not any(s.capacity >= size for s in segments):
             return None
         while True:
             placed = self._fit(segments, size)
             if placed is not None:
                 return placed
-            # one victim at a time: KV objects are mostly of one size, so one eviction
-            # usually makes exactly the room needed (and asking for more costs checks)
-            if can_evict is None:
-                can_evict = self._evictable(now_ms)
-            victims = policy.choose_victims(1, can_evict)
-            if not victims:
+            if not self._evict_one(policy, now_ms, events):
                 return None
-            self._evict(self._objects[victims[0]], now_ms, events)
+
+    def _evict_one(self, policy: EvictionPolicy[Any], now_ms: int, events: list[Event]) -> bool:
+        """Evict (or demote) the policy's best victim; False when nothing is evictable."""
+        victims = policy.choose_victims(1, self._evictable(now_ms))
+        if not victims:
+            return False
+        self._evict(self._objects[victims[0]], now_ms, events)
+        return True
 
     @staticmethod
     def _fit(segments: list[Segment], size: int) -> tuple[Segment, Extent] | None:
