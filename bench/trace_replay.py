@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/trace_replay.py                    # table, all policies/capacities
     .venv/bin/python bench/trace_replay.py --json             # one JSON object per line
-    .venv/bin/python bench/trace_replay.py --policy default --capacity 10000 --mode direct
+    .venv/bin/python bench/trace_replay.py --policy prefix_aware --capacity 10000 --mode direct
     .venv/bin/python bench/trace_replay.py --repeat 3         # fastest of 3 replays per row
 
 The trace is Mooncake's (``../shared/data/mooncake_conversation_trace.jsonl`` by default;
@@ -48,7 +48,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.core.eviction import POLICY_NAMES, EvictionPolicy, make_policy
+from kvpool.core.eviction import (
+    EVICTION_POLICIES,
+    EVICTION_POLICY_ALIASES,
+    EvictionPolicy,
+    canonical_eviction_policy,
+    make_eviction_policy,
+)
 from kvpool.core.index import IndexConfig, ObjectIndex
 from kvpool.errors import NoSpace
 
@@ -70,7 +76,7 @@ DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 )
 DEFAULT_CAPACITIES = (2000, 5000, 10000, 20000)
-ALL_POLICIES = (*POLICY_NAMES, "belady")
+ALL_POLICIES = (*EVICTION_POLICIES, "belady")
 MODES = ("direct", "index")
 BLOCK_BYTES = 64 * 1024  # any fixed size: every block of the trace is one full chunk
 
@@ -271,7 +277,7 @@ def _replay_once(
         return replay_direct(requests, BeladyPolicy(requests), capacity), "direct"
     if mode == "index":
         return replay_index(requests, name, capacity), "index"
-    return replay_direct(requests, make_policy(name), capacity), "direct"
+    return replay_direct(requests, make_eviction_policy(name), capacity), "direct"
 
 
 def run(
@@ -326,12 +332,12 @@ def _table(rows: Sequence[dict[str, Any]]) -> str:
         return f"{x:.3f}" if x is not None else "-"
 
     lines = [
-        f"{'policy':<8} {'capacity':>8} {'hit ratio':>9} {'vs belady':>9} {'vs lru':>7} "
+        f"{'policy':<12} {'capacity':>8} {'hit ratio':>9} {'vs belady':>9} {'vs lru':>7} "
         f"{'blocks/s':>10} {'per cpu-s':>10}  mode"
     ]
     for r in rows:
         lines.append(
-            f"{r['policy']:<8} {r['capacity']:>8} {r['hit_ratio']:>9.4f} "
+            f"{r['policy']:<12} {r['capacity']:>8} {r['hit_ratio']:>9.4f} "
             f"{ratio(r['vs_belady']):>9} {ratio(r['vs_lru']):>7} "
             f"{r['blocks_per_s']:>10,.0f} {r['cpu_blocks_per_s']:>10,.0f}  {r['mode']}"
         )
@@ -344,7 +350,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--capacity", type=int, nargs="+", default=list(DEFAULT_CAPACITIES), help="in blocks"
     )
-    p.add_argument("--policy", nargs="+", choices=ALL_POLICIES, default=list(ALL_POLICIES))
+    p.add_argument(
+        "--policy",
+        nargs="+",
+        choices=(*ALL_POLICIES, *EVICTION_POLICY_ALIASES),
+        default=list(ALL_POLICIES),
+        help="policies to replay (all by default; the name default is an alias of prefix_aware)",
+    )
     p.add_argument("--mode", choices=MODES, default="direct", help="see the module docstring")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument(
@@ -366,7 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    policies = list(dict.fromkeys(args.policy))
+    # an alias replays (and is reported as) the policy it means
+    policies = list(
+        dict.fromkeys(p if p == "belady" else canonical_eviction_policy(p) for p in args.policy)
+    )
     rows = _ratios(run(requests, policies, args.capacity, args.mode, args.repeat))
     if args.json:
         for row in rows:

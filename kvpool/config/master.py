@@ -24,6 +24,7 @@ from kvpool.config.values import (
     parse_size,
     require_str,
 )
+from kvpool.core.eviction import EVICTION_POLICIES, EVICTION_POLICY_ALIASES
 from kvpool.errors import ConfigError
 
 __all__ = ["MASTER_FLAGS", "Flag", "MasterConfig"]
@@ -108,7 +109,9 @@ class MasterConfig:
     )
     ssd_offload_path: str = _flag("", _string, "directory of the master's SSD tier")
     ssd_offload_limit: int = _flag(DEFAULT_OFFLOAD_LIMIT, _size, "SSD tier cap, e.g. 100GB")
-    eviction_policy: str = _flag("default", _string, "default (prefix-aware) or lru")
+    eviction_policy: str = _flag(
+        "prefix_aware", _string, "prefix_aware (alias: default) or lru"
+    )
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -123,9 +126,10 @@ class MasterConfig:
             raise ConfigError("--client_ttl: must be positive seconds (e.g. 120)")
         if self.segment_size < 0 or self.ssd_offload_limit <= 0:
             raise ConfigError("--segment_size/--ssd_offload_limit: must be positive sizes")
-        if self.eviction_policy not in ("default", "lru"):
+        if self.eviction_policy not in (*EVICTION_POLICIES, *EVICTION_POLICY_ALIASES):
             raise ConfigError(
-                f"--eviction_policy: unknown {self.eviction_policy!r}; use default or lru"
+                f"--eviction_policy: unknown {self.eviction_policy!r}; use prefix_aware "
+                "(alias: default) or lru"
             )
 
     @property

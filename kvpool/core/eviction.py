@@ -7,6 +7,10 @@ Primitives (the :class:`EvictionPolicy` protocol; one policy instance per tier):
     on_remove(key)                the object left this tier (evicted, removed, demoted)
     choose_victims(count, can_evict) -> keys, best victim first; removes nothing
 
+    make_eviction_policy(name)    a fresh policy by name (or alias)
+    EVICTION_POLICIES             the policies' own names
+    EVICTION_POLICY_ALIASES       other accepted names, and the policy each one means
+
 A policy is pure: no clock (its only time is the order of the calls it sees), no I/O, no
 randomness.  Unknown keys in ``on_access`` / ``on_remove`` and a repeated ``on_insert`` are
 harmless, so the index never has to ask first.
@@ -17,92 +21,41 @@ Invariants of every policy (tested by property tests over random call sequences)
   ``min(count, evictable keys)`` of them: nothing evictable is ever held back, so a put
   fails with NoSpace only when nothing is evictable;
 - choosing changes nothing: two calls with no other call between give the same answer;
-- cost: LRU is O(1) per call and per victim; the default is O(1) per call plus
-  O(reuse classes) per victim, except that blocks passed over for their children (rare,
-  see 1. below) are walked past.
+- cost: LRU is O(1) per call and per victim; prefix-aware is O(1) per call plus
+  O(reuse classes) per victim, except that blocks passed over for their children (rare)
+  are walked past.
+
+The policies:
+
+``"prefix_aware"`` (kvpool's default; ``"default"`` is an alias, so configs and
+``--eviction_policy default`` written before the name keep working) — for prefix-chained
+KV blocks: orphans first, descendants before ancestors, age weighted by reuse class, and
+a ghost list of evicted keys.  :mod:`kvpool.core.prefix_aware` says why, with the
+measurements.
 
 ``"lru"`` — least recently inserted-or-read first: the baseline.
-
-``"default"`` — kvpool's policy for prefix-chained KV blocks.  Why it looks the way it does
-(measured on the Mooncake conversation trace in docs/benchmarks.md):
-
-1. *A child is worthless without its parent.*  A prefix lookup stops at the first missing
-   block, so evicting a block wastes every cached descendant; LRU does exactly that, since
-   a request touches its chain root first, leaving the root the oldest.  The default
-   evicts **descendants before ancestors**: a run of calls that walks down one chain (a
-   request reading its prefix, then writing its new blocks) is held apart and placed in
-   the queues deepest-first when the run ends, so a chain is trimmed from its tail.  A
-   block whose cached children are not all chosen before it is passed over.  Invariant:
-   when every key is evictable, each key in an answer comes after all its cached
-   children.  Only when nothing else is evictable is a parent of pinned children offered
-   (an orphan is better than a failed put).  When concurrent requests interleave their
-   calls, runs are cut short and a chain may be placed root-first; the answers stay
-   right (parents are passed over) but a choice then walks past those parents.
-2. *Orphans go first.*  A block that leaves while it still has cached descendants (removed
-   by hand, its client expired) makes its whole subtree unreachable by prefix lookups;
-   the subtree is offered before anything else, deepest first.
-3. *Most blocks are never read again, reuse comes back late, and a never-read block at
-   the end of its chain is the least likely of all to be read.*  In the conversation trace
-   76% of blocks are used once; a block is reused when its conversation returns for
-   another turn, minutes later; the last block of a request (where the next turn's prompt
-   diverges) is almost never reused.  Frequency policies (segmented LRU, LFU) do worse
-   than LRU there because a new block must survive the long gap before it can prove
-   itself.  So instead of segments of fixed size the default keeps one LRU queue per
-   *reuse class* and evicts the queue head with the largest ``age * weight[class]`` (age
-   counts placed blocks since the block was last touched): classes are a never-read block
-   at the end of its chain (weight 8), any other never-read block (1) and a block read at
-   least once (0.35).  A block lives about ``1 / weight`` times as long as a never-read
-   one whatever the cache size, so the trade-off scales with capacity instead of being a
-   fixed split.
-4. *A block written again after it was evicted was evicted too early.*  The policy
-   remembers the keys of the blocks that left it (ghosts, as in ARC: the last L to 2L
-   keys, L = ``GHOST_FACTOR`` times the most blocks it has held, kept as two generations
-   of sets); a block inserted while its key is remembered counts as read once (its
-   conversation came back after the block had gone), so it joins the read class.  In the
-   trace this is the strongest online signal found: +4.3 % hit ratio at 10,000 blocks,
-   +13 % at 2,000 and 5,000, +2.5 % at 20,000 over the same weights without it.  Cost:
-   up to 2L remembered keys, a set entry each.
-
-Ideas measured and dropped: valuing blocks by depth or by their chain's length (no gain),
-more reuse classes (read 2, 3+ times: within 0.001), LHD-style learned hit densities and
-random-sampling eviction (worse than LRU: sampling noise), inheriting a conversation's
-turn count into its new blocks (worse), random admission (helps only at 5,000 blocks).
-With ghosts: a class of their own (weight 0.2-0.6: at best 0.001 above joining the read
-class), a longer life for new blocks of a returning conversation (worse at every size:
-their blocks are reused less than a first turn's, 7-18 % against 26 %), a shorter one for
-them (better at 2,000 blocks, worse at 20,000), an exact FIFO of ghosts (an ordered
-dict: the same hit ratios within 0.001, but 15 % of the policy's time; two sets cost too
-little to measure), remembering fewer keys (0.5 to 1.5 times the blocks held: up to 0.0025
-worse at 10,000 blocks).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Mapping
+from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvpool.core.prefix_aware import PrefixAwarePolicy
+
 __all__ = [
-    "DEFAULT_WEIGHTS",
-    "GHOST_FACTOR",
-    "POLICY_NAMES",
+    "EVICTION_POLICIES",
+    "EVICTION_POLICY_ALIASES",
     "EvictionPolicy",
     "LRUPolicy",
     "PrefixAwarePolicy",
-    "make_policy",
+    "canonical_eviction_policy",
+    "make_eviction_policy",
 ]
 
 K = TypeVar("K", bound=Hashable)
-
-#: Age multiplier per reuse class of the default policy: a never-read block at the end of
-#: its chain, any other never-read block, a block read at least once (more classes, for
-#: blocks read 2, 3, ... times, may follow).  A block's expected life is proportional to
-#: 1 / weight.  Tuned on the Mooncake conversation trace (docs/benchmarks.md).
-DEFAULT_WEIGHTS: tuple[float, ...] = (8.0, 1.0, 0.35)
-
-#: How many evicted keys the default policy remembers: between one and two times this
-#: multiple of the most blocks it has held (see 4. in the module docstring).
-GHOST_FACTOR = 1.0
 
 
 class EvictionPolicy(Protocol[K]):
@@ -153,340 +106,25 @@ class LRUPolicy(Generic[K]):
         return out
 
 
-_QUEUED, _RUN, _ORPHAN = 0, 1, 2  # where a node of the default policy sits
+EVICTION_POLICIES: tuple[str, ...] = (LRUPolicy.name, PrefixAwarePolicy.name)
+
+#: Accepted names that are not a policy's own, and the policy each one means.
+EVICTION_POLICY_ALIASES: Mapping[str, str] = MappingProxyType({"default": PrefixAwarePolicy.name})
 
 
-class _Node(Generic[K]):
-    """One cached block of the default policy."""
-
-    __slots__ = ("children", "cls", "key", "kids", "orphan", "parent", "reads", "stamp", "where")
-
-    def __init__(self, key: K, parent: _Node[K] | None, orphan: bool) -> None:
-        self.key = key
-        self.parent = parent
-        # cached children, created on the first one; a dict, not a set, so that orphaned
-        # subtrees are queued in an order that does not depend on object addresses
-        self.kids: dict[_Node[K], None] | None = None
-        self.children = 0  # len(kids), kept apart because it is read on every choice
-        self.reads = 0
-        self.stamp = 0  # the policy's clock when the node was last placed in a queue
-        self.cls = 0  # reuse class = queue index while queued
-        self.orphan = orphan
-        self.where = _RUN
-
-
-class PrefixAwarePolicy(Generic[K]):
-    """kvpool's default policy: orphans first, descendants before ancestors, and age
-    weighted by reuse class (see the module docstring)."""
-
-    name = "default"
-
-    def __init__(
-        self, weights: Sequence[float] = DEFAULT_WEIGHTS, ghost_factor: float = GHOST_FACTOR
-    ) -> None:
-        if len(weights) < 2 or any(w <= 0 for w in weights):
-            raise ValueError(f"weights must be two or more positive numbers, got {weights}")
-        if ghost_factor < 0:
-            raise ValueError(f"ghost_factor must be >= 0, got {ghost_factor}")
-        self._ghost_factor = ghost_factor
-        # Keys that left, in two generations: when the young one holds ``_ghost_limit``
-        # keys it becomes the old one and the old one is forgotten.  Two sets remember
-        # the last L to 2L keys for the cost of a set add, where an exact FIFO of 2L keys
-        # (an OrderedDict) cost 15 % of the policy's time.
-        self._ghosts: set[K] = set()
-        self._old_ghosts: set[K] = set()
-        self._most = 0  # the most blocks held at once: the ghost lists' scale
-        self._ghost_limit = 0.0  # L = _most * ghost_factor
-        self._weights = tuple(float(w) for w in weights)
-        self._top = len(self._weights) - 1
-        self._nodes: dict[K, _Node[K]] = {}
-        # One queue per reuse class, oldest first.  A run of touches that walks down one
-        # chain (root ... leaf, the order a request reads and writes its prefix) is held
-        # apart in ``_run`` and placed deepest-first when it ends, so within a request the
-        # tail is older than the head and LRU order trims chains from the tail.
-        self._queues: list[OrderedDict[K, _Node[K]]] = [OrderedDict() for _ in self._weights]
-        # Cached head of each queue (None: look it up), so a choice costs one score per
-        # class instead of one iterator per class.
-        self._heads: list[_Node[K] | None] = [None] * len(self._weights)
-        self._orphans: OrderedDict[K, _Node[K]] = OrderedDict()
-        self._run: list[_Node[K]] = []
-        self._clock = 0
-        # (class, weight, queue) for the one-victim path, which scans every class
-        self._classes = tuple(
-            zip(range(len(self._weights)), self._weights, self._queues, strict=True)
+def canonical_eviction_policy(name: str) -> str:
+    """The policy a name (or alias) means; ValueError names the choices."""
+    name = EVICTION_POLICY_ALIASES.get(name, name)
+    if name not in EVICTION_POLICIES:
+        choices = ", ".join(
+            [*EVICTION_POLICIES, *(f"{a} (= {p})" for a, p in EVICTION_POLICY_ALIASES.items())]
         )
-
-    def __len__(self) -> int:
-        return len(self._nodes)
-
-    # ------------------------------------------------------------------------- calls
-    def on_insert(self, key: K, parent: K | None) -> None:
-        nodes = self._nodes
-        if key in nodes:
-            self.on_access(key)
-            return
-        if parent is None:
-            node = nodes[key] = _Node(key, None, False)
-            p = None
-        else:
-            p = nodes.get(parent)
-            if p is None:
-                node = nodes[key] = _Node(key, None, False)
-            else:
-                node = nodes[key] = _Node(key, p, p.orphan)
-                kids = p.kids
-                if kids is None:
-                    p.kids = {node: None}
-                else:
-                    kids[node] = None
-                p.children += 1
-        if key in self._ghosts or key in self._old_ghosts:
-            self._ghosts.discard(key)
-            self._old_ghosts.discard(key)
-            node.reads = 1  # it was here before: its conversation came back too late
-        if len(nodes) > self._most:
-            self._most = len(nodes)
-            self._ghost_limit = self._most * self._ghost_factor
-        run = self._run
-        if run and p is not run[-1]:
-            self._place_run()
-        run.append(node)
-
-    def on_access(self, key: K) -> None:
-        node = self._nodes.get(key)
-        if node is None:
-            return
-        node.reads += 1
-        where = node.where
-        if where == _RUN:
-            return  # already among the youngest; it is placed when the run ends
-        if where == _QUEUED:
-            self._unqueue(node)
-        else:
-            del self._orphans[key]
-        node.where = _RUN
-        run = self._run
-        if run and node.parent is not run[-1]:
-            self._place_run()
-        run.append(node)
-
-    def on_remove(self, key: K) -> None:
-        node = self._nodes.pop(key, None)
-        if node is None:
-            return
-        where = node.where
-        if where == _QUEUED:  # the usual case: an evicted victim
-            self._unqueue(node)
-        elif where == _RUN:
-            self._run.remove(node)
-        else:
-            del self._orphans[key]
-        if node.children:
-            assert node.kids is not None
-            for kid in node.kids:
-                kid.parent = None
-                self._orphan_subtree(kid)
-        p = node.parent
-        if p is not None:
-            assert p.kids is not None
-            del p.kids[node]
-            p.children -= 1
-        if self._ghost_factor:
-            ghosts = self._ghosts
-            ghosts.add(key)
-            if len(ghosts) >= self._ghost_limit:
-                self._old_ghosts = ghosts
-                self._ghosts = set()
-
-    def choose_victims(self, count: int, can_evict: Callable[[K], bool]) -> list[K]:
-        if count == 1 and not self._orphans:
-            # The common case (one block's room), without the bookkeeping of the general
-            # path; falls through when the best head is pinned or has children.
-            clock = self._clock
-            best: _Node[K] | None = None
-            best_score = -1.0
-            heads = self._heads
-            for c, weight, queue in self._classes:
-                head = heads[c]
-                if head is None:
-                    if not queue:
-                        continue
-                    head = heads[c] = next(iter(queue.values()))
-                score = (clock - head.stamp) * weight
-                if score > best_score:
-                    best, best_score = head, score
-            if best is not None and not best.children and can_evict(best.key):
-                return [best.key]
-        out: list[K] = []
-        if count <= 0:
-            return out
-        chosen: dict[_Node[K], int] = {}  # node -> how many of its children are in ``out``
-        passed: list[_Node[K]] = []  # evictable nodes passed over for their children
-        if self._orphans:
-            self._take_in_order(self._orphans.values(), count, can_evict, out, chosen, passed)
-        if len(out) < count:
-            self._take_weighted(count, can_evict, out, chosen, passed)
-        if len(out) < count and self._run:
-            # The current run holds the youngest blocks: deepest first, only if needed.
-            self._take_in_order(reversed(self._run), count, can_evict, out, chosen, passed)
-        if len(out) < count and passed:
-            self._take_passed(count, out, chosen, passed)
-        return out
-
-    # ---------------------------------------------------------------------- internals
-    def _unqueue(self, node: _Node[K]) -> None:
-        c = node.cls
-        del self._queues[c][node.key]
-        if self._heads[c] is node:
-            self._heads[c] = None
-
-    def _head(self, c: int) -> _Node[K] | None:
-        head = self._heads[c]
-        if head is None:
-            queue = self._queues[c]
-            if queue:
-                head = self._heads[c] = next(iter(queue.values()))
-        return head
-
-    def _place_run(self) -> None:
-        clock = self._clock
-        top = self._top
-        queues = self._queues
-        for node in reversed(self._run):
-            clock += 1
-            node.stamp = clock
-            if node.orphan:
-                node.where = _ORPHAN
-                self._orphans[node.key] = node
-            else:
-                node.where = _QUEUED
-                reads = node.reads
-                # never-read: 0 at the end of its chain, else 1; read n times: n + 1
-                c = (reads + 1 if reads < top else top) if reads else (1 if node.children else 0)
-                node.cls = c
-                queues[c][node.key] = node
-        self._clock = clock
-        self._run.clear()
-
-    def _orphan_subtree(self, root: _Node[K]) -> None:
-        """A subtree lost its parent: no block in it can be a prefix hit here any more, so
-        all of it moves to the orphan queue, deepest first."""
-        found: list[_Node[K]] = []
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            if node.orphan:
-                continue
-            node.orphan = True
-            found.append(node)
-            if node.kids:
-                stack.extend(node.kids)
-        for node in reversed(found):  # children were found after their parents
-            if node.where == _QUEUED:
-                self._unqueue(node)
-                node.where = _ORPHAN
-                self._orphans[node.key] = node
-
-    @staticmethod
-    def _take_in_order(
-        nodes: Iterable[_Node[K]],
-        count: int,
-        can_evict: Callable[[K], bool],
-        out: list[K],
-        chosen: dict[_Node[K], int],
-        passed: list[_Node[K]],
-    ) -> None:
-        for node in nodes:
-            if not can_evict(node.key):
-                continue
-            if node.children and chosen.get(node, 0) < node.children:
-                passed.append(node)
-                continue
-            out.append(node.key)
-            p = node.parent
-            if p is not None:
-                chosen[p] = chosen.get(p, 0) + 1
-            if len(out) >= count:
-                return
-
-    def _take_weighted(
-        self,
-        count: int,
-        can_evict: Callable[[K], bool],
-        out: list[K],
-        chosen: dict[_Node[K], int],
-        passed: list[_Node[K]],
-    ) -> None:
-        """Repeatedly take the queue head with the largest ``age * weight``.  A node
-        whose children are still cached is passed over, not moved: its descendants go
-        first.  Runs are placed deepest-first, so that is rare."""
-        queues = self._queues
-        weights = self._weights
-        clock = self._clock
-        heads = [self._head(c) for c in range(len(queues))]
-        iters: list[Iterator[_Node[K]] | None] = [None] * len(queues)
-        taken = -1  # the class whose head was just taken; advanced only if we go on
-        while len(out) < count:
-            if taken >= 0:
-                it = iters[taken]
-                if it is None:
-                    it = iters[taken] = iter(queues[taken].values())
-                    next(it)  # the head itself
-                heads[taken] = next(it, None)
-            best = -1
-            best_score = -1.0
-            for c, head in enumerate(heads):
-                if head is not None:
-                    score = (clock - head.stamp) * weights[c]
-                    if score > best_score:
-                        best, best_score = c, score
-            if best < 0:
-                return
-            node = heads[best]
-            assert node is not None
-            taken = best
-            if not can_evict(node.key):
-                continue
-            if node.children and chosen.get(node, 0) < node.children:
-                passed.append(node)
-                continue
-            out.append(node.key)
-            p = node.parent
-            if p is not None:
-                chosen[p] = chosen.get(p, 0) + 1
-
-    @staticmethod
-    def _take_passed(
-        count: int, out: list[K], chosen: dict[_Node[K], int], passed: list[_Node[K]]
-    ) -> None:
-        """Nothing else is left: take passed-over nodes, those whose children are all
-        chosen first, then the rest (their children are pinned; better an orphan than a
-        put failing with NoSpace while something is evictable)."""
-        waiting = passed
-        while waiting and len(out) < count:
-            later: list[_Node[K]] = []
-            for node in waiting:
-                if chosen.get(node, 0) >= node.children and len(out) < count:
-                    out.append(node.key)
-                    p = node.parent
-                    if p is not None:
-                        chosen[p] = chosen.get(p, 0) + 1
-                else:
-                    later.append(node)
-            if len(later) == len(waiting):  # no progress: the guard cannot be met
-                for node in later[: count - len(out)]:
-                    out.append(node.key)
-                return
-            waiting = later
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {choices}")
+    return name
 
 
-POLICY_NAMES: tuple[str, ...] = ("lru", "default")
-
-
-def make_policy(name: str) -> EvictionPolicy[Any]:
-    """A fresh policy by name; ValueError names the choices."""
-    if name == "lru":
+def make_eviction_policy(name: str) -> EvictionPolicy[Any]:
+    """A fresh policy by name or alias; ValueError names the choices."""
+    if canonical_eviction_policy(name) == LRUPolicy.name:
         return LRUPolicy()
-    if name == "default":
-        return PrefixAwarePolicy()
-    raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return PrefixAwarePolicy()

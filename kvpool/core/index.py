@@ -26,17 +26,16 @@ out any later reservation; if the copy fails the caller reports ``demote_failed`
 object is dropped.  Readers verify checksums end to end, so a copy that was overtaken is a
 miss, never wrong bytes.
 
-Time is a parameter (``now_ms``); the index never reads a clock.
+Time is a parameter (``now_ms``); the index never reads a clock.  How room is made
+(allocation, inline eviction, demotion, watermark rounds) is in :mod:`kvpool.core.placement`,
+the base class.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from kvpool.core.eviction import EvictionPolicy, make_policy
 from kvpool.core.objects import (
     Demote,
     Dropped,
@@ -49,7 +48,8 @@ from kvpool.core.objects import (
     Reservation,
     State,
 )
-from kvpool.core.registry import Registry, Segment, Tier
+from kvpool.core.placement import IndexPlacement
+from kvpool.core.registry import Tier
 from kvpool.core.space import Extent
 from kvpool.errors import (
     NoSpace,
@@ -79,35 +79,15 @@ _READY, _PENDING = State.READY, State.PENDING
 _MEMORY, _SSD = Tier.MEMORY, Tier.SSD
 
 
-class ObjectIndex:
-    """All objects of the pool, their placement, leases, pins and eviction order."""
+class ObjectIndex(IndexPlacement):
+    """All objects of the pool, their placement, leases, pins and eviction order (how
+    room is made, and what leaves for it, is :class:`~kvpool.core.placement.IndexPlacement`)."""
 
     def __init__(self, config: IndexConfig | None = None) -> None:
-        self.config = config or IndexConfig()
-        self.registry = Registry(self.config.client_ttl_ms)
-        self.stats = IndexStats()
-        self._objects: dict[str, ObjectRecord] = {}
-        self._policies: dict[Tier, EvictionPolicy[Any]] = {
-            t: make_policy(self.config.policy) for t in Tier
-        }
-        self._mem_policy = self._policies[_MEMORY]
-        self._ssd_policy = self._policies[_SSD]
-        # each tier's segments, kept until add_segment or remove_client changes them
-        self._mem_segments: list[Segment] | None = None
-        self._ssd_segments: list[Segment] | None = None
-        self._evictable_at = 0
-        self._evictable_fn: Callable[[str], bool] | None = None
-        self._owner_keys: dict[str, set[str]] = {}
+        super().__init__(config)
         self._hold_heap: list[tuple[int, str, str]] = []  # (expiry, key, owner), lazy
         self._writer_heap: list[tuple[int, str, str]] = []  # (expiry, key, writer), lazy
         self._now = 0
-        # Counts kept as objects change, so that metrics, the status page and eviction
-        # rounds never scan the whole index: at 500,000 objects one scan took 40-250 ms
-        # of the master's event loop.  check() compares each with a scan.
-        self._ready: dict[Tier, int] = dict.fromkeys(Tier, 0)  # READY objects per tier
-        self._held: dict[Tier, int] = dict.fromkeys(Tier, 0)  # objects with any hold entry
-        self._pending = 0  # PENDING objects (all in memory segments)
-        self._hold_entries = 0  # (object, owner) holds present, expired or not
 
     # ----------------------------------------------------------------- clients, segments
     def register_client(self, client_id: str, now_ms: int, address: str = "") -> bool:
@@ -317,34 +297,6 @@ class ObjectIndex:
             events.extend(self.eviction_round(tier, now_ms))
         return events
 
-    def eviction_round(self, tier: Tier, now_ms: int) -> list[Event]:
-        """If the tier is at or above its high watermark, evict ``eviction_ratio`` of its
-        evictable objects, and more if needed to get back under the watermark."""
-        capacity, used = self.usage(tier)
-        limit = self.config.high_watermark * capacity
-        if capacity == 0 or used < limit:
-            return []
-        policy = self._policies[tier]
-        evictable = self._evictable_count(tier, now_ms)
-        want = max(1, math.ceil(self.config.eviction_ratio * evictable))
-        events: list[Event] = []
-        evicted = 0
-        while True:
-            victims = policy.choose_victims(max(want - evicted, 16), self._evictable(now_ms))
-            if not victims:
-                break
-            for key in victims:
-                self._evict(self._objects[key], now_ms, events)
-                evicted += 1
-                if evicted >= want and self.usage(tier)[1] < limit:
-                    return events
-        return events
-
-    def usage(self, tier: Tier) -> tuple[int, int]:
-        """(capacity, used) bytes over every segment of a tier."""
-        segs = self._segments(tier)
-        return sum(s.capacity for s in segs), sum(s.space.used for s in segs)
-
     def demote_failed(self, key: str) -> None:
         """The copy of a Demote effect failed: the object is gone."""
         obj = self._objects.get(key)
@@ -433,156 +385,6 @@ class ObjectIndex:
         self._hold_entries -= 1
         if not obj.holds:
             self._held[obj.segment.tier] -= 1
-
-    def _evictable(self, now_ms: int) -> Callable[[str], bool]:
-        """The ``can_evict`` a policy is given: READY, and no unexpired lease or pin.
-        Kept for the last ``now_ms`` asked: the puts of one request share their time."""
-        if now_ms == self._evictable_at and self._evictable_fn is not None:
-            return self._evictable_fn
-        objects = self._objects
-
-        def can_evict(key: str) -> bool:
-            obj = objects.get(key)
-            return (
-                obj is not None and obj.state is _READY and (not obj.holds or not obj.held(now_ms))
-            )
-
-        self._evictable_at, self._evictable_fn = now_ms, can_evict
-        return can_evict
-
-    def _evictable_in(self, seg: Segment, now_ms: int) -> Callable[[str], bool]:
-        can_evict = self._evictable(now_ms)
-        return lambda k: can_evict(k) and self._objects[k].segment is seg
-
-    def _segments(self, tier: Tier) -> list[Segment]:
-        """``registry.tier_segments(tier)``, made again only after segments change."""
-        # two attributes rather than a dict keyed by Tier: an Enum's hash is Python code
-        if tier is _MEMORY:
-            segs = self._mem_segments
-            if segs is None:
-                segs = self._mem_segments = self.registry.tier_segments(tier)
-        else:
-            segs = self._ssd_segments
-            if segs is None:
-                segs = self._ssd_segments = self.registry.tier_segments(tier)
-        return segs
-
-    def _evictable_count(self, tier: Tier, now_ms: int) -> int:
-        self._expire_holds(now_ms)  # then every hold left is unexpired
-        return self._ready[tier] - self._held[tier]
-
-    def _allocate(
-        self, tier: Tier, size: int, now_ms: int, events: list[Event]
-    ) -> tuple[Segment, Extent] | None:
-        """Find room in ``tier``, evicting inline (best victims first) while that helps."""
-        segments = self._segments(tier)
-        policy = self._mem_policy if tier is _MEMORY else self._ssd_policy
-        can_evict: Callable[[str], bool] | None = None  # made on the first eviction only
-        if len(segments) == 1:  # the usual case: no search over segments (~30% of a put)
-            only = segments[0]
-            space = only.space
-            if space.capacity < size:
-                return None
-            while True:
-                if space.capacity - space.used >= size:
-                    extent = space.allocate(size)
-                    if extent is not None:
-                        return only, extent
-                if can_evict is None:
-                    can_evict = self._evictable(now_ms)
-                victims = policy.choose_victims(1, can_evict)
-                if not victims:
-                    return None
-                self._evict(self._objects[victims[0]], now_ms, events)
-        if not any(s.capacity >= size for s in segments):
-            return None
-        while True:
-            placed = self._fit(segments, size)
-            if placed is not None:
-                return placed
-            # one victim at a time: KV objects are mostly of one size, so one eviction
-            # usually makes exactly the room needed (and asking for more costs checks)
-            if can_evict is None:
-                can_evict = self._evictable(now_ms)
-            victims = policy.choose_victims(1, can_evict)
-            if not victims:
-                return None
-            self._evict(self._objects[victims[0]], now_ms, events)
-
-    @staticmethod
-    def _fit(segments: list[Segment], size: int) -> tuple[Segment, Extent] | None:
-        """Allocate in the segment with the most free space that has a large enough hole."""
-        if len(segments) > 1:  # one segment (the usual case) needs no ordering
-            segments = sorted(segments, key=lambda s: s.space.free, reverse=True)
-        for seg in segments:
-            if seg.space.free >= size:
-                extent = seg.space.allocate(size)
-                if extent is not None:
-                    return seg, extent
-        return None
-
-    def _evict(self, obj: ObjectRecord, now_ms: int, events: list[Event]) -> None:
-        if obj.segment.tier is _MEMORY and self.config.enable_offload:
-            dst = self._ssd_room(obj, now_ms, events)
-            if dst is not None:
-                seg, extent = dst
-                src = obj.location()
-                self._mem_policy.on_remove(obj.key)
-                obj.segment.space.release(obj.extent)
-                self._ready[_MEMORY] -= 1
-                self._ready[_SSD] += 1
-                if obj.holds:  # only expired ones, or it would not be evicted
-                    self._held[_MEMORY] -= 1
-                    self._held[_SSD] += 1
-                obj.move(seg, extent)
-                self._ssd_policy.on_insert(obj.key, obj.parent)
-                self.stats.demotions += 1
-                events.append(Demote(obj.key, src, obj.location(), obj.checksum))
-                return
-        self.stats.evictions += 1
-        events.append(self._drop(obj, "evicted"))
-
-    def _ssd_room(
-        self, obj: ObjectRecord, now_ms: int, events: list[Event]
-    ) -> tuple[Segment, Extent] | None:
-        """An SSD extent on the same client as ``obj`` (it copies the bytes locally)."""
-        owner = obj.segment.client_id
-        ssd = [s for s in self._segments(_SSD) if s.client_id == owner]
-        for seg in ssd:
-            while True:
-                extent = seg.space.allocate(obj.extent.length)
-                if extent is not None:
-                    return seg, extent
-                victims = self._ssd_policy.choose_victims(4, self._evictable_in(seg, now_ms))
-                if not victims:
-                    break
-                for key in victims:
-                    self.stats.evictions += 1
-                    events.append(self._drop(self._objects[key], "evicted"))
-        return None
-
-    def _drop(self, obj: ObjectRecord, reason: str, release_space: bool = True) -> Dropped:
-        key = obj.key
-        seg = obj.segment
-        del self._objects[key]
-        if release_space:
-            seg.space.release(obj.extent)
-        if obj.state is _READY:
-            self._ready[seg.tier] -= 1
-            (self._mem_policy if seg.tier is _MEMORY else self._ssd_policy).on_remove(key)
-        else:
-            self._pending -= 1
-        if obj.holds:
-            self._held[seg.tier] -= 1
-            self._hold_entries -= len(obj.holds)
-            owner_keys = self._owner_keys
-            for owner in obj.holds:
-                keys = owner_keys.get(owner)
-                if keys is not None:
-                    keys.discard(key)
-                    if not keys:
-                        del owner_keys[owner]
-        return Dropped(key, seg.tier, reason, seg.client_id)
 
     def _expire_holds(self, now_ms: int) -> None:
         heap = self._hold_heap

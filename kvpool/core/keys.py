@@ -8,7 +8,7 @@ Rules:
   chain, so the same tokens under another model or layout never share a key.
 - H is BLAKE2b-128 from the standard library over a fixed little-endian encoding, so keys
   are identical across processes, machines and PYTHONHASHSEED values.  Python's ``hash``
-  is never used: a per-process seed is exactly what made peer projects miss across nodes.
+  is never used: a per-process hash seed is exactly what made peer projects miss across nodes.
   BLAKE2b rather than a non-cryptographic hash because a key collision would serve another
   request's KV, and 128 bits of a cryptographic hash make that a non-event even against a
   tenant crafting prompts.

@@ -48,7 +48,7 @@ class IndexConfig:
     writer_ttl_ms: int = 30_000
     client_ttl_ms: int = 120_000
     enable_offload: bool = False
-    policy: str = "default"
+    policy: str = "prefix_aware"  # an eviction policy name (or alias): core.eviction
 
     def __post_init__(self) -> None:
         if not 0.0 < self.high_watermark <= 1.0:

@@ -7,16 +7,16 @@ endpoint (``max_tokens=1``) and then to a decode endpoint, streaming the answer 
 from __future__ import annotations
 
 from kvpool.proxy.config import ProxyConfig
-from kvpool.proxy.routing import POLICY_NAMES, UpstreamGroup, make_policy, prefix_key
+from kvpool.proxy.routing import ROUTING_POLICIES, UpstreamGroup, make_routing_policy, prefix_key
 from kvpool.proxy.run import run_proxy, serve
 from kvpool.proxy.server import ProxyServer
 
 __all__ = [
-    "POLICY_NAMES",
+    "ROUTING_POLICIES",
     "ProxyConfig",
     "ProxyServer",
     "UpstreamGroup",
-    "make_policy",
+    "make_routing_policy",
     "prefix_key",
     "run_proxy",
     "serve",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvpool.errors import ConfigError
-from kvpool.proxy.routing import POLICY_NAMES
+from kvpool.proxy.routing import ROUTING_POLICIES
 
 __all__ = ["ProxyConfig", "normalize_url"]
 
@@ -60,8 +60,8 @@ class ProxyConfig:
         object.__setattr__(self, "prefill", prefill)
         object.__setattr__(self, "decode", decode)
         for flag, policy in (("--policy", self.policy), ("--decode-policy", self.decode_policy)):
-            if policy is not None and policy not in POLICY_NAMES:
-                raise ConfigError(f"{flag}: {policy!r} is not one of {', '.join(POLICY_NAMES)}")
+            if policy is not None and policy not in ROUTING_POLICIES:
+                raise ConfigError(f"{flag}: {policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port: {self.port} is not a TCP port")
         if self.prefix_chars < 1:

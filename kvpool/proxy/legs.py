@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -26,6 +27,23 @@ log = logging.getLogger("kvpool.proxy")
 STATUS_KEY = web.RequestKey("kvpool_status", int)
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 TIMEOUT_ERRORS = (aiohttp.ServerTimeoutError, TimeoutError)
+# what an exchange with an upstream can fail with once it is connected (timeouts first:
+# aiohttp's ServerTimeoutError is a ClientError too)
+UPSTREAM_ERRORS = (*TIMEOUT_ERRORS, aiohttp.ClientError)
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One step of an exchange with an upstream, as its failures are told and counted."""
+
+    timed_out: str  # what a timeout says: "timed out", "timed out mid-stream"
+    broke: str  # what a broken connection says: "failed", "broke off its reply", ...
+    kind: str  # the error kind a broken connection is counted as
+
+
+_SEND = _Step("timed out", "failed", "disconnect")  # posting the request, up to its status
+_REPLY = _Step("timed out", "broke off its reply", "disconnect")  # reading a whole reply
+_STREAM = _Step("timed out mid-stream", "broke off the stream", "stream")  # after the 200
 
 
 def json_error(
@@ -78,16 +96,9 @@ class Legs:
                 last_error = f"{up.url}: {exc}"
                 self._fail(group, up, "connect", last_error)
                 continue
-            except TIMEOUT_ERRORS:
+            except UPSTREAM_ERRORS as exc:
                 self._release(group, up)
-                message = f"{group.role} endpoint {up.url} timed out"
-                self._fail(group, up, "timeout", message)
-                return json_error(504, message, upstream=up.url)
-            except aiohttp.ClientError as exc:
-                self._release(group, up)
-                message = f"{group.role} endpoint {up.url} failed: {exc!r}"
-                self._fail(group, up, "disconnect", message)
-                return json_error(502, message, upstream=up.url)
+                return self._failure_reply(group, up, exc, _SEND)
             except BaseException:
                 self._release(group, up)
                 raise
@@ -117,13 +128,8 @@ class Legs:
         up, resp = opened
         try:
             raw = await resp.read()
-        except TIMEOUT_ERRORS:
-            self._fail(self.prefill, up, "timeout", f"prefill endpoint {up.url} timed out")
-            return json_error(504, f"prefill endpoint {up.url} timed out", upstream=up.url)
-        except aiohttp.ClientError as exc:
-            message = f"prefill endpoint {up.url} broke off its reply: {exc!r}"
-            self._fail(self.prefill, up, "disconnect", message)
-            return json_error(502, message, upstream=up.url)
+        except UPSTREAM_ERRORS as exc:
+            return self._failure_reply(self.prefill, up, exc, _REPLY)
         finally:
             resp.close()
             self._release(self.prefill, up)
@@ -170,13 +176,8 @@ class Legs:
         """D's whole reply, or its first bytes; a failure here is still a proper HTTP error."""
         try:
             return await (resp.read() if whole else resp.content.readany())
-        except TIMEOUT_ERRORS:
-            self._fail(self.decode, up, "timeout", f"decode endpoint {up.url} timed out")
-            return json_error(504, f"decode endpoint {up.url} timed out", upstream=up.url)
-        except aiohttp.ClientError as exc:
-            message = f"decode endpoint {up.url} broke off its reply: {exc!r}"
-            self._fail(self.decode, up, "disconnect", message)
-            return json_error(502, message, upstream=up.url)
+        except UPSTREAM_ERRORS as exc:
+            return self._failure_reply(self.decode, up, exc, _REPLY)
 
     async def _relay_whole(self, up: Upstream, resp: aiohttp.ClientResponse) -> web.Response:
         raw = await self._read(up, resp, whole=True)
@@ -211,14 +212,9 @@ class Legs:
             self.metrics.errors.labels("client", "disconnect").inc()
             request[STATUS_KEY] = 499
             return out
-        except TIMEOUT_ERRORS:
-            message = f"decode endpoint {up.url} timed out mid-stream"
-            self._fail(self.decode, up, "timeout", message)
-            return await self._end_with_error(request, out, 504, message)
-        except aiohttp.ClientError as exc:
-            message = f"decode endpoint {up.url} broke off the stream: {exc!r}"
-            self._fail(self.decode, up, "stream", message)
-            return await self._end_with_error(request, out, 502, message)
+        except UPSTREAM_ERRORS as exc:
+            status, message = self._failed(self.decode, up, exc, _STREAM)
+            return await self._end_with_error(request, out, status, message)
         await out.write_eof()
         return out
 
@@ -242,6 +238,26 @@ class Legs:
     def _release(self, group: UpstreamGroup, up: Upstream) -> None:
         group.release(up)
         self.metrics.upstream_inflight.labels(group.role, up.url).set(up.inflight)
+
+    def _failed(
+        self, group: UpstreamGroup, up: Upstream, exc: BaseException, step: _Step
+    ) -> tuple[int, str]:
+        """The one mapping of an upstream failure: count it, take the endpoint out, and
+        return the status and message to answer (504 on a timeout, 502 otherwise)."""
+        where = f"{group.role} endpoint {up.url}"
+        if isinstance(exc, TIMEOUT_ERRORS):
+            status, kind, message = 504, "timeout", f"{where} {step.timed_out}"
+        else:
+            status, kind, message = 502, step.kind, f"{where} {step.broke}: {exc!r}"
+        self._fail(group, up, kind, message)
+        return status, message
+
+    def _failure_reply(
+        self, group: UpstreamGroup, up: Upstream, exc: BaseException, step: _Step
+    ) -> web.Response:
+        """:meth:`_failed` as the HTTP error a client gets before any byte of the answer."""
+        status, message = self._failed(group, up, exc, step)
+        return json_error(status, message, upstream=up.url)
 
     def _fail(self, group: UpstreamGroup, up: Upstream, kind: str, reason: str) -> None:
         """Count the failure and take the endpoint out until its /health answers again."""

@@ -7,6 +7,8 @@ the state and decides.
 Primitives::
 
     Upstream            one endpoint: url, healthy, in-flight count, last error
+    RoutingPolicy       chooses one endpoint among healthy candidates; by name with
+                        make_routing_policy(name), one of ROUTING_POLICIES
     UpstreamGroup       the endpoints of one role; pick() / acquire() / release(),
                         mark_down() / mark_up()
     RoundRobin          rotate over the healthy endpoints
@@ -28,19 +30,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 __all__ = [
-    "POLICY_NAMES",
+    "ROUTING_POLICIES",
     "LeastInflight",
-    "Policy",
     "PrefixAffinity",
     "RoundRobin",
+    "RoutingPolicy",
     "Upstream",
     "UpstreamGroup",
-    "make_policy",
+    "make_routing_policy",
     "prefix_key",
 ]
 
@@ -55,7 +58,7 @@ class Upstream:
     last_error: str = ""
 
 
-class Policy(Protocol):
+class RoutingPolicy(Protocol):
     """Chooses one endpoint among non-empty, healthy candidates."""
 
     name: str
@@ -116,28 +119,32 @@ class PrefixAffinity:
         return max(candidates, key=lambda c: (_score(key, c.url), c.url))
 
 
-_POLICIES: dict[str, type[RoundRobin] | type[LeastInflight] | type[PrefixAffinity]] = {
-    RoundRobin.name: RoundRobin,
-    LeastInflight.name: LeastInflight,
-    PrefixAffinity.name: PrefixAffinity,
-}
-POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
+_ROUTING_POLICIES: Mapping[str, type[RoundRobin] | type[LeastInflight] | type[PrefixAffinity]] = (
+    MappingProxyType(
+        {
+            RoundRobin.name: RoundRobin,
+            LeastInflight.name: LeastInflight,
+            PrefixAffinity.name: PrefixAffinity,
+        }
+    )
+)
+ROUTING_POLICIES: tuple[str, ...] = tuple(_ROUTING_POLICIES)
 
 
-def make_policy(name: str) -> Policy:
-    """A fresh policy by name; ``ValueError`` names the choices."""
+def make_routing_policy(name: str) -> RoutingPolicy:
+    """A fresh routing policy by name; ``ValueError`` names the choices."""
     try:
-        return _POLICIES[name]()
+        return _ROUTING_POLICIES[name]()
     except KeyError:
         raise ValueError(
-            f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}"
+            f"unknown routing policy {name!r}; choose one of {', '.join(ROUTING_POLICIES)}"
         ) from None
 
 
 class UpstreamGroup:
     """The endpoints of one role (prefill or decode) and the policy that picks among them."""
 
-    def __init__(self, role: str, urls: Iterable[str], policy: Policy) -> None:
+    def __init__(self, role: str, urls: Iterable[str], policy: RoutingPolicy) -> None:
         self.role = role
         self.policy = policy
         self.upstreams: list[Upstream] = [Upstream(url) for url in urls]

@@ -1,6 +1,6 @@
 """The P/D proxy server: an OpenAI-compatible front for prefill/decode pairs (aiohttp).
 
-One request, two legs (seed §1.1)::
+One request, two legs (the production guide's §1.1)::
 
     client ─► proxy ─► P   max_tokens=1, stream=false,
                 │          kv_transfer_params={"do_remote_decode": true}
@@ -48,7 +48,7 @@ from kvpool.proxy.openai import (
     upstream_error,
     validate_request,
 )
-from kvpool.proxy.routing import UpstreamGroup, make_policy, prefix_key
+from kvpool.proxy.routing import UpstreamGroup, make_routing_policy, prefix_key
 
 __all__ = ["ProxyServer"]
 
@@ -63,9 +63,9 @@ class ProxyServer:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.metrics = ProxyMetrics()
-        self.prefill = UpstreamGroup("prefill", config.prefill, make_policy(config.policy))
+        self.prefill = UpstreamGroup("prefill", config.prefill, make_routing_policy(config.policy))
         self.decode = UpstreamGroup(
-            "decode", config.decode, make_policy(config.effective_decode_policy)
+            "decode", config.decode, make_routing_policy(config.effective_decode_policy)
         )
         self._use_key = config.policy == "prefix_affinity"
         self._session: aiohttp.ClientSession | None = None

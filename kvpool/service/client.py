@@ -47,9 +47,9 @@ from kvpool.errors import (
 from kvpool.net import DEFAULT_MASTER_PORT
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
-from kvpool.service.local_storage import checksum
 from kvpool.service.master_link import CLOSE_SETTLE_S, MasterLink, TcpMasterLink
 from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.storage.checksum import checksum
 from kvpool.transfer.transport import DataPath, Transport, transport_named
 
 __all__ = ["CLOSE_SETTLE_S", "OVERLAP_CHECKSUM_MAX", "Client"]

@@ -18,8 +18,6 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import xxhash
-
 from kvpool.core.index import Demote
 from kvpool.errors import ChecksumMismatch, KVPoolError, ProtocolError
 from kvpool.storage.segment import Segment, remove_stale_segments
@@ -33,7 +31,6 @@ __all__ = [
     "LocalStorage",
     "RestoreEntry",
     "SsdRestored",
-    "checksum",
     "restore_batches",
     "restore_in_batches",
 ]
@@ -41,19 +38,13 @@ __all__ = [
 log = logging.getLogger("kvpool.storage")
 
 # Entries per Restore message, and their keys' bytes.  An entry is a key and three
-# integers: 4096 SSD keys (at most 200 characters) stay under 1 MiB, and the byte bound
-# keeps memory objects with long keys there too -- well inside the codec's 4 MiB frame
-# limit, and one message never stalls the master's loop for long.
+# integers; the byte bound keeps a batch of long keys under 1 MiB -- well inside the
+# codec's 4 MiB frame limit, and one message never stalls the master's loop for long.
 RESTORE_BATCH = 4096
 RESTORE_BATCH_BYTES = 1 << 20
 _ENTRY_OVERHEAD = 32  # msgpack for the three integers and the tuple, at most
 
 RestoreEntry = tuple[str, int, int, int]  # key, offset, size, checksum (as in m.Restore)
-
-
-def checksum(data: memoryview | bytes | bytearray) -> int:
-    """The end-to-end checksum of an object's bytes (xxh3-64)."""
-    return xxhash.xxh3_64_intdigest(data)
 
 
 def restore_batches(

@@ -30,7 +30,8 @@ from kvpool.config import NodeConfig
 from kvpool.errors import KVPoolError, UnknownClient
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
-from kvpool.service.local_storage import LocalStorage, RestoreEntry, checksum, restore_in_batches
+from kvpool.service.local_storage import LocalStorage, RestoreEntry, restore_in_batches
+from kvpool.storage.checksum import checksum
 
 __all__ = ["NodeService", "node_id", "run_node"]
 

@@ -1,17 +1,16 @@
 """The SSD tier: objects as checksummed files under one directory, within a size limit.
 
-Layout: ``<root>/<key[:2]>/<key>`` (a two-character fan-out keeps directories small),
-temporary files in ``<root>/.tmp/``.  Each file is a 24-byte header then the value::
-
-    "KVS2" | value length u64 | xxh3_64(value) u64 | crc32(the 20 bytes before) u32 | value
-
-The value's checksum is the pool's own end-to-end checksum (xxh3-64, the one the index
-keeps per object and readers verify), so a tier left by a previous process can be
-re-announced to the master from its headers alone (:meth:`SsdStore.scan`): a 100 GiB tier
-costs one small read per file at start-up, never a pass over every value.  The header has
-its own CRC, so a flipped bit in it is caught by that scan (the file is dropped, never
-announced with a wrong length or checksum).  Files of any other format (``KVS1``, which
-kept only a CRC32 of the value) fail the check and are deleted: a miss, never wrong data.
+Any key is stored: files are named by a hash of the key and keep the key in their
+self-checked header (:mod:`kvpool.storage.ssd_format` has the layout); temporary files
+are in ``<root>/.tmp/``.  The value's checksum in the header is the pool's own end-to-end
+checksum (:func:`kvpool.storage.checksum.checksum`, xxh3-64: the one the index keeps per
+object and readers verify), so a tier left by a previous process can be re-announced to
+the master from its headers alone (:meth:`SsdStore.scan`), original keys included: a
+100 GiB tier costs two small reads per file at start-up (:meth:`SsdStore.open` learns the
+keys, the scan checks what it announces), never a pass over every value.  A flipped bit
+in a header is caught by its CRC (the file is dropped, never announced with a wrong key,
+length or checksum); files of an older format fail the check and are dropped the same
+way: a miss, never wrong data.
 
 Rules:
 
@@ -19,8 +18,8 @@ Rules:
   ``os.replace``, so a reader sees the old object, the new one, or none -- never half.
   There is no ``fsync`` (this is a cache): after a power loss a renamed file may hold
   garbage, which the checksums turn into a miss on its first read (or its scan).
-- A read checks the header (magic, CRC, length against the file size) and the value's
-  xxh3; a missing file is :class:`~kvpool.errors.ObjectNotFound`, a truncated or
+- A read checks the header (magic, CRC, the key, length against the file size) and the
+  value's xxh3; a missing file is :class:`~kvpool.errors.ObjectNotFound`, a truncated or
   corrupted one is :class:`~kvpool.errors.ChecksumMismatch` (a miss, and the file is
   deleted so its space comes back).  Wrong bytes are never returned as a success.
 - The total of all file sizes (headers included) never exceeds ``limit_bytes``; a write
@@ -28,6 +27,8 @@ Rules:
   EIO, quota) is also ``NoSpace``, counted, and leaves no file behind.
 - An unusable root (not creatable, not a directory, not writable) is a
   :class:`~kvpool.errors.ConfigError` from :meth:`SsdStore.open`, at start-up.
+- An object's error is its own: a bad file is a miss of that key only, and no key is
+  refused for its characters.
 - Thread-safe: accounting is under a lock; file I/O runs outside it.
 """
 
@@ -35,29 +36,49 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
-import struct
 import threading
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import xxhash
-
 from kvpool.errors import ChecksumMismatch, ConfigError, NoSpace, ObjectNotFound
 from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.storage.checksum import checksum
+from kvpool.storage.ssd_format import (
+    BadHeader,
+    header_size,
+    object_path,
+    pack_header,
+    parse_header,
+    read_header,
+)
 
-__all__ = ["HEADER_SIZE", "SsdScan", "SsdStats", "SsdStore"]
+__all__ = ["SsdScan", "SsdStats", "SsdStore", "files_by_key", "header_size", "object_path"]
 
-_FIELDS = struct.Struct("!4sQQ")  # magic, value length, xxh3_64 of the value
-_CRC = struct.Struct("!I")  # crc32 of the fields: the header checks itself
-HEADER_SIZE = _FIELDS.size + _CRC.size
-_MAGIC = b"KVS2"
-_KEY = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 _TMP = ".tmp"
+
+
+def files_by_key(root: str | os.PathLike[str]) -> dict[str, Path]:
+    """The intact object files under a tier's ``root``, by the key their header keeps.
+
+    Read-only (one header read per file; nothing is deleted or created), so it may look
+    at a tier another process is using: tests, and operators asking what a tier holds.
+    """
+    found: dict[str, Path] = {}
+    base = Path(root)
+    for path in base.glob("*/*"):
+        if path.parent.name == _TMP:
+            continue
+        try:
+            raw, st = read_header(path)
+            key = parse_header(raw, st.st_size).key
+        except (OSError, BadHeader):
+            continue
+        if path == object_path(base, key):
+            found[key] = path
+    return found
 
 
 @dataclass
@@ -88,64 +109,36 @@ class SsdScan:
         return sum(size for _, size, _ in self.entries)
 
 
-class _BadHeader(Exception):
-    """A header that cannot be trusted (internal: becomes a miss or a dropped file)."""
-
-
-def _pack_header(length: int, value_checksum: int) -> bytes:
-    fields = _FIELDS.pack(_MAGIC, length, value_checksum)
-    return fields + _CRC.pack(zlib.crc32(fields))
-
-
-def _parse_header(raw: bytes, file_size: int) -> tuple[int, int]:
-    """(value length, value checksum) of a header, checked against itself and the file."""
-    if len(raw) < HEADER_SIZE:
-        raise _BadHeader("file shorter than its header")
-    fields = raw[: _FIELDS.size]
-    magic, length, value_checksum = _FIELDS.unpack(fields)
-    if magic != _MAGIC:
-        raise _BadHeader(f"bad magic {magic!r}")
-    if _CRC.unpack(raw[_FIELDS.size : HEADER_SIZE])[0] != zlib.crc32(fields):
-        raise _BadHeader("header checksum mismatch")
-    if file_size != HEADER_SIZE + length:
-        raise _BadHeader(f"{file_size - HEADER_SIZE} bytes on disk, {length} written")
-    return int(length), int(value_checksum)
-
-
-def _read_header(path: Path) -> tuple[bytes, os.stat_result]:
-    """The first bytes of a file and its stat, with raw calls (no buffered file object:
-    a scan does this once per object)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.read(fd, HEADER_SIZE), os.fstat(fd)
-    finally:
-        os.close(fd)
-
-
-def _check_key(key: str) -> None:
-    if not _KEY.match(key):
-        raise ValueError(f"invalid SSD object key {key!r}: use 1-200 of [A-Za-z0-9._-]")
-
-
 class SsdStore:
     """Size-capped, checksummed object files.  Build with :meth:`open`."""
 
-    def __init__(self, root: Path, limit_bytes: int, sizes: dict[str, int]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        limit_bytes: int,
+        sizes: dict[str, int],
+        strays: dict[Path, tuple[int, int]] | None = None,
+    ) -> None:
         self.root = root
         self.limit_bytes = limit_bytes
         self.stats = SsdStats()
         self._sizes = sizes  # key -> file size on disk (header included)
+        # files whose header :meth:`open` could not trust (corrupt, an older format, in
+        # the wrong place): path -> (size, inode).  Counted against the limit until the
+        # scan deletes them.
+        self._strays = strays or {}
         self._reserved = 0  # bytes promised to writes in flight
-        self._used = sum(sizes.values())
+        self._used = sum(sizes.values()) + sum(size for size, _ in self._strays.values())
         self._lock = threading.Lock()
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], limit_bytes: int) -> SsdStore:
         """Open (creating if needed) the tier at ``root``; index what is already there.
 
-        Objects left by a previous run are kept and counted against the limit (only
-        listed here: :meth:`scan` checks their headers, reads check their values); stale
-        temporary files are removed.
+        Objects left by a previous run are kept and counted against the limit: their
+        keys come from their headers (one small read each; the values are checked on
+        read).  Files whose header cannot be trusted are counted too, and deleted by
+        :meth:`scan`.  Stale temporary files are removed.
         """
         path = Path(root)
         if limit_bytes <= 0:
@@ -165,13 +158,25 @@ class SsdStore:
             with contextlib.suppress(OSError):
                 stale.unlink()
         sizes: dict[str, int] = {}
+        strays: dict[Path, tuple[int, int]] = {}
         for sub in path.iterdir():
             if sub.name == _TMP or not sub.is_dir():
                 continue
             for entry in sub.iterdir():
-                if _KEY.match(entry.name) and entry.is_file():
-                    sizes[entry.name] = entry.stat().st_size
-        return cls(path, limit_bytes, sizes)
+                try:
+                    raw, st = read_header(entry)
+                except OSError:
+                    continue  # not a readable file (a directory, gone): not the tier's
+                try:
+                    key = parse_header(raw, st.st_size).key
+                except BadHeader:
+                    strays[entry] = (st.st_size, st.st_ino)
+                    continue
+                if entry != object_path(path, key):
+                    strays[entry] = (st.st_size, st.st_ino)  # intact, but not where it goes
+                    continue
+                sizes[key] = st.st_size
+        return cls(path, limit_bytes, sizes, strays)
 
     # -- accounting -------------------------------------------------------------
 
@@ -190,7 +195,7 @@ class SsdStore:
             return key in self._sizes
 
     def keys(self) -> list[str]:
-        """Keys present (listed, not checked: :meth:`scan` checks them)."""
+        """Keys present (from their headers; :meth:`scan` checks them again)."""
         with self._lock:
             return list(self._sizes)
 
@@ -199,11 +204,10 @@ class SsdStore:
         with self._lock:
             if key not in self._sizes:
                 raise ObjectNotFound(f"{key} is not on SSD")
-            return self._sizes[key] - HEADER_SIZE
+            return self._sizes[key] - header_size(key)
 
     def _path(self, key: str) -> Path:
-        _check_key(key)
-        return self.root / key[:2] / key
+        return object_path(self.root, key)
 
     def _forget(self, key: str) -> None:
         with self._lock:
@@ -221,10 +225,11 @@ class SsdStore:
         """
         final = self._path(key)
         src = byte_view(data)
-        checksum = xxhash.xxh3_64_intdigest(src)
-        if expect is not None and checksum != expect:
+        digest = checksum(src)
+        if expect is not None and digest != expect:
             raise ChecksumMismatch(f"{key}: its bytes no longer match their checksum")
-        need = HEADER_SIZE + len(src)
+        header = pack_header(key, len(src), digest)
+        need = len(header) + len(src)
         with self._lock:
             old = self._sizes.get(key, 0)
             if self._used + self._reserved - old + need > self.limit_bytes:
@@ -234,9 +239,8 @@ class SsdStore:
                     f"({self._used + self._reserved} of {self.limit_bytes} bytes used)"
                 )
             self._reserved += need
-        tmp = self.root / _TMP / f"{key}.{secrets.token_hex(4)}"
+        tmp = self.root / _TMP / f"{final.name}.{secrets.token_hex(4)}"
         try:
-            header = _pack_header(len(src), checksum)
             final.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(header)
@@ -253,6 +257,9 @@ class SsdStore:
             self._reserved -= need
             self._used += need - self._sizes.get(key, 0)
             self._sizes[key] = need
+            stray = self._strays.pop(final, None)
+            if stray is not None:  # a bad file had this name: the rename replaced it
+                self._used -= stray[0]
             self.stats.writes += 1
             self.stats.write_bytes += len(src)
 
@@ -271,13 +278,16 @@ class SsdStore:
                 self.stats.misses += 1
             raise ObjectNotFound(f"{key} is not on SSD") from None
         with f:
-            raw = f.read(HEADER_SIZE)
+            raw = f.read(header_size(key))
             st = os.fstat(f.fileno())
             inode = st.st_ino
             try:
-                length, value_checksum = _parse_header(raw, st.st_size)
-            except _BadHeader as exc:
+                header = parse_header(raw, st.st_size)
+                if header.key != key:
+                    raise BadHeader("the file holds another key")
+            except BadHeader as exc:
                 self._corrupt(key, path, inode, str(exc))
+            length = header.length
             if len(dst) < length:
                 raise ValueError(f"buffer of {len(dst)} bytes is too small for {key} ({length})")
             target = dst[:length]
@@ -287,7 +297,7 @@ class SsdStore:
                 if not n:
                     self._corrupt(key, path, inode, "file shrank while reading")
                 got += n
-        if xxhash.xxh3_64_intdigest(target) != value_checksum:
+        if checksum(target) != header.checksum:
             self._corrupt(key, path, inode, "checksum mismatch")
         with self._lock:
             self.stats.reads += 1
@@ -324,11 +334,12 @@ class SsdStore:
     def scan(self) -> SsdScan:
         """Check the header of every object and list the intact ones, oldest first.
 
-        Reads :data:`HEADER_SIZE` bytes per file, never a value: this is what a process
-        re-announces to a master that does not know the tier (a restarted master, or a
-        restarted owner).  A file whose header fails its check is deleted and counted,
-        so it is never announced; a value corrupted behind an intact header is caught by
-        its checksum on the first read.  Oldest first, so that announcing in this order
+        Reads one header per file, never a value: this is what a process re-announces
+        to a master that does not know the tier (a restarted master, or a restarted
+        owner), with the keys the headers keep.  A file whose header fails its check is
+        deleted and counted, so it is never announced (so are the files :meth:`open`
+        could not trust); a value corrupted behind an intact header is caught by its
+        checksum on the first read.  Oldest first, so that announcing in this order
         leaves the index's recency order close to the files' ages.
         """
         found: list[tuple[int, str, int, int]] = []
@@ -336,7 +347,7 @@ class SsdStore:
         for key in self.keys():
             path = self._path(key)
             try:
-                raw, st = _read_header(path)
+                raw, st = read_header(path)
             except FileNotFoundError:
                 self._forget(key)
                 continue
@@ -347,15 +358,28 @@ class SsdStore:
                 except OSError:
                     continue
             try:
-                length, value_checksum = _parse_header(raw, st.st_size)
-            except _BadHeader:
+                header = parse_header(raw, st.st_size)
+                if header.key != key:
+                    raise BadHeader("the file holds another key")
+            except BadHeader:
                 dropped += 1
                 dropped_bytes += st.st_size
                 with self._lock:
                     self.stats.bad_headers += 1
                 self._discard(key, path, st.st_ino)
                 continue
-            found.append((st.st_mtime_ns, key, length, value_checksum))
+            found.append((st.st_mtime_ns, key, header.length, header.checksum))
+        with self._lock:
+            strays, self._strays = self._strays, {}
+        for path, (size, inode) in strays.items():
+            dropped += 1
+            dropped_bytes += size
+            with self._lock:
+                self.stats.bad_headers += 1
+                self._used -= size
+            with contextlib.suppress(OSError):
+                if path.stat().st_ino == inode:  # not replaced by a put since open()
+                    path.unlink()
         found.sort()
         return SsdScan([(k, n, c) for _, k, n, c in found], dropped, dropped_bytes)
 

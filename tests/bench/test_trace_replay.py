@@ -15,14 +15,14 @@ from bench.trace_replay import (
     replay_direct,
     replay_index,
 )
-from kvpool.core.eviction import make_policy
+from kvpool.core.eviction import make_eviction_policy
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "trace_replay.py"
 
 
 def crafted() -> list[Request]:
     """A conversation read every fourth request between one-shot requests: LRU loses it
-    to the one-shots at 8 blocks, the default keeps it once it has been read, and the
+    to the one-shots at 8 blocks, prefix-aware keeps it once it has been read, and the
     offline optimum keeps it from the start."""
     requests: list[Request] = []
     hot = (0, 1, 2, 3)
@@ -81,7 +81,7 @@ def test_json_output_shape_and_policy_order(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert {(r["policy"], r["capacity"]) for r in rows} == {
-        (p, c) for p in ("lru", "default", "belady") for c in (8, 12)
+        (p, c) for p in ("lru", "prefix_aware", "belady") for c in (8, 12)
     }
     for r in rows:
         assert {"policy", "capacity", "hit_ratio", "blocks_per_s"} <= r.keys()
@@ -89,23 +89,35 @@ def test_json_output_shape_and_policy_order(tmp_path: Path) -> None:
         assert r["blocks_per_s"] > 0
         assert r["blocks"] == 40 * 4 + 120 * 2
     ratio = {(r["policy"], r["capacity"]): r["hit_ratio"] for r in rows}
-    assert ratio["lru", 8] < ratio["default", 8] < ratio["belady", 8]
+    assert ratio["lru", 8] < ratio["prefix_aware", 8] < ratio["belady", 8]
     for c in (8, 12):
-        assert ratio["lru", c] <= ratio["default", c] <= ratio["belady", c]
+        assert ratio["lru", c] <= ratio["prefix_aware", c] <= ratio["belady", c]
     by = {(r["policy"], r["capacity"]): r for r in rows}
     assert by["belady", 12]["vs_belady"] == 1.0 and by["lru", 12]["vs_lru"] == 1.0
-    assert by["default", 8]["vs_belady"] == pytest.approx(ratio["default", 8] / ratio["belady", 8])
-    assert by["default", 8]["vs_lru"] is None  # LRU hits nothing at 8 blocks: no ratio
+    assert by["prefix_aware", 8]["vs_belady"] == pytest.approx(
+        ratio["prefix_aware", 8] / ratio["belady", 8]
+    )
+    assert by["prefix_aware", 8]["vs_lru"] is None  # LRU hits nothing at 8 blocks: no ratio
 
 
 def test_table_output_and_one_policy(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     write_trace(trace, crafted())
-    proc = run_script("--trace", str(trace), "--capacity", "8", "--policy", "default")
+    proc = run_script("--trace", str(trace), "--capacity", "8", "--policy", "prefix_aware")
     assert proc.returncode == 0, proc.stderr
     assert "160 requests, 400 blocks" in proc.stdout
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("default")]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("prefix_aware")]
     assert len(lines) == 1 and " 8 " in lines[0]
+
+
+def test_the_default_alias_replays_prefix_aware_once(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, crafted())
+    proc = run_script(
+        "--trace", str(trace), "--capacity", "8", "--policy", "default", "prefix_aware", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["policy"] for line in proc.stdout.splitlines()] == ["prefix_aware"]
 
 
 def test_repeat_keeps_the_hits_and_reports_one_row_per_policy_and_capacity(
@@ -129,11 +141,11 @@ def test_repeat_below_one_is_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--repeat" in proc.stderr
 
 
-@pytest.mark.parametrize("policy", ["lru", "default"])
+@pytest.mark.parametrize("policy", ["lru", "prefix_aware"])
 @pytest.mark.parametrize("capacity", [5, 20, 60])
 def test_index_mode_gives_the_same_hits_as_direct_mode(policy: str, capacity: int) -> None:
     requests = synthetic(seed=capacity)
-    direct = replay_direct(requests, make_policy(policy), capacity)
+    direct = replay_direct(requests, make_eviction_policy(policy), capacity)
     through_index = replay_index(requests, policy, capacity)
     assert direct[:2] == through_index[:2]
     assert 0 < direct[0] < direct[1]
@@ -149,7 +161,11 @@ def test_unlimited_capacity_hits_everything_seen_before() -> None:
             n += 1
         expected += n
         seen.update(r.blocks)
-    for policy in (make_policy("lru"), make_policy("default"), BeladyPolicy(requests)):
+    for policy in (
+        make_eviction_policy("lru"),
+        make_eviction_policy("prefix_aware"),
+        BeladyPolicy(requests),
+    ):
         assert replay_direct(requests, policy, 10**6)[0] == expected
 
 

@@ -10,6 +10,12 @@ from kvpool.config import (
     parse_node_config,
 )
 from kvpool.config.master import MASTER_FLAGS
+from kvpool.core.eviction import (
+    EVICTION_POLICIES,
+    EVICTION_POLICY_ALIASES,
+    canonical_eviction_policy,
+    make_eviction_policy,
+)
 from kvpool.errors import ConfigError
 
 
@@ -102,3 +108,12 @@ def test_argparse_and_the_command_line_parser_read_the_same_table(argv: list[str
     from_cli = MasterConfig.from_flags({k: v for k, v in given.items() if v is not None})
     assert from_argv == from_cli
     assert (from_cli.enable_offload, from_cli.port, from_cli.eviction_ratio) == (True, 50099, 0.2)
+def test_every_eviction_policy_and_alias_is_a_master_flag_value() -> None:
+    """``--eviction_policy default`` (the name before ``prefix_aware``) keeps working, and the
+    flag accepts exactly what the core can build."""
+    assert MasterConfig().eviction_policy == "prefix_aware"
+    for name in (*EVICTION_POLICIES, *EVICTION_POLICY_ALIASES):
+        config = MasterConfig.from_argv(["mooncake_master", "--eviction_policy", name])
+        assert make_eviction_policy(config.eviction_policy).name == (
+            canonical_eviction_policy(name)
+        )

@@ -20,7 +20,7 @@ SIZES = st.sampled_from([8, 16, 24])
 
 class IndexMachine(RuleBasedStateMachine):
     @initialize(
-        policy=st.sampled_from(["lru", "default"]),
+        policy=st.sampled_from(["lru", "prefix_aware"]),
         offload=st.booleans(),
         watermark=st.sampled_from([0.5, 0.9, 1.0]),
         ratio=st.sampled_from([0.1, 0.5]),

@@ -1,5 +1,5 @@
 """deploy/: the Grafana dashboard names only metrics a real master exports, and the Compose
-file mirrors the seed's §3.2 with commands kvpool itself accepts."""
+file mirrors the production guide's §3.2 with commands kvpool itself accepts."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def interpolate(word: str) -> str:
     return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", word)
 
 
-def test_compose_mirrors_the_seed() -> None:
+def test_compose_mirrors_the_guides_compose_file() -> None:
     services = compose()["services"]
     assert set(services) == {"master", "node", "proxy"}
     for name, service in services.items():
@@ -181,7 +181,7 @@ def test_compose_mirrors_the_seed() -> None:
     assert services["node"]["environment"]["KVPOOL_CONFIG_PATH"].endswith("mooncake.json")
 
 
-def test_compose_master_command_has_the_seeds_flags() -> None:
+def test_compose_master_command_has_the_guides_flags() -> None:
     argv = [interpolate(w) for w in compose()["services"]["master"]["command"]]
     config = MasterConfig.from_argv(argv)
     assert config.port == 50088

@@ -16,7 +16,7 @@ from kvpool.proxy.routing import (
     RoundRobin,
     Upstream,
     UpstreamGroup,
-    make_policy,
+    make_routing_policy,
     prefix_key,
 )
 
@@ -70,10 +70,10 @@ def test_group_refuses_no_endpoints_and_duplicates() -> None:
         UpstreamGroup("prefill", [URLS[0], URLS[0]], RoundRobin())
 
 
-def test_make_policy_names_the_choices() -> None:
-    assert make_policy("prefix_affinity").name == "prefix_affinity"
+def test_make_routing_policy_names_the_choices() -> None:
+    assert make_routing_policy("prefix_affinity").name == "prefix_affinity"
     with pytest.raises(ValueError, match="round_robin, least_inflight, prefix_affinity"):
-        make_policy("random")
+        make_routing_policy("random")
 
 
 def _affinity(urls: list[str], key: bytes) -> str:

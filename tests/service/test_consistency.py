@@ -13,6 +13,7 @@ from kvpool.errors import KVPoolError, ObjectNotFound
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
 from kvpool.storage.segment import Segment
+from kvpool.storage.ssd import files_by_key
 from kvpool.testing.processes import start_master
 
 
@@ -106,18 +107,18 @@ def test_ssd_tier_keeps_evicted_objects_and_corruption_is_a_miss(tmp_path: Path)
         for key in keys:
             assert c.get(key) == value_of(key)  # every one readable, memory or SSD
         # corrupt one SSD file and truncate another: both are misses, never wrong bytes
-        files = sorted(p for p in ssd.rglob("s*") if p.is_file() and ".tmp" not in p.parts)
+        files = sorted((k, p) for k, p in files_by_key(ssd).items() if k.startswith("s"))
         assert len(files) >= 2
-        data = bytearray(files[0].read_bytes())
+        data = bytearray(files[0][1].read_bytes())
         data[-1] ^= 0xFF
-        files[0].write_bytes(bytes(data))
-        files[1].write_bytes(files[1].read_bytes()[:100])
-        for path in files[:2]:
+        files[0][1].write_bytes(bytes(data))
+        files[1][1].write_bytes(files[1][1].read_bytes()[:100])
+        for key, _ in files[:2]:
             try:
-                got = c.get(path.name)
+                got = c.get(key)
             except ObjectNotFound:
                 continue
-            raise AssertionError(f"{path.name}: corrupt SSD object served ({len(got)} bytes)")
+            raise AssertionError(f"{key}: corrupt SSD object served ({len(got)} bytes)")
         with urllib.request.urlopen(f"http://{master.address}/metrics", timeout=5) as r:
             text = r.read().decode()
         assert "kvpool_offloads_total" in text

@@ -23,7 +23,7 @@ from kvpool.service.local_storage import (
     restore_batches,
     restore_in_batches,
 )
-from kvpool.storage.ssd import HEADER_SIZE
+from kvpool.storage.ssd import header_size, object_path
 
 
 def test_restore_batches_are_bounded_in_entries_and_key_bytes() -> None:
@@ -57,9 +57,9 @@ def test_announce_ssd_sends_intact_files_and_deletes_what_is_refused_or_corrupt(
     for key, value in values.items():
         first.ssd.put(key, value)
     first.close()
-    bad_header = tmp_path / "k3" / "k3"  # <root>/<key[:2]>/<key>
+    bad_header = object_path(tmp_path, "k3")
     raw = bytearray(bad_header.read_bytes())
-    raw[HEADER_SIZE - 1] ^= 0xFF
+    raw[header_size("k3") - 1] ^= 0xFF
     bad_header.write_bytes(raw)
 
     # a restarted process: it knows nothing but its files
@@ -81,8 +81,9 @@ def test_announce_ssd_sends_intact_files_and_deletes_what_is_refused_or_corrupt(
     assert done.restored == 3 and done.dropped == 2
     assert done.restored_bytes == sum(len(values[k]) for k in ("k0", "k2", "k4"))
     assert sorted(again.ssd.keys()) == ["k0", "k2", "k4"]
-    assert not (tmp_path / "k1" / "k1").exists() and not bad_header.exists()
-    assert again.ssd.used_bytes == done.restored_bytes + 3 * HEADER_SIZE
+    assert not object_path(tmp_path, "k1").exists() and not bad_header.exists()
+    headers = sum(header_size(k) for k in ("k0", "k2", "k4"))
+    assert again.ssd.used_bytes == done.restored_bytes + headers
     assert f"restored 3 SSD objects ({done.restored_bytes} bytes), dropped 2" in caplog.text
     again.close()
 

@@ -19,7 +19,7 @@ from kvpool.errors import NoSpace, ObjectBusy, ObjectNotFound, ProtocolError
 from kvpool.protocol import messages as m
 from kvpool.protocol.codec import MAGIC
 from kvpool.service.client import Client
-from kvpool.storage.ssd import HEADER_SIZE
+from kvpool.storage.ssd import files_by_key, header_size, object_path
 from kvpool.testing.processes import PoolProcess, start_master
 
 
@@ -253,7 +253,7 @@ def fill_ssd(ssd: Path, *, kill: bool) -> tuple[dict[str, bytes], list[str]]:
     assert len(on_ssd) >= 20  # 1 MiB of memory holds at most 16 of them
     # the tick's watermark round may have demoted a few more since: the files are what
     # the tier held when the master stopped
-    on_disk = sorted(p.name for p in ssd.rglob("r*") if p.is_file() and ".tmp" not in p.parts)
+    on_disk = sorted(k for k in files_by_key(ssd) if k.startswith("r"))
     assert set(on_ssd) <= set(on_disk)
     return values, on_disk
 
@@ -283,7 +283,7 @@ def test_master_serves_its_previous_ssd_objects_after_a_restart(tmp_path: Path) 
                 continue  # evicted to make room: a miss, fine
             assert got == value
         # no file is left that the index does not know (a leak) or vice versa
-        files = {p.name for p in ssd.rglob("*") if p.is_file() and ".tmp" not in p.parts}
+        files = set(files_by_key(ssd))
         assert files == {k for k, t in tiers_of(c, list(values | more)).items() if t == "ssd"}
 
 
@@ -293,18 +293,18 @@ def test_corrupt_ssd_files_across_a_master_restart_are_misses_and_deleted(
     ssd = tmp_path / "ssd"
     values, on_ssd = fill_ssd(ssd, kill=True)
     bad_header, bad_value, *intact = on_ssd
-    for key, at in ((bad_header, 2), (bad_value, HEADER_SIZE + 4096)):
-        path = ssd / key[:2] / key
+    for key, at in ((bad_header, 2), (bad_value, header_size(bad_value) + 4096)):
+        path = object_path(ssd, key)
         raw = bytearray(path.read_bytes())
         raw[at] ^= 0x5A
         path.write_bytes(raw)
     with start_master(*ssd_flags(ssd)) as master, Client(master.address) as c:
         master.wait_for_line(rf"restored {len(intact) + 1} SSD objects \(\d+ bytes\), dropped 1")
         assert not c.exists(bad_header)  # its header failed: never announced
-        assert not (ssd / bad_header[:2] / bad_header).exists()
+        assert not object_path(ssd, bad_header).exists()
         with pytest.raises(ObjectNotFound):
             c.get(bad_value)  # its value failed: a miss, never the wrong bytes
-        assert not (ssd / bad_value[:2] / bad_value).exists()
+        assert not object_path(ssd, bad_value).exists()
         for key in intact:
             assert c.get(key) == values[key]
         # both are counted where an operator looks

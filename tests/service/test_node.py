@@ -17,7 +17,7 @@ from kvpool.errors import KVPoolError, ObjectNotFound
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
 from kvpool.service.node import node_id
-from kvpool.storage.ssd import HEADER_SIZE
+from kvpool.storage.ssd import files_by_key, header_size, object_path
 from kvpool.testing.processes import PoolProcess, start_master, start_node
 from tests.waiting import wait_until
 
@@ -195,9 +195,8 @@ def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
             assert snap["tiers"]["ssd"]["objects"] > 0 and snap["stats"]["offloads"] > 0
             for key, value in values.items():
                 assert c.get(key) == value  # from the node's memory or its SSD tier
-            assert any(p.is_file() for p in ssd.rglob("n*"))
             # removing an SSD object deletes the node's file too
-            files = {p.name: p for p in ssd.rglob("n*") if p.is_file()}
+            files = {k: p for k, p in files_by_key(ssd).items() if k.startswith("n")}
             assert files
             key = sorted(files)[0]
             assert c.remove(key)
@@ -259,8 +258,8 @@ def test_restarted_master_gets_the_nodes_ssd_objects_re_announced(tmp_path: Path
 
             # while the master is down, one file's header and another's value go bad
             bad_header, bad_value, *intact = on_ssd
-            flip(ssd / bad_header[:2] / bad_header, 5)
-            flip(ssd / bad_value[:2] / bad_value, HEADER_SIZE + 1000)
+            flip(object_path(ssd, bad_header), 5)
+            flip(object_path(ssd, bad_value), header_size(bad_value) + 1000)
 
             master = start_master(*flags)
             node.wait_for_line(r"restored \d+ SSD objects \(\d+ bytes\), dropped 1", 20)
@@ -271,10 +270,10 @@ def test_restarted_master_gets_the_nodes_ssd_objects_re_announced(tmp_path: Path
                     assert c.get(key) == values[key]
                 # a bad header is never announced; a bad value is a miss, never wrong data
                 assert not c.exists(bad_header)
-                assert not (ssd / bad_header[:2] / bad_header).exists()
+                assert not object_path(ssd, bad_header).exists()
                 with pytest.raises(ObjectNotFound):
                     c.get(bad_value)
-                assert not (ssd / bad_value[:2] / bad_value).exists()
+                assert not object_path(ssd, bad_value).exists()
                 # one bad file costs that object only: every other one is (again) readable
                 wait_until(lambda: all(c.batch_exists(intact)), timeout_s=20)
                 for key in intact:
@@ -297,7 +296,7 @@ def test_restarted_node_re_announces_its_ssd_objects(tmp_path: Path) -> None:
             node.kill()
         # the files are what the tier held when the node died (the master's watermark
         # round may have demoted a few more since the count above)
-        on_ssd = sorted(p.name for p in ssd.rglob("t*") if p.is_file() and ".tmp" not in p.parts)
+        on_ssd = sorted(k for k in files_by_key(ssd) if k.startswith("t"))
         in_memory = sorted(set(values) - set(on_ssd))
         with start_node(config) as node, Client(master.address, allow_shm=False) as c:
             size = 64 * 1024 * len(on_ssd)
@@ -338,7 +337,7 @@ def test_a_corrupt_object_on_a_nodes_ssd_is_a_miss_and_the_node_keeps_serving(
             in_memory = sorted(k for k, t in tiers.items() if t == "memory")
             assert on_ssd and in_memory
             bad = on_ssd[0]
-            flip(ssd / bad[:2] / bad, HEADER_SIZE + 100)
+            flip(object_path(ssd, bad), header_size(bad) + 100)
             with pytest.raises(ObjectNotFound):
                 c.get(bad)
             for key in in_memory + on_ssd[1:]:

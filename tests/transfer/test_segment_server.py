@@ -32,7 +32,7 @@ from kvpool.protocol.data import (
     SegmentWrite,
 )
 from kvpool.storage.segment import Segment
-from kvpool.storage.ssd import SsdStore
+from kvpool.storage.ssd import SsdStore, object_path
 from kvpool.transfer import framing
 from kvpool.transfer.segment_client import PIPELINE_DEPTH, SegmentConnection
 from kvpool.transfer.segment_server import SegmentServer
@@ -288,7 +288,7 @@ def test_ssd_objects_are_read_over_the_data_connection(tmp_path: Path, segment: 
                 conn.ssd_read_into("missing", bytearray(3))
             with pytest.raises(ObjectNotFound, match="expects"):
                 conn.ssd_read_into("k1", bytearray(10))
-            path = tmp_path / "k2"[:2] / "k2"
+            path = object_path(tmp_path, "k2")
             raw = bytearray(path.read_bytes())
             raw[-1] ^= 0xFF
             path.write_bytes(raw)

@@ -1,0 +1,254 @@
+"""Placement: where an object of the index goes, and what leaves to make room for it.
+
+The half of :class:`~kvpool.core.index.ObjectIndex` that finds space (its base class; it
+holds the index's state, and ``index.py`` the life cycle of objects, reads and holds):
+
+    _allocate(tier, size, now, events)  an extent in ``tier``, evicting inline (best victims
+                                        first, one at a time) while that makes room
+    _evict(obj, now, events)            drop an object, or demote it to an SSD segment of
+                                        its owner when ``enable_offload`` (a Demote effect)
+    eviction_round(tier, now)           watermark eviction of one tier (``tick`` runs it)
+    usage(tier)                         (capacity, used) bytes of a tier
+    _drop(obj, reason)                  an object leaves: its space, counts, policy, holds
+
+Rules (the index's invariants, see ``index.py``): only READY objects without an unexpired
+lease or pin are victims (``_evictable``); a put fails with NoSpace only when nothing
+evictable is left that would make room; after an eviction round a tier is at or below its
+high watermark unless everything left in it is leased, pinned or pending.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.core.eviction import EvictionPolicy, make_eviction_policy
+from kvpool.core.objects import (
+    Demote,
+    Dropped,
+    Event,
+    IndexConfig,
+    IndexStats,
+    ObjectRecord,
+    State,
+)
+from kvpool.core.registry import Registry, Segment, Tier
+from kvpool.core.space import Extent
+
+__all__ = ["IndexPlacement"]
+
+# Module names for the enum members the hot paths test (a global load, not an attribute
+# lookup on the enum class, and never an enum hash: dict lookups keyed by Tier hash it in
+# Python code).
+_READY = State.READY
+_MEMORY, _SSD = Tier.MEMORY, Tier.SSD
+
+
+class IndexPlacement:
+    """The index's state, and how room is made in it (see the module docstring)."""
+
+    def __init__(self, config: IndexConfig | None = None) -> None:
+        self.config = config or IndexConfig()
+        self.registry = Registry(self.config.client_ttl_ms)
+        self.stats = IndexStats()
+        self._objects: dict[str, ObjectRecord] = {}
+        self._policies: dict[Tier, EvictionPolicy[Any]] = {
+            t: make_eviction_policy(self.config.policy) for t in Tier
+        }
+        self._mem_policy = self._policies[_MEMORY]
+        self._ssd_policy = self._policies[_SSD]
+        # each tier's segments, kept until add_segment or remove_client changes them
+        self._mem_segments: list[Segment] | None = None
+        self._ssd_segments: list[Segment] | None = None
+        self._evictable_at = 0
+        self._evictable_fn: Callable[[str], bool] | None = None
+        self._owner_keys: dict[str, set[str]] = {}  # owner -> keys it holds
+        # Counts kept as objects change, so that metrics, the status page and eviction
+        # rounds never scan the whole index: at 500,000 objects one scan took 40-250 ms
+        # of the master's event loop.  ObjectIndex.check() compares each with a scan.
+        self._ready: dict[Tier, int] = dict.fromkeys(Tier, 0)  # READY objects per tier
+        self._held: dict[Tier, int] = dict.fromkeys(Tier, 0)  # objects with any hold entry
+        self._pending = 0  # PENDING objects (all in memory segments)
+        self._hold_entries = 0  # (object, owner) holds present, expired or not
+
+    def _expire_holds(self, now_ms: int) -> None:
+        """Release every lease and pin expired at ``now_ms`` (the index's own)."""
+        raise NotImplementedError
+
+    def eviction_round(self, tier: Tier, now_ms: int) -> list[Event]:
+        """If the tier is at or above its high watermark, evict ``eviction_ratio`` of its
+        evictable objects, and more if needed to get back under the watermark."""
+        capacity, used = self.usage(tier)
+        limit = self.config.high_watermark * capacity
+        if capacity == 0 or used < limit:
+            return []
+        policy = self._policies[tier]
+        evictable = self._evictable_count(tier, now_ms)
+        want = max(1, math.ceil(self.config.eviction_ratio * evictable))
+        events: list[Event] = []
+        evicted = 0
+        while True:
+            victims = policy.choose_victims(max(want - evicted, 16), self._evictable(now_ms))
+            if not victims:
+                break
+            for key in victims:
+                self._evict(self._objects[key], now_ms, events)
+                evicted += 1
+                if evicted >= want and self.usage(tier)[1] < limit:
+                    return events
+        return events
+
+    def usage(self, tier: Tier) -> tuple[int, int]:
+        """(capacity, used) bytes over every segment of a tier."""
+        segs = self._segments(tier)
+        return sum(s.capacity for s in segs), sum(s.space.used for s in segs)
+
+    def _evictable(self, now_ms: int) -> Callable[[str], bool]:
+        """The ``can_evict`` a policy is given: READY, and no unexpired lease or pin.
+        Kept for the last ``now_ms`` asked: the puts of one request share their time."""
+        if now_ms == self._evictable_at and self._evictable_fn is not None:
+            return self._evictable_fn
+        objects = self._objects
+
+        def can_evict(key: str) -> bool:
+            obj = objects.get(key)
+            return (
+                obj is not None and obj.state is _READY and (not obj.holds or not obj.held(now_ms))
+            )
+
+        self._evictable_at, self._evictable_fn = now_ms, can_evict
+        return can_evict
+
+    def _evictable_in(self, seg: Segment, now_ms: int) -> Callable[[str], bool]:
+        can_evict = self._evictable(now_ms)
+        return lambda k: can_evict(k) and self._objects[k].segment is seg
+
+    def _segments(self, tier: Tier) -> list[Segment]:
+        """``registry.tier_segments(tier)``, made again only after segments change."""
+        # two attributes rather than a dict keyed by Tier: an Enum's hash is Python code
+        if tier is _MEMORY:
+            segs = self._mem_segments
+            if segs is None:
+                segs = self._mem_segments = self.registry.tier_segments(tier)
+        else:
+            segs = self._ssd_segments
+            if segs is None:
+                segs = self._ssd_segments = self.registry.tier_segments(tier)
+        return segs
+
+    def _evictable_count(self, tier: Tier, now_ms: int) -> int:
+        self._expire_holds(now_ms)  # then every hold left is unexpired
+        return self._ready[tier] - self._held[tier]
+
+    def _allocate(
+        self, tier: Tier, size: int, now_ms: int, events: list[Event]
+    ) -> tuple[Segment, Extent] | None:
+        """Find room in ``tier``, evicting inline (best victims first) while that helps."""
+        segments = self._segments(tier)
+        policy = self._mem_policy if tier is _MEMORY else self._ssd_policy
+        # One victim at a time: KV objects are mostly of one size, so one eviction
+        # usually makes exactly the room needed (and asking for more costs checks).
+        if len(segments) == 1:  # the usual case: no search over segments (~30% of a put)
+            only = segments[0]
+            space = only.space
+            if space.capacity < size:
+                return None
+            while True:
+                if space.capacity - space.used >= size:
+                    extent = space.allocate(size)
+                    if extent is not None:
+                        return only, extent
+                if not self._evict_one(policy, now_ms, events):
+                    return None
+        if not any(s.capacity >= size for s in segments):
+            return None
+        while True:
+            placed = self._fit(segments, size)
+            if placed is not None:
+                return placed
+            if not self._evict_one(policy, now_ms, events):
+                return None
+
+    def _evict_one(self, policy: EvictionPolicy[Any], now_ms: int, events: list[Event]) -> bool:
+        """Evict (or demote) the policy's best victim; False when nothing is evictable."""
+        victims = policy.choose_victims(1, self._evictable(now_ms))
+        if not victims:
+            return False
+        self._evict(self._objects[victims[0]], now_ms, events)
+        return True
+
+    @staticmethod
+    def _fit(segments: list[Segment], size: int) -> tuple[Segment, Extent] | None:
+        """Allocate in the segment with the most free space that has a large enough hole."""
+        if len(segments) > 1:  # one segment (the usual case) needs no ordering
+            segments = sorted(segments, key=lambda s: s.space.free, reverse=True)
+        for seg in segments:
+            if seg.space.free >= size:
+                extent = seg.space.allocate(size)
+                if extent is not None:
+                    return seg, extent
+        return None
+
+    def _evict(self, obj: ObjectRecord, now_ms: int, events: list[Event]) -> None:
+        if obj.segment.tier is _MEMORY and self.config.enable_offload:
+            dst = self._ssd_room(obj, now_ms, events)
+            if dst is not None:
+                seg, extent = dst
+                src = obj.location()
+                self._mem_policy.on_remove(obj.key)
+                obj.segment.space.release(obj.extent)
+                self._ready[_MEMORY] -= 1
+                self._ready[_SSD] += 1
+                if obj.holds:  # only expired ones, or it would not be evicted
+                    self._held[_MEMORY] -= 1
+                    self._held[_SSD] += 1
+                obj.move(seg, extent)
+                self._ssd_policy.on_insert(obj.key, obj.parent)
+                self.stats.demotions += 1
+                events.append(Demote(obj.key, src, obj.location(), obj.checksum))
+                return
+        self.stats.evictions += 1
+        events.append(self._drop(obj, "evicted"))
+
+    def _ssd_room(
+        self, obj: ObjectRecord, now_ms: int, events: list[Event]
+    ) -> tuple[Segment, Extent] | None:
+        """An SSD extent on the same client as ``obj`` (it copies the bytes locally)."""
+        owner = obj.segment.client_id
+        ssd = [s for s in self._segments(_SSD) if s.client_id == owner]
+        for seg in ssd:
+            while True:
+                extent = seg.space.allocate(obj.extent.length)
+                if extent is not None:
+                    return seg, extent
+                victims = self._ssd_policy.choose_victims(4, self._evictable_in(seg, now_ms))
+                if not victims:
+                    break
+                for key in victims:
+                    self.stats.evictions += 1
+                    events.append(self._drop(self._objects[key], "evicted"))
+        return None
+
+    def _drop(self, obj: ObjectRecord, reason: str, release_space: bool = True) -> Dropped:
+        key = obj.key
+        seg = obj.segment
+        del self._objects[key]
+        if release_space:
+            seg.space.release(obj.extent)
+        if obj.state is _READY:
+            self._ready[seg.tier] -= 1
+            (self._mem_policy if seg.tier is _MEMORY else self._ssd_policy).on_remove(key)
+        else:
+            self._pending -= 1
+        if obj.holds:
+            self._held[seg.tier] -= 1
+            self._hold_entries -= len(obj.holds)
+            owner_keys = self._owner_keys
+            for owner in obj.holds:
+                keys = owner_keys.get(owner)
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del owner_keys[owner]
+        return Dropped(key, seg.tier, reason, seg.client_id)
