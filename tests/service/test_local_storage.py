@@ -19,10 +19,10 @@ from kvpool.service.local_storage import (
     RESTORE_BATCH_BYTES,
     LocalStorage,
     RestoreEntry,
-    checksum,
     restore_batches,
     restore_in_batches,
 )
+from kvpool.storage.checksum import checksum
 from kvpool.storage.ssd import header_size, object_path
 
 
