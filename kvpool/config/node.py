@@ -1,8 +1,8 @@
 """A node's ``mooncake.json``: the pure parser and the edge that reads file and environment.
 
 Precedence: ``KVPOOL_*`` environment variables win over their ``MOONCAKE_*``/``ASCEND_*``
-twins (which exist for drop-in use of the seed's deployments), and the environment wins
-over the file.  An unknown key is an error, not a warning.
+twins (which exist for drop-in use of Mooncake's and vllm-ascend's deployments), and the
+environment wins over the file.  An unknown key is an error, not a warning.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ GiB = 1024**3
 TiB = 1024**4
 
 DEFAULT_SEGMENT_SIZE = 1 * GiB
-# The seed: "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES 默认 2TB" — Mooncake means 2 TiB.
+# The production guide's §3.3: "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES 默认 2TB" — Mooncake
+# means 2 TiB.
 DEFAULT_OFFLOAD_LIMIT = 2 * TiB
 
 # Environment variables, most authoritative first.
@@ -187,7 +188,7 @@ def env_lookup(env: Mapping[str, str], names: Sequence[str]) -> tuple[str, str] 
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    """Connect and transfer timeouts in milliseconds (the seed's §5.1 variables)."""
+    """Connect and transfer timeouts in milliseconds (the production guide's §5.1 variables)."""
 
     connect_timeout_ms: int = 10_000
     transfer_timeout_ms: int = 10_000

@@ -1,9 +1,9 @@
 """vLLM KV connectors: the only package of kvpool that imports vLLM.
 
-- ``kvpool.connectors.store.KVPoolStoreConnector`` — the prefix-cache pool (the seed's
-  AscendStoreConnector, §6).
-- ``kvpool.connectors.transfer.KVPoolTransferConnector`` — direct P→D transfer (the seed's
-  MooncakeConnectorV1, §5).
+- ``kvpool.connectors.store.KVPoolStoreConnector`` — the prefix-cache pool (in place of
+  vllm-ascend's ``AscendStoreConnector``, the production guide's §6).
+- ``kvpool.connectors.transfer.KVPoolTransferConnector`` — direct P→D transfer (in place of
+  Mooncake's ``MooncakeConnectorV1``, the guide's §5).
 
 vLLM loads each through ``"kv_connector_module_path"``; names here resolve lazily so that
 importing one connector (or this package) does not import the other, nor vLLM itself.

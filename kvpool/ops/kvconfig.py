@@ -19,8 +19,8 @@ from kvpool.config import Topology, parse_topology
 from kvpool.errors import ConfigError
 
 __all__ = [
+    "GUIDE_CONNECTORS",
     "KVPOOL_CONNECTORS",
-    "SEED_CONNECTORS",
     "ConnectorSpec",
     "KVTransferConfig",
     "VllmCommand",
@@ -36,7 +36,7 @@ KVPOOL_CONNECTORS: dict[str, tuple[str, str]] = {
     "KVPoolTransferConnector": ("transfer", "kvpool.connectors.transfer"),
 }
 # Mooncake's and vllm-ascend's class names -> (kind, kvpool replacement)
-SEED_CONNECTORS: dict[str, tuple[str, str]] = {
+GUIDE_CONNECTORS: dict[str, tuple[str, str]] = {
     "MooncakeConnectorV1": ("transfer", "KVPoolTransferConnector"),
     "MooncakeConnector": ("transfer", "KVPoolTransferConnector"),
     "AscendStoreConnector": ("store", "KVPoolStoreConnector"),
@@ -56,9 +56,9 @@ class ConnectorSpec:
     raw: Mapping[str, Any]
 
     @property
-    def is_seed_name(self) -> bool:
+    def is_guide_name(self) -> bool:
         """A Mooncake or vllm-ascend class name (kvpool has a replacement for it)."""
-        return self.name in SEED_CONNECTORS
+        return self.name in GUIDE_CONNECTORS
 
     def port(self, key: str) -> int | str | None:
         """An integer port from the entry or its extra config; the raw text when unreadable."""
@@ -118,8 +118,8 @@ def _spec(entry: object, where: str) -> ConnectorSpec:
         kind = "multi"
     elif name in KVPOOL_CONNECTORS:
         kind = KVPOOL_CONNECTORS[name][0]
-    elif name in SEED_CONNECTORS:
-        kind = SEED_CONNECTORS[name][0]
+    elif name in GUIDE_CONNECTORS:
+        kind = GUIDE_CONNECTORS[name][0]
     else:
         kind = "unknown"
     role = entry.get("kv_role")

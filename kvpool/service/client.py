@@ -32,9 +32,9 @@ import logging
 import threading
 import uuid
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
+from kvpool.closing import Closing
 from kvpool.errors import (
     ChecksumMismatch,
     KVPoolError,
@@ -62,7 +62,7 @@ log = logging.getLogger("kvpool.client")
 OVERLAP_CHECKSUM_MAX = 4 << 20
 
 
-class Client:
+class Client(Closing):
     """A connection to a kvpool master and direct data paths to its nodes.
 
     ``transport`` chooses how bytes reach the segments: a
@@ -373,13 +373,3 @@ class Client:
         for path in paths:
             path.close()
 
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -34,9 +34,9 @@ import re
 import secrets
 import sys
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
+from kvpool.closing import Closing
 from kvpool.errors import ConfigError, NoSpace, PoolError
 from kvpool.storage.buffers import byte_view, copy_bytes, writable_byte_view
 
@@ -150,7 +150,7 @@ def _check_name(name: str) -> None:
         raise ValueError(f"invalid segment name {name!r}: use 1-200 of [A-Za-z0-9._-]")
 
 
-class Segment:
+class Segment(Closing):
     """A fixed-size byte region in shared memory, addressed by ``(offset, length)``.
 
     Build one with :meth:`create` (owner) or :meth:`attach` (another local process).
@@ -283,16 +283,6 @@ class Segment:
         if self.owner:
             self.path.unlink(missing_ok=True)
 
-    def __enter__(self) -> Segment:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("owner" if self.owner else "attached")

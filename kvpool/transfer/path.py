@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Literal
 
+from kvpool.closing import Closing
 from kvpool.errors import KVPoolError, PoolError
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.shm import ShmConnection, host_token
@@ -23,7 +23,7 @@ __all__ = ["NodeDataPath", "Route"]
 Route = Literal["shm", "tcp"]
 
 
-class NodeDataPath:
+class NodeDataPath(Closing):
     """Reads and writes of one node's segments by the fastest path available."""
 
     def __init__(
@@ -122,13 +122,3 @@ class NodeDataPath:
         self.tcp.close()
         self.shm.close()
 
-    def __enter__(self) -> NodeDataPath:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
+from kvpool.closing import Closing
 from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.data import (
     DATA_REPLY_CODEC,
@@ -40,7 +40,7 @@ __all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
 PIPELINE_DEPTH = 64
 
 
-class SegmentConnection:
+class SegmentConnection(Closing):
     """A blocking client connection to one :class:`SegmentServer`.
 
     Connects on first use (and again after a failed exchange).  Calls are serialised;
@@ -210,13 +210,3 @@ class SegmentConnection:
         with self._lock:
             self._drop()
 
-    def __enter__(self) -> SegmentConnection:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
+from kvpool.closing import Closing
 from kvpool.errors import UnknownSegment
 from kvpool.storage.segment import SHM_DIR, Segment
 
@@ -40,7 +40,7 @@ def host_token(directory: Path = SHM_DIR) -> str:
     return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
-class ShmConnection:
+class ShmConnection(Closing):
     """Reads and writes of segments attached on this host, by segment id."""
 
     def __init__(self) -> None:
@@ -106,13 +106,3 @@ class ShmConnection:
         for segment in segments:
             segment.close()
 
-    def __enter__(self) -> ShmConnection:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -54,7 +54,7 @@ def test_defaults() -> None:
     assert cfg.peer is None
 
 
-def test_timeouts_from_the_seed_env_names_and_kvpool_twins() -> None:
+def test_timeouts_from_the_guides_env_names_and_kvpool_twins() -> None:
     ascend = build(env={"ASCEND_CONNECT_TIMEOUT": "7000", "ASCEND_TRANSFER_TIMEOUT": "8000"})
     assert (ascend.connect_timeout_ms, ascend.transfer_timeout_ms) == (7000, 8000)
     ours = build(

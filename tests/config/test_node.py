@@ -14,7 +14,7 @@ from kvpool.config import (
 )
 from kvpool.errors import ConfigError
 
-SEED_NODE = {
+GUIDE_NODE = {
     "local_hostname": "10.0.0.2",
     "metadata_server": "10.0.0.1:50088",
     "protocol": "tcp",
@@ -25,7 +25,7 @@ SEED_NODE = {
 
 
 def test_the_seeds_mooncake_json_parses_with_tcp() -> None:
-    cfg = parse_node_config(SEED_NODE, env={})
+    cfg = parse_node_config(GUIDE_NODE, env={})
     assert cfg == NodeConfig(
         local_hostname="10.0.0.2",
         master_host="10.0.0.1",
@@ -37,19 +37,19 @@ def test_the_seeds_mooncake_json_parses_with_tcp() -> None:
         ssd_offload_limit=DEFAULT_OFFLOAD_LIMIT,
     )
     assert cfg.master_address == "10.0.0.1:50088"
-    assert DEFAULT_OFFLOAD_LIMIT == 2 * 2**40  # the seed's "2TB" default
+    assert DEFAULT_OFFLOAD_LIMIT == 2 * 2**40  # the production guide's "2TB" default
 
 
 def test_rdma_without_an_rdma_transport_names_the_key_and_the_fix() -> None:
     with pytest.raises(ConfigError) as err:
-        parse_node_config({**SEED_NODE, "protocol": "rdma"}, protocols=("tcp",))
+        parse_node_config({**GUIDE_NODE, "protocol": "rdma"}, protocols=("tcp",))
     message = str(err.value)
     assert message.startswith("protocol")
     assert '"protocol": "tcp"' in message
 
 
 def test_rdma_is_accepted_where_a_transport_serves_it() -> None:
-    cfg = parse_node_config({**SEED_NODE, "protocol": "rdma"}, protocols=("tcp", "rdma"))
+    cfg = parse_node_config({**GUIDE_NODE, "protocol": "rdma"}, protocols=("tcp", "rdma"))
     assert cfg.protocol == "rdma"
 
 
@@ -72,19 +72,19 @@ def test_unknown_keys_and_bad_values_are_errors_naming_the_key(
     change: dict[str, object], key: str
 ) -> None:
     with pytest.raises(ConfigError) as err:
-        parse_node_config({**SEED_NODE, **change})
+        parse_node_config({**GUIDE_NODE, **change})
     assert key in str(err.value)
 
 
 def test_missing_required_keys_are_named() -> None:
     for key in ("local_hostname", "metadata_server"):
-        data = {k: v for k, v in SEED_NODE.items() if k != key}
+        data = {k: v for k, v in GUIDE_NODE.items() if k != key}
         with pytest.raises(ConfigError, match=key):
             parse_node_config(data)
 
 
 def test_env_offload_limit_kvpool_twin_wins_over_mooncake_and_the_file() -> None:
-    data = {**SEED_NODE, "ssd_offload_limit": "3TB"}
+    data = {**GUIDE_NODE, "ssd_offload_limit": "3TB"}
     assert parse_node_config(data).ssd_offload_limit == 3 * 10**12
     env = {"MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": "1073741824000"}
     assert parse_node_config(data, env=env).ssd_offload_limit == 1073741824000
@@ -104,7 +104,7 @@ def test_config_path_kvpool_variable_wins() -> None:
 
 def test_load_node_config_reads_the_file_named_by_the_environment(tmp_path: Path) -> None:
     path = tmp_path / "mooncake.json"
-    path.write_text(json.dumps(SEED_NODE))
+    path.write_text(json.dumps(GUIDE_NODE))
     cfg = load_node_config(env={"MOONCAKE_CONFIG_PATH": str(path)}, protocols=("tcp",))
     assert cfg.local_hostname == "10.0.0.2"
     assert cfg.source == str(path)

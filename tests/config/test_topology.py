@@ -122,7 +122,7 @@ def test_rank_port_offsets_per_dp_and_tp_rank() -> None:
         rank_port(65535, 0, 2, 1)
 
 
-def test_parse_topology_reads_the_seed_section() -> None:
+def test_parse_topology_reads_the_guides_section() -> None:
     extra = {"prefill": {"dp_size": 4, "tp_size": 8}, "decode": {"dp_size": 8, "tp_size": 4}}
     assert parse_topology(extra, "prefill") == Topology(4, 8)
     assert parse_topology(extra, "decode") == Topology(8, 4)

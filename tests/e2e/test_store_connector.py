@@ -131,7 +131,7 @@ def test_policy_fail_errors_the_request_and_keeps_serving(
 
 
 def seed_multi(role: str, kv_port: int, store_extra: dict[str, Any]) -> dict[str, Any]:
-    """The seed's §5.2 (P) / §5.3 (D) JSON with kvpool's class names and module paths.
+    """The production guide's §5.2 (P) / §5.3 (D) JSON with kvpool's class names and module paths.
 
     Only the topology (one CPU rank here, not GLM's dp 4 / tp 8) and a free kv_port differ.
     """
@@ -180,7 +180,7 @@ def test_seed_multiconnector_json_shares_hits_across_hash_seeds_and_survives_the
             }
         )
     )
-    # P: §5.2, kv_producer, PYTHONHASHSEED=0 as the seed demands.
+    # P: §5.2, kv_producer, PYTHONHASHSEED=0 as the guide demands.
     producer = run_offline(
         {
             "model": str(tiny_model_dir),
@@ -224,7 +224,7 @@ def test_seed_multiconnector_json_shares_hits_across_hash_seeds_and_survives_the
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "embedded"])
-def test_vllm_serve_with_the_seed_kv_both_json(
+def test_vllm_serve_with_the_guides_kv_both_json(
     backend: str,
     tiny_model_dir: Path,
     reference: dict[str, list[int]],

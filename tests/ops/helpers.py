@@ -86,7 +86,7 @@ def free_ports(count: int) -> list[int]:
 
 
 # The production guide's §5.2 / §5.3 configurations, with kvpool's class names and module paths.
-SEED_P: dict[str, Any] = {
+GUIDE_P: dict[str, Any] = {
     "kv_connector": "MultiConnector",
     "kv_role": "kv_producer",
     "kv_load_failure_policy": "recompute",
@@ -113,12 +113,12 @@ SEED_P: dict[str, Any] = {
 }
 
 
-def seed_p() -> dict[str, Any]:
-    return copy.deepcopy(SEED_P)
+def guide_p() -> dict[str, Any]:
+    return copy.deepcopy(GUIDE_P)
 
 
-def seed_d() -> dict[str, Any]:
-    d = copy.deepcopy(SEED_P)
+def guide_d() -> dict[str, Any]:
+    d = copy.deepcopy(GUIDE_P)
     d["kv_role"] = "kv_consumer"
     transfer, store = d["kv_connector_extra_config"]["connectors"]
     transfer["kv_role"] = store["kv_role"] = "kv_consumer"
@@ -127,7 +127,7 @@ def seed_d() -> dict[str, Any]:
     return d
 
 
-def seedify(config: dict[str, Any]) -> dict[str, Any]:
+def guideify(config: dict[str, Any]) -> dict[str, Any]:
     """The same config under the production guide's own class names (no module paths)."""
     c = copy.deepcopy(config)
     transfer, store = c["kv_connector_extra_config"]["connectors"]

@@ -13,7 +13,7 @@ from kvpool.ops.kvconfig import (
     parse_kv_transfer_text,
     parse_vllm_command,
 )
-from tests.ops.helpers import seed_p, seedify
+from tests.ops.helpers import guide_p, guideify
 
 # The production guide's §5.2 command exactly as printed: JSON spanning lines inside single quotes.
 GUIDE_PREFILL_COMMAND = """vllm serve /workspace/GLM-5.2-w8a8 \\
@@ -58,7 +58,7 @@ def test_the_guides_command_line_is_read_as_a_shell_would() -> None:
 
 
 def test_parallel_flags_in_every_spelling() -> None:
-    kv = json.dumps(seed_p())
+    kv = json.dumps(guide_p())
     for flags in ("-tp 8 -dp 4", "--tensor-parallel-size=8 --data-parallel-size 4"):
         command = parse_vllm_command(
             f"vllm serve /m {flags} --port 8100 --kv-transfer-config '{kv}'"
@@ -73,7 +73,7 @@ def test_a_shell_script_around_the_command_is_understood() -> None:
     script = (
         "#!/bin/sh\n# comment with 'quotes\nset -e\n"
         '. "$(dirname "$0")/env.sh"\n'
-        f"exec vllm serve /m -tp 2 --kv-transfer-config '{json.dumps(seed_p())}'\n"
+        f"exec vllm serve /m -tp 2 --kv-transfer-config '{json.dumps(guide_p())}'\n"
     )
     command = parse_vllm_command(script)
     assert command.model == "/m" and command.topology == Topology(1, 2)
@@ -112,8 +112,8 @@ def test_bad_json_names_the_line() -> None:
 
 
 def test_mooncake_and_ascend_names_are_recognised_by_kind() -> None:
-    config = parse_kv_transfer_config(seedify(seed_p()))
-    assert config.transfer is not None and config.transfer.is_seed_name
+    config = parse_kv_transfer_config(guideify(guide_p()))
+    assert config.transfer is not None and config.transfer.is_guide_name
     assert config.store is not None and config.store.name == "AscendStoreConnector"
 
 

@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Sequence
 
+from kvpool.closing import Closing
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
 from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
@@ -142,18 +143,13 @@ class TcpTransport:
         handler.served(pull, total)
 
 
-class TcpLink:
+class TcpLink(Closing):
     """One D → P connection; a context manager that closes the socket."""
 
     def __init__(self, sock: socket.socket, caches: PagedCaches) -> None:
         self._sock = sock
         self._caches = caches
 
-    def __enter__(self) -> TcpLink:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         self._sock.close()

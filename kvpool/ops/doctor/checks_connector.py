@@ -13,8 +13,8 @@ from typing import Any
 from kvpool.config import Topology
 from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
 from kvpool.ops.kvconfig import (
+    GUIDE_CONNECTORS,
     KVPOOL_CONNECTORS,
-    SEED_CONNECTORS,
     ConnectorSpec,
     KVTransferConfig,
 )
@@ -95,8 +95,8 @@ def check_connector_classes(side: Side) -> Check:
     for entry in side.config.entries:
         if entry.kind == "multi":
             continue
-        if entry.name in SEED_CONNECTORS:
-            kvpool_name = SEED_CONNECTORS[entry.name][1]
+        if entry.name in GUIDE_CONNECTORS:
+            kvpool_name = GUIDE_CONNECTORS[entry.name][1]
             module = KVPOOL_CONNECTORS[kvpool_name][1]
             notes.append(f"{entry.name} is the production guide's class")
             fixes.append(

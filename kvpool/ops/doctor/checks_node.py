@@ -285,12 +285,12 @@ def check_master_flags(master: MasterConfig | None, error: str | None) -> list[C
     return results
 
 
-def check_hashseed(env: Mapping[str, str], *, seed_connectors: bool) -> Check:
+def check_hashseed(env: Mapping[str, str], *, guide_connectors: bool) -> Check:
     """The production guide's §5.1 and §8.3 row 3.  kvpool's keys are content hashes, so
     the guide's rule only binds deployments still running Mooncake's and vllm-ascend's
     own connectors."""
     value = env.get("PYTHONHASHSEED")
-    if seed_connectors and value != "0":
+    if guide_connectors and value != "0":
         return fail(
             "env.pythonhashseed",
             f"PYTHONHASHSEED is {value!r}: MooncakeConnectorV1 and AscendStoreConnector hash"

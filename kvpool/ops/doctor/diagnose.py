@@ -68,8 +68,8 @@ def diagnose(g: Gathered) -> list[Check]:
     registered = check_registered(g.master, node) if g.live else None
     checks += [registered] if registered is not None else []
     checks += check_master_flags(g.master_config, g.master_config_error)
-    seed_names = any(e.is_seed_name for s in g.sides for e in s.config.entries)
-    checks.append(check_hashseed(g.env, seed_connectors=seed_names))
+    guide_names = any(e.is_guide_name for s in g.sides for e in s.config.entries)
+    checks.append(check_hashseed(g.env, guide_connectors=guide_names))
     checks += check_key_agreement(g.key_probe)
     mine = g.key_probe.get("this process")
     if isinstance(mine, list):

@@ -215,7 +215,7 @@ def _gather_ports(g: Gathered, options: DoctorOptions) -> None:
             if isinstance(port, int) and 0 < port < 65536:
                 label = f"{side.side} kv_port"
                 g.ports.append(_port_facts(label, port, ranks, options.live))
-        if side.config.store is not None and side.config.store.is_seed_name:
+        if side.config.store is not None and side.config.store.is_guide_name:
             # kvpool's store connector takes no TCP port for lookups; AscendStoreConnector does.
             port = side.config.store.port("lookup_rpc_port")
             if isinstance(port, int) and 0 < port < 65536:

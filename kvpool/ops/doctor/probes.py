@@ -153,9 +153,9 @@ def key_probe(
     """The probe keys computed here and in one subprocess per PYTHONHASHSEED value."""
     results: dict[str, list[str] | str] = {"this process": local_probe_keys()}
     procs: dict[str, subprocess.Popen[str]] = {}
-    for seed in seeds:
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        procs[f"PYTHONHASHSEED={seed}"] = subprocess.Popen(
+    for hash_seed in seeds:
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        procs[f"PYTHONHASHSEED={hash_seed}"] = subprocess.Popen(
             [sys.executable, "-c", _PROBE_SCRIPT],
             env=env,
             stdout=subprocess.PIPE,

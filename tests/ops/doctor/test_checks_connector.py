@@ -24,7 +24,7 @@ from kvpool.ops.doctor.checks_connector import (
     model_info,
 )
 from kvpool.ops.kvconfig import parse_kv_transfer_config
-from tests.ops.helpers import GQA_MODEL, MLA_MODEL, children, seed_d, seed_p, seedify
+from tests.ops.helpers import GQA_MODEL, MLA_MODEL, children, guide_d, guide_p, guideify
 
 
 def side(name: str, config: dict[str, Any], own: Topology | None = None) -> Side:
@@ -37,8 +37,8 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
 
 def test_the_guides_pd_pair_with_kvpool_names_passes_every_check() -> None:
     sides = [
-        side("prefill", seed_p(), Topology(4, 8)),
-        side("decode", seed_d(), Topology(8, 4)),
+        side("prefill", guide_p(), Topology(4, 8)),
+        side("decode", guide_d(), Topology(8, 4)),
     ]
     checks = connector_checks(sides, model_info(MLA_MODEL))
     bad = [c for c in checks if c.status is not Status.PASS]
@@ -58,7 +58,7 @@ def test_the_guides_pd_pair_with_kvpool_names_passes_every_check() -> None:
 
 # §9 "MultiConnector on Prefill uses kv_producer" / "on Decode uses kv_consumer"
 def test_prefill_with_kv_consumer_fails() -> None:
-    p = seed_p()
+    p = guide_p()
     p["kv_role"] = "kv_consumer"
     check = check_roles(side("prefill", p))
     assert check.status is Status.FAIL
@@ -67,7 +67,7 @@ def test_prefill_with_kv_consumer_fails() -> None:
 
 
 def test_decode_child_left_as_kv_producer_fails() -> None:
-    d = seed_d()
+    d = guide_d()
     children(d)[1]["kv_role"] = "kv_producer"
     check = check_roles(side("decode", d))
     assert check.status is Status.FAIL
@@ -76,7 +76,7 @@ def test_decode_child_left_as_kv_producer_fails() -> None:
 
 # §8.3 "KV load fails, logs full of recompute": policy in a child connector
 def test_failure_policy_inside_a_child_is_the_guides_most_common_mistake() -> None:
-    p = seed_p()
+    p = guide_p()
     del p["kv_load_failure_policy"]
     children(p)[0]["kv_load_failure_policy"] = "recompute"
     check = check_failure_policy(side("prefill", p))
@@ -86,7 +86,7 @@ def test_failure_policy_inside_a_child_is_the_guides_most_common_mistake() -> No
 
 
 def test_failure_policy_missing_or_fail_warns_and_bad_value_fails() -> None:
-    p = seed_p()
+    p = guide_p()
     del p["kv_load_failure_policy"]
     assert check_failure_policy(side("prefill", p)).status is Status.WARN
     p["kv_load_failure_policy"] = "fail"
@@ -96,7 +96,7 @@ def test_failure_policy_missing_or_fail_warns_and_bad_value_fails() -> None:
 
 
 def test_failure_policy_at_top_and_in_a_child_warns_about_the_ignored_copy() -> None:
-    p = seed_p()
+    p = guide_p()
     children(p)[1]["kv_load_failure_policy"] = "fail"
     check = check_failure_policy(side("prefill", p))
     assert check.status is Status.WARN and "ignored" in check.message
@@ -104,24 +104,25 @@ def test_failure_policy_at_top_and_in_a_child_warns_about_the_ignored_copy() -> 
 
 # §9 "kv_port differs on P and D (30000 vs 30100)"
 def test_same_kv_port_on_p_and_d_fails() -> None:
-    d = seed_d()
+    d = guide_d()
     children(d)[0]["kv_port"] = "30000"
-    checks = by_name(check_kv_ports([side("prefill", seed_p()), side("decode", d)]))
+    checks = by_name(check_kv_ports([side("prefill", guide_p()), side("decode", d)]))
     assert checks["connector.kv_port[pair]"].status is Status.FAIL
     assert "30100" in checks["connector.kv_port[pair]"].fix
 
 
 def test_kv_port_ranges_of_many_ranks_overlapping_fail() -> None:
     # P has 4 x 8 = 32 ranks from 30000: 30000..30031, so D at 30010 collides.
-    d = seed_d()
+    d = guide_d()
     children(d)[0]["kv_port"] = 30010
-    checks = by_name(check_kv_ports([side("prefill", seed_p(), Topology(4, 8)), side("decode", d)]))
+    sides = [side("prefill", guide_p(), Topology(4, 8)), side("decode", d)]
+    checks = by_name(check_kv_ports(sides))
     assert checks["connector.kv_port[pair]"].status is Status.FAIL
     assert "30000..30031" in checks["connector.kv_port[pair]"].message
 
 
 def test_missing_or_bad_kv_port_fails() -> None:
-    p = seed_p()
+    p = guide_p()
     del children(p)[0]["kv_port"]
     assert check_kv_ports([side("prefill", p)])[0].status is Status.FAIL
     children(p)[0]["kv_port"] = "thirty thousand"
@@ -130,11 +131,11 @@ def test_missing_or_bad_kv_port_fails() -> None:
 
 # §9 "dp_size/tp_size are the PEER's topology (not your own)"
 def test_prefill_describing_itself_instead_of_decode_fails_on_cross_check() -> None:
-    p = seed_p()
+    p = guide_p()
     children(p)[0]["kv_connector_extra_config"]["decode"] = {"dp_size": 4, "tp_size": 8}
     checks = by_name(
         check_topology(
-            [side("prefill", p, Topology(4, 8)), side("decode", seed_d(), Topology(8, 4))]
+            [side("prefill", p, Topology(4, 8)), side("decode", guide_d(), Topology(8, 4))]
         )
     )
     check = checks["connector.peer_topology[prefill]"]
@@ -144,36 +145,36 @@ def test_prefill_describing_itself_instead_of_decode_fails_on_cross_check() -> N
 
 
 def test_decode_peer_block_checked_against_the_prefill_config_without_commands() -> None:
-    d = seed_d()
+    d = guide_d()
     children(d)[0]["kv_connector_extra_config"]["prefill"] = {"dp_size": 8, "tp_size": 4}
-    checks = by_name(check_topology([side("prefill", seed_p()), side("decode", d)]))
+    checks = by_name(check_topology([side("prefill", guide_p()), side("decode", d)]))
     assert checks["connector.peer_topology[decode]"].status is Status.FAIL
     assert checks["connector.peer_topology[prefill]"].status is Status.PASS
 
 
 def test_missing_peer_block_fails_and_own_copy_alone_warns() -> None:
-    p = seed_p()
+    p = guide_p()
     del children(p)[0]["kv_connector_extra_config"]["decode"]
     assert check_topology([side("prefill", p)])[0].status is Status.FAIL
-    lone = seed_p()
+    lone = guide_p()
     children(lone)[0]["kv_connector_extra_config"]["decode"] = {"dp_size": 4, "tp_size": 8}
     check = check_topology([side("prefill", lone, Topology(4, 8))])[0]
     assert check.status is Status.WARN and "own layout" in check.message
 
 
 def test_peer_block_not_cross_checked_without_the_peer_is_a_skip() -> None:
-    check = check_topology([side("prefill", seed_p())])[0]
+    check = check_topology([side("prefill", guide_p())])[0]
     assert check.status is Status.SKIP
 
 
 def test_own_block_disagreeing_with_the_command_line_warns() -> None:
-    checks = by_name(check_topology([side("prefill", seed_p(), Topology(2, 8))]))
+    checks = by_name(check_topology([side("prefill", guide_p(), Topology(2, 8))]))
     assert checks["connector.own_topology[prefill]"].status is Status.WARN
 
 
 # §8.3 "port conflict between ranks on one node: lookup_rpc_port equal"
 def test_ascend_store_with_the_same_fixed_lookup_port_on_one_host_fails() -> None:
-    p, d = seedify(seed_p()), seedify(seed_d())
+    p, d = guideify(guide_p()), guideify(guide_d())
     children(p)[1]["kv_connector_extra_config"]["lookup_rpc_port"] = "5555"
     children(d)[1]["kv_connector_extra_config"]["lookup_rpc_port"] = "5555"
     checks = by_name(
@@ -186,14 +187,14 @@ def test_ascend_store_with_the_same_fixed_lookup_port_on_one_host_fails() -> Non
 
 
 def test_ascend_store_fixed_lookup_port_for_many_ranks_warns() -> None:
-    p = seedify(seed_p())
+    p = guideify(guide_p())
     children(p)[1]["kv_connector_extra_config"]["lookup_rpc_port"] = "5555"
     check = check_lookup_rpc_ports([side("prefill", p, Topology(4, 8))], same_host=True)[0]
     assert check.status is Status.WARN
 
 
 def test_kvpool_store_lookup_port_cannot_collide() -> None:
-    p, d = seed_p(), seed_d()
+    p, d = guide_p(), guide_d()
     children(p)[1]["kv_connector_extra_config"]["lookup_rpc_port"] = "5555"
     children(d)[1]["kv_connector_extra_config"]["lookup_rpc_port"] = "5555"
     checks = check_lookup_rpc_ports([side("prefill", p), side("decode", d)], same_host=True)
@@ -204,7 +205,7 @@ def test_kvpool_store_lookup_port_cannot_collide() -> None:
 
 # §9 "consumer_is_to_put only for MLA models"
 def test_consumer_is_to_put_on_a_non_mla_model_fails() -> None:
-    d = seed_d()
+    d = guide_d()
     children(d)[1]["kv_connector_extra_config"]["consumer_is_to_put"] = True
     check = check_consumer_is_to_put(side("decode", d), model_info(GQA_MODEL))
     assert check is not None and check.status is Status.FAIL
@@ -216,7 +217,7 @@ def test_consumer_is_to_put_on_a_non_mla_model_fails() -> None:
 
 
 def test_consumer_is_to_put_on_a_non_mla_model_passes_when_both_sides_share_tp() -> None:
-    d = seed_d()
+    d = guide_d()
     extra = children(d)[0]["kv_connector_extra_config"]
     extra["prefill"]["tp_size"] = extra["decode"]["tp_size"] = 4
     children(d)[1]["kv_connector_extra_config"]["consumer_is_to_put"] = True
@@ -226,7 +227,7 @@ def test_consumer_is_to_put_on_a_non_mla_model_passes_when_both_sides_share_tp()
 
 
 def test_consumer_is_to_put_on_prefill_warns_and_absent_is_no_check() -> None:
-    p = seed_p()
+    p = guide_p()
     assert check_consumer_is_to_put(side("prefill", p), None) is None
     children(p)[1]["kv_connector_extra_config"]["consumer_is_to_put"] = True
     check = check_consumer_is_to_put(side("prefill", p), model_info(MLA_MODEL))
@@ -250,23 +251,23 @@ def test_model_info_detects_mla(config: dict[str, Any], mla: bool) -> None:
 
 # the guide's §5.4 / §7: load_async true on the decode side
 def test_decode_without_load_async_warns() -> None:
-    d = seed_d()
+    d = guide_d()
     del children(d)[1]["kv_connector_extra_config"]["load_async"]
     check = check_load_async(side("decode", d))
     assert check is not None and check.status is Status.WARN
     assert '"load_async": true' in check.fix
-    assert check_load_async(side("prefill", seed_p())) is None
+    assert check_load_async(side("prefill", guide_p())) is None
 
 
 def test_the_guides_class_names_warn_with_the_kvpool_replacement() -> None:
-    check = check_connector_classes(side("prefill", seedify(seed_p())))
+    check = check_connector_classes(side("prefill", guideify(guide_p())))
     assert check.status is Status.WARN
     assert '"kv_connector": "KVPoolTransferConnector"' in check.fix
     assert '"kv_connector_module_path": "kvpool.connectors.store"' in check.fix
 
 
 def test_kvpool_class_with_a_wrong_module_path_fails() -> None:
-    p = seed_p()
+    p = guide_p()
     children(p)[1]["kv_connector_module_path"] = "kvpool.connectors.transfer"
     check = check_connector_classes(side("prefill", p))
     assert check.status is Status.FAIL
@@ -274,7 +275,7 @@ def test_kvpool_class_with_a_wrong_module_path_fails() -> None:
 
 
 def test_pd_side_without_a_store_child_fails() -> None:
-    p = seed_p()
+    p = guide_p()
     p["kv_connector_extra_config"]["connectors"] = children(p)[:1]
     check = check_connector_classes(side("prefill", p))
     assert check.status is Status.FAIL and "store" in check.message
@@ -295,7 +296,7 @@ def test_kv_both_store_alone_is_the_guides_colocated_mode() -> None:
 
 
 def test_engine_ids_that_differ_within_a_pair_warn() -> None:
-    p, d = seed_p(), seed_d()
+    p, d = guide_p(), guide_d()
     p["engine_id"], d["engine_id"] = "group-a", "group-b"
     check = check_engine_id([side("prefill", p), side("decode", d)])
     assert check is not None and check.status is Status.WARN

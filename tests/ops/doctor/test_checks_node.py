@@ -124,14 +124,14 @@ def test_watermark_and_ratio_out_of_recommended_range_warn_and_bad_flags_fail() 
 
 # §8.3 "KV hash mismatch between nodes: PYTHONHASHSEED differs" / §9 "PYTHONHASHSEED=0"
 def test_pythonhashseed_is_not_needed_by_kvpool_keys() -> None:
-    check = check_hashseed({}, seed_connectors=False)
+    check = check_hashseed({}, guide_connectors=False)
     assert check.status is Status.PASS and "do not depend" in check.message
 
 
 def test_pythonhashseed_unset_with_the_guides_connectors_fails() -> None:
-    check = check_hashseed({"PYTHONHASHSEED": "42"}, seed_connectors=True)
+    check = check_hashseed({"PYTHONHASHSEED": "42"}, guide_connectors=True)
     assert check.status is Status.FAIL and "PYTHONHASHSEED=0" in check.fix
-    assert check_hashseed({"PYTHONHASHSEED": "0"}, seed_connectors=True).status is Status.PASS
+    assert check_hashseed({"PYTHONHASHSEED": "0"}, guide_connectors=True).status is Status.PASS
 
 
 def test_processes_disagreeing_on_keys_fail() -> None:

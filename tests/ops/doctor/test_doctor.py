@@ -17,18 +17,18 @@ from kvpool.ops.doctor import DoctorOptions, exit_code, format_text, run_doctor
 from kvpool.ops.doctor.checks import Check, Status
 from tests.ops.helpers import (
     GQA_MODEL,
+    GUIDE_P,
     MLA_MODEL,
-    SEED_P,
     StandInMaster,
     children,
     free_port_range,
     free_ports,
-    seed_d,
-    seed_p,
-    seedify,
+    guide_d,
+    guide_p,
+    guideify,
 )
 
-SEED_MASTER_CMD = (
+GUIDE_MASTER_CMD = (
     "mooncake_master --port 50088 --eviction_high_watermark_ratio 0.9 --eviction_ratio 0.1"
     " --default_kv_lease_ttl 11000 --enable_offload=true --client_ttl=120"
 )
@@ -65,7 +65,7 @@ class Cluster:
         }
         # A gap of 200 between P and D: each has 32 ranks, so their port ranges are disjoint.
         base = free_port_range(232)
-        self.p, self.d = seed_p(), seed_d()
+        self.p, self.d = guide_p(), guide_d()
         children(self.p)[0]["kv_port"] = str(base)
         children(self.d)[0]["kv_port"] = str(base + 200)
         children(self.d)[1]["kv_connector_extra_config"]["consumer_is_to_put"] = True
@@ -79,7 +79,7 @@ class Cluster:
             "decode_config": serve(self.d, "-tp 4 -dp 8"),
             "model": str(self.model),
             "master": self.master.address,
-            "master_cmd": SEED_MASTER_CMD,
+            "master_cmd": GUIDE_MASTER_CMD,
             "probe_keys": False,
         }
         values.update(changes)
@@ -201,7 +201,7 @@ def test_prefill_port_unreachable_from_decode(cluster: Cluster) -> None:
 
 def test_master_flags_out_of_range(cluster: Cluster) -> None:
     checks = cluster.run(
-        master_cmd=SEED_MASTER_CMD.replace("--eviction_ratio 0.1", "--eviction_ratio 3")
+        master_cmd=GUIDE_MASTER_CMD.replace("--eviction_ratio 0.1", "--eviction_ratio 3")
     )
     assert checks["master.flags"].status is Status.FAIL
 
@@ -223,7 +223,7 @@ def test_the_guides_own_prefill_command_through_the_real_cli(tmp_path: Path) -> 
     """Exit status and JSON of the real command, fed the guide's config with its classes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOOL_", "MOONCAKE_"))}
     env.pop("PYTHONHASHSEED", None)
-    config = seedify(SEED_P)
+    config = guideify(GUIDE_P)
     children(config)[0]["kv_load_failure_policy"] = config.pop("kv_load_failure_policy")
     command = serve(config)
     argv = [
