@@ -5,6 +5,10 @@ transports to one node: on first use of a segment it asks the node (``SegmentInf
 the segment's shared-memory name and host token; when the token equals this process's
 :func:`~kvpool.transfer.shm.host_token` and the segment attaches, every later access
 is a direct copy, else it goes over TCP.  The choice is made once per segment.
+
+A direct copy into a segment whose owner died raises
+:class:`~kvpool.errors.TransferError`, as a TCP transfer to a dead node does (see
+:mod:`kvpool.transfer.shm`), so the client reports it the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from kvpool.closing import Closing
-from kvpool.errors import KVPoolError, PoolError
+from kvpool.errors import KVPoolError, PoolError, TransferError
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.shm import ShmConnection, host_token
 
@@ -104,6 +108,8 @@ class NodeDataPath(Closing):
                     self.shm.write(segment_id, offset, buffer)
                 else:
                     self.shm.read_into(segment_id, offset, buffer)
+            except TransferError:
+                raise  # the owner is dead: the whole batch to it failed, as over TCP
             except KVPoolError as exc:
                 results[i] = exc
         if over_tcp:
@@ -121,4 +127,3 @@ class NodeDataPath(Closing):
     def close(self) -> None:
         self.tcp.close()
         self.shm.close()
-
