@@ -271,3 +271,21 @@ def test_status_offloads_count_completed_demotions_as_the_metric_does() -> None:
         assert svc.snapshot()["stats"]["offloads"] == 0
     finally:
         svc.close()
+
+
+# --------------------------------------------------------------------- the docs' promises
+def test_every_sentence_of_the_guarantees_names_tests_that_exist() -> None:
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "pool.md").read_text()
+    section = text.split("## Guarantees", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"`((?:tests/[\w/]+\.py|test_guarantees)::(\w+))`", section)
+    assert len(named) >= 20
+    for ref, name in named:
+        path = ref.split("::")[0]
+        if path == "test_guarantees":
+            path = "tests/service/test_guarantees.py"
+        assert f"def {name}(" in (root / path).read_text(), ref
+    for sentence in re.split(r"\n- ", section.split("\n### ", 1)[1])[1:]:
+        assert "::test_" in sentence, f"no test named for: {sentence[:80]}"

@@ -120,7 +120,7 @@ def test_a_copy_into_a_dead_owners_segment_fails_and_removes_its_file() -> None:
             assert shm.write("s", 0, b"stored") == 6 and shm.owner_alive("s")
             kill(owner)  # SIGKILL: the file stays, the mapping here still "works"
             assert path.exists() and not shm.owner_alive("s")
-            with pytest.raises(TransferError, match="owner .* is gone"):
+            with pytest.raises(TransferError, match=r"owner .* is gone"):
                 shm.write("s", 0, b"never acknowledged")
             assert not shm.has("s")  # unmapped here ...
             assert not path.exists()  # ... and its memory given back to the host
