@@ -393,11 +393,7 @@ class MasterService:
         return self._placement(req.key, loc, grant.checksum)
 
     def _batch_get(self, req: m.BatchGet, now: int) -> m.Placements:
-        items = []
-        for key in req.keys:
-            reply = self._get(m.Get(req.owner, key), now)
-            items.append(reply)
-        return m.Placements(items)
+        return m.Placements([self._get(m.Get(req.owner, key), now) for key in req.keys])
 
     def _release(self, req: m.Release, now: int) -> Ok:
         for key in req.keys:

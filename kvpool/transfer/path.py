@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from kvpool.closing import Closing
-from kvpool.errors import KVPoolError, PoolError, TransferError
+from kvpool.errors import KVPoolError, PoolError
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.shm import ShmConnection, host_token
 
@@ -99,19 +99,22 @@ class NodeDataPath(Closing):
     ) -> list[KVPoolError | None]:
         results: list[KVPoolError | None] = [None] * len(items)
         over_tcp: list[int] = []
+        copied: set[str] = set()  # segments copied to or from: their owner is asked once
         for i, (segment_id, offset, buffer) in enumerate(items):
             if self.route(segment_id) != "shm":
                 over_tcp.append(i)
                 continue
             try:
                 if write:
-                    self.shm.write(segment_id, offset, buffer)
+                    self.shm.write(segment_id, offset, buffer, check=False)
                 else:
-                    self.shm.read_into(segment_id, offset, buffer)
-            except TransferError:
-                raise  # the owner is dead: the whole batch to it failed, as over TCP
+                    self.shm.read_into(segment_id, offset, buffer, check=False)
+                copied.add(segment_id)
             except KVPoolError as exc:
                 results[i] = exc
+        for segment_id in copied:
+            # a dead owner fails the whole batch to it, as a dead node does over TCP
+            self.shm.check_owner(segment_id)
         if over_tcp:
             batch = [items[i] for i in over_tcp]
             done = self.tcp.write_many(batch) if write else self.tcp.read_many_into(batch)

@@ -149,7 +149,7 @@ class ShmConnection(Closing):
         fd = self._owner_fds.get(segment_id, -1)
         return fd >= 0 and owner_alive(fd)
 
-    def _check_owner(self, segment_id: str) -> None:
+    def check_owner(self, segment_id: str) -> None:
         """Raise TransferError (after unmapping and removing the segment) if its owner
         died: what was just copied must not count as stored, nor as read."""
         fd = self._owner_fds.get(segment_id, -1)
@@ -169,18 +169,22 @@ class ShmConnection(Closing):
             raise UnknownSegment(f"segment {segment_id!r} is not attached on this host")
         return segment
 
-    def write(self, segment_id: str, offset: int, buffer: Any) -> int:
+    def write(self, segment_id: str, offset: int, buffer: Any, *, check: bool = True) -> int:
         """Copy ``buffer`` to ``offset`` of the segment; returns the bytes written.
-        TransferError if the segment's owner is dead (the bytes are not stored)."""
+        TransferError if the segment's owner is dead (the bytes are not stored).  A batch
+        passes ``check=False`` and calls :meth:`check_owner` once after its copies."""
         written = self._segment(segment_id).write(offset, buffer)
-        self._check_owner(segment_id)
+        if check:
+            self.check_owner(segment_id)
         return written
 
-    def read_into(self, segment_id: str, offset: int, buffer: Any) -> int:
+    def read_into(self, segment_id: str, offset: int, buffer: Any, *, check: bool = True) -> int:
         """Fill ``buffer`` from ``offset`` of the segment; returns the bytes read.
-        TransferError if the segment's owner is dead (the bytes are not served)."""
+        TransferError if the segment's owner is dead (the bytes are not served);
+        ``check`` as in :meth:`write`."""
         read = self._segment(segment_id).read_into(offset, buffer)
-        self._check_owner(segment_id)
+        if check:
+            self.check_owner(segment_id)
         return read
 
     def close(self) -> None:

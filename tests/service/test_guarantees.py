@@ -115,6 +115,29 @@ def test_same_host_puts_after_a_node_is_killed_are_never_acknowledged_into_it(
         master.stop()
 
 
+def test_a_same_host_batch_put_after_a_node_is_killed_is_never_acknowledged_into_it(
+    pool: tuple[PoolProcess, PoolProcess],
+) -> None:
+    master, node = pool
+    try:
+        with Client(master.address, timeout_s=2) as c:
+            shm_file = node_shm_file(c, a_key_on_the_node(c, node_client_id(c), "before"))
+            node.kill()
+            keys = [f"batch{i}" for i in range(32)]  # some of them placed on the dead node
+            values = [os.urandom(16 * 1024) for _ in keys]
+            results = c.batch_put(keys, values)
+            refused = [r for r in results if r is not None]
+            assert refused and all(r.code == "TRANSFER" for r in refused)
+            assert not shm_file.exists()
+            with Client(master.address, timeout_s=2) as reader:
+                for key, value, result in zip(keys, values, results, strict=True):
+                    if result is None:
+                        assert reader.get(key) == value
+    finally:
+        node.stop()
+        master.stop()
+
+
 def test_a_killed_nodes_shm_file_is_removed_within_client_ttl_by_the_master(
     pool: tuple[PoolProcess, PoolProcess],
 ) -> None:
