@@ -425,7 +425,7 @@ class MasterService:
         self.metrics.prefix_lookups.inc()
         self.metrics.prefix_keys.labels(result="queried").inc(len(req.keys))
         self.metrics.prefix_keys.labels(result="hit").inc(n)
-        if req.tokens_per_key:
+        if req.tokens_per_key > 0:  # a counter only goes up: a negative one is no count
             self.metrics.prefix_tokens.labels(result="queried").inc(
                 len(req.keys) * req.tokens_per_key
             )

@@ -259,6 +259,9 @@ def test_no_ordinary_bad_input_is_an_internal_error() -> None:
             m.Heartbeat("never-registered"),
             m.Restore("never-registered", "no-segment", [("x", 0, 10, 1)]),
             m.ReportFailure("no-segment", "test"),
+            m.ReportCorrupt("unknown", "no-segment", 0, 1),
+            m.PrefixLookup(["k"], -1),
+            m.Pin("req", ["k"], -10),
         ]
         for request in wire:
             reply = c.link.call(request)
