@@ -188,7 +188,8 @@ class ReportFailure(msgspec.Struct, frozen=True, tag=True):
 
 class ReportCorrupt(msgspec.Struct, frozen=True, tag=True):
     """The copy of ``key`` at ``segment_id``/``offset`` (recorded with ``checksum``)
-    failed its checksum on a read: the master drops that copy -- only that one (a copy
+    failed its checksum on a read, or its owner said it has no such copy: the master
+    drops that copy -- only that one (a copy
     stored since, elsewhere or with another checksum, stays) -- so the key can be stored
     again."""
 

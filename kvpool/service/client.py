@@ -189,11 +189,12 @@ class Client(Closing):
     def _report_corrupt(self, placement: m.Placement) -> None:
         """This copy failed its checksum: the master drops it (the owner is fine)."""
         self.corrupt_reads += 1
-        self._post(
-            m.ReportCorrupt(
-                placement.key, placement.segment_id, placement.offset, placement.checksum
-            )
-        )
+        self._post(self._corrupt_report(placement))
+
+    @staticmethod
+    def _corrupt_report(placement: m.Placement) -> m.ReportCorrupt:
+        p = placement
+        return m.ReportCorrupt(p.key, p.segment_id, p.offset, p.checksum)
 
     def _revoke(self, key: str) -> None:
         self._post(m.PutRevoke(self.client_id, key))  # the writer lease expires anyway
@@ -325,6 +326,9 @@ class Client(Closing):
             self._report(placement, exc)
             raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc
         except ObjectNotFound:
+            # the owner answered that it does not have the copy the index lists (an SSD
+            # file gone behind the pool's back): that copy goes, as a corrupt one does
+            self._post(self._corrupt_report(placement))
             raise
         except KVPoolError as exc:
             raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc

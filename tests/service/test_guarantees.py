@@ -315,3 +315,27 @@ def test_every_sentence_of_the_guarantees_names_tests_that_exist() -> None:
         assert f"def {name}(" in (root / path).read_text(), ref
     for sentence in re.split(r"\n- ", section.split("\n### ", 1)[1])[1:]:
         assert "::test_" in sentence, f"no test named for: {sentence[:80]}"
+
+
+def test_a_copy_missing_from_a_nodes_ssd_leaves_the_index(tmp_path: Path) -> None:
+    from kvpool.storage.ssd import object_path
+
+    ssd = tmp_path / "node-ssd"
+    with start_master("--segment_size", "0", "--enable_offload=true") as master:
+        config = node_config(tmp_path, master.address, "1MiB")
+        settings = json.loads(config.read_text())
+        ssd_settings = {"enable_ssd_offload": True, "ssd_offload_path": str(ssd)}
+        config.write_text(json.dumps(dict(settings, **ssd_settings, ssd_offload_limit="16MiB")))
+        with start_node(config), Client(master.address, allow_shm=False) as c:
+            wait_until(lambda: c.stats()["tiers"]["ssd"]["capacity"] > 0)
+            keys = [f"s{i:02d}" for i in range(24)]  # 1.5 MiB: some are demoted
+            for key in keys:
+                c.put(key, key.encode() * 32 * 1024)
+            on_ssd = [k for k in keys if object_path(ssd, k).exists()]
+            assert on_ssd
+            object_path(ssd, on_ssd[0]).unlink()  # gone behind the pool's back
+            with pytest.raises(ObjectNotFound):
+                c.get(on_ssd[0])
+            assert not c.exists(on_ssd[0])  # the index no longer lists it
+            c.put(on_ssd[0], b"new")
+            assert c.get(on_ssd[0]) == b"new"
