@@ -3,6 +3,7 @@
 Object life cycle::
 
     put_start ──> PENDING ──put_end──> READY ──evict / remove / client expiry──> gone
+                     │                   │  └─drop_corrupt (a read failed its checksum)──> gone
                      │                   │
                      └─put_revoke / writer lease expiry──> gone (space reclaimed)
                                          └─(offload) demote: memory extent -> SSD extent
@@ -16,7 +17,11 @@ Invariants (tested per transition and by property tests over random operation se
 - after an eviction round a tier is at or below its high watermark, unless every object
   left in it is leased, pinned or pending;
 - a put that needs space evicts inline; it fails with NoSpace only when nothing evictable
-  is left that would make room.
+  is left that would make room;
+- a copy a reader found corrupt leaves at once, leases or not (its bytes are wrong for
+  everyone, and a reader overtaken by a later use of the extent fails its own checksum):
+  lookups stop counting it and the next put of the key stores it again;
+- an object has at least one byte: an empty value is refused (PoolError), never stored.
 
 Demotion (``enable_offload``): evicting a memory object whose owner also contributes an SSD
 segment moves it there instead of dropping it.  The move is logical at once (the object's
@@ -55,6 +60,7 @@ from kvpool.errors import (
     NoSpace,
     ObjectBusy,
     ObjectNotFound,
+    PoolError,
     StaleWrite,
     WriteConflict,
 )
@@ -125,7 +131,7 @@ class ObjectIndex(IndexPlacement):
         if now_ms > self._now:
             self._now = now_ms
         if size <= 0:
-            raise ValueError(f"object size must be positive, got {size}")
+            raise PoolError(f"{key}: an object needs at least one byte, got size {size}")
         objects = self._objects
         obj = objects.get(key)
         if obj is not None:
@@ -283,6 +289,20 @@ class ObjectIndex(IndexPlacement):
         if obj.held(now_ms):
             raise ObjectBusy(f"{key} is leased or pinned")
         return self._drop(obj, "removed")
+
+    def drop_corrupt(self, key: str, segment_id: str, offset: int, checksum: int) -> Event | None:
+        """A reader found the READY copy of ``key`` at ``segment_id``/``offset`` with
+        ``checksum`` corrupt: drop it (None when that copy is no longer the one stored)."""
+        obj = self._objects.get(key)
+        if (
+            obj is None
+            or obj.state is not _READY
+            or obj.segment.segment_id != segment_id
+            or obj.extent.offset != offset
+            or obj.checksum != checksum
+        ):
+            return None
+        return self._drop(obj, "corrupt")
 
     # -------------------------------------------------------------------------- time, eviction
     def tick(self, now_ms: int) -> list[Event]:

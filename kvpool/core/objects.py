@@ -85,7 +85,7 @@ class ReadGrant(msgspec.Struct, frozen=True):
 
 class Dropped(msgspec.Struct, frozen=True):
     """An object left the index; ``reason`` is evicted, removed, expired_client, revoked,
-    writer_expired or demote_failed."""
+    writer_expired, demote_failed or corrupt (a reader found it failing its checksum)."""
 
     key: str
     tier: Tier

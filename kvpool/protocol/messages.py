@@ -9,6 +9,7 @@ the request's own reply type, or :class:`~kvpool.protocol.data.Error`.
     Exists / BatchExists / PrefixLookup              probes: never lease
     Remove ; Pin ; ReleaseOwner                      holds and removal
     ReportFailure                                    a transfer to a segment failed
+    ReportCorrupt                                    a copy failed its checksum
     Stats                                            pool at a glance (kvpool status)
 
 A :class:`Placement` names the segment and how to reach it: the owner's data address for
@@ -52,6 +53,7 @@ __all__ = [
     "Release",
     "ReleaseOwner",
     "Remove",
+    "ReportCorrupt",
     "ReportFailure",
     "Restore",
     "Stats",
@@ -184,6 +186,19 @@ class ReportFailure(msgspec.Struct, frozen=True, tag=True):
     reason: str
 
 
+class ReportCorrupt(msgspec.Struct, frozen=True, tag=True):
+    """The copy of ``key`` at ``segment_id``/``offset`` (recorded with ``checksum``)
+    failed its checksum on a read, or its owner said it has no such copy: the master
+    drops that copy -- only that one (a copy
+    stored since, elsewhere or with another checksum, stays) -- so the key can be stored
+    again."""
+
+    key: str
+    segment_id: str
+    offset: int
+    checksum: int
+
+
 class Stats(msgspec.Struct, frozen=True, tag=True):
     pass
 
@@ -247,6 +262,7 @@ MasterRequest = (
     | PrefixLookup
     | Remove
     | ReportFailure
+    | ReportCorrupt
     | Stats
 )
 MasterReply = (

@@ -16,7 +16,13 @@ moment the release is in flight).
 
 A read that fails in any way — missing, corrupt, node unreachable — is a miss
 (:class:`~kvpool.errors.ObjectNotFound`), never wrong bytes; a node that failed a transfer
-is reported to the master, which drops its objects at once.
+is reported to the master, which drops its objects at once, and a copy that failed its
+checksum is reported too, so the master drops that copy and the next put stores the key
+again.  A put is acknowledged only once its bytes are in a segment whose owner is alive:
+the same-host path checks the owner's lock after copying (:mod:`kvpool.transfer.shm`).
+
+Values have at least one byte: an empty one is refused here, before any round trip,
+with :class:`~kvpool.errors.PoolError` (Mooncake refuses them too).
 
 Two seams, both set in the constructor: the *transport* (how bytes move) and the *link*
 to the master's request handler (TCP, or in-process for the embedded pool).
@@ -40,6 +46,7 @@ from kvpool.errors import (
     KVPoolError,
     ObjectNotFound,
     PeerTimeout,
+    PoolError,
     StaleWrite,
     TransferError,
     error_from_code,
@@ -60,6 +67,10 @@ log = logging.getLogger("kvpool.client")
 # anyway), under the metadata lock; beyond this size hashing outlasts a round trip and
 # would hold up other threads' calls, so it waits until after.
 OVERLAP_CHECKSUM_MAX = 4 << 20
+
+
+def _empty(key: str) -> PoolError:
+    return PoolError(f"{key}: the value is empty (an object needs at least one byte)")
 
 
 class Client(Closing):
@@ -138,9 +149,12 @@ class Client(Closing):
     def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None:
         """Store ``buffer`` (bytes-like, NumPy array, CPU tensor) under ``key``.
 
-        A key that is already stored is left as is (same key, same content).
+        A key that is already stored is left as is (same key, same content).  An empty
+        value is refused (PoolError).
         """
         view = byte_view(buffer)
+        if not len(view):
+            raise _empty(key)
         digest = 0
 
         def hash_value() -> None:
@@ -172,6 +186,16 @@ class Client(Closing):
 
     put = put_from
 
+    def _report_corrupt(self, placement: m.Placement) -> None:
+        """This copy failed its checksum: the master drops it (the owner is fine)."""
+        self.corrupt_reads += 1
+        self._post(self._corrupt_report(placement))
+
+    @staticmethod
+    def _corrupt_report(placement: m.Placement) -> m.ReportCorrupt:
+        p = placement
+        return m.ReportCorrupt(p.key, p.segment_id, p.offset, p.checksum)
+
     def _revoke(self, key: str) -> None:
         self._post(m.PutRevoke(self.client_id, key))  # the writer lease expires anyway
 
@@ -184,25 +208,57 @@ class Client(Closing):
     ) -> list[KVPoolError | None]:
         """Put several objects in two metadata round trips; one result per key (None for
         success, or for a key that was already stored).  ``parents`` names each key's
-        parent block, as :meth:`put_from`'s ``parent`` does."""
+        parent block, as :meth:`put_from`'s ``parent`` does.  An empty value is that
+        key's PoolError; a key given twice is stored once, and the second has the first's
+        result."""
         views = [byte_view(v) for v in values]
         if len(views) != len(keys) or (parents is not None and len(parents) != len(keys)):
             raise ValueError("keys, values and parents differ in length")
-        sizes = [len(v) for v in views]
-        chained = list(parents) if parents is not None and any(parents) else []
-        reply = self.call(m.BatchPutStart(self.client_id, list(keys), sizes, chained))
-        assert isinstance(reply, m.Placements)
         results: list[KVPoolError | None] = [None] * len(keys)
+        first: dict[str, int] = {}  # key -> index of its first occurrence
+        sent: list[int] = []  # indices asked for: non-empty, first of their key
+        for i, key in enumerate(keys):
+            if not len(views[i]):
+                results[i] = _empty(key)
+            elif first.setdefault(key, i) == i:
+                sent.append(i)
+        if sent:
+            self._batch_put(keys, views, parents, sent, results)
+        for i, key in enumerate(keys):
+            j = first.get(key, i)
+            if j != i and len(views[i]):
+                results[i] = results[j]
+        return results
+
+    def _batch_put(
+        self,
+        keys: Sequence[str],
+        views: list[memoryview],
+        parents: Sequence[str | None] | None,
+        sent: list[int],
+        results: list[KVPoolError | None],
+    ) -> None:
+        """The two round trips of :meth:`batch_put` for ``keys[i] for i in sent``."""
+        chained = [parents[i] for i in sent] if parents is not None and any(parents) else []
+        reply = self.call(
+            m.BatchPutStart(
+                self.client_id, [keys[i] for i in sent], [len(views[i]) for i in sent], chained
+            )
+        )
+        assert isinstance(reply, m.Placements)
         by_node: dict[str, list[int]] = {}
-        for i, placement in enumerate(reply.items):
+        for i, placement in zip(sent, reply.items, strict=True):
             if placement.error:
-                results[i] = error_from_code(placement.error, f"{keys[i]}: refused")
+                results[i] = error_from_code(
+                    placement.error, f"{keys[i]}: refused by the master ({placement.error})"
+                )
             elif placement.placed:
                 by_node.setdefault(placement.data_address, []).append(i)
         written: list[int] = []
+        placed = dict(zip(sent, reply.items, strict=True))
         for indices in by_node.values():
-            first = reply.items[indices[0]]
-            items = [(reply.items[i].segment_id, reply.items[i].offset, views[i]) for i in indices]
+            first = placed[indices[0]]
+            items = [(placed[i].segment_id, placed[i].offset, views[i]) for i in indices]
             try:
                 done = self._path(first).write_many(items)
             except (TransferError, PeerTimeout) as exc:
@@ -226,7 +282,6 @@ class Client(Closing):
             for i, ok in zip(written, ended.values, strict=True):
                 if not ok:
                     results[i] = StaleWrite(f"{keys[i]}: the reservation expired")
-        return results
 
     # ------------------------------------------------------------------------------- reads
     def get_into(self, key: str, buffer: Any) -> int:
@@ -245,9 +300,8 @@ class Client(Closing):
             self._finish_read(owner, key)
 
     def _finish_read(self, owner: str, key: str) -> None:
-        """Release the read lease.  A copy that failed its checksum stays where it is: the
-        caller decides (the store connector removes it so its recomputed copy replaces it,
-        and counts that in its own stats)."""
+        """Release the read lease (a copy that failed its checksum was reported already,
+        so the master has dropped it)."""
         self._post(m.Release(owner, [key]))
 
     def _read(self, placement: m.Placement, dst: memoryview) -> int:
@@ -264,19 +318,22 @@ class Client(Closing):
                     placement.segment_id, placement.offset, target, shm_name=placement.shm_name
                 )
         except ChecksumMismatch as exc:
-            # the node answered: its copy is corrupt, the node itself is fine (reporting it
-            # would drop every object it holds)
-            self.corrupt_reads += 1
+            # the node answered: its copy is corrupt, the node itself is fine (reporting a
+            # failure would drop every object it holds): only that copy goes
+            self._report_corrupt(placement)
             raise ObjectNotFound(f"{placement.key}: {exc}") from exc
         except (TransferError, PeerTimeout) as exc:
             self._report(placement, exc)
             raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc
         except ObjectNotFound:
+            # the owner answered that it does not have the copy the index lists (an SSD
+            # file gone behind the pool's back): that copy goes, as a corrupt one does
+            self._post(self._corrupt_report(placement))
             raise
         except KVPoolError as exc:
             raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc
         if checksum(target) != placement.checksum:
-            self.corrupt_reads += 1
+            self._report_corrupt(placement)
             log.warning("%s failed its checksum: treated as a miss", placement.key)
             raise ObjectNotFound(f"{placement.key}: checksum mismatch")
         return size
@@ -372,4 +429,3 @@ class Client(Closing):
             self._paths.clear()
         for path in paths:
             path.close()
-

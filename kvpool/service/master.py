@@ -33,6 +33,7 @@ from kvpool.service.local_storage import LocalStorage
 from kvpool.service.metrics import MasterMetrics
 from kvpool.service.node_links import NodeLinks
 from kvpool.service.snapshot import pool_snapshot
+from kvpool.transfer.shm import remove_if_owner_dead
 
 __all__ = ["Endpoint", "MasterService", "monotonic_ms"]
 
@@ -107,6 +108,7 @@ class MasterService:
             m.PrefixLookup: self._prefix_lookup,
             m.Remove: self._remove,
             m.ReportFailure: self._report_failure,
+            m.ReportCorrupt: self._report_corrupt,
             m.Stats: self._stats,
         }
         self._routes: dict[type, _Route] = {}  # filled by _route
@@ -306,10 +308,20 @@ class MasterService:
             self._forget_segments()
         return Ok()
 
+    def _report_corrupt(self, req: m.ReportCorrupt, now: int) -> Ok:
+        dropped = self.index.drop_corrupt(req.key, req.segment_id, req.offset, req.checksum)
+        if dropped is not None:
+            log.warning("dropped %s: a reader found its copy corrupt", req.key)
+            self._apply([dropped])
+        return Ok()
+
     def _forget_segments(self) -> None:
         for segment_id in list(self.endpoints):
             if segment_id not in self.index.registry.segments:
-                del self.endpoints[segment_id]
+                ep = self.endpoints.pop(segment_id)
+                # a dropped owner of this host that died left its segment in /dev/shm
+                if ep.shm_name and remove_if_owner_dead(ep.shm_name, ep.host_token):
+                    log.info("removed %s: its owner is gone", ep.shm_name)
         self.outbox.forget_gone(self.index.registry.clients)
 
     # ----------------------------------------------------------------------------- writes
@@ -354,6 +366,8 @@ class MasterService:
         return Ok()
 
     def _batch_put_end(self, req: m.BatchPutEnd, now: int) -> m.Bools:
+        if len(req.keys) != len(req.checksums):
+            raise PoolError("keys and checksums differ in length")
         ok = []
         for key, checksum in zip(req.keys, req.checksums, strict=True):
             try:
@@ -379,11 +393,7 @@ class MasterService:
         return self._placement(req.key, loc, grant.checksum)
 
     def _batch_get(self, req: m.BatchGet, now: int) -> m.Placements:
-        items = []
-        for key in req.keys:
-            reply = self._get(m.Get(req.owner, key), now)
-            items.append(reply)
-        return m.Placements(items)
+        return m.Placements([self._get(m.Get(req.owner, key), now) for key in req.keys])
 
     def _release(self, req: m.Release, now: int) -> Ok:
         for key in req.keys:
@@ -415,7 +425,7 @@ class MasterService:
         self.metrics.prefix_lookups.inc()
         self.metrics.prefix_keys.labels(result="queried").inc(len(req.keys))
         self.metrics.prefix_keys.labels(result="hit").inc(n)
-        if req.tokens_per_key:
+        if req.tokens_per_key > 0:  # a counter only goes up: a negative one is no count
             self.metrics.prefix_tokens.labels(result="queried").inc(
                 len(req.keys) * req.tokens_per_key
             )

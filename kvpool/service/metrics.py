@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 if TYPE_CHECKING:
     from kvpool.service.master import MasterService
 
-__all__ = ["LabelCache", "MasterMetrics"]
+__all__ = ["LabelCache", "MasterMetrics", "counter_total"]
 
 _LATENCY_BUCKETS = (
     0.00002,
@@ -32,6 +32,19 @@ _LATENCY_BUCKETS = (
     0.1,
     1.0,
 )
+
+
+def counter_total(counter: Any, **labels: str) -> float:
+    """A counter's value summed over its children whose labels include ``labels``: what
+    ``/metrics`` says, for the status page (one source, so they never disagree)."""
+    return float(
+        sum(
+            s.value
+            for metric in counter.collect()
+            for s in metric.samples
+            if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+    )
 
 
 class LabelCache:
@@ -108,9 +121,13 @@ class MasterMetrics:
             "kvpool_put_failures", "refused puts by reason", ["reason"], registry=r
         )
         self.evictions = Counter("kvpool_evictions", "objects evicted", ["tier"], registry=r)
-        self.offloads = Counter("kvpool_offloads", "objects demoted from memory to SSD", registry=r)
+        # one meaning everywhere (this, /api/status, kvpool status): a demotion whose copy
+        # completed; a failed one is counted once, as a failure, and never as an offload
+        self.offloads = Counter(
+            "kvpool_offloads", "objects demoted from memory to SSD (copy completed)", registry=r
+        )
         self.demote_failures = Counter(
-            "kvpool_offload_failures", "demotions that failed", registry=r
+            "kvpool_offload_failures", "demotions that failed (the object was dropped)", registry=r
         )
         self.dropped = Counter(
             "kvpool_dropped_objects", "objects that left the index", ["reason", "tier"], registry=r
@@ -155,17 +172,7 @@ class MasterMetrics:
         self.ssd_bad_files.set(sum(stats.bad_headers for stats in tiers))
 
     def lookup_counts(self) -> dict[str, Any]:
-        def total(counter: Any, **labels: str) -> float:
-            return float(
-                sum(
-                    s.value
-                    for metric in counter.collect()
-                    for s in metric.samples
-                    if s.name.endswith("_total")
-                    and all(s.labels.get(k) == v for k, v in labels.items())
-                )
-            )
-
+        total = counter_total
         return {
             "gets": total(self.lookups),
             "get_hits": total(self.hits),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.core.index import State
 from kvpool.core.registry import Tier
+from kvpool.service.metrics import counter_total
 
 if TYPE_CHECKING:
     from kvpool.service.master import MasterService
@@ -45,8 +46,10 @@ def pool_snapshot(service: MasterService) -> dict[str, Any]:
         "rpc_connections": service.rpc_connections,
         "stats": {
             "evictions": idx.stats.evictions,
-            "offloads": idx.stats.demotions,
-            "demote_failures": idx.stats.demote_failures,
+            # what kvpool_offloads_total / kvpool_offload_failures_total say: completed
+            # copies, and failures (the index's own count also has attempts in flight)
+            "offloads": counter_total(service.metrics.offloads),
+            "demote_failures": counter_total(service.metrics.demote_failures),
             "put_failures_no_space": idx.stats.put_failures_no_space,
             "expired_leases": idx.stats.expired_leases,
             "revoked_writes": idx.stats.revoked_writes,

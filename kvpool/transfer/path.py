@@ -5,6 +5,10 @@ transports to one node: on first use of a segment it asks the node (``SegmentInf
 the segment's shared-memory name and host token; when the token equals this process's
 :func:`~kvpool.transfer.shm.host_token` and the segment attaches, every later access
 is a direct copy, else it goes over TCP.  The choice is made once per segment.
+
+A direct copy into a segment whose owner died raises
+:class:`~kvpool.errors.TransferError`, as a TCP transfer to a dead node does (see
+:mod:`kvpool.transfer.shm`), so the client reports it the same way.
 """
 
 from __future__ import annotations
@@ -95,17 +99,22 @@ class NodeDataPath(Closing):
     ) -> list[KVPoolError | None]:
         results: list[KVPoolError | None] = [None] * len(items)
         over_tcp: list[int] = []
+        copied: set[str] = set()  # segments copied to or from: their owner is asked once
         for i, (segment_id, offset, buffer) in enumerate(items):
             if self.route(segment_id) != "shm":
                 over_tcp.append(i)
                 continue
             try:
                 if write:
-                    self.shm.write(segment_id, offset, buffer)
+                    self.shm.write(segment_id, offset, buffer, check=False)
                 else:
-                    self.shm.read_into(segment_id, offset, buffer)
+                    self.shm.read_into(segment_id, offset, buffer, check=False)
+                copied.add(segment_id)
             except KVPoolError as exc:
                 results[i] = exc
+        for segment_id in copied:
+            # a dead owner fails the whole batch to it, as a dead node does over TCP
+            self.shm.check_owner(segment_id)
         if over_tcp:
             batch = [items[i] for i in over_tcp]
             done = self.tcp.write_many(batch) if write else self.tcp.read_many_into(batch)
@@ -121,4 +130,3 @@ class NodeDataPath(Closing):
     def close(self) -> None:
         self.tcp.close()
         self.shm.close()
-

@@ -8,6 +8,7 @@ from kvpool.errors import (
     NoSpace,
     ObjectBusy,
     ObjectNotFound,
+    PoolError,
     StaleWrite,
     UnknownClient,
     WriteConflict,
@@ -42,6 +43,36 @@ def test_pending_object_is_invisible_until_put_end() -> None:
     idx.put_end("k", "w", 1, checksum=42)
     assert idx.exists("k")
     assert idx.get("k", "r", 1).checksum == 42
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_an_empty_or_negative_size_is_a_typed_refusal(size: int) -> None:
+    idx = make()
+    with pytest.raises(PoolError, match="at least one byte"):
+        idx.put_start("k", size, "w", 0)
+    assert len(idx) == 0
+    idx.check()
+
+
+def test_a_copy_found_corrupt_leaves_at_once_even_while_leased() -> None:
+    idx = make()
+    put(idx, "a")
+    put(idx, "k")
+    grant = idx.get("k", "reader", 0)  # another reader's lease does not keep it
+    loc = grant.location
+    dropped = idx.drop_corrupt("k", loc.segment_id, loc.offset, grant.checksum)
+    assert dropped == Dropped("k", Tier.MEMORY, "corrupt", "node")
+    assert not idx.exists("k") and idx.prefix_lookup(["a", "k"]) == 1
+    assert idx.active_leases(0) == 0
+    idx.check()
+    res, _ = idx.put_start("k", 10, "w", 1)  # stored again, not a no-op
+    assert res is not None
+    idx.put_end("k", "w", 1, checksum=8)
+    # a late report about the old copy leaves the new one alone
+    assert idx.drop_corrupt("k", loc.segment_id, loc.offset, grant.checksum) is None
+    assert idx.drop_corrupt("a", "other/segment", 0, 7) is None
+    assert idx.exists("k") and idx.exists("a")
+    idx.check()
 
 
 def test_put_revoke_reclaims_space() -> None:

@@ -79,7 +79,7 @@ def test_corrupt_memory_copy_is_a_miss_and_leaves_the_pool(tmp_path: Path) -> No
         assert c.corrupt_reads == 1
         with pytest.raises(ObjectNotFound):
             c.get("bad")  # still a miss, never the wrong bytes
-        assert c.remove("bad")  # the caller drops it so a recomputed copy can replace it
+        assert not c.remove("bad")  # the read that found it corrupt had it dropped
         c.put("bad", value_of("bad"))
         assert c.get("bad") == value_of("bad")
         assert c.get("good") == value_of("good")
@@ -108,17 +108,24 @@ def test_ssd_tier_keeps_evicted_objects_and_corruption_is_a_miss(tmp_path: Path)
             assert c.get(key) == value_of(key)  # every one readable, memory or SSD
         # corrupt one SSD file and truncate another: both are misses, never wrong bytes
         files = sorted((k, p) for k, p in files_by_key(ssd).items() if k.startswith("s"))
-        assert len(files) >= 2
+        assert len(files) >= 3
         data = bytearray(files[0][1].read_bytes())
         data[-1] ^= 0xFF
         files[0][1].write_bytes(bytes(data))
         files[1][1].write_bytes(files[1][1].read_bytes()[:100])
-        for key, _ in files[:2]:
+        files[2][1].unlink()  # and one is gone behind the pool's back
+        for key, _ in files[:3]:
             try:
                 got = c.get(key)
             except ObjectNotFound:
                 continue
             raise AssertionError(f"{key}: corrupt SSD object served ({len(got)} bytes)")
+        # the reads that found them corrupt had them dropped: stored again, good bytes
+        bad = [key for key, _ in files[:3]]
+        assert c.batch_exists(bad) == [False, False, False]
+        for key in bad:
+            c.put(key, value_of(key))
+            assert c.get(key) == value_of(key)
         with urllib.request.urlopen(f"http://{master.address}/metrics", timeout=5) as r:
             text = r.read().decode()
         assert "kvpool_offloads_total" in text

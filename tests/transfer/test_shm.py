@@ -7,9 +7,33 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.errors import PoolError, UnknownSegment
+from kvpool.errors import PoolError, TransferError, UnknownSegment
 from kvpool.storage.segment import Segment
-from kvpool.transfer.shm import ShmConnection, host_token
+from kvpool.transfer.shm import ShmConnection, host_token, remove_if_owner_dead
+
+_OWNER = (
+    "import sys; from kvpool.storage.segment import Segment\n"
+    "seg = Segment.create(1 << 20)\n"
+    "print(seg.name, flush=True)\n"
+    "sys.stdin.read()\n"  # lives until killed
+)
+
+
+def start_owner() -> tuple[subprocess.Popen[str], str]:
+    """A process that owns a segment, and the segment's name."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert owner.stdout is not None
+    return owner, owner.stdout.readline().strip()
+
+
+def kill(owner: subprocess.Popen[str]) -> None:
+    owner.kill()
+    owner.wait(30)
+    for pipe in (owner.stdin, owner.stdout):
+        if pipe is not None:
+            pipe.close()
 
 
 @pytest.mark.parametrize("size", [0, 1, 64 * 1024, 16 << 20])
@@ -85,3 +109,51 @@ def test_attach_maps_every_page_up_front_and_keeps_what_the_owner_wrote(
         assert out == b"tail"
         shm.write("seg0", 0, b"head")
     assert segment.read(0, 4) == b"head"
+
+
+def test_a_copy_into_a_dead_owners_segment_fails_and_removes_its_file() -> None:
+    owner, name = start_owner()
+    path = Path("/dev/shm") / name
+    try:
+        with ShmConnection() as shm:
+            shm.attach("s", name)
+            assert shm.write("s", 0, b"stored") == 6 and shm.owner_alive("s")
+            kill(owner)  # SIGKILL: the file stays, the mapping here still "works"
+            assert path.exists() and not shm.owner_alive("s")
+            with pytest.raises(TransferError, match=r"owner .* is gone"):
+                shm.write("s", 0, b"never acknowledged")
+            assert not shm.has("s")  # unmapped here ...
+            assert not path.exists()  # ... and its memory given back to the host
+    finally:
+        kill(owner)
+        path.unlink(missing_ok=True)
+
+
+def test_a_read_from_a_dead_owners_segment_is_not_served() -> None:
+    owner, name = start_owner()
+    try:
+        with ShmConnection() as shm:
+            shm.attach("s", name)
+            kill(owner)
+            with pytest.raises(TransferError):
+                shm.read_into("s", 0, bytearray(6))
+    finally:
+        kill(owner)
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
+
+
+def test_only_a_dead_owners_segment_on_this_host_is_removed(segment: Segment) -> None:
+    token = host_token()
+    assert not remove_if_owner_dead(segment.name, token)  # alive: this process owns it
+    assert segment.path.exists()
+    owner, name = start_owner()
+    try:
+        kill(owner)
+        assert not remove_if_owner_dead(name, "another-host")  # not this host's file
+        assert remove_if_owner_dead(name, token)
+        assert not (Path("/dev/shm") / name).exists()
+        assert not remove_if_owner_dead(name, token)  # already gone: nothing to do
+        assert not remove_if_owner_dead("../etc", token)
+    finally:
+        kill(owner)
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
