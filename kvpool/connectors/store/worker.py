@@ -11,6 +11,9 @@ Rules:
   listed but unreadable is removed, so the recomputed copy replaces it.
 - Every async load is reported as finished exactly once, failed or not, aborted or not:
   vLLM holds the request's blocks until then.
+- The pins the scheduler's lookup took for a load (``LoadSpec.owners``) are released as
+  soon as this rank's copy ends, however it ends; a release that fails is left to the
+  pins' TTL.
 - Saves happen in ``wait_for_save``, after the step's forward pass, synchronously: a block
   is never freed or reused while it is being written out.  A failed save only costs a
   future hit.
@@ -53,6 +56,10 @@ def _get_into(pool: PoolEngine, keys: Sequence[str], views: Sequence[memoryview]
 
 def _remove(pool: PoolEngine, key: str) -> bool:
     return pool.remove(key)
+
+
+def _release(pool: PoolEngine, owner: str) -> int:
+    return pool.release(owner)
 
 
 def _put_from(
@@ -113,6 +120,23 @@ class StoreWorker:
             self._inflight[spec.req_id] = (future, cancel)
 
     def _load(
+        self, spec: LoadSpec, handle: PoolHandle, cancel: threading.Event | None
+    ) -> LoadResult:
+        try:
+            return self._copy(spec, handle, cancel)
+        finally:
+            if spec.owners:
+                self._unpin(handle, spec.owners[self._rank])
+
+    def _unpin(self, handle: PoolHandle, owner: str) -> None:
+        """The load's pins have served: let the pool evict those blocks again."""
+        try:
+            handle.call(partial(_release, owner=owner))
+        except Exception:  # the pins' TTL ends them anyway
+            with self._lock:
+                self.counters["pin_errors"] += 1
+
+    def _copy(
         self, spec: LoadSpec, handle: PoolHandle, cancel: threading.Event | None
     ) -> LoadResult:
         paged = self.paged
