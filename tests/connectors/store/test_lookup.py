@@ -47,6 +47,9 @@ def test_lookup_round_trip_and_worker_errors(tmp_path: Path) -> None:
         client = LookupClient(path, timeout_s=5)
         assert client.prefix_lookup(["a", "b", "c"]) == 2
         assert client.prefix_lookup(["c", "a"]) == 0
+        # The scheduler pins its hits over the same channel, and ends them there.
+        assert client.pin(["a", "c", "b"], "req-1", 0) == 2 and pool.pinned() == {"a", "b"}
+        assert client.release("req-1") == 2 and pool.pinned() == set()
         pool.down = True
         with pytest.raises(TransferError, match="PeerTimeout"):
             client.prefix_lookup(["a"])
