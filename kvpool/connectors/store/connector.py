@@ -269,6 +269,8 @@ class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
             self._lookup_server.close()
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # ------------------------------------------------------------------ scheduler side
 

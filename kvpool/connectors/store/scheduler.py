@@ -357,6 +357,10 @@ class StoreScheduler:
         if state is not None:
             self._release(state)
 
+    def close(self) -> None:
+        """Close the scheduler's pool connection (pins still held end at their TTL)."""
+        self._pool.close()
+
     @property
     def num_tracked(self) -> int:
         """Live requests remembered (tests check that finished ones are forgotten)."""
