@@ -335,6 +335,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args()
+    LOG.setLevel(logging.ERROR)  # each failed load is counted; its warning line is noise here
     opts = Options(
         requests=a.requests,
         seconds=a.seconds,
