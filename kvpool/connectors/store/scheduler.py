@@ -67,10 +67,12 @@ def _present_prefix(pool: PoolEngine, keys: list[list[str]]) -> int:
     return found
 
 
-def pin_owner(scope: str, req_id: str, rank: int) -> str:
+def pin_owner(scope: str, req_id: str, rank: int, generation: int = 1) -> str:
     """The pin owner of one request's blocks of one rank: ``scope`` keeps two vLLM
-    instances that reuse a request id (a P and a D behind one proxy) apart."""
-    return f"kvpool-req/{scope}/{req_id}/{rank}"
+    instances that reuse a request id (a P and a D behind one proxy) apart, and
+    ``generation`` a request's later lookup (after a preemption) apart from the pins of
+    an earlier load, which that load's worker releases in its own time."""
+    return f"kvpool-req/{scope}/{req_id}/{generation}/{rank}"
 
 
 def _pin_ranks(pool: PoolEngine, keys: list[list[str]], owners: Sequence[str]) -> list[int]:
@@ -97,6 +99,7 @@ class _Request:
     query_tokens: int = 0  # the last lookup's query size, until vLLM admits the request
     load: LoadSpec | None = None  # the last load planned, to map failed blocks back
     pinned: bool = False  # holds pins the scheduler must release (not handed to a load)
+    pin_generation: int = 0  # of the owners: one more for each set handed to a load
 
     def tokens(self) -> Sequence[int]:
         return self.request.all_token_ids  # type: ignore[no-any-return]
@@ -214,18 +217,19 @@ class StoreScheduler:
             return 0, False
         return new_tokens, self._load_async
 
-    def _owners(self, req_id: str) -> tuple[str, ...]:
-        return tuple(pin_owner(self._scope, req_id, rank) for rank in range(len(self._ns)))
+    def _owners(self, state: _Request) -> tuple[str, ...]:
+        gen = state.pin_generation
+        return tuple(pin_owner(self._scope, state.req_id, r, gen) for r in range(len(self._ns)))
 
     def _pin_hit(self, state: _Request, keys: list[list[BlockKey]], first: int, hit: int) -> int:
         """Pin chunks [first, hit) of every rank for the request; the hit that stays (shorter
         when a chunk went away between the probe and the pin)."""
-        state.pinned = True  # from now on something may be pinned: released at the end
+        if not state.pinned:  # a new set of pins (the last one, if any, went to a load)
+            state.pinned = True  # from now on something may be pinned: released at the end
+            state.pin_generation += 1
         wanted = [[k.hex for k in rank_keys[first:hit]] for rank_keys in keys]
         try:
-            counts = self._pool.call(
-                partial(_pin_ranks, keys=wanted, owners=self._owners(state.req_id))
-            )
+            counts = self._pool.call(partial(_pin_ranks, keys=wanted, owners=self._owners(state)))
         except Exception as exc:  # an unprotected hit is still a hit
             self.counters["pin_errors"] += 1
             self._warn(f"pin failed, the hit is not protected: {type(exc).__name__}: {exc}")
@@ -249,7 +253,7 @@ class StoreScheduler:
             return
         state.pinned = False
         try:
-            self._pool.call(partial(_release_ranks, owners=self._owners(state.req_id)))
+            self._pool.call(partial(_release_ranks, owners=self._owners(state)))
         except Exception as exc:
             self.counters["pin_errors"] += 1
             self._warn(f"release of pins failed, they end at their TTL: {exc}")
@@ -280,7 +284,7 @@ class StoreScheduler:
             block_ids=tuple(block_ids[first:end]),
             keys=tuple(tuple(k.hex for k in rank_keys[first:end]) for rank_keys in keys),
             is_async=self._load_async,
-            owners=self._owners(state.req_id) if state.pinned else (),
+            owners=self._owners(state) if state.pinned else (),
         )
         state.pinned = False  # the workers release them once they have loaded
         state.load = spec

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.engines import MISS, POOL_TTL
-from kvpool.errors import KVPoolError, PeerTimeout, WriteConflict
+from kvpool.errors import KVPoolError, ObjectBusy, PeerTimeout, WriteConflict
 
 __all__ = ["FakePool"]
 
@@ -117,6 +117,8 @@ class FakePool:
 
     def remove(self, key: str) -> bool:
         self._check("remove")
+        if key in self.pinned():
+            raise ObjectBusy(f"{key} is pinned")
         return self.objects.pop(key, None) is not None
 
     def health(self) -> dict[str, Any]:

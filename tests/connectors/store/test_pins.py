@@ -107,6 +107,20 @@ def test_a_lookup_pins_the_hit_for_its_request_and_the_load_releases_it() -> Non
     assert pool.calls["release"] == 1  # the worker's: the scheduler had nothing left to end
 
 
+def test_an_unreadable_pinned_block_is_unpinned_and_dropped() -> None:
+    pool = FakePool()
+    keys = store(pool)
+    sched, w = scheduler(pool), worker(pool)
+    plan = admit(sched, Req("r", TOKENS), [4, 5, 6, 7])
+    pool.corrupt.add(keys[1])
+    w.start_loads(plan)
+    assert w.take_invalid_block_ids() == {5, 6}
+    # Released before the drop (a pinned object cannot be removed), so vLLM's recomputed
+    # copy can replace the corrupt one.
+    assert keys[1] not in pool.objects and w.counters["dropped_blocks"] == 1
+    assert pool.pinned() == set() and pool.calls["release"] == 1
+
+
 def test_an_async_load_releases_when_it_ends() -> None:
     pool = FakePool()
     store(pool)
@@ -147,6 +161,21 @@ def test_a_request_that_finishes_or_aborts_before_its_load_releases() -> None:
     assert pool.pinned() and set(pool.pins) == {OWNER}
     sched.request_finished(req)  # aborted while waiting
     assert pool.pinned() == set() and sched.num_tracked == 0
+
+
+def test_a_preempted_requests_next_lookup_pins_under_a_new_owner() -> None:
+    pool = FakePool()
+    keys = store(pool)
+    sched = scheduler(pool)
+    req = Req("r", TOKENS)
+    (first,) = admit(sched, req, [4, 5, 6, 7]).loads  # handed to a worker
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, False)  # preempted, asked again
+    (second,) = {o for o in pool.pins if o not in first.owners}
+    assert second == pin_owner("test", "r", 0, generation=2)
+    pool.release(first.owners[0])  # the first load's worker releases in its own time
+    assert pool.pinned() == set(keys)  # ... which leaves the new lookup's pins alone
+    sched.request_finished(req)
+    assert pool.pinned() == set()
 
 
 def test_pins_nobody_releases_end_at_the_ttl() -> None:
