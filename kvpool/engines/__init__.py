@@ -9,12 +9,20 @@ own master, the in-process embedded pool, and real Mooncake Store.  No vLLM here
 
 from __future__ import annotations
 
-from kvpool.engines.base import MISS, PoolEngine
+from kvpool.engines.base import MISS, POOL_TTL, PoolEngine
 from kvpool.engines.embedded import EmbeddedEngine
 from kvpool.engines.kvpool_master import MasterEngine
 from kvpool.errors import ConfigError
 
-__all__ = ["ENGINES", "MISS", "EmbeddedEngine", "MasterEngine", "PoolEngine", "open_engine"]
+__all__ = [
+    "ENGINES",
+    "MISS",
+    "POOL_TTL",
+    "EmbeddedEngine",
+    "MasterEngine",
+    "PoolEngine",
+    "open_engine",
+]
 
 #: the engines :func:`open_engine` opens, by :attr:`PoolEngine.engine` name
 ENGINES = ("kvpool", "embedded")

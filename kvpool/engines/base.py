@@ -20,7 +20,10 @@ Rules every adapter keeps:
 - Probes (:meth:`PoolEngine.batch_exists`, :meth:`PoolEngine.prefix_lookup`) protect
   nothing and never renew a lease: probing must not starve eviction.
 - :meth:`PoolEngine.pin` protects keys for an owner until :meth:`PoolEngine.release`
-  or the TTL, whichever comes first.
+  or the TTL, whichever comes first; :data:`POOL_TTL` asks for the pool's own lease TTL
+  (kvpool's ``default_kv_lease_ttl``), so that no pin outlives what the operator set.
+- Pins never make a put fail for ever: a pool full of pinned objects answers
+  :class:`~kvpool.errors.NoSpace` until the pins end, then stores again.
 - An unreachable pool raises :class:`~kvpool.errors.TransferError` or
   :class:`~kvpool.errors.PeerTimeout`; a full pool answers
   :class:`~kvpool.errors.NoSpace` per key.
@@ -33,10 +36,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvpool.errors import KVPoolError
 
-__all__ = ["MISS", "PoolEngine"]
+__all__ = ["MISS", "POOL_TTL", "PoolEngine"]
 
 #: :meth:`PoolEngine.batch_get_into`'s size for a key it could not read
 MISS = -1
+#: :meth:`PoolEngine.pin`'s ``ttl_ms`` for "as long as the pool's lease TTL"
+#: (``default_kv_lease_ttl``): what a request's lookup pins with
+POOL_TTL = 0
 
 
 @runtime_checkable
@@ -71,8 +77,9 @@ class PoolEngine(Protocol):
         ...
 
     def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
-        """Protect ``keys`` from eviction for ``owner`` (a request) for at most ``ttl_ms``;
-        returns how many were stored and are now pinned."""
+        """Protect ``keys`` from eviction for ``owner`` (a request) for at most ``ttl_ms``
+        (:data:`POOL_TTL`: the pool's lease TTL); returns how many were stored and are now
+        pinned.  Pinning a key the owner already pins extends it to the later expiry."""
         ...
 
     def release(self, owner: str) -> int:

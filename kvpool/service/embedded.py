@@ -19,7 +19,7 @@ from kvpool.errors import KVPoolError
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
 from kvpool.service.local_storage import LocalStorage
-from kvpool.service.master import MasterService
+from kvpool.service.master import MasterService, monotonic_ms
 from kvpool.transfer.in_process import InProcessTransport
 
 __all__ = ["TICK_INTERVAL_MS", "EmbeddedPool", "InProcessMaster"]
@@ -74,9 +74,10 @@ class EmbeddedPool(Client):
         config: IndexConfig | None = None,
         ssd_path: str = "",
         ssd_limit: int = 0,
+        clock: Callable[[], int] = monotonic_ms,
     ) -> None:
         cfg = config or IndexConfig(enable_offload=bool(ssd_path))
-        service = MasterService(cfg)
+        service = MasterService(cfg, clock=clock)  # a test's clock ends leases at its will
         # No data server is needed in-process, but LocalStorage owns the segment and SSD
         # tier the same way a node does; its server is simply never started.
         storage = LocalStorage("embedded", segment_size, ssd_path=ssd_path, ssd_limit=ssd_limit)

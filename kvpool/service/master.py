@@ -404,10 +404,13 @@ class MasterService:
         return m.Count(self.index.release_owner(req.owner))
 
     def _pin(self, req: m.Pin, now: int) -> m.Count:
+        # ttl_ms 0 (engines.POOL_TTL): the pool's own default_kv_lease_ttl, which a
+        # connector's lookup pins for without having to know the master's flags.
+        ttl_ms = req.ttl_ms if req.ttl_ms > 0 else self.index.config.lease_ttl_ms
         pinned = 0
         for key in req.keys:
             try:
-                self.index.pin(key, req.owner, now, req.ttl_ms)
+                self.index.pin(key, req.owner, now, ttl_ms)
                 pinned += 1
             except ObjectNotFound:
                 pass

@@ -87,6 +87,9 @@ def test_kv_both_second_run_loads_from_the_pool(
     # Second run: three blocks come from the pool, the output is unchanged.
     assert second["tokens"][0] == reference[LONG]
     assert s2["hit_tokens"] - s1["hit_tokens"] == 384 and s2["loaded_blocks"] == 3
+    # The lookup pinned the three blocks it found for the request (the worker released
+    # them after the load: the engine-level tests check that part).
+    assert s2["pinned_blocks"] - s1["pinned_blocks"] == 3 and s2["pin_errors"] == 0
     assert second["cached"] == [384]
     # A corrupt block (and the chain after it) is recomputed; the output is still right.
     assert damaged["damaged"] == 1
@@ -130,7 +133,7 @@ def test_policy_fail_errors_the_request_and_keeps_serving(
     assert stats["failed_blocks"] >= 1
 
 
-def seed_multi(role: str, kv_port: int, store_extra: dict[str, Any]) -> dict[str, Any]:
+def guide_multi(role: str, kv_port: int, store_extra: dict[str, Any]) -> dict[str, Any]:
     """The production guide's §5.2 (P) / §5.3 (D) JSON with kvpool's class names and module paths.
 
     Only the topology (one CPU rank here, not GLM's dp 4 / tp 8) and a free kv_port differ.
@@ -162,7 +165,7 @@ def seed_multi(role: str, kv_port: int, store_extra: dict[str, Any]) -> dict[str
     }
 
 
-def test_seed_multiconnector_json_shares_hits_across_hash_seeds_and_survives_the_master(
+def test_guides_multiconnector_json_shares_hits_across_hash_seeds_and_survives_the_master(
     tiny_model_dir: Path,
     run_offline: RunOffline,
     reference: dict[str, list[int]],
@@ -184,7 +187,7 @@ def test_seed_multiconnector_json_shares_hits_across_hash_seeds_and_survives_the
     producer = run_offline(
         {
             "model": str(tiny_model_dir),
-            "kv_transfer_config": seed_multi(
+            "kv_transfer_config": guide_multi(
                 "kv_producer", free_port(), {"lookup_rpc_port": "0", "backend": "mooncake"}
             ),
             "steps": [gen(LONG), STATS],
@@ -198,7 +201,7 @@ def test_seed_multiconnector_json_shares_hits_across_hash_seeds_and_survives_the
     consumer = run_offline(
         {
             "model": str(tiny_model_dir),
-            "kv_transfer_config": seed_multi(
+            "kv_transfer_config": guide_multi(
                 "kv_consumer",
                 free_port(),
                 {"lookup_rpc_port": "0", "load_async": True, "backend": "mooncake"},
@@ -217,6 +220,7 @@ def test_seed_multiconnector_json_shares_hits_across_hash_seeds_and_survives_the
     assert "[KVPoolStoreConnector] role=kv_consumer, backend=mooncake" in consumer.log
     assert hit["tokens"][0] == reference[LONG]
     assert s1["hit_tokens"] == 384 and s1["loaded_blocks"] == 3 and s1["saved_blocks"] == 0
+    assert s1["pinned_blocks"] == 3 and s1["pin_errors"] == 0  # pinned on the master
     # The master is gone: lookups miss, requests are computed, answers stay right.
     assert after["tokens"] == [reference[LONG], reference[OTHER]]
     assert s2["lookup_errors"] > s1["lookup_errors"]
@@ -240,7 +244,7 @@ def test_vllm_serve_with_the_guides_kv_both_json(
     config.write_text(
         json.dumps({"local_hostname": "127.0.0.1", "metadata_server": kvpool_master.address})
     )
-    seed_63 = {
+    guide_63 = {
         "kv_connector": "KVPoolStoreConnector",
         "kv_connector_module_path": "kvpool.connectors.store",
         "kv_role": "kv_both",
@@ -248,7 +252,7 @@ def test_vllm_serve_with_the_guides_kv_both_json(
         "kv_connector_extra_config": {"lookup_rpc_port": "1", "backend": backend},
     }
     server = start_vllm_server(
-        tiny_model_dir, seed_63, tmp_path / "vllm.log", {"KVPOOL_CONFIG_PATH": str(config)}
+        tiny_model_dir, guide_63, tmp_path / "vllm.log", {"KVPOOL_CONFIG_PATH": str(config)}
     )
     try:
         body = {
@@ -265,17 +269,20 @@ def test_vllm_serve_with_the_guides_kv_both_json(
         server.stop()
     assert first["token_ids"] == reference[LONG]
     assert second["token_ids"] == reference[LONG]
-    hits = [
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("vllm:kvpool_store_hit_tokens_total{")
-    ]
-    assert hits == [384.0]
+    def counter(name: str) -> list[float]:
+        prefix = f"vllm:kvpool_store_{name}_total{{"
+        return [float(x.rsplit(" ", 1)[1]) for x in metrics.splitlines() if x.startswith(prefix)]
+
+    assert counter("hit_tokens") == [384.0]
+    # The scheduler pinned the hit (over the lookup channel, with embedded) and nothing
+    # about a pin failed in either process.
+    assert counter("pinned_blocks") == [3.0] and counter("pin_errors") == [0.0]
     log = server.log_text()
     assert f"[KVPoolStoreConnector] role=kv_both, backend={backend}" in log
     assert "half=worker" in log and "half=scheduler" in log
     if backend == "mooncake":
-        # Probing took no lease and every load released its own: nothing is left pinned.
+        # Probing took no lease, and the worker released the pins of its load (another
+        # process than the scheduler that took them): nothing is left pinned.
         with Client(kvpool_master.address, timeout_s=10) as client:
             pool = client.stats()
         assert pool["active_leases"] == 0 and pool["objects"] == 3

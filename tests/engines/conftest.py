@@ -27,6 +27,7 @@ from kvpool.testing.processes import start_master
 
 OBJECT_SIZE = 1 << 20
 CAPACITY = 4  # objects of OBJECT_SIZE a pool holds
+LEASE_TTL_MS = 3000  # each pool's lease TTL: what a POOL_TTL pin lasts
 # Tests pin as these owners; both are released after each test.
 OWNER = "contract-owner"
 HOLDER = "contract-holder"
@@ -65,7 +66,8 @@ class Kind:
 
 @contextlib.contextmanager
 def embedded() -> Iterator[Harness]:
-    pool = EmbeddedPool(CAPACITY * OBJECT_SIZE, config=IndexConfig(high_watermark=1.0))
+    config = IndexConfig(high_watermark=1.0, lease_ttl_ms=LEASE_TTL_MS)
+    pool = EmbeddedPool(CAPACITY * OBJECT_SIZE, config=config)
 
     def corrupt(key: str) -> None:
         placement = pool.call(m.Get("contract-damage", key))
@@ -94,6 +96,8 @@ def kvpool_master() -> Iterator[Harness]:
         f"{CAPACITY * OBJECT_SIZE}",
         "--eviction_high_watermark_ratio",
         "1.0",
+        "--default_kv_lease_ttl",
+        f"{LEASE_TTL_MS}",
     )
     with start_master(*flags) as proc, Client(proc.address, timeout_s=5) as backdoor:
 

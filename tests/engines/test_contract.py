@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from kvpool.engines import MISS, PoolEngine
+from kvpool.engines import MISS, POOL_TTL, PoolEngine
 from kvpool.errors import NoSpace, PeerTimeout, TransferError
 from tests.engines.conftest import (
     CAPACITY,
@@ -144,6 +144,18 @@ def test_a_pin_ends_with_its_ttl(engine: PoolEngine) -> None:
     assert isinstance(put_one(engine), NoSpace)
     wait_until(lambda: put_one(engine) is None, timeout_s=10, what="the pin's TTL to end")
     assert engine.batch_exists([pinned]) == [False]
+
+
+def test_a_pool_full_of_pins_refuses_puts_until_the_pools_lease_ttl_ends_them(
+    engine: PoolEngine,
+) -> None:
+    # POOL_TTL is what a request's lookup pins with: the pool's default_kv_lease_ttl, so
+    # pins can make puts wait, never fail for ever.
+    held = fill(engine)
+    assert engine.pin(held, OWNER, POOL_TTL) == CAPACITY
+    assert isinstance(put_one(engine), NoSpace)
+    wait_until(lambda: put_one(engine) is None, timeout_s=30, what="the pins' TTL to end")
+    assert engine.batch_exists(held).count(False) == 1  # one made room for the new put
 
 
 def test_a_full_pool_answers_no_space_per_key(engine: PoolEngine) -> None:

@@ -200,7 +200,7 @@ class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
             if config.backend == "embedded":
                 shared = open_pool(config)
                 shared.prefix_lookup([])  # create the pool now, not on the first lookup
-                self._lookup_server = LookupServer(channel, shared.prefix_lookup, logger)
+                self._lookup_server = LookupServer(channel, shared, logger)
         logger.info(
             "[%s] role=%s, backend=%s, master=%s, load_async=%s, consumer_is_to_put=%s,"
             " lookup_rpc_port=%d, block_size=%d, half=%s",
@@ -269,6 +269,8 @@ class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
             self._lookup_server.close()
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -2,8 +2,10 @@
 
 With ``backend: embedded`` the pool lives inside vLLM's worker process, but lookups come
 from the scheduler, which ``vllm serve`` runs in another process (EngineCore).  The worker
-therefore answers ``prefix_lookup`` on a Unix socket, and the scheduler half asks there.
-(With a master, both halves talk to the master and this channel is not used.)
+therefore answers ``prefix_lookup`` on a Unix socket, and the scheduler half asks there;
+it also takes and ends the pins of a request's hit there (``pin``, ``release``), since the
+scheduler pins what its lookup found.  (With a master, both halves talk to the master and
+this channel is not used.)
 
 The socket's name is derived from what both halves share and no other instance has: vLLM's
 ``instance_id`` (a nanosecond timestamp taken when the config is made), the ``engine_id``,
@@ -12,8 +14,9 @@ value) never collides between two instances on one host — not even a P and a D
 an ``engine_id`` as the production guide pairs them — and no TCP port is taken.
 
 Wire format: kvpool's frames (:mod:`kvpool.protocol.codec`), one request per round trip
-on a persistent connection: a :class:`Lookup` (the keys), answered by a :class:`Found`
-(how many leading keys are present) or a :class:`Failed` (the worker's error message).
+on a persistent connection: a :class:`Lookup` (the keys), a :class:`PinKeys` or a
+:class:`ReleasePins`, answered by a :class:`Found` (how many leading keys are present,
+pinned, or released) or a :class:`Failed` (the worker's error message).
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import os
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from kvpool.engines import PoolEngine
 from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
 from kvpool.transfer import framing
@@ -43,6 +47,8 @@ __all__ = [
     "Lookup",
     "LookupClient",
     "LookupServer",
+    "PinKeys",
+    "ReleasePins",
     "channel_path",
 ]
 
@@ -51,6 +57,20 @@ class Lookup(msgspec.Struct, frozen=True, tag=True):
     """How many leading ``keys`` does the pool hold?"""
 
     keys: list[str]
+
+
+class PinKeys(msgspec.Struct, frozen=True, tag=True):
+    """Pin ``keys`` for ``owner`` (a request) for ``ttl_ms``; how many are pinned?"""
+
+    keys: list[str]
+    owner: str
+    ttl_ms: int
+
+
+class ReleasePins(msgspec.Struct, frozen=True, tag=True):
+    """End every pin of ``owner``; how many ended?"""
+
+    owner: str
 
 
 class Found(msgspec.Struct, frozen=True, tag=True):
@@ -64,7 +84,9 @@ class Failed(msgspec.Struct, frozen=True, tag=True):
 
 
 # A lookup of a 1M-token prompt is ~300 KiB; anything over 64 MiB is junk.
-LOOKUP_CODEC: Codec[Lookup] = Codec(Lookup, max_body=64 << 20, max_payload=0)
+LOOKUP_CODEC: Codec[Lookup | PinKeys | ReleasePins] = Codec(
+    Lookup | PinKeys | ReleasePins, max_body=64 << 20, max_payload=0
+)
 REPLY_CODEC: Codec[Found | Failed] = Codec(Found | Failed, max_payload=0)
 # Once a request has started, the rest of it must arrive within this long.
 _REQUEST_TIMEOUT_S = 30.0
@@ -81,14 +103,21 @@ def channel_path(
     return str(base / f"kvpool-lookup-{digest}.sock")
 
 
-class LookupServer:
-    """Answers ``prefix_lookup`` for the scheduler, from a thread of the worker process."""
+def _answer(pool: PoolEngine, request: Lookup | PinKeys | ReleasePins) -> int:
+    if isinstance(request, Lookup):
+        return pool.prefix_lookup(request.keys)
+    if isinstance(request, PinKeys):
+        return pool.pin(request.keys, request.owner, request.ttl_ms)
+    return pool.release(request.owner)
 
-    def __init__(
-        self, path: str, lookup: Callable[[list[str]], int], logger: logging.Logger
-    ) -> None:
+
+class LookupServer:
+    """Answers the scheduler's lookups, pins and releases on ``pool``, from a thread of the
+    worker process."""
+
+    def __init__(self, path: str, pool: PoolEngine, logger: logging.Logger) -> None:
         self.path = path
-        self._lookup = lookup
+        self._pool = pool
         self._log = logger
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a leftover of this very instance (names are per instance)
@@ -124,7 +153,7 @@ class LookupServer:
                     reply = Failed(f"ProtocolError: {got.error}")
                 else:
                     try:
-                        reply = Found(int(self._lookup(got[0].keys)))
+                        reply = Found(int(_answer(self._pool, got[0])))
                     except Exception as exc:  # the scheduler treats any error as a miss
                         reply = Failed(f"{type(exc).__name__}: {exc}")
                 try:
@@ -144,7 +173,8 @@ class LookupServer:
 
 
 class LookupClient:
-    """The scheduler's view of the embedded pool: ``prefix_lookup`` only, over the channel."""
+    """The scheduler's view of the embedded pool over the channel: ``prefix_lookup``,
+    ``pin`` and ``release``."""
 
     engine = "embedded"
 
@@ -160,19 +190,26 @@ class LookupClient:
             raise TransferError(f"lookup channel {path} not reachable: {exc}") from exc
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:
+        return self._ask(Lookup(list(keys)))
+
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        return self._ask(PinKeys(list(keys), owner, ttl_ms)) if keys else 0
+
+    def release(self, owner: str) -> int:
+        return self._ask(ReleasePins(owner))
+
+    def _ask(self, request: Lookup | PinKeys | ReleasePins) -> int:
         try:
-            reply, _ = framing.call(
-                self._sock, LOOKUP_CODEC, REPLY_CODEC, Lookup(list(keys)), self._timeout_s
-            )
+            reply, _ = framing.call(self._sock, LOOKUP_CODEC, REPLY_CODEC, request, self._timeout_s)
         except PeerTimeout as exc:
             raise PeerTimeout(f"lookup channel {self._path}: no answer in time") from exc
         except (TransferError, ProtocolError) as exc:
             raise TransferError(f"lookup channel {self._path}: {exc}") from exc
         if isinstance(reply, Failed):
-            raise TransferError(f"lookup failed in the worker: {reply.message}")
+            raise TransferError(f"{type(request).__name__} failed in the worker: {reply.message}")
         return reply.count
 
-    # The rest of PoolEngine: the scheduler half only looks up.
+    # The rest of PoolEngine: the scheduler half only looks up and pins.
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         raise NotImplementedError("the lookup channel only answers lookups")
 
@@ -186,12 +223,6 @@ class LookupClient:
         raise NotImplementedError("the lookup channel only answers lookups")
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
-    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
-    def release(self, owner: str) -> int:
         raise NotImplementedError("the lookup channel only answers lookups")
 
     def remove(self, key: str) -> bool:

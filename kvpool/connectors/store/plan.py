@@ -20,16 +20,24 @@ __all__ = ["LoadSpec", "SaveSpec", "StorePlan"]
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Copy the pool objects ``keys[rank]`` into the engine blocks ``block_ids``."""
+    """Copy the pool objects ``keys[rank]`` into the engine blocks ``block_ids``.
+
+    ``owners[rank]`` is the pin owner under which the scheduler's lookup pinned that rank's
+    keys (empty when it pinned nothing): the worker of that rank releases it once its copy
+    is done, so the pins end as soon as they have served.
+    """
 
     req_id: str
     block_ids: tuple[int, ...]
     keys: tuple[tuple[str, ...], ...]
     is_async: bool
+    owners: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if any(len(rank_keys) != len(self.block_ids) for rank_keys in self.keys):
             raise ValueError("LoadSpec: every rank needs one key per block")
+        if self.owners and len(self.owners) != len(self.keys):
+            raise ValueError("LoadSpec: one pin owner per rank, or none")
 
 
 @dataclass(frozen=True, slots=True)

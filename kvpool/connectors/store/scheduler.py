@@ -2,7 +2,8 @@
 
 Runs in vLLM's engine-core process.  It never touches KV bytes: it asks the pool how long
 a request's cached prefix is (``prefix_lookup``: no lease, so probing never pins anything),
-and each step tells the worker half which blocks to load and which to save.
+pins the blocks it will load for that request, and each step tells the worker half which
+blocks to load and which to save.
 
 Rules:
 - Keys come from :func:`kvpool.core.keys.chunk_keys` over the request's token ids, one chain
@@ -15,6 +16,14 @@ Rules:
   is written again and the pool heals.
 - Any pool failure during a lookup is a miss: a dead pool slows requests down, never
   fails them.
+- A hit is pinned for its request (owner: :func:`pin_owner`, one per rank, named in the
+  :class:`~kvpool.connectors.store.plan.LoadSpec` so the worker can release it), for the
+  pool's lease TTL (``default_kv_lease_ttl``): the probe itself stays lease-free, so
+  probing never starves eviction (Mooncake #2187), but what a request is about to load is
+  not evicted under it.  A pin ends when the worker has loaded the blocks, at once when
+  vLLM admits the request without a load, when the request finishes or aborts, or at the
+  TTL, whichever comes first.  A block gone between the probe and the pin shortens the hit
+  (asked again, now that the rest is pinned); a failed pin leaves the hit unprotected.
 - Only what decides the KV may share a key: a LoRA adapter or a request's ``cache_salt``
   goes into its namespace, and a request whose KV depends on more than token ids
   (multimodal inputs, prompt embeddings) is neither looked up nor saved.
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,9 +46,9 @@ from typing import Any
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
-from kvpool.engines import PoolEngine
+from kvpool.engines import POOL_TTL, PoolEngine
 
-__all__ = ["StoreScheduler"]
+__all__ = ["StoreScheduler", "pin_owner"]
 
 _WARN_EVERY_S = 30.0
 
@@ -57,6 +67,24 @@ def _present_prefix(pool: PoolEngine, keys: list[list[str]]) -> int:
     return found
 
 
+def pin_owner(scope: str, req_id: str, rank: int, generation: int = 1) -> str:
+    """The pin owner of one request's blocks of one rank: ``scope`` keeps two vLLM
+    instances that reuse a request id (a P and a D behind one proxy) apart, and
+    ``generation`` a request's later lookup (after a preemption) apart from the pins of
+    an earlier load, which that load's worker releases in its own time."""
+    return f"kvpool-req/{scope}/{req_id}/{generation}/{rank}"
+
+
+def _pin_ranks(pool: PoolEngine, keys: list[list[str]], owners: Sequence[str]) -> list[int]:
+    """Pin each rank's keys under its owner: how many each rank's pin holds."""
+    pairs = zip(keys, owners, strict=True)
+    return [pool.pin(rank_keys, owner, POOL_TTL) for rank_keys, owner in pairs]
+
+
+def _release_ranks(pool: PoolEngine, owners: Sequence[str]) -> int:
+    return sum(pool.release(owner) for owner in owners)
+
+
 @dataclass(slots=True)
 class _Request:
     """What the scheduler half remembers about one live request."""
@@ -70,6 +98,8 @@ class _Request:
     saved_blocks: int = 0  # blocks [0, saved_blocks) are in the pool or being written
     query_tokens: int = 0  # the last lookup's query size, until vLLM admits the request
     load: LoadSpec | None = None  # the last load planned, to map failed blocks back
+    pinned: bool = False  # holds pins the scheduler must release (not handed to a load)
+    pin_generation: int = 0  # of the owners: one more for each set handed to a load
 
     def tokens(self) -> Sequence[int]:
         return self.request.all_token_ids  # type: ignore[no-any-return]
@@ -86,6 +116,8 @@ class StoreScheduler:
         saves: bool,
         load_async: bool,
         logger: logging.Logger,
+        pin_hits: bool = True,
+        pin_scope: str | None = None,
     ) -> None:
         self._ns = [namespace.for_rank(r) for r in range(namespace.tp_size)]
         self._bs = namespace.chunk_size
@@ -93,6 +125,8 @@ class StoreScheduler:
         self._saves = saves
         self._load_async = load_async
         self._log = logger
+        self._pin_hits = pin_hits  # off only to measure what pins are worth (bench)
+        self._scope = pin_scope or uuid.uuid4().hex[:12]
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
         self.counters: Counter[str] = Counter()
@@ -176,10 +210,53 @@ class StoreScheduler:
         state.query_tokens = n_tokens - num_computed_tokens
         state.saved_blocks = max(state.saved_blocks, found)
         hit_blocks = max(0, min(found, usable_blocks))
+        if self._pin_hits and hit_blocks * self._bs > num_computed_tokens:
+            hit_blocks = self._pin_hit(state, keys, num_computed_tokens // self._bs, hit_blocks)
         new_tokens = hit_blocks * self._bs - num_computed_tokens
         if new_tokens <= 0:
             return 0, False
         return new_tokens, self._load_async
+
+    def _owners(self, state: _Request) -> tuple[str, ...]:
+        gen = state.pin_generation
+        return tuple(pin_owner(self._scope, state.req_id, r, gen) for r in range(len(self._ns)))
+
+    def _pin_hit(self, state: _Request, keys: list[list[BlockKey]], first: int, hit: int) -> int:
+        """Pin chunks [first, hit) of every rank for the request; the hit that stays (shorter
+        when a chunk went away between the probe and the pin)."""
+        if not state.pinned:  # a new set of pins (the last one, if any, went to a load)
+            state.pinned = True  # from now on something may be pinned: released at the end
+            state.pin_generation += 1
+        wanted = [[k.hex for k in rank_keys[first:hit]] for rank_keys in keys]
+        try:
+            counts = self._pool.call(partial(_pin_ranks, keys=wanted, owners=self._owners(state)))
+        except Exception as exc:  # an unprotected hit is still a hit
+            self.counters["pin_errors"] += 1
+            self._warn(f"pin failed, the hit is not protected: {type(exc).__name__}: {exc}")
+            return hit
+        self.counters["pinned_blocks"] += sum(counts)
+        if all(n == hit - first for n in counts):
+            return hit
+        # A chunk left between the probe and the pin; the pinned ones cannot leave now, so
+        # a second probe gives a hit that stays.
+        try:
+            found = self._pool.call(
+                partial(_present_prefix, keys=[[k.hex for k in ks[:hit]] for ks in keys])
+            )
+        except Exception:
+            return first
+        return max(first, min(hit, found))
+
+    def _release(self, state: _Request) -> None:
+        """End the request's pins now (best effort: the TTL ends them otherwise)."""
+        if not state.pinned:
+            return
+        state.pinned = False
+        try:
+            self._pool.call(partial(_release_ranks, owners=self._owners(state)))
+        except Exception as exc:
+            self.counters["pin_errors"] += 1
+            self._warn(f"release of pins failed, they end at their TTL: {exc}")
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
@@ -192,6 +269,7 @@ class StoreScheduler:
             self.counters["hit_tokens"] += max(num_external_tokens, 0)
             state.query_tokens = 0
         if num_external_tokens <= 0:
+            self._release(state)  # vLLM admitted it without a load: the pins served nothing
             return
         if state.local_tokens % self._bs or num_external_tokens % self._bs:
             raise ValueError(
@@ -206,7 +284,9 @@ class StoreScheduler:
             block_ids=tuple(block_ids[first:end]),
             keys=tuple(tuple(k.hex for k in rank_keys[first:end]) for rank_keys in keys),
             is_async=self._load_async,
+            owners=self._owners(state) if state.pinned else (),
         )
+        state.pinned = False  # the workers release them once they have loaded
         state.load = spec
         self._pending_loads = [s for s in self._pending_loads if s.req_id != state.req_id]
         self._pending_loads.append(spec)
@@ -275,8 +355,15 @@ class StoreScheduler:
     def request_finished(self, request: Any) -> None:
         # A planned load stays planned even if the request was aborted meanwhile: vLLM
         # holds its blocks until the worker reports the load finished, so the worker must
-        # see it (it skips the copy of a request it knows is finished).
-        self._requests.pop(request.request_id, None)
+        # see it (it skips the copy of a request it knows is finished).  Its pins are then
+        # the worker's to release; those of a lookup that led to no load end here.
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            self._release(state)
+
+    def close(self) -> None:
+        """Close the scheduler's pool connection (pins still held end at their TTL)."""
+        self._pool.close()
 
     @property
     def num_tracked(self) -> int:

@@ -11,6 +11,8 @@ lookups         requests the scheduler asked the pool about
 query_tokens    prompt tokens asked for beyond vLLM's own prefix-cache hit
 hit_tokens      tokens the pool supplied (the denominator is query_tokens)
 lookup_errors   lookups that failed (pool down): counted as misses
+pinned_blocks   blocks a lookup pinned for its request until they are loaded
+pin_errors      pins or releases that failed: a hit left unprotected, or a pin left to its TTL
 loaded_blocks   blocks copied from the pool into the KV cache
 failed_blocks   blocks whose load failed (miss, corrupt, pool down): recomputed
 dropped_blocks  unreadable objects removed from the pool so a recomputed copy replaces them
@@ -35,6 +37,8 @@ COUNTERS = (
     "query_tokens",
     "hit_tokens",
     "lookup_errors",
+    "pinned_blocks",
+    "pin_errors",
     "loaded_blocks",
     "failed_blocks",
     "dropped_blocks",

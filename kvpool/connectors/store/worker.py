@@ -11,6 +11,10 @@ Rules:
   listed but unreadable is removed, so the recomputed copy replaces it.
 - Every async load is reported as finished exactly once, failed or not, aborted or not:
   vLLM holds the request's blocks until then.
+- The pins the scheduler's lookup took for a load (``LoadSpec.owners``) are released as
+  soon as this rank's copy ends, however it ends, and before an unreadable object is
+  dropped (a pinned object cannot be removed); a release that fails is left to the pins'
+  TTL.
 - Saves happen in ``wait_for_save``, after the step's forward pass, synchronously: a block
   is never freed or reused while it is being written out.  A failed save only costs a
   future hit.
@@ -27,7 +31,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -53,6 +57,10 @@ def _get_into(pool: PoolEngine, keys: Sequence[str], views: Sequence[memoryview]
 
 def _remove(pool: PoolEngine, key: str) -> bool:
     return pool.remove(key)
+
+
+def _release(pool: PoolEngine, owner: str) -> int:
+    return pool.release(owner)
 
 
 def _put_from(
@@ -115,6 +123,35 @@ class StoreWorker:
     def _load(
         self, spec: LoadSpec, handle: PoolHandle, cancel: threading.Event | None
     ) -> LoadResult:
+        owner = spec.owners[self._rank] if spec.owners else None
+        unpinned = False
+
+        def unpin() -> None:  # once, as soon as the pins have served
+            nonlocal unpinned
+            if owner is not None and not unpinned:
+                unpinned = True
+                self._unpin(handle, owner)
+
+        try:
+            return self._copy(spec, handle, cancel, unpin)
+        finally:
+            unpin()
+
+    def _unpin(self, handle: PoolHandle, owner: str) -> None:
+        """The load's pins have served: let the pool evict those blocks again."""
+        try:
+            handle.call(partial(_release, owner=owner))
+        except Exception:  # the pins' TTL ends them anyway
+            with self._lock:
+                self.counters["pin_errors"] += 1
+
+    def _copy(
+        self,
+        spec: LoadSpec,
+        handle: PoolHandle,
+        cancel: threading.Event | None,
+        unpin: Callable[[], None],
+    ) -> LoadResult:
         paged = self.paged
         keys = spec.keys[self._rank]
         if paged is None:
@@ -139,6 +176,7 @@ class StoreWorker:
                     type(failure).__name__,
                     failure,
                 )
+                unpin()  # the load is over, and a pinned object cannot be removed
                 dropped = int(self._drop_unreadable(handle, key, failure))
                 failed = frozenset(spec.block_ids[start + good :])
                 return LoadResult(spec.req_id, loaded, failed, dropped)

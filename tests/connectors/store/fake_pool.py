@@ -1,8 +1,10 @@
 """A test double of a pool engine (:class:`kvpool.engines.PoolEngine`), in memory.
 
 Only for unit tests of the store connector: it keeps the engine's rules (per-key batch
-answers, a duplicate put is a no-op, a failed read is a miss) and lets a test break things
-on purpose (an outage, a corrupt or missing object, a write conflict).
+answers, a duplicate put is a no-op, a failed read is a miss, a pin lasts until its owner's
+release or its TTL on the pool's clock ``now_ms``) and lets a test break things on purpose
+(an outage, a corrupt or missing object, a write conflict, a fill that evicts everything
+not pinned).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.engines import MISS
-from kvpool.errors import KVPoolError, PeerTimeout, WriteConflict
+from kvpool.engines import MISS, POOL_TTL
+from kvpool.errors import KVPoolError, ObjectBusy, PeerTimeout, WriteConflict
 
 __all__ = ["FakePool"]
 
@@ -23,7 +25,9 @@ class FakePool:
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.parents: dict[str, str | None] = {}
-        self.pins: dict[str, set[str]] = {}
+        self.pins: dict[str, dict[str, int]] = {}  # owner -> key -> expiry (ms)
+        self.now_ms = 0
+        self.lease_ttl_ms = 11_000  # what a POOL_TTL pin lasts
         self.calls: Counter[str] = Counter()
         self.down = False
         self.corrupt: set[str] = set()
@@ -87,16 +91,34 @@ class FakePool:
 
     def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
         self._check("pin")
+        expiry = self.now_ms + (self.lease_ttl_ms if ttl_ms == POOL_TTL else ttl_ms)
         held = [k for k in keys if k in self.objects]
-        self.pins.setdefault(owner, set()).update(held)
+        mine = self.pins.setdefault(owner, {})
+        for key in held:
+            mine[key] = max(mine.get(key, 0), expiry)
         return len(held)
 
     def release(self, owner: str) -> int:
         self._check("release")
-        return len(self.pins.pop(owner, ()))
+        return len(self.pins.pop(owner, {}))
+
+    def pinned(self) -> set[str]:
+        """Keys some owner pins now (unexpired on ``now_ms``)."""
+        return {k for held in self.pins.values() for k, exp in held.items() if exp > self.now_ms}
+
+    def fill(self) -> int:
+        """What a fill by other traffic does to a full pool: every object nobody pins now is
+        evicted.  Returns how many were."""
+        keep = self.pinned()
+        gone = [k for k in self.objects if k not in keep]
+        for key in gone:
+            del self.objects[key]
+        return len(gone)
 
     def remove(self, key: str) -> bool:
         self._check("remove")
+        if key in self.pinned():
+            raise ObjectBusy(f"{key} is pinned")
         return self.objects.pop(key, None) is not None
 
     def health(self) -> dict[str, Any]:

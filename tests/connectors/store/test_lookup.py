@@ -42,11 +42,14 @@ def test_lookup_round_trip_and_worker_errors(tmp_path: Path) -> None:
     pool = FakePool()
     pool.objects.update({"a": b"1", "b": b"2"})
     path = str(tmp_path / "ch.sock")
-    server = LookupServer(path, pool.prefix_lookup, LOG)
+    server = LookupServer(path, pool, LOG)
     try:
         client = LookupClient(path, timeout_s=5)
         assert client.prefix_lookup(["a", "b", "c"]) == 2
         assert client.prefix_lookup(["c", "a"]) == 0
+        # The scheduler pins its hits over the same channel, and ends them there.
+        assert client.pin(["a", "c", "b"], "req-1", 0) == 2 and pool.pinned() == {"a", "b"}
+        assert client.release("req-1") == 2 and pool.pinned() == set()
         pool.down = True
         with pytest.raises(TransferError, match="PeerTimeout"):
             client.prefix_lookup(["a"])
@@ -71,7 +74,7 @@ def test_the_channel_speaks_kvpools_frames(tmp_path: Path) -> None:
     pool = FakePool()
     pool.objects["a"] = b"1"
     path = str(tmp_path / "ch.sock")
-    server = LookupServer(path, pool.prefix_lookup, LOG)
+    server = LookupServer(path, pool, LOG)
     try:
         with socket.socket(socket.AF_UNIX) as raw:
             raw.connect(path)
