@@ -40,7 +40,7 @@ def fill(idx: ObjectIndex) -> list[Demote]:
 
 def test_a_copy_in_flight_is_invisible_and_keeps_its_memory() -> None:
     idx = make()
-    (copy,) = fill(idx)
+    fill(idx)
     assert idx.state_of("a") is State.DEMOTING
     assert not idx.exists("a") and idx.prefix_lookup(["a", "b"]) == 0
     assert idx.usage(Tier.MEMORY) == (30, 30)  # not reused under the copy
