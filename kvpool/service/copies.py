@@ -57,6 +57,7 @@ class Copies:
         self.wakeup: Callable[[], object] = lambda: None
         self._reports: queue.SimpleQueue[tuple[Demote, bool]] = queue.SimpleQueue()
         self._in_flight: dict[_CopyId, tuple[Demote, int]] = {}  # -> (event, started)
+        self.reported = 0  # outcomes taken so far
 
     def __len__(self) -> int:
         return len(self._in_flight)
@@ -81,6 +82,7 @@ class Copies:
             try:
                 event, ok = self._reports.get_nowait()
             except queue.Empty:
+                self.reported += len(out)
                 return out
             out.append((event, ok, self._in_flight.pop(copy_id(event), None) is not None))
 

@@ -86,12 +86,12 @@ class MasterService(NodeCopies):
         self.client_addresses: dict[str, tuple[str, str]] = {}  # id -> (data addr, token)
         self.local: dict[str, LocalStorage] = {}  # storage hosted in this very process
         self.node_links = NodeLinks()  # demotions and SSD deletions on remote nodes
-        # a node's copy not reported in this long is abandoned; a put waits for room this long
         self.copies = Copies(self.node_links, int(self.node_links.timeout_s * 1000))
         self.room_wait_ms = 1000  # how long a put may wait for room a copy makes
+        self.catalog_wait_ms = 2 * heartbeat_interval_ms + 2000  # ... for its node's catalog
         self.laters: list[Later] = []  # replies the server holds, resolved by settle()
         self.may_wait = False  # the put being handled may be answered later
-        self.waits = False  # ... and it does
+        self.waits = False  # ... and it does (master_copies.py has the rest)
         self.recent_errors: deque[str] = deque(maxlen=20)
         # per remote storage owner: catalog changes not yet sent with a heartbeat reply
         self.outbox = Outbox()
@@ -293,16 +293,13 @@ class MasterService(NodeCopies):
 
     def _heartbeat(self, req: m.Heartbeat, now: int) -> m.HeartbeatReply:
         self.index.heartbeat(req.client_id, now)
+        self.outbox.confirm(req.client_id)  # it applied the last reply's changes
         changes = self.outbox.take(req.client_id)
         return m.HeartbeatReply(changes.added, changes.removed)
 
     def _restore(self, req: m.Restore, now: int) -> m.Bools:
-        return m.Bools(
-            [
-                self.index.restore(key, req.segment_id, offset, size, checksum, now)
-                for key, offset, size, checksum in req.objects
-            ]
-        )
+        restore, seg = self.index.restore, req.segment_id
+        return m.Bools([restore(k, seg, off, n, csum, now) for k, off, n, csum in req.objects])
 
     def _report_failure(self, req: m.ReportFailure, now: int) -> Ok:
         seg = self.index.registry.segments.get(req.segment_id)

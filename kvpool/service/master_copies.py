@@ -1,6 +1,8 @@
-"""The master's side of nodes' copies: starting them, applying what nodes report, and the
-puts that wait for the room they make (:class:`NodeCopies`, a base of
-:class:`~kvpool.service.master.MasterService`; the why is in :mod:`kvpool.service.copies`).
+"""What the master waits on nodes for, without waiting in its loop (:class:`NodeCopies`, a
+base of :class:`~kvpool.service.master.MasterService`): nodes' copies (starting them,
+applying what they report, the puts that wait for the room they make; the why is in
+:mod:`kvpool.service.copies`), and nodes' catalogs (a put into a node's segment is
+answered once the node has its catalog entry, see :mod:`kvpool.service.catalog`).
 
 Rules: the index is touched on the master's thread only (reports queue up until
 ``settle``, which the server runs when one arrives, and ``handle`` before each request);
@@ -15,7 +17,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvpool.core.index import Demote, Event, ObjectIndex
+from kvpool.errors import PeerTimeout
 from kvpool.protocol import messages as m
+from kvpool.protocol.data import error_reply
 from kvpool.service.catalog import Outbox
 from kvpool.service.copies import Copies, Later
 from kvpool.service.metrics import MasterMetrics
@@ -27,6 +31,9 @@ __all__ = ["NodeCopies"]
 class NodeCopies:
     """Copies in flight on nodes, and replies held for them (see the module docstring)."""
 
+    _settling = False  # settle() is running (a delivery may call it again)
+    _settle_again = False
+
     if TYPE_CHECKING:  # provided by MasterService
         index: ObjectIndex
         metrics: MasterMetrics
@@ -35,6 +42,8 @@ class NodeCopies:
         clock: Callable[[], int]
         client_addresses: dict[str, tuple[str, str]]
         room_wait_ms: int
+        catalog_wait_ms: int
+        heartbeat_interval_ms: int
         laters: list[Later]
         may_wait: bool
         waits: bool
@@ -45,22 +54,86 @@ class NodeCopies:
         def _apply(self, events: list[Event]) -> None: ...
 
     def submit(self, request: m.MasterRequest) -> m.MasterReply | Later:
-        """As ``handle``, but a put that only a node's copy in flight can make room for
-        is a :class:`Later` (the server holds that reply; :meth:`settle` resolves it).
-        ``handle`` alone answers such a put NoSpace at once."""
-        if type(request) is not m.PutStart and type(request) is not m.BatchPutStart:
-            return self.handle(request)
+        """As ``handle``, but some replies wait (the server holds them; :meth:`settle`
+        answers them): a put that only a node's copy in flight can make room for; a put
+        into a node's segment until the node has its catalog entry; and a node's
+        heartbeat until there is a change for it (a long poll).  ``handle`` alone never
+        waits: the room a copy would make is NoSpace at once."""
+        kind = type(request)
+        if kind is m.PutStart or kind is m.BatchPutStart:
+            return self._submit_put(request)
+        reply = self.handle(request)
+        if isinstance(reply, m.HeartbeatReply) and not (reply.added or reply.removed):
+            assert isinstance(request, m.Heartbeat)
+            if request.client_id in self.outbox:
+                return self._later(self._long_poll(request.client_id), self.heartbeat_interval_ms)
+        elif isinstance(request, (m.PutEnd, m.BatchPutEnd)):
+            keys = [request.key] if isinstance(request, m.PutEnd) else request.keys
+            need = self._unconfirmed(keys)
+            if need:
+                return self._later(self._confirmed(need, reply), self.catalog_wait_ms)
+        return reply
+
+    def _later(self, retry: Callable[[bool], m.MasterReply | None], wait_ms: int) -> Later:
+        later = Later(retry, self.clock() + wait_ms)
+        self.laters.append(later)
+        return later
+
+    def _long_poll(self, owner: str) -> Callable[[bool], m.MasterReply | None]:
+        def retry(final: bool) -> m.MasterReply | None:
+            if not final and not self.outbox.has_changes(owner):
+                return None
+            changes = self.outbox.take(owner)
+            return m.HeartbeatReply(changes.added, changes.removed)
+
+        return retry
+
+    def _unconfirmed(self, keys: list[str]) -> dict[str, int]:
+        """Node -> how many catalog adds it must confirm before these puts are answered."""
+        need: dict[str, int] = {}
+        outbox = self.outbox
+        for key in keys:
+            loc = self.index.location_of(key)
+            if loc is not None and loc.client_id in outbox:
+                seq = outbox.seq(loc.client_id)
+                if outbox.confirmed(loc.client_id) < seq:
+                    need[loc.client_id] = seq
+        return need
+
+    def _confirmed(
+        self, need: dict[str, int], reply: m.MasterReply
+    ) -> Callable[[bool], m.MasterReply | None]:
+        def retry(final: bool) -> m.MasterReply | None:
+            if all(self.outbox.confirmed(o) >= seq for o, seq in need.items()):
+                return reply
+            if not final:
+                return None
+            return error_reply(
+                PeerTimeout(
+                    f"the node(s) {', '.join(sorted(need))} did not confirm the put in "
+                    f"{self.catalog_wait_ms} ms: it may not survive a master restart"
+                )
+            )
+
+        return retry
+
+    def _submit_put(self, request: m.MasterRequest) -> m.MasterReply | Later:
         reply = self._try_put(request)
         if reply is not None:
             return reply
-        deadline = self.clock() + self.room_wait_ms
+        seen = self.copies.reported
 
         def retry(final: bool) -> m.MasterReply | None:
-            return self.handle(request) if final else self._try_put(request)
+            nonlocal seen
+            if final:  # the nodes that did not answer in time lose their copies
+                self._abandon(self.copies.overdue(self.clock(), self.room_wait_ms))
+                return self.handle(request)
+            if self.copies.reported == seen:
+                return None  # no copy ended since the last try
+            seen = self.copies.reported
+            return self._try_put(request)
 
-        later = Later(retry, deadline)
-        self.laters.append(later)
-        return later
+        return self._later(retry, self.room_wait_ms)
 
     def _try_put(self, request: m.MasterRequest) -> m.MasterReply | None:
         """The put's reply, or None when it waits for room a copy in flight makes."""
@@ -73,27 +146,29 @@ class NodeCopies:
         return None if waits else reply
 
     def settle(self, expire: bool = False) -> None:
-        """Apply what nodes reported, and answer the held replies that can be: when a
-        copy ended (room may be free), or at their deadline.  ``expire`` (the periodic
-        tick): abandon the copies past their deadline first."""
+        """Apply what nodes reported, and answer the held replies that can be.
+        ``expire`` (the periodic tick): abandon the copies past their deadline first."""
         if expire and len(self.copies):
             self._abandon(self.copies.overdue(self.clock()))
-        progressed = self._settle_copies()
-        if not self.laters:
+        self._settle_copies()
+        if self._settling:  # a delivery served more requests: the outer pass goes again
+            self._settle_again = True
             return
-        now = self.clock()
-        for later in list(self.laters):
-            if later.deliver is None:
-                continue  # the server has not taken it yet
-            final = now >= later.deadline_ms
-            if final:  # the nodes that did not answer in time lose their copies
-                self._abandon(self.copies.overdue(now, self.room_wait_ms))
-            elif not progressed:
-                continue
-            reply = later.retry(final)
-            if reply is not None:
-                self.laters.remove(later)
-                later.deliver(reply)
+        self._settling = True
+        try:
+            self._settle_again = True
+            while self._settle_again and self.laters:
+                self._settle_again = False
+                now = self.clock()
+                for later in list(self.laters):
+                    if later.deliver is None or later not in self.laters:
+                        continue  # the server has not taken it yet, or it was answered
+                    reply = later.retry(now >= later.deadline_ms)
+                    if reply is not None:
+                        self.laters.remove(later)
+                        later.deliver(reply)
+        finally:
+            self._settling = False
 
     def _settle_copies(self) -> bool:
         """Apply the nodes' copy reports; True when any arrived."""

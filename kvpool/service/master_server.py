@@ -84,12 +84,15 @@ class _RpcProtocol(asyncio.Protocol):
                     self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(exc)))
                     continue
                 if frame is None:
+                    if self.service.laters:  # what this connection did may answer them
+                        self.service.settle()
                     return
                 reply = self.service.submit(frame.message)
                 if isinstance(reply, Later):
                     self.waiting = reply
                     reply.deliver = self._deliver
                     self.transport.pause_reading()
+                    self.service.settle()  # e.g. a node's held heartbeat can go now
                     return
                 self.transport.write(MASTER_REPLY_CODEC.encode(reply))
         except ProtocolError as exc:
