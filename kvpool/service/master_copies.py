@@ -183,8 +183,10 @@ class NodeCopies:
                 self.outbox.remove(owner, event.key)
             elif in_flight:
                 self._abandon([event])
-            elif ok and self.index.location_of(event.key) is None:
-                self._remote_ssd_remove(owner, [event.key])  # copied after we gave up
+            # A copy that ended after it was abandoned may leave a file: it is not
+            # deleted from here, since the node may have re-announced it meanwhile (a
+            # delete racing that would take a listed object's file); the node's next
+            # announcement serves it or deletes it.
         return bool(reports)
 
     def _abandon(self, events: list[Demote]) -> None:

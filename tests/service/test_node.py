@@ -198,7 +198,8 @@ def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
             assert files
             key = sorted(files)[0]
             assert c.remove(key)
-            assert not files[key].exists()
+            # the node's link thread deletes it: off the master's loop, soon after
+            wait_until(lambda: not files[key].exists(), what="the node deleted the file")
             assert not c.exists(key)
 
 
