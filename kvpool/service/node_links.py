@@ -10,8 +10,9 @@ and every client for 10 s per object).  Each node gets one worker thread, with i
 blocking :class:`~kvpool.transfer.segment_client.SegmentConnection` and a bounded queue;
 every call on it ends within ``timeout_s``.  A demotion's outcome comes back through the
 ``done`` callback, on the worker's thread (the master hands it to its loop); a job that
-finds the queue full fails at once, so a stalled node costs bounded memory and its
-objects are dropped rather than waited for.
+finds the queue full fails at once, and one that waited longer than ``timeout_s`` behind
+a silent node fails without being sent, so a stalled node costs bounded memory and time,
+and its objects are dropped rather than waited for.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from kvpool.closing import Closing
@@ -95,8 +97,13 @@ class NodeLinks(Closing):
         gets the outcome (on the worker's thread, or on the caller's when the node's
         queue is full)."""
 
+        expires = time.monotonic() + self.timeout_s
+
         def job(conn: SegmentConnection) -> None:
             src = event.src
+            if time.monotonic() > expires:  # waited behind a silent node: given up already
+                done(event, False)
+                return
             try:
                 conn.demote(src.segment_id, src.offset, src.size, event.key, event.checksum)
             except KVPoolError as exc:
