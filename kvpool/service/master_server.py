@@ -71,8 +71,9 @@ class _RpcProtocol(asyncio.Protocol):
 
     def _serve(self) -> None:
         """Answer the frames received, in order, until one's reply must wait (a put
-        waiting for room a node's copy makes): reading pauses until it is sent, and
-        every other connection is served meanwhile."""
+        waiting for room a node's copy makes, or for its node's catalog entry; a node's
+        long-polled heartbeat): reading pauses until it is sent, and every other
+        connection is served meanwhile."""
         assert self.transport is not None
         try:
             while True:
