@@ -7,12 +7,16 @@ Object life cycle::
                      │                   │
                      └─put_revoke / writer lease expiry──> gone (space reclaimed)
                                          └─(offload) demote: memory extent -> SSD extent
+                                           (a node's copy: READY ─> DEMOTING ─done─> READY
+                                            on SSD; abandoned or failed ─> gone)
 
 Invariants (tested per transition and by property tests over random operation sequences):
 - a PENDING object is invisible: ``exists``, ``prefix_lookup`` and ``get`` see READY only;
 - every object holds exactly one live extent in a registered segment, and a segment's used
   bytes equal the sum of its objects' sizes (``check()`` asserts this);
 - an object with an unexpired read lease or pin is never evicted, demoted or removed;
+- a DEMOTING object is invisible and holds its memory and its SSD extent until its copy
+  is reported done (then it is READY on SSD) or abandoned (then it is gone);
 - probes (``exists``, ``prefix_lookup``) never take or renew a lease;
 - after an eviction round a tier is at or below its high watermark, unless every object
   left in it is leased, pinned or pending;
@@ -29,7 +33,9 @@ location is the SSD extent and the memory extent is free) and the index returns 
 :class:`Demote` effect that the caller must carry out, copying the bytes, before it hands
 out any later reservation; if the copy fails the caller reports ``demote_failed`` and the
 object is dropped.  Readers verify checksums end to end, so a copy that was overtaken is a
-miss, never wrong bytes.
+miss, never wrong bytes.  An owner whose copies are deferred (``defer_copies``: a node,
+which copies while the master serves others) gets ``in_flight`` Demote effects instead:
+the object is DEMOTING until ``demote_done`` or ``demote_abandoned`` (see placement).
 
 Time is a parameter (``now_ms``); the index never reads a clock.  How room is made
 (allocation, inline eviction, demotion, watermark rounds) is in :mod:`kvpool.core.placement`,
@@ -48,6 +54,7 @@ from kvpool.core.objects import (
     IndexConfig,
     IndexStats,
     Location,
+    NoRoom,
     ObjectRecord,
     ReadGrant,
     Reservation,
@@ -57,7 +64,6 @@ from kvpool.core.placement import IndexPlacement
 from kvpool.core.registry import Tier
 from kvpool.core.space import Extent
 from kvpool.errors import (
-    NoSpace,
     ObjectBusy,
     ObjectNotFound,
     PoolError,
@@ -72,6 +78,7 @@ __all__ = [
     "IndexConfig",
     "IndexStats",
     "Location",
+    "NoRoom",
     "ObjectIndex",
     "ReadGrant",
     "Reservation",
@@ -81,7 +88,7 @@ __all__ = [
 # Module names for the enum members the hot paths test (a global load, not an attribute
 # lookup on the enum class, and never an enum hash: dict lookups keyed by Tier hash it in
 # Python code).
-_READY, _PENDING = State.READY, State.PENDING
+_READY, _PENDING, _DEMOTING = State.READY, State.PENDING, State.DEMOTING
 _MEMORY, _SSD = Tier.MEMORY, Tier.SSD
 
 
@@ -123,10 +130,11 @@ class ObjectIndex(IndexPlacement):
     ) -> tuple[Reservation | None, list[Event]]:
         """Reserve ``size`` bytes for ``key``.
 
-        Returns ``(None, [])`` when the key is already READY: a duplicate put is a no-op.
-        The events are inline evictions and demotions made to find room.
-        Raises WriteConflict when another writer holds the key PENDING, NoSpace when no
-        room can be made.
+        Returns ``(None, [])`` when the key is already READY (or DEMOTING: stored, on
+        its way to SSD): a duplicate put is a no-op.  The events are inline evictions and
+        demotions made to find room.  Raises WriteConflict when another writer holds the
+        key PENDING, :class:`NoRoom` (a NoSpace carrying the events made meanwhile) when
+        no room can be made now.
         """
         if now_ms > self._now:
             self._now = now_ms
@@ -135,7 +143,7 @@ class ObjectIndex(IndexPlacement):
         objects = self._objects
         obj = objects.get(key)
         if obj is not None:
-            if obj.state is _READY:
+            if obj.state is _READY or obj.state is _DEMOTING:
                 return None, []
             if obj.writer != writer and obj.writer_expiry_ms > now_ms:
                 raise WriteConflict(f"{key} is being written by {obj.writer}")
@@ -144,9 +152,17 @@ class ObjectIndex(IndexPlacement):
         placed = self._allocate(_MEMORY, size, now_ms, events)
         if placed is None:
             self.stats.put_failures_no_space += 1
-            raise NoSpace(
+            if self._leaving_total and self._room_coming(self._segments(_MEMORY), size):
+                raise NoRoom(
+                    f"no room for {size} bytes yet: objects are being copied to their "
+                    "node's SSD tier to make it",
+                    events,
+                    coming=True,
+                )
+            raise NoRoom(
                 f"no memory segment can hold {size} bytes: every object is leased, pinned "
-                "or being written (or the object is larger than any segment)"
+                "or being written (or the object is larger than any segment)",
+                events,
             )
         seg, extent = placed
         expiry = now_ms + self.config.writer_ttl_ms
@@ -332,6 +348,8 @@ class ObjectIndex(IndexPlacement):
         """Objects in ``state`` (in ``tier``, or all); kept, not scanned."""
         if state is State.PENDING:
             return self._pending if tier is None or tier is _MEMORY else 0
+        if state is State.DEMOTING:
+            return self._demoting if tier is None or tier is _MEMORY else 0
         return sum(self._ready.values()) if tier is None else self._ready[tier]
 
     def active_leases(self, now_ms: int) -> int:
@@ -351,19 +369,25 @@ class ObjectIndex(IndexPlacement):
     def check(self) -> None:
         """Assert the module's invariants (used by tests)."""
         per_segment: dict[str, int] = {}
+        extents: dict[str, set[tuple[int, int]]] = {}  # segment -> objects' extents
+        leaving: dict[str, int] = {}
         for obj in self._objects.values():
-            seg = obj.segment
-            assert self.registry.segments.get(seg.segment_id) is seg, f"{obj.key}: dead segment"
-            per_segment[seg.segment_id] = per_segment.get(seg.segment_id, 0) + obj.extent.length
+            taken = [(obj.segment, obj.extent)]
+            if obj.state is State.DEMOTING:
+                assert obj.target is not None and not obj.holds, f"{obj.key}: bad copy"
+                taken.append(obj.target)
+                sid = obj.segment.segment_id
+                leaving[sid] = leaving.get(sid, 0) + obj.extent.length
+            for seg, ext in taken:
+                assert self.registry.segments.get(seg.segment_id) is seg, f"{obj.key}: dead"
+                per_segment[seg.segment_id] = per_segment.get(seg.segment_id, 0) + ext.length
+                extents.setdefault(seg.segment_id, set()).add((ext.offset, ext.length))
+        assert leaving == self._leaving and sum(leaving.values()) == self._leaving_total
         for seg in self.registry.segments.values():
             seg.space.check()
             assert seg.space.used == per_segment.get(seg.segment_id, 0), seg.segment_id
             live = {(e.offset, e.length) for e in seg.space.live_extents()}
-            mine = {
-                (o.extent.offset, o.extent.length)
-                for o in self._objects.values()
-                if o.segment is seg
-            }
+            mine = extents.get(seg.segment_id, set())
             assert live == mine, f"{seg.segment_id}: extents and objects disagree"
         objects = list(self._objects.values())
         for tier in Tier:
@@ -372,6 +396,7 @@ class ObjectIndex(IndexPlacement):
             held = sum(1 for o in objects if o.holds and o.segment.tier is tier)
             assert self._held[tier] == held, f"{tier.value}: held count kept wrong"
         assert self._pending == sum(1 for o in objects if o.state is State.PENDING)
+        assert self._demoting == sum(1 for o in objects if o.state is State.DEMOTING)
         assert self._hold_entries == sum(len(o.holds) for o in objects)
         assert not any(o.holds for o in objects if o.state is State.PENDING)
 

@@ -20,6 +20,7 @@ import msgspec
 
 from kvpool.core.registry import Segment, Tier
 from kvpool.core.space import Extent
+from kvpool.errors import NoSpace
 
 __all__ = [
     "Demote",
@@ -28,6 +29,7 @@ __all__ = [
     "IndexConfig",
     "IndexStats",
     "Location",
+    "NoRoom",
     "ObjectRecord",
     "ReadGrant",
     "Reservation",
@@ -38,6 +40,9 @@ __all__ = [
 class State(enum.Enum):
     PENDING = "pending"
     READY = "ready"
+    # being copied to its owner's SSD tier by the owner itself, while the index serves
+    # others: invisible to readers, both extents held until the copy is done or abandoned
+    DEMOTING = "demoting"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +99,32 @@ class Dropped(msgspec.Struct, frozen=True):
 
 
 class Demote(msgspec.Struct, frozen=True):
-    """Copy ``src`` (memory) to ``dst`` (SSD) now; the index already points at ``dst``."""
+    """Copy ``src`` (memory) to ``dst`` (SSD).
+
+    Not ``in_flight`` (an owner that copies at once, in the caller's process): the index
+    already points at ``dst`` and the copy must be done before any later reservation.
+    ``in_flight`` (an owner whose copies are deferred, a node): the object is DEMOTING
+    until the caller reports ``demote_done`` or ``demote_abandoned``."""
 
     key: str
     src: Location
     dst: Location
     checksum: int
+    in_flight: bool = False
 
 
 Event = Dropped | Demote
+
+
+class NoRoom(NoSpace):
+    """NoSpace from ``put_start``, with the effects of the inline evictions it made on
+    the way (the caller must still carry them out).  ``coming``: copies in flight will
+    free enough memory once done (or abandoned), so the put may be tried again then."""
+
+    def __init__(self, message: str, events: list[Event], coming: bool = False) -> None:
+        super().__init__(message)
+        self.events = events
+        self.coming = coming
 
 
 @dataclass(slots=True)
@@ -126,6 +148,8 @@ class ObjectRecord:
     writer_expiry_ms: int
     checksum: int = 0
     holds: dict[str, int] = field(default_factory=dict)  # owner -> expiry (leases and pins)
+    # DEMOTING: the SSD segment and extent reserved for the copy (the memory extent stays)
+    target: tuple[Segment, Extent] | None = None
     # location() made once (a put and every read of the object return it); move() clears it
     _location: Location | None = field(default=None, repr=False, compare=False)
 

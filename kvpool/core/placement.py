@@ -10,6 +10,17 @@ holds the index's state, and ``index.py`` the life cycle of objects, reads and h
     eviction_round(tier, now)           watermark eviction of one tier (``tick`` runs it)
     usage(tier)                         (capacity, used) bytes of a tier
     _drop(obj, reason)                  an object leaves: its space, counts, policy, holds
+    defer_copies(owner) / stall_copies  an owner whose demotions are copied while the index
+                                        serves others (a node), or whose copies stopped
+                                        being answered (its victims are then dropped)
+
+Copies in flight (owners with deferred copies): a demoted object is DEMOTING, invisible,
+and holds both its memory extent and its SSD extent until the caller reports the copy
+done or abandoned, so the memory is never reused under a copy and the SSD copy is never
+read before it exists.  Their memory bytes are *leaving*: an eviction round counts them as
+gone (or it would demote everything while they copy), and a put that only they would make
+room for stops evicting and fails with ``NoRoom(coming=True)``, for the caller to retry
+when they are done, instead of demoting the whole tier for one object.
 
 Rules (the index's invariants, see ``index.py``): only READY objects without an unexpired
 lease or pin are victims (``_evictable``); a put fails with NoSpace only when nothing
@@ -30,6 +41,7 @@ from kvpool.core.objects import (
     Event,
     IndexConfig,
     IndexStats,
+    Location,
     ObjectRecord,
     State,
 )
@@ -41,7 +53,7 @@ __all__ = ["IndexPlacement"]
 # Module names for the enum members the hot paths test (a global load, not an attribute
 # lookup on the enum class, and never an enum hash: dict lookups keyed by Tier hash it in
 # Python code).
-_READY = State.READY
+_READY, _DEMOTING = State.READY, State.DEMOTING
 _MEMORY, _SSD = Tier.MEMORY, Tier.SSD
 
 
@@ -71,6 +83,23 @@ class IndexPlacement:
         self._held: dict[Tier, int] = dict.fromkeys(Tier, 0)  # objects with any hold entry
         self._pending = 0  # PENDING objects (all in memory segments)
         self._hold_entries = 0  # (object, owner) holds present, expired or not
+        self._deferred: set[str] = set()  # owners whose demotions are copied later
+        self._stalled: set[str] = set()  # ... and whose copies stopped being answered
+        self._demoting = 0  # DEMOTING objects
+        self._leaving: dict[str, int] = {}  # memory segment -> bytes of its copies in flight
+        self._leaving_total = 0
+
+    def defer_copies(self, owner: str) -> None:
+        """``owner`` copies its demotions while the index goes on (see the module doc)."""
+        self._deferred.add(owner)
+
+    def stall_copies(self, owner: str, stalled: bool) -> None:
+        """``owner`` stopped answering copies (its victims are dropped, not demoted), or
+        answered again."""
+        if stalled:
+            self._stalled.add(owner)
+        else:
+            self._stalled.discard(owner)
 
     def _expire_holds(self, now_ms: int) -> None:
         """Release every lease and pin expired at ``now_ms`` (the index's own)."""
@@ -81,7 +110,7 @@ class IndexPlacement:
         evictable objects, and more if needed to get back under the watermark."""
         capacity, used = self.usage(tier)
         limit = self.config.high_watermark * capacity
-        if capacity == 0 or used < limit:
+        if capacity == 0 or used - self._leaving_of(tier) < limit:
             return []
         policy = self._policies[tier]
         evictable = self._evictable_count(tier, now_ms)
@@ -95,7 +124,7 @@ class IndexPlacement:
             for key in victims:
                 self._evict(self._objects[key], now_ms, events)
                 evicted += 1
-                if evicted >= want and self.usage(tier)[1] < limit:
+                if evicted >= want and self.usage(tier)[1] - self._leaving_of(tier) < limit:
                     return events
         return events
 
@@ -103,6 +132,18 @@ class IndexPlacement:
         """(capacity, used) bytes over every segment of a tier."""
         segs = self._segments(tier)
         return sum(s.capacity for s in segs), sum(s.space.used for s in segs)
+
+    def _leaving_of(self, tier: Tier) -> int:
+        return self._leaving_total if tier is _MEMORY else 0
+
+    def _room_coming(self, segments: list[Segment], size: int) -> bool:
+        """Copies in flight will make room for ``size`` bytes in one of ``segments``."""
+        leaving = self._leaving
+        return any(
+            seg.segment_id in leaving
+            and seg.space.capacity - seg.space.used + leaving[seg.segment_id] >= size
+            for seg in segments
+        )
 
     def _evictable(self, now_ms: int) -> Callable[[str], bool]:
         """The ``can_evict`` a policy is given: READY, and no unexpired lease or pin.
@@ -159,6 +200,8 @@ class IndexPlacement:
                     extent = space.allocate(size)
                     if extent is not None:
                         return only, extent
+                if self._leaving_total and self._room_coming(segments, size):
+                    return None
                 if not self._evict_one(policy, now_ms, events):
                     return None
         if not any(s.capacity >= size for s in segments):
@@ -167,6 +210,8 @@ class IndexPlacement:
             placed = self._fit(segments, size)
             if placed is not None:
                 return placed
+            if self._leaving_total and self._room_coming(segments, size):
+                return None
             if not self._evict_one(policy, now_ms, events):
                 return None
 
@@ -192,7 +237,12 @@ class IndexPlacement:
 
     def _evict(self, obj: ObjectRecord, now_ms: int, events: list[Event]) -> None:
         if obj.segment.tier is _MEMORY and self.config.enable_offload:
-            dst = self._ssd_room(obj, now_ms, events)
+            owner = obj.segment.client_id
+            stalled = owner in self._stalled
+            dst = None if stalled else self._ssd_room(obj, now_ms, events)
+            if dst is not None and owner in self._deferred:
+                self._start_copy(obj, dst, events)
+                return
             if dst is not None:
                 seg, extent = dst
                 src = obj.location()
@@ -210,6 +260,71 @@ class IndexPlacement:
                 return
         self.stats.evictions += 1
         events.append(self._drop(obj, "evicted"))
+
+    def _start_copy(
+        self, obj: ObjectRecord, dst: tuple[Segment, Extent], events: list[Event]
+    ) -> None:
+        """A deferred demotion: DEMOTING, both extents held, its memory bytes leaving."""
+        self._mem_policy.on_remove(obj.key)
+        self._ready[_MEMORY] -= 1
+        if obj.holds:  # expired ones only (or it would not be a victim): none may read it
+            self._clear_holds(obj)
+        obj.state = _DEMOTING
+        obj.target = dst
+        seg_id = obj.segment.segment_id
+        self._leaving[seg_id] = self._leaving.get(seg_id, 0) + obj.extent.length
+        self._leaving_total += obj.extent.length
+        self._demoting += 1
+        self.stats.demotions += 1
+        seg, extent = dst
+        dst_loc = Location(seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length)
+        events.append(Demote(obj.key, obj.location(), dst_loc, obj.checksum, True))
+
+    def demote_done(self, event: Demote) -> bool:
+        """The owner copied an ``in_flight`` demotion: READY on SSD, its memory extent
+        free.  False when the object is no longer that copy's (abandoned, dropped)."""
+        obj = self._copying(event)
+        if obj is None or obj.target is None:
+            return False
+        seg, extent = obj.target
+        self._end_copy(obj)
+        obj.segment.space.release(obj.extent)
+        obj.move(seg, extent)
+        obj.target = None
+        obj.state = _READY
+        self._ready[_SSD] += 1
+        self._ssd_policy.on_insert(obj.key, obj.parent)
+        return True
+
+    def demote_abandoned(self, event: Demote) -> Dropped | None:
+        """An ``in_flight`` copy failed, or its owner did not answer in time: the object
+        is gone, both extents free (a late copy is refused by the owner's checksum check
+        if the memory was rewritten meanwhile).  None when it was no longer that copy's."""
+        obj = self._copying(event)
+        if obj is None:
+            return None
+        self.stats.demote_failures += 1
+        return self._drop(obj, "demote_failed")
+
+    def _copying(self, event: Demote) -> ObjectRecord | None:
+        obj = self._objects.get(event.key)
+        if obj is None or obj.state is not _DEMOTING or obj.target is None:
+            return None
+        seg, extent = obj.target
+        if seg.segment_id != event.dst.segment_id or extent.offset != event.dst.offset:
+            return None
+        return obj
+
+    def _end_copy(self, obj: ObjectRecord) -> None:
+        """The copy of a DEMOTING object is over, done or not: its bytes left."""
+        seg_id = obj.segment.segment_id
+        left = self._leaving.get(seg_id, 0) - obj.extent.length
+        if left > 0:
+            self._leaving[seg_id] = left
+        else:
+            self._leaving.pop(seg_id, None)
+        self._leaving_total -= obj.extent.length
+        self._demoting -= 1
 
     def _ssd_room(
         self, obj: ObjectRecord, now_ms: int, events: list[Event]
@@ -239,16 +354,25 @@ class IndexPlacement:
         if obj.state is _READY:
             self._ready[seg.tier] -= 1
             (self._mem_policy if seg.tier is _MEMORY else self._ssd_policy).on_remove(key)
+        elif obj.state is _DEMOTING:
+            self._end_copy(obj)
+            if release_space and obj.target is not None:
+                obj.target[0].space.release(obj.target[1])
         else:
             self._pending -= 1
         if obj.holds:
-            self._held[seg.tier] -= 1
-            self._hold_entries -= len(obj.holds)
-            owner_keys = self._owner_keys
-            for owner in obj.holds:
-                keys = owner_keys.get(owner)
-                if keys is not None:
-                    keys.discard(key)
-                    if not keys:
-                        del owner_keys[owner]
+            self._clear_holds(obj)
         return Dropped(key, seg.tier, reason, seg.client_id)
+
+    def _clear_holds(self, obj: ObjectRecord) -> None:
+        self._held[obj.segment.tier] -= 1
+        self._hold_entries -= len(obj.holds)
+        owner_keys = self._owner_keys
+        key = obj.key
+        for owner in obj.holds:
+            keys = owner_keys.get(owner)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del owner_keys[owner]
+        obj.holds = {}

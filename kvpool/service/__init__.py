@@ -9,7 +9,9 @@ The master:
   :mod:`~kvpool.service.status_page` are its HTTP side, :mod:`~kvpool.service.metrics`
   its Prometheus metrics, :mod:`~kvpool.service.snapshot` the pool at a glance.
 - :mod:`kvpool.service.catalog` -- catalog changes owed to nodes with their heartbeats;
-  :mod:`kvpool.service.node_links` -- the master's connections to nodes.
+  :mod:`kvpool.service.node_links` -- the master's connections to nodes, one thread each;
+  :mod:`kvpool.service.copies` and :mod:`~kvpool.service.master_copies` -- nodes' copies
+  in flight and the replies held for them or for a node's catalog, off the event loop.
 
 Storage and nodes:
 

@@ -4,6 +4,17 @@ A node keeps a catalog of the objects it holds, so it can re-announce them to a 
 that restarted.  The master tells it what changed in the reply to its next heartbeat;
 :class:`Outbox` holds those changes until then.  Storage hosted in the master's own
 process has no outbox: the master is its catalog.
+
+Freshness: a put into a node's segment is acknowledged only once the node has its
+catalog entry, so a master that crashes right after the acknowledgement still gets the
+object re-announced.  The node long-polls (the master holds its heartbeat until there
+is a change, or the heartbeat interval passed) and heartbeats again at once after a
+reply that carried changes: that next heartbeat *confirms* everything the previous
+reply delivered.  Each owner's adds are numbered (``seq``); ``take`` marks what it
+delivers, ``confirm`` (a heartbeat arrived) marks it confirmed, and a put waits until
+``confirmed(owner) >= seq(owner)`` as of its own add.  Simplest of the designs that are
+correct: the node's own segment cannot tell which key a write was for, and a separate
+master-to-node call per put would be a second channel to keep in order with this one.
 """
 
 from __future__ import annotations
@@ -30,10 +41,12 @@ class Outbox:
 
     def __init__(self) -> None:
         self._pending: dict[str, CatalogChanges] = {}
+        self._marks: dict[str, list[int]] = {}  # owner -> [adds so far, delivered, confirmed]
 
     def watch(self, owner: str) -> None:
         """Start keeping ``owner``'s changes (idempotent)."""
         self._pending.setdefault(owner, CatalogChanges())
+        self._marks.setdefault(owner, [0, 0, 0])
 
     def __contains__(self, owner: object) -> bool:
         return owner in self._pending
@@ -43,6 +56,28 @@ class Outbox:
         changes = self._pending.get(owner)
         if changes is not None:
             changes.added.append(entry)
+            self._marks[owner][0] += 1
+
+    def seq(self, owner: str) -> int:
+        """How many adds ``owner`` has had (0 for an owner not watched)."""
+        marks = self._marks.get(owner)
+        return marks[0] if marks is not None else 0
+
+    def confirm(self, owner: str) -> None:
+        """``owner`` heartbeat again: it applied everything the last reply delivered."""
+        marks = self._marks.get(owner)
+        if marks is not None:
+            marks[2] = marks[1]
+
+    def confirmed(self, owner: str) -> int:
+        """Adds ``owner`` is known to hold in its catalog; an owner not watched (gone, or
+        hosted by the master) has nothing to wait for."""
+        marks = self._marks.get(owner)
+        return marks[2] if marks is not None else 1 << 62
+
+    def has_changes(self, owner: str) -> bool:
+        changes = self._pending.get(owner)
+        return changes is not None and bool(changes.added or changes.removed)
 
     def remove(self, owner: str, key: str) -> None:
         """``owner`` no longer holds ``key`` (ignored for an owner not watched)."""
@@ -56,9 +91,12 @@ class Outbox:
         if changes is None:
             return CatalogChanges()
         self._pending[owner] = CatalogChanges()
+        marks = self._marks[owner]
+        marks[1] = marks[0]
         return changes
 
     def forget_gone(self, alive: Container[str]) -> None:
         """Drop the outboxes of owners no longer in ``alive``."""
         for owner in [o for o in self._pending if o not in alive]:
             del self._pending[owner]
+            del self._marks[owner]

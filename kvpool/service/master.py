@@ -2,9 +2,11 @@
 
 This is the one place where wire requests meet the index and where errors become
 replies.  It is synchronous and runs on the server's event loop thread only: the index
-is never touched concurrently.  Effects the index returns (demotions) are carried out by
-the storage owner before the reply leaves, so a freed extent is never handed out while
-its bytes are still being copied.
+is never touched concurrently.  Demotions in the master's own storage are copied before
+the reply leaves, so a freed extent is never handed out while its bytes are still being
+copied.  Work on a node (its demotions, SSD deletions) never runs here: it goes to the
+node's link thread, the object stays DEMOTING until the node reports back, and a put
+that waits for that room is answered later (:mod:`kvpool.service.copies`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvpool.core.index import (
     Event,
     IndexConfig,
     Location,
+    NoRoom,
     ObjectIndex,
 )
 from kvpool.core.registry import Tier
@@ -29,13 +32,15 @@ from kvpool.errors import KVPoolError, NoSpace, ObjectNotFound, PoolError, Unkno
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok, error_reply
 from kvpool.service.catalog import Outbox
+from kvpool.service.copies import Copies, Later
 from kvpool.service.local_storage import LocalStorage
+from kvpool.service.master_copies import NodeCopies
 from kvpool.service.metrics import MasterMetrics
 from kvpool.service.node_links import NodeLinks
 from kvpool.service.snapshot import pool_snapshot
 from kvpool.transfer.shm import remove_if_owner_dead
 
-__all__ = ["Endpoint", "MasterService", "monotonic_ms"]
+__all__ = ["Endpoint", "Later", "MasterService", "monotonic_ms"]
 
 log = logging.getLogger("kvpool.master")
 
@@ -63,7 +68,7 @@ class Endpoint:
     host_token: str
 
 
-class MasterService:
+class MasterService(NodeCopies):
     """Handles :mod:`kvpool.protocol.messages` requests against one ObjectIndex."""
 
     def __init__(
@@ -82,6 +87,12 @@ class MasterService:
         self.client_addresses: dict[str, tuple[str, str]] = {}  # id -> (data addr, token)
         self.local: dict[str, LocalStorage] = {}  # storage hosted in this very process
         self.node_links = NodeLinks()  # demotions and SSD deletions on remote nodes
+        self.copies = Copies(self.node_links, int(self.node_links.timeout_s * 1000))
+        self.room_wait_ms = 1000  # how long a put may wait for room a copy makes
+        self.catalog_wait_ms = 2 * heartbeat_interval_ms + 2000  # ... for its node's catalog
+        self.laters: list[Later] = []  # replies the server holds, resolved by settle()
+        self.may_wait = False  # the put being handled may be answered later
+        self.waits = False  # ... and it does (master_copies.py has the rest)
         self.recent_errors: deque[str] = deque(maxlen=20)
         # per remote storage owner: catalog changes not yet sent with a heartbeat reply
         self.outbox = Outbox()
@@ -120,6 +131,8 @@ class MasterService:
         if route is None:
             route = self._route(type(request))
         handler, op, latency = route
+        if self.copies.has_reports():
+            self._settle_copies()
         started = time.perf_counter()
         try:
             reply: m.MasterReply = handler(request, self.clock())
@@ -164,6 +177,7 @@ class MasterService:
         self._apply(self.index.tick(now))
         if len(self.endpoints) != len(self.index.registry.segments):
             self._forget_segments()  # clients expired
+        self.settle(expire=True)
 
     def close(self) -> None:
         self.node_links.close()
@@ -173,16 +187,15 @@ class MasterService:
         ssd_gone: dict[str, list[str]] = {}  # remote owner -> SSD keys to delete there
         for event in events:
             if isinstance(event, Demote):
-                owner = self.local.get(event.src.client_id)
-                done = owner.demote(event) if owner is not None else self._remote_demote(event)
-                if not done:
+                if event.in_flight:
+                    self._remote_demote(event)
+                    continue
+                owner = self.local.get(event.src.client_id)  # copies at once
+                if owner is None or not owner.demote(event):
                     self.index.demote_failed(event.key)
                     self.metrics.demote_failures.inc()
                 else:
                     self.metrics.offloads.inc()
-                    # the node's catalog lists its memory objects, for re-announcing
-                    # after a restart: this one's memory extent is no longer its own
-                    self.outbox.remove(event.src.client_id, event.key)
             elif isinstance(event, Dropped):
                 self.metrics.dropped.labels(reason=event.reason, tier=event.tier.value).inc()
                 if event.reason == "evicted":
@@ -196,15 +209,6 @@ class MasterService:
                         ssd_gone.setdefault(event.client_id, []).append(event.key)
         for client_id, keys in ssd_gone.items():
             self._remote_ssd_remove(client_id, keys)
-
-    def _remote_demote(self, event: Demote) -> bool:
-        address = self.client_addresses.get(event.src.client_id, ("", ""))[0]
-        return bool(address) and self.node_links.demote(address, event)
-
-    def _remote_ssd_remove(self, client_id: str, keys: list[str]) -> None:
-        address = self.client_addresses.get(client_id, ("", ""))[0]
-        if address:
-            self.node_links.ssd_remove(address, client_id, keys)
 
     def _placement(self, key: str, loc: Location, checksum: int = 0) -> m.Placement:
         ep = self.endpoints.get(loc.segment_id)
@@ -227,6 +231,8 @@ class MasterService:
     def attach_local(self, storage: LocalStorage) -> None:
         """Register storage hosted in the master's own process (the embedded segment)."""
         now = self.clock()
+        # local first: it copies its demotions at once, and the master is its catalog
+        self.local[storage.client_id] = storage
         self._register(m.Register(storage.client_id, storage.data_address, storage.host_token), now)
         if storage.segment is not None:
             self._add_segment(
@@ -245,7 +251,6 @@ class MasterService:
                 now,
             )
             self._restore_local_ssd(storage, now)
-        self.local[storage.client_id] = storage
 
     def _restore_local_ssd(self, storage: LocalStorage, now: int) -> None:
         """What a previous run left on this SSD path is served again, not leaked: the
@@ -278,6 +283,7 @@ class MasterService:
         self.endpoints[req.segment_id] = Endpoint(address, req.shm_name, token)
         if req.client_id not in self.local:
             self.outbox.watch(req.client_id)
+            self.index.defer_copies(req.client_id)  # a node copies on its own time
         log.info(
             "segment %s: %d bytes of %s from %s",
             req.segment_id,
@@ -289,16 +295,13 @@ class MasterService:
 
     def _heartbeat(self, req: m.Heartbeat, now: int) -> m.HeartbeatReply:
         self.index.heartbeat(req.client_id, now)
+        self.outbox.confirm(req.client_id)  # it applied the last reply's changes
         changes = self.outbox.take(req.client_id)
         return m.HeartbeatReply(changes.added, changes.removed)
 
     def _restore(self, req: m.Restore, now: int) -> m.Bools:
-        return m.Bools(
-            [
-                self.index.restore(key, req.segment_id, offset, size, checksum, now)
-                for key, offset, size, checksum in req.objects
-            ]
-        )
+        restore, seg = self.index.restore, req.segment_id
+        return m.Bools([restore(k, seg, off, n, csum, now) for k, off, n, csum in req.objects])
 
     def _report_failure(self, req: m.ReportFailure, now: int) -> Ok:
         seg = self.index.registry.segments.get(req.segment_id)
@@ -330,6 +333,13 @@ class MasterService:
             reservation, events = self.index.put_start(
                 req.key, req.size, req.client_id, now, req.parent
             )
+        except NoRoom as exc:
+            self._apply(exc.events)
+            if exc.coming and self.may_wait:
+                self.waits = True  # submit() answers it later
+                return m.Placement(False, req.key)  # never sent
+            self.metrics.put_failures.labels(reason="no_space").inc()
+            raise
         except NoSpace:
             self.metrics.put_failures.labels(reason="no_space").inc()
             raise
@@ -345,9 +355,11 @@ class MasterService:
         parents = req.parents or [None] * len(req.keys)
         if not len(req.keys) == len(req.sizes) == len(parents):
             raise PoolError("keys, sizes and parents differ in length")
-        items = []
+        items: list[m.Placement] = []
         for key, size, parent in zip(req.keys, req.sizes, parents, strict=True):
             reply = self.handle(m.PutStart(req.client_id, key, size, parent))
+            if self.waits:  # this key waits for room: so does the batch (all of it is
+                return m.Placements(items)  # tried again; never sent)
             if isinstance(reply, Error):
                 items.append(m.Placement(False, key, error=reply.code))
             else:

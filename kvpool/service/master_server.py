@@ -24,10 +24,15 @@ from kvpool.core.index import IndexConfig
 from kvpool.errors import ProtocolError
 from kvpool.protocol.codec import MAGIC, FrameDecoder
 from kvpool.protocol.data import error_reply
-from kvpool.protocol.messages import MASTER_REPLY_CODEC, MASTER_REQUEST_CODEC, MasterRequest
+from kvpool.protocol.messages import (
+    MASTER_REPLY_CODEC,
+    MASTER_REQUEST_CODEC,
+    MasterReply,
+    MasterRequest,
+)
 from kvpool.service.http import build_app
 from kvpool.service.local_storage import LocalStorage
-from kvpool.service.master import MasterService
+from kvpool.service.master import Later, MasterService
 
 __all__ = ["MasterServer", "run_master"]
 
@@ -41,6 +46,7 @@ class _RpcProtocol(asyncio.Protocol):
         self.service = service
         self.decoder: FrameDecoder[MasterRequest] = FrameDecoder(MASTER_REQUEST_CODEC)
         self.transport: asyncio.Transport | None = None
+        self.waiting: Later | None = None  # a reply held back (then reading is paused)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, only alike
@@ -58,6 +64,18 @@ class _RpcProtocol(asyncio.Protocol):
         assert self.transport is not None
         try:
             self.decoder.feed(data)
+            if self.waiting is None:
+                self._serve()
+        except ProtocolError as exc:
+            self._refuse(exc)
+
+    def _serve(self) -> None:
+        """Answer the frames received, in order, until one's reply must wait (a put
+        waiting for room a node's copy makes, or for its node's catalog entry; a node's
+        long-polled heartbeat): reading pauses until it is sent, and every other
+        connection is served meanwhile."""
+        assert self.transport is not None
+        try:
             while True:
                 try:
                     frame = self.decoder.next_frame()
@@ -67,14 +85,36 @@ class _RpcProtocol(asyncio.Protocol):
                     self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(exc)))
                     continue
                 if frame is None:
+                    if self.service.laters:  # what this connection did may answer them
+                        self.service.settle()
                     return
-                reply = self.service.handle(frame.message)
+                reply = self.service.submit(frame.message)
+                if isinstance(reply, Later):
+                    self.waiting = reply
+                    reply.deliver = self._deliver
+                    self.transport.pause_reading()
+                    self.service.settle()  # e.g. a node's held heartbeat can go now
+                    return
                 self.transport.write(MASTER_REPLY_CODEC.encode(reply))
         except ProtocolError as exc:
-            # A bad header: the stream cannot be resynchronised.  Say why and close.
-            log.info("closing RPC connection: %s", exc)
-            self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(exc)))
-            self.transport.close()
+            self._refuse(exc)
+
+    def _refuse(self, exc: ProtocolError) -> None:
+        # A bad header: the stream cannot be resynchronised.  Say why and close.
+        assert self.transport is not None
+        log.info("closing RPC connection: %s", exc)
+        self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(exc)))
+        self.transport.close()
+
+    def _deliver(self, reply: MasterReply) -> None:
+        """The held reply is ready: send it, then go on with what arrived meanwhile."""
+        self.waiting = None
+        assert self.transport is not None
+        if self.transport.is_closing():
+            return
+        self.transport.write(MASTER_REPLY_CODEC.encode(reply))
+        self.transport.resume_reading()
+        self._serve()
 
     def _broken(self) -> bool:
         try:
@@ -157,6 +197,8 @@ class MasterServer:
             lambda: _Sniffer(self), cfg.host, cfg.port, reuse_address=True
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        # a node's copy reported (on its link thread): settle on the loop, at once
+        self.service.copies.wakeup = lambda: loop.call_soon_threadsafe(self.service.settle)
         self._tick_task = asyncio.create_task(self._tick_loop())
         log.info(
             "kvpool master listening on %s:%d (RPC + HTTP /metrics /health /status); "

@@ -3,7 +3,10 @@
 The node registers with the master, adds its segment, and heartbeats every
 ``heartbeat_interval`` the master asks for.  Each heartbeat reply carries the objects
 committed into (and dropped from) the node's segment since the last one, so the node
-keeps a catalog of what its memory holds.  At each registration -- its first, and
+keeps a catalog of what its memory holds.  The master holds a heartbeat until it has
+such changes (a long poll) and answers a put into this segment only once the node's next
+heartbeat confirmed them (:mod:`kvpool.service.catalog`): every acknowledged object is in
+the catalog when a master dies.  At each registration -- its first, and
 whenever the master answers a heartbeat with UnknownClient (it restarted, or dropped
 us) -- the node announces what it holds: its memory catalog, every entry re-checked
 against its checksum first, and its SSD tier, whose files carry their checksum in their
@@ -22,6 +25,7 @@ import logging
 import re
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -175,16 +179,18 @@ class NodeService:
         self.catalog = {k: v for k, v in self.catalog.items() if k in kept}
         log.info("re-announced %d of %d objects to the master", len(kept), len(intact))
 
-    def heartbeat_once(self) -> None:
+    def heartbeat_once(self) -> bool:
+        """One heartbeat; True when its reply carried catalog changes (the next
+        heartbeat, sent at once, tells the master they are applied)."""
         if self._register_pending:
             self._register()
-            return
+            return False
         try:
             reply = self.master.call(m.Heartbeat(self.client_id))
         except UnknownClient:
             log.warning("the master does not know this node (restarted?): registering again")
             self._register()
-            return
+            return False
         assert isinstance(reply, m.HeartbeatReply)
         for key, _segment, offset, size, csum in reply.added:
             self.catalog[key] = (offset, size, csum)
@@ -192,13 +198,21 @@ class NodeService:
             self.catalog.pop(key, None)
         if self._announce_pending:
             self._announce()
+        return bool(reply.added or reply.removed)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
+        # The master holds a heartbeat until it has changes for us or its interval
+        # passed (a long poll): puts into our segment are answered once we confirm.
+        wait = self.heartbeat_s
+        while not self._stop.wait(wait):
+            started = time.monotonic()
+            changed = False
             try:
-                self.heartbeat_once()
+                changed = self.heartbeat_once()
             except KVPoolError as exc:
                 log.warning("heartbeat failed: %s (retrying)", exc)
+            spent = time.monotonic() - started
+            wait = 0.0 if changed else max(0.0, self.heartbeat_s - spent)
 
 
 def run_node(config: NodeConfig, *, bind_host: str = "", data_port: int = 0) -> int:

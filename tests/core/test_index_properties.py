@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvpool.core.index import Demote, Dropped, IndexConfig, ObjectIndex, State
+from kvpool.core.index import Demote, Dropped, IndexConfig, NoRoom, ObjectIndex, State
 from kvpool.core.registry import Tier
 from kvpool.errors import KVPoolError, NoSpace
 
@@ -24,8 +24,11 @@ class IndexMachine(RuleBasedStateMachine):
         offload=st.booleans(),
         watermark=st.sampled_from([0.5, 0.9, 1.0]),
         ratio=st.sampled_from([0.1, 0.5]),
+        deferred=st.booleans(),
     )
-    def setup(self, policy: str, offload: bool, watermark: float, ratio: float) -> None:
+    def setup(
+        self, policy: str, offload: bool, watermark: float, ratio: float, deferred: bool
+    ) -> None:
         self.idx = ObjectIndex(
             IndexConfig(
                 high_watermark=watermark,
@@ -43,7 +46,10 @@ class IndexMachine(RuleBasedStateMachine):
             self.idx.add_segment(node, f"{node}/mem", 64)
             if offload:
                 self.idx.add_segment(node, f"{node}/ssd", 48, Tier.SSD)
+        if deferred:  # n1 is a node whose copies are in flight until reported
+            self.idx.defer_copies("n1")
         self.leased: dict[str, int] = {}  # key -> latest lease expiry granted in the test
+        self.copies: list[Demote] = []  # in-flight copies not reported yet
 
     def _observe(self, events: list[Dropped | Demote]) -> None:
         for e in events:
@@ -53,6 +59,10 @@ class IndexMachine(RuleBasedStateMachine):
                 self.leased.pop(e.key, None)
             if isinstance(e, Demote):
                 assert self.leased.get(e.key, -1) <= self.now, f"demoted leased {e.key}"
+                assert e.in_flight == (e.src.client_id == "n1" and "n1" in self.idx._deferred)
+                if e.in_flight:
+                    self.copies.append(e)
+                    assert not self.idx.exists(e.key)  # invisible while it copies
 
     @rule(dt=st.integers(0, 40))
     def advance(self, dt: int) -> None:
@@ -62,6 +72,7 @@ class IndexMachine(RuleBasedStateMachine):
         self._observe(self.idx.tick(self.now))
         for tier in Tier:
             capacity, used = self.idx.usage(tier)
+            used -= self.idx._leaving_of(tier)  # copies in flight count as gone
             if capacity and used >= self.idx.config.high_watermark * capacity:
                 # still over: then nothing evictable may be left in the tier
                 assert self.idx._evictable_count(tier, self.now) == 0
@@ -70,6 +81,9 @@ class IndexMachine(RuleBasedStateMachine):
     def put(self, key: str, size: int, writer: str, commit: bool) -> None:
         try:
             res, events = self.idx.put_start(key, size, writer, self.now)
+        except NoRoom as exc:
+            self._observe(exc.events)
+            return
         except NoSpace:
             return
         except KVPoolError:
@@ -140,6 +154,25 @@ class IndexMachine(RuleBasedStateMachine):
             assert ssd or after.offset == offset  # memory: exactly where its bytes are
             assert self.idx.exists(key)
 
+    @rule(pick=st.integers(0, 5), done=st.booleans())
+    def report_copy(self, pick: int, done: bool) -> None:
+        if not self.copies:
+            return
+        copy = self.copies.pop(pick % len(self.copies))
+        was = self.idx.state_of(copy.key)
+        if done:
+            ok = self.idx.demote_done(copy)
+            assert not ok or self.idx.location_of(copy.key) == copy.dst
+        else:
+            gone = self.idx.demote_abandoned(copy)
+            assert gone is None or self.idx.state_of(copy.key) is None
+            ok = gone is not None
+        assert not ok or was is State.DEMOTING
+
+    @rule(stalled=st.booleans())
+    def stall(self, stalled: bool) -> None:
+        self.idx.stall_copies("n1", stalled)
+
     @rule(keys=st.lists(KEYS, max_size=6))
     def prefix(self, keys: list[str]) -> None:
         leases_before = self.idx.active_leases(self.now)
@@ -154,7 +187,7 @@ class IndexMachine(RuleBasedStateMachine):
             return
         self.idx.check()
         for key in [f"k{i}" for i in range(12)]:
-            if self.idx.state_of(key) is State.PENDING:
+            if self.idx.state_of(key) in (State.PENDING, State.DEMOTING):
                 assert not self.idx.exists(key)
                 assert self.idx.prefix_lookup([key]) == 0
 

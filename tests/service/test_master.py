@@ -17,6 +17,7 @@ from kvpool.protocol.data import Error, Ok
 from kvpool.service.master import MasterService
 from kvpool.storage.ssd import SsdStore
 from kvpool.transfer.segment_server import SegmentServer
+from tests.waiting import wait_until
 
 NODE = "node-h-1234abcd"
 
@@ -73,7 +74,8 @@ def test_dropping_a_whole_owner_keeps_its_ssd_files_and_dropping_an_object_does_
     join(svc, address)
     assert announce(svc, store) == [True, True]
     assert isinstance(svc.handle(m.Remove("s1")), Ok)
-    assert "s1" not in store  # one object removed: its file goes
+    # one object removed: its file goes (the node's link thread deletes it)
+    wait_until(lambda: "s1" not in store, what="the node deleted s1")
     svc.handle(m.ReportFailure(f"{NODE}/ssd", "TransferError: test"))
     assert isinstance(svc.handle(m.Heartbeat(NODE)), Error)  # dropped: unknown now
     assert "s2" in store  # the owner left: its files wait for it to come back

@@ -1,0 +1,210 @@
+"""What the master waits on nodes for, without waiting in its loop (:class:`NodeCopies`, a
+base of :class:`~kvpool.service.master.MasterService`): nodes' copies (starting them,
+applying what they report, the puts that wait for the room they make; the why is in
+:mod:`kvpool.service.copies`), and nodes' catalogs (a put into a node's segment is
+answered once the node has its catalog entry, see :mod:`kvpool.service.catalog`).
+
+Rules: the index is touched on the master's thread only (reports queue up until
+``settle``, which the server runs when one arrives, and ``handle`` before each request);
+a copy not reported within ``copies.deadline_ms`` is abandoned; a held put is answered
+when a copy ended and it then fits, or at ``room_wait_ms``, after abandoning the copies
+older than that, so that it finds the room (or a NoSpace that says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvpool.core.index import Demote, Event, ObjectIndex
+from kvpool.errors import PeerTimeout
+from kvpool.protocol import messages as m
+from kvpool.protocol.data import error_reply
+from kvpool.service.catalog import Outbox
+from kvpool.service.copies import Copies, Later
+from kvpool.service.metrics import MasterMetrics
+from kvpool.service.node_links import NodeLinks
+
+__all__ = ["NodeCopies"]
+
+
+class NodeCopies:
+    """Copies in flight on nodes, and replies held for them (see the module docstring)."""
+
+    _settling = False  # settle() is running (a delivery may call it again)
+    _settle_again = False
+
+    if TYPE_CHECKING:  # provided by MasterService
+        index: ObjectIndex
+        metrics: MasterMetrics
+        outbox: Outbox
+        copies: Copies
+        clock: Callable[[], int]
+        client_addresses: dict[str, tuple[str, str]]
+        room_wait_ms: int
+        catalog_wait_ms: int
+        heartbeat_interval_ms: int
+        laters: list[Later]
+        may_wait: bool
+        waits: bool
+
+        node_links: NodeLinks
+
+        def handle(self, request: m.MasterRequest) -> m.MasterReply: ...
+        def _apply(self, events: list[Event]) -> None: ...
+
+    def submit(self, request: m.MasterRequest) -> m.MasterReply | Later:
+        """As ``handle``, but some replies wait (the server holds them; :meth:`settle`
+        answers them): a put that only a node's copy in flight can make room for; a put
+        into a node's segment until the node has its catalog entry; and a node's
+        heartbeat until there is a change for it (a long poll).  ``handle`` alone never
+        waits: the room a copy would make is NoSpace at once."""
+        kind = type(request)
+        if kind is m.PutStart or kind is m.BatchPutStart:
+            return self._submit_put(request)
+        reply = self.handle(request)
+        if isinstance(reply, m.HeartbeatReply) and not (reply.added or reply.removed):
+            assert isinstance(request, m.Heartbeat)
+            if request.client_id in self.outbox:
+                return self._later(self._long_poll(request.client_id), self.heartbeat_interval_ms)
+        elif isinstance(request, (m.PutEnd, m.BatchPutEnd)):
+            keys = [request.key] if isinstance(request, m.PutEnd) else request.keys
+            need = self._unconfirmed(keys)
+            if need:
+                return self._later(self._confirmed(need, reply), self.catalog_wait_ms)
+        return reply
+
+    def _later(self, retry: Callable[[bool], m.MasterReply | None], wait_ms: int) -> Later:
+        later = Later(retry, self.clock() + wait_ms)
+        self.laters.append(later)
+        return later
+
+    def _long_poll(self, owner: str) -> Callable[[bool], m.MasterReply | None]:
+        def retry(final: bool) -> m.MasterReply | None:
+            if not final and not self.outbox.has_changes(owner):
+                return None
+            changes = self.outbox.take(owner)
+            return m.HeartbeatReply(changes.added, changes.removed)
+
+        return retry
+
+    def _unconfirmed(self, keys: list[str]) -> dict[str, int]:
+        """Node -> how many catalog adds it must confirm before these puts are answered."""
+        need: dict[str, int] = {}
+        outbox = self.outbox
+        for key in keys:
+            loc = self.index.location_of(key)
+            if loc is not None and loc.client_id in outbox:
+                seq = outbox.seq(loc.client_id)
+                if outbox.confirmed(loc.client_id) < seq:
+                    need[loc.client_id] = seq
+        return need
+
+    def _confirmed(
+        self, need: dict[str, int], reply: m.MasterReply
+    ) -> Callable[[bool], m.MasterReply | None]:
+        def retry(final: bool) -> m.MasterReply | None:
+            if all(self.outbox.confirmed(o) >= seq for o, seq in need.items()):
+                return reply
+            if not final:
+                return None
+            return error_reply(
+                PeerTimeout(
+                    f"the node(s) {', '.join(sorted(need))} did not confirm the put in "
+                    f"{self.catalog_wait_ms} ms: it may not survive a master restart"
+                )
+            )
+
+        return retry
+
+    def _submit_put(self, request: m.MasterRequest) -> m.MasterReply | Later:
+        reply = self._try_put(request)
+        if reply is not None:
+            return reply
+        seen = self.copies.reported
+
+        def retry(final: bool) -> m.MasterReply | None:
+            nonlocal seen
+            if final:  # the nodes that did not answer in time lose their copies
+                self._abandon(self.copies.overdue(self.clock(), self.room_wait_ms))
+                return self.handle(request)
+            if self.copies.reported == seen:
+                return None  # no copy ended since the last try
+            seen = self.copies.reported
+            return self._try_put(request)
+
+        return self._later(retry, self.room_wait_ms)
+
+    def _try_put(self, request: m.MasterRequest) -> m.MasterReply | None:
+        """The put's reply, or None when it waits for room a copy in flight makes."""
+        self.may_wait, self.waits = True, False
+        try:
+            reply = self.handle(request)
+        finally:
+            self.may_wait = False
+        waits, self.waits = self.waits, False
+        return None if waits else reply
+
+    def settle(self, expire: bool = False) -> None:
+        """Apply what nodes reported, and answer the held replies that can be.
+        ``expire`` (the periodic tick): abandon the copies past their deadline first."""
+        if expire and len(self.copies):
+            self._abandon(self.copies.overdue(self.clock()))
+        self._settle_copies()
+        if self._settling:  # a delivery served more requests: the outer pass goes again
+            self._settle_again = True
+            return
+        self._settling = True
+        try:
+            self._settle_again = True
+            while self._settle_again and self.laters:
+                self._settle_again = False
+                now = self.clock()
+                for later in list(self.laters):
+                    if later.deliver is None or later not in self.laters:
+                        continue  # the server has not taken it yet, or it was answered
+                    reply = later.retry(now >= later.deadline_ms)
+                    if reply is not None:
+                        self.laters.remove(later)
+                        later.deliver(reply)
+        finally:
+            self._settling = False
+
+    def _settle_copies(self) -> bool:
+        """Apply the nodes' copy reports; True when any arrived."""
+        reports = self.copies.take_reports()
+        for event, ok, in_flight in reports:
+            owner = event.src.client_id
+            self.index.stall_copies(owner, False)  # it answers
+            if in_flight and ok and self.index.demote_done(event):
+                self.metrics.offloads.inc()
+                # the node's catalog lists its memory objects, for re-announcing after a
+                # restart: this one's memory extent is no longer its own
+                self.outbox.remove(owner, event.key)
+            elif in_flight:
+                self._abandon([event])
+            # A copy that ended after it was abandoned may leave a file: it is not
+            # deleted from here, since the node may have re-announced it meanwhile (a
+            # delete racing that would take a listed object's file); the node's next
+            # announcement serves it or deletes it.
+        return bool(reports)
+
+    def _abandon(self, events: list[Demote]) -> None:
+        for event in events:
+            dropped = self.index.demote_abandoned(event)
+            if dropped is not None:
+                self.index.stall_copies(event.src.client_id, True)  # until it answers
+                self.metrics.demote_failures.inc()
+                self._apply([dropped])
+
+    def _remote_ssd_remove(self, client_id: str, keys: list[str]) -> None:
+        address = self.client_addresses.get(client_id, ("", ""))[0]
+        if address:
+            self.node_links.ssd_remove(address, client_id, keys)
+
+    def _remote_demote(self, event: Demote) -> None:
+        address = self.client_addresses.get(event.src.client_id, ("", ""))[0]
+        if address:
+            self.copies.start(address, event, self.clock())
+        else:
+            self._abandon([event])
