@@ -1,4 +1,11 @@
-"""The rules of :mod:`kvpool.engines.base`, checked with real bytes against every engine."""
+"""The rules of :mod:`kvpool.engines.base`, checked with real bytes against every engine.
+
+Two rules real Mooncake cannot keep, and what it does instead, are checked for it
+explicitly (see :mod:`kvpool.engines.mooncake`):
+- no pins: ``pin`` and ``release`` answer 0 and protect nothing;
+- probes and reads take a lease (``default_kv_lease_ttl``): what a lookup found stays
+  while the pool evicts around it — the protection a request has on Mooncake.
+"""
 
 from __future__ import annotations
 
@@ -101,27 +108,63 @@ def test_a_corrupted_object_is_a_miss_until_replaced(harness: Harness, engine: P
     assert read(engine, [bad]) == [value(bad)]
 
 
-def test_probes_take_no_lease(engine: PoolEngine) -> None:
+def protect(engine: PoolEngine, harness: Harness, keys: list[str]) -> None:
+    """Make ``keys`` unevictable for the test: a pin, or on an engine without pins the
+    lease its probe takes."""
+    if harness.pins:
+        assert engine.pin(keys, HOLDER, 60_000) == len(keys)
+    else:
+        assert engine.batch_exists(keys) == [True] * len(keys)
+
+
+def test_probes_take_no_lease(harness: Harness, engine: PoolEngine) -> None:
     (probed,) = fresh(1, "probed")
     put(engine, [probed])
     for _ in range(3):
         assert engine.batch_exists([probed]) == [True]
         assert engine.prefix_lookup([probed]) == 1
+    if harness.probes_lease:
+        # Mooncake: the probes leased it, so a put into the full pool evicts around it
+        others = fresh(CAPACITY - 1, "other")
+        assert put(engine, others) == [None] * len(others)
+        assert put_one(engine) is None
+        assert engine.batch_exists([probed]) == [True]
+        return
     hold_the_rest(engine, stored=1)
     assert put_one(engine) is None  # NoSpace if a probe had left a lease behind
     assert engine.batch_exists([probed]) == [False]
 
 
-def test_reads_leave_no_lease_behind(engine: PoolEngine) -> None:
+def test_reads_leave_no_lease_behind(harness: Harness, engine: PoolEngine) -> None:
     (was_read,) = fresh(1, "read")
     put(engine, [was_read])
     assert read(engine, [was_read]) == [value(was_read)]
+    if harness.probes_lease:
+        # Mooncake: a read leases too; the pool evicts an unread object instead
+        others = fresh(CAPACITY - 1, "other")
+        assert put(engine, others) == [None] * len(others)
+        assert put_one(engine) is None
+        assert read(engine, [was_read]) == [value(was_read)]
+        return
     hold_the_rest(engine, stored=1)
     assert put_one(engine) is None
     assert engine.batch_exists([was_read]) == [False]
 
 
-def test_a_pin_protects_until_released(engine: PoolEngine) -> None:
+def test_an_engine_without_pins_says_so(harness: Harness, engine: PoolEngine) -> None:
+    (stored,) = fresh(1, "pinned")
+    put(engine, [stored])
+    if harness.pins:
+        assert engine.pin([stored], OWNER, 60_000) == 1
+        assert engine.release(OWNER) == 1
+    else:  # Mooncake: a no-op, stated, never a pretended pin
+        assert engine.pin([stored], OWNER, 60_000) == 0
+        assert engine.release(OWNER) == 0
+
+
+def test_a_pin_protects_until_released(harness: Harness, engine: PoolEngine) -> None:
+    if not harness.pins:
+        return  # test_an_engine_without_pins_says_so states what it does instead
     (pinned,) = fresh(1, "pinned")
     put(engine, [pinned])
     assert engine.pin([pinned, *fresh(1, "missing")], OWNER, 60_000) == 1  # stored ones only
@@ -133,7 +176,9 @@ def test_a_pin_protects_until_released(engine: PoolEngine) -> None:
     assert engine.batch_exists([pinned]) == [False]
 
 
-def test_a_pin_ends_with_its_ttl(engine: PoolEngine) -> None:
+def test_a_pin_ends_with_its_ttl(harness: Harness, engine: PoolEngine) -> None:
+    if not harness.pins:
+        return  # no pins, so none ends (test_an_engine_without_pins_says_so)
     (pinned,) = fresh(1, "pinned")
     put(engine, [pinned])
     assert engine.pin([pinned], OWNER, 1500) == 1
@@ -143,9 +188,9 @@ def test_a_pin_ends_with_its_ttl(engine: PoolEngine) -> None:
     assert engine.batch_exists([pinned]) == [False]
 
 
-def test_a_full_pool_answers_no_space_per_key(engine: PoolEngine) -> None:
+def test_a_full_pool_answers_no_space_per_key(harness: Harness, engine: PoolEngine) -> None:
     held = fill(engine)
-    assert engine.pin(held, OWNER, 60_000) == CAPACITY
+    protect(engine, harness, held)
     for parents in (None, [None, "x"]):  # both put paths
         keys = fresh(2, "refused")
         results = put(engine, keys, parents=parents)

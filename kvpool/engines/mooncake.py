@@ -1,0 +1,355 @@
+"""The ``mooncake`` engine: real Mooncake Store (``mooncake.store.MooncakeDistributedStore``).
+
+The pool of a cluster that already runs Mooncake: a C++ ``mooncake_master`` keeps the
+index, and every process that opens the store with ``global_segment_size > 0``
+contributes that much memory (the guide's "every node registers memory").  The store
+comes from the optional ``mooncake`` extra (``pip install 'kvpool[mooncake]'``; the
+non-CUDA wheel here, the CUDA or NPU wheel on a real cluster).  Configured from the
+``mooncake.json`` Mooncake and vllm-ascend write (:class:`~kvpool.config.MooncakeNodeConfig`).
+
+How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
+
+- *Checksums.*  Mooncake returns whatever bytes a segment holds.  Each object is stored
+  as a 16-byte header (magic, xxh3-64 of the payload) followed by the payload; a read
+  whose header or checksum does not match is a miss, never wrong bytes.  Objects are
+  therefore kvpool's own: Mooncake's other clients see the header.
+- *Buffers.*  Mooncake moves bytes only to and from memory registered with
+  ``register_buffer``.  Every call goes through one registered staging area (grown on
+  demand), one ``batch_put_from`` / ``batch_get_into`` per batch.
+- *Errors.*  Mooncake answers integer codes; :func:`put_error` maps them (-200 no handle
+  → :class:`~kvpool.errors.NoSpace`, -704 → a miss, ...).
+- *Eviction.*  Mooncake evicts in a background thread, not inside the put: a put into a
+  full pool fails (-200) until that thread has run.  Keys refused with -200 are retried
+  for at most ``put_retry_s`` (0.2 s) before NoSpace is the answer.
+- *Leases, not pins.*  Mooncake has no pins.  :meth:`pin` and :meth:`release` do nothing
+  and answer 0 (:attr:`pins` is False).  What protects a found block on Mooncake is the
+  lease its ``is_exist`` took: every probe (and every read) renews the object's lease for
+  the master's ``--default_kv_lease_ttl`` (Mooncake #2187: probes that renew leases can
+  starve eviction).  So on Mooncake a lookup *does* protect what it found, for one lease
+  — a request must start its load within ``default_kv_lease_ttl`` — and a flood of
+  lookups keeps objects leased.  Run the master with a lease about as long as a
+  lookup-to-load gap (Mooncake's default 10 s is kvpool's advice too; never above
+  ``client_ttl``), see docs/mooncake.md.
+- *Connect.*  Opening is lazy (constructors have no side effects).  Before ``setup`` the
+  adapter checks the master's RPC port with one bounded TCP connect (Mooncake's own
+  setup retries for ~90 s against nothing), and an HTTP GET that a kvpool master answers
+  and a Mooncake RPC port does not: a mooncake.json pointed at kvpool's master is an
+  error at connect time that says so.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpool.config.node import MooncakeNodeConfig
+from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
+from kvpool.net import http_get, split_address
+from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.storage.checksum import checksum
+
+__all__ = [
+    "HEADER_SIZE",
+    "INSTALL_HINT",
+    "MOONCAKE_CODES",
+    "MooncakeEngine",
+    "pack_header",
+    "put_error",
+    "unpack_payload",
+]
+
+INSTALL_HINT = (
+    "pip install 'kvpool[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1) and"
+    " apt-get install -y libibverbs1 ibverbs-providers librdmacm1 libnuma1"
+)
+
+#: Mooncake Store's error codes that kvpool meets (mooncake-store/include/types.h)
+MOONCAKE_CODES: dict[int, str] = {
+    -200: "no available handle (the pool is full)",
+    -600: "invalid parameters (a buffer too small?)",
+    -704: "object not found",
+    -705: "object already exists",
+    -706: "object has a lease",
+    -707: "lease expired",
+    -800: "transfer failed",
+    -801: "checksum mismatch",
+    -900: "RPC failed",
+}
+_NO_HANDLE = -200
+_NOT_FOUND = -704
+_HAS_LEASE = -706
+
+_MAGIC = b"KVPM"
+_HEADER = struct.Struct("<4s4xQ")  # magic, reserved, xxh3-64 of the payload
+HEADER_SIZE = _HEADER.size  # 16
+
+
+def pack_header(payload: Any) -> bytes:
+    """The 16 bytes stored in front of ``payload``."""
+    return _HEADER.pack(_MAGIC, checksum(payload))
+
+
+def unpack_payload(stored: memoryview) -> memoryview | None:
+    """The payload of a stored object, or None when it is not an intact kvpool object."""
+    if len(stored) < HEADER_SIZE:
+        return None
+    magic, digest = _HEADER.unpack_from(stored)
+    payload = stored[HEADER_SIZE:]
+    return payload if magic == _MAGIC and checksum(payload) == digest else None
+
+
+def put_error(code: int, key: str) -> KVPoolError | None:
+    """A put's Mooncake code as kvpool's per-key result."""
+    if code >= 0 or code == -705:  # an object already there is a harmless success
+        return None
+    what = MOONCAKE_CODES.get(code, "unknown error")
+    if code == _NO_HANDLE:
+        return NoSpace(f"{key}: Mooncake has no room ({what})")
+    return TransferError(f"{key}: Mooncake put failed with {code} ({what})")
+
+
+class _Staging:
+    """One registered, growable staging area (Mooncake moves only registered memory)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._array: Any = None
+
+    def region(self, nbytes: int) -> tuple[memoryview, int]:
+        import numpy as np
+
+        if self._array is None or self._array.nbytes < nbytes:
+            self.free()
+            size = max(1 << 20, 1 << (nbytes - 1).bit_length())
+            array = np.empty(size, dtype=np.uint8)
+            rc = self._store.register_buffer(array.ctypes.data, size)
+            if rc != 0:
+                raise TransferError(f"Mooncake register_buffer of {size} bytes failed ({rc})")
+            self._array = array
+        return memoryview(self._array), int(self._array.ctypes.data)
+
+    def free(self) -> None:
+        if self._array is not None:
+            self._store.unregister_buffer(self._array.ctypes.data)
+            self._array = None
+
+
+class MooncakeEngine:
+    """Real Mooncake Store as a :class:`~kvpool.engines.base.PoolEngine`."""
+
+    engine = "mooncake"
+    #: Mooncake has no pins: :meth:`pin` is a no-op (see the module docstring)
+    pins = False
+    #: every probe renews the object's lease for the master's default_kv_lease_ttl
+    probes_lease = True
+
+    def __init__(
+        self,
+        config: MooncakeNodeConfig,
+        *,
+        timeout_s: float = 10.0,
+        put_retry_s: float = 0.2,
+        store_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.timeout_s = timeout_s
+        self.put_retry_s = put_retry_s
+        self._factory = store_factory
+        self._store: Any = None
+        self._staging: _Staging | None = None
+        self._lock = threading.Lock()  # one staging area: one call at a time
+
+    # ------------------------------------------------------------------ connecting
+    def _check_master(self) -> None:
+        address = self.config.master_server_address
+        host, port = split_address(address)
+        try:
+            socket.create_connection((host, port), timeout=self.timeout_s).close()
+        except OSError as exc:
+            raise TransferError(
+                f"no Mooncake master answers at {address} (master_server_address in"
+                f" {self.config.source or 'the config'}): {exc.strerror or exc}"
+            ) from None
+        reply = http_get(f"http://{address}/health", min(self.timeout_s, 2.0))
+        if reply.status is not None:
+            raise TransferError(
+                f"{address} answers HTTP (status {reply.status}): this looks like a kvpool"
+                " master, not mooncake_master's RPC port; point master_server_address at"
+                " mooncake_master's --rpc_port, or write a kvpool config"
+                ' ("metadata_server": "<kvpool master>:50088") to use kvpool\'s engine'
+            )
+
+    def _open(self) -> Any:
+        if self._store is not None:
+            return self._store
+        self._check_master()
+        if self._factory is not None:
+            store = self._factory()
+        else:
+            try:
+                from mooncake.store import MooncakeDistributedStore
+            except ImportError as exc:
+                raise ConfigError(
+                    f"engine mooncake: the Mooncake wheel is not installed ({exc}); {INSTALL_HINT}"
+                ) from None
+            store = MooncakeDistributedStore()
+        c = self.config
+        rc = store.setup(
+            c.local_hostname,
+            c.metadata_server,
+            c.global_segment_size,
+            c.local_buffer_size,
+            c.protocol,
+            c.device_name,
+            c.master_server_address,
+        )
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake setup against {c.master_server_address} failed with {rc}"
+                f" ({MOONCAKE_CODES.get(rc, 'see the store log')}); Mooncake needs"
+                " global_segment_size 0 or at least 16 MiB"
+            )
+        self._store, self._staging = store, _Staging(store)
+        return store
+
+    # ---------------------------------------------------------------------- probes
+    def _exists(self, keys: Sequence[str]) -> list[int]:
+        store = self._open()
+        answers = [int(a) for a in store.batch_is_exist(list(keys))]
+        if -1 in answers and store.health_check() != 0:
+            raise TransferError(f"Mooncake master {self.config.master_server_address} is lost")
+        return answers
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        with self._lock:
+            return [a == 1 for a in self._exists(keys)]
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        with self._lock:
+            answers = self._exists(keys)
+        found = 0
+        for a in answers:
+            if a != 1:
+                break
+            found += 1
+        return found
+
+    # ---------------------------------------------------------------------- puts
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        # Mooncake has no chains: parents are accepted and unused.
+        if len(buffers) != len(keys) or (parents is not None and len(parents) != len(keys)):
+            raise ValueError("keys, buffers and parents differ in length")
+        if not keys:
+            return []
+        with self._lock:
+            return self._put(list(keys), [byte_view(b) for b in buffers])
+
+    def _put(self, keys: list[str], views: list[memoryview]) -> list[KVPoolError | None]:
+        store = self._open()
+        assert self._staging is not None
+        first = {k: i for i, k in reversed(list(enumerate(keys)))}  # a repeat is the first
+        todo = sorted(set(first.values()))
+        total = sum(HEADER_SIZE + len(views[i]) for i in todo)
+        area, base = self._staging.region(total)
+        offsets: dict[int, int] = {}
+        at = 0
+        for i in todo:
+            size = HEADER_SIZE + len(views[i])
+            area[at : at + HEADER_SIZE] = pack_header(views[i])
+            area[at + HEADER_SIZE : at + size] = views[i]
+            offsets[i] = at
+            at += size
+        codes: dict[int, int] = {}
+        deadline = time.monotonic() + self.put_retry_s
+        while todo:
+            sent = [keys[i] for i in todo]
+            ptrs = [base + offsets[i] for i in todo]
+            sizes = [HEADER_SIZE + len(views[i]) for i in todo]
+            for i, rc in zip(todo, store.batch_put_from(sent, ptrs, sizes), strict=True):
+                codes[i] = int(rc)
+            # Mooncake evicts in the background: a refused put may fit a moment later.
+            todo = [i for i in todo if codes[i] == _NO_HANDLE]
+            if not todo or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        return [put_error(codes[first[k]], k) for k in keys]
+
+    # ---------------------------------------------------------------------- gets
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        if len(buffers) != len(keys):
+            raise ValueError("keys and buffers differ in length")
+        if not keys:
+            return []
+        views = [writable_byte_view(b) for b in buffers]
+        with self._lock:
+            store = self._open()
+            assert self._staging is not None
+            sizes = [HEADER_SIZE + len(v) for v in views]
+            area, base = self._staging.region(sum(sizes))
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            got = store.batch_get_into(list(keys), [base + o for o in offsets], sizes)
+            out: list[int] = []
+            for view, offset, n in zip(views, offsets, got, strict=True):
+                # a negative code (missing, too big for the buffer, transfer failed) and
+                # a damaged copy are all misses
+                payload = unpack_payload(area[offset : offset + n]) if n > 0 else None
+                if payload is None:
+                    out.append(-1)
+                    continue
+                view[: len(payload)] = payload
+                out.append(len(payload))
+            return out
+
+    # ------------------------------------------------------------ pins (none here)
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        """Mooncake has no pins: nothing is pinned, the answer is 0.  The lookup that
+        found ``keys`` already leased them for the master's default_kv_lease_ttl."""
+        return 0
+
+    def release(self, owner: str) -> int:
+        return 0
+
+    # -------------------------------------------------------------------- the rest
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            # force: a corrupt copy must go even while a reader's lease is on it
+            rc = int(self._open().remove(key, True))
+        if rc == 0:
+            return True
+        if rc == _NOT_FOUND:
+            return False
+        if rc == _HAS_LEASE:
+            raise ObjectBusy(f"{key}: Mooncake keeps it under a lease")
+        raise TransferError(f"{key}: Mooncake remove failed with {rc}")
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            rc = int(self._open().health_check())
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake store not healthy ({rc}: 1 closed, 2 master unreachable)"
+            )
+        return {"engine": "mooncake", "master": self.config.master_server_address, "healthy": 1}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._staging is not None:
+                self._staging.free()
+                self._staging = None
+            if self._store is not None:
+                self._store.close()
+                self._store = None
