@@ -55,16 +55,16 @@ def test_a_mooncake_config_parses_as_mooncake_reads_it() -> None:
     assert (c.metadata_server, c.master_server_address) == ("P2PHANDSHAKE", "10.0.0.1:50051")
     assert c.global_segment_size == 3355443200  # Mooncake's GB is 1024**3
     assert (c.local_buffer_size, c.protocol, c.device_name) == (1 << 30, "rdma", "mlx5_0")
-    with pytest.raises(ConfigError, match="master_server_address.*missing"):
+    with pytest.raises(ConfigError, match=r"master_server_address.*missing"):
         parse_mooncake_config({k: v for k, v in ASCEND.items() if k != "master_server_address"})
-    with pytest.raises(ConfigError, match="bogus.*not a key"):
+    with pytest.raises(ConfigError, match=r"bogus.*not a key"):
         parse_mooncake_config({**ASCEND, "bogus": 1})
     with pytest.raises(ConfigError, match="engine"):
         node_engine({**GUIDE, "engine": "redis"})
 
 
 def test_kvpools_parser_names_the_rule_that_made_it_mooncake() -> None:
-    with pytest.raises(ConfigError, match="Mooncake config.*metadata_server is P2PHANDSHAKE"):
+    with pytest.raises(ConfigError, match=r"Mooncake config.*metadata_server is P2PHANDSHAKE"):
         parse_node_config(ASCEND)
     assert parse_node_config(GUIDE).master_address == "10.0.0.1:50088"
 
