@@ -27,9 +27,9 @@ How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
   the master's ``--default_kv_lease_ttl`` (Mooncake #2187: probes that renew leases can
   starve eviction).  So on Mooncake a lookup *does* protect what it found, for one lease
   — a request must start its load within ``default_kv_lease_ttl`` — and a flood of
-  lookups keeps objects leased.  Run the master with a lease about as long as a
-  lookup-to-load gap (Mooncake's default 10 s is kvpool's advice too; never above
-  ``client_ttl``), see docs/mooncake.md.
+  lookups keeps objects leased.  :meth:`prefix_lookup` therefore probes in chunks that
+  stop at the first miss, so blocks behind a hole are not kept leased.  The lease the
+  master needs is in docs/mooncake.md.
 - *Connect.*  Opening is lazy (constructors have no side effects).  Before ``setup`` the
   adapter checks the master's RPC port with one bounded TCP connect (Mooncake's own
   setup retries for ~90 s against nothing), and an HTTP GET that a kvpool master answers
@@ -82,6 +82,8 @@ MOONCAKE_CODES: dict[int, str] = {
 _NO_HANDLE = -200
 _NOT_FOUND = -704
 _HAS_LEASE = -706
+
+_FIRST_CHUNK = 4  # prefix_lookup's first probe: most lookups end within a few RPCs
 
 _MAGIC = b"KVPM"
 _HEADER = struct.Struct("<4s4xQ")  # magic, reserved, xxh3-64 of the payload
@@ -231,15 +233,19 @@ class MooncakeEngine:
             return [a == 1 for a in self._exists(keys)]
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:
-        if not keys:
-            return 0
+        """How many leading keys are stored, probed in chunks of 4, 8, 16, ... that stop
+        at the first miss: every probe leases what it finds, and keys behind a hole are
+        of no use to the request, so they are not probed (at most one chunk's worth past
+        the hole is).  Probing all keys at once would keep them leased for as long as
+        lookups repeat, and a pool full of such keys refuses every put (Mooncake #2187)."""
+        found, size = 0, _FIRST_CHUNK
         with self._lock:
-            answers = self._exists(keys)
-        found = 0
-        for a in answers:
-            if a != 1:
-                break
-            found += 1
+            while found < len(keys):
+                for answer in self._exists(keys[found : found + size]):
+                    if answer != 1:
+                        return found
+                    found += 1
+                size *= 2
         return found
 
     # ---------------------------------------------------------------------- puts

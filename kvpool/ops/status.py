@@ -412,8 +412,8 @@ def run(
             except KVPoolError as exc:
                 print(
                     f"kvpool status: cannot read the master at {master}: {exc}\n"
-                    "  is `kvpool master` (or mooncake_master) running there?"
-                    "  (address: --master HOST:PORT)",
+                    "  is `kvpool master` running there?  (or mooncake_master, whose"
+                    " metrics port 9003 status reads; address: --master HOST:PORT)",
                     file=sys.stderr,
                 )
                 return 1
