@@ -42,6 +42,7 @@ __all__ = [
     "MooncakeNodeConfig",
     "NodeConfig",
     "config_path_from_env",
+    "load_any_node_config",
     "load_node_config",
     "node_engine",
     "parse_mooncake_config",
@@ -367,6 +368,18 @@ def load_node_config(
         protocols=served_protocols() if protocols is None else protocols,
         source=source,
     )
+
+
+def load_any_node_config(
+    path: str | Path | None = None, *, env: Mapping[str, str] | None = None
+) -> NodeConfig | MooncakeNodeConfig:
+    """The node config for whichever engine :func:`node_engine` names (edge): a Mooncake
+    config as :class:`MooncakeNodeConfig`, any other through :func:`load_node_config`."""
+    env = dict(os.environ) if env is None else env
+    data, source = read_node_json(path, env=env)
+    if isinstance(data, Mapping) and node_engine(data) == "mooncake":
+        return parse_mooncake_config(data, source=source)
+    return parse_node_config(data, env=env, protocols=served_protocols(), source=source)
 
 
 def read_node_json(

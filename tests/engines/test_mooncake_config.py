@@ -115,3 +115,37 @@ def test_a_mooncake_client_pointed_at_a_kvpool_master_says_what_answered() -> No
         engine = ns.new("tests.engines.mooncake_host:open_engine", mooncake_json(address, 0))
         with pytest.raises(TransferError, match="looks like a kvpool master"):
             ns.call(engine, "batch_exists", ["k"])
+
+
+def test_the_store_connectors_mooncake_backend_opens_mooncake_for_a_mooncake_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvpool.config.kv_transfer import parse_store_config
+    from kvpool.config.node import load_any_node_config
+    from kvpool.connectors.store.pool import EmbeddedPools, open_pool
+    from kvpool.engines import MooncakeEngine
+
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(ASCEND))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    monkeypatch.delenv("KVPOOL_CONFIG_PATH", raising=False)
+    config = parse_store_config(
+        "kv_producer", {"backend": "mooncake"}, env={}, load_node=load_any_node_config
+    )
+    assert config.master == "10.0.0.1:50051"
+    name = "mooncake:10.0.0.1:50051"
+    try:
+        pools = [open_pool(config), open_pool(config)]  # opens nothing yet: lazy
+        assert [p.engine for p in pools] == ["mooncake", "mooncake"]
+        assert isinstance(EmbeddedPools.peek(name), MooncakeEngine)  # one per process
+    finally:
+        EmbeddedPools.release(name)
+    path.write_text(json.dumps(GUIDE))  # the guide's JSON stays on kvpool's master
+    config = parse_store_config(
+        "kv_producer", {"backend": "mooncake"}, env={}, load_node=load_any_node_config
+    )
+    pool = open_pool(config)
+    try:
+        assert pool.engine == "kvpool" and config.master == "10.0.0.1:50088"
+    finally:
+        pool.close()
