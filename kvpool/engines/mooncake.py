@@ -14,8 +14,11 @@ How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
   whose header or checksum does not match is a miss, never wrong bytes.  Objects are
   therefore kvpool's own: Mooncake's other clients see the header.
 - *Buffers.*  Mooncake moves bytes only to and from memory registered with
-  ``register_buffer``.  Every call goes through one registered staging area (grown on
-  demand), one ``batch_put_from`` / ``batch_get_into`` per batch.
+  ``register_buffer`` (:mod:`.mooncake_buffers`).  Pages of a big CPU tensor (a vLLM KV
+  cache) are registered in place once and moved zero-copy, each object as two parts
+  (its header from the staging area, the page itself), as vllm-ascend's Mooncake backend
+  does with ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``; other
+  buffers are copied through one registered staging area.  One call per batch.
 - *Errors.*  Mooncake answers integer codes; :func:`put_error` maps them (-200 no handle
   → :class:`~kvpool.errors.NoSpace`, -704 → a miss, ...).
 - *Eviction.*  Mooncake evicts in a background thread, not inside the put: a put into a
@@ -39,6 +42,7 @@ How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
 
 from __future__ import annotations
 
+import itertools
 import socket
 import struct
 import threading
@@ -47,6 +51,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.config.node import MooncakeNodeConfig
+from kvpool.engines.base import MISS
+from kvpool.engines.mooncake_buffers import Registered, Staging
 from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
 from kvpool.net import http_get, split_address
 from kvpool.storage.buffers import byte_view, writable_byte_view
@@ -114,32 +120,6 @@ def put_error(code: int, key: str) -> KVPoolError | None:
     return TransferError(f"{key}: Mooncake put failed with {code} ({what})")
 
 
-class _Staging:
-    """One registered, growable staging area (Mooncake moves only registered memory)."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self._array: Any = None
-
-    def region(self, nbytes: int) -> tuple[memoryview, int]:
-        import numpy as np
-
-        if self._array is None or self._array.nbytes < nbytes:
-            self.free()
-            size = max(1 << 20, 1 << (nbytes - 1).bit_length())
-            array = np.empty(size, dtype=np.uint8)
-            rc = self._store.register_buffer(array.ctypes.data, size)
-            if rc != 0:
-                raise TransferError(f"Mooncake register_buffer of {size} bytes failed ({rc})")
-            self._array = array
-        return memoryview(self._array), int(self._array.ctypes.data)
-
-    def free(self) -> None:
-        if self._array is not None:
-            self._store.unregister_buffer(self._array.ctypes.data)
-            self._array = None
-
-
 class MooncakeEngine:
     """Real Mooncake Store as a :class:`~kvpool.engines.base.PoolEngine`."""
 
@@ -162,8 +142,11 @@ class MooncakeEngine:
         self.put_retry_s = put_retry_s
         self._factory = store_factory
         self._store: Any = None
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
+        self._registered: Registered | None = None
         self._lock = threading.Lock()  # one staging area: one call at a time
+        #: objects moved in place / through the staging area, by direction (health())
+        self.moved = {"put_in_place": 0, "put_staged": 0, "get_in_place": 0, "get_staged": 0}
 
     # ------------------------------------------------------------------ connecting
     def _check_master(self) -> None:
@@ -215,7 +198,7 @@ class MooncakeEngine:
                 f" ({MOONCAKE_CODES.get(rc, 'see the store log')}); Mooncake needs"
                 " global_segment_size 0 or at least 16 MiB"
             )
-        self._store, self._staging = store, _Staging(store)
+        self._store, self._staging, self._registered = store, Staging(store), Registered(store)
         return store
 
     # ---------------------------------------------------------------------- probes
@@ -262,31 +245,40 @@ class MooncakeEngine:
         if not keys:
             return []
         with self._lock:
-            return self._put(list(keys), [byte_view(b) for b in buffers])
+            return self._put(list(keys), list(buffers))
 
-    def _put(self, keys: list[str], views: list[memoryview]) -> list[KVPoolError | None]:
+    def _put(self, keys: list[str], buffers: list[Any]) -> list[KVPoolError | None]:
         store = self._open()
-        assert self._staging is not None
+        assert self._staging is not None and self._registered is not None
         first = {k: i for i, k in reversed(list(enumerate(keys)))}  # a repeat is the first
         todo = sorted(set(first.values()))
-        total = sum(HEADER_SIZE + len(views[i]) for i in todo)
-        area, base = self._staging.region(total)
-        offsets: dict[int, int] = {}
+        views = {i: byte_view(buffers[i]) for i in todo}
+        in_place = {i: self._registered.address(buffers[i], len(views[i])) for i in todo}
+        staged = sum(len(views[i]) for i in todo if in_place[i] is None)
+        area, base = self._staging.region(HEADER_SIZE * len(todo) + staged)
+        parts: dict[int, tuple[list[int], list[int]]] = {}
         at = 0
         for i in todo:
-            size = HEADER_SIZE + len(views[i])
-            area[at : at + HEADER_SIZE] = pack_header(views[i])
-            area[at + HEADER_SIZE : at + size] = views[i]
-            offsets[i] = at
-            at += size
+            view, n = views[i], len(views[i])
+            area[at : at + HEADER_SIZE] = pack_header(view)
+            address = in_place[i]
+            if address is None:  # header and payload, one part
+                area[at + HEADER_SIZE : at + HEADER_SIZE + n] = view
+                parts[i] = ([base + at], [HEADER_SIZE + n])
+                at += HEADER_SIZE + n
+            else:  # the header here, the payload where it is
+                parts[i] = ([base + at, address], [HEADER_SIZE, n])
+                at += HEADER_SIZE
         codes: dict[int, int] = {}
         deadline = time.monotonic() + self.put_retry_s
         while todo:
-            sent = [keys[i] for i in todo]
-            ptrs = [base + offsets[i] for i in todo]
-            sizes = [HEADER_SIZE + len(views[i]) for i in todo]
-            for i, rc in zip(todo, store.batch_put_from(sent, ptrs, sizes), strict=True):
+            answers = store.batch_put_from_multi_buffers(
+                [keys[i] for i in todo], [parts[i][0] for i in todo], [parts[i][1] for i in todo]
+            )
+            for i, rc in zip(todo, answers, strict=True):
                 codes[i] = int(rc)
+                if rc == 0:
+                    self.moved["put_staged" if in_place[i] is None else "put_in_place"] += 1
             # Mooncake evicts in the background: a refused put may fit a moment later.
             todo = [i for i in todo if codes[i] == _NO_HANDLE]
             if not todo or time.monotonic() >= deadline:
@@ -302,23 +294,71 @@ class MooncakeEngine:
             return []
         views = [writable_byte_view(b) for b in buffers]
         with self._lock:
-            store = self._open()
-            assert self._staging is not None
-            sizes = [HEADER_SIZE + len(v) for v in views]
-            area, base = self._staging.region(sum(sizes))
-            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            got = store.batch_get_into(list(keys), [base + o for o in offsets], sizes)
-            out: list[int] = []
-            for view, offset, n in zip(views, offsets, got, strict=True):
-                # a negative code (missing, too big for the buffer, transfer failed) and
-                # a damaged copy are all misses
-                payload = unpack_payload(area[offset : offset + n]) if n > 0 else None
-                if payload is None:
-                    out.append(-1)
-                    continue
-                view[: len(payload)] = payload
-                out.append(len(payload))
+            self._open()
+            assert self._registered is not None
+            out = [MISS] * len(keys)
+            registered = self._registered
+            in_place = [registered.address(b, len(v)) for b, v in zip(buffers, views, strict=True)]
+            direct = [i for i, a in enumerate(in_place) if a is not None]
+            # a copy that is not exactly the buffer's size cannot land in place; those,
+            # and every other buffer, go through the staging area
+            staged = [i for i in range(len(keys)) if in_place[i] is None]
+            staged += self._get_in_place(keys, views, in_place, direct, out)
+            self._get_staged(keys, views, sorted(staged), out)
             return out
+
+    def _get_in_place(
+        self,
+        keys: Sequence[str],
+        views: list[memoryview],
+        in_place: list[int | None],
+        todo: list[int],
+        out: list[int],
+    ) -> list[int]:
+        """Read ``todo`` straight into the caller's registered buffers; the indexes to
+        try again through the staging area."""
+        if not todo:
+            return []
+        assert self._staging is not None
+        area, base = self._staging.region(HEADER_SIZE * len(todo))
+        got = self._store.batch_get_into_multi_buffers(
+            [keys[i] for i in todo],
+            [[base + HEADER_SIZE * j, in_place[i]] for j, i in enumerate(todo)],
+            [[HEADER_SIZE, len(views[i])] for i in todo],
+        )
+        retry: list[int] = []
+        for j, (i, n) in enumerate(zip(todo, got, strict=True)):
+            if n == _NOT_FOUND:
+                continue
+            if n != HEADER_SIZE + len(views[i]):
+                retry.append(i)  # another size (or a failed transfer): staged
+                continue
+            magic, digest = _HEADER.unpack_from(area, HEADER_SIZE * j)
+            if magic == _MAGIC and checksum(views[i]) == digest:
+                out[i] = len(views[i])
+                self.moved["get_in_place"] += 1
+        return retry
+
+    def _get_staged(
+        self, keys: Sequence[str], views: list[memoryview], todo: list[int], out: list[int]
+    ) -> None:
+        if not todo:
+            return
+        assert self._staging is not None
+        sizes = [HEADER_SIZE + len(views[i]) for i in todo]
+        area, base = self._staging.region(sum(sizes))
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
+        got = self._store.batch_get_into(
+            [keys[i] for i in todo], [base + o for o in offsets], sizes
+        )
+        for i, offset, n in zip(todo, offsets, got, strict=True):
+            # a negative code (missing, too big for the buffer, transfer failed) and a
+            # damaged copy are all misses
+            payload = unpack_payload(area[offset : offset + n]) if n > 0 else None
+            if payload is not None:
+                views[i][: len(payload)] = payload
+                out[i] = len(payload)
+                self.moved["get_staged"] += 1
 
     # ------------------------------------------------------------ pins (none here)
     def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
@@ -349,13 +389,19 @@ class MooncakeEngine:
             raise TransferError(
                 f"Mooncake store not healthy ({rc}: 1 closed, 2 master unreachable)"
             )
-        return {"engine": "mooncake", "master": self.config.master_server_address, "healthy": 1}
+        return {
+            "engine": "mooncake",
+            "master": self.config.master_server_address,
+            "healthy": 1,
+            **self.moved,
+        }
 
     def close(self) -> None:
         with self._lock:
-            if self._staging is not None:
+            if self._staging is not None and self._registered is not None:
                 self._staging.free()
-                self._staging = None
+                self._registered.free()
+                self._staging = self._registered = None
             if self._store is not None:
                 self._store.close()
                 self._store = None

@@ -115,3 +115,33 @@ def mooncake_json(rpc_address: str, segment: int) -> dict[str, Any]:
         "device_name": "",
         "master_server_address": rpc_address,
     }
+
+
+def kv_cache_round_trip(engine: MooncakeEngine) -> dict[str, Any]:
+    """Pages of one KV-cache-sized CPU tensor, put and read back in place (zero-copy), a
+    read into a page of another size (staged), and a damaged copy read in place."""
+    import torch
+
+    pages = torch.zeros(256, 128 << 10, dtype=torch.uint8)  # 32 MiB: registered in place
+    for i in range(4):
+        pages[i].fill_(i + 1)
+    keys = [f"page-{i}" for i in range(4)]
+    put = engine.batch_put_from(keys, [pages[i] for i in range(4)])
+    got = engine.batch_get_into(keys, [pages[10 + i] for i in range(4)])
+    equal = all(torch.equal(pages[i], pages[10 + i]) for i in range(4))
+    wide = pages[20:22].reshape(-1)  # two pages' room for one page's object
+    wide_got = engine.batch_get_into(keys[:1], [wide])
+    wide_equal = torch.equal(wide[: 128 << 10], pages[0])
+    corrupt(engine, keys[1])
+    damaged = engine.batch_get_into(keys[1:2], [pages[30]])
+    assert engine._registered is not None
+    return {
+        "put": put,
+        "got": got,
+        "equal": equal,
+        "wide": wide_got,
+        "wide_equal": wide_equal,
+        "damaged": damaged,
+        "regions": len(engine._registered),
+        "moved": dict(engine.moved),
+    }
