@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -60,11 +61,14 @@ class MooncakeMissing(RuntimeError):
     """The Mooncake wheel (or ``unshare``) is not installed here."""
 
 
-def mooncake_binary(name: str = "mooncake_master") -> Path:
-    """A binary the wheel ships inside its package (``mooncake_master``, ...)."""
+def mooncake_binary(
+    name: str = "mooncake_master", *, find_spec: Callable[[str], Any] | None = None
+) -> Path:
+    """A binary the wheel ships inside its package (``mooncake_master``, ...);
+    ``find_spec`` stands in for :func:`importlib.util.find_spec` in tests."""
     import importlib.util
 
-    spec = importlib.util.find_spec("mooncake")
+    spec = (find_spec or importlib.util.find_spec)("mooncake")
     if spec is None or not spec.submodule_search_locations:
         raise MooncakeMissing(f"the Mooncake wheel is not installed: {INSTALL}")
     path = Path(next(iter(spec.submodule_search_locations))) / name
