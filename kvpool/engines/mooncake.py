@@ -149,7 +149,7 @@ class MooncakeEngine:
         self.moved = {"put_in_place": 0, "put_staged": 0, "get_in_place": 0, "get_staged": 0}
 
     # ------------------------------------------------------------------ connecting
-    def _check_master(self) -> None:
+    def _connect_master(self) -> None:
         address = self.config.master_server_address
         host, port = split_address(address)
         try:
@@ -159,6 +159,10 @@ class MooncakeEngine:
                 f"no Mooncake master answers at {address} (master_server_address in"
                 f" {self.config.source or 'the config'}): {exc.strerror or exc}"
             ) from None
+
+    def _check_master(self) -> None:
+        address = self.config.master_server_address
+        self._connect_master()
         reply = http_get(f"http://{address}/health", min(self.timeout_s, 2.0))
         if reply.status is not None:
             raise TransferError(
@@ -383,8 +387,12 @@ class MooncakeEngine:
         raise TransferError(f"{key}: Mooncake remove failed with {rc}")
 
     def health(self) -> dict[str, Any]:
+        """Mooncake's own health_check, and a bounded connect to the master: after the
+        master is lost the store still calls itself healthy and answers every probe
+        "not found" (reads miss, puts fail with -900 after Mooncake's ~4 s RPC timeout)."""
         with self._lock:
             rc = int(self._open().health_check())
+            self._connect_master()
         if rc != 0:
             raise TransferError(
                 f"Mooncake store not healthy ({rc}: 1 closed, 2 master unreachable)"

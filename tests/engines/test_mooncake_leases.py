@@ -53,3 +53,18 @@ def test_probing_every_key_at_once_would_starve_the_pool(engine: NamespacedEngin
     assert engine.batch_exists(prefix) == [True, False, True, True, True]
     [refused] = engine.batch_put_from(["new"], [bytes(OBJECT)])
     assert type(refused).__name__ == "NoSpace"
+
+
+def test_a_lost_master_is_misses_and_an_unhealthy_pool() -> None:
+    from kvpool.errors import TransferError
+
+    with Namespace() as ns:
+        master = ns.new("kvpool.testing.mooncake:MooncakeMaster")
+        config = mooncake_json("127.0.0.1:50051", ROOM * OBJECT)
+        engine = NamespacedEngine(ns, ns.new("tests.engines.mooncake_host:open_engine", config))
+        assert engine.batch_put_from(["kept"], [b"v" * 1000]) == [None]
+        ns.call(master, "kill")
+        assert engine.batch_exists(["kept"]) == [False]  # Mooncake answers "not found"
+        assert engine.batch_get_into(["kept"], [bytearray(1000)]) == [-1]
+        with pytest.raises(TransferError, match="no Mooncake master answers"):
+            engine.health()
