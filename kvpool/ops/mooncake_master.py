@@ -167,7 +167,8 @@ def render_mooncake(facts: MooncakeMasterFacts) -> RenderableType:
     head = Text.assemble(
         ("Mooncake master ", "bold"),
         (f.metrics_address, "bold cyan"),
-        f"  ({f.role or 'role unknown'})  ·  {f.keys:,} keys  ·  {f.active_clients} clients",
+        f"  ({f.role or 'role unknown'})  ·  {f.keys:,} keys  ·  {f.active_clients} active"
+        f" client{'' if f.active_clients == 1 else 's'}",
     )
     table = Table(title="Pool (from master_* metrics)", title_justify="left", show_header=False)
     table.add_column("what", style="bold")
