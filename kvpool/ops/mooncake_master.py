@@ -38,6 +38,7 @@ __all__ = [
     "MooncakeMasterFacts",
     "find_mooncake_master",
     "looks_like_mooncake_health",
+    "mooncake_at",
     "parse_mooncake_metrics",
     "render_mooncake",
 ]
@@ -150,6 +151,30 @@ def find_mooncake_master(
         except ProtocolError as exc:
             why = str(exc)
     return None, why
+
+
+def mooncake_at(address: str, timeout_s: float = 2.0) -> str | None:
+    """A line naming the Mooncake master that holds ``address`` (a kvpool client's
+    master), else None.  Only when the address itself speaks no HTTP (as Mooncake's RPC
+    port: it closes an HTTP request without an answer; kvpool's master answers HTTP on its
+    one port) is Mooncake's metrics port looked for, so a kvpool master beside a Mooncake
+    one on the same host is never mistaken for it; nothing listening is None too (a
+    master may start later)."""
+    reply = http_get(f"http://{address}/health", timeout_s)
+    if reply.status is not None and looks_like_mooncake_health(reply.text) is None:
+        return None  # an HTTP server that is not Mooncake's: kvpool's master, or a stranger
+    if reply.status is None and "refused" in (reply.error or "").lower():
+        return None
+    facts, _ = find_mooncake_master(address, timeout_s)
+    if facts is None:
+        return None
+    return (
+        f"{address} looks like a Mooncake master (mooncake_master, {facts.role or 'running'};"
+        f" its metrics at http://{facts.metrics_address}/metrics), not kvpool's master:"
+        " kvpool's engine needs `kvpool master` there, or write a Mooncake config"
+        ' ("master_server_address": "' + address + '", "metadata_server": "P2PHANDSHAKE")'
+        " for the Mooncake engine (docs/mooncake.md)"
+    )
 
 
 def _bytes(n: float) -> str:

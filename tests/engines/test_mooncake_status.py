@@ -87,3 +87,13 @@ def test_doctor_recognises_a_mooncake_master(ns: Namespace) -> None:
     assert "default_kv_lease_ttl" in checks["master.alloc_failures"].fix
     _, out, _ = kvpool(ns, "doctor", "--master", RPC)
     assert "a Mooncake master answers" in out, out
+
+
+def test_kvpool_node_pointed_at_a_mooncake_master_says_so_and_stops(
+    ns: Namespace, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    path = tmp_path_factory.mktemp("node") / "kvpool.json"
+    path.write_text(json.dumps({"local_hostname": "127.0.0.1", "metadata_server": RPC}))
+    rc, _, err = kvpool(ns, "node", "--config", str(path))  # retried forever before
+    assert rc == 2, err
+    assert "looks like a Mooncake master" in err and "127.0.0.1:9003" in err
