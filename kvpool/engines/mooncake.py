@@ -209,8 +209,8 @@ class MooncakeEngine:
     def _exists(self, keys: Sequence[str]) -> list[int]:
         store = self._open()
         answers = [int(a) for a in store.batch_is_exist(list(keys))]
-        if -1 in answers and store.health_check() != 0:
-            raise TransferError(f"Mooncake master {self.config.master_server_address} is lost")
+        if -1 in answers:  # an error, not an answer: is the master still there?
+            self._connect_master()
         return answers
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
