@@ -5,7 +5,7 @@ index, and every process that opens the store with ``global_segment_size > 0``
 contributes that much memory (the guide's "every node registers memory").  The store
 comes from the optional ``mooncake`` extra (``pip install 'kvpool[mooncake]'``; the
 non-CUDA wheel here, the CUDA or NPU wheel on a real cluster).  Configured from the
-``mooncake.json`` Mooncake and vllm-ascend write (:class:`~kvpool.config.MooncakeNodeConfig`).
+``mooncake.json`` Mooncake and vllm-ascend write (:class:`~kvpool.config.node.MooncakeNodeConfig`).
 
 How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
 
