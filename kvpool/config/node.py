@@ -1,5 +1,11 @@
 """A node's ``mooncake.json``: the pure parser and the edge that reads file and environment.
 
+One file name, two engines.  :func:`node_engine` tells them apart (the rule is written
+there and in docs/mooncake.md): a config as Mooncake and vllm-ascend write it runs on real
+Mooncake (:class:`MooncakeNodeConfig`, Mooncake's keys and size units, handed to
+``mooncake.store.MooncakeDistributedStore`` unchanged); every other one, the production
+guide's JSON included, runs on kvpool's engine (:class:`NodeConfig`).
+
 Precedence: ``KVPOOL_*`` environment variables win over their ``MOONCAKE_*``/``ASCEND_*``
 twins (which exist for drop-in use of Mooncake's and vllm-ascend's deployments), and the
 environment wins over the file.  An unknown key is an error, not a warning.
@@ -30,12 +36,18 @@ from kvpool.config.values import (
 from kvpool.errors import ConfigError
 
 __all__ = [
+    "MOONCAKE_KEYS",
     "NODE_KEYS",
     "SERVED_PROTOCOLS",
+    "MooncakeNodeConfig",
     "NodeConfig",
     "config_path_from_env",
+    "load_any_node_config",
     "load_node_config",
+    "node_engine",
+    "parse_mooncake_config",
     "parse_node_config",
+    "read_node_json",
     "served_protocols",
 ]
 
@@ -85,6 +97,7 @@ NODE_KEYS: dict[str, str] = {
     "enable_ssd_offload": "keep evicted blocks on SSD under ssd_offload_path",
     "ssd_offload_path": "directory of the SSD tier (required with enable_ssd_offload)",
     "ssd_offload_limit": "SSD tier cap (size; env OFFLOAD_TOTAL_SIZE_LIMIT_BYTES wins)",
+    "engine": "which pool engine the config is for: kvpool or mooncake (else the rule)",
     "connect_timeout_ms": "connect timeout, ms (env KVPOOL_CONNECT_TIMEOUT_MS wins)",
     "transfer_timeout_ms": "transfer timeout, ms (env KVPOOL_TRANSFER_TIMEOUT_MS wins)",
 }
@@ -119,6 +132,12 @@ def parse_node_config(
     where = f" in {source}" if source else ""
     if not isinstance(data, Mapping):
         raise ConfigError(f"node config{where}: expected a JSON object {{...}}, got {data!r}")
+    if node_engine(data) == "mooncake":
+        raise ConfigError(
+            f"node config{where}: this is a Mooncake config ({_mooncake_reason(data)}); it runs"
+            ' on real Mooncake (engine "mooncake"), not on kvpool\'s master; for kvpool\'s'
+            ' engine write "metadata_server": "<master host>:50088" and drop Mooncake\'s keys'
+        )
     for key in data:
         if key in _MOONCAKE_ONLY:
             raise ConfigError(f"{key}{where}: not a kvpool key: {_MOONCAKE_ONLY[key]}")
@@ -179,6 +198,155 @@ def parse_node_config(
     )
 
 
+# ------------------------------------------------------------------ the engine rule
+# metadata_server values that only Mooncake understands: its peer-to-peer handshake and
+# its external metadata services (kvpool's master is its own metadata service).
+_MOONCAKE_METADATA = ("p2phandshake",)
+_MOONCAKE_METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
+
+
+def _mooncake_reason(data: Mapping[str, Any]) -> str | None:
+    """Why ``data`` is a Mooncake config, or None when it is kvpool's."""
+    engine = data.get("engine")
+    if engine is not None:
+        return 'it says "engine": "mooncake"' if engine == "mooncake" else None
+    metadata = data.get("metadata_server")
+    if isinstance(metadata, str):
+        text = metadata.strip().lower()
+        if text in _MOONCAKE_METADATA:
+            return f"metadata_server is {metadata.strip()}"
+        if text.startswith(_MOONCAKE_METADATA_SCHEMES):
+            return f"metadata_server is a {text.partition(':')[0]} metadata service URL"
+    for key in _MOONCAKE_ONLY:
+        if key in data:
+            return f"it sets Mooncake's {key}"
+    master = data.get("master_server_address")
+    if isinstance(metadata, str) and isinstance(master, str) and metadata.strip() != master.strip():
+        # kvpool's master is its own metadata service; Mooncake's are two services
+        return "metadata_server and master_server_address name different services"
+    return None
+
+
+def node_engine(data: Mapping[str, Any]) -> str:
+    """``"mooncake"`` or ``"kvpool"``: which engine a parsed ``mooncake.json`` is for.
+
+    The rule, first match wins:
+    1. an ``"engine"`` key says it (``"kvpool"`` or ``"mooncake"``);
+    2. ``metadata_server`` is ``P2PHANDSHAKE`` or an ``http(s)://`` / ``etcd://`` /
+       ``redis://`` URL → Mooncake (kvpool's master is its own metadata service);
+    3. it sets a key only Mooncake takes (``local_buffer_size``, ``metadata_backend``) →
+       Mooncake;
+    4. ``metadata_server`` and ``master_server_address`` are both set and differ (Mooncake's
+       metadata and master are two services; kvpool's are one) → Mooncake;
+    5. anything else → kvpool (the production guide's JSON: ``"<p0_IP>:50088"``).
+    """
+    engine = data.get("engine")
+    if engine is not None and engine not in ("kvpool", "mooncake"):
+        raise ConfigError(f'engine: {engine!r} is not a pool engine; use "kvpool" or "mooncake"')
+    return "mooncake" if _mooncake_reason(data) is not None else "kvpool"
+
+
+# key -> one-line meaning, as Mooncake's own MooncakeConfig reads them
+MOONCAKE_KEYS: dict[str, str] = {
+    "local_hostname": "this process's address as peers reach it (required)",
+    "metadata_server": "P2PHANDSHAKE, an HTTP metadata URL or etcd (required)",
+    "master_server_address": "mooncake_master's RPC address host:port (required)",
+    "global_segment_size": "memory this process contributes to the pool (0: a pure client)",
+    "local_buffer_size": "this process's registered transfer buffer",
+    "protocol": "the Transfer Engine's protocol: tcp, rdma, ...",
+    "device_name": "RDMA device(s), comma-separated; unused with tcp",
+    "engine": 'which pool engine the config is for ("mooncake")',
+    "metadata_backend": "Mooncake's metadata backend name (passed through)",
+    "enable_ssd_offload": "Mooncake's SSD offload (passed through)",
+    "ssd_offload_path": "Mooncake's SSD offload directory (passed through)",
+}
+
+# Mooncake's own defaults (mooncake_config.py, 0.3.13)
+_MOONCAKE_SEGMENT = 3355443200
+_MOONCAKE_BUFFER = 1 << 30
+_MOONCAKE_UNITS = {"kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeNodeConfig:
+    """One process's ``mooncake.json`` for real Mooncake, in Mooncake's own terms."""
+
+    local_hostname: str
+    metadata_server: str
+    master_server_address: str
+    global_segment_size: int = _MOONCAKE_SEGMENT
+    local_buffer_size: int = _MOONCAKE_BUFFER
+    protocol: str = "tcp"
+    device_name: str = ""
+    source: str = ""
+
+    engine = "mooncake"
+
+    @property
+    def master_address(self) -> str:
+        return self.master_server_address
+
+
+def _mooncake_size(value: object, key: str) -> int:
+    """Mooncake's size spelling: an int, or "3.125GB" / "512MB" / "1g" in powers of 1024
+    (as Mooncake reads it, so one file means the same bytes to both)."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"{key}: expected a size such as 4294967296 or \"4GB\", got {value!r}")
+    if isinstance(value, int):
+        number, unit = float(value), 1
+    else:
+        text = value.strip().lower()
+        unit = 1
+        for suffix in ("kb", "mb", "gb", "tb", "k", "m", "g", "t", "b"):
+            if text.endswith(suffix):
+                unit = _MOONCAKE_UNITS.get(suffix if len(suffix) == 2 else suffix + "b", 1)
+                text = text[: -len(suffix)].strip()
+                break
+        try:
+            number = float(text)
+        except ValueError:
+            raise ConfigError(f"{key}: {value!r} is not a size (e.g. \"4GB\")") from None
+    if number < 0:
+        raise ConfigError(f"{key}: must not be negative")
+    return int(number * unit)
+
+
+def parse_mooncake_config(data: Mapping[str, Any], *, source: str = "") -> MooncakeNodeConfig:
+    """Validate a Mooncake ``mooncake.json`` (the keys of :data:`MOONCAKE_KEYS`)."""
+    where = f" in {source}" if source else ""
+    for key in data:
+        if key not in MOONCAKE_KEYS:
+            raise ConfigError(
+                f"{key}{where}: not a key of a Mooncake config (known: {', '.join(MOONCAKE_KEYS)})"
+            )
+    fields: dict[str, str] = {}
+    for key in ("local_hostname", "metadata_server", "master_server_address"):
+        value = data.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(
+                f"{key}{where}: missing or empty; Mooncake needs it ({MOONCAKE_KEYS[key]})"
+            )
+        fields[key] = value.strip()
+    parse_host_port(fields["master_server_address"], key="master_server_address" + where)
+    protocol = data.get("protocol", "tcp")
+    device = data.get("device_name", "")
+    if not isinstance(protocol, str) or not isinstance(device, str):
+        raise ConfigError(f"protocol/device_name{where}: expected strings")
+    return MooncakeNodeConfig(
+        **fields,
+        global_segment_size=_mooncake_size(
+            data.get("global_segment_size", _MOONCAKE_SEGMENT), "global_segment_size"
+        ),
+        local_buffer_size=_mooncake_size(
+            data.get("local_buffer_size", _MOONCAKE_BUFFER), "local_buffer_size"
+        ),
+        protocol=protocol.strip().lower() or "tcp",
+        device_name=device.strip(),
+        source=source,
+    )
+
+
+# ---------------------------------------------------------------------------- the edge
 def config_path_from_env(env: Mapping[str, str]) -> tuple[str, Path] | None:
     """(variable, path) of the node config: KVPOOL_CONFIG_PATH wins over MOONCAKE_CONFIG_PATH."""
     found = env_lookup(env, CONFIG_PATH_VARS)
@@ -192,6 +360,33 @@ def load_node_config(
     protocols: Sequence[str] | None = None,
 ) -> NodeConfig:
     """Read and validate the node config (edge).  ``path`` defaults to the env variables."""
+    env = dict(os.environ) if env is None else env
+    data, source = read_node_json(path, env=env)
+    return parse_node_config(
+        data,
+        env=env,
+        protocols=served_protocols() if protocols is None else protocols,
+        source=source,
+    )
+
+
+def load_any_node_config(
+    path: str | Path | None = None, *, env: Mapping[str, str] | None = None
+) -> NodeConfig | MooncakeNodeConfig:
+    """The node config for whichever engine :func:`node_engine` names (edge): a Mooncake
+    config as :class:`MooncakeNodeConfig`, any other through :func:`load_node_config`."""
+    env = dict(os.environ) if env is None else env
+    data, source = read_node_json(path, env=env)
+    if isinstance(data, Mapping) and node_engine(data) == "mooncake":
+        return parse_mooncake_config(data, source=source)
+    return parse_node_config(data, env=env, protocols=served_protocols(), source=source)
+
+
+def read_node_json(
+    path: str | Path | None = None, *, env: Mapping[str, str] | None = None
+) -> tuple[object, str]:
+    """The parsed JSON of the node config and where it came from (edge); ``path``
+    defaults to the env variables.  Hand it to :func:`node_engine` and a parser."""
     env = dict(os.environ) if env is None else env
     if path is None:
         found = config_path_from_env(env)
@@ -208,14 +403,8 @@ def load_node_config(
     except OSError as exc:
         raise ConfigError(f"{label}: cannot read the config file ({exc.strerror})") from None
     try:
-        data = json.loads(text)
+        return json.loads(text), str(path)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"{label}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
         ) from None
-    return parse_node_config(
-        data,
-        env=env,
-        protocols=served_protocols() if protocols is None else protocols,
-        source=str(path),
-    )

@@ -48,10 +48,16 @@ def run_node(options: NodeOptions) -> int:
     """``kvpool node``: contribute this host's memory to the pool until a signal.  A bad
     node config is a ConfigError naming the key."""
     from kvpool.config import load_node_config
+    from kvpool.errors import ConfigError
+    from kvpool.ops.mooncake_master import mooncake_at
     from kvpool.service.node import run_node as serve_node
 
     _configure_logging(options.log_level)
     config = load_node_config(options.config)
+    # the other engine's master would be retried forever: say what answers, once
+    mooncake = mooncake_at(config.master_address)
+    if mooncake is not None:
+        raise ConfigError(f"metadata_server: {mooncake}")
     return serve_node(config, bind_host=options.bind, data_port=options.data_port)
 
 

@@ -7,6 +7,10 @@ into a :class:`PoolSnapshot` and :func:`render` turns that into rich renderables
 are pure, so the picture is unit-tested without a master.  Only :func:`fetch_snapshot`
 and :func:`run` do I/O.
 
+A real ``mooncake_master`` is recognised too (:mod:`kvpool.ops.mooncake_master`): when the
+address answers no kvpool snapshot, status looks for Mooncake's metrics port there (or on
+9003 beside its RPC port) and shows the §8.1 facts from its ``master_*`` metrics.
+
 Every ratio is shown with its denominator ("hit 37.5% (300 of 800 blocks)"): a ratio of
 nothing is printed as such, never as 0 %.
 """
@@ -27,8 +31,10 @@ from rich.table import Table
 from rich.text import Text
 
 from kvpool.config import config_path_from_env, load_node_config
+from kvpool.config.node import node_engine, parse_mooncake_config, read_node_json
 from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.net import DEFAULT_MASTER_PORT, http_get
+from kvpool.ops.mooncake_master import MooncakeMasterFacts, find_mooncake_master, render_mooncake
 
 __all__ = [
     "ClientInfo",
@@ -38,6 +44,7 @@ __all__ = [
     "StatusOptions",
     "TierUse",
     "default_master",
+    "fetch_any",
     "fetch_snapshot",
     "format_bytes",
     "parse_snapshot",
@@ -345,11 +352,26 @@ def fetch_snapshot(master: str, timeout_s: float = 5.0) -> PoolSnapshot:
     return parse_snapshot(master, status, metrics)
 
 
+def fetch_any(master: str, timeout_s: float = 5.0) -> PoolSnapshot | MooncakeMasterFacts:
+    """kvpool's snapshot, or, when no kvpool master answers there, a Mooncake master's
+    facts (its metrics port, or 9003 beside its RPC port); raises kvpool's error then."""
+    try:
+        return fetch_snapshot(master, timeout_s)
+    except KVPoolError as exc:
+        facts, _ = find_mooncake_master(master, min(timeout_s, 3.0))
+        if facts is None:
+            raise exc from None
+        return facts
+
+
 def default_master(env: Mapping[str, str]) -> str:
     """The master named by the node config (KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH) when
     one is set and valid, else the local default: status on a node needs no flag."""
     if config_path_from_env(env) is not None:
         try:
+            data, source = read_node_json(env=env)
+            if isinstance(data, dict) and node_engine(data) == "mooncake":
+                return parse_mooncake_config(data, source=source).master_address
             return load_node_config(env=env).master_address
         except ConfigError:
             pass  # doctor explains a broken config; status just falls back
@@ -386,11 +408,12 @@ def run(
     try:
         while True:
             try:
-                snap = fetch_snapshot(master)
+                snap = fetch_any(master)
             except KVPoolError as exc:
                 print(
                     f"kvpool status: cannot read the master at {master}: {exc}\n"
-                    "  is `kvpool master` running there?  (address: --master HOST:PORT)",
+                    "  is `kvpool master` running there?  (or mooncake_master, whose"
+                    " metrics port 9003 status reads; address: --master HOST:PORT)",
                     file=sys.stderr,
                 )
                 return 1
@@ -399,13 +422,16 @@ def run(
             else:
                 if options.watch_s is not None and stream.isatty():
                     console.clear()
-                console.print(render(snap, rates(previous, snap) if previous else None))
+                if isinstance(snap, MooncakeMasterFacts):
+                    console.print(render_mooncake(snap))
+                else:
+                    console.print(render(snap, rates(previous, snap) if previous else None))
             updates += 1
             if options.watch_s is None or (
                 options.max_updates is not None and updates >= options.max_updates
             ):
                 return 0
-            previous = snap
+            previous = snap if isinstance(snap, PoolSnapshot) else None
             sleep(options.watch_s)
     except KeyboardInterrupt:
         return 0

@@ -33,7 +33,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool.config import load_node_config
 from kvpool.config.kv_transfer import (
     STORE_CONNECTOR as CONNECTOR_NAME,
 )
@@ -42,6 +41,7 @@ from kvpool.config.kv_transfer import (
     check_put_back,
     parse_store_config,
 )
+from kvpool.config.node import load_any_node_config
 from kvpool.connectors.stats import CounterStatsHooks, register_connector
 from kvpool.connectors.store.lookup import LookupClient, LookupServer, channel_path
 from kvpool.connectors.store.plan import StorePlan
@@ -141,7 +141,7 @@ class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
             ktc.kv_role,
             ktc.kv_connector_extra_config,
             env=os.environ,
-            load_node=load_node_config,
+            load_node=load_any_node_config,
         )
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         check_put_back(config, is_mla=_is_mla(vllm_config), tp_size=tp_size)

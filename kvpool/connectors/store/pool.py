@@ -1,9 +1,11 @@
 """The pool as the store connector sees it: an engine, the process's shared embedded pool,
 and a reconnecting handle.
 
-- The pool is a :class:`~kvpool.engines.PoolEngine` (kvpool's master, or the embedded pool),
-  opened by :func:`open_pool` through :func:`kvpool.engines.open_engine`; tests pass any
-  object with the engine's methods.
+- The pool is a :class:`~kvpool.engines.PoolEngine` (kvpool's master, the embedded pool,
+  or real Mooncake Store), opened by :func:`open_pool` through
+  :func:`kvpool.engines.open_engine`; tests pass any object with the engine's methods.
+  ``backend: "mooncake"`` runs on real Mooncake when the node config is a Mooncake one
+  (:func:`kvpool.config.node.node_engine`), else on kvpool's master.
 - :class:`EmbeddedPools` — the process's embedded pool, shared by the connector's halves.
 - :class:`PoolHandle` — opens the pool lazily, turns a dead pool into a fast
   :class:`~kvpool.errors.TransferError` for ``reconnect_interval`` instead of letting every
@@ -15,12 +17,14 @@ and a reconnecting handle.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvpool.config.kv_transfer import StoreConfig
+from kvpool.config.node import MooncakeNodeConfig, config_path_from_env, load_any_node_config
 from kvpool.engines import PoolEngine, open_engine
 from kvpool.errors import ChecksumMismatch, KVPoolError, PoolError, TransferError
 
@@ -141,6 +145,15 @@ def open_pool(config: StoreConfig, *, timeout_ms: int | None = None) -> PoolEngi
             "default", lambda: open_engine("embedded", capacity=config.embedded_capacity)
         )
     timeout_s = (timeout_ms or config.pool_timeout_ms) / 1000
+    if config.backend == "mooncake":
+        node = load_any_node_config() if config_path_from_env(os.environ) else None
+        if isinstance(node, MooncakeNodeConfig):
+            # one Mooncake store per process, as vllm-ascend's: each would mount its own
+            # global_segment_size and register as its own client
+            return EmbeddedPools.get(
+                f"mooncake:{node.master_server_address}",
+                lambda: open_engine("mooncake", mooncake=node, timeout_s=timeout_s),
+            )
     return open_engine(engine, master=config.master, timeout_s=timeout_s)
 
 

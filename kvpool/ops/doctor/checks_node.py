@@ -20,6 +20,8 @@ from kvpool.config import (
 )
 from kvpool.net import split_address
 from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
+from kvpool.ops.doctor.checks_mooncake import check_mooncake_master
+from kvpool.ops.mooncake_master import MooncakeMasterFacts
 
 __all__ = [
     "ConfigFileFacts",
@@ -57,6 +59,8 @@ class MasterFacts:
     # GET /api/status as JSON (None when absent): "clients" and, when the master reports
     # it, "config" (its flags, so doctor judges the running master without --master-cmd).
     status: Mapping[str, Any] | None = None
+    # a real mooncake_master answered instead (kvpool.ops.mooncake_master)
+    mooncake: MooncakeMasterFacts | None = None
 
 
 def check_config_file(facts: ConfigFileFacts) -> list[Check]:
@@ -171,6 +175,8 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
             )
         ]
     results = [pass_("master.reachable", f"TCP connect to {addr} succeeded")]
+    if facts.mooncake is not None:
+        return results + check_mooncake_master(addr, facts.mooncake)
     if facts.health_status != 200:
         got = facts.health_error or f"HTTP {facts.health_status}"
         results.append(

@@ -20,6 +20,7 @@ from kvpool.core.keys import KeyNamespace, chunk_keys
 from kvpool.net import http_get, split_address
 from kvpool.ops.doctor.checks_host import SsdFacts
 from kvpool.ops.doctor.checks_node import MasterFacts
+from kvpool.ops.mooncake_master import find_mooncake_master, looks_like_mooncake_health
 
 __all__ = [
     "CROSS_NODE_KEY",
@@ -51,7 +52,9 @@ def tcp_connect_error(host: str, port: int, timeout_s: float = 2.0) -> str | Non
 
 def probe_master(address: str, timeout_s: float = 3.0) -> MasterFacts:
     """TCP connect, then GET /health, /metrics and /api/status on the same port (the master
-    serves its RPC and HTTP on one port)."""
+    serves its RPC and HTTP on one port).  When that is no kvpool master, look for a real
+    mooncake_master: its metrics port is the address itself or 9003 beside its RPC port
+    (an HTTP GET on Mooncake's RPC port is closed without an answer)."""
     try:
         host, port = split_address(address)
     except ValueError:
@@ -60,8 +63,14 @@ def probe_master(address: str, timeout_s: float = 3.0) -> MasterFacts:
     if error is not None:
         return MasterFacts(address, error)
     health = http_get(f"http://{address}/health", timeout_s)
-    if health.status != 200:
-        return MasterFacts(address, None, health.status, health.error)
+    if health.status != 200 or looks_like_mooncake_health(health.text) is not None:
+        mooncake, why = find_mooncake_master(address, timeout_s)
+        if mooncake is not None:
+            return MasterFacts(address, None, health.status, None, mooncake=mooncake)
+        error = health.error
+        if health.status is None:
+            error = f"{error} (no HTTP answer; and no Mooncake master: {why})"
+        return MasterFacts(address, None, health.status, error)
     metrics = http_get(f"http://{address}/metrics", timeout_s).text
     status = http_get(f"http://{address}/api/status", timeout_s)
     snapshot = None

@@ -1,0 +1,415 @@
+"""The ``mooncake`` engine: real Mooncake Store (``mooncake.store.MooncakeDistributedStore``).
+
+The pool of a cluster that already runs Mooncake: a C++ ``mooncake_master`` keeps the
+index, and every process that opens the store with ``global_segment_size > 0``
+contributes that much memory (the guide's "every node registers memory").  The store
+comes from the optional ``mooncake`` extra (``pip install 'kvpool[mooncake]'``; the
+non-CUDA wheel here, the CUDA or NPU wheel on a real cluster).  Configured from the
+``mooncake.json`` Mooncake and vllm-ascend write (:class:`~kvpool.config.node.MooncakeNodeConfig`).
+
+How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
+
+- *Checksums.*  Mooncake returns whatever bytes a segment holds.  Each object is stored
+  as a 16-byte header (magic, xxh3-64 of the payload) followed by the payload; a read
+  whose header or checksum does not match is a miss, never wrong bytes.  Objects are
+  therefore kvpool's own: Mooncake's other clients see the header.
+- *Buffers.*  Mooncake moves bytes only to and from memory registered with
+  ``register_buffer`` (:mod:`.mooncake_buffers`).  Pages of a big CPU tensor (a vLLM KV
+  cache) are registered in place once and moved zero-copy, each object as two parts
+  (its header from the staging area, the page itself), as vllm-ascend's Mooncake backend
+  does with ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``; other
+  buffers are copied through one registered staging area.  One call per batch.
+- *Errors.*  Mooncake answers integer codes; :func:`put_error` maps them (-200 no handle
+  → :class:`~kvpool.errors.NoSpace`, -704 → a miss, ...).
+- *Eviction.*  Mooncake evicts in a background thread, not inside the put: a put into a
+  full pool fails (-200) until that thread has run.  Keys refused with -200 are retried
+  for at most ``put_retry_s`` (0.2 s) before NoSpace is the answer.
+- *Leases, not pins.*  Mooncake has no pins.  :meth:`pin` and :meth:`release` do nothing
+  and answer 0 (:attr:`pins` is False).  What protects a found block on Mooncake is the
+  lease its ``is_exist`` took: every probe (and every read) renews the object's lease for
+  the master's ``--default_kv_lease_ttl`` (Mooncake #2187: probes that renew leases can
+  starve eviction).  So on Mooncake a lookup *does* protect what it found, for one lease
+  — a request must start its load within ``default_kv_lease_ttl`` — and a flood of
+  lookups keeps objects leased.  :meth:`prefix_lookup` therefore probes in chunks that
+  stop at the first miss, so blocks behind a hole are not kept leased.  The lease the
+  master needs is in docs/mooncake.md.
+- *Connect.*  Opening is lazy (constructors have no side effects).  Before ``setup`` the
+  adapter checks the master's RPC port with one bounded TCP connect (Mooncake's own
+  setup retries for ~90 s against nothing), and an HTTP GET that a kvpool master answers
+  and a Mooncake RPC port does not: a mooncake.json pointed at kvpool's master is an
+  error at connect time that says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpool.config.node import MooncakeNodeConfig
+from kvpool.engines.base import MISS
+from kvpool.engines.mooncake_buffers import Registered, Staging
+from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
+from kvpool.net import http_get, split_address
+from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.storage.checksum import checksum
+
+__all__ = [
+    "HEADER_SIZE",
+    "INSTALL_HINT",
+    "MOONCAKE_CODES",
+    "MooncakeEngine",
+    "pack_header",
+    "put_error",
+    "unpack_payload",
+]
+
+INSTALL_HINT = (
+    "pip install 'kvpool[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1) and"
+    " apt-get install -y libibverbs1 ibverbs-providers librdmacm1 libnuma1"
+)
+
+#: Mooncake Store's error codes that kvpool meets (mooncake-store/include/types.h)
+MOONCAKE_CODES: dict[int, str] = {
+    -200: "no available handle (the pool is full)",
+    -600: "invalid parameters (a buffer too small?)",
+    -704: "object not found",
+    -705: "object already exists",
+    -706: "object has a lease",
+    -707: "lease expired",
+    -800: "transfer failed",
+    -801: "checksum mismatch",
+    -900: "RPC failed",
+}
+_NO_HANDLE = -200
+_NOT_FOUND = -704
+_HAS_LEASE = -706
+
+_FIRST_CHUNK = 4  # prefix_lookup's first probe: most lookups end within a few RPCs
+
+_MAGIC = b"KVPM"
+_HEADER = struct.Struct("<4s4xQ")  # magic, reserved, xxh3-64 of the payload
+HEADER_SIZE = _HEADER.size  # 16
+
+
+def pack_header(payload: Any) -> bytes:
+    """The 16 bytes stored in front of ``payload``."""
+    return _HEADER.pack(_MAGIC, checksum(payload))
+
+
+def unpack_payload(stored: memoryview) -> memoryview | None:
+    """The payload of a stored object, or None when it is not an intact kvpool object."""
+    if len(stored) < HEADER_SIZE:
+        return None
+    magic, digest = _HEADER.unpack_from(stored)
+    payload = stored[HEADER_SIZE:]
+    return payload if magic == _MAGIC and checksum(payload) == digest else None
+
+
+def put_error(code: int, key: str) -> KVPoolError | None:
+    """A put's Mooncake code as kvpool's per-key result."""
+    if code >= 0 or code == -705:  # an object already there is a harmless success
+        return None
+    what = MOONCAKE_CODES.get(code, "unknown error")
+    if code == _NO_HANDLE:
+        return NoSpace(f"{key}: Mooncake has no room ({what})")
+    return TransferError(f"{key}: Mooncake put failed with {code} ({what})")
+
+
+class MooncakeEngine:
+    """Real Mooncake Store as a :class:`~kvpool.engines.base.PoolEngine`."""
+
+    engine = "mooncake"
+    #: Mooncake has no pins: :meth:`pin` is a no-op (see the module docstring)
+    pins = False
+    #: every probe renews the object's lease for the master's default_kv_lease_ttl
+    probes_lease = True
+
+    def __init__(
+        self,
+        config: MooncakeNodeConfig,
+        *,
+        timeout_s: float = 10.0,
+        put_retry_s: float = 0.2,
+        store_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.timeout_s = timeout_s
+        self.put_retry_s = put_retry_s
+        self._factory = store_factory
+        self._store: Any = None
+        self._staging: Staging | None = None
+        self._registered: Registered | None = None
+        self._lock = threading.Lock()  # one staging area: one call at a time
+        #: objects moved in place / through the staging area, by direction (health())
+        self.moved = {"put_in_place": 0, "put_staged": 0, "get_in_place": 0, "get_staged": 0}
+
+    # ------------------------------------------------------------------ connecting
+    def _connect_master(self) -> None:
+        address = self.config.master_server_address
+        host, port = split_address(address)
+        try:
+            socket.create_connection((host, port), timeout=self.timeout_s).close()
+        except OSError as exc:
+            raise TransferError(
+                f"no Mooncake master answers at {address} (master_server_address in"
+                f" {self.config.source or 'the config'}): {exc.strerror or exc}"
+            ) from None
+
+    def _check_master(self) -> None:
+        address = self.config.master_server_address
+        self._connect_master()
+        reply = http_get(f"http://{address}/health", min(self.timeout_s, 2.0))
+        if reply.status is not None:
+            raise TransferError(
+                f"{address} answers HTTP (status {reply.status}): this looks like a kvpool"
+                " master, not mooncake_master's RPC port; point master_server_address at"
+                " mooncake_master's --rpc_port, or write a kvpool config"
+                ' ("metadata_server": "<kvpool master>:50088") to use kvpool\'s engine'
+            )
+
+    def _open(self) -> Any:
+        if self._store is not None:
+            return self._store
+        self._check_master()
+        if self._factory is not None:
+            store = self._factory()
+        else:
+            try:
+                from mooncake.store import MooncakeDistributedStore
+            except ImportError as exc:
+                raise ConfigError(
+                    f"engine mooncake: the Mooncake wheel is not installed ({exc}); {INSTALL_HINT}"
+                ) from None
+            store = MooncakeDistributedStore()
+        c = self.config
+        rc = store.setup(
+            c.local_hostname,
+            c.metadata_server,
+            c.global_segment_size,
+            c.local_buffer_size,
+            c.protocol,
+            c.device_name,
+            c.master_server_address,
+        )
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake setup against {c.master_server_address} failed with {rc}"
+                f" ({MOONCAKE_CODES.get(rc, 'see the store log')}); Mooncake needs"
+                " global_segment_size 0 or at least 16 MiB"
+            )
+        self._store, self._staging, self._registered = store, Staging(store), Registered(store)
+        return store
+
+    # ---------------------------------------------------------------------- probes
+    def _exists(self, keys: Sequence[str]) -> list[int]:
+        store = self._open()
+        answers = [int(a) for a in store.batch_is_exist(list(keys))]
+        if -1 in answers:  # an error, not an answer: is the master still there?
+            self._connect_master()
+        return answers
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        with self._lock:
+            return [a == 1 for a in self._exists(keys)]
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        """How many leading keys are stored, probed in chunks of 4, 8, 16, ... that stop
+        at the first miss: every probe leases what it finds, and keys behind a hole are
+        of no use to the request, so they are not probed (at most one chunk's worth past
+        the hole is).  Probing all keys at once would keep them leased for as long as
+        lookups repeat, and a pool full of such keys refuses every put (Mooncake #2187)."""
+        found, size = 0, _FIRST_CHUNK
+        with self._lock:
+            while found < len(keys):
+                for answer in self._exists(keys[found : found + size]):
+                    if answer != 1:
+                        return found
+                    found += 1
+                size *= 2
+        return found
+
+    # ---------------------------------------------------------------------- puts
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        # Mooncake has no chains: parents are accepted and unused.
+        if len(buffers) != len(keys) or (parents is not None and len(parents) != len(keys)):
+            raise ValueError("keys, buffers and parents differ in length")
+        if not keys:
+            return []
+        with self._lock:
+            return self._put(list(keys), list(buffers))
+
+    def _put(self, keys: list[str], buffers: list[Any]) -> list[KVPoolError | None]:
+        store = self._open()
+        assert self._staging is not None and self._registered is not None
+        first = {k: i for i, k in reversed(list(enumerate(keys)))}  # a repeat is the first
+        todo = sorted(set(first.values()))
+        views = {i: byte_view(buffers[i]) for i in todo}
+        in_place = {i: self._registered.address(buffers[i], len(views[i])) for i in todo}
+        staged = sum(len(views[i]) for i in todo if in_place[i] is None)
+        area, base = self._staging.region(HEADER_SIZE * len(todo) + staged)
+        parts: dict[int, tuple[list[int], list[int]]] = {}
+        at = 0
+        for i in todo:
+            view, n = views[i], len(views[i])
+            area[at : at + HEADER_SIZE] = pack_header(view)
+            address = in_place[i]
+            if address is None:  # header and payload, one part
+                area[at + HEADER_SIZE : at + HEADER_SIZE + n] = view
+                parts[i] = ([base + at], [HEADER_SIZE + n])
+                at += HEADER_SIZE + n
+            else:  # the header here, the payload where it is
+                parts[i] = ([base + at, address], [HEADER_SIZE, n])
+                at += HEADER_SIZE
+        codes: dict[int, int] = {}
+        deadline = time.monotonic() + self.put_retry_s
+        while todo:
+            answers = store.batch_put_from_multi_buffers(
+                [keys[i] for i in todo], [parts[i][0] for i in todo], [parts[i][1] for i in todo]
+            )
+            for i, rc in zip(todo, answers, strict=True):
+                codes[i] = int(rc)
+                if rc == 0:
+                    self.moved["put_staged" if in_place[i] is None else "put_in_place"] += 1
+            # Mooncake evicts in the background: a refused put may fit a moment later.
+            todo = [i for i in todo if codes[i] == _NO_HANDLE]
+            if not todo or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        return [put_error(codes[first[k]], k) for k in keys]
+
+    # ---------------------------------------------------------------------- gets
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        if len(buffers) != len(keys):
+            raise ValueError("keys and buffers differ in length")
+        if not keys:
+            return []
+        views = [writable_byte_view(b) for b in buffers]
+        with self._lock:
+            self._open()
+            assert self._registered is not None
+            out = [MISS] * len(keys)
+            registered = self._registered
+            in_place = [registered.address(b, len(v)) for b, v in zip(buffers, views, strict=True)]
+            direct = [i for i, a in enumerate(in_place) if a is not None]
+            # a copy that is not exactly the buffer's size cannot land in place; those,
+            # and every other buffer, go through the staging area
+            staged = [i for i in range(len(keys)) if in_place[i] is None]
+            staged += self._get_in_place(keys, views, in_place, direct, out)
+            self._get_staged(keys, views, sorted(staged), out)
+            return out
+
+    def _get_in_place(
+        self,
+        keys: Sequence[str],
+        views: list[memoryview],
+        in_place: list[int | None],
+        todo: list[int],
+        out: list[int],
+    ) -> list[int]:
+        """Read ``todo`` straight into the caller's registered buffers; the indexes to
+        try again through the staging area."""
+        if not todo:
+            return []
+        assert self._staging is not None
+        area, base = self._staging.region(HEADER_SIZE * len(todo))
+        got = self._store.batch_get_into_multi_buffers(
+            [keys[i] for i in todo],
+            [[base + HEADER_SIZE * j, in_place[i]] for j, i in enumerate(todo)],
+            [[HEADER_SIZE, len(views[i])] for i in todo],
+        )
+        retry: list[int] = []
+        for j, (i, n) in enumerate(zip(todo, got, strict=True)):
+            if n == _NOT_FOUND:
+                continue
+            if n != HEADER_SIZE + len(views[i]):
+                retry.append(i)  # another size (or a failed transfer): staged
+                continue
+            magic, digest = _HEADER.unpack_from(area, HEADER_SIZE * j)
+            if magic == _MAGIC and checksum(views[i]) == digest:
+                out[i] = len(views[i])
+                self.moved["get_in_place"] += 1
+        return retry
+
+    def _get_staged(
+        self, keys: Sequence[str], views: list[memoryview], todo: list[int], out: list[int]
+    ) -> None:
+        if not todo:
+            return
+        assert self._staging is not None
+        sizes = [HEADER_SIZE + len(views[i]) for i in todo]
+        area, base = self._staging.region(sum(sizes))
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
+        got = self._store.batch_get_into(
+            [keys[i] for i in todo], [base + o for o in offsets], sizes
+        )
+        for i, offset, n in zip(todo, offsets, got, strict=True):
+            # a negative code (missing, too big for the buffer, transfer failed) and a
+            # damaged copy are all misses
+            payload = unpack_payload(area[offset : offset + n]) if n > 0 else None
+            if payload is not None:
+                views[i][: len(payload)] = payload
+                out[i] = len(payload)
+                self.moved["get_staged"] += 1
+
+    # ------------------------------------------------------------ pins (none here)
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        """Mooncake has no pins: nothing is pinned, the answer is 0.  The lookup that
+        found ``keys`` already leased them for the master's default_kv_lease_ttl."""
+        return 0
+
+    def release(self, owner: str) -> int:
+        return 0
+
+    # -------------------------------------------------------------------- the rest
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            # force: a corrupt copy must go even while a reader's lease is on it
+            rc = int(self._open().remove(key, True))
+        if rc == 0:
+            return True
+        if rc == _NOT_FOUND:
+            return False
+        if rc == _HAS_LEASE:
+            raise ObjectBusy(f"{key}: Mooncake keeps it under a lease")
+        raise TransferError(f"{key}: Mooncake remove failed with {rc}")
+
+    def health(self) -> dict[str, Any]:
+        """Mooncake's own health_check, and a bounded connect to the master: after the
+        master is lost the store still calls itself healthy and answers every probe
+        "not found" (reads miss, puts fail with -900 after Mooncake's ~4 s RPC timeout)."""
+        with self._lock:
+            rc = int(self._open().health_check())
+            self._connect_master()
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake store not healthy ({rc}: 1 closed, 2 master unreachable)"
+            )
+        return {
+            "engine": "mooncake",
+            "master": self.config.master_server_address,
+            "healthy": 1,
+            **self.moved,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._staging is not None and self._registered is not None:
+                self._staging.free()
+                self._registered.free()
+                self._staging = self._registered = None
+            if self._store is not None:
+                self._store.close()
+                self._store = None

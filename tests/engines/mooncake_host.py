@@ -1,0 +1,147 @@
+"""The Mooncake harness's two halves: what runs in the private namespace, and the engine
+the tests hold, which forwards each call there through the pipe.
+
+The engine under test is a real :class:`~kvpool.engines.mooncake.MooncakeEngine` against a
+real ``mooncake_master``, both in a namespace that :class:`kvpool.testing.mooncake.Namespace`
+created; buffers cross the pipe as bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.config.node import parse_mooncake_config
+from kvpool.engines.mooncake import HEADER_SIZE, MooncakeEngine
+from kvpool.errors import KVPoolError
+from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.testing.mooncake import Namespace, Ref
+
+
+# ------------------------------------------------------------- in the namespace
+def open_engine(config: dict[str, Any], *, put_retry_s: float = 0.2) -> MooncakeEngine:
+    return MooncakeEngine(parse_mooncake_config(config), timeout_s=5, put_retry_s=put_retry_s)
+
+
+def get_into(engine: MooncakeEngine, keys: list[str], sizes: list[int]) -> tuple[list, list]:
+    buffers = [bytearray(n) for n in sizes]
+    got = engine.batch_get_into(keys, buffers)
+    return got, [bytes(b[:n]) if n >= 0 else b"" for b, n in zip(buffers, got, strict=True)]
+
+
+def corrupt(engine: MooncakeEngine, key: str) -> None:
+    """Flip one payload byte of a stored object with Mooncake's own calls (as a bad
+    segment would), leaving kvpool's header as it was."""
+    import numpy as np
+
+    store = engine._open()
+    size = int(store.get_size(key))
+    assert size > HEADER_SIZE, (key, size)
+    raw = np.zeros(size, dtype=np.uint8)
+    assert store.register_buffer(raw.ctypes.data, size) == 0
+    try:
+        assert store.get_into(key, raw.ctypes.data, size) == size
+        raw[HEADER_SIZE + 100] ^= 0xFF
+        assert store.upsert_from(key, raw.ctypes.data, size) == 0
+    finally:
+        store.unregister_buffer(raw.ctypes.data)
+
+
+# ------------------------------------------------------------------- in the test
+class NamespacedEngine:
+    """A :class:`~kvpool.engines.base.PoolEngine` whose every call runs in ``ns``."""
+
+    def __init__(self, ns: Namespace, ref: Ref, *, owns_namespace: bool = False) -> None:
+        self.ns, self.ref, self._owns = ns, ref, owns_namespace
+        self.engine = ns.call(ref, "__getattribute__", "engine")
+        self.pins = ns.call(ref, "__getattribute__", "pins")
+        self.probes_lease = ns.call(ref, "__getattribute__", "probes_lease")
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return self.ns.call(self.ref, "batch_exists", list(keys))
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        return self.ns.call(self.ref, "prefix_lookup", list(keys))
+
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Any],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        data = [bytes(byte_view(b)) for b in buffers]
+        return self.ns.call(self.ref, "batch_put_from", list(keys), data, parents=parents)
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        views = [writable_byte_view(b) for b in buffers]
+        got, data = self.ns.run(
+            f"{__name__}:get_into", self.ref, list(keys), [len(v) for v in views]
+        )
+        for view, n, chunk in zip(views, got, data, strict=True):
+            if n >= 0:
+                view[:n] = chunk
+        return got
+
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        return self.ns.call(self.ref, "pin", list(keys), owner, ttl_ms)
+
+    def release(self, owner: str) -> int:
+        return self.ns.call(self.ref, "release", owner)
+
+    def remove(self, key: str) -> bool:
+        return self.ns.call(self.ref, "remove", key)
+
+    def health(self) -> dict[str, Any]:
+        return self.ns.call(self.ref, "health")
+
+    def close(self) -> None:
+        try:
+            self.ns.call(self.ref, "close")
+        finally:
+            if self._owns:
+                self.ns.close()
+
+
+def mooncake_json(rpc_address: str, segment: int) -> dict[str, Any]:
+    """A mooncake.json as vllm-ascend writes it, for a process that contributes
+    ``segment`` bytes to the pool."""
+    return {
+        "local_hostname": "127.0.0.1",
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_size": segment,
+        "local_buffer_size": 16 << 20,
+        "protocol": "tcp",
+        "device_name": "",
+        "master_server_address": rpc_address,
+    }
+
+
+def kv_cache_round_trip(engine: MooncakeEngine) -> dict[str, Any]:
+    """Pages of one KV-cache-sized CPU tensor, put and read back in place (zero-copy), a
+    read into a page of another size (staged), and a damaged copy read in place."""
+    import torch
+
+    pages = torch.zeros(256, 128 << 10, dtype=torch.uint8)  # 32 MiB: registered in place
+    for i in range(4):
+        pages[i].fill_(i + 1)
+    keys = [f"page-{i}" for i in range(4)]
+    put = engine.batch_put_from(keys, [pages[i] for i in range(4)])
+    got = engine.batch_get_into(keys, [pages[10 + i] for i in range(4)])
+    equal = all(torch.equal(pages[i], pages[10 + i]) for i in range(4))
+    wide = pages[20:22].reshape(-1)  # two pages' room for one page's object
+    wide_got = engine.batch_get_into(keys[:1], [wide])
+    wide_equal = torch.equal(wide[: 128 << 10], pages[0])
+    corrupt(engine, keys[1])
+    damaged = engine.batch_get_into(keys[1:2], [pages[30]])
+    assert engine._registered is not None
+    return {
+        "put": put,
+        "got": got,
+        "equal": equal,
+        "wide": wide_got,
+        "wide_equal": wide_equal,
+        "damaged": damaged,
+        "regions": len(engine._registered),
+        "moved": dict(engine.moved),
+    }

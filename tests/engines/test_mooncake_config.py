@@ -1,0 +1,151 @@
+"""Which engine a mooncake.json is for, Mooncake's config as Mooncake reads it, the
+adapter's pure parts, and a client pointed at the other engine's master."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.config.node import node_engine, parse_mooncake_config, parse_node_config
+from kvpool.engines.mooncake import HEADER_SIZE, pack_header, put_error, unpack_payload
+from kvpool.errors import ConfigError, NoSpace, TransferError
+from kvpool.ops.status import default_master
+from kvpool.testing.mooncake import Namespace
+from tests.engines.mooncake_host import mooncake_json
+
+# the production guide's mooncake.json (§4): kvpool's engine
+GUIDE = {"local_hostname": "10.0.0.2", "metadata_server": "10.0.0.1:50088", "protocol": "tcp"}
+# as vllm-ascend's Mooncake backend and Mooncake's docs write it
+ASCEND = {
+    "local_hostname": "10.0.0.2",
+    "metadata_server": "P2PHANDSHAKE",
+    "global_segment_size": "3.125GB",
+    "local_buffer_size": 1073741824,
+    "protocol": "rdma",
+    "device_name": "mlx5_0",
+    "master_server_address": "10.0.0.1:50051",
+}
+
+
+@pytest.mark.parametrize(
+    ("data", "engine"),
+    [
+        (GUIDE, "kvpool"),
+        ({"local_hostname": "h", "master_server_address": "m:1234"}, "kvpool"),
+        ({**GUIDE, "master_server_address": "10.0.0.1:50088"}, "kvpool"),  # one service
+        (ASCEND, "mooncake"),
+        ({**GUIDE, "metadata_server": "http://10.0.0.1:8080/metadata"}, "mooncake"),
+        ({**GUIDE, "metadata_server": "etcd://10.0.0.1:2379"}, "mooncake"),
+        ({**GUIDE, "local_buffer_size": 1 << 30}, "mooncake"),
+        ({**GUIDE, "master_server_address": "10.0.0.1:50051"}, "mooncake"),  # two services
+        ({**ASCEND, "engine": "mooncake"}, "mooncake"),
+        ({**GUIDE, "engine": "kvpool"}, "kvpool"),
+    ],
+)
+def test_the_rule_tells_the_engines_apart(data: dict, engine: str) -> None:
+    assert node_engine(data) == engine
+
+
+def test_a_mooncake_config_parses_as_mooncake_reads_it() -> None:
+    c = parse_mooncake_config(ASCEND)
+    assert (c.metadata_server, c.master_server_address) == ("P2PHANDSHAKE", "10.0.0.1:50051")
+    assert c.global_segment_size == 3355443200  # Mooncake's GB is 1024**3
+    assert (c.local_buffer_size, c.protocol, c.device_name) == (1 << 30, "rdma", "mlx5_0")
+    with pytest.raises(ConfigError, match=r"master_server_address.*missing"):
+        parse_mooncake_config({k: v for k, v in ASCEND.items() if k != "master_server_address"})
+    with pytest.raises(ConfigError, match=r"bogus.*not a key"):
+        parse_mooncake_config({**ASCEND, "bogus": 1})
+    with pytest.raises(ConfigError, match="engine"):
+        node_engine({**GUIDE, "engine": "redis"})
+
+
+def test_kvpools_parser_names_the_rule_that_made_it_mooncake() -> None:
+    with pytest.raises(ConfigError, match=r"Mooncake config.*metadata_server is P2PHANDSHAKE"):
+        parse_node_config(ASCEND)
+    assert parse_node_config(GUIDE).master_address == "10.0.0.1:50088"
+
+
+def test_kvpool_node_stops_at_once_on_a_mooncake_config(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(ASCEND))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool", "node", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr  # a config error, not a retry loop
+    assert "this is a Mooncake config" in done.stderr
+
+
+def test_status_finds_the_master_a_mooncake_config_names(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(ASCEND))
+    assert default_master({"MOONCAKE_CONFIG_PATH": str(path)}) == "10.0.0.1:50051"
+
+
+def test_objects_carry_a_checksummed_header() -> None:
+    payload = b"x" * 1000
+    stored = memoryview(pack_header(payload) + payload)
+    assert len(stored) == HEADER_SIZE + 1000
+    assert unpack_payload(stored) == payload
+    damaged = bytearray(stored)
+    damaged[HEADER_SIZE + 7] ^= 1
+    assert unpack_payload(memoryview(damaged)) is None
+    assert unpack_payload(memoryview(payload)) is None  # not a kvpool object
+    assert unpack_payload(memoryview(b"")) is None
+
+
+def test_mooncake_codes_become_kvpools_errors() -> None:
+    assert put_error(0, "k") is None and put_error(-705, "k") is None  # already there
+    assert isinstance(put_error(-200, "k"), NoSpace)
+    failed = put_error(-800, "k")
+    assert isinstance(failed, TransferError) and "transfer failed" in str(failed)
+
+
+def test_a_mooncake_client_pointed_at_a_kvpool_master_says_what_answered() -> None:
+    # in a namespace: were the check to miss, Mooncake's setup would open its listeners
+    with Namespace() as ns:
+        master = ns.new("kvpool.testing.processes:start_master")
+        address = ns.call(master, "__getattribute__", "address")
+        engine = ns.new("tests.engines.mooncake_host:open_engine", mooncake_json(address, 0))
+        with pytest.raises(TransferError, match="looks like a kvpool master"):
+            ns.call(engine, "batch_exists", ["k"])
+
+
+def test_the_store_connectors_mooncake_backend_opens_mooncake_for_a_mooncake_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvpool.config.kv_transfer import parse_store_config
+    from kvpool.config.node import load_any_node_config
+    from kvpool.connectors.store.pool import EmbeddedPools, open_pool
+    from kvpool.engines import MooncakeEngine
+
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(ASCEND))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    monkeypatch.delenv("KVPOOL_CONFIG_PATH", raising=False)
+    config = parse_store_config(
+        "kv_producer", {"backend": "mooncake"}, env={}, load_node=load_any_node_config
+    )
+    assert config.master == "10.0.0.1:50051"
+    name = "mooncake:10.0.0.1:50051"
+    try:
+        pools = [open_pool(config), open_pool(config)]  # opens nothing yet: lazy
+        assert [p.engine for p in pools] == ["mooncake", "mooncake"]
+        assert isinstance(EmbeddedPools.peek(name), MooncakeEngine)  # one per process
+    finally:
+        EmbeddedPools.release(name)
+    path.write_text(json.dumps(GUIDE))  # the guide's JSON stays on kvpool's master
+    config = parse_store_config(
+        "kv_producer", {"backend": "mooncake"}, env={}, load_node=load_any_node_config
+    )
+    pool = open_pool(config)
+    try:
+        assert pool.engine == "kvpool" and config.master == "10.0.0.1:50088"
+    finally:
+        pool.close()
