@@ -21,26 +21,72 @@ from aiohttp import web
 
 from kvpool.config import MasterConfig
 from kvpool.core.index import IndexConfig
-from kvpool.errors import ProtocolError
-from kvpool.protocol.codec import MAGIC, FrameDecoder
+from kvpool.errors import KVPoolError, Overloaded, PeerTimeout, ProtocolError
+from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
 from kvpool.protocol.data import error_reply
-from kvpool.protocol.messages import MASTER_REPLY_CODEC, MASTER_REQUEST_CODEC, MasterRequest
+from kvpool.protocol.messages import MASTER_REPLY_CODEC, MasterRequest
 from kvpool.service.http import build_app
 from kvpool.service.local_storage import LocalStorage
 from kvpool.service.master import MasterService
 
-__all__ = ["MasterServer", "run_master"]
+__all__ = ["RPC_BUFFER_LIMIT", "RPC_REQUEST_CODEC", "MasterServer", "RpcBuffers", "run_master"]
 
 log = logging.getLogger("kvpool.master")
 
 TICK_S = 0.1
 
 
+#: Master requests never carry a payload (the bytes go straight to a segment, never
+#: through here), so a header announcing one is refused before a byte of it is read.
+RPC_REQUEST_CODEC: Codec[MasterRequest] = Codec(MasterRequest, max_payload=0)
+#: Bytes of unfinished requests all RPC connections together may hold.  One connection
+#: holds at most one partial frame (the codec's 4 MiB body limit) plus one socket read.
+RPC_BUFFER_LIMIT = 64 << 20
+#: Once a request has begun, the rest of it must arrive within this long.
+RPC_FRAME_TIMEOUT_S = 30.0
+#: How long a refused connection is read (and discarded) before it is reset.
+RPC_LINGER_S = 2.0
+
+
+class RpcBuffers:
+    """What the RPC connections hold of unfinished requests, together (one event loop
+    thread: a plain counter)."""
+
+    def __init__(self, limit: int = RPC_BUFFER_LIMIT) -> None:
+        self.limit = limit
+        self.held = 0
+
+
 class _RpcProtocol(asyncio.Protocol):
-    def __init__(self, service: MasterService) -> None:
+    """One RPC connection.  Rules:
+
+    - Frames are answered in order, one reply each.  While the peer does not read its
+      replies (the transport's write buffer is over its high-water mark), no more
+      requests are read or answered: a peer cannot grow the reply buffer either.
+    - What the decoder holds counts against :class:`RpcBuffers`; a connection that
+      would take it over the limit is refused (``Overloaded``) and closed.
+    - A bad header (magic, limits, a payload) cannot be resynchronised: an error reply
+      and close.  A bad body costs that frame only.
+    - A request begun must be complete within ``frame_timeout_s`` (a peer trickling a
+      4 MiB body one byte at a time holds no buffer for long).
+    """
+
+    def __init__(
+        self,
+        service: MasterService,
+        buffers: RpcBuffers,
+        frame_timeout_s: float = RPC_FRAME_TIMEOUT_S,
+    ) -> None:
         self.service = service
-        self.decoder: FrameDecoder[MasterRequest] = FrameDecoder(MASTER_REQUEST_CODEC)
+        self.buffers = buffers
+        self.frame_timeout_s = frame_timeout_s
+        self.decoder: FrameDecoder[MasterRequest] = FrameDecoder(RPC_REQUEST_CODEC)
         self.transport: asyncio.Transport | None = None
+        self._held = 0  # this connection's share of buffers.held
+        self._paused = False  # the peer is not reading its replies
+        self._closed = False
+        self._progress = 0.0  # loop time of the last complete frame (or the first byte)
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, only alike
@@ -53,12 +99,43 @@ class _RpcProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.service.rpc_connections -= 1
+        self._closed = True
+        self._account()
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def pause_writing(self) -> None:
+        assert self.transport is not None
+        self._paused = True
+        self.transport.pause_reading()
+        if self._timer is None:  # a peer that never reads its replies is dropped too
+            self._progress = asyncio.get_running_loop().time()
+            self._arm_timer()
+
+    def resume_writing(self) -> None:
+        assert self.transport is not None
+        self._paused = False
+        self._serve()
+        if not self._closed and not self._paused:
+            self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
-        assert self.transport is not None
+        if self._closed:
+            return
+        if not self.decoder.buffered:
+            self._progress = asyncio.get_running_loop().time()
         try:
             self.decoder.feed(data)
-            while True:
+        except ProtocolError as exc:  # broken already: the close is on its way
+            self._refuse(exc)
+            return
+        self._serve()
+
+    def _serve(self) -> None:
+        """Answer every complete frame buffered, until the peer stops reading replies."""
+        assert self.transport is not None
+        try:
+            while not self._paused and not self._closed:
                 try:
                     frame = self.decoder.next_frame()
                 except ProtocolError as exc:
@@ -67,14 +144,75 @@ class _RpcProtocol(asyncio.Protocol):
                     self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(exc)))
                     continue
                 if frame is None:
-                    return
+                    break
+                self._progress = asyncio.get_running_loop().time()
                 reply = self.service.handle(frame.message)
                 self.transport.write(MASTER_REPLY_CODEC.encode(reply))
         except ProtocolError as exc:
             # A bad header: the stream cannot be resynchronised.  Say why and close.
-            log.info("closing RPC connection: %s", exc)
-            self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(exc)))
-            self.transport.close()
+            self._refuse(exc)
+            return
+        self._account()
+        if self._held > 0 and self.buffers.held > self.buffers.limit:
+            self._refuse(
+                Overloaded(
+                    f"the master holds {self.buffers.held} bytes of unfinished requests "
+                    f"(limit {self.buffers.limit}); retry"
+                )
+            )
+            return
+        if self.decoder.buffered and self._timer is None:
+            self._arm_timer()
+
+    def _account(self) -> None:
+        held = 0 if self._closed else self.decoder.buffered
+        self.buffers.held += held - self._held
+        self._held = held
+
+    def _arm_timer(self) -> None:
+        loop = asyncio.get_running_loop()
+        delay = self._progress + self.frame_timeout_s - loop.time()
+        self._timer = loop.call_later(max(delay, 0.0), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._closed or not (self.decoder.buffered or self._paused):
+            return
+        if asyncio.get_running_loop().time() - self._progress < self.frame_timeout_s:
+            self._arm_timer()  # frames completed since: look again later
+            return
+        if self._paused:
+            log.info("closing RPC connection: its replies unread for %gs", self.frame_timeout_s)
+            assert self.transport is not None
+            self.transport.abort()
+            return
+        self._refuse(
+            PeerTimeout(
+                f"request incomplete after {self.frame_timeout_s:g}s "
+                f"({self.decoder.buffered} bytes received)"
+            )
+        )
+
+    def _refuse(self, exc: KVPoolError) -> None:
+        """Say why, drop what this connection holds, and close it.
+
+        The close lingers: our end stops writing (FIN) and reads, discarding, what the
+        peer still sends, for at most :data:`RPC_LINGER_S`.  Closing with unread bytes
+        would send a reset, and the peer's kernel would drop the error reply with it.
+        """
+        transport = self.transport
+        assert transport is not None
+        log.info("closing RPC connection: %s", exc)
+        transport.write(MASTER_REPLY_CODEC.encode(error_reply(exc)))
+        self._closed = True
+        self.decoder = FrameDecoder(RPC_REQUEST_CODEC)  # free the partial frame now
+        self._account()
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        transport.resume_reading()  # data_received discards from now on
+        asyncio.get_running_loop().call_later(RPC_LINGER_S, transport.abort)
 
     def _broken(self) -> bool:
         try:
@@ -102,7 +240,8 @@ class _Sniffer(asyncio.Protocol):
             return
         proto: asyncio.Protocol
         if self.buffer.startswith(MAGIC):
-            proto = _RpcProtocol(self.server.service)
+            server = self.server
+            proto = _RpcProtocol(server.service, server.rpc_buffers, server.rpc_frame_timeout_s)
         else:
             proto = self.server.http_protocol()
         self.transport.set_protocol(proto)
@@ -126,6 +265,8 @@ class MasterServer:
             )
         )
         self.service.config_view = dataclasses.asdict(config)
+        self.rpc_buffers = RpcBuffers()
+        self.rpc_frame_timeout_s = RPC_FRAME_TIMEOUT_S
         self.storage: LocalStorage | None = None
         self._server: asyncio.Server | None = None
         self._runner: web.AppRunner | None = None
