@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
+import os
 import signal
 import socket
 from typing import Any, cast
@@ -21,12 +23,12 @@ from aiohttp import web
 
 from kvpool.config import MasterConfig
 from kvpool.core.index import IndexConfig
-from kvpool.errors import KVPoolError, Overloaded, PeerTimeout, ProtocolError
+from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
 from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
 from kvpool.protocol.data import error_reply
 from kvpool.protocol.messages import MASTER_REPLY_CODEC, MasterRequest
 from kvpool.service.http import build_app
-from kvpool.service.local_storage import LocalStorage
+from kvpool.service.local_storage import MASTER_SETTINGS, LocalStorage
 from kvpool.service.master import MasterService
 
 __all__ = ["RPC_BUFFER_LIMIT", "RPC_REQUEST_CODEC", "MasterServer", "RpcBuffers", "run_master"]
@@ -279,6 +281,32 @@ class MasterServer:
         return proto  # type: ignore[no-any-return]
 
     async def start(self) -> None:
+        """Bind the port, then open the SSD tier and allocate the segment (checked
+        against /dev/shm first), then serve.  Every start-up failure is a one-line
+        ConfigError naming the flag, and leaves nothing behind."""
+        cfg = self.config
+        for warning in cfg.warnings():
+            log.warning("%s", warning)
+        listener = _listen(cfg.host, cfg.port)
+        try:
+            await self._start_on(listener)
+        except BaseException:
+            listener.close()
+            await self.stop(quiet=True)
+            raise
+        log.info(
+            "kvpool master listening on %s:%d (RPC + HTTP /metrics /health /status); "
+            "memory segment %d bytes%s; flags: %s",
+            cfg.host,
+            self.port,
+            cfg.segment_size,
+            f", SSD tier {cfg.ssd_offload_path} ({cfg.ssd_offload_limit} bytes)"
+            if self.storage is not None and self.storage.ssd is not None
+            else "",
+            dataclasses.replace(cfg, port=self.port).flags_line(),
+        )
+
+    async def _start_on(self, listener: socket.socket) -> None:
         cfg = self.config
         ssd_path = cfg.ssd_offload_path if cfg.enable_offload else ""
         if cfg.segment_size or ssd_path:
@@ -288,25 +316,16 @@ class MasterServer:
                 host=cfg.host,
                 ssd_path=ssd_path,
                 ssd_limit=cfg.ssd_offload_limit if ssd_path else 0,
+                names=MASTER_SETTINGS,
             )
             self.storage.start()
             self.service.attach_local(self.storage)
         self._runner = web.AppRunner(build_app(self.service), access_log=None)
         await self._runner.setup()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Sniffer(self), cfg.host, cfg.port, reuse_address=True
-        )
+        self._server = await loop.create_server(lambda: _Sniffer(self), sock=listener)
         self.port = self._server.sockets[0].getsockname()[1]
         self._tick_task = asyncio.create_task(self._tick_loop())
-        log.info(
-            "kvpool master listening on %s:%d (RPC + HTTP /metrics /health /status); "
-            "memory segment %d bytes%s",
-            cfg.host,
-            self.port,
-            cfg.segment_size,
-            f", SSD tier {ssd_path} ({cfg.ssd_offload_limit} bytes)" if ssd_path else "",
-        )
 
     async def _tick_loop(self) -> None:
         while True:
@@ -316,7 +335,7 @@ class MasterServer:
             except Exception:  # the loop must outlive a bug in one tick
                 log.exception("tick failed")
 
-    async def stop(self) -> None:
+    async def stop(self, *, quiet: bool = False) -> None:
         if self._tick_task is not None:
             self._tick_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -328,7 +347,8 @@ class MasterServer:
         if self.storage is not None:
             self.storage.close()
         self.service.close()
-        log.info("kvpool master stopped")
+        if not quiet:
+            log.info("kvpool master stopped")
 
     async def serve_until_signal(self) -> None:
         await self.start()
@@ -340,6 +360,23 @@ class MasterServer:
             await stop.wait()
         finally:
             await self.stop()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The master's listening socket, bound before anything is allocated."""
+    try:
+        # no SO_REUSEPORT: a second master on the same port must fail, not share it
+        return socket.create_server((host, port), backlog=1024, reuse_port=False)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"--port {port}: {host}:{port} is already in use (another kvpool master, "
+                "or a Mooncake master?); stop it or choose another --port"
+            ) from None
+        raise ConfigError(
+            f"--host {host}: cannot listen on {host}:{port} ({os.strerror(exc.errno or 0)}); "
+            "use an address of this machine, or 0.0.0.0"
+        ) from None
 
 
 def _loop_factory() -> Any:

@@ -174,8 +174,14 @@ class SegmentServer:
         """``(host, port)`` actually bound (the port is chosen when 0 was asked)."""
         return self.host, self.port
 
+    def bind(self) -> tuple[str, int]:
+        """Bind and listen without accepting yet (see :meth:`ThreadedServer.bind`)."""
+        self.host, self.port = self._server.bind()
+        return self.address
+
     def start(self) -> tuple[str, int]:
-        """Bind, listen, and start accepting; returns the bound address."""
+        """Bind (unless :meth:`bind` did), listen, and start accepting; returns the bound
+        address."""
         self.host, self.port = self._server.start()
         return self.address
 

@@ -101,13 +101,21 @@ class ThreadedServer:
         with self._lock:
             return len(self._conns)
 
+    def bind(self) -> tuple[str, int]:
+        """Bind and listen (once), without accepting yet: a start-up that allocates
+        memory binds first, so a busy port costs nothing.  ``OSError`` when the address
+        cannot be bound (the caller says which setting chose it)."""
+        if self._listener is None:
+            listener = socket.create_server((self.host, self.port), backlog=self._backlog)
+            listener.settimeout(self._accept_poll_s)
+            self.port = listener.getsockname()[1]
+            self._listener = listener
+        return self.address
+
     def start(self) -> tuple[str, int]:
-        """Bind, listen and start accepting; returns the bound address.  ``OSError`` when
-        the address cannot be bound (the caller says which setting chose it)."""
-        listener = socket.create_server((self.host, self.port), backlog=self._backlog)
-        listener.settimeout(self._accept_poll_s)
-        self.port = listener.getsockname()[1]
-        self._listener = listener
+        """Bind (unless :meth:`bind` did), listen and start accepting; returns the bound
+        address."""
+        self.bind()
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"{self.name}-accept:{self.port}", daemon=True
         )
