@@ -170,7 +170,10 @@ class LocalStorage:
         ssd_limit: int = 0,
         timeout_s: float = 10.0,
         names: SettingNames = SettingNames(),
+        serve: bool = True,
     ) -> None:
+        """``serve=False``: an in-process pool that never starts the data server, so no
+        port is bound for it (:meth:`start` would bind one then)."""
         self.client_id = client_id
         self.segment_id = f"{client_id}/mem"
         self.ssd_segment_id = f"{client_id}/ssd"
@@ -179,7 +182,8 @@ class LocalStorage:
             host, data_port, timeout_s=timeout_s, host_token=self.host_token
         )
         try:
-            self.server.bind()
+            if serve:
+                self.server.bind()
         except OSError as exc:
             raise ConfigError(_port_fix(host, data_port, names.data_port, exc)) from None
         try:
