@@ -23,6 +23,7 @@ from aiohttp import web
 
 from kvpool.config import MasterConfig
 from kvpool.core.index import IndexConfig
+from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
 from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
 from kvpool.protocol.data import error_reply
@@ -328,10 +329,13 @@ class MasterServer:
         self._tick_task = asyncio.create_task(self._tick_loop())
 
     async def _tick_loop(self) -> None:
+        watch = _OffloadWatch(self.service) if self.config.enable_offload else None
         while True:
             await asyncio.sleep(TICK_S)
             try:
                 self.service.tick()
+                if watch is not None and watch.check():
+                    watch = None  # said once
             except Exception:  # the loop must outlive a bug in one tick
                 log.exception("tick failed")
 
@@ -360,6 +364,30 @@ class MasterServer:
             await stop.wait()
         finally:
             await self.stop()
+
+
+class _OffloadWatch:
+    """``--enable_offload=true`` with no SSD tier anywhere evicts to nowhere: say so once,
+    when the first object is evicted from memory while no SSD segment is registered."""
+
+    def __init__(self, service: MasterService) -> None:
+        self.service = service
+
+    def check(self) -> bool:
+        """True once the warning was given (or can no longer be needed)."""
+        if self.service.index.registry.tier_segments(Tier.SSD):
+            return False  # demotions have somewhere to go (for now: a node may leave)
+        registry = self.service.metrics.registry
+        evicted = registry.get_sample_value("kvpool_evictions_total", {"tier": "memory"})
+        if not evicted:
+            return False
+        log.warning(
+            "--enable_offload=true but no SSD tier is registered (no --ssd_offload_path "
+            "here, no node whose mooncake.json sets enable_ssd_offload and "
+            "ssd_offload_path): %d objects evicted from memory were dropped, not demoted",
+            int(evicted),
+        )
+        return True
 
 
 def _listen(host: str, port: int) -> socket.socket:

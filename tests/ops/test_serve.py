@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.config import MasterConfig
+from kvpool.service.client import Client
 from kvpool.storage.segment import SHM_DIR
 from kvpool.testing.processes import start_master
 
@@ -66,8 +67,10 @@ def busy_port() -> Iterator[int]:
 
 
 def too_big_for_shm() -> int:
+    """Larger than the free space of /dev/shm whatever other processes free meanwhile:
+    twice its whole size."""
     st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize + (1 << 30)
+    return 2 * st.f_blocks * st.f_frsize
 
 
 # -- kvpool master -------------------------------------------------------------------
@@ -178,3 +181,12 @@ def test_node_unknown_log_level_names_the_flag(tmp_path: Path) -> None:
 def test_start_up_errors_read_as_one_line_with_the_command_name(busy_port: int) -> None:
     line = assert_one_line_exit_2(("master", "--port", str(busy_port)), names="--port")
     assert re.match(r"^kvpool master: ", line)
+
+
+def test_offload_with_no_ssd_tier_anywhere_is_warned_about_when_it_evicts() -> None:
+    with start_master("--segment_size", "4MiB", "--enable_offload=true") as proc:
+        with Client(proc.address, timeout_s=10) as client:
+            for i in range(12):  # 12 x 512 KiB through a 4 MiB segment: evictions
+                client.put(f"fill-{i}", bytes(512 << 10))
+        line = proc.wait_for_line(r"WARNING .*no SSD tier is registered")
+    assert "dropped, not demoted" in line
