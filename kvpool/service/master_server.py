@@ -137,6 +137,7 @@ class _RpcProtocol(asyncio.Protocol):
     def _serve(self) -> None:
         """Answer every complete frame buffered, until the peer stops reading replies."""
         assert self.transport is not None
+        served = 0
         try:
             while not self._paused and not self._closed:
                 try:
@@ -148,13 +149,15 @@ class _RpcProtocol(asyncio.Protocol):
                     continue
                 if frame is None:
                     break
-                self._progress = asyncio.get_running_loop().time()
+                served += 1
                 reply = self.service.handle(frame.message)
                 self.transport.write(MASTER_REPLY_CODEC.encode(reply))
         except ProtocolError as exc:
             # A bad header: the stream cannot be resynchronised.  Say why and close.
             self._refuse(exc)
             return
+        if served and self.decoder.buffered:  # a frame finished, another has begun
+            self._progress = asyncio.get_running_loop().time()
         self._account()
         if self._held > 0 and self.buffers.held > self.buffers.limit:
             self._refuse(

@@ -23,8 +23,8 @@ multi-megabyte transfers with the GIL released, where an event loop would wake p
   closed), and SSD reads -- the one buffer that scales with an object -- share
   ``ssd_read_budget`` bytes (a read that finds no room in ``timeout_s`` is ``Overloaded``;
   the connection goes on).  A connection quiet for ``idle_timeout_s`` between requests is
-  closed, so idle peers do not keep threads forever (clients reconnect on their next
-  request).
+  closed (noticed within ``timeout_s`` after: the kernel's receive timeout is the clock),
+  so idle peers do not keep threads forever; clients reconnect on their next request.
 
 :class:`~kvpool.transfer.segment_client.SegmentConnection` is the client side.
 """
