@@ -13,7 +13,8 @@ can catch the whole family with one clause and a narrower branch when it cares::
     │   ├── WriteConflict      another writer holds the key PENDING
     │   ├── StaleWrite         put_end/put_revoke for a reservation that is gone
     │   ├── UnknownClient      a client id the registry does not know (expired?)
-    │   └── UnknownSegment     a segment id the registry does not know
+    │   ├── UnknownSegment     a segment id the registry does not know
+    │   └── Overloaded         a server at its connection or buffer limit: retry later
     ├── TransferError          moving bytes failed (peer gone, short read, bad checksum)
     │   └── ChecksumMismatch   the bytes read are not the bytes written: treat as a miss
     └── PeerTimeout            a peer did not answer in time (never a hang)
@@ -31,6 +32,7 @@ __all__ = [
     "NoSpace",
     "ObjectBusy",
     "ObjectNotFound",
+    "Overloaded",
     "PeerTimeout",
     "PoolError",
     "ProtocolError",
@@ -108,6 +110,13 @@ class UnknownSegment(PoolError):
     """The segment id is not registered."""
 
     code = "UNKNOWN_SEGMENT"
+
+
+class Overloaded(PoolError):
+    """A server is at one of its limits (connections, buffered request bytes) and refused
+    this peer; nothing about the peer or its data is wrong, so it may retry later."""
+
+    code = "OVERLOADED"
 
 
 class TransferError(KVPoolError):

@@ -22,6 +22,7 @@ PUBLIC = [
     "NoSpace",
     "ObjectBusy",
     "ObjectNotFound",
+    "Overloaded",
     "PeerTimeout",
     "PoolError",
     "ProtocolError",

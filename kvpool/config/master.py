@@ -10,6 +10,7 @@ which ``doctor --master-cmd`` and the deploy files use).
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -132,6 +133,34 @@ class MasterConfig:
                 "(alias: default) or lru"
             )
 
+    def warnings(self) -> list[str]:
+        """Flags that are valid but do nothing as given: start-up logs each one, so a
+        setting is never ignored without a word."""
+        out: list[str] = []
+        if self.ssd_offload_path and not self.enable_offload:
+            out.append(
+                "--ssd_offload_path is set but --enable_offload is false, so this master's "
+                "SSD tier is not used; add --enable_offload=true"
+            )
+        if self.enable_offload and not self.ssd_offload_path:
+            out.append(
+                "--enable_offload=true but this master has no --ssd_offload_path: evicted "
+                "objects go to SSD only on nodes whose mooncake.json sets "
+                "enable_ssd_offload and ssd_offload_path, and are dropped otherwise; add "
+                "--ssd_offload_path=DIR for an SSD tier here"
+            )
+        return out
+
+    def as_argv(self) -> list[str]:
+        """Every flag with its effective value, as ``--name=value`` (what
+        :meth:`from_argv` reads back): the start-up log line, as ``mooncake_master``
+        lists its flags."""
+        return [f"--{flag.name}={_shown(getattr(self, flag.name))}" for flag in MASTER_FLAGS]
+
+    def flags_line(self) -> str:
+        """:meth:`as_argv` as one shell-quoted line."""
+        return shlex.join(self.as_argv())
+
     @property
     def lease_ttl_ms(self) -> int:
         return self.default_kv_lease_ttl
@@ -189,6 +218,12 @@ class MasterConfig:
             values[name] = value
             i += 1
         return cls.from_flags(values)
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 MASTER_FLAGS: tuple[Flag, ...] = tuple(

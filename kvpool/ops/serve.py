@@ -3,7 +3,11 @@
 Each takes its config already validated and hands over to the service that owns the
 event loop (:mod:`kvpool.service` for the pool, :mod:`kvpool.proxy` for the proxy); what
 stays here is what a command does around a server: logging, and reading the node's config
-file.  The services are imported when a command runs, so ``kvpool --help`` and
+file.  Start-up errors (a busy port, a small /dev/shm, an unusable SSD path, an unknown
+log level) are ConfigErrors naming the flag and its fix, raised before anything is
+allocated; ``kvpool.cli`` prints them as one line and exits 2.
+
+The services are imported when a command runs, so ``kvpool --help`` and
 ``kvpool doctor`` stay light.
 """
 
@@ -12,6 +16,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from kvpool.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvpool.config import MasterConfig
@@ -22,8 +28,16 @@ __all__ = ["NodeOptions", "run_master", "run_node", "run_proxy"]
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def _configure_logging(level: str | None) -> None:
-    logging.basicConfig(level=(level or "info").upper(), format=_LOG_FORMAT)
+    """Logging at ``--log_level``; an unknown level is a ConfigError naming the flag
+    (before anything is allocated), never a ValueError from :mod:`logging`."""
+    name = (level or "info").lower()
+    if name not in _LOG_LEVELS:
+        raise ConfigError(f"--log_level: unknown level {level!r}; use " + ", ".join(_LOG_LEVELS))
+    logging.basicConfig(level=name.upper(), format=_LOG_FORMAT)
 
 
 def run_master(config: MasterConfig, *, log_level: str | None = None) -> int:

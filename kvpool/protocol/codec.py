@@ -18,7 +18,12 @@ Invariants:
 - The magic doubles as the version marker: a peer speaking another version is
   rejected on its first frame, never misparsed.
 - Limits are checked on the header, before any body or payload byte is buffered, so an
-  oversized frame costs the receiver 12 bytes of memory.
+  oversized frame costs the receiver 12 bytes of memory.  A receiver whose requests never
+  carry a payload (the master's RPC, the lookup socket, P->D pull requests) sets
+  ``max_payload=0``, so a header announcing one is refused at once instead of buffered.
+- :class:`FrameDecoder` holds at most one partial frame (header + ``max_body`` +
+  ``max_payload``) plus the bytes of one ``feed``: the caller bounds what it feeds, and
+  stops feeding while it cannot write replies (see the master's RPC protocol).
 - Every decoding failure (bad magic, oversized, truncated msgpack, wrong field types,
   unknown message tag) raises :class:`kvpool.errors.ProtocolError` with a message that
   says which.
@@ -134,6 +139,11 @@ class Codec(Generic[M]):
                 f"frame body of {body_length} bytes exceeds the limit of {self.max_body}"
             )
         if payload_length > self.max_payload:
+            if not self.max_payload:
+                raise ProtocolError(
+                    f"frame announces a payload of {payload_length} bytes, but these "
+                    "requests carry none"
+                )
             raise ProtocolError(
                 f"frame payload of {payload_length} bytes exceeds the limit of {self.max_payload}"
             )

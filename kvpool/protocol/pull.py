@@ -91,5 +91,6 @@ class Refused(msgspec.Struct, tag="refused", frozen=True):
 PullRequest = Pull | PullDone
 PullReply = Layer | Done | Refused
 
-PULL_REQUEST_CODEC: Codec[PullRequest] = Codec(PullRequest)
+# Pull requests never carry a payload: a header announcing one is refused at once.
+PULL_REQUEST_CODEC: Codec[PullRequest] = Codec(PullRequest, max_payload=0)
 PULL_REPLY_CODEC: Codec[PullReply] = Codec(PullReply)

@@ -80,7 +80,9 @@ class EmbeddedPool(Client):
         service = MasterService(cfg, clock=clock)  # a test's clock ends leases at its will
         # No data server is needed in-process, but LocalStorage owns the segment and SSD
         # tier the same way a node does; its server is simply never started.
-        storage = LocalStorage("embedded", segment_size, ssd_path=ssd_path, ssd_limit=ssd_limit)
+        storage = LocalStorage(
+            "embedded", segment_size, ssd_path=ssd_path, ssd_limit=ssd_limit, serve=False
+        )
         service.attach_local(storage)
         super().__init__(
             "embedded",

@@ -5,6 +5,13 @@ Used by ``kvpool master`` (its embedded segment, the single-command default) and
 ``kvpool node``.  The master never carries object bytes: clients reach this data server
 over TCP, or attach the segment's shared memory when they share the host.
 
+What is set up when: the data port is bound first, then the SSD tier is opened, then the
+free space of ``/dev/shm`` is checked against the segment, and only then is the segment
+allocated -- so a busy port, an unusable SSD path or a small ``/dev/shm`` is a one-line
+:class:`~kvpool.errors.ConfigError` naming the setting and its fix, with nothing left
+behind (a failure part-way closes what was set up).  The settings are named as the
+process's own configuration spells them (:class:`SettingNames`).
+
 The SSD tier outlives processes: whoever owns it announces what it holds to the index
 when it (re)joins one -- the master at start-up, a node at each registration -- from
 the files' headers alone (:meth:`LocalStorage.announce_ssd`); what the index refuses is
@@ -14,23 +21,28 @@ deleted so its space does not leak.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvpool.core.index import Demote
-from kvpool.errors import ChecksumMismatch, KVPoolError, ProtocolError
-from kvpool.storage.segment import Segment, remove_stale_segments
+from kvpool.errors import ChecksumMismatch, ConfigError, KVPoolError, NoSpace, ProtocolError
+from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
 from kvpool.storage.ssd import SsdStore
 from kvpool.transfer.segment_server import SegmentServer
 from kvpool.transfer.shm import host_token
 
 __all__ = [
+    "MASTER_SETTINGS",
     "RESTORE_BATCH",
     "RESTORE_BATCH_BYTES",
     "LocalStorage",
     "RestoreEntry",
+    "SettingNames",
     "SsdRestored",
+    "check_shm_space",
     "restore_batches",
     "restore_in_batches",
 ]
@@ -82,12 +94,66 @@ def restore_in_batches(
 
 
 @dataclass(frozen=True, slots=True)
+class SettingNames:
+    """How the owner's configuration names the settings a start-up error is about; the
+    defaults are a node's (mooncake.json keys and ``kvpool node``'s flag)."""
+
+    segment: str = "global_segment_size"
+    ssd: str = "ssd_offload_path"
+    data_port: str = "--data-port"
+
+
+#: the master's names (its embedded segment's data port has no flag: any free port)
+MASTER_SETTINGS = SettingNames("--segment_size", "--ssd_offload_path", "data port")
+
+
+def _human(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def check_shm_space(size: int, setting: str, directory: str = str(SHM_DIR)) -> None:
+    """ConfigError, before anything is allocated, when ``directory`` (``/dev/shm``) has
+    less than ``size`` bytes free: Docker gives a container 64 MiB unless told."""
+    try:
+        st = os.statvfs(directory)
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot look at {directory}: {exc}") from None
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise ConfigError(_shm_fix(size, setting, f"{directory} has {_human(free)} free"))
+
+
+def _shm_fix(size: int, setting: str, why: str) -> str:
+    return (
+        f"{setting} {_human(size)} does not fit: {why}; lower {setting}, or give this "
+        "container more shared memory (Docker Compose: shm_size, e.g. shm_size: 16gb, or "
+        "ipc: host; docker run --shm-size)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class SsdRestored:
     """What :meth:`LocalStorage.announce_ssd` did."""
 
     restored: int = 0
     restored_bytes: int = 0
     dropped: int = 0  # files deleted: a header that failed its check, or refused
+
+
+def _port_fix(host: str, port: int, setting: str, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"{setting} {port}: {host}:{port} is already in use (another kvpool running?); "
+            f"stop it or choose another {setting}"
+        )
+    return f"{setting} {port}: cannot listen on {host}:{port} ({_reason(exc)})"
+
+
+def _reason(exc: OSError) -> str:
+    return os.strerror(exc.errno) if exc.errno else str(exc)
 
 
 class LocalStorage:
@@ -103,28 +169,56 @@ class LocalStorage:
         ssd_path: str = "",
         ssd_limit: int = 0,
         timeout_s: float = 10.0,
+        names: SettingNames = SettingNames(),
+        serve: bool = True,
     ) -> None:
+        """``serve=False``: an in-process pool that never starts the data server, so no
+        port is bound for it (:meth:`start` would bind one then)."""
         self.client_id = client_id
         self.segment_id = f"{client_id}/mem"
         self.ssd_segment_id = f"{client_id}/ssd"
-        if segment_size:
-            remove_stale_segments()  # what a SIGKILLed predecessor left in /dev/shm
-        self.segment = Segment.create(segment_size) if segment_size else None
-        # The index enforces the limit on value bytes; the store's own cap only guards
-        # against accounting bugs, so it leaves room for per-file headers.
-        self.ssd = (
-            SsdStore.open(ssd_path, ssd_limit + ssd_limit // 100 + (1 << 20))
-            if ssd_path and ssd_limit
-            else None
-        )
-        self.ssd_limit = ssd_limit if self.ssd is not None else 0
         self.host_token = host_token()
         self.server = SegmentServer(
-            host, data_port, timeout_s=timeout_s, host_token=self.host_token, ssd=self.ssd
+            host, data_port, timeout_s=timeout_s, host_token=self.host_token
         )
+        try:
+            if serve:
+                self.server.bind()
+        except OSError as exc:
+            raise ConfigError(_port_fix(host, data_port, names.data_port, exc)) from None
+        try:
+            self.ssd = self._open_ssd(ssd_path, ssd_limit, names.ssd)
+            self.server.ssd = self.ssd
+            self.segment = self._create_segment(segment_size, names.segment)
+        except BaseException:
+            self.server.close()
+            raise
+        self.ssd_limit = ssd_limit if self.ssd is not None else 0
         if self.segment is not None:
             self.server.add_segment(self.segment_id, self.segment)
         self.data_address = ""
+
+    @staticmethod
+    def _open_ssd(path: str, limit: int, setting: str) -> SsdStore | None:
+        if not (path and limit):
+            return None
+        # The index enforces the limit on value bytes; the store's own cap only guards
+        # against accounting bugs, so it leaves room for per-file headers.
+        try:
+            return SsdStore.open(path, limit + limit // 100 + (1 << 20))
+        except ConfigError as exc:  # it names the mooncake.json key; say the caller's
+            raise ConfigError(str(exc).replace("ssd_offload_path", setting, 1)) from None
+
+    @staticmethod
+    def _create_segment(size: int, setting: str) -> Segment | None:
+        if not size:
+            return None
+        remove_stale_segments()  # what a SIGKILLed predecessor left in /dev/shm
+        check_shm_space(size, setting)
+        try:
+            return Segment.create(size)
+        except NoSpace as exc:  # the space went between the check and the allocation
+            raise ConfigError(_shm_fix(size, setting, str(exc))) from None
 
     def start(self) -> str:
         host, port = self.server.start()

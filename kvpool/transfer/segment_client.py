@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvpool.closing import Closing
-from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
+from kvpool.errors import KVPoolError, Overloaded, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.data import (
     DATA_REPLY_CODEC,
     DATA_REQUEST_CODEC,
@@ -38,6 +39,8 @@ __all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
 
 # Requests in flight per pipelined batch (write_many / read_many_into).
 PIPELINE_DEPTH = 64
+# A connection unused this long is checked before reuse: the server closes idle ones.
+_REUSE_CHECK_S = 1.0
 
 
 class SegmentConnection(Closing):
@@ -56,6 +59,7 @@ class SegmentConnection(Closing):
         self.timeout_s = timeout_s
         self._channel: Channel[DataRequest, DataReply] | None = None
         self._lock = threading.Lock()
+        self._used = 0.0  # monotonic time of the last exchange
 
     def connect(self) -> None:
         """Open the connection now (otherwise the first call does)."""
@@ -63,6 +67,11 @@ class SegmentConnection(Closing):
             self._connected()
 
     def _connected(self) -> Channel[DataRequest, DataReply]:
+        now = time.monotonic()
+        idle = now - self._used > _REUSE_CHECK_S
+        if self._channel is not None and idle and _closed_by_peer(self._channel.sock):
+            self._drop()  # quiet too long: the server let go of it
+        self._used = now
         if self._channel is None:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
@@ -96,6 +105,8 @@ class SegmentConnection(Closing):
                 self._drop()
                 raise
         if isinstance(reply, Error):
+            if reply.code == Overloaded.code:
+                self.close()  # refused at the server's limit: it closes this connection
             raise reply.to_exception()
         return reply
 
@@ -158,6 +169,11 @@ class SegmentConnection(Closing):
                             raise ProtocolError(f"unexpected reply in a pipeline: {reply!r}")
                         if into is not None and length:
                             channel.recv_payload_into(into)
+                        if isinstance(reply, Error) and reply.code == Overloaded.code:
+                            # the connection was refused: nothing after it was served
+                            self._drop()
+                            refused = reply.to_exception()
+                            return results + [refused] * (len(requests) - len(results))
                         results.append(reply.to_exception() if isinstance(reply, Error) else None)
             except KVPoolError:
                 self._drop()
@@ -210,3 +226,13 @@ class SegmentConnection(Closing):
         with self._lock:
             self._drop()
 
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True when the peer closed (or reset) the connection; a look, no byte consumed."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False  # open, nothing to read: the usual case
+    except OSError:
+        return True

@@ -16,6 +16,15 @@ multi-megabyte transfers with the GIL released, where an event loop would wake p
 - Once a request has started, every wait is bounded by ``timeout_s`` (see
   :class:`~kvpool.transfer.channel.Channel`); a client that vanishes mid-payload only ends
   its own connection thread.
+- What a peer can make the server hold is bounded.  Per connection: a thread, an 8 KiB
+  stage, one request body (the codec's 4 MiB limit), a 1 MiB scratch buffer to drain a
+  refused write; payloads go straight into segments and are never buffered.  In total:
+  at most ``max_connections`` connections (one more gets an ``Overloaded`` error and is
+  closed), and SSD reads -- the one buffer that scales with an object -- share
+  ``ssd_read_budget`` bytes (a read that finds no room in ``timeout_s`` is ``Overloaded``;
+  the connection goes on).  A connection quiet for ``idle_timeout_s`` between requests is
+  closed (noticed within ``timeout_s`` after: the kernel's receive timeout is the clock),
+  so idle peers do not keep threads forever; clients reconnect on their next request.
 
 :class:`~kvpool.transfer.segment_client.SegmentConnection` is the client side.
 """
@@ -33,6 +42,7 @@ from kvpool.errors import (
     ChecksumMismatch,
     KVPoolError,
     ObjectNotFound,
+    Overloaded,
     PeerTimeout,
     ProtocolError,
     TransferError,
@@ -56,13 +66,28 @@ from kvpool.protocol.data import (
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
 from kvpool.transfer import framing
+from kvpool.transfer.budget import ByteBudget
 from kvpool.transfer.channel import Channel
 from kvpool.transfer.framing import BadRequest
 from kvpool.transfer.server import ThreadedServer
 
-__all__ = ["SegmentServer", "ServerStats"]
+__all__ = [
+    "DATA_IDLE_TIMEOUT_S",
+    "DATA_MAX_CONNECTIONS",
+    "SSD_READ_BUDGET",
+    "SegmentServer",
+    "ServerStats",
+]
 
 log = logging.getLogger(__name__)
+
+#: A data connection quiet this long between requests is closed (its client reconnects
+#: on its next request); as long as a client's default ``client_ttl``.
+DATA_IDLE_TIMEOUT_S = 120.0
+#: Data connections served at once: each client process holds one per node it talks to.
+DATA_MAX_CONNECTIONS = 256
+#: Bytes of SSD objects being read into memory for sending, all connections together.
+SSD_READ_BUDGET = 256 << 20
 
 
 @dataclass
@@ -97,9 +122,11 @@ class SegmentServer:
         port: int = 0,
         *,
         timeout_s: float = 10.0,
-        idle_timeout_s: float | None = None,
+        idle_timeout_s: float | None = DATA_IDLE_TIMEOUT_S,
         host_token: str = "",
         ssd: SsdStore | None = None,
+        max_connections: int = DATA_MAX_CONNECTIONS,
+        ssd_read_budget: int = SSD_READ_BUDGET,
     ) -> None:
         self.host = host
         self.ssd = ssd
@@ -108,6 +135,7 @@ class SegmentServer:
         self.idle_timeout_s = idle_timeout_s
         self.host_token = host_token
         self.stats = ServerStats()
+        self.ssd_reads = ByteBudget(ssd_read_budget)
         self._segments: dict[str, Segment] = {}
         self._lock = threading.Lock()
         self._server = ThreadedServer(
@@ -116,6 +144,8 @@ class SegmentServer:
             self._serve_connection,
             name="kvpool-data",
             on_connection=lambda: self.stats.add("connections"),
+            max_connections=max_connections,
+            refuse=self._refuse,
         )
 
     # -- segments ---------------------------------------------------------------
@@ -144,8 +174,14 @@ class SegmentServer:
         """``(host, port)`` actually bound (the port is chosen when 0 was asked)."""
         return self.host, self.port
 
+    def bind(self) -> tuple[str, int]:
+        """Bind and listen without accepting yet (see :meth:`ThreadedServer.bind`)."""
+        self.host, self.port = self._server.bind()
+        return self.address
+
     def start(self) -> tuple[str, int]:
-        """Bind, listen, and start accepting; returns the bound address."""
+        """Bind (unless :meth:`bind` did), listen, and start accepting; returns the bound
+        address."""
         self.host, self.port = self._server.start()
         return self.address
 
@@ -165,7 +201,21 @@ class SegmentServer:
     ) -> None:
         self.close()
 
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return self._server.connections
+
     # -- one connection ---------------------------------------------------------
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """The reply a connection over the limit gets to its first request."""
+        limit = self._server.max_connections
+        error = Overloaded(
+            f"data server {self.host}:{self.port} is serving its limit of {limit} "
+            "connections; retry later, or close idle clients"
+        )
+        conn.sendall(DATA_REPLY_CODEC.encode(error_reply(error)))
 
     def _serve_connection(self, conn: socket.socket) -> None:
         """One client's conversation, in its own thread (the server closes ``conn``)."""
@@ -218,7 +268,12 @@ class SegmentServer:
         except KVPoolError as exc:
             self._reply(channel, error_reply(exc))
             return True
-        self._reply(channel, reply, payload)
+        try:
+            self._reply(channel, reply, payload)
+        finally:
+            if isinstance(request, SsdRead) and payload is not None:
+                payload.release()
+                self.ssd_reads.give(request.length)
         return True
 
     def _handle(
@@ -275,8 +330,17 @@ class SegmentServer:
             raise ObjectNotFound(
                 f"{request.key} on SSD has {size} bytes, the request expects {request.length}"
             )
-        buf = memoryview(bytearray(size))
-        self.ssd.read_into(request.key, buf)
+        if not self.ssd_reads.take(size, self.timeout_s):
+            raise Overloaded(
+                f"{request.key}: {self.ssd_reads.held} bytes of SSD reads in flight "
+                f"(budget {self.ssd_reads.limit}); retry"
+            )
+        try:
+            buf = memoryview(bytearray(size))
+            self.ssd.read_into(request.key, buf)
+        except BaseException:
+            self.ssd_reads.give(size)
+            raise
         self.stats.add("bytes_read", size)
         return Ok(size), buf
 

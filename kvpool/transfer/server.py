@@ -16,6 +16,12 @@ Rules:
   wakes a thread blocked in ``recv``.
 - :meth:`ThreadedServer.close` waits at most ``timeout_s`` for the accept thread and
   again per connection thread: a stuck handler cannot hold up a shutdown for longer.
+- At most ``max_connections`` are served at once (each holds a thread and its buffers).
+  One more is refused: ``refuse(conn)`` says why in the protocol's own words, then the
+  close lingers (our side stops writing, and what the peer still sends is read and
+  dropped for at most :data:`LINGER_S`), because closing a socket with unread bytes
+  resets it and the peer would never read the refusal.  At most
+  :data:`MAX_LINGERING` refusals linger at once; past that they are closed at once.
 """
 
 from __future__ import annotations
@@ -24,15 +30,23 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 
-__all__ = ["ACCEPT_POLL_S", "ThreadedServer"]
+__all__ = ["ACCEPT_POLL_S", "LINGER_S", "MAX_CONNECTIONS", "MAX_LINGERING", "ThreadedServer"]
 
 log = logging.getLogger(__name__)
 
 #: how often the accept loop looks at the stop flag
 ACCEPT_POLL_S = 0.2
+#: connections served at once, unless the server is told otherwise
+MAX_CONNECTIONS = 256
+#: how long a refused connection is read (and dropped) before it is closed
+LINGER_S = 1.0
+#: refused connections lingering at once (each in a short-lived thread)
+MAX_LINGERING = 16
+_LINGER_READ = 1 << 16
 
 
 class ThreadedServer:
@@ -49,7 +63,11 @@ class ThreadedServer:
         backlog: int | None = 128,
         accept_poll_s: float = ACCEPT_POLL_S,
         on_connection: Callable[[], None] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        refuse: Callable[[socket.socket], None] | None = None,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self.host = host
         self.port = port
         self.name = name
@@ -57,6 +75,10 @@ class ThreadedServer:
         self._backlog = backlog
         self._accept_poll_s = accept_poll_s
         self._on_connection = on_connection
+        self.max_connections = max_connections
+        self._refuse = refuse
+        self.refused = 0  # connections refused at the cap, since start
+        self._lingering = 0
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -79,13 +101,21 @@ class ThreadedServer:
         with self._lock:
             return len(self._conns)
 
+    def bind(self) -> tuple[str, int]:
+        """Bind and listen (once), without accepting yet: a start-up that allocates
+        memory binds first, so a busy port costs nothing.  ``OSError`` when the address
+        cannot be bound (the caller says which setting chose it)."""
+        if self._listener is None:
+            listener = socket.create_server((self.host, self.port), backlog=self._backlog)
+            listener.settimeout(self._accept_poll_s)
+            self.port = listener.getsockname()[1]
+            self._listener = listener
+        return self.address
+
     def start(self) -> tuple[str, int]:
-        """Bind, listen and start accepting; returns the bound address.  ``OSError`` when
-        the address cannot be bound (the caller says which setting chose it)."""
-        listener = socket.create_server((self.host, self.port), backlog=self._backlog)
-        listener.settimeout(self._accept_poll_s)
-        self.port = listener.getsockname()[1]
-        self._listener = listener
+        """Bind (unless :meth:`bind` did), listen and start accepting; returns the bound
+        address."""
+        self.bind()
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"{self.name}-accept:{self.port}", daemon=True
         )
@@ -134,7 +164,12 @@ class ThreadedServer:
                 target=self._serve, args=(conn,), name=f"{self.name}-conn", daemon=True
             )
             with self._lock:
-                self._conns[conn] = thread
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns[conn] = thread
+            if full:
+                self._refuse_connection(conn)
+                continue
             if self._on_connection is not None:
                 self._on_connection()
             thread.start()
@@ -148,3 +183,43 @@ class ThreadedServer:
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+
+    def _refuse_connection(self, conn: socket.socket) -> None:
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
+            log.warning(
+                "%s: refusing connections at the limit of %d open (%d refused so far)",
+                self.name,
+                self.max_connections,
+                self.refused,
+            )
+        conn.settimeout(LINGER_S)  # a refusal is one small frame: it fits the send buffer
+        try:
+            if self._refuse is not None:
+                self._refuse(conn)
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            conn.close()
+            return
+        with self._lock:
+            linger = self._lingering < MAX_LINGERING
+            self._lingering += linger
+        if not linger:
+            conn.close()
+            return
+        threading.Thread(
+            target=self._linger, args=(conn,), name=f"{self.name}-refused", daemon=True
+        ).start()
+
+    def _linger(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + LINGER_S
+        try:
+            with contextlib.suppress(OSError):
+                while (left := deadline - time.monotonic()) > 0:
+                    conn.settimeout(left)
+                    if not conn.recv(_LINGER_READ):
+                        break  # the peer read the refusal and closed
+        finally:
+            conn.close()
+            with self._lock:
+                self._lingering -= 1

@@ -117,3 +117,21 @@ def test_every_eviction_policy_and_alias_is_a_master_flag_value() -> None:
         assert make_eviction_policy(config.eviction_policy).name == (
             canonical_eviction_policy(name)
         )
+
+
+def test_flags_that_would_do_nothing_are_named_in_warnings() -> None:
+    assert MasterConfig().warnings() == []
+    assert MasterConfig(enable_offload=True, ssd_offload_path="/ssd").warnings() == []
+    (unused,) = MasterConfig(ssd_offload_path="/ssd").warnings()
+    assert "--enable_offload" in unused
+    (nowhere,) = MasterConfig(enable_offload=True).warnings()
+    assert "--ssd_offload_path" in nowhere and "mooncake.json" in nowhere
+
+
+def test_the_effective_flags_read_back_as_the_same_config() -> None:
+    config = MasterConfig(
+        port=50088, enable_offload=True, ssd_offload_path="/mnt/my ssd", eviction_policy="lru"
+    )
+    assert MasterConfig.from_argv(config.as_argv()) == config
+    assert "'--ssd_offload_path=/mnt/my ssd'" in config.flags_line()
+    assert MasterConfig.from_argv(MasterConfig().as_argv()) == MasterConfig()

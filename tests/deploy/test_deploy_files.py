@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.cli import build_parser
 from kvpool.config import MasterConfig, load_node_config
+from kvpool.config.values import parse_size
 from kvpool.errors import NoSpace, ObjectNotFound
 from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
@@ -192,6 +193,17 @@ def test_compose_master_command_has_the_guides_flags() -> None:
     # and kvpool's own parser takes the same words
     args = build_parser().parse_args(argv[1:])
     assert args.command == "master" and args.default_kv_lease_ttl == "11000"
+
+
+def test_compose_master_has_room_for_its_segment_in_dev_shm() -> None:
+    # Docker's default /dev/shm is 64 MiB: the master's segment needs the host's (ipc:
+    # host, as the node has) or a shm_size that holds it, or it refuses to start.
+    master = compose()["services"]["master"]
+    config = MasterConfig.from_argv([interpolate(w) for w in master["command"]])
+    assert config.segment_size > 64 << 20
+    if master.get("ipc") != "host":
+        assert "shm_size" in master, "the master needs ipc: host or a shm_size"
+        assert parse_size(str(master["shm_size"]), key="shm_size") >= config.segment_size
 
 
 def test_compose_node_and_proxy_commands_parse() -> None:

@@ -155,3 +155,10 @@ def test_decoder_drives_an_asyncio_stream_over_a_real_socket() -> None:
     received, acks = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert received == [Frame(Ping(1), b"xyz"), Frame(Note("n"), b"")]
     assert acks == [Frame(Note("ack"), b"")] * 2
+
+
+def test_a_payload_free_codec_refuses_any_payload_from_the_header() -> None:
+    codec: Codec[Ping] = Codec(Ping, max_payload=0)
+    with pytest.raises(ProtocolError, match="announces a payload of 1 bytes"):
+        codec.decode_header(MAGIC + struct.pack("!II", 8, 1))
+    assert codec.decode_header(MAGIC + struct.pack("!II", 8, 0)).payload_length == 0

@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+import struct
+
+import pytest
+
+from kvpool.errors import ProtocolError
 from kvpool.protocol import messages
-from kvpool.protocol.codec import HEADER_SIZE
+from kvpool.protocol.codec import HEADER_SIZE, MAGIC
 from kvpool.protocol.pull import (
     PULL_REPLY_CODEC,
     PULL_REQUEST_CODEC,
@@ -29,3 +34,11 @@ def test_decode_is_done_is_not_the_master_s_lease_release() -> None:
     assert not hasattr(messages, "PullDone")
     assert PullDone.__struct_config__.tag == "pull_done"
     assert messages.Release.__struct_config__.tag != PullDone.__struct_config__.tag
+
+
+def test_a_pull_request_announcing_a_payload_is_refused_from_its_header() -> None:
+    # P's pull server never reads a request payload; one announced is refused before a
+    # byte of it is read, never buffered or mistaken for the next frame.
+    header = MAGIC + struct.pack("!II", 64, 1 << 30)
+    with pytest.raises(ProtocolError, match="carry none"):
+        PULL_REQUEST_CODEC.parse_header(header)

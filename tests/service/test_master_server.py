@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
-from kvpool.errors import NoSpace, ObjectBusy, ObjectNotFound, ProtocolError
+from kvpool.config import MasterConfig
+from kvpool.errors import (
+    NoSpace,
+    ObjectBusy,
+    ObjectNotFound,
+    Overloaded,
+    PeerTimeout,
+    ProtocolError,
+)
 from kvpool.protocol import messages as m
 from kvpool.protocol.codec import MAGIC
 from kvpool.service.client import Client
+from kvpool.service.master_server import MasterServer
 from kvpool.storage.ssd import files_by_key, header_size, object_path
 from kvpool.testing.processes import PoolProcess, start_master
+from tests.waiting import wait_until
 
 
 def http_get(proc: PoolProcess, path: str) -> str:
@@ -312,3 +327,134 @@ def test_corrupt_ssd_files_across_a_master_restart_are_misses_and_deleted(
             text = reply.read().decode()
         assert "kvpool_ssd_bad_files 1.0" in text.splitlines()
         assert "kvpool_ssd_corrupt_reads 1.0" in text.splitlines()
+
+
+# -- what a peer can make the master hold (issue 11, item 3) ---------------------------
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _reply_then_eof(s: socket.socket) -> m.Error:
+    """The one error reply the master sends before closing, then the close itself."""
+    s.settimeout(10)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    header = m.MASTER_REPLY_CODEC.decode_header(data[:12])
+    err = m.MASTER_REPLY_CODEC.decode_body(data[12 : 12 + header.body_length])
+    assert isinstance(err, m.Error)
+    return err
+
+
+def test_a_payload_announced_to_the_master_is_refused_from_the_header(
+    master: PoolProcess, client: Client
+) -> None:
+    client.put("warm", b"x" * 1000)  # the master's own steady state before measuring
+    before = rss_bytes(master.pid)
+    socks = []
+    for _ in range(2):
+        s = _raw(master)
+        body = msgspec.msgpack.encode(m.Exists("k"))
+        s.sendall(MAGIC + struct.pack("!II", len(body), 1 << 30) + body)
+        try:  # what a peer would stream after such a header: the master must not keep it
+            for _ in range(64):
+                s.sendall(b"\0" * (1 << 20))
+        except OSError:
+            pass  # refused and closed: what we want
+        socks.append(s)
+    for s in socks:
+        err = _reply_then_eof(s)
+        assert err.code == ProtocolError.code and "payload" in err.message
+        s.close()
+    assert rss_bytes(master.pid) - before < 4 << 20
+    client.put("after", b"still serving")
+    assert client.get("after") == b"still serving"
+
+
+@pytest.fixture
+def inproc_master() -> Iterator[MasterServer]:
+    """A master in this process (its limits set small by the test), on its own loop."""
+    server = MasterServer(MasterConfig(port=0, segment_size=0))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _exists_frame(keys: int) -> bytes:
+    return m.MASTER_REQUEST_CODEC.encode(m.BatchExists([f"key-{i:08d}" for i in range(keys)]))
+
+
+def test_unfinished_requests_of_all_connections_share_one_bound(
+    inproc_master: MasterServer,
+) -> None:
+    inproc_master.rpc_buffers.limit = 1 << 20
+    big = _exists_frame(60_000)  # ~900 KiB: under the limit alone, not twice
+    assert (1 << 19) < len(big) < (1 << 20)
+    a = socket.create_connection(("127.0.0.1", inproc_master.port), timeout=10)
+    a.sendall(big[:-1])
+    wait_until(lambda: inproc_master.rpc_buffers.held >= len(big) - 13, what="a's body held")
+    b = socket.create_connection(("127.0.0.1", inproc_master.port), timeout=10)
+    b.sendall(big[:-1])
+    err = _reply_then_eof(b)
+    assert err.code == Overloaded.code and "retry" in err.message
+    b.close()
+    a.sendall(big[-1:])  # the first one completes and is answered
+    header = m.MASTER_REPLY_CODEC.decode_header(_recv_exactly(a, 12))
+    reply = m.MASTER_REPLY_CODEC.decode_body(_recv_exactly(a, header.body_length))
+    assert reply == m.Bools([False] * 60_000)
+    a.close()
+    wait_until(lambda: inproc_master.rpc_buffers.held == 0, what="nothing held")
+
+
+def test_a_request_trickled_past_the_frame_timeout_is_dropped(
+    inproc_master: MasterServer,
+) -> None:
+    inproc_master.rpc_frame_timeout_s = 0.2
+    s = socket.create_connection(("127.0.0.1", inproc_master.port), timeout=10)
+    frame = _exists_frame(100)
+    s.sendall(frame[: len(frame) // 2])
+    err = _reply_then_eof(s)
+    assert err.code == PeerTimeout.code and "incomplete" in err.message
+    s.close()
+    wait_until(lambda: inproc_master.rpc_buffers.held == 0, what="nothing held")
+
+
+def test_a_peer_that_never_reads_its_replies_is_not_answered_forever(
+    inproc_master: MasterServer,
+) -> None:
+    inproc_master.rpc_frame_timeout_s = 0.2
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", inproc_master.port))
+    frame = _exists_frame(2000)  # each reply is ~2 KiB; the peer reads none of them
+    s.settimeout(10)
+    sent = 0
+    with contextlib.suppress(OSError):  # closed under us: what we want
+        while sent < 4096:  # bounded: 4096 requests could buffer 8 MiB of replies
+            s.sendall(frame)
+            sent += 1
+    wait_until(lambda: inproc_master.service.rpc_connections == 0, what="the master let go")
+    assert inproc_master.rpc_buffers.held == 0
+    s.close()
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        assert chunk, "closed early"
+        data += chunk
+    return data

@@ -15,6 +15,7 @@ import xxhash
 from kvpool.errors import (
     ChecksumMismatch,
     ObjectNotFound,
+    Overloaded,
     PeerTimeout,
     PoolError,
     ProtocolError,
@@ -35,7 +36,7 @@ from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore, object_path
 from kvpool.transfer import framing
 from kvpool.transfer.segment_client import PIPELINE_DEPTH, SegmentConnection
-from kvpool.transfer.segment_server import SegmentServer
+from kvpool.transfer.segment_server import DATA_IDLE_TIMEOUT_S, SegmentServer
 from tests.waiting import wait_until
 
 from .conftest import SEGMENT_SIZE
@@ -359,3 +360,80 @@ def test_a_demotion_copies_matching_bytes_and_refuses_changed_ones(
                 conn.demote("seg0", 0, 90, "stale", good)
             assert "stale" not in ssd
             assert conn.read("seg0", 0, 9) == b"overtaken"  # the connection keeps serving
+
+
+# -- what a peer can make a data server hold (issue 11, item 3) ------------------------
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout(segment: Segment) -> None:
+    # what a node's data port does unless told otherwise: idle peers do not stay forever
+    assert SegmentServer().idle_timeout_s == DATA_IDLE_TIMEOUT_S
+    with SegmentServer(timeout_s=5.0, idle_timeout_s=0.2) as srv:
+        srv.add_segment("seg0", segment)
+        with raw_socket(srv) as sock:
+            sock.settimeout(10)
+            wait_until(lambda: srv.connections == 1, what="the connection was accepted")
+            assert sock.recv(1) == b""  # closed by the server, not by us
+            wait_until(lambda: srv.connections == 0, what="its thread ended")
+        assert_still_serves(srv)
+
+
+def test_a_client_reconnects_by_itself_after_an_idle_close(segment: Segment) -> None:
+    with SegmentServer(timeout_s=5.0, idle_timeout_s=0.2) as srv:
+        srv.add_segment("seg0", segment)
+        with connect(srv) as conn:
+            conn.write("seg0", 0, b"before")
+            wait_until(lambda: srv.connections == 0, what="the idle close")
+            wait_until(lambda: time.monotonic() - conn._used > 1.0, what="unused for a while")
+            assert conn.read("seg0", 0, 6) == b"before"  # no error: a fresh connection
+        assert srv.stats.connections == 2
+
+
+def test_connections_over_the_cap_get_a_clear_refusal(segment: Segment) -> None:
+    with SegmentServer(timeout_s=5.0, max_connections=2) as srv:
+        srv.add_segment("seg0", segment)
+        held = [connect(srv), connect(srv)]
+        for conn in held:
+            conn.write("seg0", 0, b"ok")
+        extra = connect(srv)
+        with pytest.raises(Overloaded, match="limit of 2 connections"):
+            extra.read("seg0", 0, 2)
+        # pipelined: every item is refused, none lost silently
+        results = extra.write_many([("seg0", 0, b"a"), ("seg0", 8, b"b")])
+        assert [type(r) for r in results] == [Overloaded, Overloaded]
+        assert srv.connections == 2 and srv._server.refused == 2
+        held[0].close()
+        wait_until(lambda: srv.connections == 1, what="a slot freed")
+        assert extra.read("seg0", 0, 2) == b"ok"  # and then it is served
+        for conn in (*held, extra):
+            conn.close()
+
+
+def test_a_raw_peer_over_the_cap_reads_the_refusal_before_the_close(segment: Segment) -> None:
+    with SegmentServer(timeout_s=5.0, max_connections=1) as srv:
+        srv.add_segment("seg0", segment)
+        with raw_socket(srv) as first:
+            wait_until(lambda: srv.connections == 1)
+            with raw_socket(srv) as sock:
+                sock.sendall(DATA_REQUEST_CODEC.encode(SegmentRead("seg0", 0, 4)))
+                reply, length = read_reply(sock)
+                assert isinstance(reply, Error) and reply.code == Overloaded.code
+                assert length == 0
+                assert_closed(sock)
+            first.close()
+
+
+def test_ssd_reads_share_one_byte_budget(tmp_path: Path, segment: Segment) -> None:
+    ssd = SsdStore.open(tmp_path, 4 << 20)
+    ssd.put("big", b"b" * (1 << 20))
+    with SegmentServer(timeout_s=0.3, ssd=ssd, ssd_read_budget=1 << 20) as srv:
+        srv.add_segment("seg0", segment)
+        with connect(srv, timeout_s=5) as conn:
+            buf = bytearray(1 << 20)
+            assert conn.ssd_read_into("big", buf) == 1 << 20  # as large as the budget: fine
+            wait_until(lambda: srv.ssd_reads.held == 0, what="given back once sent")
+            assert srv.ssd_reads.take(1, 1)  # another reader holds a byte of it...
+            with pytest.raises(Overloaded, match="budget"):  # ...so this one finds no room
+                conn.ssd_read_into("big", buf)
+            srv.ssd_reads.give(1)
+            assert conn.ssd_read_into("big", buf) == 1 << 20  # the connection goes on
