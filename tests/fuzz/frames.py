@@ -13,12 +13,14 @@ round trip on a loaded 2-core machine varies), no example database written into 
 
 from __future__ import annotations
 
+import itertools
 import struct
 import typing
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
@@ -34,6 +36,7 @@ __all__ = [
     "mutated_frames",
     "split_points",
     "tags_of",
+    "typed_bodies",
 ]
 
 #: pure decoders: cheap, so the full budget
@@ -83,14 +86,66 @@ json_like: st.SearchStrategy[Any] = st.recursive(
     | st.floats(allow_nan=True)
     | st.text(max_size=24)
     | st.binary(max_size=24),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
 
-def body_bytes(wire: Wire) -> st.SearchStrategy[bytes]:
+_INTS = st.sampled_from([0, 1, -1, 2**31, 2**32, 2**62, 2**63 - 1, -(2**63)]) | st.integers(
+    min_value=-(2**63), max_value=2**64 - 1
+)
+_STRINGS = st.sampled_from(["", "seg0", "k", "a/b", "../x", "\0", "é" * 40]) | st.text(max_size=30)
+
+
+def _typed(t: mi.Type, strings: st.SearchStrategy[str]) -> st.SearchStrategy[Any]:
+    """Values of msgspec type ``t`` (any value, right type): edge-case ints and names."""
+    if isinstance(t, mi.StrType):
+        return strings
+    if isinstance(t, mi.IntType):
+        return _INTS
+    if isinstance(t, mi.BoolType):
+        return st.booleans()
+    if isinstance(t, mi.NoneType):
+        return st.none()
+    if isinstance(t, mi.FloatType):
+        return st.floats()
+    if isinstance(t, mi.ListType):
+        return st.lists(_typed(t.item_type, strings), max_size=6)
+    if isinstance(t, mi.TupleType):
+        return st.tuples(*(_typed(i, strings) for i in t.item_types)).map(list)
+    if isinstance(t, mi.DictType):
+        keys, values = _typed(t.key_type, strings), _typed(t.value_type, strings)
+        return st.dictionaries(keys, values, max_size=4)
+    if isinstance(t, mi.UnionType):
+        return st.one_of(*(_typed(i, strings) for i in t.types))
+    return json_like  # object / Any
+
+
+def typed_bodies(
+    wire: Wire, strings: st.SearchStrategy[str] = _STRINGS
+) -> st.SearchStrategy[bytes]:
+    """Bodies that decode: each of the wire's messages with every field of the right type
+    and any value (negative sizes, huge offsets, odd names), some fields left out."""
+    encode = msgspec.msgpack.encode
+    members = typing.get_args(wire.message_type) or (wire.message_type,)
+
+    def of(cls: Any) -> st.SearchStrategy[bytes]:
+        info = mi.type_info(cls)
+        assert isinstance(info, mi.StructType)
+        required = {f.encode_name: _typed(f.type, strings) for f in info.fields if f.required}
+        optional = {f.encode_name: _typed(f.type, strings) for f in info.fields if not f.required}
+        return st.fixed_dictionaries(
+            {info.tag_field or "type": st.just(info.tag), **required}, optional=optional
+        ).map(encode)
+
+    return st.one_of(*(of(cls) for cls in members))
+
+
+def body_bytes(wire: Wire, strings: st.SearchStrategy[str] = _STRINGS) -> st.SearchStrategy[bytes]:
     """Bodies a decoder may meet: random bytes, unknown tags, known tags with fields of
-    any type (sometimes the right ones), and the good samples."""
+    any type, right-typed messages with any values, and the good samples."""
     encode = msgspec.msgpack.encode
     tags = wire.tags
 
@@ -107,21 +162,30 @@ def body_bytes(wire: Wire) -> st.SearchStrategy[bytes]:
         st.dictionaries(st.text(max_size=8), json_like, max_size=3),
     )
     good = st.sampled_from(wire.samples).map(encode)
-    return st.one_of(st.binary(max_size=200), json_like.map(encode), unknown, known, good)
+    return st.one_of(
+        st.binary(max_size=200),
+        json_like.map(encode),
+        unknown,
+        known,
+        typed_bodies(wire, strings),
+        good,
+    )
 
 
 def _frame(wire: Wire, body: bytes, payload: bytes = b"") -> bytes:
     return header(len(body), len(payload)) + body + payload
 
 
-def mutated_frames(wire: Wire, *, payload_room: int = 4096) -> st.SearchStrategy[bytes]:
+def mutated_frames(
+    wire: Wire, *, payload_room: int = 4096, strings: st.SearchStrategy[str] = _STRINGS
+) -> st.SearchStrategy[bytes]:
     """The bytes of one (possibly broken) frame on ``wire``.
 
     ``payload_room`` caps the payload bytes actually sent; an announced size above it is
     sent short (a truncated frame), which is what a huge announced size looks like.
     """
     codec = wire.codec
-    bodies = body_bytes(wire)
+    bodies = body_bytes(wire, strings)
     sizes = st.sampled_from(
         sorted(
             {
@@ -152,9 +216,9 @@ def mutated_frames(wire: Wire, *, payload_room: int = 4096) -> st.SearchStrategy
         whole,
     )
     announced = st.builds(
-        lambda body_len, payload_len, body, sent: header(body_len, payload_len)
-        + body
-        + b"\0" * min(sent, payload_len, payload_room),
+        lambda body_len, payload_len, body, sent: (
+            header(body_len, payload_len) + body + b"\0" * min(sent, payload_len, payload_room)
+        ),
         sizes,
         sizes,
         bodies,
@@ -177,7 +241,6 @@ def split_points(data: bytes) -> st.SearchStrategy[list[bytes]]:
     def cut(points: list[int]) -> list[bytes]:
         marks = sorted({p % (len(data) + 1) for p in points})
         edges = [0, *marks, len(data)]
-        return [data[a:b] for a, b in zip(edges, edges[1:], strict=False) if b > a]
+        return [data[a:b] for a, b in itertools.pairwise(edges) if b > a]
 
     return st.lists(st.integers(min_value=0), max_size=8).map(cut)
-

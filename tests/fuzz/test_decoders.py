@@ -45,7 +45,8 @@ def test_a_body_is_a_message_or_a_protocol_error(wire: Wire, data: st.DataObject
     except ProtocolError:
         return
     assert isinstance(message, members(wire))
-    assert wire.codec.decode_body(msgspec.msgpack.encode(message)) == message
+    encoded = msgspec.msgpack.encode(message)  # bytes, not ==: a NaN is not equal to itself
+    assert msgspec.msgpack.encode(wire.codec.decode_body(encoded)) == encoded
 
 
 @pytest.mark.parametrize("wire", WIRES, ids=repr)
@@ -60,9 +61,7 @@ def test_a_header_is_accepted_exactly_within_the_limits(
 ) -> None:
     codec = wire.codec
     valid = (
-        magic == MAGIC
-        and 0 < body_length <= codec.max_body
-        and payload_length <= codec.max_payload
+        magic == MAGIC and 0 < body_length <= codec.max_body and payload_length <= codec.max_payload
     )
     raw = header(body_length, payload_length, magic)
     if valid:
