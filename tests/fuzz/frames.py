@@ -44,7 +44,7 @@ FUZZ = settings(max_examples=200, deadline=None, database=None, print_blob=True)
 #: real servers: each example is a connection and a well-formed check afterwards
 FUZZ_SOCKET = settings(
     FUZZ,
-    max_examples=120,
+    max_examples=200,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 

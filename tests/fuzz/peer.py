@@ -10,15 +10,25 @@ a reply is due).  Both connect over TCP or to a Unix socket path.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.errors import ProtocolError
 from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
 
-__all__ = ["BOUND_S", "Outcome", "connect", "decode_replies", "send_and_close", "send_and_read"]
+__all__ = [
+    "BOUND_S",
+    "Failures",
+    "Outcome",
+    "connect",
+    "decode_replies",
+    "send_and_close",
+    "send_and_read",
+]
 
 #: how long a server may take to answer or close; generous for a loaded 2-core machine,
 #: and a correct server takes milliseconds
@@ -98,6 +108,29 @@ def send_and_read(
             if replies and not until_close:
                 return replies, False
         return replies, False
+
+
+class Failures(logging.Handler):
+    """Collects a server's error records: 'connection handler failed' is a handler's crash."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    @classmethod
+    @contextlib.contextmanager
+    def of(cls, logger: str) -> Iterator[Failures]:
+        """Collect ``logger``'s errors while the block runs."""
+        handler = cls()
+        target = logging.getLogger(logger)
+        target.addHandler(handler)
+        try:
+            yield handler
+        finally:
+            target.removeHandler(handler)
 
 
 def decode_replies(received: bytes, codec: Codec[Any]) -> list[Any]:
