@@ -15,14 +15,16 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
+from kvpool.errors import ProtocolError
 from kvpool.net import http_get
 from kvpool.protocol import messages as m
-from kvpool.protocol.codec import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD
+from kvpool.protocol.codec import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, HEADER_SIZE
 from kvpool.protocol.data import Error
 from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
-from tests.fuzz.frames import FUZZ_SOCKET, header, mutated_frames
+from tests.fuzz.frames import FUZZ_SOCKET, header, mutated_frames, typed_bodies
 from tests.fuzz.peer import decode_replies, is_rpc, send_and_close, send_and_read
 from tests.fuzz.wires import WIRES
 
@@ -74,7 +76,8 @@ def test_any_frame_leaves_the_master_serving_everyone_else(
     assert outcome.closed, f"the master held a half-closed connection open after {frame!r}"
     if is_rpc(frame):  # else the first bytes went to HTTP, which answers as it likes
         replies = decode_replies(outcome.received, m.MASTER_REPLY_CODEC)
-        assert not internal_errors(replies), (frame, replies)
+        if not known_bug(body_of(frame)):
+            assert not internal_errors(replies), (frame, replies)
     assert_master_serves(master, client)
 
 
@@ -132,3 +135,122 @@ def test_a_request_announcing_a_payload_is_refused_from_its_header(
     )
     assert closed, "the master still waits for a 1 GiB payload"
     assert [type(r) for r in replies] == [Error]
+
+
+# a small pool of names, so a sequence's requests meet each other (Register then
+# AddSegment of that client, PutStart then PutEnd of that key, ...)
+SEQUENCE_NAMES = st.sampled_from(["c", "k", "seg", "c/seg", ""])
+
+
+def body_of(frame: bytes) -> bytes:
+    """The body bytes a frame announces (b"" when its header does not parse)."""
+    try:
+        length, _ = m.MASTER_REQUEST_CODEC.parse_header(frame[:HEADER_SIZE])
+    except ProtocolError:
+        return b""
+    return frame[HEADER_SIZE : HEADER_SIZE + length]
+
+
+def known_bug(body: bytes) -> bool:
+    """Requests that hit a bug already kept as a strict xfail below, left out so the
+    property can still find the others."""
+    try:
+        request = m.MASTER_REQUEST_CODEC.decode_body(body)
+    except ProtocolError:
+        return False
+    if isinstance(request, m.PutStart):  # a put of 0 or fewer bytes
+        return request.size <= 0
+    if isinstance(request, m.BatchPutStart):
+        return any(size <= 0 for size in request.sizes)
+    if isinstance(request, m.BatchPutEnd):  # lists of different lengths
+        return len(request.keys) != len(request.checksums)
+    if isinstance(request, m.PrefixLookup):  # a negative token count per key
+        return request.tokens_per_key < 0
+    # an unknown tier is INTERNAL; a segment its owner cannot serve attracts others' puts
+    return isinstance(request, m.AddSegment)
+
+
+@FUZZ_SOCKET
+@given(
+    bodies=st.lists(
+        typed_bodies(MASTER_WIRE, SEQUENCE_NAMES).filter(lambda b: not known_bug(b)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_any_sequence_of_requests_gets_one_reply_each_and_none_internal(
+    master: PoolProcess, client: Client, bodies: list[bytes]
+) -> None:
+    stream = b"".join(header(len(b), 0) + b for b in bodies)
+    outcome = send_and_close(address(master), stream)
+    assert outcome.closed
+    replies = decode_replies(outcome.received, m.MASTER_REPLY_CODEC)
+    assert len(replies) == len(bodies), replies
+    assert not internal_errors(replies), list(
+        zip(map(m.MASTER_REQUEST_CODEC.decode_body, bodies), replies, strict=True)
+    )
+    assert_master_serves(master, client)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 11 item 7: a PutStart of 0 bytes (or, found here, a negative size) is "
+    "answered INTERNAL: the index's ValueError escapes untyped",
+)
+@pytest.mark.parametrize("size", [0, -1])
+def test_an_empty_or_negative_put_is_not_an_internal_error(master: PoolProcess, size: int) -> None:
+    body = m.MASTER_REQUEST_CODEC.encode(m.PutStart("fuzz-empty", "fuzz-empty-key", size))
+    replies, _ = send_and_read(address(master), body, m.MASTER_REPLY_CODEC)
+    assert replies and not internal_errors(replies), replies
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a PrefixLookup with a negative tokens_per_key is answered INTERNAL: "
+    "prometheus_client's Counter.inc refuses the negative hit-token count",
+)
+def test_a_negative_tokens_per_key_is_not_an_internal_error(master: PoolProcess) -> None:
+    body = m.MASTER_REQUEST_CODEC.encode(m.PrefixLookup(["fuzz-none"], tokens_per_key=-1))
+    replies, _ = send_and_read(address(master), body, m.MASTER_REPLY_CODEC)
+    assert replies and not internal_errors(replies), replies
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an AddSegment naming an unknown tier is answered INTERNAL: Tier(req.tier)'s "
+    "ValueError escapes the master's handler untyped",
+)
+def test_an_unknown_tier_is_not_an_internal_error(master: PoolProcess) -> None:
+    body = m.MASTER_REQUEST_CODEC.encode(m.AddSegment("fuzz-c", "fuzz-s", 1024, tier="tape"))
+    replies, _ = send_and_read(address(master), body, m.MASTER_REPLY_CODEC)
+    assert replies and not internal_errors(replies), replies
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a BatchPutEnd whose keys and checksums differ in length is answered INTERNAL "
+    "(zip(strict=True) raises ValueError in the master) instead of a typed refusal",
+)
+def test_a_batch_put_end_of_unequal_lists_is_not_an_internal_error(master: PoolProcess) -> None:
+    body = m.MASTER_REQUEST_CODEC.encode(m.BatchPutEnd("fuzz-c", ["k1", "k2"], [1]))
+    replies, _ = send_and_read(address(master), body, m.MASTER_REPLY_CODEC)
+    assert replies and not internal_errors(replies), replies
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the master accepts AddSegment from a client registered with no (or an "
+    "unreachable) data address and places other clients' puts there; their puts fail",
+)
+def test_a_segment_nobody_can_reach_never_receives_other_clients_puts(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    with start_master("--segment_size", "0") as lone, Client(lone.address, timeout_s=5) as c:
+        rogue = m.MASTER_REQUEST_CODEC.encode(
+            m.Register("fuzz-rogue")
+        ) + m.MASTER_REQUEST_CODEC.encode(m.AddSegment("fuzz-rogue", "fuzz-seg", 64 << 20))
+        replies, _ = send_and_read(address(lone), rogue, m.MASTER_REPLY_CODEC, until_close=True)
+        assert len(replies) == 2
+        if not any(isinstance(r, Error) for r in replies):  # accepted: then it must work
+            c.put("fuzz-victim", b"x" * 1024)
+            assert c.get("fuzz-victim") == b"x" * 1024
