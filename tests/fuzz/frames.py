@@ -33,7 +33,9 @@ __all__ = [
     "body_bytes",
     "header",
     "json_like",
+    "junk_bodies",
     "mutated_frames",
+    "near_valid_bodies",
     "split_points",
     "tags_of",
     "typed_bodies",
@@ -93,8 +95,10 @@ json_like: st.SearchStrategy[Any] = st.recursive(
 )
 
 
-_INTS = st.sampled_from([0, 1, -1, 2**31, 2**32, 2**62, 2**63 - 1, -(2**63)]) | st.integers(
-    min_value=-(2**63), max_value=2**64 - 1
+_INTS = (
+    st.sampled_from([0, 1, -1, 2**31, 2**32, 2**62, 2**63 - 1, -(2**63)])
+    | st.integers(min_value=-2, max_value=16)  # block ids, ranks, head counts, small sizes
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
 )
 _STRINGS = st.sampled_from(["", "seg0", "k", "a/b", "../x", "\0", "é" * 40]) | st.text(max_size=30)
 
@@ -143,9 +147,37 @@ def typed_bodies(
     return st.one_of(*(of(cls) for cls in members))
 
 
-def body_bytes(wire: Wire, strings: st.SearchStrategy[str] = _STRINGS) -> st.SearchStrategy[bytes]:
-    """Bodies a decoder may meet: random bytes, unknown tags, known tags with fields of
-    any type, right-typed messages with any values, and the good samples."""
+@st.composite
+def _near_valid(
+    draw: st.DrawFn, samples: tuple[Any, ...], strings: st.SearchStrategy[str]
+) -> bytes:
+    sample = draw(st.sampled_from(samples))
+    fields = {f.encode_name: f.type for f in _struct(type(sample)).fields}
+    raw = msgspec.to_builtins(sample)
+    if not fields:  # nothing to change (Stats())
+        return msgspec.msgpack.encode(raw)
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=2)):
+        raw[name] = draw(_typed(fields[name], strings))
+    return msgspec.msgpack.encode(raw)
+
+
+def near_valid_bodies(
+    samples: tuple[Any, ...], strings: st.SearchStrategy[str] = _STRINGS
+) -> st.SearchStrategy[bytes]:
+    """A good message with one or two fields given another value of their type: the
+    mutation that gets past a server's first checks to the ones behind them."""
+    return _near_valid(samples, strings)
+
+
+def _struct(cls: Any) -> mi.StructType:
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    return info
+
+
+def junk_bodies(wire: Wire) -> st.SearchStrategy[bytes]:
+    """Bodies that mostly do not decode: random bytes, random msgpack, unknown tags, and
+    known tags with fields of any type."""
     encode = msgspec.msgpack.encode
     tags = wire.tags
 
@@ -161,13 +193,22 @@ def body_bytes(wire: Wire, strings: st.SearchStrategy[str] = _STRINGS) -> st.Sea
         st.text(max_size=12).filter(lambda t: t not in tags),
         st.dictionaries(st.text(max_size=8), json_like, max_size=3),
     )
-    good = st.sampled_from(wire.samples).map(encode)
+    return st.one_of(st.binary(max_size=200), json_like.map(encode), unknown, known)
+
+
+def body_bytes(
+    wire: Wire,
+    strings: st.SearchStrategy[str] = _STRINGS,
+    samples: tuple[Any, ...] = (),
+) -> st.SearchStrategy[bytes]:
+    """Bodies a decoder may meet: junk (:func:`junk_bodies`), right-typed messages with
+    any values, good messages with a field or two changed, and the good ones."""
+    samples = samples or wire.samples
+    good = st.sampled_from(samples).map(msgspec.msgpack.encode)
     return st.one_of(
-        st.binary(max_size=200),
-        json_like.map(encode),
-        unknown,
-        known,
+        junk_bodies(wire),
         typed_bodies(wire, strings),
+        near_valid_bodies(samples, strings),
         good,
     )
 
@@ -177,7 +218,11 @@ def _frame(wire: Wire, body: bytes, payload: bytes = b"") -> bytes:
 
 
 def mutated_frames(
-    wire: Wire, *, payload_room: int = 4096, strings: st.SearchStrategy[str] = _STRINGS
+    wire: Wire,
+    *,
+    payload_room: int = 4096,
+    strings: st.SearchStrategy[str] = _STRINGS,
+    samples: tuple[Any, ...] = (),
 ) -> st.SearchStrategy[bytes]:
     """The bytes of one (possibly broken) frame on ``wire``.
 
@@ -185,7 +230,7 @@ def mutated_frames(
     sent short (a truncated frame), which is what a huge announced size looks like.
     """
     codec = wire.codec
-    bodies = body_bytes(wire, strings)
+    bodies = body_bytes(wire, strings, samples)
     sizes = st.sampled_from(
         sorted(
             {

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvpool.connectors.transfer.jobs import HoldJob, TransferJobs
 from kvpool.connectors.transfer.tcp import TcpTransport
 from kvpool.connectors.transfer.worker import TransferWorker
-from kvpool.protocol.pull import PULL_REPLY_CODEC, Pull
+from kvpool.protocol.pull import PULL_REPLY_CODEC, Pull, PullDone
 from kvpool.transfer.framing import deadline_after
 from tests.connectors.transfer.helpers import BLOCK, LAYERS, ROW, caches, config, free_port, start
 from tests.fuzz.frames import FUZZ_SOCKET, mutated_frames
@@ -34,6 +34,12 @@ HEADS = 2
 # keep it short: most fuzzed pulls name no held request
 WAIT_MS = 50
 NAMES = st.sampled_from(["group-a", "p-held", "", *LAYERS]) | st.text(max_size=12)
+# page bytes of the test's caches, so a fuzzed pull can get the size right too
+PAGE_BYTES = HEADS * BLOCK * ROW
+HELD_PULLS = (
+    Pull("p-held", [5, 6], 0, HEADS, list(LAYERS), 0, 1, PAGE_BYTES, "group-a"),
+    PullDone("p-held", 0, 1, "group-a"),
+)
 _requests = itertools.count()
 
 
@@ -65,7 +71,7 @@ def assert_prefill_serves(
     d_caches, d_kv = caches(HEADS, seed=None)
     transport = TcpTransport(transfer_timeout_s=10)
     transport.register(d_caches)
-    page_bytes = HEADS * BLOCK * ROW
+    page_bytes = PAGE_BYTES
     pull = Pull(request, [3, 1], 0, HEADS, list(LAYERS), 0, 1, page_bytes, "group-a")
     with transport.connect("127.0.0.1", port, 10) as link:
         assert link.pull(pull, [0, 1], 0, deadline_after(10)) == 2 * 2 * page_bytes
@@ -74,12 +80,14 @@ def assert_prefill_serves(
 
 
 @FUZZ_SOCKET
-@given(frame=mutated_frames(PULL_WIRE, strings=NAMES))
+@given(frame=mutated_frames(PULL_WIRE, strings=NAMES, samples=HELD_PULLS))
 def test_any_frame_leaves_the_pull_server_serving_other_decodes(
     prefill: tuple[TransferWorker, dict[str, np.ndarray], int],
     failures: Failures,
     frame: bytes,
 ) -> None:
+    # a request P holds, so a fuzzed pull naming it meets every rule of a real pull
+    prefill[0].submit(TransferJobs(holds=[HoldJob("p-held", (5, 6))]))
     outcome = send_and_close(("127.0.0.1", prefill[2]), frame)
     assert outcome.closed, f"the pull server held a half-closed connection after {frame!r}"
     decode_replies(outcome.received, PULL_REPLY_CODEC)
