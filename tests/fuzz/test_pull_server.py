@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from kvpool.connectors.transfer.jobs import HoldJob, TransferJobs
 from kvpool.connectors.transfer.tcp import TcpTransport
 from kvpool.connectors.transfer.worker import TransferWorker
-from kvpool.protocol.pull import PULL_REPLY_CODEC, Pull, PullDone
+from kvpool.protocol.pull import PULL_REPLY_CODEC, PULL_REQUEST_CODEC, Pull, PullDone
 from kvpool.transfer.framing import deadline_after
 from tests.connectors.transfer.helpers import BLOCK, LAYERS, ROW, caches, config, free_port, start
 from tests.fuzz.frames import FUZZ_SOCKET, mutated_frames
-from tests.fuzz.peer import Failures, decode_replies, send_and_close
+from tests.fuzz.peer import Failures, decode_replies, send_and_close, send_and_read
 from tests.fuzz.wires import WIRES
 
 pytestmark = pytest.mark.timeout(240)
@@ -91,4 +91,19 @@ def test_any_frame_leaves_the_pull_server_serving_other_decodes(
     outcome = send_and_close(("127.0.0.1", prefill[2]), frame)
     assert outcome.closed, f"the pull server held a half-closed connection after {frame!r}"
     decode_replies(outcome.received, PULL_REPLY_CODEC)
+    assert_prefill_serves(prefill, failures)
+
+
+STALLS = {
+    "mid-header": PULL_REQUEST_CODEC.encode(HELD_PULLS[0])[:7],
+    "mid-body": PULL_REQUEST_CODEC.encode(HELD_PULLS[0])[:-3],
+}
+
+
+@pytest.mark.parametrize("data", list(STALLS.values()), ids=list(STALLS))
+def test_a_decode_stalling_mid_frame_is_dropped_in_bounded_time(
+    prefill: tuple[TransferWorker, dict[str, np.ndarray], int], failures: Failures, data: bytes
+) -> None:
+    _, closed = send_and_read(("127.0.0.1", prefill[2]), data, PULL_REPLY_CODEC, until_close=True)
+    assert closed, "the pull server waited past the bound for the rest of a frame"
     assert_prefill_serves(prefill, failures)

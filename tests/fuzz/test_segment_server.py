@@ -56,7 +56,9 @@ def failures() -> Iterator[Failures]:
 def server(place: Path, failures: Failures) -> Iterator[SegmentServer]:
     segment = Segment.create(SEGMENT)
     ssd = SsdStore.open(place / "ssd", 256 << 20)
-    srv = SegmentServer(timeout_s=5.0, host_token=host_token(), ssd=ssd)
+    # once a request has started, the rest of it is due within timeout_s: short here, so
+    # a peer stalling mid-frame is dropped quickly
+    srv = SegmentServer(timeout_s=1.0, host_token=host_token(), ssd=ssd)
     srv.add_segment("seg0", segment)
     srv.start()
     yield srv
@@ -114,4 +116,20 @@ def test_a_write_announcing_more_than_it_sends_ends_only_its_own_connection(
     body = DATA_REQUEST_CODEC.encode(SegmentWrite("seg0", 0, DEFAULT_MAX_PAYLOAD))[12:]
     outcome = send_and_close(server.address, header(len(body), DEFAULT_MAX_PAYLOAD) + body)
     assert outcome.closed
+    assert_server_serves(server, failures, place)
+
+
+STALLS = {
+    "mid-header": header(40, 0)[:7],
+    "mid-body": DATA_REQUEST_CODEC.encode(SegmentWrite("seg0", 0, 0))[:-3],
+    "mid-payload": DATA_REQUEST_CODEC.encode(SegmentWrite("seg0", 0, 4096), 4096) + b"x" * 100,
+}
+
+
+@pytest.mark.parametrize("data", list(STALLS.values()), ids=list(STALLS))
+def test_a_peer_stalling_mid_frame_is_dropped_in_bounded_time(
+    server: SegmentServer, failures: Failures, place: Path, data: bytes
+) -> None:
+    _, closed = send_and_read(server.address, data, DATA_REPLY_CODEC, until_close=True)
+    assert closed, "the server waited past the bound for the rest of a frame"
     assert_server_serves(server, failures, place)
