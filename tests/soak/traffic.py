@@ -1,7 +1,7 @@
 """One soak client process: mixed traffic on its own keys, every byte read checked.
 
-``python -m tests.soak.traffic --master HOST:PORT --name c0 --transport shm --seconds 40
---max-ops 20000 --out result.json``
+``python -m tests.soak.traffic --master HOST:PORT --name c0 --transport shm --seconds 90
+--max-ops 100000 --stop-file STOP --out result.json``
 
 Values are self-describing: ``b"<key>|<version>|"`` then bytes derived from the key and
 version, so a read proves which write it came from.  The client keeps, per key, the
@@ -9,7 +9,8 @@ versions a put acknowledged and the versions whose put failed in a way that may 
 stored them (a lost reply); a read must return a miss or exactly one of those for its key.
 Keys are the client's own (prefixed by ``--name``), so no other process writes them.
 
-Both bounds hold: the loop stops after ``--seconds`` or ``--max-ops``, whichever first.
+The loop stops when ``--stop-file`` exists (the soak says it has seen enough), and in any
+case after ``--seconds`` or ``--max-ops``, whichever comes first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import sys
 import time
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", choices=["shm", "tcp"], required=True)
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--max-ops", type=int, required=True)
+    parser.add_argument("--stop-file", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     rng = random.Random(args.name)
@@ -176,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         traffic = Traffic(client, args.name, rng)
         print("soak client running", flush=True)
         end = time.monotonic() + args.seconds
-        for _ in range(args.max_ops):
-            if time.monotonic() >= end:
+        for n in range(args.max_ops):
+            if time.monotonic() >= end or (n % 64 == 0 and os.path.exists(args.stop_file)):
                 break
             traffic.step()
     with open(args.out, "w") as out:
