@@ -7,7 +7,9 @@ Values are self-describing: ``b"<key>|<version>|"`` then bytes derived from the 
 version, so a read proves which write it came from.  The client keeps, per key, the
 versions a put acknowledged and the versions whose put failed in a way that may still have
 stored them (a lost reply); a read must return a miss or exactly one of those for its key.
-Keys are the client's own (prefixed by ``--name``), so no other process writes them.
+Keys are the client's own (they carry ``--name``), so no other process writes them; half
+of them are shaped as Mooncake's and vllm-ascend's (``org/model@...@hash``), so they need a
+safe file name in every SSD tier.
 
 The loop stops when ``--stop-file`` exists (the soak says it has seen enough), and in any
 case after ``--seconds`` or ``--max-ops``, whichever comes first.
@@ -64,7 +66,10 @@ class Traffic:
         self.valid: dict[str, set[int]] = {}
 
     def key(self) -> str:
-        return f"{self.name}-k{self.rng.randrange(KEYS)}"
+        i = self.rng.randrange(KEYS)
+        if i % 2:  # keys as Mooncake and vllm-ascend write them: '/' in a model's name
+            return f"org/model@{self.name}@pcp0@dcp0@tp0@k{i}"
+        return f"{self.name}-k{i}"
 
     def new_value(self, key: str) -> tuple[int, bytes]:
         self.version += 1
