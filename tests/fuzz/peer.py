@@ -83,11 +83,16 @@ def send_and_close(address: tuple[str, int] | str, data: bytes) -> Outcome:
 
 
 def send_and_read(
-    address: tuple[str, int] | str, data: bytes, codec: Codec[Any], *, until_close: bool = False
+    address: tuple[str, int] | str,
+    data: bytes,
+    codec: Codec[Any],
+    *,
+    until_close: bool = False,
+    want: int = 1,
 ) -> tuple[list[Any], bool]:
     """Send ``data`` and keep the connection open; return the reply frames (decoded) and
-    whether the server closed.  Reads until the first reply, or with ``until_close`` until
-    the server closes (both at most :data:`BOUND_S`).  A malformed reply raises."""
+    whether the server closed.  Reads until ``want`` replies came, or with ``until_close``
+    until the server closes (both at most :data:`BOUND_S`).  A malformed reply raises."""
     with connect(address) as sock:
         _send(sock, data)
         decoder: FrameDecoder[Any] = FrameDecoder(codec)
@@ -105,7 +110,7 @@ def send_and_read(
                 return replies, True
             decoder.feed(chunk)
             replies += [f.message for f in decoder.frames()]
-            if replies and not until_close:
+            if len(replies) >= want and not until_close:
                 return replies, False
         return replies, False
 

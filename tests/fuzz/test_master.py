@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvpool.errors import ProtocolError
@@ -72,6 +72,7 @@ def internal_errors(replies: list[object]) -> list[Error]:
 def test_any_frame_leaves_the_master_serving_everyone_else(
     master: PoolProcess, client: Client, frame: bytes
 ) -> None:
+    assume(not rogue_segment(body_of(frame)))
     outcome = send_and_close(address(master), frame)
     assert outcome.closed, f"the master held a half-closed connection open after {frame!r}"
     if is_rpc(frame):  # else the first bytes went to HTTP, which answers as it likes
@@ -95,10 +96,11 @@ def test_a_bad_body_gets_an_error_reply_and_the_connection_goes_on(
 ) -> None:
     good = m.MASTER_REQUEST_CODEC.encode(m.Exists("nothing-here"))
     replies, closed = send_and_read(
-        address(master), header(len(body), 0) + body + good, m.MASTER_REPLY_CODEC
+        address(master), header(len(body), 0) + body + good, m.MASTER_REPLY_CODEC, want=2
     )
-    assert replies and isinstance(replies[0], Error) and replies[0].code != INTERNAL
-    assert not closed
+    assert not closed and len(replies) == 2, replies
+    assert isinstance(replies[0], Error) and replies[0].code != INTERNAL
+    assert not isinstance(replies[1], Error), replies  # the next request on it is answered
     assert_master_serves(master, client)
 
 
@@ -151,13 +153,23 @@ def body_of(frame: bytes) -> bytes:
     return frame[HEADER_SIZE : HEADER_SIZE + length]
 
 
+def _request(body: bytes) -> m.MasterRequest | None:
+    try:
+        return m.MASTER_REQUEST_CODEC.decode_body(body)
+    except ProtocolError:
+        return None
+
+
+def rogue_segment(body: bytes) -> bool:
+    """An AddSegment: the master takes a segment its owner cannot serve and places others'
+    puts there (kept as a strict xfail below), so a fuzzed one would fail the probe put."""
+    return isinstance(_request(body), m.AddSegment)
+
+
 def known_bug(body: bytes) -> bool:
     """Requests that hit a bug already kept as a strict xfail below, left out so the
-    property can still find the others."""
-    try:
-        request = m.MASTER_REQUEST_CODEC.decode_body(body)
-    except ProtocolError:
-        return False
+    properties can still find the others."""
+    request = _request(body)
     if isinstance(request, m.PutStart):  # a put of 0 or fewer bytes
         return request.size <= 0
     if isinstance(request, m.BatchPutStart):
@@ -166,7 +178,7 @@ def known_bug(body: bytes) -> bool:
         return len(request.keys) != len(request.checksums)
     if isinstance(request, m.PrefixLookup):  # a negative token count per key
         return request.tokens_per_key < 0
-    # an unknown tier is INTERNAL; a segment its owner cannot serve attracts others' puts
+    # an unknown tier is INTERNAL (and see rogue_segment)
     return isinstance(request, m.AddSegment)
 
 
@@ -249,7 +261,7 @@ def test_a_segment_nobody_can_reach_never_receives_other_clients_puts(
         rogue = m.MASTER_REQUEST_CODEC.encode(
             m.Register("fuzz-rogue")
         ) + m.MASTER_REQUEST_CODEC.encode(m.AddSegment("fuzz-rogue", "fuzz-seg", 64 << 20))
-        replies, _ = send_and_read(address(lone), rogue, m.MASTER_REPLY_CODEC, until_close=True)
+        replies, _ = send_and_read(address(lone), rogue, m.MASTER_REPLY_CODEC, want=2)
         assert len(replies) == 2
         if not any(isinstance(r, Error) for r in replies):  # accepted: then it must work
             c.put("fuzz-victim", b"x" * 1024)

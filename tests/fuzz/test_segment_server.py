@@ -104,9 +104,10 @@ def test_a_bad_body_gets_an_error_and_the_connection_goes_on(
     bad = b"\x81\xa4type\xa5Bogus"
     good = DATA_REQUEST_CODEC.encode(SegmentWrite("seg0", 0, 0))
     replies, closed = send_and_read(
-        server.address, header(len(bad), 0) + bad + good, DATA_REPLY_CODEC, until_close=False
+        server.address, header(len(bad), 0) + bad + good, DATA_REPLY_CODEC, want=2
     )
-    assert isinstance(replies[0], Error) and not closed
+    assert not closed and len(replies) == 2, replies
+    assert isinstance(replies[0], Error) and not isinstance(replies[1], Error), replies
     assert_server_serves(server, failures, place)
 
 
