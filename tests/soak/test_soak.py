@@ -47,6 +47,7 @@ CLIENT_SECONDS = 3 * PHASE_TIMEOUT_S  # a client's own bound, past every phase's
 CLIENT_MAX_OPS = 200_000
 SAMPLE_S = 0.25
 MAX_SAMPLES = 2_000  # bounds the sampler even if the clients never end
+ROOT = Path(__file__).resolve().parents[2]  # the clients run ``-m tests.soak.traffic`` here
 
 
 def node_config(tmp_path: Path, master: str) -> Path:
@@ -133,7 +134,9 @@ def start_clients(
             f"--stop-file={stop_file}",
             f"--out={out}",
         ]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+        )
         clients.append((proc, out))
     return clients
 
