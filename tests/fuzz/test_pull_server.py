@@ -30,9 +30,11 @@ pytestmark = pytest.mark.timeout(240)
 
 PULL_WIRE = next(w for w in WIRES if w.name == "pull-request")
 HEADS = 2
-# a pull of an unknown request waits this long for it to be held before a refusal, so
-# keep it short: most fuzzed pulls name no held request
-WAIT_MS = 50
+# P's transfer timeout: how long a pull of a request not held (yet) waits before its
+# refusal, and how long P may take to send a pull's pages.  Short, since fuzzed pulls
+# mostly name no held request, yet far above what the probe's send takes on a loaded
+# machine.
+WAIT_MS = 1000
 NAMES = st.sampled_from(["group-a", "p-held", "", *LAYERS]) | st.text(max_size=12)
 # page bytes of the test's caches, so a fuzzed pull can get the size right too
 PAGE_BYTES = HEADS * BLOCK * ROW
