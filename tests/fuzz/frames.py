@@ -136,8 +136,7 @@ def typed_bodies(
     members = typing.get_args(wire.message_type) or (wire.message_type,)
 
     def of(cls: Any) -> st.SearchStrategy[bytes]:
-        info = mi.type_info(cls)
-        assert isinstance(info, mi.StructType)
+        info = _struct(cls)
         required = {f.encode_name: _typed(f.type, strings) for f in info.fields if f.required}
         optional = {f.encode_name: _typed(f.type, strings) for f in info.fields if not f.required}
         return st.fixed_dictionaries(
