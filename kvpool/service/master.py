@@ -277,7 +277,17 @@ class MasterService(NodeCopies):
         return m.RegisterReply(new, self.index.config.client_ttl_ms, self.heartbeat_interval_ms)
 
     def _add_segment(self, req: m.AddSegment, now: int) -> Ok:
-        tier = Tier(req.tier)
+        try:
+            tier = Tier(req.tier)
+        except ValueError:
+            raise PoolError(f"segment {req.segment_id!r}: unknown tier {req.tier!r}") from None
+        if req.capacity <= 0:
+            raise PoolError(f"segment {req.segment_id!r}: capacity must be positive")
+        if req.client_id not in self.local and not self.client_addresses.get(
+            req.client_id, ("", "")
+        )[0]:
+            # others' puts would be placed where nobody can write them
+            raise PoolError(f"segment {req.segment_id!r}: {req.client_id} has no data address")
         self.index.add_segment(req.client_id, req.segment_id, req.capacity, tier)
         address, token = self.client_addresses.get(req.client_id, ("", ""))
         self.endpoints[req.segment_id] = Endpoint(address, req.shm_name, token)

@@ -111,10 +111,13 @@ def test_a_mooncake_client_pointed_at_a_kvpool_master_says_what_answered() -> No
     # in a namespace: were the check to miss, Mooncake's setup would open its listeners
     with Namespace() as ns:
         master = ns.new("kvpool.testing.processes:start_master")
-        address = ns.call(master, "__getattribute__", "address")
-        engine = ns.new("tests.engines.mooncake_host:open_engine", mooncake_json(address, 0))
-        with pytest.raises(TransferError, match="looks like a kvpool master"):
-            ns.call(engine, "batch_exists", ["k"])
+        try:
+            address = ns.call(master, "__getattribute__", "address")
+            engine = ns.new("tests.engines.mooncake_host:open_engine", mooncake_json(address, 0))
+            with pytest.raises(TransferError, match="looks like a kvpool master"):
+                ns.call(engine, "batch_exists", ["k"])
+        finally:
+            ns.call(master, "stop")  # the master is a process of its own: it outlives ns
 
 
 def test_the_store_connectors_mooncake_backend_opens_mooncake_for_a_mooncake_config(
