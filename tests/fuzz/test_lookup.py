@@ -11,14 +11,16 @@ error here).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import cast
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.connectors.store.lookup import REPLY_CODEC, LookupClient, LookupServer
+from kvpool.engines import PoolEngine
 from tests.fuzz.frames import FUZZ_SOCKET, mutated_frames
 from tests.fuzz.peer import decode_replies, send_and_close
 from tests.fuzz.wires import WIRES
@@ -38,10 +40,25 @@ def leading(keys: list[str]) -> int:
     return count
 
 
+class HeldPool:
+    """The part of a pool the lookup channel asks (prefix lookups, pins, releases); it
+    holds exactly :data:`HELD`."""
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        return leading(list(keys))
+
+    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
+        return sum(key in HELD for key in keys)
+
+    def release(self, owner: str) -> int:
+        return 0
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LookupServer]:
     path = tmp_path_factory.mktemp("lookup") / "l.sock"
-    srv = LookupServer(str(path), leading, logging.getLogger("test.lookup"))
+    pool = cast(PoolEngine, HeldPool())
+    srv = LookupServer(str(path), pool, logging.getLogger("test.lookup"))
     yield srv
     srv.close()
 

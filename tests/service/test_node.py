@@ -22,6 +22,14 @@ from kvpool.testing.processes import PoolProcess, start_master, start_node
 from tests.waiting import wait_until
 
 
+def reads_back(c: Client, key: str, value: bytes) -> bool:
+    """Whether ``key`` reads back as ``value`` now.  A watermark round may be copying a
+    memory object to the node's SSD tier at this moment: it is a miss until the node
+    confirms the copy, then it reads back (``wait_until`` it)."""
+    with contextlib.suppress(ObjectNotFound):
+        return c.get(key) == value
+    return False
+
 def node_config(tmp_path: Path, master: str, size: str = "16MiB") -> Path:
     path = tmp_path / "mooncake.json"
     path.write_text(
@@ -192,8 +200,8 @@ def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
                 c.put(key, value)
             snap = c.stats()
             assert snap["tiers"]["ssd"]["objects"] > 0 and snap["stats"]["offloads"] > 0
-            for key, value in values.items():
-                assert c.get(key) == value  # from the node's memory or its SSD tier
+            for key in values:  # from the node's memory or its SSD tier
+                wait_until(lambda key=key: reads_back(c, key, values[key]), 15, what=key)
             # removing an SSD object deletes the node's file too
             files = {k: p for k, p in files_by_key(ssd).items() if k.startswith("n")}
             assert files
@@ -340,13 +348,5 @@ def test_a_corrupt_object_on_a_nodes_ssd_is_a_miss_and_the_node_keeps_serving(
             flip(object_path(ssd, bad), header_size(bad) + 100)
             with pytest.raises(ObjectNotFound):
                 c.get(bad)
-
-            def reads_back(key: str) -> bool:
-                # a watermark round may be copying a memory object to the node's SSD right
-                # now: it is a miss until the copy is confirmed, then it reads back
-                with contextlib.suppress(ObjectNotFound):
-                    return c.get(key) == values[key]
-                return False
-
             for key in in_memory + on_ssd[1:]:
-                wait_until(lambda key=key: reads_back(key), timeout_s=15, what=key)
+                wait_until(lambda key=key: reads_back(c, key, values[key]), 15, what=key)
