@@ -30,13 +30,10 @@ biggest size`` bytes: what it stored is removed after it, outside the timing).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,15 +49,8 @@ if str(ROOT) not in sys.path:  # run as a script: bench.* and kvpool from this t
     sys.path.insert(0, str(ROOT))
 
 from bench.pool import _percentiles, raw_tcp  # noqa: E402
-from kvpool.errors import KVPoolError  # noqa: E402
-from kvpool.service.client import Client  # noqa: E402
-from kvpool.testing.mooncake import (  # noqa: E402
-    MooncakeMaster,
-    MooncakeMissing,
-    Namespace,
-    mooncake_binary,
-)
-from kvpool.testing.processes import PoolProcess, start_master, start_node  # noqa: E402
+from bench.vs_mooncake_sides import KvpoolSide, MooncakeSide, Side, pythonpath  # noqa: E402
+from kvpool.testing.mooncake import MooncakeMissing, Namespace, mooncake_binary  # noqa: E402
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 MAX_OPS = 100_000
@@ -126,161 +116,7 @@ def timed(op: Callable[[], object], seconds: float, max_ops: int = MAX_OPS) -> f
     return n / (time.perf_counter() - start)
 
 
-def _check(codes: Any, what: str) -> None:
-    bad = [c for c in (codes if isinstance(codes, list) else [codes]) if c < 0]
-    if bad:
-        raise RuntimeError(f"Mooncake {what} failed with {bad[0]}")
-
-
-# ------------------------------------------------------------------------ the engines
-class KvpoolSide:
-    """kvpool's master (no memory of its own) and a node contributing the pool's memory."""
-
-    def __init__(self, opts: Options, workdir: Path) -> None:
-        config = workdir / "kvpool.json"
-        self.master: PoolProcess = start_master("--segment_size", "0")
-        config.write_text(
-            json.dumps(
-                {
-                    "local_hostname": "127.0.0.1",
-                    "metadata_server": self.master.address,
-                    "protocol": "tcp",
-                    "global_segment_size": opts.pool_size,
-                }
-            )
-        )
-        self.node: PoolProcess = start_node(config)
-        self.client = Client(self.master.address, allow_shm=False, timeout_s=60.0)
-        deadline = time.monotonic() + 60
-        while self.client.stats()["tiers"]["memory"]["capacity"] < opts.pool_size:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the kvpool node did not register its memory in 60 s")
-            time.sleep(0.05)
-
-    def put(self, keys: list[str], buffers: list[np.ndarray]) -> None:
-        if len(keys) == 1:
-            self.client.put_from(keys[0], buffers[0])
-        else:
-            errors = [e for e in self.client.batch_put(keys, buffers) if e is not None]
-            if errors:
-                raise errors[0]
-
-    def get(self, keys: list[str], buffers: list[np.ndarray]) -> None:
-        if len(keys) == 1:
-            self.client.get_into(keys[0], buffers[0])
-        elif -1 in self.client.batch_get_into(keys, buffers):
-            raise RuntimeError("a kvpool batch get missed")
-
-    def keep(self, keys: list[str]) -> None:
-        self.client.pin(keys, "vs-mooncake", ttl_ms=3_600_000)
-
-    def remove(self, keys: list[str]) -> None:
-        """Best effort, outside the timing: a key a get's lease still holds is left to
-        eviction."""
-        self.client.release_owner("vs-mooncake")
-        for key in keys:
-            with contextlib.suppress(KVPoolError):
-                self.client.remove(key)
-
-    def exists(self, key: str) -> None:
-        self.client.exists(key)
-
-    def batch_exists(self, keys: list[str]) -> None:
-        self.client.batch_exists(keys)
-
-    def close(self) -> None:
-        self.client.close()
-        self.node.stop()
-        self.master.stop()
-
-
-def _mooncake_storage(master: str, size: int) -> None:
-    """A Mooncake store process contributing ``size`` bytes until its stdin closes."""
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", size, 16 << 20, "tcp", "", master)
-    print("ready" if rc == 0 else f"setup failed with {rc}", flush=True)
-    sys.stdin.read()
-    store.close()
-
-
-class MooncakeSide:
-    """``mooncake_master``, a store process contributing the pool's memory, and a client
-    store holding none, moving bytes from and to registered buffers."""
-
-    def __init__(self, opts: Options, buffers: list[np.ndarray]) -> None:
-        from mooncake.store import MooncakeDistributedStore
-
-        self.master = MooncakeMaster(rpc_port=50051, metrics_port=9003)
-        code = (
-            "from bench.vs_mooncake import _mooncake_storage as s;"
-            f" s({self.master.rpc_address!r}, {opts.pool_size})"
-        )
-        self.storage = subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": _pythonpath()},
-        )
-        assert self.storage.stdout is not None
-        line = self.storage.stdout.readline().decode().strip()  # setup is bounded by Mooncake
-        if line != "ready":
-            self.close()
-            raise RuntimeError(f"the Mooncake store process did not start: {line!r}")
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup(
-            "127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", self.master.rpc_address
-        )
-        _check(rc, "client setup")
-        for b in buffers:
-            _check(self.store.register_buffer(b.ctypes.data, b.nbytes), "register_buffer")
-
-    def put(self, keys: list[str], buffers: list[np.ndarray]) -> None:
-        if len(keys) == 1:
-            _check(self.store.put_from(keys[0], buffers[0].ctypes.data, buffers[0].nbytes), "put")
-        else:
-            ptrs = [b.ctypes.data for b in buffers]
-            _check(self.store.batch_put_from(keys, ptrs, [b.nbytes for b in buffers]), "put")
-
-    def get(self, keys: list[str], buffers: list[np.ndarray]) -> None:
-        if len(keys) == 1:
-            _check(self.store.get_into(keys[0], buffers[0].ctypes.data, buffers[0].nbytes), "get")
-        else:
-            ptrs = [b.ctypes.data for b in buffers]
-            _check(self.store.batch_get_into(keys, ptrs, [b.nbytes for b in buffers]), "get")
-
-    def keep(self, keys: list[str]) -> None:
-        """Nothing to do: Mooncake has no pins, and put rows clean up after themselves."""
-
-    def remove(self, keys: list[str]) -> None:
-        self.store.batch_remove(keys)
-
-    def exists(self, key: str) -> None:
-        self.store.is_exist(key)
-
-    def batch_exists(self, keys: list[str]) -> None:
-        self.store.batch_is_exist(keys)
-
-    def close(self) -> None:
-        if getattr(self, "store", None) is not None:
-            self.store.close()
-        if self.storage.stdin is not None:
-            self.storage.stdin.close()
-        try:
-            self.storage.wait(20)
-        except subprocess.TimeoutExpired:
-            self.storage.kill()
-            self.storage.wait(10)
-        self.master.stop()
-
-
-def _pythonpath() -> str:
-    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-
-
 # ------------------------------------------------------------------------ measuring
-Side = KvpoolSide | MooncakeSide
 
 
 def _put_row(side: Side, tag: str, count: int, buffers: list[np.ndarray], opts: Options) -> float:
@@ -299,6 +135,11 @@ def _put_row(side: Side, tag: str, count: int, buffers: list[np.ndarray], opts: 
     return rate * count * size
 
 
+def _get_row(get: Callable[[], None], nbytes: int, seconds: float) -> float:
+    """Bytes/s of gets of stored keys, ``nbytes`` a call."""
+    return timed(get, seconds) * nbytes
+
+
 def measure(opts: Options, with_mooncake: bool) -> Result:
     """Every row, in this process's network namespace (a private one with Mooncake)."""
     biggest = max(opts.sizes)
@@ -307,9 +148,9 @@ def measure(opts: Options, with_mooncake: bool) -> Result:
     sides: dict[str, Side] = {}
     with tempfile.TemporaryDirectory(prefix="kvpool-vs-mooncake-") as workdir:
         try:
-            sides["kvpool"] = KvpoolSide(opts, Path(workdir))
+            sides["kvpool"] = KvpoolSide(opts.pool_size, Path(workdir))
             if with_mooncake:
-                sides["mooncake"] = MooncakeSide(opts, src + dst)
+                sides["mooncake"] = MooncakeSide(opts.pool_size, src + dst)
             rows = [row for size in opts.sizes for row in _size_rows(opts, sides, size, src, dst)]
             meta, rtt = _metadata(opts, sides)
         finally:
@@ -332,7 +173,7 @@ def _size_rows(
         side.put(get_keys, srcs)
         side.keep(get_keys)
     write, read, close = raw_tcp(size)
-    baseline = {
+    baseline: dict[str, Callable[[], float]] = {
         "raw put": lambda: timed(write, opts.seconds) * size,
         "raw get": lambda: timed(read, opts.seconds) * size,
         "memcpy": lambda: (
@@ -349,9 +190,7 @@ def _size_rows(
                 _put_row, side, f"{name}-put-{size}-{count}", count, srcs, opts
             )
             get = functools.partial(side.get, get_keys[:count], dsts[:count])
-            get_fns[name] = functools.partial(
-                lambda g, n: timed(g, opts.seconds) * n * size, get, count
-            )
+            get_fns[name] = functools.partial(_get_row, get, count * size, opts.seconds)
         rows.append((Row(size, prefix + "put", count), put_fns))
         rows.append((Row(size, prefix + "get", count), get_fns))
     try:
@@ -415,7 +254,10 @@ def _metadata(
 # ------------------------------------------------------------------------ the table
 def _ratio(a: list[float], b: list[float]) -> str:
     pairs = [x / y for x, y in zip(a, b, strict=False) if y]
-    return f"{statistics.median(pairs):.3g}×" if pairs else "—"
+    if not pairs:
+        return "—"
+    ratio = statistics.median(pairs)
+    return f"{ratio:.2f}×" if ratio >= 0.1 else f"{ratio:.3f}×"
 
 
 def _gib(samples: list[float]) -> str:
@@ -445,7 +287,7 @@ META_HEADER = (
 
 
 def table(result: Result) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (
             label(r.size),
             r.op,
@@ -507,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seconds,
         max(50, args.meta_count),
     )
-    os.environ["PYTHONPATH"] = _pythonpath()  # the namespace's processes import this tree
+    os.environ["PYTHONPATH"] = pythonpath()  # the namespace's processes import this tree
     try:
         mooncake_binary()
     except MooncakeMissing as exc:
