@@ -23,7 +23,7 @@ kvpool's rows run alone (kvpool binds only 127.0.0.1).  Every row is bounded in 
 (``--seconds``) and in count (at most 100k calls, a put row at most ``3 × batch ×
 biggest size`` bytes: what it stored is removed after it, outside the timing).
 
-    python bench/vs_mooncake.py [--sizes 64KiB,1MiB,16MiB] [--batch 16] [--rounds 5]
+    python bench/vs_mooncake.py [--sizes 64KiB,1MiB,16MiB] [--batch 16] [--rounds 7]
                                 [--seconds 0.2] [--meta-count 2000] [--markdown]
 """
 
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="64KiB,1MiB,16MiB")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seconds", type=float, default=0.2)
     parser.add_argument("--meta-count", type=int, default=2000)
     parser.add_argument("--markdown", action="store_true")
