@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import os
 import statistics
 import sys
@@ -55,6 +56,7 @@ from kvpool.testing.mooncake import MooncakeMissing, Namespace, mooncake_binary 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 MAX_OPS = 100_000
 META_KEYS = 64
+_PUT_ROWS = itertools.count()
 
 
 def parse_size(text: str) -> int:
@@ -124,6 +126,7 @@ def _put_row(side: Side, tag: str, count: int, buffers: list[np.ndarray], opts: 
     stored is removed afterwards, outside the timing."""
     done: list[str] = []
     size = buffers[0].nbytes
+    tag = f"{tag}-{next(_PUT_ROWS)}"  # a key a failed removal left is never put again
 
     def op() -> None:
         keys = [f"{tag}-{len(done) + i}" for i in range(count)]

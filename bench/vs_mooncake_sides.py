@@ -57,13 +57,21 @@ class KvpoolSide:
                 }
             )
         )
-        self.node: PoolProcess = start_node(config)
+        try:
+            self.node: PoolProcess = start_node(config)
+        except BaseException:
+            self.master.stop()
+            raise
         self.client = Client(self.master.address, allow_shm=False, timeout_s=60.0)
-        deadline = time.monotonic() + 60
-        while self.client.stats()["tiers"]["memory"]["capacity"] < pool_size:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the kvpool node did not register its memory in 60 s")
-            time.sleep(0.05)
+        try:
+            deadline = time.monotonic() + 60
+            while self.client.stats()["tiers"]["memory"]["capacity"] < pool_size:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the kvpool node did not register its memory in 60 s")
+                time.sleep(0.05)
+        except BaseException:
+            self.close()
+            raise
 
     def put(self, keys: list[str], buffers: list[np.ndarray]) -> None:
         if len(keys) == 1:
@@ -121,6 +129,7 @@ class MooncakeSide:
         from mooncake.store import MooncakeDistributedStore
 
         self.master = MooncakeMaster(rpc_port=50051, metrics_port=9003)
+        self.store: Any = None
         code = (
             "from bench.vs_mooncake_sides import _mooncake_storage as s;"
             f" s({self.master.rpc_address!r}, {pool_size})"
@@ -131,18 +140,21 @@ class MooncakeSide:
             stdout=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": pythonpath()},
         )
-        assert self.storage.stdout is not None
-        line = self.storage.stdout.readline().decode().strip()  # setup is bounded by Mooncake
-        if line != "ready":
+        try:
+            assert self.storage.stdout is not None
+            line = self.storage.stdout.readline().decode().strip()  # Mooncake bounds setup
+            if line != "ready":
+                raise RuntimeError(f"the Mooncake store process did not start: {line!r}")
+            self.store = MooncakeDistributedStore()
+            rc = self.store.setup(
+                "127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", self.master.rpc_address
+            )
+            _check(rc, "client setup")
+            for b in buffers:
+                _check(self.store.register_buffer(b.ctypes.data, b.nbytes), "register_buffer")
+        except BaseException:
             self.close()
-            raise RuntimeError(f"the Mooncake store process did not start: {line!r}")
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup(
-            "127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", self.master.rpc_address
-        )
-        _check(rc, "client setup")
-        for b in buffers:
-            _check(self.store.register_buffer(b.ctypes.data, b.nbytes), "register_buffer")
+            raise
 
     def put(self, keys: list[str], buffers: list[np.ndarray]) -> None:
         if len(keys) == 1:
@@ -171,7 +183,7 @@ class MooncakeSide:
         self.store.batch_is_exist(keys)
 
     def close(self) -> None:
-        if getattr(self, "store", None) is not None:
+        if self.store is not None:
             self.store.close()
         if self.storage.stdin is not None:
             self.storage.stdin.close()
