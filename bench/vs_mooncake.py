@@ -15,7 +15,8 @@ Rows, per value size (64 KiB, 1 MiB, 16 MiB by default): put and get, single and
 raw TCP (sendall + 1-byte ack / 1-byte request + recv_into, one value per round trip) and
 memcpy, measured in the same rounds.  Rows of a size are interleaved round by round and
 each ratio is the median over rounds of the two sides' ratio in that round (as
-``bench/pool.py`` does), so load from other jobs hits both alike.  Metadata: ``exists``
+``bench/pool.py`` does), the engines going first in turn, so load from other jobs hits
+both alike.  Metadata: ``exists``
 and ``batch_exists(64)`` p50/p99, sampled alternately with a raw TCP 1-byte round trip.
 
 Without the Mooncake wheel the Mooncake columns are skipped with a line saying why, and
@@ -23,7 +24,7 @@ kvpool's rows run alone (kvpool binds only 127.0.0.1).  Every row is bounded in 
 (``--seconds``) and in count (at most 100k calls, a put row at most ``3 × batch ×
 biggest size`` bytes: what it stored is removed after it, outside the timing).
 
-    python bench/vs_mooncake.py [--sizes 64KiB,1MiB,16MiB] [--batch 16] [--rounds 7]
+    python bench/vs_mooncake.py [--sizes 64KiB,1MiB,16MiB] [--batch 16] [--rounds 9]
                                 [--seconds 0.2] [--meta-count 2000] [--markdown]
 """
 
@@ -197,10 +198,12 @@ def _size_rows(
         rows.append((Row(size, prefix + "put", count), put_fns))
         rows.append((Row(size, prefix + "get", count), get_fns))
     try:
-        for _ in range(opts.rounds):
+        for n in range(opts.rounds):
             base = {name: fn() for name, fn in baseline.items()}
             for row, fns in rows:
-                for name, fn in fns.items():
+                # the engines take turns going first: a load that rises or falls during a
+                # round does not favour the same side every time
+                for name, fn in sorted(fns.items(), reverse=n % 2 == 1):
                     getattr(row, name).append(fn())
                 row.raw.append(base["raw put" if row.op.endswith("put") else "raw get"])
                 row.memcpy.append(base["memcpy"])
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="64KiB,1MiB,16MiB")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--seconds", type=float, default=0.2)
     parser.add_argument("--meta-count", type=int, default=2000)
     parser.add_argument("--markdown", action="store_true")
