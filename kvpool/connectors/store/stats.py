@@ -15,7 +15,9 @@ pinned_blocks   blocks a lookup pinned for its request until they are loaded
 pin_errors      pins or releases that failed: a hit left unprotected, or a pin left to its TTL
 loaded_blocks   blocks copied from the pool into the KV cache
 failed_blocks   blocks whose load failed (miss, corrupt, pool down): recomputed
-dropped_blocks  unreadable objects removed from the pool so a recomputed copy replaces them
+dropped_blocks  unreadable objects this connector removed so a recomputed copy replaces
+                them (kvpool's engines drop a corrupt copy themselves when a read
+                finds it; then the connector finds nothing left to remove)
 loaded_bytes    bytes loaded
 saved_blocks    blocks written to the pool
 saved_bytes     bytes written
