@@ -68,6 +68,8 @@ class MasterFacts:
     status: Mapping[str, Any] | None = None
     # a real mooncake_master answered instead (kvpool.ops.mooncake_master)
     mooncake: MooncakeMasterFacts | None = None
+    #: the port answers coro_rpc (a Mooncake master's RPC port) but no metrics port was found
+    mooncake_rpc: bool = False
 
 
 def check_config_file(facts: ConfigFileFacts) -> list[Check]:
@@ -193,6 +195,17 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
     results = [pass_("master.reachable", f"TCP connect to {addr} succeeded")]
     if facts.mooncake is not None:
         return results + check_mooncake_master(addr, facts.mooncake)
+    if facts.mooncake_rpc:
+        results.append(
+            fail(
+                "master.health",
+                f"{addr} is a Mooncake master's RPC port (it answers coro_rpc), but its metrics"
+                f" port was not found: {facts.health_error}",
+                "give doctor the master's command line (--master-cmd 'mooncake_master ..."
+                " --metrics_port=N') or --master HOST:METRICS_PORT",
+            )
+        )
+        return results
     if facts.health_status != 200:
         got = facts.health_error or f"HTTP {facts.health_status}"
         results.append(

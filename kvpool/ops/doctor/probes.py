@@ -88,12 +88,8 @@ def probe_master(
             return MasterFacts(address, None, health.status, None, mooncake=mooncake)
         error = health.error
         if health.status is None and mooncake_answers(address, timeout_s):
-            error = (
-                f"{address} is a Mooncake master's RPC port (it answers coro_rpc), but its"
-                f" metrics port was not found ({why}); give --master-cmd with its"
-                " --metrics_port, or --master HOST:METRICS_PORT"
-            )
-        elif health.status is None:
+            return MasterFacts(address, None, None, why, mooncake_rpc=True)
+        if health.status is None:
             error = f"{error} (no HTTP answer; and no Mooncake master: {why})"
         return MasterFacts(address, None, health.status, error)
     metrics = http_get(f"http://{address}/metrics", timeout_s).text
