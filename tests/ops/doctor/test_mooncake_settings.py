@@ -206,3 +206,17 @@ def test_a_bad_mooncake_key_is_still_refused_by_name(tmp_path: Path) -> None:
     checks = doctor(tmp_path, {**GUIDE_RDMA, "local_buffer_sise": "1GB"})
     assert checks["config.file"].status is Status.FAIL
     assert "local_buffer_sise" in checks["config.file"].message
+
+
+def test_a_script_starting_the_wheels_binary_by_its_path(tmp_path: Path) -> None:
+    script = tmp_path / "master.sh"
+    script.write_text(
+        "#!/bin/bash\nset -euo pipefail\n"
+        "exec /venv/lib/python3.12/site-packages/mooncake/mooncake_master \\\n"
+        "  --rpc_port=50051 --default_kv_lease_ttl=11s\n"
+    )
+    master = f"127.0.0.1:{_unused_port()}"
+    config = {**GUIDE_RDMA, "master_server_address": master, "protocol": "tcp"}
+    checks = doctor(tmp_path, config, master_cmd=str(script))
+    assert checks["master.flags"].status is Status.PASS, checks["master.flags"]
+    assert "lease 11000 ms" in checks["master.flags"].message
