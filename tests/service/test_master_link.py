@@ -17,6 +17,7 @@ import pytest
 from kvpool.errors import ConfigError, TransferError
 from kvpool.service.client import Client
 from kvpool.service.master_link import mooncake_answers
+from kvpool.testing.processes import PoolProcess
 
 # what a real mooncake_master (0.3.13.post1) answered to the probe, recorded here
 CORO_REPLY = (
@@ -84,3 +85,9 @@ def test_a_client_names_the_mooncake_master_and_no_other(peer: FakePeer) -> None
                 client.exists("k")
     finally:
         client.close()
+
+
+def test_a_kvpool_master_is_never_taken_for_mooncake(master: PoolProcess) -> None:
+    assert mooncake_answers(master.address) is False  # it answers in kvpool's frames
+    with Client(master.address, timeout_s=5) as client:  # and is served as before
+        assert client.exists("k") is False
