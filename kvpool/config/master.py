@@ -6,13 +6,25 @@ flags reads that table: the ``kvpool master`` argparse builder (``kvpool.cli``),
 :meth:`MasterConfig.from_flags` (values as typed or as a running master reports them) and
 :meth:`MasterConfig.from_argv` (a whole command line as the production guide writes it,
 which ``doctor --master-cmd`` and the deploy files use).
+
+A real ``mooncake_master`` line is read too (:func:`parse_master_command`), in Mooncake's
+own terms: gflags spellings (``-port 50051``, ``--rpc_port=50051``), durations for the
+lease (``11s``, ``500ms``), its flags that kvpool's master has no counterpart of
+(``--metrics_port``, ``--enable_http_metadata_server``, ...) accepted and kept aside, and
+its defaults where they differ from kvpool master's (lease 10 s, client_ttl 10 s,
+eviction_ratio 0.05: master.cpp of 0.3.13).  The program name decides nothing: the
+production guide writes ``mooncake_master --port 50088 ...`` for the master kvpool
+implements.  A line is Mooncake's when it uses a flag only Mooncake has (``--rpc_port``,
+``--metrics_port``, ...), or when the caller knows (a Mooncake master answered there).
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from pathlib import PurePath
 from typing import Any
 
 from kvpool.config.values import (
@@ -28,7 +40,15 @@ from kvpool.config.values import (
 from kvpool.core.eviction import EVICTION_POLICIES, EVICTION_POLICY_ALIASES
 from kvpool.errors import ConfigError
 
-__all__ = ["MASTER_FLAGS", "Flag", "MasterConfig"]
+__all__ = [
+    "MASTER_FLAGS",
+    "MOONCAKE_MASTER_DEFAULTS",
+    "Flag",
+    "MasterCommand",
+    "MasterConfig",
+    "parse_duration_ms",
+    "parse_master_command",
+]
 
 Parser = Callable[[object, str], object]  # (value as given, "--flag") -> typed value
 
@@ -43,6 +63,27 @@ def _integer(value: object, key: str) -> int:
 
 def _positive(value: object, key: str) -> int:
     return parse_int(value, key=key, minimum=1)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_MS_PER = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
+
+
+def parse_duration_ms(value: object, key: str) -> int:
+    """Milliseconds, as Mooncake reads ``--default_kv_lease_ttl``: a bare number is
+    milliseconds, or a duration with ``ms``, ``s``, ``m`` or ``h`` (``11s`` = 11000)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected milliseconds or a duration such as 11s, got {value!r}")
+    if isinstance(value, int):
+        ms = value
+    else:
+        found = _DURATION.match(str(value).lower())
+        if found is None:
+            raise ConfigError(f"{key}: {value!r} is not a duration (11000, 11s, 500ms, 2m, 1h)")
+        ms = int(float(found.group(1)) * _MS_PER[found.group(2) or "ms"])
+    if ms <= 0:
+        raise ConfigError(f"{key}: must be a positive duration (e.g. 11s)")
+    return ms
 
 
 def _ratio(value: object, key: str) -> float:
@@ -100,7 +141,9 @@ class MasterConfig:
     port: int = _flag(DEFAULT_MASTER_PORT, _integer, "RPC and HTTP (/metrics, /health) port")
     eviction_high_watermark_ratio: float = _flag(0.9, _ratio, "start evicting at this use")
     eviction_ratio: float = _flag(0.1, _ratio, "fraction of evictable objects per round")
-    default_kv_lease_ttl: int = _flag(11_000, _positive, "read lease, milliseconds")
+    default_kv_lease_ttl: int = _flag(
+        11_000, parse_duration_ms, "read lease, milliseconds or a duration (11s)"
+    )
     enable_offload: bool = _flag(
         False, _bool, "demote evicted objects to the SSD tier (true/false)"
     )
@@ -110,9 +153,7 @@ class MasterConfig:
     )
     ssd_offload_path: str = _flag("", _string, "directory of the master's SSD tier")
     ssd_offload_limit: int = _flag(DEFAULT_OFFLOAD_LIMIT, _size, "SSD tier cap, e.g. 100GB")
-    eviction_policy: str = _flag(
-        "prefix_aware", _string, "prefix_aware (alias: default) or lru"
-    )
+    eviction_policy: str = _flag("prefix_aware", _string, "prefix_aware (alias: default) or lru")
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -196,28 +237,40 @@ class MasterConfig:
         """Parse a master command line as the production guide writes it
         (``mooncake_master --port 50088 --enable_offload=true ...`` or ``kvpool master
         ...``); the program name is skipped."""
-        args = list(argv)
-        while args and not args[0].startswith("-"):
-            args.pop(0)  # mooncake_master / kvpool master
-        values: dict[str, object] = {}
-        i = 0
-        while i < len(args):
-            token = args[i]
-            if not token.startswith("--"):
-                raise ConfigError(f"master command: unexpected argument {token!r}")
-            name, eq, value = token[2:].partition("=")
-            flag = _BY_NAME.get(name.replace("-", "_"))
-            bare = i + 1 >= len(args) or args[i + 1].startswith("--")
-            if not eq and flag is not None and flag.is_bool and bare:
-                value = "true"  # gflags style: a bare boolean flag means true
-            elif not eq:
-                if bare:
-                    raise ConfigError(f"--{name}: missing its value (write --{name}=VALUE)")
-                value = args[i + 1]
-                i += 1
-            values[name] = value
-            i += 1
+        _program, values = _split_argv(argv)
         return cls.from_flags(values)
+
+
+def _is_flag(token: str) -> bool:
+    return token.startswith("-") and not token.lstrip("-").replace(".", "", 1).isdigit()
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[str, dict[str, object]]:
+    """The program name and ``{flag: value}`` of a master command line, in gflags'
+    spellings: ``--flag=value``, ``--flag value``, one dash or two, a bare boolean."""
+    args = list(argv)
+    program = ""
+    while args and not args[0].startswith("-"):
+        program = PurePath(args.pop(0)).name  # mooncake_master / kvpool master
+    values: dict[str, object] = {}
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if not _is_flag(token):
+            raise ConfigError(f"master command: unexpected argument {token!r}")
+        name, eq, value = token.lstrip("-").partition("=")
+        key = name.replace("-", "_")
+        bare = i + 1 >= len(args) or _is_flag(args[i + 1])
+        if not eq and (key in _BOOL_NAMES) and bare:
+            value = "true"  # gflags style: a bare boolean flag means true
+        elif not eq:
+            if bare:
+                raise ConfigError(f"--{name}: missing its value (write --{name}=VALUE)")
+            value = args[i + 1]
+            i += 1
+        values[key] = value
+        i += 1
+    return program, values
 
 
 def _shown(value: object) -> str:
@@ -230,3 +283,120 @@ MASTER_FLAGS: tuple[Flag, ...] = tuple(
     Flag(f.name, f.metadata["parse"], f.default, f.metadata["help"]) for f in fields(MasterConfig)
 )
 _BY_NAME = {flag.name: flag for flag in MASTER_FLAGS}
+
+
+# ------------------------------------------------------------- mooncake_master's own line
+#: mooncake_master's defaults where they differ from kvpool master's (master.cpp, 0.3.13);
+#: it hosts no memory itself (segment_size 0): the clients mount theirs
+MOONCAKE_MASTER_DEFAULTS: dict[str, Any] = {
+    "host": "0.0.0.0",
+    "port": 50051,
+    "default_kv_lease_ttl": 10_000,
+    "client_ttl": 10,
+    "eviction_ratio": 0.05,
+    "segment_size": 0,
+}
+# mooncake_master's flags that mean a MasterConfig field (--port is its deprecated alias
+# of --rpc_port; a --rpc_port of 0 means "use --port")
+_MOONCAKE_SHARED = (
+    "port",
+    "eviction_high_watermark_ratio",
+    "eviction_ratio",
+    "default_kv_lease_ttl",
+    "enable_offload",
+    "client_ttl",
+)
+_MOONCAKE_ALIASES = {"rpc_port": "port", "rpc_address": "host"}
+# the rest of mooncake_master's flags (0.3.13's --helpfull, master.cpp and gflags' own):
+# valid in its command line, nothing kvpool's checks read
+_MOONCAKE_OTHER_NAMES = """
+    allocation_strategy allow_evict_soft_pinned_objects batch_oplog_retry_timeout_sec
+    cluster_id config_path cxl_path cxl_size default_kv_soft_pin_ttl
+    dynamic_replication_admission_qps_threshold dynamic_replication_heat_window_seconds
+    dynamic_replication_max_memory_replicas dynamic_replication_mode enable_cxl
+    enable_disk_eviction enable_ha enable_http_metadata_server enable_kv_events
+    enable_metadata_cleanup_on_timeout enable_metric_reporting enable_multi_tenants
+    enable_oplog enable_snapshot enable_snapshot_restore etcd_endpoints
+    global_file_segment_size ha_backend_connstring ha_backend_type http_metadata_server_host
+    http_metadata_server_port kv_events_bind_endpoint kv_events_backend_id
+    kv_events_queue_capacity max_kv_soft_pin_ttl max_retry_attempts max_threads
+    max_total_finished_tasks max_total_pending_tasks max_total_processing_tasks
+    memory_allocator metrics_host metrics_port offload_cap_ratio offload_force_evict
+    offload_on_evict offloading_queue_limit pending_task_timeout_sec pod_name pod_namespace
+    processing_task_timeout_sec put_start_discard_timeout_sec put_start_release_timeout_sec
+    quota_bytes root_fs_dir rpc_conn_timeout_seconds rpc_enable_tcp_no_delay rpc_interface
+    rpc_thread_num snapshot_backup_dir snapshot_interval_seconds snapshot_retention_count
+    flagfile logtostderr alsologtostderr log_dir minloglevel stderrthreshold v"""
+_MOONCAKE_OTHER = frozenset(_MOONCAKE_OTHER_NAMES.split())
+# a flag only Mooncake has makes a line without a program name Mooncake's
+_MOONCAKE_ONLY = frozenset(_MOONCAKE_ALIASES) | _MOONCAKE_OTHER
+_BOOL_NAMES = (
+    frozenset(f.name for f in MASTER_FLAGS if f.is_bool)
+    | frozenset(
+        name for name in _MOONCAKE_OTHER if name.startswith(("enable_", "allow_", "offload_"))
+    )
+    | {"logtostderr", "alsologtostderr", "rpc_enable_tcp_no_delay"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MasterCommand:
+    """A master's command line as kvpool reads it: whose master it starts, the settings
+    kvpool checks (with that engine's defaults), and the rest."""
+
+    engine: str  # "kvpool" or "mooncake"
+    config: MasterConfig
+    #: mooncake_master's HTTP port (/metrics, /health); kvpool's master serves both on --port
+    metrics_port: int | None = None
+    #: Mooncake's flags with no kvpool counterpart, as given
+    other: tuple[tuple[str, str], ...] = ()
+
+
+def parse_master_command(argv: Sequence[str], *, engine: str | None = None) -> MasterCommand:
+    """``kvpool master ...`` or ``mooncake_master ...`` (ConfigError naming a bad flag).
+    ``engine`` "mooncake" reads it as a real mooncake_master's (its defaults); None: as
+    Mooncake's when it uses a flag only Mooncake has, else as kvpool master's."""
+    program, values = _split_argv(argv)
+    if program == "master":  # `kvpool master ...`
+        mooncake = False
+    elif engine is not None:
+        mooncake = engine == "mooncake"
+    else:
+        mooncake = any(key in _MOONCAKE_ONLY for key in values)
+    if not mooncake:
+        for key in values:
+            if key in _MOONCAKE_ONLY and key not in _BY_NAME:
+                raise ConfigError(
+                    f"--{key}: a mooncake_master flag; kvpool master does not take it"
+                    + (
+                        f" (its --{_MOONCAKE_ALIASES[key]} does)"
+                        if key in _MOONCAKE_ALIASES
+                        else ""
+                    )
+                )
+        return MasterCommand("kvpool", MasterConfig.from_flags(values))
+    shared: dict[str, object] = {}
+    other: list[tuple[str, str]] = []
+    for key, value in values.items():
+        if key in _MOONCAKE_SHARED:
+            shared.setdefault(key, value)
+        elif key in _MOONCAKE_ALIASES:
+            if not (key == "rpc_port" and str(value).strip() == "0"):
+                shared[_MOONCAKE_ALIASES[key]] = value  # --rpc_port wins over --port
+        elif key in _MOONCAKE_OTHER:
+            other.append((key, str(value)))
+        else:
+            raise ConfigError(
+                f"--{key}: not a mooncake_master flag"
+                + (" (kvpool master's only)" if key in _BY_NAME else "")
+                + "; `mooncake_master --helpfull` lists them"
+            )
+    typed: dict[str, Any] = {k: _BY_NAME[k].parse(v, f"--{k}") for k, v in shared.items()}
+    config = replace(MasterConfig(**MOONCAKE_MASTER_DEFAULTS), **typed)
+    metrics = dict(other).get("metrics_port", "9003")
+    return MasterCommand(
+        "mooncake",
+        config,
+        metrics_port=parse_int(metrics, key="--metrics_port", minimum=1),
+        other=tuple(other),
+    )

@@ -185,14 +185,16 @@ _OPTION_ALIASES = {
 
 def command_argv(text: str, programs: Sequence[str]) -> list[str]:
     """The arguments of the command in ``text`` — a pasted line or a whole shell script —
-    from the last token naming one of ``programs`` on (the whole text when none does).
+    from the last token naming one of ``programs`` (or a path to one) on (the whole text
+    when none does).
 
     The text is split as a shell would (quotes may span lines; ``#`` starts a comment)."""
     try:
         argv = shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as exc:
         raise ConfigError(f"command: cannot split it like a shell does: {exc}") from None
-    hits = [i for i, token in enumerate(argv) if token in programs]
+    # a program may be named by its path (the wheel's site-packages/mooncake/mooncake_master)
+    hits = [i for i, token in enumerate(argv) if token.rpartition("/")[2] in programs]
     return argv[hits[-1] :] if hits else argv
 
 

@@ -11,29 +11,75 @@ the client turns it into its class).  A failure of the link itself raises
   :meth:`~MasterLink.call` runs the caller's ``meanwhile`` while the master works.
 - The embedded pool's link runs the handler in-process
   (:class:`~kvpool.service.embedded.InProcessMaster`); it does not pipeline.
+
+The other engine's master.  A real ``mooncake_master``'s RPC port speaks coro_rpc: it
+closes a kvpool frame without a byte, and retrying that is forever.  So when the first
+exchange on a fresh connection ends without a kvpool reply (closed, or bytes that are no
+kvpool frame), :func:`mooncake_answers` asks the port one cheap question in coro_rpc (a
+call of a function no server registers: any coro_rpc server answers it with its own
+header, whatever its metrics port) and, if it was answered, the call raises a
+:class:`~kvpool.errors.ConfigError` that names what answered (:func:`wrong_engine`).
+Probing only after a failure keeps a kvpool master's path free of it.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from kvpool.errors import KVPoolError, PeerTimeout, TransferError
+from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.net import split_address
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
 from kvpool.transfer import framing
 from kvpool.transfer.channel import Channel
 
-__all__ = ["CLOSE_SETTLE_S", "MasterLink", "TcpMasterLink"]
+__all__ = ["CLOSE_SETTLE_S", "MasterLink", "TcpMasterLink", "mooncake_answers", "wrong_engine"]
 
 log = logging.getLogger("kvpool.client")
 
 #: how long a closing link waits for the replies it is owed
 CLOSE_SETTLE_S = 1.0
+
+# coro_rpc (yalantinglibs, what mooncake_master serves on --rpc_port): a request header is
+# magic 21, version, serialize type, message type, then seq, function id, body length and
+# attachment length (u32 little-endian); a reply header starts with the same magic.
+_CORO_MAGIC = 21
+_CORO_PROBE = struct.pack("<BBBBIIII", _CORO_MAGIC, 0, 0, 0, 1, 0xDEADBEEF, 0, 0)
+_CORO_REPLY_HEADER = 16
+
+
+def mooncake_answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``address`` answers in coro_rpc, as a Mooncake master's RPC port does (it
+    replies "the rpc function not registered" to the probe).  One bounded exchange."""
+    host, port = split_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(_CORO_PROBE)
+            head = b""
+            while len(head) < _CORO_REPLY_HEADER:
+                chunk = sock.recv(_CORO_REPLY_HEADER - len(head))
+                if not chunk:
+                    break
+                head += chunk
+    except OSError:  # timeouts included: nothing that answers coro_rpc
+        return False
+    return len(head) == _CORO_REPLY_HEADER and head[0] == _CORO_MAGIC
+
+
+def wrong_engine(address: str) -> ConfigError:
+    """The error of a kvpool client whose master address is a Mooncake master."""
+    return ConfigError(
+        f"{address} is a Mooncake master (mooncake_master's RPC port: it answers Mooncake's"
+        " coro_rpc, not kvpool's protocol); point kvpool at a kvpool master (`kvpool master`),"
+        " or use backend mooncake with a Mooncake mooncake.json"
+        f' ("master_server_address": "{address}", "metadata_server": "P2PHANDSHAKE";'
+        " docs/mooncake.md)"
+    )
 
 
 class MasterLink(Protocol):
@@ -75,6 +121,7 @@ class TcpMasterLink:
         self.timeout_s = timeout_s
         self._channel: Channel[m.MasterRequest, m.MasterReply] | None = None
         self._lock = threading.Lock()
+        self._fresh = False  # the channel has not brought back a kvpool reply yet
 
     def call(
         self, request: m.MasterRequest, meanwhile: Callable[[], object] | None = None
@@ -85,9 +132,17 @@ class TcpMasterLink:
                 reply, payload = channel.call(request, meanwhile=meanwhile)
                 if payload:
                     channel.discard_payload(payload)
+            except (TransferError, ProtocolError) as exc:
+                fresh = self._fresh
+                self._drop()
+                # PeerTimeout is neither: a silent peer is no sign of another protocol
+                if fresh and mooncake_answers(self.address, min(self.timeout_s, 2.0)):
+                    raise wrong_engine(self.address) from exc
+                raise
             except KVPoolError:
                 self._drop()
                 raise
+            self._fresh = False
         return reply
 
     def post(self, request: m.MasterRequest) -> None:
@@ -123,6 +178,7 @@ class TcpMasterLink:
             self._channel = Channel(
                 sock, m.MASTER_REQUEST_CODEC, m.MASTER_REPLY_CODEC, self.timeout_s, _owed_reply
             )
+            self._fresh = True
         return self._channel
 
     def _drop(self) -> None:

@@ -16,6 +16,12 @@ go in bounded batches, so a large catalog never builds one huge frame.
 
 Data never passes through the master: clients write and read the node's segment
 directly over TCP, or through its shared memory when they share the host.
+
+A master that is unreachable is retried every second, at start and in the heartbeat
+loop (it may start later, or restart).  A :class:`~kvpool.errors.ConfigError` is not
+retried: the address is another engine's master (:func:`~kvpool.service.master_link.wrong_engine`),
+which no wait will change, so :func:`run_node` stops with it (the CLI prints its one
+line and exits 2).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvpool.config import NodeConfig
-from kvpool.errors import KVPoolError, UnknownClient
+from kvpool.errors import ConfigError, KVPoolError, UnknownClient
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
 from kvpool.service.local_storage import LocalStorage, RestoreEntry, restore_in_batches
@@ -71,8 +77,17 @@ def node_id(hostname: str, ssd_path: str = "") -> str:
 class NodeService:
     """A node's storage plus its registration and heartbeat with the master."""
 
-    def __init__(self, config: NodeConfig, *, bind_host: str = "", data_port: int = 0) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        bind_host: str = "",
+        data_port: int = 0,
+        on_fatal: Callable[[ConfigError], None] | None = None,
+    ) -> None:
         self.config = config
+        #: told when the heartbeat loop meets an error no retry can mend, and stops
+        self.on_fatal = on_fatal
         ssd = config.enable_ssd_offload
         self.client_id = node_id(config.local_hostname, config.ssd_offload_path if ssd else "")
         self.storage = LocalStorage(
@@ -209,6 +224,11 @@ class NodeService:
             changed = False
             try:
                 changed = self.heartbeat_once()
+            except ConfigError as exc:
+                log.error("%s", exc)
+                if self.on_fatal is not None:
+                    self.on_fatal(exc)
+                return
             except KVPoolError as exc:
                 log.warning("heartbeat failed: %s (retrying)", exc)
             spent = time.monotonic() - started
@@ -216,14 +236,24 @@ class NodeService:
 
 
 def run_node(config: NodeConfig, *, bind_host: str = "", data_port: int = 0) -> int:
-    node = NodeService(config, bind_host=bind_host, data_port=data_port)
+    """Serve until a signal; raises the ConfigError that stopped it, if one did."""
     done = threading.Event()
+    fatal: list[ConfigError] = []
+
+    def stop_with(exc: ConfigError) -> None:
+        fatal.append(exc)
+        done.set()
+
+    node = NodeService(config, bind_host=bind_host, data_port=data_port, on_fatal=stop_with)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     while True:
         try:
             node.start()
             break
+        except ConfigError:
+            node.stop()
+            raise
         except KVPoolError as exc:
             log.warning("cannot register with the master at %s: %s", config.master_address, exc)
             if done.wait(1.0):
@@ -231,5 +261,7 @@ def run_node(config: NodeConfig, *, bind_host: str = "", data_port: int = 0) -> 
                 return 0
     done.wait()
     node.stop()
+    if fatal:
+        raise fatal[0]
     log.info("kvpool node stopped")
     return 0

@@ -5,14 +5,104 @@ real Mooncake; its facts come from the master's ``master_*`` metrics on the metr
 (:mod:`kvpool.ops.mooncake_master`).  Allocation failures are judged with Mooncake
 #2187 in mind: ``is_exist`` renews leases, so a flood of lookups can keep every object
 leased and starve eviction; the fix is a shorter ``--default_kv_lease_ttl``.
+
+A node's Mooncake ``mooncake.json`` (``P2PHANDSHAKE`` metadata, ``local_buffer_size``, ...)
+is checked as the Mooncake config it is (:func:`check_mooncake_config`): its values, and
+with ``protocol`` ``rdma`` its ``device_name`` against the host's RDMA devices
+(``/sys/class/infiniband``, read by the gatherer).  And on the Mooncake engine doctor says
+plainly that the pool has no credentials of its own (:func:`check_mooncake_security`).
 """
 
 from __future__ import annotations
 
-from kvpool.ops.doctor.checks import Check, pass_, warn
+from collections.abc import Sequence
+
+from kvpool.config.node import MooncakeNodeConfig
+from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
 from kvpool.ops.mooncake_master import MooncakeMasterFacts
 
-__all__ = ["check_mooncake_master"]
+__all__ = [
+    "MOONCAKE_RPC_PORT",
+    "check_mooncake_config",
+    "check_mooncake_master",
+    "check_mooncake_security",
+]
+
+#: mooncake_master's default --rpc_port
+MOONCAKE_RPC_PORT = 50051
+_MIB = 1 << 20
+
+
+def check_mooncake_config(
+    source: str, config: MooncakeNodeConfig, rdma_devices: Sequence[str] | None
+) -> list[Check]:
+    """A Mooncake mooncake.json (already valid keys and values: the parser refused the
+    rest): what it asks of Mooncake, and whether this host has the RDMA devices it names.
+    ``rdma_devices`` is the listing of /sys/class/infiniband (None: no such directory)."""
+    c = config
+    segment = (
+        f"contributes {c.global_segment_size / _MIB:,.0f} MiB to the pool"
+        if c.global_segment_size
+        else "contributes no memory (a pure client: another process must)"
+    )
+    results = [
+        pass_(
+            "config.file",
+            f"{source}: a Mooncake config (runs on real Mooncake): local_hostname"
+            f" {c.local_hostname}, metadata_server {c.metadata_server}, master"
+            f" {c.master_server_address}, protocol {c.protocol}; {segment}, transfer buffer"
+            f" {c.local_buffer_size / _MIB:,.0f} MiB",
+        )
+    ]
+    results.append(_check_device(c, rdma_devices))
+    return results
+
+
+def _check_device(c: MooncakeNodeConfig, devices: Sequence[str] | None) -> Check:
+    name = "config.device_name"
+    if c.protocol != "rdma":
+        if c.protocol != "tcp":
+            return skip(name, f"protocol {c.protocol}: doctor checks RDMA devices only")
+        unused = f" (device_name {c.device_name} is unused with tcp)" if c.device_name else ""
+        return pass_(name, f"protocol tcp needs no RDMA device{unused}")
+    listing = "ls /sys/class/infiniband"
+    if not devices:
+        where = "is empty" if devices is not None else "does not exist"
+        return fail(
+            name,
+            f"protocol rdma, but this host has no RDMA device (/sys/class/infiniband {where})",
+            "load the RDMA driver (rdma-core, the NIC's OFED) and check with `ibv_devices`,"
+            ' or set "protocol": "tcp"',
+        )
+    wanted = [d.strip() for d in c.device_name.split(",") if d.strip()]
+    if not wanted:
+        return fail(
+            name,
+            f"protocol rdma without a device_name; this host has {', '.join(devices)}",
+            f'set "device_name": "{devices[0]}" (one of `{listing}`)',
+        )
+    missing = [d for d in wanted if d not in devices]
+    if missing:
+        return fail(
+            name,
+            f"device_name {', '.join(missing)}: no such RDMA device on this host (it has"
+            f" {', '.join(devices)})",
+            f'set "device_name" to devices `{listing}` lists, e.g. "{devices[0]}"',
+        )
+    return pass_(name, f"RDMA device{'s' if len(wanted) > 1 else ''} {', '.join(wanted)} present")
+
+
+def check_mooncake_security() -> Check:
+    """Mooncake has no authentication: say so, with what protects the pool instead."""
+    return warn(
+        "security.credentials",
+        "the Mooncake engine has no credentials of its own: any host that reaches the"
+        " master's RPC port or a process's Transfer Engine ports can read, overwrite and"
+        " remove every object; network isolation is the only protection",
+        "keep every Mooncake port on a private network (a VLAN, or a firewall admitting only"
+        " the P/D hosts); Mooncake binds all interfaces unless told otherwise"
+        " (--rpc_address, --metrics_host on the master)",
+    )
 
 
 def check_mooncake_master(address: str, facts: MooncakeMasterFacts) -> list[Check]:

@@ -18,9 +18,14 @@ from kvpool.config import (
     MasterConfig,
     NodeConfig,
 )
+from kvpool.config.node import MooncakeNodeConfig
 from kvpool.net import split_address
 from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
-from kvpool.ops.doctor.checks_mooncake import check_mooncake_master
+from kvpool.ops.doctor.checks_mooncake import (
+    MOONCAKE_RPC_PORT,
+    check_mooncake_config,
+    check_mooncake_master,
+)
 from kvpool.ops.mooncake_master import MooncakeMasterFacts
 
 __all__ = [
@@ -47,6 +52,8 @@ class ConfigFileFacts:
     error: str | None  # the ConfigError message when the file is missing or wrong
     env_set: bool  # whether KVPOOL_/MOONCAKE_CONFIG_PATH is set for the serving processes
     shadowed: str | None = None  # "MOONCAKE_CONFIG_PATH=/y" when KVPOOL_CONFIG_PATH wins
+    mooncake: MooncakeNodeConfig | None = None  # a Mooncake config (node is None then)
+    rdma_devices: tuple[str, ...] | None = None  # /sys/class/infiniband (None: absent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,8 @@ class MasterFacts:
     status: Mapping[str, Any] | None = None
     # a real mooncake_master answered instead (kvpool.ops.mooncake_master)
     mooncake: MooncakeMasterFacts | None = None
+    #: the port answers coro_rpc (a Mooncake master's RPC port) but no metrics port was found
+    mooncake_rpc: bool = False
 
 
 def check_config_file(facts: ConfigFileFacts) -> list[Check]:
@@ -92,6 +101,8 @@ def check_config_file(facts: ConfigFileFacts) -> list[Check]:
                 "unset one of them, or point both at the same file",
             )
         )
+    if facts.mooncake is not None and facts.error is None:
+        return results + check_mooncake_config(facts.source, facts.mooncake, facts.rdma_devices)
     if facts.error is not None or facts.node is None:
         results.append(fail("config.file", f"{facts.source}: {facts.error}", _fix_for(facts)))
         return results
@@ -113,22 +124,27 @@ def _fix_for(facts: ConfigFileFacts) -> str:
     return "fix the key named above; docs/configuration.md lists every key"
 
 
-def check_master_address(node: NodeConfig | None, master: str | None) -> Check:
+def check_master_address(node: NodeConfig | MooncakeNodeConfig | None, master: str | None) -> Check:
     if node is None:
         return skip("config.master", "no valid node config to compare with the master")
+    mooncake = isinstance(node, MooncakeNodeConfig)
     if master is not None and _same_address(node.master_address, master) is False:
-        key = "metadata_server"
+        key = "master_server_address" if mooncake else "metadata_server"
         return fail(
             "config.master",
             f"{node.source or 'the config'} points at {node.master_address}, but the master is"
             f" {master}",
             f'set "{key}": "{master}" in every node\'s config (kvpool config render)',
         )
-    note = (
-        ""
-        if node.master_port == DEFAULT_MASTER_PORT
-        else f" (not Mooncake's {DEFAULT_MASTER_PORT})"
-    )
+    if isinstance(node, MooncakeNodeConfig):
+        port = _split(node.master_address)[1]
+        note = "" if port == MOONCAKE_RPC_PORT else f" (not mooncake_master's {MOONCAKE_RPC_PORT})"
+    else:
+        note = (
+            ""
+            if node.master_port == DEFAULT_MASTER_PORT
+            else f" (not Mooncake's {DEFAULT_MASTER_PORT})"
+        )
     return pass_("config.master", f"the config points at the master {node.master_address}{note}")
 
 
@@ -146,7 +162,9 @@ def _same_address(a: str, b: str) -> bool:
     return pa == pb and (ha == hb or (ha in local and hb in local))
 
 
-def check_local_hostname(node: NodeConfig | None, bind_error: str | None) -> Check:
+def check_local_hostname(
+    node: NodeConfig | MooncakeNodeConfig | None, bind_error: str | None
+) -> Check:
     if node is None:
         return skip("config.local_hostname", "no valid node config")
     if bind_error is not None:
@@ -177,6 +195,17 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
     results = [pass_("master.reachable", f"TCP connect to {addr} succeeded")]
     if facts.mooncake is not None:
         return results + check_mooncake_master(addr, facts.mooncake)
+    if facts.mooncake_rpc:
+        results.append(
+            fail(
+                "master.health",
+                f"{addr} is a Mooncake master's RPC port (it answers coro_rpc), but its metrics"
+                f" port was not found: {facts.health_error}",
+                "give doctor the master's command line (--master-cmd 'mooncake_master ..."
+                " --metrics_port=N') or --master HOST:METRICS_PORT",
+            )
+        )
+        return results
     if facts.health_status != 200:
         got = facts.health_error or f"HTTP {facts.health_status}"
         results.append(
@@ -250,23 +279,31 @@ def _check_metrics(addr: str, text: str | None) -> list[Check]:
     return results
 
 
-def check_master_flags(master: MasterConfig | None, error: str | None) -> list[Check]:
+def check_master_flags(
+    master: MasterConfig | None, error: str | None, *, engine: str = "kvpool"
+) -> list[Check]:
     """The production guide's §3.1/§3.3 values in range; §8.3 row 5 (a pool kept too full
-    never hits)."""
+    never hits).  ``engine`` "mooncake": a mooncake_master, whose defaults differ."""
     if error is not None:
         return [fail("master.flags", f"master command: {error}", "fix the flag named above")]
     if master is None:
+        assumed = (
+            "mooncake_master's defaults are assumed (lease 10 s, client_ttl 10 s,"
+            " eviction_ratio 0.05)"
+            if engine == "mooncake"
+            else "the production guide's defaults are assumed"
+        )
         return [
             skip(
                 "master.flags",
-                "no --master-cmd and the master does not report its flags; the production guide's"
-                " defaults are assumed",
+                "no --master-cmd and the master does not report its flags; " + assumed,
             )
         ]
+    who = "mooncake_master: " if engine == "mooncake" else ""
     results = [
         pass_(
             "master.flags",
-            f"watermark {master.eviction_high_watermark_ratio}, eviction_ratio"
+            f"{who}watermark {master.eviction_high_watermark_ratio}, eviction_ratio"
             f" {master.eviction_ratio}, lease {master.default_kv_lease_ttl} ms,"
             f" client_ttl {master.client_ttl} s",
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.config import MasterConfig, Timeouts
+from kvpool.config.master import MOONCAKE_MASTER_DEFAULTS
 from kvpool.ops.doctor.checks import Check
 from kvpool.ops.doctor.checks_connector import Side, connector_checks
 from kvpool.ops.doctor.checks_host import (
@@ -16,6 +17,7 @@ from kvpool.ops.doctor.checks_host import (
     check_ssd,
     check_timeouts,
 )
+from kvpool.ops.doctor.checks_mooncake import check_mooncake_security
 from kvpool.ops.doctor.checks_node import (
     check_config_file,
     check_cross_node,
@@ -56,18 +58,39 @@ def _effective_timeouts(g: Gathered) -> Timeouts | None:
     return g.timeouts
 
 
+def _engine(g: Gathered) -> str:
+    """Whose pool this is: what --master-cmd starts, else what the node config is for or
+    what answered at the master's address."""
+    if g.master_engine is not None:
+        return g.master_engine
+    mooncake_config = g.config_file is not None and g.config_file.mooncake is not None
+    mooncake_master = g.master is not None and g.master.mooncake is not None
+    return "mooncake" if mooncake_config or mooncake_master else "kvpool"
+
+
+def _master_settings(g: Gathered, engine: str) -> MasterConfig:
+    """The master's flags as given, else the defaults of the engine that runs it."""
+    if g.master_config is not None:
+        return g.master_config
+    return MasterConfig(**MOONCAKE_MASTER_DEFAULTS) if engine == "mooncake" else MasterConfig()
+
+
 def diagnose(g: Gathered) -> list[Check]:
     """Every check, in report order, from gathered facts (pure)."""
     checks: list[Check] = list(g.input_errors)
     node = g.config_file.node if g.config_file else None
+    either = node or (g.config_file.mooncake if g.config_file else None)
+    engine = _engine(g)
     if g.config_file is not None:
         checks += check_config_file(g.config_file)
-    checks.append(check_local_hostname(node, g.hostname_error))
-    checks.append(check_master_address(node, g.master_arg))
+    checks.append(check_local_hostname(either, g.hostname_error))
+    checks.append(check_master_address(either, g.master_arg))
     checks += check_master(g.master)
     registered = check_registered(g.master, node) if g.live else None
     checks += [registered] if registered is not None else []
-    checks += check_master_flags(g.master_config, g.master_config_error)
+    checks += check_master_flags(g.master_config, g.master_config_error, engine=engine)
+    if engine == "mooncake":
+        checks.append(check_mooncake_security())
     guide_names = any(e.is_guide_name for s in g.sides for e in s.config.entries)
     checks.append(check_hashseed(g.env, guide_connectors=guide_names))
     checks += check_key_agreement(g.key_probe)
@@ -81,7 +104,7 @@ def diagnose(g: Gathered) -> list[Check]:
     checks.append(check_ssd(node, g.ssd, g.master_config))
     timeouts = _effective_timeouts(g)
     if timeouts is not None:
-        lease = (g.master_config or MasterConfig()).default_kv_lease_ttl
+        lease = _master_settings(g, engine).default_kv_lease_ttl
         rdma = g.env.get("HCCL_RDMA_TIMEOUT", "").strip()
         checks += check_timeouts(
             timeouts,

@@ -30,6 +30,12 @@ class Gathered:
     master_arg: str | None = None
     master_config: MasterConfig | None = None
     master_config_error: str | None = None
+    #: whose master --master-cmd starts ("kvpool" / "mooncake"); None without one
+    master_engine: str | None = None
+    #: mooncake_master's --metrics_port from --master-cmd, where doctor looks first
+    master_config_metrics_port: int | None = None
+    #: the listing of /sys/class/infiniband (None: no such directory)
+    rdma_devices: tuple[str, ...] | None = None
     timeouts: Timeouts | None = None
     ssd: SsdFacts | None = None
     ports: list[PortFacts] = field(default_factory=list)

@@ -20,9 +20,10 @@ from kvpool.config import (
     NodeConfig,
     config_path_from_env,
     env_lookup,
-    load_node_config,
     parse_timeouts,
 )
+from kvpool.config.master import parse_master_command
+from kvpool.config.node import MooncakeNodeConfig, load_any_node_config
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor import probes
 from kvpool.ops.doctor.checks import fail
@@ -101,7 +102,11 @@ def _read_model(gathered: Gathered, path: str, explicit: bool) -> None:
         gathered.model = model_info(data)
 
 
-def _node_config(gathered: Gathered, options: DoctorOptions) -> NodeConfig | None:
+def _node_config(
+    gathered: Gathered, options: DoctorOptions
+) -> NodeConfig | MooncakeNodeConfig | None:
+    """The node config named by --config or the variables, for whichever engine it is
+    (a Mooncake mooncake.json is read as one, not refused as a bad kvpool config)."""
     env = gathered.env
     env_set = env_lookup(env, CONFIG_PATH_VARS) is not None
     shadowed = None
@@ -117,10 +122,17 @@ def _node_config(gathered: Gathered, options: DoctorOptions) -> NodeConfig | Non
         gathered.config_file = ConfigFileFacts(None, None, None, env_set, shadowed)
         return None
     try:
-        node = load_node_config(path, env=env)
+        node = load_any_node_config(path, env=env)
     except ConfigError as exc:
         gathered.config_file = ConfigFileFacts(source, None, str(exc), env_set, shadowed)
         return None
+    if isinstance(node, MooncakeNodeConfig):
+        devices = probes.rdma_devices() if node.protocol == "rdma" else None
+        gathered.rdma_devices = devices
+        gathered.config_file = ConfigFileFacts(
+            source, None, None, env_set, shadowed, mooncake=node, rdma_devices=devices
+        )
+        return node
     gathered.config_file = ConfigFileFacts(source, node, None, env_set, shadowed)
     return node
 
@@ -168,8 +180,10 @@ def _gather_sides(g: Gathered, options: DoctorOptions) -> None:
         _read_model(g, models[0], explicit=False)
 
 
-def _gather_node(g: Gathered, node: NodeConfig | None) -> None:
-    if node is not None:
+def _gather_node(g: Gathered, node: NodeConfig | MooncakeNodeConfig | None) -> None:
+    if isinstance(node, MooncakeNodeConfig):
+        g.hostname_error = probes.address_is_local(node.local_hostname)
+    elif node is not None:
         g.hostname_error = probes.address_is_local(node.local_hostname)
         if node.enable_ssd_offload:
             g.ssd = probes.ssd_facts(node.ssd_offload_path)
@@ -181,21 +195,23 @@ def _gather_node(g: Gathered, node: NodeConfig | None) -> None:
         g.input_errors.append(fail("input.env", str(exc), "fix the variable"))
 
 
-def _gather_master(g: Gathered, options: DoctorOptions, node: NodeConfig | None) -> None:
+def _gather_master(
+    g: Gathered, options: DoctorOptions, node: NodeConfig | MooncakeNodeConfig | None
+) -> None:
     """The master's answers, and its flags: from --master-cmd, else as it reports them."""
     g.master_arg = options.master
     address = options.master or (node.master_address if node else None)
-    if address is not None:
-        g.master = probes.probe_master(address)
     if options.master_cmd is not None:
-        try:
-            text = options.master_cmd
-            if "\n" not in text and Path(text).is_file():
-                text = Path(text).read_text(encoding="utf-8")
-            argv = command_argv(text, ("master", "mooncake_master"))
-            g.master_config = MasterConfig.from_argv(argv)
-        except (ConfigError, ValueError) as exc:
-            g.master_config_error = str(exc)
+        # the guide writes `mooncake_master ...` for kvpool's master too: whose it is comes
+        # from a flag only Mooncake has, the node config's engine, or what answers there
+        mooncake_config = isinstance(node, MooncakeNodeConfig)
+        _read_master_cmd(g, options.master_cmd, "mooncake" if mooncake_config else None)
+    if address is not None:
+        metrics_port = g.master_config_metrics_port
+        g.master = probes.probe_master(address, metrics_port=metrics_port)
+        if g.master.mooncake is not None and g.master_engine == "kvpool":
+            _read_master_cmd(g, options.master_cmd or "", "mooncake")
+    if options.master_cmd is not None:
         return
     running = g.master.status.get("config") if g.master and g.master.status else None
     if isinstance(running, Mapping):
@@ -203,6 +219,23 @@ def _gather_master(g: Gathered, options: DoctorOptions, node: NodeConfig | None)
             g.master_config = MasterConfig.from_flags(running)
         except ConfigError as exc:
             g.master_config_error = f"the running master reports {exc}"
+
+
+def _read_master_cmd(g: Gathered, value: str, engine: str | None) -> None:
+    """``--master-cmd`` (a line, or a file holding one) into the master's settings."""
+    if not value:
+        return
+    try:
+        text = value
+        if "\n" not in text and Path(text).is_file():
+            text = Path(text).read_text(encoding="utf-8")
+        argv = command_argv(text, ("master", "mooncake_master"))
+        command = parse_master_command(argv, engine=engine)
+    except (ConfigError, ValueError) as exc:
+        g.master_config_error = str(exc)
+        return
+    g.master_config, g.master_engine = command.config, command.engine
+    g.master_config_metrics_port = command.metrics_port
 
 
 def _gather_ports(g: Gathered, options: DoctorOptions) -> None:

@@ -21,6 +21,7 @@ from kvpool.net import http_get, split_address
 from kvpool.ops.doctor.checks_host import SsdFacts
 from kvpool.ops.doctor.checks_node import MasterFacts
 from kvpool.ops.mooncake_master import find_mooncake_master, looks_like_mooncake_health
+from kvpool.service.master_link import mooncake_answers
 
 __all__ = [
     "CROSS_NODE_KEY",
@@ -32,6 +33,7 @@ __all__ = [
     "local_probe_keys",
     "port_bind_error",
     "probe_master",
+    "rdma_devices",
     "ssd_facts",
     "tcp_connect_error",
 ]
@@ -50,11 +52,24 @@ def tcp_connect_error(host: str, port: int, timeout_s: float = 2.0) -> str | Non
         return exc.strerror or str(exc) or type(exc).__name__
 
 
-def probe_master(address: str, timeout_s: float = 3.0) -> MasterFacts:
+def rdma_devices(root: str = "/sys/class/infiniband") -> tuple[str, ...] | None:
+    """The host's RDMA devices (the names ``device_name`` takes); None when the kernel
+    exposes no such directory (no RDMA stack loaded)."""
+    try:
+        return tuple(sorted(entry.name for entry in os.scandir(root)))
+    except OSError:
+        return None
+
+
+def probe_master(
+    address: str, timeout_s: float = 3.0, *, metrics_port: int | None = None
+) -> MasterFacts:
     """TCP connect, then GET /health, /metrics and /api/status on the same port (the master
     serves its RPC and HTTP on one port).  When that is no kvpool master, look for a real
-    mooncake_master: its metrics port is the address itself or 9003 beside its RPC port
-    (an HTTP GET on Mooncake's RPC port is closed without an answer)."""
+    mooncake_master: its metrics port is ``metrics_port`` (from its command line), the
+    address itself or 9003 beside its RPC port (an HTTP GET on Mooncake's RPC port is
+    closed without an answer); an RPC port that answers coro_rpc is named as Mooncake's
+    even when its metrics port is not found."""
     try:
         host, port = split_address(address)
     except ValueError:
@@ -64,10 +79,16 @@ def probe_master(address: str, timeout_s: float = 3.0) -> MasterFacts:
         return MasterFacts(address, error)
     health = http_get(f"http://{address}/health", timeout_s)
     if health.status != 200 or looks_like_mooncake_health(health.text) is not None:
-        mooncake, why = find_mooncake_master(address, timeout_s)
+        mooncake, why = None, ""
+        if metrics_port is not None:
+            mooncake, why = find_mooncake_master(f"{host}:{metrics_port}", timeout_s)
+        if mooncake is None:
+            mooncake, why = find_mooncake_master(address, timeout_s)
         if mooncake is not None:
             return MasterFacts(address, None, health.status, None, mooncake=mooncake)
         error = health.error
+        if health.status is None and mooncake_answers(address, timeout_s):
+            return MasterFacts(address, None, None, why, mooncake_rpc=True)
         if health.status is None:
             error = f"{error} (no HTTP answer; and no Mooncake master: {why})"
         return MasterFacts(address, None, health.status, error)
