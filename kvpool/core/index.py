@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import heapq
 
+from kvpool.core.leases import IndexLeases
 from kvpool.core.objects import (
     Demote,
     Dropped,
@@ -61,7 +62,6 @@ from kvpool.core.objects import (
     Reservation,
     State,
 )
-from kvpool.core.leases import IndexLeases
 from kvpool.core.registry import Tier
 from kvpool.core.space import Extent
 from kvpool.errors import (
