@@ -3,7 +3,7 @@ with raw baselines measured in the same run.
 
 Rows, per value size (64 KiB, 1 MiB, 16 MiB by default):
 - raw memcpy (numpy.copyto) and raw TCP loopback (sendall + 1-byte ack / 1-byte request +
-  recv_into, one value per round trip) — the baselines;
+  recv_into, one value per round trip) — the baselines (``bench/baselines.py``);
 - client put / get over the same-host path (the node's shared memory) and over TCP
   (``allow_shm=False``): a full put is PutStart (the value hashed meanwhile) + bytes +
   PutEnd; a full get is Get (lease) + bytes + checksum + Release, posted (its reply is
@@ -37,15 +37,19 @@ import contextlib
 import functools
 import multiprocessing as mp
 import multiprocessing.queues as mpq
-import socket
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.baselines import memcpy, raw_tcp
 from kvpool.core.index import IndexConfig
 from kvpool.errors import KVPoolError
 from kvpool.protocol import messages as m
@@ -91,50 +95,6 @@ def timed(op: Callable[[], object], seconds: float) -> float:
 def timed_row(op: Callable[[], object], seconds: float) -> Callable[[], float]:
     """A row's measurement for one round."""
     return lambda: timed(op, seconds)
-
-
-# ------------------------------------------------------------------------ raw TCP peer
-def _raw_server(sock: socket.socket, size: int) -> None:
-    conn, _ = sock.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(bytearray(size))
-    while True:
-        kind = conn.recv(1)
-        if not kind:
-            return
-        if kind == b"w":
-            got = 0
-            while got < size:
-                got += conn.recv_into(buf[got:])
-            conn.sendall(b"k")
-        else:
-            conn.sendall(buf)
-
-
-def raw_tcp(size: int) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-    listener = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_server, args=(listener, size), daemon=True).start()
-    c = socket.create_connection(listener.getsockname())
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    data = memoryview(bytearray(size))
-    into = memoryview(bytearray(size))
-
-    def write() -> None:
-        c.sendall(b"w")
-        c.sendall(data)
-        c.recv(1)
-
-    def read() -> None:
-        c.sendall(b"r")
-        got = 0
-        while got < size:
-            got += c.recv_into(into[got:])
-
-    def close() -> None:
-        c.close()
-        listener.close()
-
-    return write, read, close
 
 
 # ------------------------------------------------------------------- segment pages
@@ -374,11 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(master.address, args.seconds)
         table: list[Row] = []
         for size in sizes:
-            src = np.ones(size, dtype=np.uint8)
-            dst = np.empty(size, dtype=np.uint8)
+            copy = memcpy(size)
             write, read, close = raw_tcp(size)
             baselines: dict[str, Callable[[], float]] = {
-                "memcpy": timed_row(functools.partial(np.copyto, dst, src), args.seconds),
+                "memcpy": timed_row(copy, args.seconds),
                 "raw tcp write": timed_row(write, args.seconds),
                 "raw tcp read": timed_row(read, args.seconds),
             }

@@ -52,6 +52,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.baselines import recv_exactly
 from kvpool.storage.segment import Segment
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.segment_server import SegmentServer
@@ -161,28 +162,19 @@ def _serve_raw(conn: socket.socket, buf: memoryview) -> None:
     try:
         while True:
             if op == b"W":  # receive a value, ack it
-                _recv_exactly(conn, value)
+                recv_exactly(conn, value)
                 conn.sendall(b"k")
             elif op == b"R":  # a 1-byte request, answer with a value
-                _recv_exactly(conn, ack)
+                recv_exactly(conn, ack)
                 conn.sendall(value)
             else:  # "S": a one-way stream of `batch` values, one ack at the end
                 for _ in range(batch):
-                    _recv_exactly(conn, value)
+                    recv_exactly(conn, value)
                 conn.sendall(b"k")
     except ConnectionError:
         return
     finally:
         conn.close()
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("peer closed")
-        got += n
 
 
 def _segment_node(ready: Connection, size: int) -> None:
@@ -236,16 +228,16 @@ def raw_tcp_cases(stack: ExitStack, port: int, size: int) -> list[Case]:
 
     def write() -> None:
         w.sendall(value)
-        _recv_exactly(w, ack)
+        recv_exactly(w, ack)
 
     def read() -> None:
         r.sendall(b"r")
-        _recv_exactly(r, into)
+        recv_exactly(r, into)
 
     def stream() -> None:
         for _ in range(batch):
             st.sendall(value)
-        _recv_exactly(st, ack)
+        recv_exactly(st, ack)
 
     return [
         Case("raw tcp stream", size, stream, per_op=batch),

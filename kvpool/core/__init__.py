@@ -11,8 +11,11 @@ Modules, from the bottom up:
     objects       the values the index works with: config, records, locations, grants,
                   effects (Demote, Dropped), counters
     placement     where an object goes: allocation, inline eviction, demotion, watermark
-                  rounds (IndexPlacement, the base class of ObjectIndex)
-    index         the object index: two-phase puts, reads, leases and pins, restore, ticks
+                  rounds (IndexPlacement, the lowest base class of ObjectIndex)
+    leases        reads and holds: probes, read leases, pins, their release and expiry
+                  (IndexLeases, the base class of ObjectIndex)
+    index         the object index: its life cycle (two-phase puts, restore, removals,
+                  ticks) and invariants
 
 The words (block, chunk, object, page, segment, tier) are defined once, in the glossary of
 :mod:`kvpool`'s docstring.

@@ -37,16 +37,18 @@ miss, never wrong bytes.  An owner whose copies are deferred (``defer_copies``: 
 which copies while the master serves others) gets ``in_flight`` Demote effects instead:
 the object is DEMOTING until ``demote_done`` or ``demote_abandoned`` (see placement).
 
-Time is a parameter (``now_ms``); the index never reads a clock.  How room is made
-(allocation, inline eviction, demotion, watermark rounds) is in :mod:`kvpool.core.placement`,
-the base class.
+Time is a parameter (``now_ms``); the index never reads a clock.  Its two base classes
+hold the rest: :mod:`kvpool.core.leases` answers readers (probes, read leases, pins and
+their expiry), and :mod:`kvpool.core.placement`, under it, holds the state and makes room
+(allocation, inline eviction, demotion, watermark rounds).  This module is the life cycle:
+writes, restores, removals, ticks, and the checks of the invariants above.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
 
+from kvpool.core.leases import IndexLeases
 from kvpool.core.objects import (
     Demote,
     Dropped,
@@ -60,7 +62,6 @@ from kvpool.core.objects import (
     Reservation,
     State,
 )
-from kvpool.core.placement import IndexPlacement
 from kvpool.core.registry import Tier
 from kvpool.core.space import Extent
 from kvpool.errors import (
@@ -92,15 +93,14 @@ _READY, _PENDING, _DEMOTING = State.READY, State.PENDING, State.DEMOTING
 _MEMORY, _SSD = Tier.MEMORY, Tier.SSD
 
 
-class ObjectIndex(IndexPlacement):
-    """All objects of the pool, their placement, leases, pins and eviction order (how
-    room is made, and what leaves for it, is :class:`~kvpool.core.placement.IndexPlacement`)."""
+class ObjectIndex(IndexLeases):
+    """All objects of the pool, their placement, leases, pins and eviction order (reads
+    and holds are :class:`~kvpool.core.leases.IndexLeases`; how room is made, and what
+    leaves for it, is :class:`~kvpool.core.placement.IndexPlacement`)."""
 
     def __init__(self, config: IndexConfig | None = None) -> None:
         super().__init__(config)
-        self._hold_heap: list[tuple[int, str, str]] = []  # (expiry, key, owner), lazy
         self._writer_heap: list[tuple[int, str, str]] = []  # (expiry, key, writer), lazy
-        self._now = 0
 
     # ----------------------------------------------------------------- clients, segments
     def register_client(self, client_id: str, now_ms: int, address: str = "") -> bool:
@@ -239,64 +239,7 @@ class ObjectIndex(IndexPlacement):
         self._policies[seg.tier].on_insert(key, parent)
         return True
 
-    # ------------------------------------------------------------------------------ reads
-    def exists(self, key: str) -> bool:
-        """Probe without a lease (probes renewing leases blocked eviction in peer projects)."""
-        obj = self._objects.get(key)
-        return obj is not None and obj.state is State.READY
-
-    def prefix_lookup(self, keys: Sequence[str]) -> int:
-        """How many leading keys are READY; takes no lease."""
-        objects = self._objects
-        n = 0
-        for key in keys:
-            obj = objects.get(key)
-            if obj is None or obj.state is not _READY:
-                break
-            n += 1
-        return n
-
-    def get(self, key: str, owner: str, now_ms: int) -> ReadGrant:
-        """Grant a read lease of ``lease_ttl_ms`` on a READY object."""
-        if now_ms > self._now:
-            self._now = now_ms
-        obj = self._objects.get(key)
-        if obj is None or obj.state is not _READY:
-            raise ObjectNotFound(key)
-        expiry = self._hold(obj, owner, now_ms + self.config.lease_ttl_ms)
-        (self._mem_policy if obj.segment.tier is _MEMORY else self._ssd_policy).on_access(key)
-        return ReadGrant(key, obj.location(), obj.checksum, expiry)
-
-    def pin(self, key: str, owner: str, now_ms: int, ttl_ms: int) -> None:
-        """Hold an object for ``ttl_ms`` (e.g. until a decode pulled it); owner-released."""
-        self._now = max(self._now, now_ms)
-        obj = self._objects.get(key)
-        if obj is None or obj.state is not State.READY:
-            raise ObjectNotFound(key)
-        self._hold(obj, owner, now_ms + ttl_ms)
-
-    def release(self, key: str, owner: str) -> None:
-        obj = self._objects.get(key)
-        if obj is not None and obj.holds.pop(owner, None) is not None:
-            self._unheld(obj)
-        keys = self._owner_keys.get(owner)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._owner_keys[owner]
-
-    def release_owner(self, owner: str) -> int:
-        """Drop every lease and pin of ``owner`` (an aborted or finished request)."""
-        keys = self._owner_keys.pop(owner, None)
-        if keys is None:
-            return 0
-        objects = self._objects
-        for key in keys:
-            obj = objects.get(key)
-            if obj is not None and obj.holds.pop(owner, None) is not None:
-                self._unheld(obj)
-        return len(keys)
-
+    # ------------------------------------------------------------------------ removals
     def remove(self, key: str, now_ms: int) -> Event:
         self._now = max(self._now, now_ms)
         obj = self._objects.get(key)
@@ -352,12 +295,6 @@ class ObjectIndex(IndexPlacement):
             return self._demoting if tier is None or tier is _MEMORY else 0
         return sum(self._ready.values()) if tier is None else self._ready[tier]
 
-    def active_leases(self, now_ms: int) -> int:
-        """Unexpired leases and pins.  Expired ones are released first, as the next tick
-        would do, so the kept count is exact."""
-        self._expire_holds(now_ms)
-        return self._hold_entries
-
     def location_of(self, key: str) -> Location | None:
         obj = self._objects.get(key)
         return obj.location() if obj is not None else None
@@ -406,39 +343,6 @@ class ObjectIndex(IndexPlacement):
         if obj is None or obj.state is not State.PENDING or obj.writer != writer:
             raise StaleWrite(f"no pending write of {key} by {writer} (expired or revoked?)")
         return obj
-
-    def _hold(self, obj: ObjectRecord, owner: str, expiry: int) -> int:
-        holds = obj.holds
-        before = holds.get(owner)
-        if before is None:
-            if not holds:
-                self._held[obj.segment.tier] += 1
-            self._hold_entries += 1
-        elif before > expiry:
-            expiry = before
-        holds[owner] = expiry
-        keys = self._owner_keys.get(owner)
-        if keys is None:  # no set made and thrown away when the owner has one
-            self._owner_keys[owner] = {obj.key}
-        else:
-            keys.add(obj.key)
-        heapq.heappush(self._hold_heap, (expiry, obj.key, owner))
-        return expiry
-
-    def _unheld(self, obj: ObjectRecord) -> None:
-        """One hold entry of ``obj`` was just removed."""
-        self._hold_entries -= 1
-        if not obj.holds:
-            self._held[obj.segment.tier] -= 1
-
-    def _expire_holds(self, now_ms: int) -> None:
-        heap = self._hold_heap
-        while heap and heap[0][0] <= now_ms:
-            expiry, key, owner = heapq.heappop(heap)
-            obj = self._objects.get(key)
-            if obj is not None and obj.holds.get(owner) == expiry:
-                self.stats.expired_leases += 1
-                self.release(key, owner)
 
     def _expire_writers(self, now_ms: int, events: list[Event]) -> None:
         heap = self._writer_heap

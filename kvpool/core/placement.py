@@ -1,7 +1,8 @@
 """Placement: where an object of the index goes, and what leaves to make room for it.
 
-The half of :class:`~kvpool.core.index.ObjectIndex` that finds space (its base class; it
-holds the index's state, and ``index.py`` the life cycle of objects, reads and holds):
+The part of :class:`~kvpool.core.index.ObjectIndex` that finds space (its lowest base
+class; it holds the index's state, ``leases.py`` the reads and holds, and ``index.py`` the
+life cycle of objects):
 
     _allocate(tier, size, now, events)  an extent in ``tier``, evicting inline (best victims
                                         first, one at a time) while that makes room
@@ -102,7 +103,7 @@ class IndexPlacement:
             self._stalled.discard(owner)
 
     def _expire_holds(self, now_ms: int) -> None:
-        """Release every lease and pin expired at ``now_ms`` (the index's own)."""
+        """Release every lease and pin expired at ``now_ms`` (``leases.py``'s)."""
         raise NotImplementedError
 
     def eviction_round(self, tier: Tier, now_ms: int) -> list[Event]:

@@ -7,6 +7,13 @@ the reply leaves, so a freed extent is never handed out while its bytes are stil
 copied.  Work on a node (its demotions, SSD deletions) never runs here: it goes to the
 node's link thread, the object stays DEMOTING until the node reports back, and a put
 that waits for that room is answered later (:mod:`kvpool.service.copies`).
+
+Its two base classes hold two groups of its handlers and what they keep:
+:class:`~kvpool.service.master_clients.MasterClients` the storage owners (registration,
+segments and their endpoints, heartbeats, re-announcements, failed transfers), and
+:class:`~kvpool.service.master_copies.NodeCopies` what it waits on nodes for (their
+copies in flight, their catalogs, the replies held meanwhile).  Here: the entry point,
+the effects of the index's events, puts, reads, probes and pins, and the snapshot.
 """
 
 from __future__ import annotations
@@ -15,7 +22,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvpool.core.index import (
@@ -34,11 +40,11 @@ from kvpool.protocol.data import Error, Ok, error_reply
 from kvpool.service.catalog import Outbox
 from kvpool.service.copies import Copies, Later
 from kvpool.service.local_storage import LocalStorage
+from kvpool.service.master_clients import Endpoint, MasterClients
 from kvpool.service.master_copies import NodeCopies
 from kvpool.service.metrics import MasterMetrics
 from kvpool.service.node_links import NodeLinks
 from kvpool.service.snapshot import pool_snapshot
-from kvpool.transfer.shm import remove_if_owner_dead
 
 __all__ = ["Endpoint", "Later", "MasterService", "monotonic_ms"]
 
@@ -59,16 +65,7 @@ def monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """How clients reach a segment's bytes."""
-
-    data_address: str
-    shm_name: str
-    host_token: str
-
-
-class MasterService(NodeCopies):
+class MasterService(MasterClients, NodeCopies):
     """Handles :mod:`kvpool.protocol.messages` requests against one ObjectIndex."""
 
     def __init__(
@@ -227,116 +224,6 @@ class MasterService(NodeCopies):
             ep.host_token,
         )
 
-    # --------------------------------------------------------------------------- clients
-    def attach_local(self, storage: LocalStorage) -> None:
-        """Register storage hosted in the master's own process (the embedded segment)."""
-        now = self.clock()
-        # local first: it copies its demotions at once, and the master is its catalog
-        self.local[storage.client_id] = storage
-        self._register(m.Register(storage.client_id, storage.data_address, storage.host_token), now)
-        if storage.segment is not None:
-            self._add_segment(
-                m.AddSegment(
-                    storage.client_id,
-                    storage.segment_id,
-                    storage.segment.size,
-                    "memory",
-                    storage.shm_name,
-                ),
-                now,
-            )
-        if storage.ssd is not None:
-            self._add_segment(
-                m.AddSegment(storage.client_id, storage.ssd_segment_id, storage.ssd_limit, "ssd"),
-                now,
-            )
-            self._restore_local_ssd(storage, now)
-
-    def _restore_local_ssd(self, storage: LocalStorage, now: int) -> None:
-        """What a previous run left on this SSD path is served again, not leaked: the
-        same rules as a node's re-announcement (headers checked, refusals deleted)."""
-
-        def restore(batch: list[tuple[str, int, int, int]]) -> list[bool]:
-            req = m.Restore(storage.client_id, storage.ssd_segment_id, batch)
-            return self._restore(req, now).values
-
-        storage.announce_ssd(restore)
-
-    def _register(self, req: m.Register, now: int) -> m.RegisterReply:
-        if req.client_id in self.index.registry.clients and req.client_id not in self.local:
-            # Only a new run of a storage owner registers a known id (a node restarted
-            # with the same SSD directory, or retrying a start that failed part-way):
-            # what the old run held is gone from memory, and it re-announces its SSD.
-            log.info("client %s registered again: dropping its previous run", req.client_id)
-            self._apply(self.index.remove_client(req.client_id, reason="restarted"))
-            self._forget_segments()
-        new = self.index.register_client(req.client_id, now, req.data_address)
-        self.client_addresses[req.client_id] = (req.data_address, req.host_token)
-        if new:
-            log.info("client %s registered (data %s)", req.client_id, req.data_address or "-")
-        return m.RegisterReply(new, self.index.config.client_ttl_ms, self.heartbeat_interval_ms)
-
-    def _add_segment(self, req: m.AddSegment, now: int) -> Ok:
-        try:
-            tier = Tier(req.tier)
-        except ValueError:
-            raise PoolError(f"segment {req.segment_id!r}: unknown tier {req.tier!r}") from None
-        if req.capacity <= 0:
-            raise PoolError(f"segment {req.segment_id!r}: capacity must be positive")
-        if req.client_id not in self.local and not self.client_addresses.get(
-            req.client_id, ("", "")
-        )[0]:
-            # others' puts would be placed where nobody can write them
-            raise PoolError(f"segment {req.segment_id!r}: {req.client_id} has no data address")
-        self.index.add_segment(req.client_id, req.segment_id, req.capacity, tier)
-        address, token = self.client_addresses.get(req.client_id, ("", ""))
-        self.endpoints[req.segment_id] = Endpoint(address, req.shm_name, token)
-        if req.client_id not in self.local:
-            self.outbox.watch(req.client_id)
-            self.index.defer_copies(req.client_id)  # a node copies on its own time
-        log.info(
-            "segment %s: %d bytes of %s from %s",
-            req.segment_id,
-            req.capacity,
-            tier.value,
-            req.client_id,
-        )
-        return Ok()
-
-    def _heartbeat(self, req: m.Heartbeat, now: int) -> m.HeartbeatReply:
-        self.index.heartbeat(req.client_id, now)
-        self.outbox.confirm(req.client_id)  # it applied the last reply's changes
-        changes = self.outbox.take(req.client_id)
-        return m.HeartbeatReply(changes.added, changes.removed)
-
-    def _restore(self, req: m.Restore, now: int) -> m.Bools:
-        restore, seg = self.index.restore, req.segment_id
-        return m.Bools([restore(k, seg, off, n, csum, now) for k, off, n, csum in req.objects])
-
-    def _report_failure(self, req: m.ReportFailure, now: int) -> Ok:
-        seg = self.index.registry.segments.get(req.segment_id)
-        if seg is not None and seg.client_id not in self.local:
-            log.warning("dropping client %s: %s", seg.client_id, req.reason)
-            self._apply(self.index.remove_client(seg.client_id, reason="transfer_failed"))
-            self._forget_segments()
-        return Ok()
-
-    def _report_corrupt(self, req: m.ReportCorrupt, now: int) -> Ok:
-        dropped = self.index.drop_corrupt(req.key, req.segment_id, req.offset, req.checksum)
-        if dropped is not None:
-            log.warning("dropped %s: a reader found its copy corrupt", req.key)
-            self._apply([dropped])
-        return Ok()
-
-    def _forget_segments(self) -> None:
-        for segment_id in list(self.endpoints):
-            if segment_id not in self.index.registry.segments:
-                ep = self.endpoints.pop(segment_id)
-                # a dropped owner of this host that died left its segment in /dev/shm
-                if ep.shm_name and remove_if_owner_dead(ep.shm_name, ep.host_token):
-                    log.info("removed %s: its owner is gone", ep.shm_name)
-        self.outbox.forget_gone(self.index.registry.clients)
-
     # ----------------------------------------------------------------------------- writes
     def _put_start(self, req: m.PutStart, now: int) -> m.Placement:
         try:
@@ -459,6 +346,13 @@ class MasterService(NodeCopies):
 
     def _remove(self, req: m.Remove, now: int) -> Ok:
         self._apply([self.index.remove(req.key, now)])
+        return Ok()
+
+    def _report_corrupt(self, req: m.ReportCorrupt, now: int) -> Ok:
+        dropped = self.index.drop_corrupt(req.key, req.segment_id, req.offset, req.checksum)
+        if dropped is not None:
+            log.warning("dropped %s: a reader found its copy corrupt", req.key)
+            self._apply([dropped])
         return Ok()
 
     def _stats(self, req: m.Stats, now: int) -> m.StatsReply:
