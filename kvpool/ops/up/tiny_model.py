@@ -12,7 +12,7 @@ Nothing needs to be downloaded from a model hub: the model is made here.
 - ``generation_config.json``.
 
 The same arguments always give byte-identical files, so two processes (or two test runs)
-that build the model from the same seed serve the same model.
+that build the model from the same random seed serve the same model.
 
     python -m kvpool.ops.up.tiny_model PATH [--preset tiny|bench] [--seed N]
 """
