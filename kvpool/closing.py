@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Self
 
-__all__ = ["Closing"]
+__all__ = ["Closing", "Serving"]
 
 
 class Closing:
@@ -24,3 +24,14 @@ class Closing:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class Serving(Closing):
+    """Mixin for servers: ``with server:`` starts it, and closes it on the way out."""
+
+    def start(self) -> object:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self

@@ -34,9 +34,9 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
+from kvpool.closing import Closing
 from kvpool.errors import PeerTimeout
 from kvpool.net import http_get
 
@@ -160,7 +160,7 @@ class Ref:
     handle: int
 
 
-class Namespace:
+class Namespace(Closing):
     """A helper process in its own network namespace, and calls run there."""
 
     def __init__(self, *, timeout_s: float = 120.0) -> None:
@@ -233,16 +233,6 @@ class Namespace:
         self._conn.close()
         self._log.close()
 
-    def __enter__(self) -> Namespace:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _resolve(target: str) -> Any:

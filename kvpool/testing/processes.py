@@ -14,14 +14,15 @@ import sys
 import threading
 from collections import deque
 from pathlib import Path
-from types import TracebackType
+
+from kvpool.closing import Closing
 
 __all__ = ["PoolProcess", "start_master", "start_node"]
 
 _LISTENING = re.compile(r"listening on (?P<host>[\d.]+):(?P<port>\d+)")
 
 
-class PoolProcess:
+class PoolProcess(Closing):
     """A running kvpool subprocess and the address it announced."""
 
     def __init__(
@@ -107,6 +108,10 @@ class PoolProcess:
             self._log = None
         return self.proc.returncode
 
+    def close(self) -> None:
+        """What ``with`` calls on the way out: :meth:`stop`."""
+        self.stop()
+
     def wait_for_line(self, pattern: str, timeout_s: float = 10.0) -> str:
         """The first logged line matching ``pattern`` (bounded wait)."""
         rx = re.compile(pattern)
@@ -121,16 +126,6 @@ class PoolProcess:
                 return found[0]
         raise TimeoutError(f"no line matching {pattern!r} in {timeout_s}s")
 
-    def __enter__(self) -> PoolProcess:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def start_master(

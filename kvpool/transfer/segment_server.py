@@ -36,8 +36,8 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass, field
-from types import TracebackType
 
+from kvpool.closing import Serving
 from kvpool.errors import (
     ChecksumMismatch,
     KVPoolError,
@@ -109,7 +109,7 @@ class ServerStats:
             setattr(self, name, getattr(self, name) + amount)
 
 
-class SegmentServer:
+class SegmentServer(Serving):
     """Serves reads and writes of registered segments over TCP.
 
     ``host_token`` and each segment's shared-memory name are advertised through
@@ -189,17 +189,6 @@ class SegmentServer:
         """Stop accepting, end every connection, and wait (bounded) for their threads."""
         self._server.close(timeout_s)
 
-    def __enter__(self) -> SegmentServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     @property
     def connections(self) -> int:

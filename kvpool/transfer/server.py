@@ -32,7 +32,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from types import TracebackType
+
+from kvpool.closing import Serving
 
 __all__ = ["ACCEPT_POLL_S", "LINGER_S", "MAX_CONNECTIONS", "MAX_LINGERING", "ThreadedServer"]
 
@@ -49,7 +50,7 @@ MAX_LINGERING = 16
 _LINGER_READ = 1 << 16
 
 
-class ThreadedServer:
+class ThreadedServer(Serving):
     """Accepts TCP connections on ``(host, port)`` and serves each with ``handle`` in a
     thread of its own."""
 
@@ -137,17 +138,6 @@ class ThreadedServer:
         for _, thread in conns:
             thread.join(timeout_s)
 
-    def __enter__(self) -> ThreadedServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
