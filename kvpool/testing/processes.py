@@ -6,6 +6,7 @@ the line announcing the bound address, and stops the process by its own PID only
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,7 +18,12 @@ from pathlib import Path
 
 from kvpool.closing import Closing
 
-__all__ = ["PoolProcess", "start_master", "start_node"]
+__all__ = [
+    "PoolProcess",
+    "node_config",
+    "start_master",
+    "start_node",
+]
 
 _LISTENING = re.compile(r"listening on (?P<host>[\d.]+):(?P<port>\d+)")
 
@@ -137,6 +143,22 @@ def start_master(
     if not any(f.startswith(("--port", "--port=")) for f in flags):
         argv += ["--port", "0"]
     return PoolProcess([*argv, *flags], env=env, log_path=log_path)
+
+
+def node_config(
+    directory: Path, master: str, size: str = "16MiB", **extra: object
+) -> Path:
+    """Write ``directory/mooncake.json`` for a node on 127.0.0.1 over TCP that contributes
+    ``size`` of memory to the pool at ``master`` (``extra`` adds or overrides keys)."""
+    path = directory / "mooncake.json"
+    keys: dict[str, object] = {
+        "local_hostname": "127.0.0.1",
+        "metadata_server": master,
+        "protocol": "tcp",
+        "global_segment_size": size,
+    }
+    path.write_text(json.dumps({**keys, **extra}))
+    return path
 
 
 def start_node(config_path: Path, *flags: str, env: dict[str, str] | None = None) -> PoolProcess:

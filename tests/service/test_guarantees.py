@@ -16,25 +16,11 @@ from kvpool.errors import KVPoolError, ObjectNotFound
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
 from kvpool.storage.segment import SHM_DIR, Segment
-from kvpool.testing.processes import PoolProcess, start_master, start_node
+from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
 from tests.waiting import wait_until
 
 CLIENT_TTL_S = 2
 
-
-def node_config(tmp_path: Path, master: str, size: str = "8MiB") -> Path:
-    path = tmp_path / "mooncake.json"
-    path.write_text(
-        json.dumps(
-            {
-                "local_hostname": "127.0.0.1",
-                "metadata_server": master,
-                "protocol": "tcp",
-                "global_segment_size": size,
-            }
-        )
-    )
-    return path
 
 
 def node_shm_file(c: Client, key: str) -> Path:
@@ -69,7 +55,7 @@ def pool(tmp_path: Path) -> tuple[PoolProcess, PoolProcess]:
     # node have somewhere to go
     master = start_master("--segment_size", "8MiB", "--client_ttl", str(CLIENT_TTL_S))
     try:
-        node = start_node(node_config(tmp_path, master.address))
+        node = start_node(node_config(tmp_path, master.address, "8MiB"))
     except BaseException:
         master.stop()
         raise

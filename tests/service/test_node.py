@@ -18,7 +18,7 @@ from kvpool.protocol import messages as m
 from kvpool.service.client import Client
 from kvpool.service.node import node_id
 from kvpool.storage.ssd import files_by_key, header_size, object_path
-from kvpool.testing.processes import PoolProcess, start_master, start_node
+from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
 from tests.waiting import wait_until
 
 
@@ -29,20 +29,6 @@ def reads_back(c: Client, key: str, value: bytes) -> bool:
     with contextlib.suppress(ObjectNotFound):
         return c.get(key) == value
     return False
-
-def node_config(tmp_path: Path, master: str, size: str = "16MiB") -> Path:
-    path = tmp_path / "mooncake.json"
-    path.write_text(
-        json.dumps(
-            {
-                "local_hostname": "127.0.0.1",
-                "metadata_server": master,
-                "protocol": "tcp",
-                "global_segment_size": size,
-            }
-        )
-    )
-    return path
 
 
 @pytest.fixture
@@ -212,22 +198,16 @@ def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
             assert not c.exists(key)
 
 
+
 def ssd_node_config(tmp_path: Path, master: str, ssd: Path) -> Path:
-    path = tmp_path / "mooncake.json"
-    path.write_text(
-        json.dumps(
-            {
-                "local_hostname": "127.0.0.1",
-                "metadata_server": master,
-                "protocol": "tcp",
-                "global_segment_size": "1MiB",
-                "enable_ssd_offload": True,
-                "ssd_offload_path": str(ssd),
-                "ssd_offload_limit": "16MiB",
-            }
-        )
+    return node_config(
+        tmp_path,
+        master,
+        "1MiB",
+        enable_ssd_offload=True,
+        ssd_offload_path=str(ssd),
+        ssd_offload_limit="16MiB",
     )
-    return path
 
 
 def tiers_of(c: Client, keys: list[str]) -> dict[str, str]:
