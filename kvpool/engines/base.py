@@ -36,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvpool.errors import KVPoolError
 
-__all__ = ["MISS", "POOL_TTL", "PoolEngine"]
+__all__ = ["MISS", "POOL_TTL", "PoolEngine", "check_batch"]
 
 #: :meth:`PoolEngine.batch_get_into`'s size for a key it could not read
 MISS = -1
@@ -96,3 +96,12 @@ class PoolEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def check_batch(
+    keys: Sequence[str], buffers: Sequence[Any], parents: Sequence[str | None] | None = None
+) -> None:
+    """The one argument check every adapter's batch calls make: one buffer (and parent, when
+    given) per key.  A mismatch is a caller's bug, so a ``ValueError``, not a per-key answer."""
+    if len(buffers) != len(keys) or (parents is not None and len(parents) != len(keys)):
+        raise ValueError("keys, buffers and parents differ in length")

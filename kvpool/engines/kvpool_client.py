@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvpool.engines.base import check_batch
 from kvpool.errors import KVPoolError
 
 __all__ = ["ClientAPI", "ClientEngine"]
@@ -68,15 +69,13 @@ class ClientEngine:
         *,
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
-        if len(buffers) != len(keys) or (parents is not None and len(parents) != len(keys)):
-            raise ValueError("keys, buffers and parents differ in length")
+        check_batch(keys, buffers, parents)
         if not keys:
             return []
         return self.client.batch_put(keys, buffers, parents=parents)
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        if len(buffers) != len(keys):
-            raise ValueError("keys and buffers differ in length")
+        check_batch(keys, buffers)
         # The client answers -1 for a miss, a corrupt copy and an unreachable node alike.
         return self.client.batch_get_into(keys, buffers) if keys else []
 

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.config.node import MooncakeNodeConfig
-from kvpool.engines.base import MISS
+from kvpool.engines.base import MISS, check_batch
 from kvpool.engines.mooncake_buffers import Registered, Staging
 from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
 from kvpool.net import http_get, split_address
@@ -244,8 +244,7 @@ class MooncakeEngine:
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
         # Mooncake has no chains: parents are accepted and unused.
-        if len(buffers) != len(keys) or (parents is not None and len(parents) != len(keys)):
-            raise ValueError("keys, buffers and parents differ in length")
+        check_batch(keys, buffers, parents)
         if not keys:
             return []
         with self._lock:
@@ -292,8 +291,7 @@ class MooncakeEngine:
 
     # ---------------------------------------------------------------------- gets
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        if len(buffers) != len(keys):
-            raise ValueError("keys and buffers differ in length")
+        check_batch(keys, buffers)
         if not keys:
             return []
         views = [writable_byte_view(b) for b in buffers]
