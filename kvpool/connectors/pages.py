@@ -19,6 +19,13 @@ Build one with :func:`block_pages` (store connector: any layout with blocks firs
 their errors name the connector that registered the caches.  torch is imported only when
 they are called, so code and tests that use NumPy arrays stay torch-free.
 
+Senders and receivers of page slices go through :meth:`PagedCaches.sending` and
+:meth:`PagedCaches.receiving` (one layer's pages of a pull at a time), so that caches in
+device memory (CUDA, NPU, XPU) can serve the same callers:
+:class:`~kvpool.connectors.device_pages.StagedCaches` copies them through host staging,
+with one synchronize per batch.  Both builders pick it from the tensors' device;
+``staged=True`` forces it on CPU tensors (the tests' way through the device path).
+
 Copies go through NumPy byte views: a plain single-threaded memcpy per layer page.
 Torch's ``copy_`` would open an OpenMP parallel region per 256 KiB page, and on a loaded
 host (vLLM pins its OpenMP threads to cores) each region can wait a scheduler tick:
@@ -27,7 +34,8 @@ measured 0.5 s instead of 5 ms for a 24 MiB load.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,33 +57,62 @@ class PagedCaches:
     layout, which is what lets both connectors copy without reshaping anything.
     """
 
+    #: False: the views are the KV cache itself; True: pages are copied through host
+    #: staging (:class:`~kvpool.connectors.device_pages.StagedCaches`)
+    staged = False
+
     def __init__(self, layers: Mapping[str, np.ndarray], *, connector: str = "kvpool") -> None:
-        if not layers:
-            raise ConfigError(f"{connector}: vLLM registered no KV cache layers")
-        shapes = {arr.shape for arr in layers.values()}
-        if len(shapes) != 1:
-            raise ConfigError(f"{connector}: KV cache layers differ in shape: {sorted(shapes)}")
         for name, arr in layers.items():
             if arr.ndim != 4 or arr.dtype != np.uint8 or not arr.flags.c_contiguous:
                 raise ConfigError(
                     f"{connector}: layer {name} is not a contiguous "
                     "[num_blocks, heads, block_size, row] byte view"
                 )
+        self._geometry({name: arr.shape for name, arr in layers.items()}, connector)
         self._layers = dict(layers)
-        self.names: list[str] = list(layers)
-        self.num_blocks, self.num_heads, self.block_size, row = next(iter(shapes))
+        # [num_blocks, layer_page_bytes] views of the same memory, for whole-block copies
+        self._blocks = [arr.reshape(self.num_blocks, -1) for arr in self._layers.values()]
+
+    def _geometry(self, shapes: Mapping[str, tuple[int, ...]], connector: str) -> None:
+        """Sizes from the layers' ``[num_blocks, heads, block_size, row]`` byte shapes."""
+        if not shapes:
+            raise ConfigError(f"{connector}: vLLM registered no KV cache layers")
+        distinct = {tuple(shape) for shape in shapes.values()}
+        if len(distinct) != 1:
+            raise ConfigError(f"{connector}: KV cache layers differ in shape: {sorted(distinct)}")
+        self.names: list[str] = list(shapes)
+        self.num_blocks, self.num_heads, self.block_size, row = next(iter(distinct))
         self.head_bytes = self.block_size * row
         #: bytes of one block of one layer, and of one page (one block of every layer)
         self.layer_page_bytes = self.num_heads * self.head_bytes
         self.page_bytes = self.layer_page_bytes * len(self.names)
-        # [num_blocks, layer_page_bytes] views of the same memory, for whole-block copies
-        self._blocks = [arr.reshape(self.num_blocks, -1) for arr in self._layers.values()]
 
     # ------------------------------------------------------------ page slices (transfer)
 
     def page(self, layer: str, block: int, head_start: int, head_count: int) -> memoryview:
+        """Heads ``head_start:head_start+head_count`` of one block of one layer, in place."""
         page = self._layers[layer][block, head_start : head_start + head_count]
         return page.data.cast("B")
+
+    def sending(
+        self, layer: str, blocks: Sequence[int], head_start: int, head_count: int
+    ) -> list[memoryview]:
+        """The page slices of ``blocks`` of one layer, to send in this order.
+
+        Here they are the KV cache itself; staged caches copy them to host memory first
+        (valid until the caller drops them)."""
+        return [self.page(layer, block, head_start, head_count) for block in blocks]
+
+    @contextmanager
+    def receiving(
+        self, layer: str, blocks: Sequence[int], head_start: int, head_count: int
+    ) -> Iterator[list[memoryview]]:
+        """Writable page slices of ``blocks`` of one layer, to receive into.
+
+        Here they are the KV cache itself; staged caches hand out host staging and copy
+        it into the cache when the block ends without an exception (so a pull that fails
+        half-way writes nothing of that layer)."""
+        yield [self.page(layer, block, head_start, head_count) for block in blocks]
 
     # ------------------------------------------------------------ whole blocks (store)
 
@@ -100,12 +137,14 @@ def page_view(page: np.ndarray[Any, Any]) -> memoryview:
     return memoryview(buffer).cast("B")
 
 
-def block_pages(kv_caches: Mapping[str, torch.Tensor]) -> PagedCaches:
+def block_pages(
+    kv_caches: Mapping[str, torch.Tensor], *, staged: bool | None = None
+) -> PagedCaches:
     """The store connector's view: whole blocks of any layout with blocks first.
 
     Layers must agree in shape and dtype (one page is one block of every layer) and be
     contiguous.  A layout other than the two above is viewed as one head of one row per
-    block: whole-block copies need nothing more.
+    block: whole-block copies need nothing more.  ``staged``: see :func:`_staged`.
     """
     import torch
 
@@ -125,24 +164,22 @@ def block_pages(kv_caches: Mapping[str, torch.Tensor]) -> PagedCaches:
             t = t.unsqueeze(1)
         elif t.dim() != 4:
             t = t.reshape(t.shape[0], 1, 1, -1)
-        layers[name] = t.detach().view(torch.uint8).numpy()
-    return PagedCaches(layers, connector=STORE)
+        layers[name] = t.detach().view(torch.uint8)
+    return _build(layers, STORE, staged)
 
 
-def byte_pages(kv_caches: Mapping[str, torch.Tensor], block_size: int) -> PagedCaches:
-    """The transfer connector's view: page slices per head range, in place.
+def byte_pages(
+    kv_caches: Mapping[str, torch.Tensor], block_size: int, *, staged: bool | None = None
+) -> PagedCaches:
+    """The transfer connector's view: page slices per head range.
 
-    The arrays share memory with vLLM's tensors: pulls write straight into the KV cache.
+    On CPU the arrays share memory with vLLM's tensors: pulls write straight into the KV
+    cache.  ``staged``: see :func:`_staged`.
     """
     import torch
 
     layers = {}
     for name, tensor in kv_caches.items():
-        if tensor.device.type != "cpu":
-            raise ConfigError(
-                f"{TRANSFER} moves KV through host memory; layer {name} is on "
-                f"{tensor.device} (this build supports vLLM's CPU KV cache)"
-            )
         if tensor.dim() == 3:
             tensor = tensor.unsqueeze(1)
         if tensor.dim() != 4 or not tensor.is_contiguous():
@@ -156,5 +193,30 @@ def byte_pages(kv_caches: Mapping[str, torch.Tensor], block_size: int) -> PagedC
                 f"block but the scheduler's block size is {block_size}; use a --block-size "
                 "the attention kernel supports natively"
             )
-        layers[name] = tensor.view(torch.uint8).numpy()
-    return PagedCaches(layers, connector=TRANSFER)
+        layers[name] = tensor.detach().view(torch.uint8)
+    return _build(layers, TRANSFER, staged)
+
+
+def _staged(layers: Mapping[str, torch.Tensor], connector: str, staged: bool | None) -> bool:
+    """Whether the caches go through host staging: ``None`` decides from the device (CPU:
+    NumPy views in place; anything else: staged), ``True`` stages even CPU tensors (tests
+    and ``bench/device_pages.py --device cpu`` take the device path this way), ``False``
+    insists on in-place views and fails on device memory."""
+    devices = {str(t.device) for t in layers.values()}
+    if len(devices) > 1:
+        raise ConfigError(f"{connector}: KV cache layers are on several devices: {sorted(devices)}")
+    on_cpu = devices <= {"cpu"}
+    if staged is False and not on_cpu:
+        raise ConfigError(
+            f"{connector}: KV caches on {devices.pop()} cannot be viewed in place; "
+            "leave staged unset to copy them through host memory"
+        )
+    return bool(staged) or not on_cpu
+
+
+def _build(layers: Mapping[str, torch.Tensor], connector: str, staged: bool | None) -> PagedCaches:
+    if not _staged(layers, connector, staged):
+        return PagedCaches({n: t.numpy() for n, t in layers.items()}, connector=connector)
+    from kvpool.connectors.device_pages import StagedCaches
+
+    return StagedCaches(layers, connector=connector)

@@ -5,7 +5,8 @@ requests (:mod:`kvpool.protocol.pull`) and answers them as the :class:`~.transpo
 decides, sending page slices straight from the KV caches with ``sendall`` of a
 memoryview.  D: one connection per pull, page slices received with ``recv_into`` straight
 into the KV caches.  No staging copy on either side: one page slice is contiguous in both
-caches.
+caches (caches in device memory are copied through host staging, one layer of a pull at a
+time: :mod:`kvpool.connectors.device_pages`).
 """
 
 from __future__ import annotations
@@ -134,10 +135,8 @@ class TcpTransport:
         for index, name in enumerate(pull.layers):
             header = PULL_REPLY_CODEC.encode(Layer(index, page_bytes), layer_bytes)
             _send_all(conn, header, deadline)
-            for block in pull.block_ids:
-                _send_all(
-                    conn, caches.page(name, block, pull.head_start, pull.head_count), deadline
-                )
+            for view in caches.sending(name, pull.block_ids, pull.head_start, pull.head_count):
+                _send_all(conn, view, deadline)
         total = layer_bytes * len(pull.layers)
         _reply(conn, Done(total), deadline)
         handler.served(pull, total)
@@ -161,9 +160,9 @@ class TcpLink(Closing):
         for index, name in enumerate(pull.layers):
             reply, payload = recv_frame(sock, PULL_REPLY_CODEC, deadline)
             _expect_layer(reply, payload, index, pull.page_bytes, len(block_ids))
-            for block in block_ids:
-                view = caches.page(name, block, dst_start, pull.head_count)
-                recv_exactly_into(sock, view, deadline, "KV pages")
+            with caches.receiving(name, block_ids, dst_start, pull.head_count) as views:
+                for view in views:
+                    recv_exactly_into(sock, view, deadline, "KV pages")
             total += payload
         reply, _ = recv_frame(sock, PULL_REPLY_CODEC, deadline)
         if not isinstance(reply, Done):
