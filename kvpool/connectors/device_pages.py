@@ -75,6 +75,11 @@ class StagedCaches(PagedCaches):
         self._lock = threading.Lock()
         self.host_bytes: Counter[str] = Counter()
 
+    @property
+    def pinned(self) -> bool:
+        """Whether host buffers are pinned (False for CPU tensors, and once refused)."""
+        return self._pin
+
     # ------------------------------------------------------------ host memory
 
     def _host(self, shape: tuple[int, ...]) -> torch.Tensor:

@@ -10,7 +10,7 @@ vLLM's tensors, and serves two uses:
   :meth:`PagedCaches.scatter` copy one block of every layer (a *page*: one pool object) to
   and from a staging array made by :meth:`PagedCaches.new_pages`.  Pages move opaque: the
   CPU kernel does not keep a block's tokens in position order, so nothing looks inside;
-- the transfer connector sends and receives *page slices* in place:
+- the transfer connector sends and receives *page slices*, on CPU in place:
   :meth:`PagedCaches.page` is the contiguous bytes of heads ``h0:h0+n`` of one block of
   one layer, which a socket reads into or writes from directly.
 
@@ -26,8 +26,9 @@ device memory (CUDA, NPU, XPU) can serve the same callers:
 with one synchronize per batch.  Both builders pick it from the tensors' device;
 ``staged=True`` forces it on CPU tensors (the tests' way through the device path).
 
-Copies go through NumPy byte views: a plain single-threaded memcpy per layer page.
-Torch's ``copy_`` would open an OpenMP parallel region per 256 KiB page, and on a loaded
+CPU caches copy through NumPy byte views: a plain single-threaded memcpy per layer page
+(device caches need torch's copies; there they are kernels and DMA, not OpenMP).
+Torch's ``copy_`` on CPU would open an OpenMP parallel region per 256 KiB page, and on a loaded
 host (vLLM pins its OpenMP threads to cores) each region can wait a scheduler tick:
 measured 0.5 s instead of 5 ms for a 24 MiB load.
 """

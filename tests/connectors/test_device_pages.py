@@ -53,6 +53,14 @@ def test_the_device_decides_the_path_and_staged_forces_it() -> None:
         byte_pages({"l": torch.empty(4, 2, 32, 8, device="meta")}, block_size=16)
 
 
+def test_host_buffers_are_pinned_where_the_device_allows_and_plain_otherwise() -> None:
+    assert not block_pages(kv_caches(1), staged=True).pinned  # CPU tensors: nothing to pin
+    paged = block_pages({"l": torch.empty(8, 2, 16, 8, device="meta")})
+    pages = paged.new_pages(3)  # pinning needs an accelerator; without one, plain memory
+    assert pages.shape == (3, 1, paged.layer_page_bytes) and pages.flags.writeable
+    assert paged.pinned is torch.accelerator.is_available()
+
+
 # ------------------------------------------------------------------ whole blocks (store)
 
 
