@@ -188,5 +188,5 @@ def _wait(device: torch.device) -> None:
     stream = getattr(module, "current_stream", None)
     if stream is not None:
         stream(device).synchronize()
-    else:
-        module.synchronize(device)
+    else:  # a backend without streams (MPS): its synchronize takes no device
+        module.synchronize()
