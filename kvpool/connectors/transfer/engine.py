@@ -232,7 +232,8 @@ class EngineLink(Closing):
     def _plan(
         self, pull: Pull, pages: Pages, block_ids: Sequence[int], dst_start: int
     ) -> tuple[list[int], list[int], list[int]]:
-        """(local, remote, length) of every page slice: one engine request each."""
+        """(local, remote, length) of the engine requests: one per page slice, or per run
+        of slices that lie back to back in both caches (whole blocks, consecutive ids)."""
         caches = self._caches
         if len(pages.layer_addrs) != len(pull.layers) or pages.head_bytes != caches.head_bytes:
             raise ProtocolError(
@@ -253,13 +254,28 @@ class EngineLink(Closing):
         src_head = pull.head_start * pages.head_bytes
         dst_head = dst_start * caches.head_bytes
         stride = caches.layer_page_bytes
-        local, remote = [], []
+        local: list[int] = []
+        remote: list[int] = []
+        lengths: list[int] = []
         for name, src_base in zip(pull.layers, pages.layer_addrs, strict=True):
             dst_base = self._bases[name]
+            # never across layers: two layers' regions may touch, and a request must lie
+            # inside one registered region
+            first = len(lengths)
             for src_block, dst_block in zip(pull.block_ids, block_ids, strict=True):
-                remote.append(src_base + src_block * pages.block_stride + src_head)
-                local.append(dst_base + dst_block * stride + dst_head)
-        return local, remote, [size] * len(local)
+                src = src_base + src_block * pages.block_stride + src_head
+                dst = dst_base + dst_block * stride + dst_head
+                if (
+                    len(lengths) > first
+                    and remote[-1] + lengths[-1] == src
+                    and local[-1] + lengths[-1] == dst
+                ):
+                    lengths[-1] += size  # adjacent on both sides: one request moves both
+                else:
+                    local.append(dst)
+                    remote.append(src)
+                    lengths.append(size)
+        return local, remote, lengths
 
     def done(self, message: PullDone, deadline: float) -> None:
         send_frame(self._sock, ENGINE_REQUEST_CODEC, message, None, deadline)

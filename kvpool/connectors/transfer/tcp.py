@@ -150,7 +150,6 @@ class TcpLink(Closing):
         self._sock = sock
         self._caches = caches
 
-
     def close(self) -> None:
         self._sock.close()
 

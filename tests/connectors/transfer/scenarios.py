@@ -22,10 +22,13 @@ from kvpool.connectors.transfer.jobs import HoldJob, ReleaseJob, TransferJobs
 from kvpool.connectors.transfer.transport import make_transport
 from kvpool.connectors.transfer.worker import TransferWorker
 from kvpool.errors import KVPoolError
+from kvpool.protocol.engine_pull import Unread
 from kvpool.protocol.pull import Pull
+from kvpool.transfer.framing import BadRequest
 from tests.connectors.transfer.helpers import (
     BLOCK,
     LAYERS,
+    POLL_S,
     ROW,
     caches,
     config,
@@ -74,6 +77,23 @@ def pull_pages(transport: str) -> dict[str, Any]:
             "held": p.num_held,
             "d_counts": d.take_counts(),
             "p_counts": p.take_counts(),
+        }
+
+
+def adjacent_blocks(transport: str) -> dict[str, Any]:
+    """Blocks back to back on both sides (the engine moves each run in one request)."""
+    port = free_port()
+    with _Workers() as made:
+        p, p_kv = start(made, _cfg(transport, "kv_producer", port), 0, 1, 2, seed=2)
+        d, d_kv = start(made, _cfg(transport, "kv_consumer", port + 100), 0, 1, 2, seed=None)
+        p.submit(TransferJobs(holds=[HoldJob("p-run", (2, 3, 4, 7))]))
+        d.submit(TransferJobs(recvs=[recv_job("run", [4, 5, 6, 0], [2, 3, 4, 7], port)]))
+        res = wait_results(d, want_recv="run")
+        return {
+            "failed": res.failed_recving,
+            "got": {n: d_kv[n][[4, 5, 6, 0]].copy() for n in LAYERS},
+            "sent": {n: p_kv[n][[2, 3, 4, 7]].copy() for n in LAYERS},
+            "untouched": all(not d_kv[n][[1, 2, 3, 7]].any() for n in LAYERS),
         }
 
 
@@ -209,3 +229,58 @@ def pull_done(transport: str) -> dict[str, Any]:
             "recving": d.results().finished_recving,
             "held": p.num_held,
         }
+
+
+def engine_gone(transport: str) -> dict[str, Any]:
+    """P admits the pull but its Transfer Engine is gone: D's read fails at once, D tells
+    P (Unread), and the worker frees P's hold with a PullDone.  P here is a stand-in
+    speaking the engine pull's control conversation."""
+    from kvpool.protocol.engine_pull import ENGINE_REPLY_CODEC, ENGINE_REQUEST_CODEC, Pages
+    from kvpool.protocol.pull import Done
+    from kvpool.transfer.framing import recv_request, send_frame
+
+    port, gone = free_port(), free_port()
+    server = socket.create_server(("127.0.0.1", port))
+    server.settimeout(POLL_S)
+    heard: list[str] = []
+
+    def prefill() -> None:
+        for _ in range(2):  # the pull, then the worker's PullDone
+            try:
+                conn = server.accept()[0]
+            except OSError:
+                return
+            with conn:
+                got = recv_request(conn, ENGINE_REQUEST_CODEC, 5.0, idle_timeout=5.0)
+                while got is not None and not isinstance(got, BadRequest):
+                    message = got[0]
+                    heard.append(type(message).__name__)
+                    deadline = time.monotonic() + 5
+                    if isinstance(message, Pull):
+                        pages = Pages(
+                            f"127.0.0.1:{gone}", [4096, 8192], 2 * BLOCK * ROW, BLOCK * ROW
+                        )
+                        send_frame(conn, ENGINE_REPLY_CODEC, pages, None, deadline)
+                    elif not isinstance(message, Unread):
+                        send_frame(conn, ENGINE_REPLY_CODEC, Done(0), None, deadline)
+                    got = recv_request(conn, ENGINE_REQUEST_CODEC, 5.0, idle_timeout=5.0)
+
+    thread = threading.Thread(target=prefill, daemon=True)
+    thread.start()
+    try:
+        with _Workers() as made:
+            d, d_kv = start(made, _cfg(transport, "kv_consumer", port + 100), 0, 1, 2, seed=None)
+            started = time.monotonic()
+            d.submit(TransferJobs(recvs=[recv_job("gone", [1], [1], port)]))
+            res = wait_results(d, want_recv="gone")
+            elapsed = time.monotonic() - started
+            thread.join(POLL_S)
+            return {
+                "failed": res.failed_recving,
+                "load_errors": d.take_load_errors(),
+                "elapsed": elapsed,
+                "heard": heard,
+                "untouched": not any(kv.any() for kv in d_kv.values()),
+            }
+    finally:
+        server.close()

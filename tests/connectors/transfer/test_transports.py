@@ -64,6 +64,13 @@ def test_pages_arrive_byte_equal_and_the_hold_is_freed(
     assert got["p_counts"]["served_pulls"] == 1 and got["p_counts"]["served_bytes"] == nbytes
 
 
+def test_blocks_back_to_back_arrive_whole(run: Run) -> None:
+    got = run("adjacent_blocks")
+    assert got["failed"] == set() and got["untouched"]
+    for name in LAYERS:
+        np.testing.assert_array_equal(got["got"][name], got["sent"][name])
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2), (2, 4)])
 def test_heterogeneous_tp_lands_every_head_in_place(run: Run, p_tp: int, d_tp: int) -> None:
     got = run("heterogeneous", p_tp, d_tp)
@@ -96,3 +103,10 @@ def test_a_pull_done_frees_the_hold_without_a_load(run: Run) -> None:
     got = run("pull_done")
     assert got["finished_sending"] == {"p-rel"} and got["held"] == 0
     assert got["recving"] == set()
+
+
+def test_a_prefill_whose_engine_is_gone_fails_the_load_and_is_told(namespace: Namespace) -> None:
+    got = namespace.run("tests.connectors.transfer.scenarios:engine_gone", scenarios.ENGINE)
+    assert got["failed"] == {"gone"} and got["load_errors"] == {1}
+    assert got["heard"] == ["Pull", "Unread", "PullDone"]  # P learns why, then frees the hold
+    assert got["untouched"] and got["elapsed"] < POLL_S
