@@ -9,8 +9,11 @@ is the edge that looks at this machine (the mooncake extra, ``/sys/class/infinib
 
 from __future__ import annotations
 
+import glob
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "ENGINE_INSTALL",
@@ -49,19 +52,27 @@ class HostFabrics:
     """What this machine offers the transfer connector's data plane (:func:`host_fabrics`
     probes it; the default offers kvpool's TCP only)."""
 
-    engine: bool = False  # mooncake.engine (the Transfer Engine) is importable
+    engine: bool = False  # the mooncake extra with its Transfer Engine is installed
     rdma_devices: tuple[str, ...] | None = None  # INFINIBAND's entries; None: no directory
 
 
-def host_fabrics(infiniband: str = INFINIBAND) -> HostFabrics:
+def host_fabrics(
+    infiniband: str = INFINIBAND, *, find_spec: Callable[[str], Any] | None = None
+) -> HostFabrics:
     """Probe this machine (edge): the mooncake extra, and the RDMA devices the kernel lists
-    under ``infiniband`` (a parameter so that tests can point it at a directory)."""
+    under ``infiniband``; both are parameters (``find_spec`` stands in for
+    :func:`importlib.util.find_spec`) so that tests can point them elsewhere."""
     import importlib.util
 
-    try:
-        engine = importlib.util.find_spec("mooncake.engine") is not None
-    except ImportError:  # no mooncake package at all
-        engine = False
+    # Look for the engine's module in the package without importing it: importing
+    # mooncake loads its native store library, a cost every config load would pay.
+    spec = (find_spec or importlib.util.find_spec)("mooncake")
+    places = list(spec.submodule_search_locations or ()) if spec is not None else []
+    engine = any(
+        glob.glob(os.path.join(place, pattern))
+        for place in places
+        for pattern in ("engine*.so", "engine.py", "engine/__init__.py")
+    )
     try:
         devices: tuple[str, ...] | None = tuple(sorted(e.name for e in os.scandir(infiniband)))
     except OSError:

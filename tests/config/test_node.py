@@ -111,6 +111,7 @@ def test_host_fabrics_reads_the_rdma_devices_from_the_given_directory(tmp_path: 
     assert found.rdma_devices == ("mlx5_0", "mlx5_1")
     assert found.engine  # the mooncake extra is installed here (a missing wheel fails)
     assert host_fabrics(str(tmp_path / "absent")).rdma_devices is None
+    assert not host_fabrics(str(tmp_path), find_spec=lambda name: None).engine  # no extra
     assert served_protocols(found) == ("tcp", "rdma")
     assert served_protocols(HostFabrics(engine=True, rdma_devices=None)) == ("tcp",)
 
