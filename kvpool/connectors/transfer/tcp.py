@@ -150,6 +150,7 @@ class TcpLink(Closing):
         self._sock = sock
         self._caches = caches
 
+
     def close(self) -> None:
         self._sock.close()
 
