@@ -60,7 +60,8 @@ kv_host                extra ``kv_host``, env ``KVPOOL_KV_HOST``, ``local_hostna
                        node config (``KVPOOL_CONFIG_PATH`` / ``MOONCAKE_CONFIG_PATH``), env
                        ``VLLM_HOST_IP``, ``127.0.0.1``: the address P listens on and tells D
                        to pull from
-protocol               the node config's ``protocol`` (``tcp``): which transport moves the
+protocol               the node config's ``protocol`` (``tcp``) and ``transport`` (``kvpool``
+                       for tcp, ``transfer_engine`` for rdma): which transport moves the
                        pages (see ``kvpool.connectors.transfer.transport``)
 connect_timeout_ms     extra ``connect_timeout_ms``, env ``KVPOOL_CONNECT_TIMEOUT_MS``,
                        ``KVPOOL_CONNECT_TIMEOUT``, ``ASCEND_CONNECT_TIMEOUT`` (vllm-ascend's
@@ -351,7 +352,11 @@ class TransferConfig:
     engine_id: str
     peer: Topology | None
     kv_host: str = "127.0.0.1"
-    protocol: str = _DEFAULT_PROTOCOL  # the transport that moves the pages
+    protocol: str = _DEFAULT_PROTOCOL  # the fabric that moves the pages
+    # who drives it: "kvpool" (TCP) or "transfer_engine"; None: by protocol, as the node
+    # config decides (kvpool's for tcp, the Transfer Engine for the others)
+    transport: str | None = None
+    device_name: str = ""  # the Transfer Engine's RDMA device(s), from the node config
     connect_timeout_ms: int = _DEFAULT_CONNECT_MS
     transfer_timeout_ms: int = _DEFAULT_TRANSFER_MS
     hold_timeout_ms: int = _DEFAULT_HOLD_MS
@@ -424,6 +429,8 @@ class TransferConfig:
             peer=peer,
             kv_host=(host or "127.0.0.1").strip(),
             protocol=node.protocol if node is not None else _DEFAULT_PROTOCOL,
+            transport=node.transport if node is not None else None,
+            device_name=node.device_name if node is not None else "",
             connect_timeout_ms=_timeout_ms(
                 extra,
                 env,

@@ -15,11 +15,23 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool.config.fabrics import (
+    ENGINE_PROTOCOLS,
+    INFINIBAND,
+    SERVED_PROTOCOLS,
+    TRANSPORT_ENGINE,
+    TRANSPORT_KVPOOL,
+    TRANSPORTS,
+    HostFabrics,
+    fabric_refusal,
+    host_fabrics,
+    served_protocols,
+)
 from kvpool.config.values import (
     CONFIG_PATH_VARS,
     DEFAULT_MASTER_PORT,
@@ -36,12 +48,19 @@ from kvpool.config.values import (
 from kvpool.errors import ConfigError
 
 __all__ = [
+    "ENGINE_PROTOCOLS",
+    "INFINIBAND",
     "MOONCAKE_KEYS",
     "NODE_KEYS",
     "SERVED_PROTOCOLS",
+    "TRANSPORT_ENGINE",
+    "TRANSPORT_KVPOOL",
+    "HostFabrics",
     "MooncakeNodeConfig",
     "NodeConfig",
     "config_path_from_env",
+    "fabric_refusal",
+    "host_fabrics",
     "load_any_node_config",
     "load_node_config",
     "node_engine",
@@ -50,19 +69,6 @@ __all__ = [
     "read_node_json",
     "served_protocols",
 ]
-
-# Transports this build of kvpool can serve.  RDMA is a planned plug-in: when a module
-# ``kvpool.transfer.rdma`` exists, ``served_protocols()`` reports it.
-SERVED_PROTOCOLS: tuple[str, ...] = ("tcp",)
-_KNOWN_PROTOCOLS = ("tcp", "rdma")
-
-
-def served_protocols() -> tuple[str, ...]:
-    """Protocols this installation can serve (edge: looks for optional transports)."""
-    import importlib.util
-
-    extra = ("rdma",) if importlib.util.find_spec("kvpool.transfer.rdma") is not None else ()
-    return SERVED_PROTOCOLS + extra
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,7 @@ class NodeConfig:
     master_port: int = DEFAULT_MASTER_PORT
     protocol: str = "tcp"
     device_name: str = ""
+    transport: str = TRANSPORT_KVPOOL  # who moves P→D pages: kvpool's TCP or the Transfer Engine
     global_segment_size: int = DEFAULT_SEGMENT_SIZE
     enable_ssd_offload: bool = False
     ssd_offload_path: str = ""
@@ -91,8 +98,9 @@ NODE_KEYS: dict[str, str] = {
     "local_hostname": "this node's address as peers reach it (required)",
     "metadata_server": "the master as host:port (required unless master_server_address)",
     "master_server_address": "the master as host:port (Mooncake's name; wins if both)",
-    "protocol": "transport between nodes: tcp (rdma needs an RDMA transport)",
-    "device_name": "RDMA NIC name; unused with tcp",
+    "protocol": "transport between nodes: tcp, or rdma (Mooncake's Transfer Engine)",
+    "device_name": "RDMA NIC name(s), comma-separated, as /sys/class/infiniband lists them",
+    "transport": "who moves P→D KV: kvpool (tcp only) or transfer_engine (default for rdma)",
     "global_segment_size": "memory this node contributes to the pool (size)",
     "enable_ssd_offload": "keep evicted blocks on SSD under ssd_offload_path",
     "ssd_offload_path": "directory of the SSD tier (required with enable_ssd_offload)",
@@ -124,10 +132,11 @@ def parse_node_config(
     data: object,
     *,
     env: Mapping[str, str] | None = None,
-    protocols: Sequence[str] = SERVED_PROTOCOLS,
+    fabrics: HostFabrics = HostFabrics(),  # noqa: B008 - frozen, so one shared default is safe
     source: str = "",
 ) -> NodeConfig:
-    """Validate a parsed ``mooncake.json`` object; ``env`` supplies the variable overrides."""
+    """Validate a parsed ``mooncake.json`` object; ``env`` supplies the variable overrides,
+    ``fabrics`` what this machine offers beside kvpool's TCP (:func:`host_fabrics`)."""
     env = env or {}
     where = f" in {source}" if source else ""
     if not isinstance(data, Mapping):
@@ -135,7 +144,7 @@ def parse_node_config(
     if node_engine(data) == "mooncake":
         raise ConfigError(
             f"node config{where}: this is a Mooncake config ({_mooncake_reason(data)}); it runs"
-            ' on real Mooncake (engine "mooncake"), not on kvpool\'s master; for kvpool\'s'
+            " on real Mooncake (engine \"mooncake\"), not on kvpool's master; for kvpool's"
             ' engine write "metadata_server": "<master host>:50088" and drop Mooncake\'s keys'
         )
     for key in data:
@@ -152,15 +161,28 @@ def parse_node_config(
     master_key = "master_server_address" if "master_server_address" in data else "metadata_server"
     host, port = parse_host_port(_str_key(data, master_key), key=master_key + where)
     protocol = _str_key(data, "protocol", "tcp").lower()
-    if protocol not in _KNOWN_PROTOCOLS:
+    known = ("tcp", *ENGINE_PROTOCOLS)
+    if protocol not in known:
         raise ConfigError(
-            f"protocol{where}: unknown protocol {protocol!r}; use one of {', '.join(protocols)}"
+            f"protocol{where}: unknown protocol {protocol!r}; use one of {', '.join(known)}"
         )
-    if protocol not in protocols:
+    default = TRANSPORT_KVPOOL if protocol == "tcp" else TRANSPORT_ENGINE
+    transport = _str_key(data, "transport", default).lower()
+    if transport not in TRANSPORTS:
         raise ConfigError(
-            f"protocol{where}: {protocol!r} cannot be served here (no {protocol} transport is"
-            f' installed; this machine serves: {", ".join(protocols)}); set "protocol": "tcp"'
+            f"transport{where}: {transport!r} is not a transport; use"
+            f' "{TRANSPORT_KVPOOL}" (kvpool\'s TCP) or "{TRANSPORT_ENGINE}" (Mooncake\'s)'
         )
+    if transport == TRANSPORT_KVPOOL and protocol != "tcp":
+        raise ConfigError(
+            f"transport{where}: kvpool's own transport moves KV over tcp only, not"
+            f' {protocol!r}; set "transport": "{TRANSPORT_ENGINE}" or "protocol": "tcp"'
+        )
+    device_name = _str_key(data, "device_name", "")
+    refusal = fabric_refusal(protocol, transport, device_name, fabrics)
+    if refusal is not None:
+        key, _, reason = refusal.partition(": ")
+        raise ConfigError(f"{key}{where}: {reason}")
     enable_ssd = parse_bool_value(data.get("enable_ssd_offload", False), key="enable_ssd_offload")
     ssd_path = _str_key(data, "ssd_offload_path", "")
     if enable_ssd and not ssd_path:
@@ -182,7 +204,8 @@ def parse_node_config(
         master_host=host,
         master_port=port,
         protocol=protocol,
-        device_name=_str_key(data, "device_name", ""),
+        device_name=device_name,
+        transport=transport,
         global_segment_size=parse_size(
             data.get("global_segment_size", DEFAULT_SEGMENT_SIZE), key="global_segment_size"
         ),
@@ -291,7 +314,7 @@ def _mooncake_size(value: object, key: str) -> int:
     """Mooncake's size spelling: an int, or "3.125GB" / "512MB" / "1g" in powers of 1024
     (as Mooncake reads it, so one file means the same bytes to both)."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigError(f"{key}: expected a size such as 4294967296 or \"4GB\", got {value!r}")
+        raise ConfigError(f'{key}: expected a size such as 4294967296 or "4GB", got {value!r}')
     if isinstance(value, int):
         number, unit = float(value), 1
     else:
@@ -305,7 +328,7 @@ def _mooncake_size(value: object, key: str) -> int:
         try:
             number = float(text)
         except ValueError:
-            raise ConfigError(f"{key}: {value!r} is not a size (e.g. \"4GB\")") from None
+            raise ConfigError(f'{key}: {value!r} is not a size (e.g. "4GB")') from None
     if number < 0:
         raise ConfigError(f"{key}: must not be negative")
     return int(number * unit)
@@ -357,15 +380,16 @@ def load_node_config(
     path: str | Path | None = None,
     *,
     env: Mapping[str, str] | None = None,
-    protocols: Sequence[str] | None = None,
+    fabrics: HostFabrics | None = None,
 ) -> NodeConfig:
-    """Read and validate the node config (edge).  ``path`` defaults to the env variables."""
+    """Read and validate the node config (edge).  ``path`` defaults to the env variables;
+    ``fabrics`` to what :func:`host_fabrics` finds on this machine."""
     env = dict(os.environ) if env is None else env
     data, source = read_node_json(path, env=env)
     return parse_node_config(
         data,
         env=env,
-        protocols=served_protocols() if protocols is None else protocols,
+        fabrics=host_fabrics() if fabrics is None else fabrics,
         source=source,
     )
 
@@ -379,7 +403,7 @@ def load_any_node_config(
     data, source = read_node_json(path, env=env)
     if isinstance(data, Mapping) and node_engine(data) == "mooncake":
         return parse_mooncake_config(data, source=source)
-    return parse_node_config(data, env=env, protocols=served_protocols(), source=source)
+    return parse_node_config(data, env=env, fabrics=host_fabrics(), source=source)
 
 
 def read_node_json(

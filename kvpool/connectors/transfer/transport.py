@@ -2,8 +2,8 @@
 
 The transfer worker decides *what* moves (which request, blocks and heads, from which P
 rank); a :class:`KVTransport` moves it.  kvpool's TCP (:mod:`.tcp`) is the default;
-Mooncake's Transfer Engine (RDMA and its other fabrics) is meant to be added beside it as
-one more implementation, chosen by the node config's ``protocol`` the same way.
+Mooncake's Transfer Engine (:mod:`.engine`: RDMA, or the engine's own TCP) is the other,
+chosen by the node config's ``protocol`` and ``transport`` (:func:`make_transport`).
 
 Primitives, in the order a worker uses them:
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvpool.config.fabrics import ENGINE_PROTOCOLS, TRANSPORT_ENGINE, TRANSPORT_KVPOOL
 from kvpool.config.kv_transfer import TransferConfig
 from kvpool.connectors.pages import PagedCaches
 from kvpool.errors import ConfigError, TransferError
@@ -106,17 +107,39 @@ def _tcp(config: TransferConfig) -> KVTransport:
     return TcpTransport(transfer_timeout_s=config.transfer_timeout_ms / 1000)
 
 
-# protocol -> factory; a new fabric is one more entry (and the node config's
-# SERVED_PROTOCOLS learning that this machine can serve it).
-TRANSPORTS = {"tcp": _tcp}
+def _engine(config: TransferConfig) -> KVTransport:
+    # Imported when chosen; mooncake itself only when the caches are registered.
+    from kvpool.connectors.transfer.engine import EngineTransport
+
+    return EngineTransport(
+        hostname=config.kv_host,
+        protocol=config.protocol,
+        device_name=config.device_name,
+        transfer_timeout_s=config.transfer_timeout_ms / 1000,
+    )
+
+
+# (transport, protocol) -> factory; a new fabric is one more entry (and the node config's
+# kvpool.config.fabrics learning how to tell that this machine has it).
+TRANSPORTS = {
+    (TRANSPORT_KVPOOL, "tcp"): _tcp,
+    **{(TRANSPORT_ENGINE, p): _engine for p in ("tcp", *ENGINE_PROTOCOLS)},
+}
 
 
 def make_transport(config: TransferConfig) -> KVTransport:
-    """The transport the node config's ``protocol`` names (``tcp`` without a node config)."""
-    factory = TRANSPORTS.get(config.protocol)
+    """The transport the node config names: ``transport`` (by default kvpool's for
+    ``tcp``, the Transfer Engine for the other protocols) over ``protocol`` (``tcp``
+    without a node config)."""
+    transport = config.transport
+    if transport is None:
+        transport = TRANSPORT_KVPOOL if config.protocol == "tcp" else TRANSPORT_ENGINE
+    factory = TRANSPORTS.get((transport, config.protocol))
     if factory is None:
+        known = ", ".join(f"{p} ({t})" for t, p in TRANSPORTS)
         raise ConfigError(
-            f"protocol: the transfer connector cannot move KV over {config.protocol!r}"
-            f' (it has: {", ".join(TRANSPORTS)}); set "protocol": "tcp" in the node config'
+            f"protocol: the transfer connector cannot move KV over {config.protocol!r} with"
+            f' transport {transport!r} (it has: {known}); set "protocol": "tcp" in the node'
+            " config"
         )
     return factory(config)

@@ -1,8 +1,9 @@
 """The data-plane seam: the worker moves pages only through a KVTransport.
 
-A second, in-process transport (pages copied between two workers' caches in one process)
-stands in for the next implementation (Mooncake's Transfer Engine): the worker's pulls,
-holds and PullDones work over it unchanged, and the TCP default is chosen by protocol.
+A third, in-process transport (pages copied between two workers' caches in one process)
+shows the seam is the whole contract: the worker's pulls, holds and PullDones work over
+it unchanged.  Which transport the node config chooses is tested here; kvpool's TCP and
+Mooncake's Transfer Engine themselves are tested side by side in test_transports.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 from kvpool.config.kv_transfer import TransferConfig
 from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.transfer.engine import EngineTransport
 from kvpool.connectors.transfer.jobs import HoldJob, ReleaseJob, TransferJobs
 from kvpool.connectors.transfer.tcp import TcpTransport
 from kvpool.connectors.transfer.transport import (
@@ -142,10 +144,22 @@ def test_an_unreachable_peer_is_a_failed_load_without_a_pull_done(pair: tuple) -
     assert d_transport.connects == 1  # no second connection to send a PullDone
 
 
-def test_tcp_is_the_default_and_an_unknown_protocol_names_the_key() -> None:
+def test_tcp_is_the_default_and_the_engine_takes_rdma_and_the_switch() -> None:
     cfg: TransferConfig = config("kv_consumer", 30100)
     transport = make_transport(cfg)
     assert isinstance(transport, TcpTransport) and transport.name == "tcp"
-    assert set(TRANSPORTS) == {"tcp"}
-    with pytest.raises(ConfigError, match=r"^protocol: .*'rdma'"):
-        make_transport(replace(cfg, protocol="rdma"))
+    assert isinstance(make_transport(replace(cfg, transport="kvpool")), TcpTransport)
+    # nothing of Mooncake starts until the caches are registered (in a namespace)
+    for changed in (replace(cfg, protocol="rdma"), replace(cfg, transport="transfer_engine")):
+        engine = make_transport(changed)
+        assert isinstance(engine, EngineTransport)
+        assert engine.name == f"{changed.protocol} (Mooncake Transfer Engine)"
+    assert set(TRANSPORTS) == {
+        ("kvpool", "tcp"),
+        ("transfer_engine", "tcp"),
+        ("transfer_engine", "rdma"),
+    }
+    with pytest.raises(ConfigError, match=r"^protocol: .*'rdma' with transport 'kvpool'"):
+        make_transport(replace(cfg, protocol="rdma", transport="kvpool"))
+    with pytest.raises(ConfigError, match=r"^protocol: .*'carrier'"):
+        make_transport(replace(cfg, protocol="carrier"))

@@ -1,0 +1,286 @@
+"""P→D pulls over Mooncake's Transfer Engine: a :class:`~.transport.KVTransport`.
+
+Chosen by the node config (``kvpool.config.fabrics``): ``protocol: rdma`` runs on it, and
+``"transport": "transfer_engine"`` puts ``tcp`` on it too (the engine's own TCP).  The
+pull conversation stays kvpool's (:mod:`kvpool.protocol.engine_pull`) on a small TCP
+control connection to P's ``kv_port``: admission, refusals, ``PullDone`` and every
+deadline work as in :mod:`.tcp`.  Only the page bytes move differently: both sides
+register their KV caches with the engine once (:meth:`EngineTransport.register`, one
+region per layer tensor), P answers an admitted pull with where its page slices lie, and
+D reads them with batch reads straight into its own cache, then tells P.  Why D reads
+rather than P writes is in :mod:`kvpool.protocol.engine_pull`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvpool.closing import Closing
+from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
+from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
+from kvpool.errors import KVPoolError, ProtocolError, TransferError
+from kvpool.protocol.engine_pull import (
+    ENGINE_REPLY_CODEC,
+    ENGINE_REQUEST_CODEC,
+    Pages,
+    Read,
+    Unread,
+)
+from kvpool.protocol.pull import Done, Pull, PullDone, Refused
+from kvpool.transfer.framing import (
+    BadRequest,
+    deadline_after,
+    recv_frame,
+    recv_request,
+    send_frame,
+    tune_socket,
+)
+from kvpool.transfer.mooncake_engine import EngineMover
+from kvpool.transfer.server import ThreadedServer
+
+__all__ = ["EngineLink", "EngineTransport"]
+
+logger = logging.getLogger("vllm.kvpool.transfer")
+_PREFIX = f"[{TRANSFER_CONNECTOR}]"
+_ACCEPT_POLL_S = 0.5  # how often the accept loop looks at the stop flag
+_IDLE_S = 60.0  # a decode connection idle this long between requests is closed
+
+
+def _address(view: memoryview) -> int:
+    """Where a (non-empty) byte view of the KV caches starts in this process's memory."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class EngineTransport:
+    """Pulls whose pages move with Mooncake's Transfer Engine over ``protocol``."""
+
+    def __init__(
+        self, *, hostname: str, protocol: str, device_name: str, transfer_timeout_s: float
+    ) -> None:
+        self.name = f"{protocol} (Mooncake Transfer Engine)"
+        self._hostname = hostname
+        self._protocol = protocol
+        self._device = device_name
+        self._timeout_s = transfer_timeout_s
+        self._caches: PagedCaches | None = None
+        self._mover: EngineMover | None = None
+        self._bases: dict[str, int] = {}  # layer -> address of its block 0, head 0
+        self._server: ThreadedServer | None = None
+
+    def register(self, caches: PagedCaches) -> None:
+        """Start the engine and register each layer's cache tensor with it, once."""
+        mover = EngineMover.start(self._hostname, self._protocol, self._device, self._timeout_s)
+        bases = {name: _address(caches.page(name, 0, 0, caches.num_heads)) for name in caches.names}
+        length = caches.num_blocks * caches.layer_page_bytes
+        # Layers that share one tensor (vLLM's KV sharing) are registered once.
+        mover.register([(addr, length) for addr in sorted(set(bases.values()))])
+        self._caches, self._mover, self._bases = caches, mover, bases
+        logger.info(
+            "%s Transfer Engine %s over %s: %d KV cache regions registered",
+            _PREFIX,
+            mover.endpoint,
+            self._protocol,
+            len(set(bases.values())),
+        )
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close(timeout_s=2 * _ACCEPT_POLL_S)
+        if self._mover is not None:
+            self._mover.close()
+
+    # -- D ---------------------------------------------------------------------------
+
+    def connect(self, host: str, port: int, timeout_s: float) -> EngineLink:
+        if self._caches is None or self._mover is None:
+            raise TransferError("KV caches are not registered yet")
+        if timeout_s <= 0:
+            raise PeerUnreachable(f"no time left to connect to {host}:{port}")
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+        except TimeoutError:
+            raise PeerUnreachable(f"connecting to prefill {host}:{port} timed out") from None
+        except OSError as exc:
+            raise PeerUnreachable(f"cannot connect to prefill {host}:{port}: {exc}") from None
+        tune_socket(sock)
+        return EngineLink(sock, self._caches, self._mover, self._bases)
+
+    # -- P ---------------------------------------------------------------------------
+
+    def serve(self, host: str, port: int, handler: PullHandler) -> None:
+        if self._caches is None:
+            raise TransferError("KV caches are not registered yet")
+        server = ThreadedServer(
+            host,
+            port,
+            lambda conn: self._serve(conn, handler),
+            name="kvpool-kv",
+            backlog=None,
+            accept_poll_s=_ACCEPT_POLL_S,
+        )
+        server.start()
+        self._server = server
+
+    def _serve(self, conn: socket.socket, handler: PullHandler) -> None:
+        assert self._server is not None
+        tune_socket(conn)
+        while not self._server.stopping:
+            try:
+                got = recv_request(
+                    conn, ENGINE_REQUEST_CODEC, self._timeout_s, idle_timeout=_IDLE_S
+                )
+                if got is None:
+                    return
+                deadline = deadline_after(self._timeout_s)
+                if isinstance(got, BadRequest):  # another version? say so, keep serving
+                    _reply(conn, Refused(f"bad request: {got.error}"), deadline)
+                    continue
+                message, _ = got
+                if isinstance(message, Pull):
+                    self._serve_pull(conn, message, handler, deadline)
+                elif isinstance(message, PullDone):
+                    reason = handler.done(message)
+                    _reply(conn, Refused(reason) if reason else Done(0), deadline)
+                else:
+                    _reply(conn, Refused(f"{type(message).__name__} without a pull"), deadline)
+            except KVPoolError as exc:
+                logger.warning("%s dropping a decode connection: %s", _PREFIX, exc)
+                return
+
+    def _serve_pull(
+        self, conn: socket.socket, pull: Pull, handler: PullHandler, deadline: float
+    ) -> None:
+        caches, mover = self._caches, self._mover
+        assert caches is not None and mover is not None
+        reason = handler.admit(pull, deadline)
+        if reason is not None:
+            _reply(conn, Refused(reason), deadline)
+            return
+        pages = Pages(
+            endpoint=mover.endpoint,
+            layer_addrs=[self._bases[name] for name in pull.layers],
+            block_stride=caches.layer_page_bytes,
+            head_bytes=caches.head_bytes,
+        )
+        send_frame(conn, ENGINE_REPLY_CODEC, pages, None, deadline)
+        # The blocks stay held until D says it has them (or gives up): only then may the
+        # worker let vLLM free them.
+        answer, _ = recv_frame(conn, ENGINE_REQUEST_CODEC, deadline)
+        if isinstance(answer, Unread):
+            logger.warning(
+                "%s decode rank %d could not read request %s: %s",
+                _PREFIX,
+                pull.dst_rank,
+                pull.request_id,
+                answer.reason,
+            )
+            return
+        if not isinstance(answer, Read):
+            raise ProtocolError(f"expected the decode's Read, got {answer!r}")
+        total = pull.head_count * caches.head_bytes * len(pull.block_ids) * len(pull.layers)
+        _reply(conn, Done(total), deadline)
+        handler.served(pull, total)
+
+
+class EngineLink(Closing):
+    """One D → P control connection; the pages come through D's Transfer Engine."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        caches: PagedCaches,
+        mover: EngineMover,
+        bases: dict[str, int],
+    ) -> None:
+        self._sock = sock
+        self._caches = caches
+        self._mover = mover
+        self._bases = bases
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def pull(self, pull: Pull, block_ids: Sequence[int], dst_start: int, deadline: float) -> int:
+        sock = self._sock
+        send_frame(sock, ENGINE_REQUEST_CODEC, pull, None, deadline)
+        reply, _ = recv_frame(sock, ENGINE_REPLY_CODEC, deadline)
+        if isinstance(reply, Refused):
+            raise TransferError(f"prefill refused: {reply.reason}")
+        if not isinstance(reply, Pages):
+            raise ProtocolError(f"expected where the pages lie, got {reply!r}")
+        local, remote, lengths = self._plan(pull, reply, block_ids, dst_start)
+        try:
+            self._mover.read(reply.endpoint, local, remote, lengths, deadline)
+        except TransferError as exc:
+            # best effort: P then logs why instead of waiting out its deadline
+            with contextlib.suppress(KVPoolError):
+                send_frame(sock, ENGINE_REQUEST_CODEC, Unread(str(exc)), None, deadline)
+            raise
+        total = sum(lengths)
+        send_frame(sock, ENGINE_REQUEST_CODEC, Read(total), None, deadline)
+        done, _ = recv_frame(sock, ENGINE_REPLY_CODEC, deadline)
+        if not isinstance(done, Done):
+            raise ProtocolError(f"expected the end of the transfer, got {done!r}")
+        return total
+
+    def _plan(
+        self, pull: Pull, pages: Pages, block_ids: Sequence[int], dst_start: int
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(local, remote, length) of the engine requests: one per page slice, or per run
+        of slices that lie back to back in both caches (whole blocks, consecutive ids)."""
+        caches = self._caches
+        if len(pages.layer_addrs) != len(pull.layers) or pages.head_bytes != caches.head_bytes:
+            raise ProtocolError(
+                f"prefill's pages ({len(pages.layer_addrs)} layers of {pages.head_bytes}-byte"
+                f" heads) do not match the pull ({len(pull.layers)} layers of"
+                f" {caches.head_bytes}-byte heads)"
+            )
+        # The engine writes wherever it is told in our own memory: check what the
+        # worker asked for stays inside our caches (P checks its side, and its engine
+        # refuses ranges outside its registered memory).
+        if dst_start < 0 or dst_start + pull.head_count > caches.num_heads:
+            raise TransferError(
+                f"heads {dst_start}+{pull.head_count} exceed this rank's {caches.num_heads}"
+            )
+        if any(not 0 <= b < caches.num_blocks for b in block_ids):
+            raise TransferError(f"block ids {list(block_ids)} exceed this rank's cache")
+        size = pull.head_count * caches.head_bytes
+        src_head = pull.head_start * pages.head_bytes
+        dst_head = dst_start * caches.head_bytes
+        stride = caches.layer_page_bytes
+        local: list[int] = []
+        remote: list[int] = []
+        lengths: list[int] = []
+        for name, src_base in zip(pull.layers, pages.layer_addrs, strict=True):
+            dst_base = self._bases[name]
+            # never across layers: two layers' regions may touch, and a request must lie
+            # inside one registered region
+            first = len(lengths)
+            for src_block, dst_block in zip(pull.block_ids, block_ids, strict=True):
+                src = src_base + src_block * pages.block_stride + src_head
+                dst = dst_base + dst_block * stride + dst_head
+                if (
+                    len(lengths) > first
+                    and remote[-1] + lengths[-1] == src
+                    and local[-1] + lengths[-1] == dst
+                ):
+                    lengths[-1] += size  # adjacent on both sides: one request moves both
+                else:
+                    local.append(dst)
+                    remote.append(src)
+                    lengths.append(size)
+        return local, remote, lengths
+
+    def done(self, message: PullDone, deadline: float) -> None:
+        send_frame(self._sock, ENGINE_REQUEST_CODEC, message, None, deadline)
+        recv_frame(self._sock, ENGINE_REPLY_CODEC, deadline)
+
+
+def _reply(conn: socket.socket, reply: Done | Refused, deadline: float) -> None:
+    send_frame(conn, ENGINE_REPLY_CODEC, reply, None, deadline)
