@@ -138,8 +138,15 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "prefill and decode vLLM instances with kvpool's connectors under vLLM's "
         "MultiConnector (kv_load_failure_policy=recompute), and kvpool proxy; waits until "
         "all are healthy, prints the endpoints and a curl to paste, and stops everything on "
-        "Ctrl-C or SIGTERM.  Port flags take 0 for any free port.",
+        "Ctrl-C or SIGTERM.  --engine mooncake runs the pool on real Mooncake instead: the "
+        "wheel's mooncake_master with the guide's flags, Mooncake Store in every vLLM "
+        "instance (whose Transfer Engine ports listen on every interface).  Port flags take "
+        "0 for any free port.",
     )
+    add_flag(
+        p, "engine", default="kvpool", choices=("kvpool", "mooncake"),
+        help="the pool: kvpool's master (default) or real Mooncake (mooncake_master + Store)",
+    )  # fmt: skip
     add_flag(
         p, "state_dir",
         help="logs, SSD tier, model, mooncake.json (default: $KVPOOL_STATE_DIR, "
@@ -154,8 +161,11 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         add_flag(p, name, type=int, default=default, help=f"{text} (default {default})")
     add_flag(p, "prefill_instances", type=int, default=1, help="prefill instances (1)")
     add_flag(p, "decode_instances", type=int, default=1, help="decode instances (1)")
-    add_flag(p, "segment_size", default="256MiB", help="the master's memory segment (256MiB)")
-    add_flag(p, "ssd_limit", default="1GiB", help="cap of the SSD tier (1GiB)")
+    add_flag(
+        p, "segment_size", default="256MiB",
+        help="the master's memory segment; mooncake: each vLLM instance's (256MiB)",
+    )  # fmt: skip
+    add_flag(p, "ssd_limit", default="1GiB", help="cap of the SSD tier (1GiB; kvpool engine)")
     add_flag(p, "kv_cache_bytes", default="64MiB", help="vLLM KV cache per instance (64MiB)")
     add_flag(p, "max_model_len", type=int, default=2048, help="vLLM --max-model-len (2048)")
     add_flag(p, "dtype", help="vLLM --dtype (float32 for the small model, else auto)")
@@ -301,6 +311,10 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "inventory", help="inventory file (.toml or .json; see docs/configuration.md)"
     )
     render.add_argument("--out", required=True, help="output directory (one folder per host)")
+    add_flag(
+        render, "engine", choices=("kvpool", "mooncake"),
+        help="the pool the files are for (default: the inventory's engine, else kvpool)",
+    )  # fmt: skip
     render.set_defaults(run=_run_config_render, command_name=render.prog)
     check = actions.add_parser("check", help="validate a node config file and print it resolved")
     check.add_argument("path", nargs="?", help="default: KVPOOL_CONFIG_PATH, MOONCAKE_CONFIG_PATH")
@@ -310,7 +324,9 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def _run_config_render(args: argparse.Namespace) -> int:
     from kvpool.ops import render
 
-    return render.run(render.RenderOptions(inventory=args.inventory, out=args.out))
+    return render.run(
+        render.RenderOptions(inventory=args.inventory, out=args.out, engine=args.engine)
+    )
 
 
 def _run_config_check(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -15,11 +16,13 @@ from typing import Any
 import pytest
 
 from kvpool.config import Topology, load_node_config
+from kvpool.config.node import node_engine, parse_mooncake_config
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
 from kvpool.ops.doctor.checks import Status
 from kvpool.ops.kvconfig import parse_kv_transfer_text, parse_vllm_command
 from kvpool.ops.render import load_inventory, parse_inventory, render, write_rendered
+from kvpool.testing.mooncake import Namespace
 from tests.ops.helpers import MLA_MODEL, StandInMaster, free_port_range
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inventory.toml"
@@ -202,3 +205,130 @@ def test_config_check_prints_a_valid_file_and_names_a_bad_key(tmp_path: Path) ->
     path.write_text(json.dumps({"local_hostname": "h", "metadata_sever": "m:50088"}))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "metadata_sever" in done.stderr
+
+
+# --------------------------------------------------------------------------- engine mooncake
+
+
+def test_engine_mooncake_renders_mooncakes_master_and_configs() -> None:
+    inv = parse_inventory(example(), engine="mooncake")
+    files = render(inv)
+    assert set(files) == {
+        "master.sh",
+        *(
+            f"{h}/{f}"
+            for h in ("p0", "d0")
+            for f in (
+                "mooncake.json",
+                "kv-transfer-config.json",
+                "env.sh",
+                "serve.sh",
+            )
+        ),
+    }  # fmt: skip  (no node.sh: every vLLM process contributes its own segment)
+    for name, address in (("p0", "10.0.0.1"), ("d0", "10.0.0.2")):
+        data = json.loads(files[f"{name}/mooncake.json"])
+        assert node_engine(data) == "mooncake"
+        node = parse_mooncake_config(data)  # Mooncake's keys, as Mooncake reads them
+        assert node.local_hostname == address and node.metadata_server == "P2PHANDSHAKE"
+        assert node.master_server_address == "10.0.0.1:50088"
+        assert node.global_segment_size == 64 << 30 and node.local_buffer_size == 1 << 30
+        assert node.protocol == "tcp"
+        env = files[f"{name}/env.sh"]
+        assert "export MOONCAKE_CONFIG_PATH=/workspace/config/mooncake.json" in env
+        assert "every interface" in env
+        kv = parse_kv_transfer_text(files[f"{name}/kv-transfer-config.json"])
+        assert kv.store is not None and kv.store.extra["backend"] == "mooncake"
+        assert kv.top.raw["kv_load_failure_policy"] == "recompute"
+    assert json.loads(files["p0/mooncake.json"])["ssd_offload_path"] == "/mnt/nvme/kvpool_ssd"
+    assert "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES=1073741824000" in files["p0/env.sh"]
+    master = shlex.split(files["master.sh"].splitlines()[-1])
+    assert master[:2] == ["exec", "mooncake_master"]
+    assert set(master[2:]) == {
+        "--rpc_address=10.0.0.1",
+        "--rpc_port=50088",
+        "--metrics_port=9003",
+        "--eviction_high_watermark_ratio=0.9",
+        "--eviction_ratio=0.1",
+        "--default_kv_lease_ttl=11000",
+        "--client_ttl=120",
+        "--enable_offload=true",
+    }
+    # the inventory's own key says the same; a bad one is named
+    assert parse_inventory({**example(), "engine": "mooncake"}).engine == "mooncake"
+    assert parse_inventory(example()).engine == "kvpool"
+    with pytest.raises(ConfigError, match="engine: 'etcd' is not a pool engine"):
+        parse_inventory({**example(), "engine": "etcd"})
+    with pytest.raises(ConfigError, match="local_buffer_size"):
+        parse_inventory({**example(), "local_buffer_size": "lots"}, engine="mooncake")
+
+
+def test_mooncake_rendered_configs_pass_doctor_against_a_real_master(tmp_path: Path) -> None:
+    """The files render --engine mooncake writes, checked by doctor on the node, against
+    the wheel's mooncake_master started from the rendered master.sh's flags, all in a
+    private network namespace (Mooncake binds every interface)."""
+    inventory = {
+        "engine": "mooncake",
+        "model": str(tmp_path / "model"),
+        "config_dir": str(tmp_path / "unused"),
+        "master_port": 50051,
+        "metrics_port": 9115,
+        "global_segment_size": "64MB",
+        "local_buffer_size": "16MB",
+        "hosts": [
+            {"name": "p0", "address": "127.0.0.1", "role": "prefill"},
+            {"name": "d0", "address": "127.0.0.1", "role": "decode", "kv_port": 30100},
+        ],
+    }
+    out = tmp_path / "out"
+    write_rendered(render(parse_inventory(inventory)), out)
+    flags = shlex.split((out / "master.sh").read_text().splitlines()[-1])[2:]
+    rpc = [f for f in flags if f.startswith("--rpc_port=")]
+    metrics = [f for f in flags if f.startswith("--metrics_port=")]
+    assert rpc == ["--rpc_port=50051"] and metrics == ["--metrics_port=9115"]
+    guide = [f for f in flags if not f.startswith(("--rpc_", "--metrics_"))]
+    with Namespace() as ns:
+        ns.new("kvpool.testing.mooncake:MooncakeMaster", *guide, rpc_port=50051, metrics_port=9115)
+        for name in ("p0", "d0"):
+            env = {
+                k: v
+                for line in (out / name / "env.sh").read_text().splitlines()
+                if line.startswith("export ")
+                for k, _, v in [line.removeprefix("export ").partition("=")]
+            }
+            env["MOONCAKE_CONFIG_PATH"] = env["KVPOOL_CONFIG_PATH"] = str(
+                out / name / "mooncake.json"
+            )
+            options = DoctorOptions(
+                prefill_config=str(out / "p0" / "serve.sh"),
+                decode_config=str(out / "d0" / "serve.sh"),
+                master="127.0.0.1:50051",
+                master_cmd=str(out / "master.sh"),
+                probe_keys=False,
+            )
+            checks = ns.run("kvpool.ops.doctor:run_doctor", options, env=env)
+            report = format_text(checks)
+            assert [c for c in checks if c.status is Status.FAIL] == [], report
+            by_name = {c.name: c for c in checks}
+            # what doctor warns of on any Mooncake node before vLLM starts: no credentials
+            # on Mooncake's ports, no client registered yet, and P reached on loopback
+            warned = {c.name for c in checks if c.status is Status.WARN}
+            expected = {"security.credentials", "master.metrics", "connector.kv_host[prefill]"}
+            assert warned <= expected, report
+            assert "a Mooncake config" in by_name["config.file"].message, report
+            for passed in ("config.master", "master.engine", "master.flags", "timeouts.lease"):
+                assert by_name[passed].status is Status.PASS, report
+            assert "lease 11000 ms" in by_name["master.flags"].message, report
+            assert by_name["connector.settings[prefill]"].status is Status.PASS, report
+
+
+def test_the_render_command_takes_engine_mooncake(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "kvpool", "config", "render", str(EXAMPLE), "--out", str(out)]
+    done = subprocess.run(
+        [*cmd, "--engine", "mooncake"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "every interface" in done.stdout
+    assert "mooncake_master" in (out / "master.sh").read_text()
+    assert not (out / "p0" / "node.sh").exists()

@@ -35,8 +35,8 @@ from kvpool.config import (
     NodeConfig,
     TransferConfig,
     config_path_from_env,
-    load_node_config,
 )
+from kvpool.config.node import load_any_node_config
 from kvpool.connectors.pages import byte_pages
 from kvpool.connectors.stats import CounterStatsHooks, register_connector
 from kvpool.connectors.transfer.jobs import TransferJobs
@@ -64,10 +64,15 @@ class TransferMetadata(KVConnectorMetadata):
 
 
 def _node_config() -> NodeConfig | None:
-    """The node config (``mooncake.json``), if the environment names one."""
+    """The node config (``mooncake.json``), if the environment names one.
+
+    A Mooncake config (``P2PHANDSHAKE``, ``master_server_address``) is for the store
+    connector's Mooncake Store and says nothing this connector uses: it is skipped, and
+    the transfer settings come from ``kv_host``, the env and the defaults."""
     if config_path_from_env(os.environ) is None:
         return None
-    return load_node_config(env=os.environ)
+    node = load_any_node_config(env=os.environ)
+    return node if isinstance(node, NodeConfig) else None
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:

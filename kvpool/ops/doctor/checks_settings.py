@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from kvpool.config import NodeConfig, TransferConfig, parse_store_config
+from kvpool.config.node import MooncakeNodeConfig
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor.checks import Check, fail, pass_, warn
 from kvpool.ops.doctor.checks_connector import Side
@@ -52,7 +53,7 @@ def _transfer(
 def check_settings(
     side: Side,
     env: Mapping[str, str],
-    load_node: Callable[[], NodeConfig],
+    load_node: Callable[[], NodeConfig | MooncakeNodeConfig],
     node: NodeConfig | None = None,
 ) -> Check | None:
     """Each kvpool child validated by the connector's own parser."""
@@ -120,11 +121,16 @@ def settings_checks(
     env: Mapping[str, str],
     node: NodeConfig | None,
     node_error: str | None,
+    mooncake: MooncakeNodeConfig | None = None,
 ) -> list[Check]:
-    def load_node() -> NodeConfig:
-        if node is None:
+    """``mooncake``: the node's Mooncake config, if that is what it has; the store
+    connector reads its master from it (``backend: "mooncake"``), the transfer connector
+    does not read it at all."""
+
+    def load_node() -> NodeConfig | MooncakeNodeConfig:
+        if node is None and mooncake is None:
             raise ConfigError(node_error or "no node config (KVPOOL_CONFIG_PATH unset)")
-        return node
+        return node or mooncake  # type: ignore[return-value]
 
     results: list[Check] = []
     for side in sides:

@@ -100,7 +100,8 @@ def diagnose(g: Gathered) -> list[Check]:
     same_host = len(g.local_sides) == len(g.sides)
     checks += connector_checks(g.sides, g.model, same_host=same_host)
     node_error = g.config_file.error if g.config_file else None
-    checks += settings_checks(g.sides, g.env, node, node_error)
+    mooncake = g.config_file.mooncake if g.config_file else None
+    checks += settings_checks(g.sides, g.env, node, node_error, mooncake)
     checks.append(check_ssd(node, g.ssd, g.master_config))
     timeouts = _effective_timeouts(g)
     if timeouts is not None:

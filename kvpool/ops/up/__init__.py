@@ -1,10 +1,14 @@
 """``kvpool up``: the whole P/D stack on one machine — master, prefill and decode vLLM
-instances, proxy — in one command.
+instances, proxy — in one command, on kvpool's master or (``--engine mooncake``) on real
+Mooncake.
 
     UpOptions ──make_plan (pure)──▶ UpPlan ──lifecycle: startup, serve, shutdown──▶ exit status
 
 - :mod:`.options` — what was asked for, and how the command's flags become it;
 - :mod:`.plan` — every process, file and port of the stack, as data (no I/O);
+- :mod:`.instances` — each vLLM instance's cores and ``--kv-transfer-config`` (pure);
+- :mod:`.mooncake` — what differs with ``--engine mooncake`` (the wheel's
+  ``mooncake_master``, a Mooncake ``mooncake.json``; pure);
 - :mod:`.supervisor` — starts, health-checks and stops process groups, leaving nothing;
 - :mod:`.lifecycle` — the edge: ports, files, signals, the console, the main loop;
 - :mod:`.tiny_model` — the small Llama built locally when no ``--model`` is given

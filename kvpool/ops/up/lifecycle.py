@@ -2,7 +2,9 @@
 
 Startup → serve → shutdown, uvicorn style:
 
-- startup: refuse a state directory another live ``kvpool up`` holds, check every port is
+- startup: with ``--engine mooncake``, find the wheel's ``mooncake_master`` (a missing
+  wheel is one line with the install command) and say that Mooncake's ports listen on
+  every interface; refuse a state directory another live ``kvpool up`` holds, check every port is
   free (a clear error naming the flag instead of a child dying later), write
   ``mooncake.json`` (and the chat template), build the tiny model unless ``--model``, then
   start the plan's stages in order, each one healthy before the next;
@@ -23,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
@@ -33,11 +35,12 @@ from rich.console import Console
 
 from kvpool.errors import ConfigError
 from kvpool.net import free_port, port_free
+from kvpool.ops.up.mooncake import EVERY_INTERFACE
 from kvpool.ops.up.options import PORT_FLAGS, UpOptions
 from kvpool.ops.up.plan import UpPlan, make_plan, planned_ports, ready_text
 from kvpool.ops.up.supervisor import Running, StartupFailed, Supervisor, describe_exit, log_tail
 
-__all__ = ["STATE_FILE", "resolve_ports", "run", "usable_cpus"]
+__all__ = ["STATE_FILE", "find_mooncake_master", "resolve_ports", "run", "usable_cpus"]
 
 STATE_FILE = "up.json"
 
@@ -56,6 +59,25 @@ def resolve_ports(opts: UpOptions) -> UpOptions:
         name: free_port(opts.host) for name, _, _ in PORT_FLAGS if getattr(opts, name) == 0
     }
     return replace(opts, **changes) if changes else opts
+
+
+def find_mooncake_master(find_spec: Callable[[str], Any] | None = None) -> str:
+    """The wheel's ``mooncake_master`` (inside the ``mooncake`` package); ``find_spec``
+    stands in for :func:`importlib.util.find_spec` in tests.  Nothing is imported."""
+    import importlib.util
+
+    from kvpool.engines.mooncake import INSTALL_HINT
+
+    spec = (find_spec or importlib.util.find_spec)("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"--engine mooncake: the Mooncake wheel is not installed; {INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / "mooncake_master"
+    if not os.access(path, os.X_OK):
+        raise ConfigError(
+            f"--engine mooncake: {path} is missing from the Mooncake wheel; reinstall it:"
+            f" {INSTALL_HINT}"
+        )
+    return str(path)
 
 
 def _check_ports(plan: UpPlan) -> None:
@@ -194,11 +216,15 @@ def run(opts: UpOptions, *, console: Console | None = None) -> int:
     before anything starts (a taken port, a busy state directory) is a ConfigError.
     """
     console = console or Console(highlight=False, soft_wrap=True)
+    if opts.engine == "mooncake":
+        opts = replace(opts, mooncake_master=find_mooncake_master())
     opts = resolve_ports(opts)
     plan = make_plan(opts)
     _claim_state_dir(opts.state_dir)
     _check_ports(plan)
     _prepare(plan, console)
+    if opts.engine == "mooncake":
+        console.print(f"[yellow]![/] {EVERY_INTERFACE.format(host=opts.host)}")
     stop = _StopFlag()
     sup = Supervisor(base_env=dict(os.environ), term_timeout_s=opts.stop_timeout_s)
     status = 0

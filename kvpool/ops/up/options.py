@@ -14,13 +14,28 @@ from kvpool.config import parse_size
 from kvpool.errors import ConfigError
 from kvpool.net import DEFAULT_MASTER_PORT
 
-__all__ = ["PORT_FLAGS", "UpOptions", "default_state_dir", "options_from_args", "port_default"]
+__all__ = [
+    "ENGINES",
+    "PORT_FLAGS",
+    "UpOptions",
+    "default_state_dir",
+    "options_from_args",
+    "port_default",
+]
 
 _MiB = 1 << 20
 
+#: the pool engines ``kvpool up`` runs: kvpool's own master, or the wheel's mooncake_master
+ENGINES = ("kvpool", "mooncake")
+
 # (field, flag, what listens there): every port ``kvpool up`` takes; 0 means any free port.
 PORT_FLAGS = (
-    ("master_port", "--master-port", "the master's RPC + HTTP port"),
+    ("master_port", "--master-port", "the master's RPC port (kvpool's: RPC + HTTP)"),
+    (
+        "metrics_port",
+        "--metrics-port",
+        "mooncake_master's metrics + /health port (--engine mooncake)",
+    ),
     ("proxy_port", "--proxy-port", "the proxy's port"),
     ("prefill_port", "--prefill-port", "first prefill instance's HTTP port (+1 per instance)"),
     ("decode_port", "--decode-port", "first decode instance's HTTP port (+1 per instance)"),
@@ -35,10 +50,13 @@ class UpOptions:
     (:func:`kvpool.ops.up.lifecycle.resolve_ports`) picks one before planning."""
 
     state_dir: Path
+    engine: str = "kvpool"  # "mooncake": the wheel's mooncake_master and Mooncake Store
+    mooncake_master: str = "mooncake_master"  # the binary; the edge finds the wheel's
     model: Path | None = None  # None: the locally built tiny model under state_dir
     no_vllm: bool = False
     host: str = "127.0.0.1"
-    master_port: int = DEFAULT_MASTER_PORT
+    master_port: int = DEFAULT_MASTER_PORT  # the guide's 50088, on either engine
+    metrics_port: int = 9003  # mooncake_master's --metrics_port (the guide's 9003)
     proxy_port: int = 8000
     prefill_port: int = 8100  # instance i listens on prefill_port + i
     decode_port: int = 8200
@@ -46,7 +64,10 @@ class UpOptions:
     decode_kv_port: int = 30100
     prefill_instances: int = 1
     decode_instances: int = 1
-    segment_size: int = 256 * _MiB  # the master's own memory segment
+    # kvpool: the master's own memory segment; mooncake: each vLLM instance's
+    # global_segment_size (Mooncake's master holds no memory)
+    segment_size: int = 256 * _MiB
+    local_buffer_size: int = 64 * _MiB  # mooncake: each instance's registered staging area
     ssd_limit: int = 1024 * _MiB  # cap of the SSD tier under state_dir/ssd
     kv_cache_bytes: int = 64 * _MiB  # per vLLM instance
     max_model_len: int = 2048
@@ -62,6 +83,10 @@ class UpOptions:
     stop_timeout_s: float = 20.0  # SIGTERM grace before SIGKILL
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(
+                f"--engine: {self.engine!r} is not a pool engine; use kvpool or mooncake"
+            )
         for name, flag, _ in PORT_FLAGS:
             port = getattr(self, name)
             if not 0 <= port <= 65535:
@@ -74,6 +99,10 @@ class UpOptions:
                 raise ConfigError(f"{flag}: must be 1..16, got {count}")
         if self.segment_size <= 0:
             raise ConfigError("--segment-size: must be a positive size, e.g. 256MiB")
+        if self.engine == "mooncake" and self.segment_size < 16 * _MiB:
+            raise ConfigError(
+                "--segment-size: Mooncake refuses a segment under 16MiB; give e.g. 64MiB"
+            )
         if self.ssd_limit <= 0:
             raise ConfigError("--ssd-limit: must be a positive size, e.g. 1GiB")
         if self.kv_cache_bytes < 4 * _MiB:
@@ -126,6 +155,7 @@ def options_from_args(
         raise ConfigError(f"--vllm-args: {exc}") from None
     return UpOptions(
         # absolute, so the printed paths (KVPOOL_CONFIG_PATH=...) work from any directory
+        engine=args.engine,
         state_dir=(Path(args.state_dir) if args.state_dir else default_state_dir(env)).absolute(),
         model=Path(args.model).expanduser().absolute() if args.model else None,
         no_vllm=args.no_vllm,

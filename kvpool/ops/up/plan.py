@@ -4,7 +4,8 @@ What ``kvpool up`` starts, in order (the production guide's §3.2 Compose file a
 host):
 
 1. ``kvpool master`` with its own memory segment and an SSD tier under the state
-   directory (``--enable_offload=true``);
+   directory (``--enable_offload=true``); with ``--engine mooncake`` the wheel's
+   ``mooncake_master`` instead (:mod:`kvpool.ops.up.mooncake`);
 2. the prefill and decode vLLM instances (``python -m vllm.entrypoints.openai.api_server``,
    started together), each with vLLM's MultiConnector holding kvpool's transfer connector
    and store connector, ``kv_load_failure_policy: recompute`` at the top level (the
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.errors import ConfigError
-from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
+from kvpool.ops.up import mooncake
+from kvpool.ops.up.instances import cpu_sets, kv_transfer_config
 from kvpool.ops.up.options import PORT_FLAGS, UpOptions
 
 __all__ = [
@@ -63,6 +65,8 @@ class ProcessSpec:
     url: str
     log_path: Path
     stage: int  # 0 master, 1 vLLM instances (started together), 2 proxy
+    # the Python that runs the supervisor's launcher before exec; None: argv[0] is one
+    launcher: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,74 +100,6 @@ class UpPlan:
         return proxies[0].url if proxies else None
 
 
-def cpu_sets(cpus: Sequence[int], instances: int, *, dedicated: int = 0) -> list[str]:
-    """``VLLM_CPU_OMP_THREADS_BIND`` per instance: disjoint contiguous groups of cores when
-    there are enough, otherwise one core each, round robin (instances then share cores).
-
-    With too few cores, the first ``dedicated`` instances (the prefills) still get a core of
-    their own when that leaves at least one for the rest: while a prefill holds blocks for a
-    decode, vLLM keeps stepping it in a busy loop, and a decode pinned to the same core was
-    seen to make no progress until the prefill's hold timed out.
-    """
-    if instances <= 0:
-        return []
-    per = len(cpus) // instances
-    if per == 0:
-        if 0 < dedicated < len(cpus):
-            rest = list(cpus[dedicated:])
-            own = [str(c) for c in cpus[:dedicated]]
-            return own + [str(rest[i % len(rest)]) for i in range(instances - dedicated)]
-        return [str(cpus[i % len(cpus)]) for i in range(instances)]
-    out = []
-    for i in range(instances):
-        group = cpus[i * per : (i + 1) * per]
-        contiguous = list(group) == list(range(group[0], group[0] + len(group)))
-        if len(group) == 1:
-            out.append(str(group[0]))
-        elif contiguous:
-            out.append(f"{group[0]}-{group[-1]}")
-        else:
-            out.append(",".join(str(c) for c in group))
-    return out
-
-
-def kv_transfer_config(role: str, kv_port: int, host: str) -> dict[str, Any]:
-    """The production guide's §5.2 (``prefill``) / §5.3 (``decode``) ``--kv-transfer-config`` with
-    kvpool's classes; every instance here runs dp 1, tp 1, so both peer sections say so."""
-    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    transfer, store = "KVPoolTransferConnector", "KVPoolStoreConnector"
-    store_extra: dict[str, Any] = {"lookup_rpc_port": "0", "backend": "mooncake"}
-    if role == "decode":
-        store_extra["load_async"] = True
-    one = {"dp_size": 1, "tp_size": 1}
-    return {
-        "kv_connector": "MultiConnector",
-        "kv_role": kv_role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "connectors": [
-                {
-                    "kv_connector": transfer,
-                    "kv_connector_module_path": KVPOOL_CONNECTORS[transfer][1],
-                    "kv_role": kv_role,
-                    "kv_port": str(kv_port),
-                    "kv_connector_extra_config": {
-                        "prefill": dict(one),
-                        "decode": dict(one),
-                        "kv_host": host,
-                    },
-                },
-                {
-                    "kv_connector": store,
-                    "kv_connector_module_path": KVPOOL_CONNECTORS[store][1],
-                    "kv_role": kv_role,
-                    "kv_connector_extra_config": store_extra,
-                },
-            ]
-        },
-    }
-
-
 @dataclass(frozen=True)
 class PortUse:
     """One port the stack listens on, and the flag that chose it."""
@@ -180,6 +116,8 @@ class PortUse:
 def planned_ports(opts: UpOptions) -> list[PortUse]:
     """Every port the stack will listen on, in start order (the master's first)."""
     uses = [PortUse(opts.master_port, "--master-port")]
+    if opts.engine == "mooncake":
+        uses.append(PortUse(opts.metrics_port, "--metrics-port"))
     if opts.no_vllm:
         return uses
     uses.append(PortUse(opts.proxy_port, "--proxy-port"))
@@ -195,6 +133,8 @@ def planned_ports(opts: UpOptions) -> list[PortUse]:
 
 def _check_port_clashes(opts: UpOptions) -> None:
     for name, flag, _ in PORT_FLAGS:
+        if name == "metrics_port" and opts.engine != "mooncake":
+            continue
         if getattr(opts, name) == 0:  # the edge resolves 0 (any free port) before planning
             raise ConfigError(f"{flag}: 0 is not a TCP port (1..65535)")
     owners: dict[int, str] = {}
@@ -216,34 +156,24 @@ def make_plan(opts: UpOptions) -> UpPlan:
     build_model = opts.model is None and not opts.no_vllm
     model_dir = state / "model" / TINY_MODEL_NAME if opts.model is None else opts.model
     model_name = opts.served_model_name or (TINY_MODEL_NAME if build_model else model_dir.name)
-    master_addr = f"{opts.host}:{opts.master_port}"
-    files: dict[Path, str] = {
+    files: dict[Path, str] = {node_config_path: ""}
+    if opts.engine == "mooncake":
+        files[node_config_path] = json.dumps(mooncake.node_config(opts), indent=2) + "\n"
+        master = _mooncake_master_spec(opts, logs)
+    else:
+        master = _kvpool_master_spec(opts, logs, ssd)
         # the production guide's §4 mooncake.json, for this host; the connectors read it
-        node_config_path: json.dumps(
-            {"local_hostname": opts.host, "metadata_server": master_addr, "protocol": "tcp"},
-            indent=2,
+        files[node_config_path] = (
+            json.dumps(
+                {
+                    "local_hostname": opts.host,
+                    "metadata_server": f"{opts.host}:{opts.master_port}",
+                    "protocol": "tcp",
+                },
+                indent=2,
+            )
+            + "\n"
         )
-        + "\n",
-    }
-    master_argv = (
-        opts.python, "-m", "kvpool", "master",
-        "--host", opts.host, "--port", str(opts.master_port),
-        "--eviction_high_watermark_ratio", "0.9", "--eviction_ratio", "0.1",
-        "--default_kv_lease_ttl", "11000",
-        "--enable_offload=true", "--client_ttl=120",
-        "--segment_size", str(opts.segment_size),
-        "--ssd_offload_path", str(ssd), "--ssd_offload_limit", str(opts.ssd_limit),
-    )  # fmt: skip
-    master = ProcessSpec(
-        name="master",
-        role="master",
-        argv=master_argv,
-        env={"PYTHONUNBUFFERED": "1"},
-        health_url=f"http://{master_addr}/health",
-        url=f"http://{master_addr}",
-        log_path=logs / "master.log",
-        stage=0,
-    )
     processes = [master]
     if not opts.no_vllm:
         chat_template = state / "chat_template.jinja" if build_model else None
@@ -265,8 +195,47 @@ def make_plan(opts: UpOptions) -> UpPlan:
         model_name=model_name,
         node_config_path=node_config_path,
         files=files,
-        dirs=(state, logs, ssd),
+        dirs=(state, logs) if opts.engine == "mooncake" else (state, logs, ssd),
         processes=tuple(processes),
+    )
+
+
+def _kvpool_master_spec(opts: UpOptions, logs: Path, ssd: Path) -> ProcessSpec:
+    master_addr = f"{opts.host}:{opts.master_port}"
+    argv = (
+        opts.python, "-m", "kvpool", "master",
+        "--host", opts.host, "--port", str(opts.master_port),
+        "--eviction_high_watermark_ratio", "0.9", "--eviction_ratio", "0.1",
+        "--default_kv_lease_ttl", "11000",
+        "--enable_offload=true", "--client_ttl=120",
+        "--segment_size", str(opts.segment_size),
+        "--ssd_offload_path", str(ssd), "--ssd_offload_limit", str(opts.ssd_limit),
+    )  # fmt: skip
+    return ProcessSpec(
+        name="master",
+        role="master",
+        argv=argv,
+        env={"PYTHONUNBUFFERED": "1"},
+        health_url=f"http://{master_addr}/health",
+        url=f"http://{master_addr}",
+        log_path=logs / "master.log",
+        stage=0,
+    )
+
+
+def _mooncake_master_spec(opts: UpOptions, logs: Path) -> ProcessSpec:
+    """mooncake_master answers HTTP only on its metrics port: that is its URL here."""
+    metrics = f"http://{opts.host}:{opts.metrics_port}"
+    return ProcessSpec(
+        name="master",
+        role="master",
+        argv=mooncake.master_argv(opts),
+        env={},
+        health_url=metrics + "/health",
+        url=metrics,
+        log_path=logs / "master.log",
+        stage=0,
+        launcher=opts.python,
     )
 
 
@@ -303,6 +272,11 @@ def _vllm_spec(
         "PYTHONUNBUFFERED": "1",
         # the production guide's §5.1: where the master is (kvpool's own name for the variable)
         "KVPOOL_CONFIG_PATH": str(opts.state_dir / "mooncake.json"),
+        **(
+            {"MOONCAKE_CONFIG_PATH": str(opts.state_dir / "mooncake.json")}
+            if opts.engine == "mooncake"
+            else {}
+        ),
         "KVPOOL_CONNECT_TIMEOUT_MS": str(opts.connect_timeout_ms),
         "KVPOOL_TRANSFER_TIMEOUT_MS": str(opts.transfer_timeout_ms),
         # the production guide asks for it; kvpool's keys do not need it, and it is harmless
@@ -353,7 +327,16 @@ def ready_text(plan: UpPlan) -> list[tuple[str, str]]:
     """(label, text) lines printed once the stack is healthy: endpoints, then commands
     to paste.  Commands are single lines so a terminal copy keeps them whole."""
     opts = plan.options
-    lines: list[tuple[str, str]] = [("master", f"{plan.master_url}  (RPC + /metrics /health)")]
+    if opts.engine == "mooncake":
+        lines: list[tuple[str, str]] = [
+            (
+                "master",
+                f"mooncake_master, RPC {opts.host}:{opts.master_port};"
+                f" {plan.master_url}/metrics /health",
+            )
+        ]
+    else:
+        lines = [("master", f"{plan.master_url}  (RPC + /metrics /health)")]
     for spec in plan.processes:
         if spec.role in ("prefill", "decode"):
             lines.append((spec.name, spec.url))
@@ -362,7 +345,11 @@ def ready_text(plan: UpPlan) -> list[tuple[str, str]]:
     lines.append(("state", str(opts.state_dir)))
     lines.append(("logs", str(opts.state_dir / "logs")))
     lines.append(("node config", f"export KVPOOL_CONFIG_PATH={plan.node_config_path}"))
-    lines.append(("metrics", f'curl -s {plan.master_url}/metrics | grep -E "kv_cache|connected"'))
+    if opts.engine == "mooncake":
+        lines.append(("metrics", mooncake.metrics_grep(plan.master_url)))
+    else:
+        grep = 'grep -E "kv_cache|connected"'
+        lines.append(("metrics", f"curl -s {plan.master_url}/metrics | {grep}"))
     if plan.proxy_url:
         completion = {
             "model": plan.model_name,

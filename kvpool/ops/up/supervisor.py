@@ -116,7 +116,9 @@ class Supervisor:
     def start(self, spec: ProcessSpec) -> Running:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**self.base_env, **spec.env}
-        argv = [spec.argv[0], "-c", _LAUNCHER, str(os.getpid()), *spec.argv]
+        # a program that is no Python (mooncake_master) is exec'd by the launcher too
+        python = spec.launcher or spec.argv[0]
+        argv = [python, "-c", _LAUNCHER, str(os.getpid()), *spec.argv]
         with spec.log_path.open("ab") as log:
             log.write(f"\n==> kvpool up: {' '.join(spec.argv)}\n".encode())
             log.flush()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -18,3 +21,65 @@ def gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+# ------------------------------------------------------- private network namespaces
+# Mooncake binds every interface, so a test runs each Mooncake process inside a network
+# namespace of its own: ``kvpool up`` is started under ``unshare -n`` (only ``lo``, brought
+# up), and the test reaches it by running a small client there with ``nsenter``.
+
+NS_CLIENT = """
+import json, sys, urllib.error, urllib.request
+url, body, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+data = body.encode() if body else None
+request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        status, text = reply.status, reply.read().decode()
+except urllib.error.HTTPError as exc:
+    status, text = exc.code, exc.read().decode()
+except OSError as exc:
+    status, text = None, repr(exc)
+print(json.dumps([status, text]))
+"""
+
+
+def unshared(argv: list[str]) -> list[str]:
+    """``argv`` in a new network namespace with ``lo`` up; ``unshare`` execs without a
+    fork, so the returned command's pid is the program's own."""
+    return ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv]
+
+
+def ns_http(
+    pid: int, url: str, body: object = None, *, timeout_s: float = 30.0
+) -> tuple[int | None, str]:
+    """GET (or POST ``body`` as JSON) ``url`` from inside the network namespace of ``pid``."""
+    payload = "" if body is None else json.dumps(body)
+    done = subprocess.run(
+        [
+            "nsenter",
+            f"--net=/proc/{pid}/ns/net",
+            sys.executable,
+            "-c",
+            NS_CLIENT,
+            url,
+            payload,
+            str(timeout_s),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s + 30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    status, text = json.loads(done.stdout)
+    return status, text
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples (0 when absent)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )

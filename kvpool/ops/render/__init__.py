@@ -1,0 +1,114 @@
+"""``kvpool config render``: per-node files from one inventory, as the production guide's §4 Ansible
+template does — with the peer topologies filled in for you.
+
+Inventory (TOML or JSON, same shape; docs/configuration.md has the reference)::
+
+    model = "/workspace/GLM-5.2-w8a8"
+    [[hosts]]
+    name = "p0"   address = "10.0.0.1"   role = "prefill"   dp_size = 4   tp_size = 8
+    [[hosts]]
+    name = "d0"   address = "10.0.0.2"   role = "decode"    dp_size = 8   tp_size = 4
+
+Output: ``master.sh`` (run on the first prefill host) and, per host, ``<name>/mooncake.json``,
+``<name>/kv-transfer-config.json``, ``<name>/env.sh``, ``<name>/node.sh`` and
+``<name>/serve.sh``.  ``engine = "mooncake"`` (or ``--engine mooncake``) renders the same
+cluster for real Mooncake instead (:mod:`.mooncake`).  :func:`render` is pure (inventory
+in, file texts out); :func:`run` does the reading and writing.
+
+- :mod:`.inventory` — the inventory's keys and validation;
+- :mod:`.files` — the rendered files (pure);
+- :mod:`.mooncake` — what differs on real Mooncake.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpool.config import load_node_config, served_protocols
+from kvpool.errors import ConfigError
+from kvpool.ops.doctor.checks_connector import model_info
+from kvpool.ops.render.files import render, write_rendered
+from kvpool.ops.render.inventory import (
+    ENGINES,
+    Host,
+    Inventory,
+    load_inventory,
+    parse_inventory,
+)
+
+__all__ = [
+    "ENGINES",
+    "CheckOptions",
+    "Host",
+    "Inventory",
+    "RenderOptions",
+    "load_inventory",
+    "parse_inventory",
+    "render",
+    "run",
+    "run_check",
+    "write_rendered",
+]
+
+
+def _check_model(inv: Inventory) -> None:
+    """consumer_is_to_put needs an MLA model; check when the model is readable here."""
+    if not inv.consumer_is_to_put:
+        return
+    config = Path(inv.model) / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return  # the model lives on the nodes: doctor --model checks it there
+    info = model_info(data)
+    if not info.is_mla:
+        raise ConfigError(
+            f"consumer_is_to_put: {inv.model} is not an MLA model ({info.reason}); remove it"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RenderOptions:
+    """``kvpool config render INVENTORY --out DIR``."""
+
+    inventory: str
+    out: str
+    engine: str | None = None  # None: the inventory's engine, else kvpool
+
+
+def run(options: RenderOptions) -> int:
+    """``kvpool config render``: write every host's files, print what was written.  A bad
+    inventory is a ConfigError naming the key (nothing is written then)."""
+    inv = parse_inventory(load_inventory(options.inventory), engine=options.engine)
+    # Mooncake's Transfer Engine serves its own protocols (rdma, ...); kvpool's must be here
+    if inv.engine == "kvpool" and inv.protocol not in served_protocols():
+        raise ConfigError(f'protocol: {inv.protocol!r} cannot be served here; set protocol = "tcp"')
+    _check_model(inv)
+    written = write_rendered(render(inv), options.out)
+    for path in written:
+        print(path)
+    print(f"master: {inv.master.address} (run master.sh on {inv.role('prefill')[0].name})")
+    if inv.engine == "mooncake":
+        print(
+            "engine mooncake: mooncake_master and every vLLM process's Transfer Engine listen"
+            " on every interface; keep the hosts on a private network"
+        )
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class CheckOptions:
+    """``kvpool config check [PATH]``: None reads KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH."""
+
+    path: str | None = None
+
+
+def run_check(options: CheckOptions) -> int:
+    """``kvpool config check``: validate a node config and print it resolved (a bad one is
+    a ConfigError naming the key)."""
+    node = load_node_config(options.path)
+    for name in node.__dataclass_fields__:
+        print(f"{name} = {getattr(node, name)!r}")
+    return 0

@@ -1,0 +1,168 @@
+"""The files ``kvpool config render`` writes, from a validated inventory (pure, but for
+:func:`write_rendered`): ``master.sh``; per host ``mooncake.json``,
+``kv-transfer-config.json``, ``env.sh``, ``node.sh`` and ``serve.sh``.  On Mooncake the
+per-engine parts come from :mod:`.mooncake`."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvpool.config import Topology
+from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
+from kvpool.ops.render import mooncake as render_mooncake
+from kvpool.ops.render.inventory import Host, Inventory
+
+__all__ = ["render", "write_rendered"]
+
+
+def _node_json(inv: Inventory, host: Host) -> dict[str, Any]:
+    node: dict[str, Any] = {
+        "local_hostname": host.address,
+        "metadata_server": f"{inv.master.host}:{inv.master.port}",
+        "protocol": inv.protocol,
+        "global_segment_size": inv.global_segment_size,
+    }
+    if inv.device_name:
+        node["device_name"] = inv.device_name
+    if host.ssd_offload_path:
+        node["enable_ssd_offload"] = True
+        node["ssd_offload_path"] = host.ssd_offload_path
+        if host.ssd_offload_limit is not None:
+            node["ssd_offload_limit"] = host.ssd_offload_limit
+    return node
+
+
+def _kv_transfer_config(inv: Inventory, host: Host) -> dict[str, Any]:
+    """The production guide's §5.2/§5.3 layout under kvpool's class names.  Both topology
+    blocks are written, as in the guide; the one named after the peer is what the
+    connector routes by."""
+    role = "kv_producer" if host.role == "prefill" else "kv_consumer"
+    transfer_name, store_name = "KVPoolTransferConnector", "KVPoolStoreConnector"
+    # "mooncake" with a Mooncake mooncake.json runs the store on Mooncake Store
+    backend = "mooncake" if inv.engine == "mooncake" else "kvpool"
+    store_extra: dict[str, Any] = {"lookup_rpc_port": "0", "backend": backend}
+    if host.role == "decode":
+        store_extra["load_async"] = True
+        if inv.consumer_is_to_put:
+            store_extra["consumer_is_to_put"] = True
+            store_extra["prefill"] = _topology_json(inv.topology("prefill"))
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": transfer_name,
+                    "kv_connector_module_path": KVPOOL_CONNECTORS[transfer_name][1],
+                    "kv_role": role,
+                    "kv_port": str(host.kv_port),
+                    "kv_connector_extra_config": {
+                        "prefill": _topology_json(inv.topology("prefill")),
+                        "decode": _topology_json(inv.topology("decode")),
+                        "kv_host": host.address,
+                    },
+                },
+                {
+                    "kv_connector": store_name,
+                    "kv_connector_module_path": KVPOOL_CONNECTORS[store_name][1],
+                    "kv_role": role,
+                    "kv_connector_extra_config": store_extra,
+                },
+            ]
+        },
+    }
+
+
+def _topology_json(t: Topology) -> dict[str, int]:
+    return {"dp_size": t.dp_size, "tp_size": t.tp_size}
+
+
+def render(inv: Inventory) -> dict[str, str]:
+    """Relative path → file text for the whole cluster."""
+    files: dict[str, str] = {}
+    decode_ranks = inv.topology("decode").ranks
+    connect_ms = max(10_000, 500 * decode_ranks)  # the guide's §5.1: ≥ 500 ms × decode ranks
+    files["master.sh"] = _master_sh(inv)
+    config_path = f"{inv.config_dir.rstrip('/')}/mooncake.json"
+    mooncake = inv.engine == "mooncake"
+    for host in inv.hosts:
+        kv = _kv_transfer_config(inv, host)
+        files[f"{host.name}/kv-transfer-config.json"] = json.dumps(kv, indent=2) + "\n"
+        files.update(_serve_sh(inv, host, kv))
+        if mooncake:  # no node.sh: every vLLM process contributes its own segment
+            files[f"{host.name}/mooncake.json"] = render_mooncake.node_text(inv, host)
+            files[f"{host.name}/env.sh"] = render_mooncake.env_sh(
+                host, config_path, connect_ms, inv.transfer_timeout_ms
+            )
+            continue
+        files[f"{host.name}/mooncake.json"] = json.dumps(_node_json(inv, host), indent=2) + "\n"
+        files[f"{host.name}/env.sh"] = (
+            f"# kvpool environment for {host.name} ({host.role}, {host.address})\n"
+            f"# copy {host.name}/mooncake.json to {config_path} on the host.\n"
+            "# PYTHONHASHSEED is not needed: kvpool's block keys are content hashes.\n"
+            f"export KVPOOL_CONFIG_PATH={shlex.quote(config_path)}\n"
+            f"export KVPOOL_CONNECT_TIMEOUT_MS={connect_ms}\n"
+            f"export KVPOOL_TRANSFER_TIMEOUT_MS={inv.transfer_timeout_ms}\n"
+        )
+        files[f"{host.name}/node.sh"] = _script(
+            f"storage node on {host.name}: contributes memory (and SSD) to the pool",
+            ["kvpool", "node"],
+            source_env=True,
+        )
+    return files
+
+
+def _master_sh(inv: Inventory) -> str:
+    m = inv.master
+    where = f"run on {inv.role('prefill')[0].name} ({m.host})"
+    if inv.engine == "mooncake":
+        return _script(
+            f"mooncake_master: {where}; every node's master_server_address points here."
+            f" It binds every interface: keep {m.port} and {inv.metrics_port} private",
+            render_mooncake.master_argv(inv),
+        )
+    master_argv = [
+        "kvpool", "master", "--host", m.host, "--port", str(m.port),
+        "--eviction_high_watermark_ratio", str(m.eviction_high_watermark_ratio),
+        "--eviction_ratio", str(m.eviction_ratio),
+        "--default_kv_lease_ttl", str(m.default_kv_lease_ttl),
+        f"--enable_offload={'true' if m.enable_offload else 'false'}",
+        f"--client_ttl={m.client_ttl}",
+    ]  # fmt: skip
+    return _script(f"kvpool master: {where}; every node's metadata_server points here", master_argv)
+
+
+def _serve_sh(inv: Inventory, host: Host, kv: Mapping[str, Any]) -> dict[str, str]:
+    serve = [
+        "vllm", "serve", inv.model,
+        "--port", str(host.http_port),
+        "--tensor-parallel-size", str(host.topology.tp_size),
+        "--data-parallel-size", str(host.topology.dp_size),
+        "--kv-transfer-config", json.dumps(kv, separators=(",", ":")),
+    ]  # fmt: skip
+    text = _script(f"{host.role} instance on {host.name} ({host.address})", serve, source_env=True)
+    return {f"{host.name}/serve.sh": text}
+
+
+def _script(comment: str, argv: list[str], *, source_env: bool = False) -> str:
+    env = '. "$(dirname "$0")/env.sh"\n' if source_env else ""
+    header = f"#!/bin/sh\n# {comment}\n# rendered by kvpool config render\nset -e\n"
+    return f"{header}{env}exec {shlex.join(argv)}\n"
+
+
+def write_rendered(files: Mapping[str, str], out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    written = []
+    for rel, text in sorted(files.items()):
+        target = out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+        if rel.endswith(".sh"):
+            target.chmod(0o755)
+        written.append(target)
+    return written

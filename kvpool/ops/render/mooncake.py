@@ -1,0 +1,87 @@
+"""``kvpool config render --engine mooncake``: the cluster's files for real Mooncake (pure).
+
+Where the kvpool engine has one service (``kvpool master``, also the metadata service)
+and storage nodes, Mooncake has ``mooncake_master`` (RPC ``--rpc_port``, metrics
+``--metrics_port``) and Mooncake Store inside every vLLM process, which contributes its
+``global_segment_size`` to the pool.  So, per cluster:
+
+- ``master.sh``: ``mooncake_master`` with the inventory's ``[master]`` values under
+  Mooncake's spellings (the production guide's §3 flags);
+- per host ``mooncake.json`` with Mooncake's keys (``metadata_server: P2PHANDSHAKE``,
+  ``master_server_address``, ``local_buffer_size``, ...), as vllm-ascend's Mooncake
+  backend reads it; ``kv-transfer-config.json`` and ``serve.sh`` with the store
+  connector's ``backend: "mooncake"``; ``env.sh`` naming the config under both variables.
+  No ``node.sh``: there is no storage node process on Mooncake.
+
+Mooncake binds every interface (the Transfer Engine's ports in every vLLM process): keep
+the cluster's hosts on a private network.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import TYPE_CHECKING, Any
+
+from kvpool.config import parse_size
+
+if TYPE_CHECKING:
+    from kvpool.ops.render.inventory import Host, Inventory
+
+__all__ = ["env_sh", "master_argv", "node_json"]
+
+
+def master_argv(inv: Inventory) -> list[str]:
+    m = inv.master
+    argv = [
+        "mooncake_master",
+        f"--rpc_address={m.host}",
+        f"--rpc_port={m.port}",
+        f"--metrics_port={inv.metrics_port}",
+        f"--eviction_high_watermark_ratio={m.eviction_high_watermark_ratio}",
+        f"--eviction_ratio={m.eviction_ratio}",
+        f"--default_kv_lease_ttl={m.default_kv_lease_ttl}",
+        f"--client_ttl={m.client_ttl}",
+    ]
+    if m.enable_offload:
+        argv.append("--enable_offload=true")
+    return argv
+
+
+def node_json(inv: Inventory, host: Host) -> dict[str, Any]:
+    node: dict[str, Any] = {
+        "local_hostname": host.address,
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_size": inv.global_segment_size,
+        "local_buffer_size": inv.local_buffer_size,
+        "protocol": inv.protocol,
+        "master_server_address": inv.master.address,
+    }
+    if inv.device_name:
+        node["device_name"] = inv.device_name
+    if host.ssd_offload_path:
+        node["enable_ssd_offload"] = True
+        node["ssd_offload_path"] = host.ssd_offload_path
+    return node
+
+
+def env_sh(host: Host, config_path: str, connect_ms: int, transfer_ms: int) -> str:
+    lines = [
+        f"# kvpool environment for {host.name} ({host.role}, {host.address}), on Mooncake",
+        f"# copy {host.name}/mooncake.json to {config_path} on the host.",
+        "# Mooncake's Transfer Engine listens on every interface: keep this host on a",
+        "# private network.  PYTHONHASHSEED is not needed: kvpool's block keys are content",
+        "# hashes.",
+        f"export MOONCAKE_CONFIG_PATH={shlex.quote(config_path)}",
+        f"export KVPOOL_CONFIG_PATH={shlex.quote(config_path)}",
+        f"export KVPOOL_CONNECT_TIMEOUT_MS={connect_ms}",
+        f"export KVPOOL_TRANSFER_TIMEOUT_MS={transfer_ms}",
+    ]
+    if host.ssd_offload_path and host.ssd_offload_limit is not None:
+        limit = parse_size(host.ssd_offload_limit, key="ssd_offload_limit")
+        lines.append(f"export MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES={limit}")
+    return "\n".join(lines) + "\n"
+
+
+def node_text(inv: Inventory, host: Host) -> str:
+    return json.dumps(node_json(inv, host), indent=2) + "\n"
