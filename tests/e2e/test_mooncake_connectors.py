@@ -109,14 +109,21 @@ def call(function: str, *args: Any) -> dict[str, Any]:
 
 
 STATS = {"op": "stats"}
+# Turn 1 is 250 tokens; its answer completes the second 128-token block during decode.
+TWO_TURNS = {
+    "op": "two_turns",
+    "prompt": sample_text(250, seed=11),
+    "follow": sample_text(40, seed=12),
+    "max_tokens": 20,
+}
 METRICS_STEP = call("master_metrics", METRICS)
 
 
-def store_config(policy: str, **extra: Any) -> dict[str, Any]:
+def store_config(policy: str, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "KVPoolStoreConnector",
         "kv_connector_module_path": "kvpool.connectors.store",
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {"lookup_rpc_port": "1", "backend": "mooncake", **extra},
     }
@@ -126,8 +133,13 @@ def store_config(policy: str, **extra: Any) -> dict[str, Any]:
 def reference(tiny_model_dir: Path, run_offline: RunOffline) -> dict[str, list[int]]:
     """Greedy outputs of an engine with no connector (outside the namespace: no Mooncake)."""
     prompts = [LONG, OTHER, PD_PROMPT, SHARED_PREFIX, AFTER_MASTER]
-    run = run_offline({"model": str(tiny_model_dir), "steps": [gen(*prompts)]})
-    return dict(zip(prompts, run.results[0]["tokens"], strict=True))
+    run = run_offline({"model": str(tiny_model_dir), "steps": [gen(*prompts), TWO_TURNS]})
+    out, turns = run.results
+    return {
+        **dict(zip(prompts, out["tokens"], strict=True)),
+        "turn1": turns["turn1"],
+        "turn2": turns["turn2"],
+    }
 
 
 def offline(run_offline: RunOffline, pool: Pool, spec: dict[str, Any], **env: str) -> Any:
@@ -192,26 +204,38 @@ def test_kv_both_on_mooncake_loads_from_the_pool_and_misses_damaged_objects(
     assert m2["master_key_count"] == m1["master_key_count"]
 
 
-def test_policy_fail_on_mooncake_errors_only_the_failed_request(
-    tiny_model_dir: Path, run_offline: RunOffline, pool: Pool, reference: dict[str, list[int]]
+def test_consumer_write_back_and_policy_fail_on_mooncake(
+    tiny_model_dir: Path, run_offline: RunOffline, pool: Pool, reference: dict[str, Any]
 ) -> None:
+    """A decode-side store (kv_consumer, load_async) with consumer_is_to_put and policy fail."""
     run = offline(
         run_offline,
         pool,
         {
             "model": str(tiny_model_dir),
-            "kv_transfer_config": store_config("fail", load_async=True),
-            "steps": [gen(LONG), call("damage", "corrupt", 1, 1), gen(LONG, OTHER), STATS],
+            "kv_transfer_config": store_config(
+                "fail", role="kv_consumer", load_async=True, consumer_is_to_put=True
+            ),
+            "steps": [
+                TWO_TURNS, STATS,
+                gen(LONG), call("damage", "corrupt", -2, 1),
+                gen(LONG, OTHER), STATS,
+            ],
         },
-    )
-    first, corrupted, both, stats = run.results
-    assert "load_async=true" in run.log and "backend=mooncake" in run.log
+    )  # fmt: skip
+    turns, s1, first, corrupted, both, s2 = run.results
+    assert "role=kv_consumer, backend=mooncake" in run.log
+    assert "load_async=true, consumer_is_to_put=true" in run.log
+    # §6.2 decode write-back: block 1 (tokens 128-255) was completed by decode steps and
+    # the next turn still finds it in Mooncake.
+    assert turns["turn1"] == reference["turn1"] and turns["turn2"] == reference["turn2"]
+    assert turns["turn2_cached"] == 2 * BLOCK and s1["hit_tokens"] == 2 * BLOCK
+    # Policy fail: the request whose block is corrupt fails; the one beside it does not.
     assert first["tokens"][0] == reference[LONG] and corrupted["damaged"] == 1
-    # The request whose block was corrupt fails; the one beside it in the batch does not.
     assert both["finish"][0] == "error" and both["tokens"][0] == [], both
     assert both["tokens"][1] == reference[OTHER]
     assert "Failing 1 request(s) due to KV load failure (failure_policy=fail" in run.log
-    assert stats["failed_blocks"] >= 1
+    assert s2["failed_blocks"] >= 1
 
 
 # ---------------------------------------------------------------- P/D under vllm serve
