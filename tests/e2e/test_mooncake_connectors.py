@@ -346,6 +346,7 @@ def wait_for(what: str, check: Any, timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.timeout(600)  # two vllm serve starts on a shared machine
 def test_guides_pd_on_mooncake_shares_the_pool_and_survives_the_master(
     tiny_model_dir: Path, pool: Pool, reference: dict[str, list[int]]
 ) -> None:
