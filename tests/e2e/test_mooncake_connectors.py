@@ -13,12 +13,13 @@ compared with a plain vLLM that has no connector.
 Runs (the smallest set that covers the store connector's behaviours on Mooncake):
 - offline ``kv_both`` (recompute): a second run loads from the pool, the process's
   ``global_segment_size`` is pool capacity, a corrupt object and a removed one are misses;
-- offline ``kv_both`` with ``load_async`` and policy ``fail``: only the failed request errors;
+- offline ``kv_consumer`` with ``load_async``, ``consumer_is_to_put`` and policy ``fail``:
+  decode write-back makes the next turn hit; only the request with a corrupt block errors;
 - the production guide's §5.2 P and §5.3 D (MultiConnector: the transfer connector P→D over
   kvpool's TCP, the store connector on Mooncake) under ``vllm serve`` behind ``kvpool
   proxy``, with different ``PYTHONHASHSEED``s: P/D outputs equal plain, D reads what P
-  wrote (``load_async``), a repeated prefix comes from the pool, and with the master killed
-  every request is still answered right (recompute).
+  wrote (``load_async``), each instance's worker is pool capacity, a repeated prefix comes
+  from the pool, and with the master killed every request is still answered right.
 """
 
 from __future__ import annotations
