@@ -382,13 +382,16 @@ class TransferConfig:
         engine_id: str | None,
         extra: Mapping[str, Any],
         env: Mapping[str, str],
-        node: NodeConfig | None = None,
+        node: NodeConfig | MooncakeNodeConfig | None = None,
     ) -> TransferConfig:
         """Build from vLLM's ``KVTransferConfig`` fields, ``os.environ`` and the node config
-        (``mooncake.json``: its ``local_hostname``, ``protocol`` and timeouts) if given."""
+        (``mooncake.json``: its ``local_hostname``, ``protocol`` and timeouts) if given.
+        A Mooncake config (the guide's P and D on real Mooncake) has no timeouts of
+        kvpool's: the defaults and the environment apply."""
         node_host = node.local_hostname if node is not None else None
-        connect_default = node.timeouts.connect_timeout_ms if node else _DEFAULT_CONNECT_MS
-        transfer_default = node.timeouts.transfer_timeout_ms if node else _DEFAULT_TRANSFER_MS
+        timeouts = node.timeouts if isinstance(node, NodeConfig) else None
+        connect_default = timeouts.connect_timeout_ms if timeouts else _DEFAULT_CONNECT_MS
+        transfer_default = timeouts.transfer_timeout_ms if timeouts else _DEFAULT_TRANSFER_MS
         if role not in ROLES:
             raise ConfigError(
                 f"kv_role must be one of {list(ROLES)} for {TRANSFER_CONNECTOR}, got {role!r}"
@@ -429,7 +432,8 @@ class TransferConfig:
             peer=peer,
             kv_host=(host or "127.0.0.1").strip(),
             protocol=node.protocol if node is not None else _DEFAULT_PROTOCOL,
-            transport=node.transport if node is not None else None,
+            # a Mooncake config has no ``transport``: its protocol decides (rdma: the engine)
+            transport=node.transport if isinstance(node, NodeConfig) else None,
             device_name=node.device_name if node is not None else "",
             connect_timeout_ms=_timeout_ms(
                 extra,

@@ -9,8 +9,12 @@ network namespace.  This module gives tests one way in:
   namespaces, sockets do not): ``run("pkg.mod:func", ...)`` calls a function,
   ``new(...)`` keeps the object it returns under a handle, ``call(handle, method, ...)``
   calls a method of it, and :class:`Ref` passes a kept object as an argument.  Results
-  and exceptions (kvpool's errors included) come back pickled.  Closing the namespace
-  ends the helper (by its PID), and with it the namespace and every process in it.
+  and exceptions (kvpool's errors included) come back pickled.  Other processes join the
+  namespace through :meth:`Namespace.popen` / :meth:`Namespace.command` (``nsenter`` into
+  the helper's namespace: vLLM, ``vllm serve``, ``kvpool proxy`` beside a real master);
+  :func:`http_json` run there is how the test reaches their HTTP ports.  Closing the
+  namespace kills what :meth:`~Namespace.popen` started (each its process group) and
+  ends the helper (by its PID), and with them the namespace.
 - :class:`MooncakeMaster` starts the wheel's ``mooncake_master`` with the guide's flags on
   127.0.0.1 and waits (bounded) until its metrics port answers.  It refuses to start
   outside a private namespace (:func:`private_netns`).
@@ -23,15 +27,20 @@ so a missing wheel is a failure, not a skip.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import multiprocessing.connection as mpc
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +55,7 @@ __all__ = [
     "MooncakeMissing",
     "Namespace",
     "Ref",
+    "http_json",
     "mooncake_binary",
     "private_netns",
 ]
@@ -184,6 +194,7 @@ class Namespace(Closing):
         finally:
             theirs.close()
         self._conn = ours
+        self._started: list[subprocess.Popen[bytes]] = []
         try:
             self.run("os:getpid")  # the helper is up and in its namespace
         except BaseException:
@@ -220,9 +231,24 @@ class Namespace(Closing):
     def call(self, ref: Ref, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._ask("call", ref.handle, (method, *args), kwargs)
 
+    def command(self, *argv: str) -> list[str]:
+        """``argv`` as a command line that runs inside this namespace: ``nsenter`` joins
+        the helper's network namespace (only ``lo``), nothing else changes."""
+        return ["nsenter", f"--net=/proc/{self.proc.pid}/ns/net", "--", *argv]
+
+    def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        """Start ``argv`` inside the namespace in a session of its own; :meth:`close`
+        kills its process group if it is still there (a test that failed halfway)."""
+        self._ask("run", "os:getpid", (), {})  # the namespace is still there
+        proc = subprocess.Popen(self.command(*argv), start_new_session=True, **kwargs)
+        self._started.append(proc)
+        return proc
+
     def close(self) -> None:
         if self._conn.closed:
             return
+        for proc in reversed(self._started):
+            kill_group(proc)
         if self.proc.poll() is None:
             try:
                 self._conn.send(("stop", None, (), {}))
@@ -233,6 +259,36 @@ class Namespace(Closing):
         self._conn.close()
         self._log.close()
 
+
+def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+    """SIGTERM ``proc``'s process group (a session of its own), then SIGKILL whatever of
+    the group is left (vLLM's engine processes may outlive the API server)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(grace_s)
+
+
+def http_json(url: str, body: Any = None, timeout_s: float = 120.0) -> tuple[int | None, Any]:
+    """``(status, decoded JSON or text)`` of a GET (no ``body``) or a JSON POST; status
+    None when nothing answered.  Run inside a namespace (``ns.run("kvpool.testing.mooncake:
+    http_json", ...)``) to reach a server there."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            status, raw = reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except OSError as exc:
+        return None, str(exc)
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode("utf-8", "replace")
 
 
 def _resolve(target: str) -> Any:

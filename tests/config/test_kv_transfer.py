@@ -6,6 +6,7 @@ import pytest
 
 from kvpool.config import NodeConfig, Timeouts
 from kvpool.config.kv_transfer import TransferConfig, pairing_group
+from kvpool.config.node import MooncakeNodeConfig
 from kvpool.config.topology import Topology
 from kvpool.errors import ConfigError
 
@@ -18,7 +19,7 @@ def build(
     env: dict[str, str] | None = None,
     port: object = "30000",
     engine_id: str | None = "g0",
-    node: NodeConfig | None = None,
+    node: NodeConfig | MooncakeNodeConfig | None = None,
 ) -> TransferConfig:
     return TransferConfig.from_values(
         role=role,
@@ -127,3 +128,14 @@ def test_the_node_config_protocol_chooses_the_transport() -> None:
     assert build().protocol == "tcp"  # no node config: kvpool's TCP
     assert build(node=NodeConfig("10.0.0.8", "10.0.0.1", protocol="tcp")).protocol == "tcp"
     assert build(node=NodeConfig("10.0.0.8", "10.0.0.1", protocol="rdma")).protocol == "rdma"
+
+
+def test_a_mooncake_node_config_gives_host_and_protocol_and_leaves_timeouts_default() -> None:
+    # The guide's P and D on real Mooncake: one mooncake.json (vllm-ascend's) for both
+    # MultiConnector children; it has no kvpool timeouts, so the defaults and env apply.
+    node = MooncakeNodeConfig("10.0.0.8", "P2PHANDSHAKE", "10.0.0.1:50051", protocol="tcp")
+    cfg = build(node=node)
+    assert cfg.kv_host == "10.0.0.8" and cfg.protocol == "tcp"
+    assert cfg.connect_timeout_ms == build().connect_timeout_ms
+    assert cfg.transfer_timeout_ms == build().transfer_timeout_ms
+    assert build(node=node, env={"ASCEND_CONNECT_TIMEOUT": "500"}).connect_timeout_ms == 500

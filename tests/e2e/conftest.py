@@ -64,15 +64,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def run_offline(tmp_path_factory: pytest.TempPathFactory) -> RunOffline:
-    """``run_offline(spec, env=...)``: run one offline engine through ``spec["steps"]``."""
+    """``run_offline(spec, env=..., enter=...)``: run one offline engine through
+    ``spec["steps"]``; ``enter`` maps the command line first (a namespace's ``command``)."""
     counter = iter(range(1_000_000))
 
-    def run(spec: dict[str, Any], *, env: Mapping[str, str] | None = None) -> OfflineRun:
+    def run(
+        spec: dict[str, Any],
+        *,
+        env: Mapping[str, str] | None = None,
+        enter: Callable[..., list[str]] | None = None,
+    ) -> OfflineRun:
         workdir = tmp_path_factory.mktemp(f"offline{next(counter)}")
         spec_path = workdir / "spec.json"
         spec_path.write_text(json.dumps(spec))
+        argv = [sys.executable, "-m", "tests.e2e.vllm_offline", str(spec_path)]
         proc = subprocess.run(
-            [sys.executable, "-m", "tests.e2e.vllm_offline", str(spec_path)],
+            argv if enter is None else enter(*argv),
             cwd=REPO,
             env=vllm_env(env),
             capture_output=True,

@@ -13,11 +13,15 @@ SPEC: {"model": dir, "kv_transfer_config": {...} | null, "prefix_caching": bool,
 - {"op": "damage", "mode": "remove" | "corrupt", "count": int} → damages the most recently
   stored objects of the embedded pool (through the test double wrapped around it);
 - {"op": "stats"} → the store connector's counters so far (vLLM's Prometheus registry);
-- {"op": "kill", "pid": int} → SIGKILL that process (the master, mid-run).
+- {"op": "kill", "pid": int} → SIGKILL that process (the master, mid-run);
+- {"op": "call", "target": "pkg.mod:function", "args": [...]} → what that function returns
+  (e.g. tests.e2e.mooncake_steps: damage a Mooncake object, read the master's metrics).
+SPEC's optional "setup": ["pkg.mod:function", ...] are called before the engine starts.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -42,6 +46,11 @@ def _counters() -> dict[str, float]:
     return out
 
 
+def _resolve(target: str) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def main(spec_path: str) -> int:
     spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams
@@ -55,6 +64,8 @@ def main(spec_path: str) -> int:
         damaging = DamagingPool(make_embedded())
         EmbeddedPools.install(damaging)
 
+    for target in spec.get("setup", []):
+        _resolve(target)()
     kwargs: dict[str, Any] = {}
     if spec.get("kv_transfer_config") is not None:
         from vllm.config import KVTransferConfig
@@ -110,6 +121,8 @@ def main(spec_path: str) -> int:
         elif op == "kill":  # e.g. the master, mid-run
             os.kill(int(step["pid"]), signal.SIGKILL)
             results.append({"killed": step["pid"]})
+        elif op == "call":
+            results.append(_resolve(step["target"])(*step.get("args", [])))
         else:
             raise ValueError(f"unknown op {op!r}")
     print(RESULT_MARK + json.dumps(results), flush=True)

@@ -152,3 +152,35 @@ def test_the_store_connectors_mooncake_backend_opens_mooncake_for_a_mooncake_con
         assert pool.engine == "kvpool" and config.master == "10.0.0.1:50088"
     finally:
         pool.close()
+
+
+def test_the_schedulers_lookups_open_mooncake_as_a_pure_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the workers (which hold KV) contribute global_segment_size to the pool; the
+    scheduler half's lookups mount no segment (under ``vllm serve`` it is a process of its
+    own, which otherwise mounted a second segment per instance)."""
+    from kvpool.config.kv_transfer import parse_store_config
+    from kvpool.config.node import load_any_node_config
+    from kvpool.connectors.store.pool import EmbeddedPools, open_pool
+    from kvpool.engines import MooncakeEngine
+
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(ASCEND))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    monkeypatch.delenv("KVPOOL_CONFIG_PATH", raising=False)
+    config = parse_store_config(
+        "kv_both", {"backend": "mooncake"}, env={}, load_node=load_any_node_config
+    )
+    names = ["mooncake:10.0.0.1:50051", "mooncake-lookups:10.0.0.1:50051"]
+    try:
+        open_pool(config)  # the worker's (lazy: opens nothing yet)
+        open_pool(config, lookups=True)  # the scheduler's
+        worker, lookups = (EmbeddedPools.peek(name) for name in names)
+        assert isinstance(worker, MooncakeEngine) and isinstance(lookups, MooncakeEngine)
+        assert worker.config.global_segment_size == int(3.125 * (1 << 30))
+        assert lookups.config.global_segment_size == 0
+        assert lookups.config.master_server_address == worker.config.master_server_address
+    finally:
+        for name in names:
+            EmbeddedPools.release(name)

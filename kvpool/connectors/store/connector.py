@@ -175,7 +175,7 @@ class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
         def lookups() -> PoolEngine:
             if config.backend == "embedded":  # the pool lives in the worker: ask it there
                 return LookupClient(channel, timeout_s=config.lookup_timeout_ms / 1000)
-            return open_pool(config, timeout_ms=config.lookup_timeout_ms)
+            return open_pool(config, timeout_ms=config.lookup_timeout_ms, lookups=True)
 
         self._scheduler: StoreScheduler | None = None
         self._worker: StoreWorker | None = None

@@ -17,6 +17,7 @@ and a reconnecting handle.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -136,9 +137,16 @@ class EmbeddedPools:
             entry[0].close()
 
 
-def open_pool(config: StoreConfig, *, timeout_ms: int | None = None) -> PoolEngine:
+def open_pool(
+    config: StoreConfig, *, timeout_ms: int | None = None, lookups: bool = False
+) -> PoolEngine:
     """The engine for ``config.backend`` (a new connection, or the shared embedded pool);
-    ``timeout_ms`` overrides ``config.pool_timeout_ms`` (the scheduler's lookups)."""
+    ``timeout_ms`` overrides ``config.pool_timeout_ms`` (the scheduler's lookups).
+
+    ``lookups``: for the scheduler half, which only asks what the pool holds.  On real
+    Mooncake it opens the store as a pure client (``global_segment_size`` 0): memory is
+    contributed by the processes that hold KV (the workers, one per rank, as vllm-ascend's
+    backend), not once more by each instance's scheduler process."""
     engine = ENGINE_OF_BACKEND[config.backend]
     if engine == "embedded":
         return EmbeddedPools.get(
@@ -148,11 +156,14 @@ def open_pool(config: StoreConfig, *, timeout_ms: int | None = None) -> PoolEngi
     if config.backend == "mooncake":
         node = load_any_node_config() if config_path_from_env(os.environ) else None
         if isinstance(node, MooncakeNodeConfig):
-            # one Mooncake store per process, as vllm-ascend's: each would mount its own
-            # global_segment_size and register as its own client
+            # one Mooncake store per process and use, as vllm-ascend's: each would mount
+            # its own global_segment_size and register as its own client
+            name = f"mooncake:{node.master_server_address}"
+            if lookups:
+                node = dataclasses.replace(node, global_segment_size=0)
+                name = f"mooncake-lookups:{node.master_server_address}"
             return EmbeddedPools.get(
-                f"mooncake:{node.master_server_address}",
-                lambda: open_engine("mooncake", mooncake=node, timeout_s=timeout_s),
+                name, lambda: open_engine("mooncake", mooncake=node, timeout_s=timeout_s)
             )
     return open_engine(engine, master=config.master, timeout_s=timeout_s)
 

@@ -18,6 +18,7 @@ from P's ``kv_port`` after P has answered, so P's engine never waits on D.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ from kvpool.config import (
     TransferConfig,
     config_path_from_env,
 )
-from kvpool.config.node import load_any_node_config
+from kvpool.config.node import MooncakeNodeConfig, load_any_node_config
 from kvpool.connectors.pages import byte_pages
 from kvpool.connectors.stats import CounterStatsHooks, register_connector
 from kvpool.connectors.transfer.jobs import TransferJobs
@@ -63,16 +64,12 @@ class TransferMetadata(KVConnectorMetadata):
     jobs: TransferJobs = field(default_factory=TransferJobs)
 
 
-def _node_config() -> NodeConfig | None:
-    """The node config (``mooncake.json``), if the environment names one.
-
-    A Mooncake config (``P2PHANDSHAKE``, ``master_server_address``) is for the store
-    connector's Mooncake Store and says nothing this connector uses: it is skipped, and
-    the transfer settings come from ``kv_host``, the env and the defaults."""
-    if config_path_from_env(os.environ) is None:
+def _node_config(env: Mapping[str, str] = os.environ) -> NodeConfig | MooncakeNodeConfig | None:
+    """The node config (``mooncake.json``), if the environment names one: kvpool's, or a
+    Mooncake one when the store child runs on real Mooncake (one file for both children)."""
+    if config_path_from_env(env) is None:
         return None
-    node = load_any_node_config(env=os.environ)
-    return node if isinstance(node, NodeConfig) else None
+    return load_any_node_config(env=env)
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
