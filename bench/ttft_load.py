@@ -1,0 +1,92 @@
+"""How ``bench/ttft.py`` measures a request's load: seconds in the connector's load of the
+request, bytes of the blocks that came from the pool, and memcpy of as many bytes.
+
+- **Seconds**: the wall time of the one call in which a connector's worker loads one
+  request's blocks into vLLM's KV cache, from its first pool read to the last page in
+  place.  kvpool's store connector: ``StoreWorker._load`` (lookup pins released at its
+  end included; synchronous by default, so inside ``start_load_kv``).  vLLM's
+  ``MooncakeStoreConnector``: ``KVCacheStoreRecvingThread._handle_request`` (its key
+  list, then ``batch_get_into_multi_buffers`` into the KV cache; on its receive thread).
+  The call is wrapped once, before the engine starts; nothing else changes.  What is
+  left out: the scheduler's lookup, and the step in which vLLM learns that an async load
+  ended — both are in the TTFT.
+- **Bytes**: ``num_cached_tokens / block_size`` pages of ``layers × kv_heads × block_size
+  × 2 × head_size × 4`` bytes (float32), the same for both connectors: only blocks vLLM
+  counts as loaded (a failed block is recomputed and not counted).
+- **memcpy**: ``bench.baselines.memcpy`` of one request's bytes between two page-aligned
+  buffers, in the same process right after the prompts, median of :data:`MEMCPY_ROUNDS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["LoadTimer", "memcpy_gib_s", "page_bytes"]
+
+MEMCPY_ROUNDS = 20
+GIB = float(1 << 30)
+
+# The call that loads one request, per connector (see the module docstring).
+_LOAD_CALLS: dict[str, tuple[str, str, str]] = {
+    "KVPoolStoreConnector": ("kvpool.connectors.store.worker", "StoreWorker", "_load"),
+    "MooncakeStoreConnector": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker",
+        "KVCacheStoreRecvingThread",
+        "_handle_request",
+    ),
+}
+
+
+class LoadTimer:
+    """Seconds spent in a connector's per-request load call since the last :meth:`take`."""
+
+    def __init__(self, connector: str) -> None:
+        import importlib
+
+        if connector not in _LOAD_CALLS:
+            raise ValueError(f"no load call known for connector {connector!r}")
+        module, cls_name, method = _LOAD_CALLS[connector]
+        cls = getattr(importlib.import_module(module), cls_name)
+        self._seconds: list[float] = []
+        setattr(cls, method, self._timed(getattr(cls, method)))
+
+    def _timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self._seconds.append(time.perf_counter() - t0)  # list.append is atomic
+
+        return timed
+
+    def take(self) -> tuple[int, float]:
+        """(loads, their seconds) since the last call."""
+        taken, self._seconds = self._seconds, []
+        return len(taken), sum(taken)
+
+
+def page_bytes(llm: Any) -> int:
+    """Bytes of one block of every layer in this engine's (float32, CPU) KV cache."""
+    config = llm.llm_engine.vllm_config
+    model, parallel = config.model_config, config.parallel_config
+    per_token = model.get_num_kv_heads(parallel) * 2 * model.get_head_size() * 4
+    return int(model.get_num_layers(parallel) * config.cache_config.block_size * per_token)
+
+
+def memcpy_gib_s(nbytes: int) -> float:
+    from bench.baselines import memcpy
+
+    copy = memcpy(nbytes)
+    copy()  # first touch of the destination's pages
+    seconds = []
+    for _ in range(MEMCPY_ROUNDS):
+        t0 = time.perf_counter()
+        copy()
+        seconds.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(seconds) / GIB

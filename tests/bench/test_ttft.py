@@ -1,0 +1,89 @@
+"""bench/ttft.py's Mooncake rows run end to end with the smallest settings: kvpool's store
+connector on real Mooncake and vLLM's own MooncakeStoreConnector, beside kvpool's
+embedded pool, each with a hit, its load rate and memcpy.  What it measures is not
+asserted: only that every row is there with sane values, and that each Mooncake row's
+vLLM ran in a network namespace of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.ttft import table
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "ttft.py"
+# 300 tokens: two full 128-token blocks come from the pool, the rest is computed
+TINY = ("--tokens", "300", "--repeats", "1", "--layers", "1")
+ROWS = ["pool hit (embedded)", "pool hit (Mooncake)", "Mooncake's own store connector"]
+NUMBER = re.compile(r"^\d+\.\d+$")
+
+
+def run_bench(*args: str, pythonpath: str = str(ROOT)) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+
+
+def test_mooncake_rows_beside_kvpools_with_hits_load_rates_and_their_own_namespaces() -> None:
+    done = run_bench(*TINY, "--rows", "embedded,mooncake,vllm-mooncake-store")
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    results: list[dict[str, Any]] = json.loads(done.stdout)
+    assert [r["name"] for r in results] == ROWS
+    here = os.stat("/proc/self/ns/net").st_ino
+    for r in results:
+        assert r["prompt_tokens"] == 300 and r["cached"] == 256, r
+        assert all(0 < t < 600 for t in (*r["cold"], *r["hit"])), r
+        (load,) = r["loads"]
+        assert load["loads"] >= 1 and load["seconds"] > 0, r
+        assert load["bytes"] == 2 * (1 * 128 * 4 * 2 * 64 * 4), r  # 2 pages of 1 layer
+        assert r["memcpy_gib_s"] > 0, r
+    embedded, kvpool_mc, vllm_mc = (r["netns"] for r in results)
+    assert embedded == here
+    assert len({here, kvpool_mc, vllm_mc}) == 3, "each Mooncake row runs in its own namespace"
+
+    args = argparse.Namespace(layers=1, repeats=1)
+    lines = table(results, args).splitlines()
+    assert lines[0].startswith("Date: ") and "Machine: " in lines[0], lines[0]
+    rows = {c[0]: c[1:] for c in (ln.strip("|").split("|") for ln in lines[4:])}
+    assert [name.strip() for name in rows] == ROWS
+    for cells in rows.values():
+        cold, hit, ratio, cached, rate, memcpy, vs_memcpy = (c.strip() for c in cells)
+        assert all(NUMBER.match(c) for c in (cold, hit, ratio, rate, memcpy, vs_memcpy)), cells
+        assert cached == "256", cells
+
+
+def test_without_the_wheel_the_mooncake_rows_are_left_out_with_a_line(tmp_path: Path) -> None:
+    # a "mooncake" package without the wheel's binaries, found first
+    (tmp_path / "mooncake").mkdir()
+    (tmp_path / "mooncake" / "__init__.py").write_text("")
+    done = run_bench(
+        *TINY,
+        "--rows",
+        "mooncake,vllm-mooncake-store",
+        "--markdown",
+        pythonpath=os.pathsep.join((str(tmp_path), str(ROOT))),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert re.search(r"^Mooncake rows skipped: .*mooncake_master", done.stdout, re.M), done.stdout
+    assert "|" not in done.stdout
+
+
+def test_an_unknown_row_is_refused_by_name() -> None:
+    done = run_bench("--rows", "embedded,mooncak")
+    assert done.returncode == 2
+    assert "--rows: unknown mooncak; choose from local,embedded" in done.stderr, done.stderr
