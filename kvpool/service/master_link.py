@@ -165,6 +165,8 @@ class TcpMasterLink:
                 self._drop()
                 raise
             self._fresh = False
+            if isinstance(reply, Error) and reply.code == AuthError.code:
+                self._drop()  # a refusal: the master closes this connection after it
         return reply
 
     def post(self, request: m.MasterRequest) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvpool.closing import Closing
 from kvpool.core.credentials import Credential
-from kvpool.errors import KVPoolError, Overloaded, PeerTimeout, ProtocolError, TransferError
+from kvpool.errors import AuthError, KVPoolError, Overloaded, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.data import (
     DATA_REPLY_CODEC,
     DATA_REQUEST_CODEC,
@@ -128,8 +128,8 @@ class SegmentConnection(Closing):
                 self._drop()
                 raise
         if isinstance(reply, Error):
-            if reply.code == Overloaded.code:
-                self.close()  # refused at the server's limit: it closes this connection
+            if reply.code in (Overloaded.code, AuthError.code):
+                self.close()  # refused (at its limit, or unauthenticated): the server closes
             raise reply.to_exception()
         return reply
 
