@@ -119,8 +119,9 @@ def _field(value: bytes) -> bytes:
     return struct.pack("!H", len(value)) + value
 
 
-def _proof(key: bytes, side: bytes, role: str, client_id: str, server_id: str, nc: bytes,
-           ns: bytes) -> bytes:
+def _proof(
+    key: bytes, side: bytes, role: str, client_id: str, server_id: str, nc: bytes, ns: bytes
+) -> bytes:
     transcript = b"".join(
         _field(v) for v in (role.encode(), client_id.encode(), server_id.encode(), nc, ns)
     )

@@ -87,9 +87,7 @@ class Owners:
         client_id = getattr(request, "client_id", None)
         node_id = identity.client_id if identity is not None and identity.role == "node" else None
         as_node = node_id is not None
-        if node_id is not None and (
-            not isinstance(request, NODE_REQUESTS) or client_id != node_id
-        ):
+        if node_id is not None and (not isinstance(request, NODE_REQUESTS) or client_id != node_id):
             what = type(request).__name__
             other = client_id not in (None, node_id)
             return AuthError(

@@ -32,11 +32,17 @@ _SHORT_READ = 4096
 
 
 def _recv_frame(sock: socket.socket, reader: FrameReader, deadline: float) -> tuple[int, bytes]:
+    """One frame: its header, then exactly its body (never a byte of what follows, which
+    is the port's own protocol)."""
     while True:
         frame = reader.next_frame()
         if frame is not None:
             return frame
-        need = HEADER.size if len(reader.buffer) < HEADER.size else 1
+        have = len(reader.buffer)
+        if have < HEADER.size:
+            need = HEADER.size - have
+        else:
+            need = HEADER.size + HEADER.unpack_from(reader.buffer)[2] - have
         chunk = bytearray(need)
         recv_exactly_into(sock, memoryview(chunk), deadline, "the handshake")
         reader.feed(bytes(chunk))

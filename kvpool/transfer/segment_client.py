@@ -16,7 +16,14 @@ from typing import Any
 
 from kvpool.closing import Closing
 from kvpool.core.credentials import Credential
-from kvpool.errors import AuthError, KVPoolError, Overloaded, PeerTimeout, ProtocolError, TransferError
+from kvpool.errors import (
+    AuthError,
+    KVPoolError,
+    Overloaded,
+    PeerTimeout,
+    ProtocolError,
+    TransferError,
+)
 from kvpool.protocol.data import (
     DATA_REPLY_CODEC,
     DATA_REQUEST_CODEC,

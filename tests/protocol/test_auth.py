@@ -28,9 +28,7 @@ def frame(data: bytes) -> tuple[int, bytes]:
     return got
 
 
-def run(
-    client: ClientHandshake, server: ServerHandshake
-) -> tuple[Identity | None, bytes]:
+def run(client: ClientHandshake, server: ServerHandshake) -> tuple[Identity | None, bytes]:
     challenge = server.on_hello(frame(client.hello()))
     proof = client.on_challenge(frame(challenge))
     verdict, identity = server.on_proof(frame(proof))

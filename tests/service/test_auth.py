@@ -28,9 +28,11 @@ STOLEN = 16 << 20  # what the raw read of the issue asked a node for
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredPool]:
-    with secured_pool(tmp_path_factory.mktemp("auth")) as p:
-        with Client(p.master.address, credential=SECRET, allow_shm=False) as c:
-            c.put("victim", b"the user's prompt, as KV" * 100)
+    with (
+        secured_pool(tmp_path_factory.mktemp("auth")) as p,
+        Client(p.master.address, credential=SECRET, allow_shm=False) as c,
+    ):
+        c.put("victim", b"the user's prompt, as KV" * 100)
         yield p
 
 
@@ -54,9 +56,11 @@ def _segment_id(pool: SecuredPool) -> str:
 
 
 def test_the_master_rpc_port_refuses_a_client_without_a_credential(pool: SecuredPool) -> None:
-    with Client(pool.master.address, credential=None, timeout_s=5) as c:
-        with pytest.raises(AuthError, match="requires a credential: set KVPOOL_SECRET_FILE"):
-            c.get("victim")
+    with (
+        Client(pool.master.address, credential=None, timeout_s=5) as c,
+        pytest.raises(AuthError, match="requires a credential: set KVPOOL_SECRET_FILE"),
+    ):
+        c.get("victim")
     # raw: the refusal is a reply frame of the RPC protocol, then the connection closes
     with socket.create_connection(split_address(pool.master.address), timeout=5) as s:
         s.sendall(m.MASTER_REQUEST_CODEC.encode(m.Exists("victim")))
@@ -66,9 +70,11 @@ def test_the_master_rpc_port_refuses_a_client_without_a_credential(pool: Secured
 
 
 def test_the_master_rpc_port_refuses_a_wrong_secret(pool: SecuredPool) -> None:
-    with Client(pool.master.address, credential=WRONG, timeout_s=5) as c:
-        with pytest.raises(AuthError, match="different secrets, or this is not the real server"):
-            c.get("victim")
+    with (
+        Client(pool.master.address, credential=WRONG, timeout_s=5) as c,
+        pytest.raises(AuthError, match="different secrets, or this is not the real server"),
+    ):
+        c.get("victim")
 
 
 def test_the_master_http_endpoints_need_the_operators_token(pool: SecuredPool) -> None:
@@ -99,18 +105,24 @@ def test_a_nodes_data_port_gives_nothing_without_a_credential(pool: SecuredPool)
     reply = DATA_REPLY_CODEC.decode_body(data[HEADER_SIZE : HEADER_SIZE + header.body_length])
     assert isinstance(reply, Error) and reply.code == AuthError.code
     assert header.payload_length == 0 and len(data) < 1024
-    with SegmentConnection(host, port, timeout_s=5) as conn:
-        with pytest.raises(AuthError, match="requires a credential"):
-            conn.read_into(segment, 0, bytearray(64))
+    with (
+        SegmentConnection(host, port, timeout_s=5) as conn,
+        pytest.raises(AuthError, match="requires a credential"),
+    ):
+        conn.read_into(segment, 0, bytearray(64))
     wrong = Credential.parse(WRONG, "k")
-    with SegmentConnection(host, port, 5, credential=wrong, client_id="c") as conn:
-        with pytest.raises(AuthError, match="did not prove the cluster secret"):
-            conn.read_into(segment, 0, bytearray(64))
+    with (
+        SegmentConnection(host, port, 5, credential=wrong, client_id="c") as conn,
+        pytest.raises(AuthError, match="did not prove the cluster secret"),
+    ):
+        conn.read_into(segment, 0, bytearray(64))
     # a node credential of another node is no key to this node's data port
     other = Credential.parse(Credential.parse(SECRET, "k").node_credential("node-x"), "k")
-    with SegmentConnection(host, port, 5, credential=other, client_id="node-x") as conn:
-        with pytest.raises(AuthError, match="cannot act for"):
-            conn.read_into(segment, 0, bytearray(64))
+    with (
+        SegmentConnection(host, port, 5, credential=other, client_id="node-x") as conn,
+        pytest.raises(AuthError, match="cannot act for"),
+    ):
+        conn.read_into(segment, 0, bytearray(64))
 
 
 def test_with_the_secret_every_port_serves_and_refusals_cost_no_one_else(
@@ -122,9 +134,11 @@ def test_with_the_secret_every_port_serves_and_refusals_cost_no_one_else(
         value = os.urandom(200_000)
         c.put("k-right", value)
         for _ in range(3):  # refused peers in between: the served client goes on
-            with Client(pool.master.address, credential=WRONG, timeout_s=5) as bad:
-                with pytest.raises(AuthError):
-                    bad.exists("k-right")
+            with (
+                Client(pool.master.address, credential=WRONG, timeout_s=5) as bad,
+                pytest.raises(AuthError),
+            ):
+                bad.exists("k-right")
             with SegmentConnection(host, port, timeout_s=5) as raw, pytest.raises(AuthError):
                 raw.read_into(_segment_id(pool), 0, bytearray(8))
             assert c.get("k-right") == value
@@ -141,7 +155,34 @@ def test_metrics_stay_readable_when_the_operator_says_so(tmp_path: Path) -> None
 
 
 def test_a_client_with_a_secret_told_a_master_without_one(tmp_path: Path) -> None:
-    with start_master("--segment_size", "1MiB") as plain:
-        with Client(plain.address, credential=SECRET, timeout_s=5) as c:
-            with pytest.raises(AuthError, match="this master has no secret configured"):
-                c.exists("k")
+    with (
+        start_master("--segment_size", "1MiB") as plain,
+        Client(plain.address, credential=SECRET, timeout_s=5) as c,
+        pytest.raises(AuthError, match="this master has no secret configured"),
+    ):
+        c.exists("k")
+
+
+def test_the_store_connectors_pool_handle_takes_the_node_configs_secret(
+    pool: SecuredPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvpool.engines import open_engine
+    from kvpool.testing.processes import node_config
+
+    path = secret_file(tmp_path)
+    config = node_config(tmp_path, pool.master.address, secret_file=str(path))
+    monkeypatch.delenv("KVPOOL_SECRET_FILE", raising=False)
+    monkeypatch.delenv("KVPOOL_SECRET", raising=False)
+    monkeypatch.setenv("KVPOOL_CONFIG_PATH", str(config))
+    engine = open_engine("kvpool", master=pool.master.address, timeout_s=5)
+    try:
+        assert engine.batch_exists(["victim", "nothing"]) == [True, False]
+    finally:
+        engine.close()
+    monkeypatch.delenv("KVPOOL_CONFIG_PATH")
+    engine = open_engine("kvpool", master=pool.master.address, timeout_s=5)
+    try:
+        with pytest.raises(AuthError):
+            engine.batch_exists(["victim"])
+    finally:
+        engine.close()

@@ -36,15 +36,19 @@ def test_a_live_nodes_id_cannot_be_taken_over(tmp_path: Path) -> None:
         real = pool.node_id
         # another node's credential: it may speak only as its own id
         other = Credential.parse(CLUSTER.node_credential("node-intruder"), "k")
-        with Client(
-            pool.master.address, credential=other, client_id="node-intruder", role="node"
-        ) as intruder:
-            with pytest.raises(AuthError, match="may not send Register as " + real):
-                intruder.call(m.Register(real, "127.0.0.1:9", ""))
+        with (
+            Client(
+                pool.master.address, credential=other, client_id="node-intruder", role="node"
+            ) as intruder,
+            pytest.raises(AuthError, match="may not send Register as " + real),
+        ):
+            intruder.call(m.Register(real, "127.0.0.1:9", ""))
         # cannot even claim the id in the handshake: the key is not derivable
-        with Client(pool.master.address, credential=other, client_id=real, role="node") as bad:
-            with pytest.raises(AuthError, match="cannot act for " + real):
-                bad.call(m.Heartbeat(real))
+        with (
+            Client(pool.master.address, credential=other, client_id=real, role="node") as bad,
+            pytest.raises(AuthError, match="cannot act for " + real),
+        ):
+            bad.call(m.Heartbeat(real))
         # the cluster secret on another connection: the live node keeps its id
         with Client(pool.master.address, credential=SECRET, client_id=real) as thief:
             for request in (
