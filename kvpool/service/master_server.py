@@ -375,13 +375,16 @@ class MasterServer:
             raise
         log.info(
             "kvpool master listening on %s:%d (RPC + HTTP /metrics /health /status); "
-            "memory segment %d bytes%s; flags: %s",
+            "memory segment %d bytes%s; %s; flags: %s",
             cfg.host,
             self.port,
             cfg.segment_size,
             f", SSD tier {cfg.ssd_offload_path} ({cfg.ssd_offload_limit} bytes)"
             if self.storage is not None and self.storage.ssd is not None
             else "",
+            "every connection must prove the cluster secret"
+            if self.credential is not None
+            else "open: no credential configured",
             dataclasses.replace(cfg, port=self.port).flags_line(),
         )
 

@@ -186,3 +186,22 @@ def test_the_store_connectors_pool_handle_takes_the_node_configs_secret(
             engine.batch_exists(["victim"])
     finally:
         engine.close()
+
+
+def test_kvpool_status_reads_the_master_with_the_environments_secret(
+    pool: SecuredPool, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    def status(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "kvpool", "status", "--master", pool.master.address]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_SECRET")}
+        return subprocess.run(
+            [*argv, "--json"], capture_output=True, text=True, timeout=60, env={**clean, **env}
+        )
+
+    refused = status({})
+    assert refused.returncode == 1 and "wants the operator's token" in refused.stderr
+    served = status({"KVPOOL_SECRET_FILE": str(secret_file(tmp_path))})
+    assert served.returncode == 0 and pool.node_id in served.stdout
