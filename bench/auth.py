@@ -8,17 +8,21 @@ of the same run:
 
     data: connect                 TCP connect + close to a node's data server (baseline)
     data: connect + handshake     the same with the handshake (role data) before the close
+    data: connect + 1st read      a new connection and its first 4 KiB read (baseline)
+    data: connect + auth + 1st    the same to a data server with a secret
     data: 4 KiB read, plain       one read on an open connection, server without a secret
     data: 4 KiB read, after auth  the same on an authenticated connection (per-frame cost)
     master: connect               TCP connect + close to ``kvpool master`` (baseline)
     master: connect + handshake   the same with the handshake (role client)
 
-The data server runs in this process (its threads); the master is a real process.
+The data servers run in a process of their own, as a node's; the master is a real
+``kvpool master`` process.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import socket
 import statistics
@@ -26,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from kvpool.core.credentials import Credential
@@ -67,32 +72,58 @@ def _handshake(address: tuple[str, int], role: str) -> None:
         sock.close()
 
 
-def _data_rows(rounds: int) -> list[tuple[str, float, float]]:
+def _serve_data(secret: bytes, conn: Connection) -> None:
+    """In a process of its own, as a node's: a plain and a secured data server."""
     segment = Segment.create(1 << 20)
     plain = SegmentServer()
-    secured = SegmentServer(credential=SECRET, server_id="node-bench")
+    secured = SegmentServer(credential=Credential(secret=secret), server_id="node-bench")
     for server in (plain, secured):
         server.add_segment("seg", segment)
         server.start()
+    conn.send((plain.address, secured.address))
+    conn.recv()  # until the bench is done
+    plain.close()
+    secured.close()
+    segment.close()
+
+
+def _data_rows(rounds: int) -> list[tuple[str, float, float]]:
+    ours, theirs = multiprocessing.Pipe()
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_serve_data, args=(SECRET.secret, theirs), daemon=True
+    )
+    peer.start()
     try:
+        if not ours.poll(30):
+            raise RuntimeError("the data server process did not start")
+        plain, secured = ours.recv()
         base, auth = _medians_us(
-            lambda: _connect(plain.address), lambda: _handshake(secured.address, "data"), rounds
+            lambda: _connect(plain), lambda: _handshake(secured, "data"), rounds
         )
         buf = bytearray(4096)
+
+        def first_read(address: tuple[str, int], credential: Credential | None) -> None:
+            with SegmentConnection(*address, credential=credential, client_id="b") as conn:
+                conn.read_into("seg", 0, buf)
+
+        first_plain, first_auth = _medians_us(
+            lambda: first_read(plain, None), lambda: first_read(secured, SECRET), rounds
+        )
         with (
-            SegmentConnection(*plain.address) as p,
-            SegmentConnection(*secured.address, credential=SECRET, client_id="b") as s,
+            SegmentConnection(*plain) as p,
+            SegmentConnection(*secured, credential=SECRET, client_id="b") as s,
         ):
             read_plain, read_auth = _medians_us(
                 lambda: p.read_into("seg", 0, buf), lambda: s.read_into("seg", 0, buf), rounds * 5
             )
     finally:
-        plain.close()
-        secured.close()
-        segment.close()
+        ours.send("stop")
+        peer.join(10)
     return [
         ("data: connect", base, base),
         ("data: connect + handshake", auth, base),
+        ("data: connect + 1st read, plain", first_plain, first_plain),
+        ("data: connect + auth + 1st read", first_auth, first_plain),
         ("data: 4 KiB read, plain", read_plain, read_plain),
         ("data: 4 KiB read, after auth", read_auth, read_plain),
     ]

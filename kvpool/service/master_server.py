@@ -277,12 +277,15 @@ class _Sniffer(asyncio.Protocol):
         self.server = server
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
+        self.refused = False  # said why and closing: what still arrives is dropped
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
+        if self.refused:
+            return
         self.buffer += data
         if len(self.buffer) < len(MAGIC) and (
             MAGIC.startswith(self.buffer) or AUTH_MAGIC.startswith(self.buffer)
@@ -292,11 +295,13 @@ class _Sniffer(asyncio.Protocol):
         proto: asyncio.Protocol
         if self.buffer.startswith(AUTH_MAGIC):
             if server.credential is None:
+                self.refused = True
                 no_secret_refusal(self.transport)
                 return
             proto = AuthProtocol(server.credential, server.rpc_admitted)
         elif self.buffer.startswith(MAGIC):
             if server.credential is not None:
+                self.refused = True
                 plain_refusal(self.transport, f"{server.config.host}:{server.port}")
                 return
             proto = _RpcProtocol(server.service, server.rpc_buffers, server.rpc_frame_timeout_s)

@@ -63,8 +63,12 @@ def test_the_master_rpc_port_refuses_a_client_without_a_credential(pool: Secured
         c.get("victim")
     # raw: the refusal is a reply frame of the RPC protocol, then the connection closes
     with socket.create_connection(split_address(pool.master.address), timeout=5) as s:
-        s.sendall(m.MASTER_REQUEST_CODEC.encode(m.Exists("victim")))
+        frame = m.MASTER_REQUEST_CODEC.encode(m.Exists("victim"))
+        s.sendall(frame)
+        s.sendall(frame)  # what follows the first frame is dropped, never answered
         data = _recv_reply(s)
+    header = m.MASTER_REPLY_CODEC.decode_header(data[:HEADER_SIZE])
+    assert len(data) == HEADER_SIZE + header.body_length  # one reply, then the close
     reply = m.MASTER_REPLY_CODEC.decode_body(data[HEADER_SIZE:])
     assert isinstance(reply, Error) and reply.code == AuthError.code
 
