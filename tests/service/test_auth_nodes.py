@@ -6,6 +6,8 @@ belongs to the connection that registered it, and a node credential is one id's 
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +127,49 @@ def test_a_world_readable_secret_file_is_refused_with_the_fix(tmp_path: Path) ->
     done = _run("master", "--port", "0", "--secret_file", str(path))
     assert done.returncode == 2
     assert f"run `chmod 600 {path}`" in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+_IN_NAMESPACE = """
+import json, subprocess, sys
+for cmd in ("ip link set lo up", "ip link add v0 type veth peer name v1",
+            "ip addr add 10.77.0.1/24 dev v0", "ip link set v0 up", "ip link set v1 up"):
+    subprocess.run(cmd.split(), check=True, timeout=10)
+from kvpool.errors import AuthError
+from kvpool.service.client import Client
+from kvpool.testing.processes import start_master
+argv = [sys.executable, "-m", "kvpool", "master", "--host", "10.77.0.1", "--port", "0"]
+done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+out = {"rc": done.returncode, "refusal": done.stderr.strip()}
+with start_master("--host", "10.77.0.1", "--segment_size", "1MiB",
+                  "--secret_file", sys.argv[1]) as master:
+    out["host"] = master.host
+    with Client(master.address, credential=sys.argv[2], allow_shm=False) as c:
+        c.put("k", b"served on 10.77.0.1")
+        out["get"] = c.get("k").decode()
+    try:
+        with Client(master.address, credential=None) as c:
+            c.exists("k")
+    except AuthError as exc:
+        out["no_credential"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_on_a_10x_address_in_a_namespace_the_pool_needs_the_secret(tmp_path: Path) -> None:
+    """A real non-loopback bind: a veth link on 10.77.0.1 in a network namespace this
+    test creates (unshare -n), reached from inside it."""
+    path = secret_file(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", _IN_NAMESPACE, str(path), SECRET],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["rc"] == 2 and "--host 10.77.0.1" in out["refusal"]
+    assert "--insecure" in out["refusal"]
+    assert out["host"] == "10.77.0.1" and out["get"] == "served on 10.77.0.1"
+    assert "requires a credential" in out["no_credential"]
