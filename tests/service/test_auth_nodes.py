@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.core.credentials import Credential
-from kvpool.errors import AuthError
+from kvpool.errors import AuthError, PoolError
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
@@ -45,6 +45,14 @@ def test_a_live_nodes_id_cannot_be_taken_over(tmp_path: Path) -> None:
             pytest.raises(AuthError, match="may not send Register as " + real),
         ):
             intruder.call(m.Register(real, "127.0.0.1:9", ""))
+        # registered as itself, it cannot announce objects in the real node's segment
+        (owner,) = [o for o in c.stats()["clients"] if o["client_id"] == real]
+        with Client(
+            pool.master.address, credential=other, client_id="node-intruder", role="node"
+        ) as intruder:
+            intruder.call(m.Register("node-intruder", "127.0.0.1:9", ""))
+            with pytest.raises(PoolError, match="a node restores only its own segments"):
+                intruder.call(m.Restore("node-intruder", owner["segments"][0], [("k0", 0, 9, 1)]))
         # cannot even claim the id in the handshake: the key is not derivable
         with (
             Client(pool.master.address, credential=other, client_id=real, role="node") as bad,
@@ -134,7 +142,7 @@ import json, subprocess, sys
 for cmd in ("ip link set lo up", "ip link add v0 type veth peer name v1",
             "ip addr add 10.77.0.1/24 dev v0", "ip link set v0 up", "ip link set v1 up"):
     subprocess.run(cmd.split(), check=True, timeout=10)
-from kvpool.errors import AuthError
+from kvpool.errors import AuthError, PoolError
 from kvpool.service.client import Client
 from kvpool.testing.processes import start_master
 argv = [sys.executable, "-m", "kvpool", "master", "--host", "10.77.0.1", "--port", "0"]
