@@ -44,6 +44,7 @@ import typing
 
 from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
 from kvpool.errors import (
+    AuthError,
     ChecksumMismatch,
     ConfigError,
     KVPoolError,
@@ -70,6 +71,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncClient",
+    "AuthError",
     "BlockKey",
     "ChecksumMismatch",
     "Client",

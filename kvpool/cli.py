@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_proxy(sub)
     _add_status(sub)
     _add_up(sub)
+    _add_secret(sub)
     return parser
 
 
@@ -228,6 +229,11 @@ def _add_node(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--config", help="node config file (default: from the environment)")
     add_flag(p, "data_port", type=int, default=0, help="data server port (default: any free)")
     add_flag(p, "bind", default="", help="data server bind address (default: local_hostname)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve beyond loopback without a credential (default: refuse; docs/security.md)",
+    )
     add_flag(p, "log_level", help="debug, info (default), warning")
     p.set_defaults(run=_run_node, command_name=p.prog)
 
@@ -237,7 +243,11 @@ def _run_node(args: argparse.Namespace) -> int:
 
     return run_node(
         NodeOptions(
-            config=args.config, data_port=args.data_port, bind=args.bind, log_level=args.log_level
+            config=args.config,
+            data_port=args.data_port,
+            bind=args.bind,
+            log_level=args.log_level,
+            insecure=args.insecure,
         )
     )
 
@@ -365,6 +375,27 @@ def _run_status(args: argparse.Namespace) -> int:
 
     options = status.StatusOptions(master=args.master, watch_s=args.watch, as_json=args.json)
     return status.run(options)
+
+
+def _add_secret(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "secret",
+        help="make a cluster secret; print the operator's token or a node's credential",
+        description="new: a fresh secret; token: the bearer token of the master's HTTP "
+        "endpoints; node-key --node-id ID: node ID's own credential.  The secret is read "
+        "from --secret-file, else KVPOOL_SECRET_FILE, else KVPOOL_SECRET.",
+    )
+    p.add_argument("action", choices=["new", "token", "node-key"])
+    add_flag(p, "secret_file", default="", help="file with the cluster secret")
+    add_flag(p, "node_id", default="", help="the node of node-key (node-<name>)")
+    p.set_defaults(run=_run_secret, command_name=p.prog)
+
+
+def _run_secret(args: argparse.Namespace) -> int:
+    from kvpool.ops import secret
+
+    opts = secret.SecretOptions(args.action, args.secret_file, args.node_id)
+    return secret.run(opts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,7 @@ can catch the whole family with one clause and a narrower branch when it cares::
     │   ├── UnknownClient      a client id the registry does not know (expired?)
     │   ├── UnknownSegment     a segment id the registry does not know
     │   └── Overloaded         a server at its connection or buffer limit: retry later
+    ├── AuthError              no credential, a wrong one, or one that may not do this
     ├── TransferError          moving bytes failed (peer gone, short read, bad checksum)
     │   └── ChecksumMismatch   the bytes read are not the bytes written: treat as a miss
     └── PeerTimeout            a peer did not answer in time (never a hang)
@@ -26,6 +27,7 @@ pair back into the same class on the client side.
 from __future__ import annotations
 
 __all__ = [
+    "AuthError",
     "ChecksumMismatch",
     "ConfigError",
     "KVPoolError",
@@ -117,6 +119,14 @@ class Overloaded(PoolError):
     this peer; nothing about the peer or its data is wrong, so it may retry later."""
 
     code = "OVERLOADED"
+
+
+class AuthError(KVPoolError):
+    """A peer without a credential, with a wrong one, or claiming what its credential does
+    not cover (another node's id); the connection is closed after the refusal.  Not a
+    PoolError: retrying the same request cannot succeed until the credential changes."""
+
+    code = "AUTH"
 
 
 class TransferError(KVPoolError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import socket
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
@@ -79,11 +80,19 @@ class HttpReply:
         return self.body.decode("utf-8", "replace")
 
 
-def http_get(url: str, timeout_s: float = 3.0, *, max_bytes: int = 4 << 20) -> HttpReply:
-    """GET ``url``, reading at most ``max_bytes`` of the body; never raises for network
-    trouble (a timeout, a refusal, an HTTP error status are all in the reply)."""
+def http_get(
+    url: str,
+    timeout_s: float = 3.0,
+    *,
+    max_bytes: int = 4 << 20,
+    headers: Mapping[str, str] | None = None,
+) -> HttpReply:
+    """GET ``url`` (with ``headers``, e.g. the operator's bearer token), reading at most
+    ``max_bytes`` of the body; never raises for network trouble (a timeout, a refusal, an
+    HTTP error status are all in the reply)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+        request = urllib.request.Request(url, headers=dict(headers or {}))
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             return HttpReply(reply.status, reply.read(max_bytes))
     except urllib.error.HTTPError as exc:
         return HttpReply(exc.code, b"", f"HTTP {exc.code} {exc.reason}")

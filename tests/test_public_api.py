@@ -12,6 +12,7 @@ import kvpool.errors
 
 PUBLIC = [
     "AsyncClient",
+    "AuthError",
     "BlockKey",
     "ChecksumMismatch",
     "Client",

@@ -154,6 +154,15 @@ class MasterConfig:
     ssd_offload_path: str = _flag("", _string, "directory of the master's SSD tier")
     ssd_offload_limit: int = _flag(DEFAULT_OFFLOAD_LIMIT, _size, "SSD tier cap, e.g. 100GB")
     eviction_policy: str = _flag("prefix_aware", _string, "prefix_aware (alias: default) or lru")
+    secret_file: str = _flag(
+        "", _string, "file with the cluster secret (else KVPOOL_SECRET_FILE, KVPOOL_SECRET)"
+    )
+    insecure: bool = _flag(
+        False, _bool, "serve a non-loopback --host without a credential (true/false)"
+    )
+    open_metrics: bool = _flag(
+        False, _bool, "with a secret, let /metrics be read without the token (true/false)"
+    )
 
     def __post_init__(self) -> None:
         if not self.host:

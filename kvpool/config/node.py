@@ -86,6 +86,7 @@ class NodeConfig:
     ssd_offload_path: str = ""
     ssd_offload_limit: int = DEFAULT_OFFLOAD_LIMIT
     timeouts: Timeouts = Timeouts()  # noqa: RUF009 - frozen, so one shared default is safe
+    secret_file: str = ""  # the cluster secret or this node's credential ("": environment)
     source: str = ""  # where it came from, for messages ("" when built in code)
 
     @property
@@ -108,6 +109,7 @@ NODE_KEYS: dict[str, str] = {
     "engine": "which pool engine the config is for: kvpool or mooncake (else the rule)",
     "connect_timeout_ms": "connect timeout, ms (env KVPOOL_CONNECT_TIMEOUT_MS wins)",
     "transfer_timeout_ms": "transfer timeout, ms (env KVPOOL_TRANSFER_TIMEOUT_MS wins)",
+    "secret_file": "file with the cluster secret or this node's credential (docs/security.md)",
 }
 
 # Mooncake keys kvpool deliberately does not take, with the reason shown to the operator.
@@ -217,6 +219,7 @@ def parse_node_config(
             connect_ms=data.get("connect_timeout_ms"),
             transfer_ms=data.get("transfer_timeout_ms"),
         ),
+        secret_file=_str_key(data, "secret_file", ""),
         source=source,
     )
 

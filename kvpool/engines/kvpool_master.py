@@ -3,13 +3,31 @@
 The shared pool of a P/D cluster: every process opens its own client (a connection to the
 master plus direct data paths to the nodes); metadata goes to the master, bytes go
 straight to the node that owns the segment.
+
+Its credential is the one the node config names (``"secret_file"`` in the file
+``KVPOOL_CONFIG_PATH`` / ``MOONCAKE_CONFIG_PATH`` names), else the environment's
+(``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), else none (docs/security.md).
 """
 
 from __future__ import annotations
 
+import os
+
 from kvpool.engines.kvpool_client import ClientEngine
 
 __all__ = ["MasterEngine"]
+
+
+def _node_config_secret_file() -> str:
+    """The node config's ``secret_file``, when the environment names an existing config."""
+    from kvpool.config.node import config_path_from_env, read_node_json
+
+    found = config_path_from_env(os.environ)
+    if found is None or not found[1].is_file():
+        return ""
+    data, _ = read_node_json(found[1])
+    value = data.get("secret_file", "") if isinstance(data, dict) else ""
+    return value.strip() if isinstance(value, str) else ""
 
 
 class MasterEngine(ClientEngine):
@@ -21,6 +39,9 @@ class MasterEngine(ClientEngine):
     def connect(cls, master: str, *, timeout_s: float) -> MasterEngine:
         """An engine for the master at ``host:port``; connects on first use, and every
         call waits at most ``timeout_s``."""
+        from kvpool.config.secret import read_secret_file
         from kvpool.service.client import Client
 
-        return cls(Client(master, timeout_s=timeout_s))
+        path = _node_config_secret_file()
+        credential = read_secret_file(path, "secret_file") if path else None
+        return cls(Client(master, timeout_s=timeout_s, credential=credential))

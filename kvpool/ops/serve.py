@@ -56,6 +56,7 @@ class NodeOptions:
     data_port: int = 0  # 0: any free port
     bind: str = ""  # "": the config's local_hostname
     log_level: str | None = None
+    insecure: bool = False  # serve beyond loopback without a credential
 
 
 def run_node(options: NodeOptions) -> int:
@@ -72,7 +73,9 @@ def run_node(options: NodeOptions) -> int:
     mooncake = mooncake_at(config.master_address)
     if mooncake is not None:
         raise ConfigError(f"metadata_server: {mooncake}")
-    return serve_node(config, bind_host=options.bind, data_port=options.data_port)
+    return serve_node(
+        config, bind_host=options.bind, data_port=options.data_port, insecure=options.insecure
+    )
 
 
 def run_proxy(config: ProxyConfig) -> int:

@@ -32,7 +32,15 @@ from rich.text import Text
 
 from kvpool.config import config_path_from_env, load_node_config
 from kvpool.config.node import node_engine, parse_mooncake_config, read_node_json
-from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
+from kvpool.config.secret import operator_headers
+from kvpool.errors import (
+    AuthError,
+    ConfigError,
+    KVPoolError,
+    PeerTimeout,
+    ProtocolError,
+    TransferError,
+)
 from kvpool.net import DEFAULT_MASTER_PORT, http_get
 from kvpool.ops.mooncake_master import MooncakeMasterFacts, find_mooncake_master, render_mooncake
 
@@ -328,9 +336,14 @@ def render(snapshot: PoolSnapshot, rate: Rates | None = None) -> RenderableType:
 # --------------------------------------------------------------------------------- I/O
 def _get(url: str, timeout_s: float) -> bytes:
     """The body of a 2xx answer; anything else is the typed error the CLI reports."""
-    reply = http_get(url, timeout_s, max_bytes=64 << 20)
+    reply = http_get(url, timeout_s, max_bytes=64 << 20, headers=operator_headers(os.environ))
     if reply.ok:
         return reply.body
+    if reply.status == 401:
+        raise AuthError(
+            f"GET {url}: the master wants the operator's token; set KVPOOL_SECRET_FILE "
+            "to the cluster's secret"
+        )
     if reply.status is not None:
         raise ProtocolError(f"GET {url}: HTTP {reply.status} (is this a kvpool master?)")
     if reply.error is not None and reply.error.startswith("no answer in"):

@@ -27,6 +27,12 @@ with :class:`~kvpool.errors.PoolError` (Mooncake refuses them too).
 Two seams, both set in the constructor: the *transport* (how bytes move) and the *link*
 to the master's request handler (TCP, or in-process for the embedded pool).
 
+Credentials: ``credential`` (a :class:`~kvpool.core.credentials.Credential`, or the
+secret's text), else the environment's (``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), else
+none.  With one, every connection -- to the master and to each node's data port -- opens
+with the handshake of :mod:`kvpool.protocol.auth`; without one, none does (a pool on
+loopback with no secret).
+
 Thread-safe: metadata calls are serialised on one connection; data paths are per node.
 """
 
@@ -35,12 +41,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from kvpool.closing import Closing
+from kvpool.config.secret import load_credential
+from kvpool.core.credentials import Credential
 from kvpool.errors import (
     ChecksumMismatch,
     KVPoolError,
@@ -95,17 +104,34 @@ class Client(Closing):
         allow_shm: bool = True,
         transport: Transport | str | None = None,
         link: MasterLink | None = None,
+        credential: Credential | str | None = None,
+        role: str = "client",
     ) -> None:
         self.master = master
         self.timeout_s = timeout_s
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.allow_shm = allow_shm
+        if isinstance(credential, str):
+            credential = Credential.parse(credential, "credential")
+        elif credential is None and link is None:
+            credential = load_credential("", os.environ, key="secret_file")
+        self.credential = credential
         if transport is None:
             transport = "shm" if allow_shm else "tcp"
         self.transport: Transport = (
-            transport_named(transport, timeout_s) if isinstance(transport, str) else transport
+            transport_named(
+                transport, timeout_s, credential=credential, client_id=self.client_id
+            )
+            if isinstance(transport, str)
+            else transport
         )
-        self.link: MasterLink = link if link is not None else TcpMasterLink(master, timeout_s)
+        self.link: MasterLink = (
+            link
+            if link is not None
+            else TcpMasterLink(
+                master, timeout_s, credential=credential, role=role, client_id=self.client_id
+            )
+        )
         self._paths: dict[str, DataPath] = {}  # data address -> open data path
         self._paths_lock = threading.Lock()
         self._reads = itertools.count()

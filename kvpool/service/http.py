@@ -1,16 +1,31 @@
-"""The master's HTTP side: Prometheus metrics, health, and the pool snapshot as JSON."""
+"""The master's HTTP side: Prometheus metrics, health, and the pool snapshot as JSON.
+
+With a credential, every endpoint asks for ``Authorization: Bearer <token>``, the token
+derived from the cluster secret (``kvpool secret token``); a request without it, or with
+another, is answered 401 with one line saying how to get it.  Two exceptions: ``/health``
+answers ``{"status": "ok"}`` to anyone (a liveness probe carries no token) and the rest
+of its body only to the operator; ``/metrics`` is open when the operator started the
+master with ``--open_metrics`` (a Prometheus scraper without a token).
+"""
 
 from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvpool.core.credentials import Credential
 from kvpool.service.master import MasterService
 from kvpool.service.status_page import add_routes as add_status_page
 
 __all__ = ["build_app"]
 
 SERVICE_KEY: web.AppKey[MasterService] = web.AppKey("service", MasterService)
+
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -23,6 +38,8 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     service = request.app[SERVICE_KEY]
+    if not request.get("operator", True):
+        return web.json_response({"status": "ok"})
     return web.json_response(
         {
             "status": "ok",
@@ -36,8 +53,35 @@ async def _snapshot(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE_KEY].snapshot())
 
 
-def build_app(service: MasterService) -> web.Application:
-    app = web.Application()
+def _guard(token: str, open_paths: frozenset[str]) -> Callable[..., Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def guard(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        operator = hmac.compare_digest(given, expected)
+        request["operator"] = operator
+        if operator or request.path in open_paths:
+            return await handler(request)
+        why = "a wrong token" if given else "no token"
+        raise web.HTTPUnauthorized(
+            text=f"{why}: send Authorization: Bearer $(kvpool secret token) (the token of "
+            "this cluster's secret)\n",
+            headers={"WWW-Authenticate": 'Bearer realm="kvpool"'},
+        )
+
+    return guard
+
+
+def build_app(
+    service: MasterService, credential: Credential | None = None, *, open_metrics: bool = False
+) -> web.Application:
+    """The routes; with a ``credential`` they need its operator token (see above)."""
+    middlewares = []
+    if credential is not None and credential.is_cluster:
+        open_paths = frozenset({"/health", *(("/metrics",) if open_metrics else ())})
+        middlewares.append(_guard(credential.operator_token(), open_paths))
+    app = web.Application(middlewares=middlewares)
     app[SERVICE_KEY] = service
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/health", _health)

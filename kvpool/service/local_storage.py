@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvpool.core.credentials import Credential
 from kvpool.core.index import Demote
 from kvpool.errors import ChecksumMismatch, ConfigError, KVPoolError, NoSpace, ProtocolError
 from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
@@ -171,6 +172,7 @@ class LocalStorage:
         timeout_s: float = 10.0,
         names: SettingNames = SettingNames(),
         serve: bool = True,
+        credential: Credential | None = None,
     ) -> None:
         """``serve=False``: an in-process pool that never starts the data server, so no
         port is bound for it (:meth:`start` would bind one then)."""
@@ -179,7 +181,12 @@ class LocalStorage:
         self.ssd_segment_id = f"{client_id}/ssd"
         self.host_token = host_token()
         self.server = SegmentServer(
-            host, data_port, timeout_s=timeout_s, host_token=self.host_token
+            host,
+            data_port,
+            timeout_s=timeout_s,
+            host_token=self.host_token,
+            credential=credential,
+            server_id=client_id,
         )
         try:
             if serve:

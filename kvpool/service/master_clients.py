@@ -140,6 +140,14 @@ class MasterClients:
         return m.HeartbeatReply(changes.added, changes.removed)
 
     def _restore(self, req: m.Restore, now: int) -> m.Bools:
+        owner = self.index.registry.segments.get(req.segment_id)
+        if owner is not None and owner.client_id != req.client_id:
+            # only a segment's owner says what it holds: anyone else would map keys onto
+            # another node's memory
+            raise PoolError(
+                f"segment {req.segment_id!r} is {owner.client_id}'s, not {req.client_id}'s: "
+                "a node restores only its own segments"
+            )
         restore, seg = self.index.restore, req.segment_id
         return m.Bools([restore(k, seg, off, n, csum, now) for k, off, n, csum in req.objects])
 

@@ -31,11 +31,20 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
+from kvpool.core.credentials import Credential
+from kvpool.errors import (
+    AuthError,
+    ConfigError,
+    KVPoolError,
+    PeerTimeout,
+    ProtocolError,
+    TransferError,
+)
 from kvpool.net import split_address
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
 from kvpool.transfer import framing
+from kvpool.transfer.auth import authenticate
 from kvpool.transfer.channel import Channel
 
 __all__ = ["CLOSE_SETTLE_S", "MasterLink", "TcpMasterLink", "mooncake_answers", "wrong_engine"]
@@ -112,11 +121,24 @@ def _owed_reply(reply: m.MasterReply) -> None:
 
 class TcpMasterLink:
     """One TCP connection to ``kvpool master`` at ``address``; thread-safe (calls are
-    serialised on the connection)."""
+    serialised on the connection).  With a ``credential``, each new connection opens
+    with the handshake, as ``role`` (``client``, or ``node`` for a storage node) and
+    ``client_id``; a refusal raises :class:`~kvpool.errors.AuthError`."""
 
     pipelined = True
 
-    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 10.0,
+        *,
+        credential: Credential | None = None,
+        role: str = "client",
+        client_id: str = "",
+    ) -> None:
+        self.credential = credential
+        self.role = role
+        self.client_id = client_id
         self.address = address
         self.timeout_s = timeout_s
         self._channel: Channel[m.MasterRequest, m.MasterReply] | None = None
@@ -143,6 +165,8 @@ class TcpMasterLink:
                 self._drop()
                 raise
             self._fresh = False
+            if isinstance(reply, Error) and reply.code == AuthError.code:
+                self._drop()  # a refusal: the master closes this connection after it
         return reply
 
     def post(self, request: m.MasterRequest) -> None:
@@ -175,11 +199,27 @@ class TcpMasterLink:
             except OSError as exc:
                 raise TransferError(f"cannot reach the master at {self.address}: {exc}") from None
             framing.tune_socket(sock)
+            if self.credential is not None:
+                self._authenticate(sock)
             self._channel = Channel(
                 sock, m.MASTER_REQUEST_CODEC, m.MASTER_REPLY_CODEC, self.timeout_s, _owed_reply
             )
             self._fresh = True
         return self._channel
+
+    def _authenticate(self, sock: socket.socket) -> None:
+        where = f"the master at {self.address}"
+        assert self.credential is not None
+        try:
+            authenticate(sock, self.credential, self.role, self.client_id, self.timeout_s, where)
+        except AuthError as exc:
+            sock.close()
+            if exc.__cause__ is not None and mooncake_answers(self.address, 2.0):
+                raise wrong_engine(self.address) from exc
+            raise
+        except BaseException:
+            sock.close()
+            raise
 
     def _drop(self) -> None:
         if self._channel is not None:

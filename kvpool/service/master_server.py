@@ -3,8 +3,12 @@ the status page), as the production guide's §8.1 check
 ``curl http://<master>:50088/metrics`` expects.
 
 Each connection's first four bytes decide: ``KVP1`` (the frame magic) is an RPC
-connection, anything else is handed to aiohttp's HTTP protocol with the bytes already
-read.  Startup → serve → graceful shutdown, uvicorn style.
+connection, ``KVPA`` a handshake that leads to one (:mod:`kvpool.service.master_auth`),
+anything else is handed to aiohttp's HTTP protocol with the bytes already read.  With a
+credential (``--secret_file``, ``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), an RPC
+connection must open with the handshake and HTTP requests need the operator's bearer
+token; without one, a non-loopback ``--host`` refuses to start unless ``--insecure``.
+Startup → serve → graceful shutdown, uvicorn style.
 """
 
 from __future__ import annotations
@@ -22,15 +26,19 @@ from typing import Any, cast
 from aiohttp import web
 
 from kvpool.config import MasterConfig
+from kvpool.config.secret import load_credential, require_credential
+from kvpool.core.credentials import Credential
 from kvpool.core.index import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
+from kvpool.protocol.auth import AUTH_MAGIC, Identity
 from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
 from kvpool.protocol.data import error_reply
 from kvpool.protocol.messages import MASTER_REPLY_CODEC, MasterReply, MasterRequest
 from kvpool.service.http import build_app
 from kvpool.service.local_storage import MASTER_SETTINGS, LocalStorage
 from kvpool.service.master import Later, MasterService
+from kvpool.service.master_auth import AuthProtocol, Owners, no_secret_refusal, plain_refusal
 
 __all__ = ["RPC_BUFFER_LIMIT", "RPC_REQUEST_CODEC", "MasterServer", "RpcBuffers", "run_master"]
 
@@ -79,7 +87,11 @@ class _RpcProtocol(asyncio.Protocol):
         service: MasterService,
         buffers: RpcBuffers,
         frame_timeout_s: float = RPC_FRAME_TIMEOUT_S,
+        identity: Identity | None = None,
+        owners: Owners | None = None,
     ) -> None:
+        self.identity = identity  # who the handshake proved (None: no credential here)
+        self.owners = owners
         self.service = service
         self.buffers = buffers
         self.frame_timeout_s = frame_timeout_s
@@ -103,6 +115,8 @@ class _RpcProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.service.rpc_connections -= 1
+        if self.owners is not None:
+            self.owners.release(self)
         self._closed = True
         self._account()
         if self._timer is not None:
@@ -156,6 +170,11 @@ class _RpcProtocol(asyncio.Protocol):
                         self.service.settle()
                     break
                 served += 1
+                if self.owners is not None:
+                    refused = self.owners.check(self, self.identity, frame.message)
+                    if refused is not None:
+                        self._refuse(refused)
+                        return
                 reply = self.service.submit(frame.message)
                 if isinstance(reply, Later):
                     self.waiting = reply
@@ -258,18 +277,33 @@ class _Sniffer(asyncio.Protocol):
         self.server = server
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
+        self.refused = False  # said why and closing: what still arrives is dropped
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
-        self.buffer += data
-        if len(self.buffer) < len(MAGIC) and MAGIC.startswith(self.buffer):
+        if self.refused:
             return
+        self.buffer += data
+        if len(self.buffer) < len(MAGIC) and (
+            MAGIC.startswith(self.buffer) or AUTH_MAGIC.startswith(self.buffer)
+        ):
+            return
+        server = self.server
         proto: asyncio.Protocol
-        if self.buffer.startswith(MAGIC):
-            server = self.server
+        if self.buffer.startswith(AUTH_MAGIC):
+            if server.credential is None:
+                self.refused = True
+                no_secret_refusal(self.transport)
+                return
+            proto = AuthProtocol(server.credential, server.rpc_admitted)
+        elif self.buffer.startswith(MAGIC):
+            if server.credential is not None:
+                self.refused = True
+                plain_refusal(self.transport, f"{server.config.host}:{server.port}")
+                return
             proto = _RpcProtocol(server.service, server.rpc_buffers, server.rpc_frame_timeout_s)
         else:
             proto = self.server.http_protocol()
@@ -281,8 +315,12 @@ class _Sniffer(asyncio.Protocol):
 class MasterServer:
     """The master process: service, embedded storage, RPC+HTTP listener, tick loop."""
 
-    def __init__(self, config: MasterConfig) -> None:
+    def __init__(self, config: MasterConfig, *, credential: Credential | None = None) -> None:
+        """``credential`` None: the one ``config.secret_file`` or the environment names
+        (read at :meth:`start`), if any."""
         self.config = config
+        self.credential = credential
+        self.owners = Owners()
         self.service = MasterService(
             IndexConfig(
                 high_watermark=config.eviction_high_watermark_ratio,
@@ -302,6 +340,16 @@ class MasterServer:
         self._tick_task: asyncio.Task[None] | None = None
         self.port = config.port
 
+    def rpc_admitted(self, transport: asyncio.Transport, identity: Identity, rest: bytes) -> None:
+        """A handshake succeeded: the connection is RPC from now on, as ``identity``."""
+        proto = _RpcProtocol(
+            self.service, self.rpc_buffers, self.rpc_frame_timeout_s, identity, self.owners
+        )
+        transport.set_protocol(proto)
+        proto.connection_made(transport)
+        if rest:
+            proto.data_received(rest)
+
     def http_protocol(self) -> asyncio.Protocol:
         assert self._runner is not None and self._runner.server is not None
         proto: Any = self._runner.server()
@@ -314,6 +362,15 @@ class MasterServer:
         cfg = self.config
         for warning in cfg.warnings():
             log.warning("%s", warning)
+        if self.credential is None:
+            self.credential = load_credential(cfg.secret_file, os.environ, key="--secret_file")
+        if self.credential is not None and not self.credential.is_cluster:
+            raise ConfigError(
+                "--secret_file: this is a node's credential; the master needs the cluster "
+                "secret it was derived from"
+            )
+        require_credential(cfg.host, self.credential, cfg.insecure, key="--host")
+        self.service.node_links.credential = self.credential
         listener = _listen(cfg.host, cfg.port)
         try:
             await self._start_on(listener)
@@ -323,13 +380,16 @@ class MasterServer:
             raise
         log.info(
             "kvpool master listening on %s:%d (RPC + HTTP /metrics /health /status); "
-            "memory segment %d bytes%s; flags: %s",
+            "memory segment %d bytes%s; %s; flags: %s",
             cfg.host,
             self.port,
             cfg.segment_size,
             f", SSD tier {cfg.ssd_offload_path} ({cfg.ssd_offload_limit} bytes)"
             if self.storage is not None and self.storage.ssd is not None
             else "",
+            "every connection must prove the cluster secret"
+            if self.credential is not None
+            else "open: no credential configured",
             dataclasses.replace(cfg, port=self.port).flags_line(),
         )
 
@@ -344,10 +404,12 @@ class MasterServer:
                 ssd_path=ssd_path,
                 ssd_limit=cfg.ssd_offload_limit if ssd_path else 0,
                 names=MASTER_SETTINGS,
+                credential=self.credential,
             )
             self.storage.start()
             self.service.attach_local(self.storage)
-        self._runner = web.AppRunner(build_app(self.service), access_log=None)
+        app = build_app(self.service, self.credential, open_metrics=cfg.open_metrics)
+        self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Sniffer(self), sock=listener)

@@ -14,6 +14,12 @@ headers (so a warm SSD cache outlives a master restart, and a restart of the nod
 the master refuses is dropped here, SSD files deleted, so no space leaks.  Announcements
 go in bounded batches, so a large catalog never builds one huge frame.
 
+Credentials: the config's ``secret_file``, else ``KVPOOL_SECRET_FILE`` /
+``KVPOOL_SECRET``.  With one, the node proves its node key to the master (role ``node``)
+and its data port admits only peers that prove the same key; a node credential
+(``kvpool-node:ID:...``) fixes the node's id to the one it names.  Without one, a node
+whose data port would listen beyond loopback refuses to start unless ``insecure``.
+
 Data never passes through the master: clients write and read the node's segment
 directly over TCP, or through its shared memory when they share the host.
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import signal
 import threading
@@ -37,6 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvpool.config import NodeConfig
+from kvpool.config.secret import load_credential, require_credential
+from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError, KVPoolError, UnknownClient
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
@@ -84,12 +93,28 @@ class NodeService:
         bind_host: str = "",
         data_port: int = 0,
         on_fatal: Callable[[ConfigError], None] | None = None,
+        credential: Credential | None = None,
+        insecure: bool = False,
     ) -> None:
+        """``credential`` None: the config's ``secret_file`` or the environment's."""
         self.config = config
         #: told when the heartbeat loop meets an error no retry can mend, and stops
         self.on_fatal = on_fatal
+        if credential is None:
+            credential = load_credential(config.secret_file, os.environ, key="secret_file")
+        self.credential = credential
+        host = bind_host or config.local_hostname
+        bind_key = "--bind" if bind_host else "local_hostname"
+        require_credential(host, credential, insecure, key=bind_key)
         ssd = config.enable_ssd_offload
         self.client_id = node_id(config.local_hostname, config.ssd_offload_path if ssd else "")
+        if credential is not None and not credential.is_cluster:
+            if not _VALID_ID.match(credential.node_id):
+                raise ConfigError(
+                    f"secret_file: the node credential names {credential.node_id!r}, not a "
+                    "node id (node-<name>); make one for node-<name>"
+                )
+            self.client_id = credential.node_id  # the credential is this id's, and only its
         self.storage = LocalStorage(
             self.client_id,
             config.global_segment_size,
@@ -98,11 +123,14 @@ class NodeService:
             timeout_s=config.timeouts.transfer_timeout_ms / 1000,
             ssd_path=config.ssd_offload_path if ssd else "",
             ssd_limit=config.ssd_offload_limit if ssd else 0,
+            credential=credential,
         )
         self.master = Client(
             config.master_address,
             timeout_s=config.timeouts.connect_timeout_ms / 1000,
             client_id=self.client_id,
+            credential=credential,
+            role="node",
         )
         self.catalog: dict[str, tuple[int, int, int]] = {}  # key -> offset, size, checksum
         self.heartbeat_s = 1.0
@@ -235,7 +263,9 @@ class NodeService:
             wait = 0.0 if changed else max(0.0, self.heartbeat_s - spent)
 
 
-def run_node(config: NodeConfig, *, bind_host: str = "", data_port: int = 0) -> int:
+def run_node(
+    config: NodeConfig, *, bind_host: str = "", data_port: int = 0, insecure: bool = False
+) -> int:
     """Serve until a signal; raises the ConfigError that stopped it, if one did."""
     done = threading.Event()
     fatal: list[ConfigError] = []
@@ -244,7 +274,9 @@ def run_node(config: NodeConfig, *, bind_host: str = "", data_port: int = 0) -> 
         fatal.append(exc)
         done.set()
 
-    node = NodeService(config, bind_host=bind_host, data_port=data_port, on_fatal=stop_with)
+    node = NodeService(
+        config, bind_host=bind_host, data_port=data_port, on_fatal=stop_with, insecure=insecure
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     while True:

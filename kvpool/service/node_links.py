@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.closing import Closing
+from kvpool.core.credentials import Credential
 from kvpool.core.index import Demote
 from kvpool.errors import KVPoolError
 from kvpool.transfer.segment_client import SegmentConnection
@@ -44,9 +45,11 @@ _Job = Callable[[SegmentConnection], None]
 class _NodeWorker:
     """One node's connection, served by one thread from a bounded queue."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, credential: Credential | None) -> None:
         host, _, port = address.rpartition(":")  # as the node wrote it: host:port
-        self.conn = SegmentConnection(host, int(port), timeout_s=timeout_s)
+        self.conn = SegmentConnection(
+            host, int(port), timeout_s=timeout_s, credential=credential, client_id="master"
+        )
         self.jobs: queue.Queue[_Job | None] = queue.Queue(QUEUE_DEPTH)
         self.thread = threading.Thread(
             target=self._run, name=f"kvpool-node-link-{address}", daemon=True
@@ -84,12 +87,14 @@ class NodeLinks(Closing):
 
     def __init__(self, timeout_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
+        #: proved to each node's data port (the master holds the cluster secret)
+        self.credential: Credential | None = None
         self._workers: dict[str, _NodeWorker] = {}
 
     def _worker(self, address: str) -> _NodeWorker:
         worker = self._workers.get(address)
         if worker is None:
-            worker = self._workers[address] = _NodeWorker(address, self.timeout_s)
+            worker = self._workers[address] = _NodeWorker(address, self.timeout_s, self.credential)
         return worker
 
     def demote(self, address: str, event: Demote, done: DemoteDone) -> None:

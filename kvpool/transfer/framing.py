@@ -36,6 +36,7 @@ __all__ = [
     "recv_exactly_into",
     "recv_frame",
     "recv_request",
+    "send_bytes",
     "send_frame",
     "tune_socket",
 ]
@@ -113,6 +114,11 @@ def _sendall(sock: socket.socket, data: bytes | memoryview, deadline: float) -> 
         raise PeerTimeout("timed out sending: the peer stopped reading") from None
     except OSError as exc:
         raise TransferError(f"connection failed while sending: {exc}") from None
+
+
+def send_bytes(sock: socket.socket, data: bytes | memoryview, deadline: float) -> None:
+    """Send ``data`` whole before ``deadline`` (a handshake frame, a refusal)."""
+    _sendall(sock, data, deadline)
 
 
 def send_frame(

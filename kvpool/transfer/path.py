@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from kvpool.closing import Closing
+from kvpool.core.credentials import Credential
 from kvpool.errors import KVPoolError, PoolError
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.shm import ShmConnection, host_token
@@ -31,9 +32,18 @@ class NodeDataPath(Closing):
     """Reads and writes of one node's segments by the fastest path available."""
 
     def __init__(
-        self, host: str, port: int, *, timeout_s: float = 10.0, allow_shm: bool = True
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout_s: float = 10.0,
+        allow_shm: bool = True,
+        credential: Credential | None = None,
+        client_id: str = "",
     ) -> None:
-        self.tcp = SegmentConnection(host, port, timeout_s)
+        self.tcp = SegmentConnection(
+            host, port, timeout_s, credential=credential, client_id=client_id
+        )
         self.shm = ShmConnection()
         self.allow_shm = allow_shm
         self._routes: dict[str, Route] = {}

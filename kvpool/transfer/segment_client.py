@@ -15,7 +15,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.closing import Closing
-from kvpool.errors import KVPoolError, Overloaded, PeerTimeout, ProtocolError, TransferError
+from kvpool.core.credentials import Credential
+from kvpool.errors import (
+    AuthError,
+    KVPoolError,
+    Overloaded,
+    PeerTimeout,
+    ProtocolError,
+    TransferError,
+)
 from kvpool.protocol.data import (
     DATA_REPLY_CODEC,
     DATA_REQUEST_CODEC,
@@ -33,6 +41,7 @@ from kvpool.protocol.data import (
 )
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.transfer import framing
+from kvpool.transfer.auth import authenticate
 from kvpool.transfer.channel import Channel
 
 __all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
@@ -50,10 +59,22 @@ class SegmentConnection(Closing):
     use one connection per thread for parallel transfers.  Every call finishes within
     ``timeout_s`` or raises :class:`~kvpool.errors.PeerTimeout`; a dead peer raises
     :class:`~kvpool.errors.TransferError`; a refusal by the server raises the error it
-    reported (e.g. :class:`~kvpool.errors.UnknownSegment`).
+    reported (e.g. :class:`~kvpool.errors.UnknownSegment`).  With a ``credential``, each
+    new connection first proves it (role ``data``, as ``client_id``) and checks the
+    node's proof: a refusal raises :class:`~kvpool.errors.AuthError`.
     """
 
-    def __init__(self, host: str, port: int, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout_s: float = 10.0,
+        *,
+        credential: Credential | None = None,
+        client_id: str = "",
+    ) -> None:
+        self.credential = credential
+        self.client_id = client_id
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
@@ -80,6 +101,15 @@ class SegmentConnection(Closing):
             except OSError as exc:
                 raise TransferError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
             framing.tune_socket(sock)
+            if self.credential is not None:
+                where = f"data server {self.host}:{self.port}"
+                try:
+                    authenticate(
+                        sock, self.credential, "data", self.client_id, self.timeout_s, where
+                    )
+                except BaseException:
+                    sock.close()
+                    raise
             self._channel = Channel(sock, DATA_REQUEST_CODEC, DATA_REPLY_CODEC, self.timeout_s)
         return self._channel
 
@@ -105,8 +135,8 @@ class SegmentConnection(Closing):
                 self._drop()
                 raise
         if isinstance(reply, Error):
-            if reply.code == Overloaded.code:
-                self.close()  # refused at the server's limit: it closes this connection
+            if reply.code in (Overloaded.code, AuthError.code):
+                self.close()  # refused (at its limit, or unauthenticated): the server closes
             raise reply.to_exception()
         return reply
 

@@ -25,6 +25,10 @@ multi-megabyte transfers with the GIL released, where an event loop would wake p
   the connection goes on).  A connection quiet for ``idle_timeout_s`` between requests is
   closed (noticed within ``timeout_s`` after: the kernel's receive timeout is the clock),
   so idle peers do not keep threads forever; clients reconnect on their next request.
+- With a ``credential``, a connection's first exchange is the handshake of
+  :mod:`kvpool.protocol.auth` in role ``data``, proving the key of the node that serves
+  (``server_id``); a peer that skips it or fails it gets an
+  :class:`~kvpool.errors.AuthError` reply and is closed, and nothing else is read from it.
 
 :class:`~kvpool.transfer.segment_client.SegmentConnection` is the client side.
 """
@@ -38,7 +42,9 @@ import threading
 from dataclasses import dataclass, field
 
 from kvpool.closing import Serving
+from kvpool.core.credentials import Credential
 from kvpool.errors import (
+    AuthError,
     ChecksumMismatch,
     KVPoolError,
     ObjectNotFound,
@@ -66,6 +72,7 @@ from kvpool.protocol.data import (
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
 from kvpool.transfer import framing
+from kvpool.transfer.auth import admit
 from kvpool.transfer.budget import ByteBudget
 from kvpool.transfer.channel import Channel
 from kvpool.transfer.framing import BadRequest
@@ -102,6 +109,7 @@ class ServerStats:
     error_replies: int = 0
     protocol_errors: int = 0
     dropped_connections: int = 0
+    refused_auth: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, amount: int = 1) -> None:
@@ -127,8 +135,12 @@ class SegmentServer(Serving):
         ssd: SsdStore | None = None,
         max_connections: int = DATA_MAX_CONNECTIONS,
         ssd_read_budget: int = SSD_READ_BUDGET,
+        credential: Credential | None = None,
+        server_id: str = "",
     ) -> None:
         self.host = host
+        self.credential = credential
+        self.server_id = server_id
         self.ssd = ssd
         self.port = port
         self.timeout_s = timeout_s
@@ -210,6 +222,8 @@ class SegmentServer(Serving):
         """One client's conversation, in its own thread (the server closes ``conn``)."""
         framing.tune_socket(conn)
         _keepalive(conn)
+        if self.credential is not None and not self._admitted(conn):
+            return
         channel: Channel[DataReply, DataRequest] = Channel(
             conn, DATA_REPLY_CODEC, DATA_REQUEST_CODEC, self.timeout_s
         )
@@ -225,6 +239,28 @@ class SegmentServer(Serving):
         except (TransferError, PeerTimeout) as exc:
             self.stats.add("dropped_connections")
             log.info("data connection ended: %s", exc)
+
+    def _admitted(self, conn: socket.socket) -> bool:
+        """The handshake; False (said to the peer and logged) when it failed."""
+        assert self.credential is not None
+        plain = AuthError(
+            f"data server {self.host}:{self.port} requires a credential: set "
+            "KVPOOL_SECRET_FILE (or KVPOOL_SECRET) to this cluster's secret"
+        )
+        try:
+            admit(
+                conn,
+                self.credential,
+                self.server_id,
+                ("data",),
+                self.timeout_s,
+                DATA_REPLY_CODEC.encode(error_reply(plain)),
+            )
+        except (AuthError, TransferError, PeerTimeout) as exc:
+            self.stats.add("refused_auth")
+            log.warning("data connection refused: %s", exc)
+            return False
+        return True
 
     def _reply(
         self,

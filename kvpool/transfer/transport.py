@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.net import split_address
 from kvpool.transfer.path import NodeDataPath
@@ -82,12 +83,27 @@ class TcpTransport:
     name = "tcp"
     _shared_memory = False
 
-    def __init__(self, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 10.0,
+        *,
+        credential: Credential | None = None,
+        client_id: str = "",
+    ) -> None:
         self.timeout_s = timeout_s
+        self.credential = credential  # proved to each node's data port (None: no handshake)
+        self.client_id = client_id
 
     def connect(self, address: str) -> NodeDataPath:
         host, port = split_address(address)
-        return NodeDataPath(host, port, timeout_s=self.timeout_s, allow_shm=self._shared_memory)
+        return NodeDataPath(
+            host,
+            port,
+            timeout_s=self.timeout_s,
+            allow_shm=self._shared_memory,
+            credential=self.credential,
+            client_id=self.client_id,
+        )
 
 
 class SharedMemoryTransport(TcpTransport):
@@ -104,10 +120,17 @@ TRANSPORTS: dict[str, type[TcpTransport]] = {
 }
 
 
-def transport_named(name: str, timeout_s: float = 10.0) -> TcpTransport:
+def transport_named(
+    name: str,
+    timeout_s: float = 10.0,
+    *,
+    credential: Credential | None = None,
+    client_id: str = "",
+) -> TcpTransport:
     """The network transport called ``name`` in config (``"shm"`` or ``"tcp"``)."""
     try:
-        return TRANSPORTS[name](timeout_s)
+        cls = TRANSPORTS[name]
     except KeyError:
         known = ", ".join(sorted(TRANSPORTS))
         raise ConfigError(f"transport {name!r} is not one of {known}") from None
+    return cls(timeout_s, credential=credential, client_id=client_id)

@@ -195,6 +195,17 @@ def test_compose_master_command_has_the_guides_flags() -> None:
     assert args.command == "master" and args.default_kv_lease_ttl == "11000"
 
 
+def test_compose_master_and_nodes_share_the_cluster_secret() -> None:
+    # bound to 0.0.0.0, a master or node without a secret refuses to start (security.md)
+    data = compose()
+    services = data["services"]
+    config = MasterConfig.from_argv([interpolate(w) for w in services["master"]["command"]])
+    assert config.secret_file == "/run/secrets/kvpool" and config.open_metrics
+    assert services["node"]["environment"]["KVPOOL_SECRET_FILE"] == config.secret_file
+    assert all(service["secrets"] == ["kvpool"] for service in services.values())
+    assert "kvpool" in data["secrets"]
+
+
 def test_compose_master_has_room_for_its_segment_in_dev_shm() -> None:
     # Docker's default /dev/shm is 64 MiB: the master's segment needs the host's (ipc:
     # host, as the node has) or a shm_size that holds it, or it refuses to start.

@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvpool.config.secret import operator_headers
 from kvpool.core.keys import KeyNamespace, chunk_keys
 from kvpool.net import http_get, split_address
 from kvpool.ops.doctor.checks_host import SsdFacts
@@ -92,8 +93,9 @@ def probe_master(
         if health.status is None:
             error = f"{error} (no HTTP answer; and no Mooncake master: {why})"
         return MasterFacts(address, None, health.status, error)
-    metrics = http_get(f"http://{address}/metrics", timeout_s).text
-    status = http_get(f"http://{address}/api/status", timeout_s)
+    operator = operator_headers(os.environ)
+    metrics = http_get(f"http://{address}/metrics", timeout_s, headers=operator).text
+    status = http_get(f"http://{address}/api/status", timeout_s, headers=operator)
     snapshot = None
     if status.status == 200:
         try:
