@@ -11,11 +11,18 @@ import time
 from typing import Any
 
 from tests.multihost.client_side import Op
-from tests.multihost.pool import CLIENT_TIMEOUT_S, CLIENT_TTL_S, HEARTBEAT_S, Cluster
+from tests.multihost.pool import (
+    CLIENT_TIMEOUT_S,
+    CLIENT_TTL_S,
+    HEARTBEAT_S,
+    NODE_TIMEOUT_MS,
+    Cluster,
+)
 
 SIZE = 64 << 10
 #: no single operation may take longer than this (a dead peer is a timeout, not a hang)
 OP_BOUND_S = 3 * CLIENT_TIMEOUT_S
+NODE_TIMEOUT_S = NODE_TIMEOUT_MS / 1000
 
 
 def _wait(what: str, cond: Any, timeout_s: float, cluster: Cluster) -> float:
@@ -57,3 +64,74 @@ def test_puts_and_gets_cross_hosts(cluster: Cluster) -> None:
     for key in by_node[cluster.node_addresses["node1"]][:3]:
         op = cluster.agent.run("tests.multihost.client_side:get", other, key, SIZE)
         assert op.outcome == "hit", op
+
+
+def test_node_link_cut_mid_traffic_then_restored(cluster: Cluster, record: Any) -> None:
+    topo, cut_address = cluster.topology, cluster.node_addresses["node1"]
+    other_address = cluster.node_addresses["node2"]
+    by_node = _put_keys(cluster, "cut", 16)
+    cut_keys = by_node[cut_address]
+    traffic = cluster.agent.new(
+        "tests.multihost.client_side:Traffic", cluster.client, sorted(cluster_keys(by_node)), SIZE, 0.05
+    )
+    time.sleep(1.0)
+    t_cut = time.monotonic()
+    topo.cut("node1")
+
+    # the master drops the node: at once when a client's transfer to it fails, at the
+    # latest when client_ttl passes without a heartbeat
+    prober = cluster.new_client()
+    t_dropped = _wait(
+        "the master drops node1",
+        lambda: cut_address not in cluster.agent.run("tests.multihost.client_side:nodes", prober),
+        2 * CLIENT_TTL_S + OP_BOUND_S,
+        cluster,
+    )
+    assert t_dropped - t_cut <= 2 * CLIENT_TTL_S
+    time.sleep(2.0)  # traffic goes on against node2 alone
+    during: list[Op] = cluster.agent.call(traffic, "since", t_cut)
+    _bounded(during)
+    cut_reads = [op for op in during if op.op == "get" and op.key in cut_keys]
+    assert cut_reads and all(op.outcome in ("miss", "hit") for op in cut_reads), cut_reads
+    first_miss = min(op.started + op.seconds for op in cut_reads if op.outcome == "miss")
+    assert first_miss - t_cut <= OP_BOUND_S
+    later_puts = [op for op in during if op.op == "put" and op.started > t_dropped]
+    assert later_puts and all(op.outcome == "ok" for op in later_puts), later_puts
+    for op in later_puts[:10]:
+        assert cluster.on_client("owner", op.key) == other_address
+    for key in by_node[other_address]:  # the other node's objects never stopped
+        assert cluster.on_client("get", key, SIZE).outcome == "hit"  # type: ignore[attr-defined]
+
+    t_restore = time.monotonic()
+    topo.restore("node1")
+    # it re-registers (the master answers its heartbeat "unknown"), re-announces what it
+    # holds, and its old objects are read again, bytes equal
+    reregister_bound = 3 * (NODE_TIMEOUT_S + HEARTBEAT_S)
+    t_back = _wait(
+        "node1 registers again",
+        lambda: cut_address in cluster.agent.run("tests.multihost.client_side:nodes", prober),
+        reregister_bound,
+        cluster,
+    )
+    t_served = _wait(
+        "node1's objects are read again",
+        lambda: all(cluster.on_client("get", k, SIZE).outcome == "hit" for k in cut_keys),  # type: ignore[attr-defined]
+        reregister_bound,
+        cluster,
+    )
+    cluster.nodes["node1"].wait_for(r"registering again|re-announced", 1)
+    ops: list[Op] = cluster.agent.call(traffic, "stop")
+    _bounded(ops)
+    record(
+        "node link cut",
+        read_miss_after_cut_s=round(first_miss - t_cut, 2),
+        master_dropped_node_after_s=round(t_dropped - t_cut, 2),
+        reregistered_after_restore_s=round(t_back - t_restore, 2),
+        objects_served_again_after_restore_s=round(t_served - t_restore, 2),
+        slowest_op_s=round(max(op.seconds for op in ops), 2),
+        ops=len(ops),
+    )
+
+
+def cluster_keys(by_node: dict[str, list[str]]) -> list[str]:
+    return [key for keys in by_node.values() for key in keys]
