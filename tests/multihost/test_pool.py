@@ -135,3 +135,79 @@ def test_node_link_cut_mid_traffic_then_restored(cluster: Cluster, record: Any) 
 
 def cluster_keys(by_node: dict[str, list[str]]) -> list[str]:
     return [key for keys in by_node.values() for key in keys]
+
+
+def test_idle_node_cut_is_dropped_after_client_ttl(cluster: Cluster, record: Any) -> None:
+    """With no client touching it, only the heartbeats tell: the master drops a silent
+    node once ``client_ttl`` passed, not before."""
+    cut_address = cluster.node_addresses["node1"]
+    t_cut = time.monotonic()
+    cluster.topology.cut("node1")
+    t_dropped = _wait(
+        "the master drops node1",
+        lambda: cut_address not in cluster.on_client("nodes"),  # type: ignore[operator]
+        2 * CLIENT_TTL_S,
+        cluster,
+    )
+    # its last heartbeat may have come up to one interval before the cut
+    assert t_dropped - t_cut >= CLIENT_TTL_S - HEARTBEAT_S - 0.5
+    t_restore = time.monotonic()
+    cluster.topology.restore("node1")
+    t_back = _wait(
+        "node1 registers again",
+        lambda: cut_address in cluster.on_client("nodes"),  # type: ignore[operator]
+        3 * (NODE_TIMEOUT_S + HEARTBEAT_S),
+        cluster,
+    )
+    record(
+        "idle node cut (heartbeats only)",
+        master_dropped_node_after_s=round(t_dropped - t_cut, 2),
+        reregistered_after_restore_s=round(t_back - t_restore, 2),
+    )
+
+
+def test_master_host_cut_off_then_restored(cluster: Cluster, record: Any) -> None:
+    """Clients fail fast while the master is unreachable (every call ends within its
+    timeout), the nodes outlive the master's view of them, and the pool comes back."""
+    keys = cluster_keys(_put_keys(cluster, "mcut", 8))
+    traffic = cluster.agent.new(
+        "tests.multihost.client_side:Traffic", cluster.client, keys, SIZE, 0.05
+    )
+    time.sleep(1.0)
+    t_cut = time.monotonic()
+    cluster.topology.cut("master")
+    # long enough for the master to expire both nodes (it hears no heartbeat)
+    time.sleep(CLIENT_TTL_S + 2 * HEARTBEAT_S)
+    during: list[Op] = cluster.agent.call(traffic, "since", t_cut)
+    _bounded(during)
+    assert len(during) >= 2 and all(op.outcome.startswith("error:") for op in during), during
+    first_failure = min(op.started + op.seconds for op in during)
+    assert first_failure - t_cut <= OP_BOUND_S
+
+    t_restore = time.monotonic()
+    cluster.topology.restore("master")
+    bound = 3 * (CLIENT_TIMEOUT_S + NODE_TIMEOUT_S + HEARTBEAT_S)
+    t_first_ok = _wait(
+        "a client call succeeds again",
+        lambda: cluster.on_client("put", f"after-{time.monotonic()}", SIZE).outcome == "ok",  # type: ignore[attr-defined]
+        bound,
+        cluster,
+    )
+    t_served = _wait(
+        "the objects put before the cut are read again",
+        lambda: all(cluster.on_client("get", k, SIZE).outcome == "hit" for k in keys),  # type: ignore[attr-defined]
+        bound,
+        cluster,
+    )
+    for node in cluster.nodes.values():  # the master forgot them: they registered again
+        node.wait_for(r"registering again", 1)
+    ops: list[Op] = cluster.agent.call(traffic, "stop")
+    _bounded(ops)
+    record(
+        "master host cut",
+        first_client_failure_after_cut_s=round(first_failure - t_cut, 2),
+        client_calls_work_after_restore_s=round(t_first_ok - t_restore, 2),
+        old_objects_read_after_restore_s=round(t_served - t_restore, 2),
+        slowest_op_s=round(max(op.seconds for op in ops), 2),
+        failed_ops_during_cut=sum(op.outcome.startswith("error:") for op in ops),
+    )
