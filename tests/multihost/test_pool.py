@@ -7,8 +7,13 @@ Each scenario records its time to detect and to recover (docs/multihost.md has t
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
+
+import pytest
+
+from kvpool.testing.netns import netem_missing
 
 from tests.multihost.client_side import Op
 from tests.multihost.pool import (
@@ -210,4 +215,93 @@ def test_master_host_cut_off_then_restored(cluster: Cluster, record: Any) -> Non
         old_objects_read_after_restore_s=round(t_served - t_restore, 2),
         slowest_op_s=round(max(op.seconds for op in ops), 2),
         failed_ops_during_cut=sum(op.outcome.startswith("error:") for op in ops),
+    )
+
+
+# ------------------------------------------------------------------ a degraded link
+BIG = 256 << 10  # several round trips' worth of packets per object
+
+
+def _slower_never_wrong(cluster: Cluster, degrade: Any, record: Any, scenario: str) -> None:
+    """Reads and puts through a degraded link to node1: every read is the right bytes or
+    a miss, every operation ends within its bound, and the link healed, node1 serves."""
+    by_node = _put_keys_sized(cluster, "slow", 12, BIG)
+    slow_keys = set(by_node[cluster.node_addresses["node1"]])
+    keys = cluster_keys(by_node)
+    before = [cluster.on_client("get", k, BIG) for k in keys]
+    degrade()
+    t0 = time.monotonic()
+    during: list[Op] = []
+    while time.monotonic() - t0 < 8.0 and len(during) < 400:  # bounded in time and count
+        for key in keys:
+            during.append(cluster.on_client("get", key, BIG))  # type: ignore[arg-type]
+        during.append(cluster.on_client("put", f"slow-new-{len(during)}", BIG))  # type: ignore[arg-type]
+    _bounded(during)
+    reads = [op for op in during if op.op == "get"]
+    assert all(op.outcome in ("hit", "miss") for op in reads), {op.outcome for op in reads}
+    assert any(op.outcome == "hit" for op in reads)
+    t_heal = time.monotonic()
+    cluster.topology.unimpair("node1")
+    t_served = _wait(
+        "node1's objects are read again",
+        lambda: all(cluster.on_client("get", k, BIG).outcome == "hit" for k in slow_keys),  # type: ignore[attr-defined]
+        3 * (NODE_TIMEOUT_S + HEARTBEAT_S),
+        cluster,
+    )
+
+    def median(ops: list[Any]) -> float:
+        times = sorted(op.seconds for op in ops) or [0.0]
+        return round(times[len(times) // 2], 3)
+
+    record(
+        scenario,
+        read_median_before_s=median([op for op in before if op.key in slow_keys]),
+        read_median_degraded_s=median([op for op in reads if op.key in slow_keys]),
+        read_median_other_node_s=median([op for op in reads if op.key not in slow_keys]),
+        degraded_reads_hit=sum(op.outcome == "hit" for op in reads if op.key in slow_keys),
+        degraded_reads_miss=sum(op.outcome == "miss" for op in reads if op.key in slow_keys),
+        puts_failed=sum(op.op == "put" and op.outcome != "ok" for op in during),
+        served_again_after_heal_s=round(t_served - t_heal, 2),
+    )
+
+
+def _put_keys_sized(cluster: Cluster, prefix: str, n: int, size: int) -> dict[str, list[str]]:
+    by_node: dict[str, list[str]] = {}
+    for i in range(n):
+        key = f"{prefix}-{i}"
+        op: Op = cluster.on_client("put", key, size)  # type: ignore[assignment]
+        assert op.outcome == "ok", op
+        by_node.setdefault(str(cluster.on_client("owner", key)), []).append(key)
+    return by_node
+
+
+def test_throttled_link_is_slower_never_wrong(cluster: Cluster, record: Any) -> None:
+    """node1's link shaped to 4 Mbit/s with a 16 KiB queue (``tc tbf``): a 256 KiB read
+    queues, and packets beyond the queue are dropped and sent again."""
+    _slower_never_wrong(
+        cluster,
+        lambda: cluster.topology.throttle("node1", rate_kbit=4000, queue_bytes=16 << 10),
+        record,
+        "throttled link (tbf 4 Mbit/s, 16 KiB queue)",
+    )
+
+
+@pytest.fixture
+def netem() -> None:
+    """``tc netem`` is the kernel's: where it is missing the scenario is not run, and
+    says so (a failure when KVPOOL_REQUIRE_NETEM=1, as on a CI kernel that has it)."""
+    missing = netem_missing()
+    if missing and os.environ.get("KVPOOL_REQUIRE_NETEM") == "1":
+        pytest.fail(f"KVPOOL_REQUIRE_NETEM=1 but {missing}")
+    if missing:
+        pytest.skip(f"NOT RUN: {missing} (the tbf scenario still runs)")
+
+
+def test_lossy_delayed_link_is_slower_never_wrong(netem: None, cluster: Cluster, record: Any) -> None:
+    """node1's link loses 5 % of packets and delays each by 20 ms (``tc netem``)."""
+    _slower_never_wrong(
+        cluster,
+        lambda: cluster.topology.impair("node1", delay_ms=20, loss_pct=5),
+        record,
+        "lossy link (netem 20 ms, 5 % loss)",
     )
