@@ -175,7 +175,9 @@ class Topology(Closing):
         self._started.append(proc)
         return proc
 
-    def agent(self, host: str, *, timeout_s: float = 60.0, env: dict[str, str] | None = None) -> Agent:
+    def agent(
+        self, host: str, *, timeout_s: float = 60.0, env: dict[str, str] | None = None
+    ) -> Agent:
         """A Python helper on ``host`` that runs calls there (:class:`Agent`)."""
         agent = Agent(self, host, timeout_s=timeout_s, env=env)
         self._agents.append(agent)
@@ -299,7 +301,9 @@ class Agent(Closing):
 
     def _ask(self, *message: Any) -> Any:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"the agent on {self.host} exited ({self.proc.returncode}):\n{self.log}")
+            raise RuntimeError(
+                f"the agent on {self.host} exited ({self.proc.returncode}):\n{self.log}"
+            )
         self._conn.send(message)
         if not self._conn.poll(self.timeout_s):
             raise PeerTimeout(f"no answer from the agent on {self.host} in {self.timeout_s} s")

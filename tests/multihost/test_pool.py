@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from kvpool.testing.netns import netem_missing
-
 from tests.multihost.client_side import Op
 from tests.multihost.pool import (
     CLIENT_TIMEOUT_S,
@@ -77,7 +76,11 @@ def test_node_link_cut_mid_traffic_then_restored(cluster: Cluster, record: Any) 
     by_node = _put_keys(cluster, "cut", 16)
     cut_keys = by_node[cut_address]
     traffic = cluster.agent.new(
-        "tests.multihost.client_side:Traffic", cluster.client, sorted(cluster_keys(by_node)), SIZE, 0.05
+        "tests.multihost.client_side:Traffic",
+        cluster.client,
+        sorted(cluster_keys(by_node)),
+        SIZE,
+        0.05,
     )
     time.sleep(1.0)
     t_cut = time.monotonic()
@@ -297,7 +300,9 @@ def netem() -> None:
         pytest.skip(f"NOT RUN: {missing} (the tbf scenario still runs)")
 
 
-def test_lossy_delayed_link_is_slower_never_wrong(netem: None, cluster: Cluster, record: Any) -> None:
+def test_lossy_delayed_link_is_slower_never_wrong(
+    netem: None, cluster: Cluster, record: Any
+) -> None:
     """node1's link loses 5 % of packets and delays each by 20 ms (``tc netem``)."""
     _slower_never_wrong(
         cluster,
