@@ -310,3 +310,49 @@ def test_lossy_delayed_link_is_slower_never_wrong(
         record,
         "lossy link (netem 20 ms, 5 % loss)",
     )
+
+
+def test_client_partitioned_from_one_node(cluster: Cluster, record: Any) -> None:
+    """An asymmetric partition: the client cannot reach node1, the master still can (its
+    heartbeats go on).  Reads of node1's objects are misses within the timeout, never
+    wrong bytes; the client's reports make the master drop node1, which registers again
+    at its next heartbeat -- so puts may keep meeting it, each failure bounded -- and once
+    the partition heals, node1's objects are read again."""
+    topo, cut_address = cluster.topology, cluster.node_addresses["node1"]
+    by_node = _put_keys(cluster, "part", 12)
+    cut_keys = by_node[cut_address]
+    traffic = cluster.agent.new(
+        "tests.multihost.client_side:Traffic", cluster.client, cluster_keys(by_node), SIZE, 0.05
+    )
+    time.sleep(1.0)
+    t_cut = time.monotonic()
+    topo.partition("client", "node1")
+    time.sleep(3 * OP_BOUND_S)
+    during: list[Op] = cluster.agent.call(traffic, "since", t_cut)
+    _bounded(during)
+    cut_reads = [op for op in during if op.op == "get" and op.key in cut_keys]
+    first_miss = min(op.started + op.seconds for op in cut_reads if op.outcome == "miss")
+    assert first_miss - t_cut <= OP_BOUND_S
+    other_reads = [op for op in during if op.op == "get" and op.key not in cut_keys]
+    assert other_reads and all(op.outcome == "hit" for op in other_reads[-5:]), other_reads
+    puts = [op for op in during if op.op == "put"]
+    assert sum(op.outcome == "ok" for op in puts) >= len(puts) // 2, puts  # most go to node2
+    t_heal = time.monotonic()
+    topo.heal("client", "node1")
+    t_served = _wait(
+        "node1's objects are read again",
+        lambda: all(cluster.on_client("get", k, SIZE).outcome == "hit" for k in cut_keys),  # type: ignore[attr-defined]
+        3 * (NODE_TIMEOUT_S + HEARTBEAT_S),
+        cluster,
+    )
+    ops: list[Op] = cluster.agent.call(traffic, "stop")
+    _bounded(ops)
+    record(
+        "client partitioned from one node (master reaches it)",
+        read_miss_after_partition_s=round(first_miss - t_cut, 2),
+        puts_ok_during=sum(op.outcome == "ok" for op in puts),
+        puts_failed_during=sum(op.outcome != "ok" for op in puts),
+        reads_missed_during=sum(op.outcome == "miss" for op in cut_reads),
+        objects_served_again_after_heal_s=round(t_served - t_heal, 2),
+        slowest_op_s=round(max(op.seconds for op in ops), 2),
+    )
