@@ -23,6 +23,8 @@ from tests.multihost.pool import (
     Cluster,
 )
 
+pytestmark = pytest.mark.slow
+
 SIZE = 64 << 10
 #: no single operation may take longer than this (a dead peer is a timeout, not a hang)
 OP_BOUND_S = 3 * CLIENT_TIMEOUT_S
@@ -56,6 +58,7 @@ def _bounded(ops: list[Op]) -> None:
     assert not [op for op in ops if op.outcome == "wrong"], "a read returned wrong bytes"
 
 
+@pytest.mark.timeout(45)
 def test_puts_and_gets_cross_hosts(cluster: Cluster) -> None:
     by_node = _put_keys(cluster, "across", 16)
     assert set(by_node) == set(cluster.node_addresses.values()), by_node  # both nodes hold some
@@ -70,6 +73,7 @@ def test_puts_and_gets_cross_hosts(cluster: Cluster) -> None:
         assert op.outcome == "hit", op
 
 
+@pytest.mark.timeout(75)
 def test_node_link_cut_mid_traffic_then_restored(cluster: Cluster, record: Any) -> None:
     topo, cut_address = cluster.topology, cluster.node_addresses["node1"]
     other_address = cluster.node_addresses["node2"]
@@ -145,6 +149,7 @@ def cluster_keys(by_node: dict[str, list[str]]) -> list[str]:
     return [key for keys in by_node.values() for key in keys]
 
 
+@pytest.mark.timeout(60)
 def test_idle_node_cut_is_dropped_after_client_ttl(cluster: Cluster, record: Any) -> None:
     """With no client touching it, only the heartbeats tell: the master drops a silent
     node once ``client_ttl`` passed, not before."""
@@ -174,6 +179,7 @@ def test_idle_node_cut_is_dropped_after_client_ttl(cluster: Cluster, record: Any
     )
 
 
+@pytest.mark.timeout(75)
 def test_master_host_cut_off_then_restored(cluster: Cluster, record: Any) -> None:
     """Clients fail fast while the master is unreachable (every call ends within its
     timeout), the nodes outlive the master's view of them, and the pool comes back."""
@@ -278,6 +284,7 @@ def _put_keys_sized(cluster: Cluster, prefix: str, n: int, size: int) -> dict[st
     return by_node
 
 
+@pytest.mark.timeout(75)
 def test_throttled_link_is_slower_never_wrong(cluster: Cluster, record: Any) -> None:
     """node1's link shaped to 4 Mbit/s with a 16 KiB queue (``tc tbf``): a 256 KiB read
     queues, and packets beyond the queue are dropped and sent again."""
@@ -300,6 +307,7 @@ def netem() -> None:
         pytest.skip(f"NOT RUN: {missing} (the tbf scenario still runs)")
 
 
+@pytest.mark.timeout(75)
 def test_lossy_delayed_link_is_slower_never_wrong(
     netem: None, cluster: Cluster, record: Any
 ) -> None:
@@ -312,6 +320,7 @@ def test_lossy_delayed_link_is_slower_never_wrong(
     )
 
 
+@pytest.mark.timeout(90)
 def test_client_partitioned_from_one_node(cluster: Cluster, record: Any) -> None:
     """An asymmetric partition: the client cannot reach node1, the master still can (its
     heartbeats go on).  Reads of node1's objects are misses within the timeout, never
