@@ -9,6 +9,7 @@ D's pull times out within its connect timeout, D recomputes, the answer is still
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -34,6 +35,8 @@ CONNECT_TIMEOUT_MS, TRANSFER_TIMEOUT_MS = 2000, 5000
 START_TIMEOUT_S = 300.0
 PROMPT = sample_text(180, seed=21)  # more than one 128-token block
 PARTITIONED_PROMPT = sample_text(260, seed=22)
+HEALED_PROMPT = sample_text(200, seed=23)
+PROMPTS = [PROMPT, PARTITIONED_PROMPT, HEALED_PROMPT]
 
 
 @dataclass
@@ -97,7 +100,7 @@ def _healthy(stack_client: Agent, process: HostProcess, url: str, deadline: floa
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("pd-hosts")
     model = build_tiny_model(logs / "model")
-    reference = _reference(model, [PROMPT, PARTITIONED_PROMPT])
+    reference = _reference(model, PROMPTS)
     with Topology(HOSTS) as topo:
         start_kvpool(
             topo,
@@ -141,7 +144,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         assert reference.returncode == 0 and lines, out[-3000:]
         texts = json.loads(lines[-1].removeprefix("REFERENCE="))
         yield Stack(topo, client, servers["p"], servers["d"], proxy,
-                    dict(zip([PROMPT, PARTITIONED_PROMPT], texts, strict=True)))  # fmt: skip
+                    dict(zip(PROMPTS, texts, strict=True)))  # fmt: skip
 
 
 def _text(reply: tuple[int | None, Any]) -> str:
@@ -170,4 +173,14 @@ def test_d_partitioned_from_p_recomputes(stack: Stack, record: Any) -> None:
     stack.d.wait_for(r"it will be recomputed", 5)
     bound = 3 * (CONNECT_TIMEOUT_MS + TRANSFER_TIMEOUT_MS) / 1000
     assert answered <= bound, f"answered after {answered:.1f} s (bound {bound} s)"
-    record("D partitioned from P (vLLM P/D)", answered_with_recompute_s=round(answered, 2))
+    # healed: the next request's KV comes from P again
+    loads = len(re.findall(r"loaded request", stack.d.log()))
+    started = time.monotonic()
+    assert _text(stack.ask(HEALED_PROMPT)) == stack.reference[HEALED_PROMPT]
+    healed = time.monotonic() - started
+    assert len(re.findall(r"loaded request", stack.d.log())) > loads, stack.d.log()[-3000:]
+    record(
+        "D partitioned from P (vLLM P/D)",
+        answered_with_recompute_s=round(answered, 2),
+        answered_after_heal_with_pull_s=round(healed, 2),
+    )
