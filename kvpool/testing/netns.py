@@ -95,7 +95,7 @@ def netem_missing() -> str:
     name = f"{run_prefix()}probe"
     _ip("netns", "add", name)
     try:
-        done = _ip("-n", name, "link", "set", "lo", "up")
+        _ip("-n", name, "link", "set", "lo", "up")
         done = subprocess.run(
             ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
              "delay", "1ms"],
