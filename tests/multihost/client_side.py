@@ -12,6 +12,8 @@ test compares them with the moment it cut a link.
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -112,3 +114,42 @@ class Traffic:
 
     def close(self) -> None:
         self.stop()
+
+
+def refusals(master: str, data_addresses: list[str], credential: str | None) -> dict[str, str]:
+    """What each port of the pool answers a peer on this host holding ``credential``
+    (``None``: none at all, whatever the environment says): ``"refused"`` when it says
+    no in its own protocol's words, else what it did instead."""
+    from kvpool.errors import AuthError
+    from kvpool.net import http_get, split_address
+    from kvpool.protocol.codec import HEADER_SIZE
+    from kvpool.protocol.data import DATA_REPLY_CODEC, DATA_REQUEST_CODEC, Error, SegmentRead
+
+    outcomes: dict[str, str] = {}
+    saved = os.environ.pop("KVPOOL_SECRET_FILE", None)  # this call's credential only
+    try:
+        try:
+            with Client(master, credential=credential, timeout_s=5, allow_shm=False) as c:
+                c.exists("victim")
+            outcomes["master rpc"] = "answered"
+        except AuthError:
+            outcomes["master rpc"] = "refused"
+        for path in ("/api/status", "/metrics"):
+            status = http_get(f"http://{master}{path}", timeout_s=5).status
+            outcomes[f"master http {path}"] = "refused" if status == 401 else f"http {status}"
+        for address in data_addresses:
+            with socket.create_connection(split_address(address), timeout=5) as s:
+                s.sendall(DATA_REQUEST_CODEC.encode(SegmentRead("any", 0, 1 << 20)))
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+            header = DATA_REPLY_CODEC.decode_header(data[:HEADER_SIZE])
+            body = data[HEADER_SIZE : HEADER_SIZE + header.body_length]
+            reply = DATA_REPLY_CODEC.decode_body(body)
+            refused = isinstance(reply, Error) and reply.code == AuthError.code
+            refused = refused and header.payload_length == 0
+            outcomes[f"data {address}"] = "refused" if refused else repr(reply)
+    finally:
+        if saved is not None:
+            os.environ["KVPOOL_SECRET_FILE"] = saved
+    return outcomes

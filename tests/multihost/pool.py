@@ -1,7 +1,9 @@
 """A kvpool cluster across test hosts: a master host, storage-node hosts, a client host.
 
-:func:`start_kvpool` is the one place a master or node process of this suite starts
-(what every one of them is given -- a credential, one day -- goes there).  Each process
+:func:`start_kvpool` is the one place a master or node process of this suite starts, and
+what every one of them is given goes there: the run's cluster secret
+(:func:`cluster_env`), since a master or node bound to a 10.x address refuses to start
+without a credential (docs/security.md).  Each process
 runs on its host through :meth:`Topology.popen <kvpool.testing.netns.Topology.popen>`,
 logs to a file under the test's tmp dir, and is ready when its "listening on" line is
 written (waited for, bounded).
@@ -10,7 +12,9 @@ written (waited for, bounded).
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -27,6 +31,17 @@ CLIENT_TIMEOUT_S = 2.0  # kvpool.Client(timeout_s=...): connect and every transf
 NODE_TIMEOUT_MS = 2000  # the nodes' connect_timeout_ms and transfer_timeout_ms
 CLIENT_TTL_S = 4  # master --client_ttl: silence after which a node is dropped
 HEARTBEAT_S = 1.0  # the master's heartbeat interval (its default)
+
+
+def cluster_env(log_dir: Path) -> dict[str, str]:
+    """The environment that gives a process this run's cluster secret (one file per log
+    dir, made on first use, readable by its owner only, as kvpool demands)."""
+    path = log_dir / "cluster.secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32) + "\n")
+    return {"KVPOOL_SECRET_FILE": str(path)}
 
 
 @dataclass
@@ -67,6 +82,7 @@ def start_kvpool(
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
+            env={**os.environ, **cluster_env(log_dir)},
         )
     process = HostProcess(host, proc, log_path)
     process.wait_for(r"listening on", ready_timeout_s)
@@ -133,7 +149,7 @@ def start_cluster(topology: Topology, log_dir: Path, node_size: str = "64MiB") -
     for host in (h for h in topology.hosts if h.startswith("node")):
         config = node_config(log_dir / f"{host}.json", topology, host, node_size)
         nodes[host] = start_kvpool(topology, host, ["node", "--config", str(config)], log_dir)
-    agent = topology.agent("client", env={"PYTHONPATH": str(REPO)})
+    agent = topology.agent("client", env={"PYTHONPATH": str(REPO), **cluster_env(log_dir)})
     address = f"{topology.address('master')}:{MASTER_PORT}"
     client = agent.new("tests.multihost.client_side:open_client", address, CLIENT_TIMEOUT_S)
     cluster = Cluster(topology, master, nodes, agent, client, log_dir)

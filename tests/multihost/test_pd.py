@@ -24,7 +24,7 @@ from kvpool.ops.up.tiny_model import build_tiny_model, sample_text
 from kvpool.testing.netns import Agent, Topology
 from tests.e2e.conftest import vllm_env
 from tests.e2e.test_pd_transfer import _REFERENCE, GUIDE_DECODE, GUIDE_PREFILL, kvpool_config
-from tests.multihost.pool import MASTER_PORT, REPO, HostProcess, start_kvpool
+from tests.multihost.pool import MASTER_PORT, REPO, HostProcess, cluster_env, start_kvpool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -78,6 +78,7 @@ def _vllm(topo: Topology, host: str, port: int, model: Path, config: dict[str, A
             "MOONCAKE_CONFIG_PATH": str(node_config),
             "KVPOOL_CONNECT_TIMEOUT_MS": str(CONNECT_TIMEOUT_MS),
             "KVPOOL_TRANSFER_TIMEOUT_MS": str(TRANSFER_TIMEOUT_MS),
+            **cluster_env(logs),
         }
     )
     with log.open("wb") as out:

@@ -8,6 +8,7 @@ Each scenario records its time to detect and to recover (docs/multihost.md has t
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from typing import Any
 
@@ -365,3 +366,21 @@ def test_client_partitioned_from_one_node(cluster: Cluster, record: Any) -> None
         objects_served_again_after_heal_s=round(t_served - t_heal, 2),
         slowest_op_s=round(max(op.seconds for op in ops), 2),
     )
+
+
+@pytest.mark.timeout(45)
+def test_every_port_refuses_a_host_without_the_secret(cluster: Cluster) -> None:
+    """From another host, no credential and a wrong secret get a refusal on the master's
+    RPC and HTTP ports and on each node's data port; the secret's holder is served."""
+    ports = list(cluster.node_addresses.values())
+    wrong = secrets.token_hex(32)
+    for credential in (None, wrong):
+        outcomes = cluster.agent.run(
+            "tests.multihost.client_side:refusals", cluster.master_address, ports, credential
+        )
+        assert len(outcomes) == 3 + len(ports), outcomes  # type: ignore[arg-type]
+        assert set(outcomes.values()) == {"refused"}, (credential is None, outcomes)  # type: ignore[union-attr]
+    op: Op = cluster.on_client("put", "after-refusals", SIZE)  # type: ignore[assignment]
+    assert op.outcome == "ok", op
+    op = cluster.on_client("get", "after-refusals", SIZE)  # type: ignore[assignment]
+    assert op.outcome == "hit", op
