@@ -105,13 +105,43 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="on SIGINT/SIGTERM, seconds to let in-flight requests finish",
     )
     add_flag(p, "max_connections", type=int, default=1024, help="upstream connection pool size")
+    add_flag(
+        p,
+        "api_key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: "
+        "KVPOOL_API_KEY_FILE, KVPOOL_API_KEY; prefer --api-key-file)",
+    )
+    add_flag(p, "api_key_file", default="", metavar="PATH", help="file with the key(s), one a line")
+    add_flag(
+        p,
+        "upstream_api_key",
+        default="",
+        metavar="KEY",
+        help="key sent to P and D (default: KVPOOL_UPSTREAM_API_KEY[_FILE], else the first "
+        "--api-key, as `vllm serve --api-key` instances expect)",
+    )
+    add_flag(p, "upstream_api_key_file", default="", metavar="PATH", help="file with that key")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve beyond loopback without an API key (default: refuse; docs/security.md)",
+    )
+    add_flag(p, "open_metrics", action="store_true", help="serve /metrics without the API key")
     p.set_defaults(run=_run_proxy, command_name=p.prog)
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
     from kvpool.ops.serve import run_proxy
     from kvpool.proxy import ProxyConfig
+    from kvpool.proxy.auth import resolve_api_keys, resolve_upstream_key
 
+    api_keys = resolve_api_keys(args.api_key, args.api_key_file, os.environ)
+    upstream_key = resolve_upstream_key(
+        args.upstream_api_key, args.upstream_api_key_file, os.environ
+    )
     return run_proxy(
         ProxyConfig(
             prefill=tuple(args.prefill),
@@ -127,6 +157,10 @@ def _run_proxy(args: argparse.Namespace) -> int:
             health_timeout_s=args.health_timeout,
             shutdown_timeout_s=args.shutdown_timeout,
             max_connections=args.max_connections,
+            api_keys=api_keys,
+            upstream_api_key=upstream_key,
+            insecure=args.insecure,
+            open_metrics=args.open_metrics,
         )
     )
 

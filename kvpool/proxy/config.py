@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from kvpool.config.secret import is_loopback
 from kvpool.errors import ConfigError
+from kvpool.proxy.auth import ENV_API_KEY_FILE, check_key
 from kvpool.proxy.routing import ROUTING_POLICIES
 
 __all__ = ["ProxyConfig", "normalize_url"]
@@ -46,6 +48,13 @@ class ProxyConfig:
     health_timeout_s: float = 2.0
     shutdown_timeout_s: float = 10.0
     max_connections: int = 1024
+    # Any of these in "Authorization: Bearer ..." passes /v1/* (docs/proxy.md#api-keys);
+    # none: the proxy answers anyone, which only loopback or --insecure allow.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # sent on to P and D; None: the first of api_keys, or else the client's own header
+    upstream_api_key: str | None = field(default=None, repr=False)
+    insecure: bool = False  # serve beyond loopback without an API key
+    open_metrics: bool = False  # /metrics without the key, for a scraper
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -77,6 +86,26 @@ class ProxyConfig:
         ):
             if not value > 0:
                 raise ConfigError(f"{flag}: must be a positive number of seconds, got {value}")
+        object.__setattr__(
+            self, "api_keys", tuple(check_key("--api-key", k) for k in self.api_keys)
+        )
+        if self.upstream_api_key is not None:
+            key = check_key("--upstream-api-key", self.upstream_api_key, min_chars=1)
+            object.__setattr__(self, "upstream_api_key", key)
+        # before anything binds: an open proxy beyond loopback hands out every P and D
+        if not self.api_keys and not self.insecure and not is_loopback(self.host):
+            raise ConfigError(
+                f"--host {self.host}: a proxy reachable from other hosts without an API key "
+                f"serves anyone who can reach it; set --api-key-file (or {ENV_API_KEY_FILE}) "
+                "to a file holding the key, or pass --insecure to run it open"
+            )
+
+    @property
+    def effective_upstream_key(self) -> str | None:
+        """The key the proxy sends to P and D, or None to pass on the client's header."""
+        if self.upstream_api_key is not None:
+            return self.upstream_api_key
+        return self.api_keys[0] if self.api_keys else None
 
     @property
     def effective_decode_policy(self) -> str:

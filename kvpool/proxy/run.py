@@ -52,7 +52,8 @@ def _announce(server: ProxyServer) -> None:
     cfg = server.config
     print(
         f"kvpool proxy listening on {server.url}  policy={cfg.policy}  "
-        f"prefill={','.join(cfg.prefill)}  decode={','.join(cfg.decode)}",
+        f"prefill={','.join(cfg.prefill)}  decode={','.join(cfg.decode)}  "
+        f"auth={'api-key' if cfg.api_keys else 'none'}",
         flush=True,
     )
 

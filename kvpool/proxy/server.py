@@ -13,6 +13,11 @@ binds and starts the health checker; ``await stop()`` stops accepting, lets in-f
 requests finish (up to ``shutdown_timeout_s``) and closes every upstream connection.
 ``kvpool up`` can run it in-process this way, or run ``kvpool proxy`` as a subprocess.
 
+API keys (``--api-key``, :mod:`kvpool.proxy.auth`): with one configured, every path but
+``/health`` (and ``/metrics`` with ``--open-metrics``) needs ``Authorization: Bearer KEY``;
+anything else gets a 401 in OpenAI's shape before P or D is called.  P and D get the
+proxy's upstream key instead of the client's.
+
 Failure rules:
 - Nothing has been sent to the client yet → a proper HTTP error in OpenAI's shape: the
   upstream's own status and message, 502 when an upstream cannot be reached or breaks off,
@@ -36,6 +41,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvpool.proxy.auth import ApiKeys
 from kvpool.proxy.config import ProxyConfig
 from kvpool.proxy.health import HealthChecker
 from kvpool.proxy.legs import STATUS_KEY, TIMEOUT_ERRORS, Legs, json_error
@@ -44,6 +50,7 @@ from kvpool.proxy.openai import (
     CHAT,
     COMPLETIONS,
     decode_request,
+    error_body,
     prefill_request,
     upstream_error,
     validate_request,
@@ -55,6 +62,8 @@ __all__ = ["ProxyServer"]
 _PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 # Long prompts and inline images are large; aiohttp's 1 MiB default would refuse them.
 _MAX_BODY_BYTES = 64 * 1024 * 1024
+# A liveness probe carries no key (vLLM too leaves /health open); it learns only the status.
+_OPEN_PATHS = frozenset({"/health"})
 
 
 class ProxyServer:
@@ -68,6 +77,10 @@ class ProxyServer:
             "decode", config.decode, make_routing_policy(config.effective_decode_policy)
         )
         self._use_key = config.policy == "prefix_affinity"
+        self._keys = ApiKeys(config.api_keys) if config.api_keys else None
+        self._open_paths = _OPEN_PATHS | ({"/metrics"} if config.open_metrics else set())
+        upstream_key = config.effective_upstream_key
+        self._upstream_auth = None if upstream_key is None else f"Bearer {upstream_key}"
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._health: HealthChecker | None = None
@@ -80,7 +93,7 @@ class ProxyServer:
     # -- lifecycle ---------------------------------------------------------------------
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._auth])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -152,6 +165,22 @@ class ProxyServer:
 
     # -- handlers ----------------------------------------------------------------------
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """With API keys, every path but the open ones needs one (unknown paths too, so
+        a caller without a key cannot even map the API); the refusal never reaches P or D."""
+        if self._keys is not None and request.path not in self._open_paths:
+            problem = self._keys.problem(request.headers.get("Authorization"))
+            if problem is not None:
+                self.metrics.errors.labels("client", "unauthorized").inc()
+                body = error_body(401, problem, "invalid_request_error")
+                body["error"]["code"] = "invalid_api_key"
+                return web.json_response(
+                    body, status=401, headers={"WWW-Authenticate": 'Bearer realm="kvpool"'}
+                )
+        response: web.StreamResponse = await handler(request)
+        return response
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(COMPLETIONS, request)
 
@@ -168,8 +197,13 @@ class ProxyServer:
             for role, group in roles.items()
         }
         ready = all(group.healthy() for group in roles.values())
-        body["status"] = "ok" if ready else "unavailable"
-        return web.json_response(body, status=200 if ready else 503)
+        status = 200 if ready else 503
+        state = "ok" if ready else "unavailable"
+        if self._keys is not None and self._keys.problem(request.headers.get("Authorization")):
+            # the endpoints' addresses and errors are for the key's holders only
+            return web.json_response({"status": state}, status=status)
+        body["status"] = state
+        return web.json_response(body, status=status)
 
     async def _metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -183,7 +217,9 @@ class ProxyServer:
         last_error = "no healthy decode endpoint"
         for up in self.decode.healthy():
             try:
-                async with self._session.get(up.url + "/v1/models") as resp:
+                async with self._session.get(
+                    up.url + "/v1/models", headers=self._upstream_headers(request)
+                ) as resp:
                     raw = await resp.read()
                     if resp.status != 200:
                         last_error = f"{up.url}: " + upstream_error(resp.status, raw)[0]
@@ -233,9 +269,8 @@ class ProxyServer:
             "Content-Type": "application/json",
             # vLLM names its request after this header; both legs share it
             "X-Request-Id": request.headers.get("X-Request-Id") or f"kvpool-{uuid.uuid4().hex}",
+            **self._upstream_headers(request),
         }
-        if "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
         path = _PATHS[kind]
         key = prefix_key(body, self.config.prefix_chars) if self._use_key else None
 
@@ -247,3 +282,12 @@ class ProxyServer:
         return await self._legs.decode_leg(
             request, path, payload, headers, bool(body.get("stream"))
         )
+
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        """P and D get the proxy's upstream key when it has one (the client's key is the
+        proxy's, not theirs), else the client's own ``Authorization`` as it came."""
+        if self._upstream_auth is not None:
+            return {"Authorization": self._upstream_auth}
+        if "Authorization" in request.headers:
+            return {"Authorization": request.headers["Authorization"]}
+        return {}
