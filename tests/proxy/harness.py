@@ -47,10 +47,15 @@ async def proxy_stack(
     n_decode: int = 1,
     token_delay_s: float = 0.0,
     extra_decode: tuple[str, ...] = (),
+    stub_api_key: str | None = None,
     **config: Any,
 ) -> AsyncIterator[Stack]:
-    prefills = [StubUpstream(name=f"p{i}") for i in range(n_prefill)]
-    decodes = [StubUpstream(name=f"d{i}", token_delay_s=token_delay_s) for i in range(n_decode)]
+    """``stub_api_key``: the stubs demand it on /v1/*, as `vllm serve --api-key` does."""
+    prefills = [StubUpstream(name=f"p{i}", api_key=stub_api_key) for i in range(n_prefill)]
+    decodes = [
+        StubUpstream(name=f"d{i}", token_delay_s=token_delay_s, api_key=stub_api_key)
+        for i in range(n_decode)
+    ]
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
     proxy: ProxyServer | None = None
     try:

@@ -97,6 +97,9 @@ class StubUpstream:
     healthy: bool = True
     # (status, message) answered to the next requests, one per request
     fail_next: list[tuple[int, str]] = field(default_factory=list)
+    # as `vllm serve --api-key`: /v1/* needs "Authorization: Bearer <api_key>"
+    api_key: str | None = None
+    unauthorized: int = 0  # requests refused for the key
     _runner: web.AppRunner | None = None
     _disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -105,7 +108,7 @@ class StubUpstream:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
@@ -125,6 +128,16 @@ class StubUpstream:
 
     async def wait_disconnect(self, timeout: float) -> None:
         await asyncio.wait_for(self._disconnected.wait(), timeout)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """vLLM 0.32's AuthenticationMiddleware: guards /v1, answers 401 Unauthorized."""
+        guarded = self.api_key is not None and request.path.startswith("/v1")
+        if guarded and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            self.unauthorized += 1
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
