@@ -4,15 +4,20 @@ own, the master on another, the production guide's connector JSON on P and D.
 Answers through the proxy equal a plain vLLM's (greedy), and D's log shows the KV came from
 P's host.  Then an asymmetric partition: D cannot reach P, the proxy still reaches both;
 D's pull times out within its connect timeout, D recomputes, the answer is still right.
+The proxy listens on a 10.x address, so it needs an API key: clients send it as a Bearer
+header, and the proxy sends it on to P and D, started with the same ``--api-key``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +42,24 @@ PROMPT = sample_text(180, seed=21)  # more than one 128-token block
 PARTITIONED_PROMPT = sample_text(260, seed=22)
 HEALED_PROMPT = sample_text(200, seed=23)
 PROMPTS = [PROMPT, PARTITIONED_PROMPT, HEALED_PROMPT]
+API_KEY = "sk-kvpool-multihost-0123456789abcdef"  # the proxy's, and P's and D's
+
+
+def ask_with_key(url: str, body: Any, key: str | None, timeout_s: float) -> tuple[int | None, Any]:
+    """``(status, decoded JSON)`` of a JSON POST with ``Authorization: Bearer key`` (none
+    without a key); run on the client host (``agent.run("tests.multihost.test_pd:...")``)."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            status, raw = reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except OSError as exc:
+        return None, str(exc)
+    return status, json.loads(raw)
 
 
 @dataclass
@@ -48,10 +71,10 @@ class Stack:
     proxy: HostProcess
     reference: dict[str, str]
 
-    def ask(self, prompt: str) -> tuple[int | None, Any]:
+    def ask(self, prompt: str, key: str | None = API_KEY) -> tuple[int | None, Any]:
         url = f"http://{self.topology.address('proxy')}:{PROXY_PORT}/v1/completions"
         body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
-        return self.client.run("kvpool.testing.mooncake:http_json", url, body, 120.0)  # type: ignore[no-any-return]
+        return self.client.run("tests.multihost.test_pd:ask_with_key", url, body, key, 120.0)  # type: ignore[no-any-return]
 
 
 def _reference(model: Path, prompts: list[str]) -> subprocess.Popen[str]:
@@ -70,7 +93,7 @@ def _vllm(topo: Topology, host: str, port: int, model: Path, config: dict[str, A
         "--served-model-name", "tiny", "--host", topo.address(host), "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
         "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--no-enable-prefix-caching",
-        "--kv-transfer-config", json.dumps(config),
+        "--kv-transfer-config", json.dumps(config), "--api-key", API_KEY,
     ]  # fmt: skip
     env = vllm_env(
         {
@@ -132,10 +155,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         deadline = time.monotonic() + START_TIMEOUT_S
         _healthy(client, servers["p"], f"http://{topo.address('p')}:{P_PORT}/health", deadline)
         _healthy(client, servers["d"], f"http://{topo.address('d')}:{D_PORT}/health", deadline)
+        key_file = logs / "proxy.key"
+        key_file.write_text(API_KEY + "\n")
+        os.chmod(key_file, 0o600)
         proxy = start_kvpool(
             topo,
             "proxy",
             ["proxy", "--host", topo.address("proxy"), "--port", str(PROXY_PORT),
+             "--api-key-file", str(key_file),
              "--prefill", f"http://{topo.address('p')}:{P_PORT}",
              "--decode", f"http://{topo.address('d')}:{D_PORT}"],
             logs,
@@ -156,6 +183,15 @@ def _text(reply: tuple[int | None, Any]) -> str:
 
 @pytest.mark.timeout(600)
 def test_pd_across_hosts_answers_as_a_plain_instance(stack: Stack) -> None:
+    for key in (None, "sk-kvpool-not-the-key-0123456789"):
+        status, body = stack.ask(PROMPT, key)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", (status, body)
+    assert "loaded request" not in stack.d.log()  # refused at the proxy: D never ran it
+    # P itself demands the key, so the answer below shows the proxy passed it on
+    p_url = f"http://{stack.topology.address('p')}:{P_PORT}/v1/completions"
+    body = {"model": "tiny", "prompt": "no key", "max_tokens": 1}
+    status, _ = stack.client.run("tests.multihost.test_pd:ask_with_key", p_url, body, None, 30.0)
+    assert status == 401
     assert _text(stack.ask(PROMPT)) == stack.reference[PROMPT]
     p_address = stack.topology.address("p")
     stack.d.wait_for(rf"loaded request \S+ from {p_address}:{KV_PORT}", 10)
