@@ -23,11 +23,12 @@ def test_a_process_started_in_the_namespace_is_inside_it_and_ends_with_it() -> N
     url = f"http://127.0.0.1:{PORT}/"
     with Namespace() as ns:
         proc = ns.popen(server, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        assert _netns(proc.pid) == _netns(ns.proc.pid) != _netns(os.getpid())
         deadline = time.monotonic() + 30
         while ns.run("kvpool.testing.mooncake:http_json", url, None, 1.0)[0] != 200:
             assert proc.poll() is None and time.monotonic() < deadline, "no server inside"
             time.sleep(0.1)
+        # asked once it serves: until nsenter has entered, its PID is still outside
+        assert _netns(proc.pid) == _netns(ns.proc.pid) != _netns(os.getpid())
         # the machine's own namespace cannot reach it
         assert http_json(url, None, 1.0)[0] is None
         done = subprocess.run(ns.command("ip", "-o", "link"), capture_output=True, text=True)

@@ -84,8 +84,15 @@ def test_master_on_a_busy_port_says_so_before_allocating(busy_port: int) -> None
 
 
 def test_master_on_an_address_of_another_host_names_host() -> None:
-    line = assert_one_line_exit_2(("master", "--host", "192.0.2.1", "--port", "0"), names="--host")
+    # --insecure: past the credential rule, to the bind itself
+    argv = ("master", "--host", "192.0.2.1", "--port", "0", "--insecure")
+    line = assert_one_line_exit_2(argv, names="--host")
     assert "0.0.0.0" in line
+
+
+def test_master_on_another_hosts_address_without_a_credential_names_the_fixes() -> None:
+    line = assert_one_line_exit_2(("master", "--host", "192.0.2.1", "--port", "0"), names="--host")
+    assert "--secret_file" in line and "--insecure" in line
 
 
 def test_master_segment_larger_than_dev_shm_names_the_fixes() -> None:
