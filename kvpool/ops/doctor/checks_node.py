@@ -70,6 +70,8 @@ class MasterFacts:
     mooncake: MooncakeMasterFacts | None = None
     #: the port answers coro_rpc (a Mooncake master's RPC port) but no metrics port was found
     mooncake_rpc: bool = False
+    #: /metrics answered 401: it needs the operator's token, which this host does not hold
+    metrics_locked: bool = False
 
 
 def check_config_file(facts: ConfigFileFacts) -> list[Check]:
@@ -218,6 +220,16 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
         )
         return results
     results.append(pass_("master.health", f"http://{addr}/health answers 200"))
+    if facts.metrics_locked:
+        results.append(
+            skip(
+                "master.metrics",
+                f"http://{addr}/metrics needs the operator's token, and this host holds no"
+                " cluster secret (a storage host holds only its node key); run doctor where"
+                " KVPOOL_SECRET_FILE names the cluster secret to read it",
+            )
+        )
+        return results
     results += _check_metrics(addr, facts.metrics_text)
     return results
 
