@@ -191,7 +191,8 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
                 "master.reachable",
                 f"cannot connect to the master at {addr}: {facts.connect_error}",
                 "start it on that host: kvpool master --host 0.0.0.0 --port"
-                f" {_split(addr)[1] or DEFAULT_MASTER_PORT} (and open the port in the firewall)",
+                f" {_split(addr)[1] or DEFAULT_MASTER_PORT} --secret_file PATH (the rendered"
+                " master.sh; and open the port in the firewall to the cluster's hosts)",
             )
         ]
     results = [pass_("master.reachable", f"TCP connect to {addr} succeeded")]
