@@ -12,6 +12,7 @@ import shlex
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,7 @@ def test_a_master_started_from_the_rendered_files_accepts_every_hosts_credential
             # a P/D host: the cluster secret, from its node config and env.sh's variable
             p0 = _loopback(out, "p0", master.address)
             checks = run_doctor(
-                options,
+                replace(options, probe_keys=True),  # keys.cross_node: a client on that secret
                 env={"KVPOOL_CONFIG_PATH": str(p0), "KVPOOL_SECRET_FILE": str(out / "p0/secret")},
             )
             report = format_text(checks)
@@ -207,6 +208,7 @@ def test_a_master_started_from_the_rendered_files_accepts_every_hosts_credential
             assert by["security.node_bind"].status is Status.PASS, report
             assert by["security.master_bind"].status is Status.PASS, report
             assert by["master.health"].status is Status.PASS, report
+            assert by["keys.cross_node"].status is Status.PASS, report
             # the storage host: only its node key, accepted as that node
             checks = run_doctor(options, env={"KVPOOL_CONFIG_PATH": str(s0)})
             report = format_text(checks)

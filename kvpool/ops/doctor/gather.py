@@ -30,6 +30,7 @@ from kvpool.config.secret import (
     load_credential,
     operator_headers,
 )
+from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor import probes
 from kvpool.ops.doctor.checks import fail
@@ -160,13 +161,15 @@ def gather(options: DoctorOptions, env: Mapping[str, str] | None = None) -> Gath
     node = _node_config(g, options)
     _gather_node(g, node)
     _gather_master(g, options, node)
-    _gather_security(g, node)
+    credential = _gather_security(g, node)
     _gather_ports(g, options)
     if options.probe_keys:
         g.key_probe = probes.key_probe()
         if g.master is not None and g.master.health_status == 200:
             host = node.local_hostname if node is not None else socket.gethostname()
-            g.cross_node = probes.cross_node_probe(g.master.address, host, __version__)
+            g.cross_node = probes.cross_node_probe(
+                g.master.address, host, __version__, credential=credential
+            )
     return g
 
 
@@ -247,13 +250,16 @@ def _read_master_cmd(g: Gathered, value: str, engine: str | None) -> None:
     g.master_config_metrics_port = command.metrics_port
 
 
-def _gather_security(g: Gathered, node: NodeConfig | MooncakeNodeConfig | None) -> None:
+def _gather_security(
+    g: Gathered, node: NodeConfig | MooncakeNodeConfig | None
+) -> Credential | None:
     """kvpool's credentials on this host: its secret files, and the handshake with the
-    master using the one this host's processes would use (Mooncake has none)."""
+    master using the one this host's processes would use (Mooncake has none).  Returns
+    that credential (None: none, or a broken one)."""
     if isinstance(node, MooncakeNodeConfig) or g.master_engine == "mooncake":
-        return
+        return None
     if g.master is not None and (g.master.mooncake is not None or g.master.mooncake_rpc):
-        return
+        return None
     sources: list[tuple[str, str]] = []
     if node is not None and node.secret_file:
         sources.append(("secret_file", node.secret_file))
@@ -272,12 +278,12 @@ def _gather_security(g: Gathered, node: NodeConfig | MooncakeNodeConfig | None) 
         secret_file = node.secret_file if node is not None else ""
         credential = load_credential(secret_file, g.env, key="secret_file")
     except ConfigError:
-        credential = None  # its file's check says why
         g.has_credential = True  # configured, if broken: the file check is the one to fail
-        return
+        return None
     g.has_credential = credential is not None
     if g.master is not None and g.master.health_status == 200:
         g.master_auth = probes.master_auth_probe(g.master.address, credential)
+    return credential
 
 
 def _runs_here(host: str) -> bool:

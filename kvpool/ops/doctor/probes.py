@@ -233,11 +233,17 @@ CROSS_NODE_KEY = "kvpool-doctor/key-probe-v1"
 
 
 def cross_node_probe(
-    master: str, host: str, version: str, timeout_s: float = 2.0
+    master: str,
+    host: str,
+    version: str,
+    timeout_s: float = 2.0,
+    *,
+    credential: Credential | None = None,
 ) -> tuple[dict[str, object] | None, bool, str | None]:
     """Compare block keys with other nodes through the pool: the first node to run doctor
     publishes its probe keys under CROSS_NODE_KEY; every later one reads them.
 
+    ``credential``: this host's (None: the environment's, as any Client).
     Returns (what another node published or None, whether this run published, error).
     Writes one small object into the pool; a duplicate put is a no-op by the pool's rules.
     """
@@ -248,7 +254,7 @@ def cross_node_probe(
         return None, False, f"no pool client ({exc})"
     mine = {"host": host, "version": version, "keys": local_probe_keys()}
     try:
-        with Client(master, timeout_s=timeout_s) as client:
+        with Client(master, timeout_s=timeout_s, credential=credential) as client:
             try:
                 other = json.loads(client.get(CROSS_NODE_KEY))
             except ObjectNotFound:
