@@ -62,6 +62,7 @@ def test_a_reachable_cluster_gets_one_secret_and_a_storage_host_only_its_node_ke
     assert master[at + 1] == "/workspace/config/secret" and "--insecure" not in master
     assert "export KVPOOL_SECRET_FILE=/workspace/config/secret" in files["d0/env.sh"]
     assert "KVPOOL_SECRET_FILE" not in files["s0/env.sh"]
+    assert "node.cred to /workspace/config/node.cred (mode 600)" in files["s0/env.sh"]
     assert _argv(files["s0/node.sh"]) == ["kvpool", "node"]
     assert "mode 600" in files["README.md"] and "node.cred" in files["README.md"]
     # no secret given: a fresh, valid one, the same for every host

@@ -83,8 +83,14 @@ def master_flags(inv: Inventory) -> list[str]:
 def env_lines(inv: Inventory, host: Host) -> str:
     """env.sh's credential: the cluster secret for a P/D host's vLLM and tools (``kvpool
     status``, ``kvpool doctor``); none on a storage host (its node config names its key)."""
-    if not inv.credentials or not host.runs_vllm:
+    if not inv.credentials:
         return ""
+    if not host.runs_vllm:
+        node = _on_host(inv, NODE_CREDENTIAL)
+        return (
+            f"# copy {host.name}/{NODE_CREDENTIAL} to {node} (mode 600): node"
+            f" {host.node_id}'s own key, named by mooncake.json\n"
+        )
     path = _on_host(inv, CLUSTER_SECRET)
     return (
         f"# copy {host.name}/{CLUSTER_SECRET} to {path} (mode 600): the cluster secret\n"
@@ -121,8 +127,8 @@ def readme(inv: Inventory) -> str:
         ]
     elif inv.credentials:
         lines += [
-            f"The pool runs on a cluster secret: `{CLUSTER_SECRET}` (mode 600; never commit it"
-            " or paste it anywhere). The master and every P/D host hold it (a vLLM is a",
+            f"The pool runs on a cluster secret, `{CLUSTER_SECRET}` (mode 600; never commit",
+            "it or paste it anywhere). The master and every P/D host hold it (a vLLM is a",
             "client of the pool, and only the cluster secret can be one); a storage host",
             f"holds only its own node key, `{NODE_CREDENTIAL}`. Keep the modes when copying",
             "(`scp -p`, or `chmod 600`).",
