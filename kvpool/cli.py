@@ -359,6 +359,11 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         render, "engine", choices=("kvpool", "mooncake"),
         help="the pool the files are for (default: the inventory's engine, else kvpool)",
     )  # fmt: skip
+    render.add_argument(
+        "--new-secret",
+        action="store_true",
+        help="replace the cluster secret already in --out (a rotation: docs/security.md)",
+    )
     render.set_defaults(run=_run_config_render, command_name=render.prog)
     check = actions.add_parser("check", help="validate a node config file and print it resolved")
     check.add_argument("path", nargs="?", help="default: KVPOOL_CONFIG_PATH, MOONCAKE_CONFIG_PATH")
@@ -369,7 +374,9 @@ def _run_config_render(args: argparse.Namespace) -> int:
     from kvpool.ops import render
 
     return render.run(
-        render.RenderOptions(inventory=args.inventory, out=args.out, engine=args.engine)
+        render.RenderOptions(
+            inventory=args.inventory, out=args.out, engine=args.engine, new_secret=args.new_secret
+        )
     )
 
 

@@ -35,9 +35,10 @@ def example() -> dict[str, Any]:
 def test_the_example_inventory_renders_the_guides_configs() -> None:
     files = render(parse_inventory(example()))
     assert set(files) == {
-        "master.sh",
+        "master.sh", "README.md", "secret",  # 10.x hosts: the cluster runs on a secret
         *(f"{h}/{f}" for h in ("p0", "d0") for f in (
             "mooncake.json", "kv-transfer-config.json", "env.sh", "node.sh", "serve.sh",
+            "secret",
         )),
     }  # fmt: skip
     p0 = json.loads(files["p0/mooncake.json"])
@@ -215,6 +216,7 @@ def test_engine_mooncake_renders_mooncakes_master_and_configs() -> None:
     files = render(inv)
     assert set(files) == {
         "master.sh",
+        "README.md",  # no secret: Mooncake has no credentials
         *(
             f"{h}/{f}"
             for h in ("p0", "d0")
@@ -315,6 +317,10 @@ def test_mooncake_rendered_configs_pass_doctor_against_a_real_master(tmp_path: P
             warned = {c.name for c in checks if c.status is Status.WARN}
             expected = {"security.credentials", "master.metrics", "connector.kv_host[prefill]"}
             assert warned <= expected, report
+            # said plainly, with what to do: no credentials, so network isolation
+            open_pool = by_name["security.credentials"]
+            assert open_pool.status is Status.WARN and "network isolation" in open_pool.message
+            assert not [c for c in checks if c.name.startswith("security.secret_file")], report
             assert "a Mooncake config" in by_name["config.file"].message, report
             for passed in ("config.master", "master.engine", "master.flags", "timeouts.lease"):
                 assert by_name[passed].status is Status.PASS, report

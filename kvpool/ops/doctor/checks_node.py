@@ -70,6 +70,8 @@ class MasterFacts:
     mooncake: MooncakeMasterFacts | None = None
     #: the port answers coro_rpc (a Mooncake master's RPC port) but no metrics port was found
     mooncake_rpc: bool = False
+    #: /metrics answered 401: it needs the operator's token, which this host does not hold
+    metrics_locked: bool = False
 
 
 def check_config_file(facts: ConfigFileFacts) -> list[Check]:
@@ -189,7 +191,8 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
                 "master.reachable",
                 f"cannot connect to the master at {addr}: {facts.connect_error}",
                 "start it on that host: kvpool master --host 0.0.0.0 --port"
-                f" {_split(addr)[1] or DEFAULT_MASTER_PORT} (and open the port in the firewall)",
+                f" {_split(addr)[1] or DEFAULT_MASTER_PORT} --secret_file PATH (the rendered"
+                " master.sh; and open the port in the firewall to the cluster's hosts)",
             )
         ]
     results = [pass_("master.reachable", f"TCP connect to {addr} succeeded")]
@@ -218,6 +221,16 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
         )
         return results
     results.append(pass_("master.health", f"http://{addr}/health answers 200"))
+    if facts.metrics_locked:
+        results.append(
+            skip(
+                "master.metrics",
+                f"http://{addr}/metrics needs the operator's token, and this host holds no"
+                " cluster secret (a storage host holds only its node key); run doctor where"
+                " KVPOOL_SECRET_FILE names the cluster secret to read it",
+            )
+        )
+        return results
     results += _check_metrics(addr, facts.metrics_text)
     return results
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpool.config import MasterConfig, Timeouts
+from kvpool.config import MasterConfig, NodeConfig, Timeouts
 from kvpool.config.master import MOONCAKE_MASTER_DEFAULTS
 from kvpool.ops.doctor.checks import Check
 from kvpool.ops.doctor.checks_connector import Side, connector_checks
@@ -28,6 +28,12 @@ from kvpool.ops.doctor.checks_node import (
     check_master_address,
     check_master_flags,
     check_registered,
+)
+from kvpool.ops.doctor.checks_security import (
+    check_master_auth,
+    check_master_bind,
+    check_node_bind,
+    check_secret_file,
 )
 from kvpool.ops.doctor.checks_settings import settings_checks, transfer_settings
 from kvpool.ops.doctor.facts import Gathered
@@ -75,6 +81,20 @@ def _master_settings(g: Gathered, engine: str) -> MasterConfig:
     return MasterConfig(**MOONCAKE_MASTER_DEFAULTS) if engine == "mooncake" else MasterConfig()
 
 
+def _security_checks(g: Gathered, node: NodeConfig | None) -> list[Check]:
+    """kvpool's credentials: the files, the binds, and the master's handshake."""
+    checks = [check_secret_file(f) for f in g.secret_files]
+    answered = g.master is not None and g.master.health_status == 200
+    for check in (
+        check_node_bind(node, g.has_credential),
+        check_master_bind(g.master_config, g.env_credential),
+        check_master_auth(g.master_auth) if answered else None,
+    ):
+        if check is not None:
+            checks.append(check)
+    return checks
+
+
 def diagnose(g: Gathered) -> list[Check]:
     """Every check, in report order, from gathered facts (pure)."""
     checks: list[Check] = list(g.input_errors)
@@ -91,6 +111,8 @@ def diagnose(g: Gathered) -> list[Check]:
     checks += check_master_flags(g.master_config, g.master_config_error, engine=engine)
     if engine == "mooncake":
         checks.append(check_mooncake_security())
+    else:
+        checks += _security_checks(g, node)
     guide_names = any(e.is_guide_name for s in g.sides for e in s.config.entries)
     checks.append(check_hashseed(g.env, guide_connectors=guide_names))
     checks += check_key_agreement(g.key_probe)

@@ -11,6 +11,7 @@ from kvpool.ops.doctor.checks import Check
 from kvpool.ops.doctor.checks_connector import ModelInfo, Side
 from kvpool.ops.doctor.checks_host import PortFacts, SsdFacts
 from kvpool.ops.doctor.checks_node import ConfigFileFacts, MasterFacts
+from kvpool.ops.doctor.checks_security import MasterAuthFacts, SecretFileFacts
 
 __all__ = ["Gathered"]
 
@@ -43,3 +44,10 @@ class Gathered:
     peer: tuple[str, int, str | None] | None = None
     key_probe: Mapping[str, Sequence[str] | str] = field(default_factory=dict)
     cross_node: tuple[Mapping[str, object] | None, bool, str | None] | None = None
+    #: every secret file a process here would read (kvpool's engine)
+    secret_files: list[SecretFileFacts] = field(default_factory=list)
+    #: this host's processes hold a credential (node config or environment)
+    has_credential: bool = False
+    #: the environment alone holds one (KVPOOL_SECRET_FILE / KVPOOL_SECRET)
+    env_credential: bool = False
+    master_auth: MasterAuthFacts | None = None

@@ -24,6 +24,13 @@ from kvpool.config import (
 )
 from kvpool.config.master import parse_master_command
 from kvpool.config.node import MooncakeNodeConfig, load_any_node_config
+from kvpool.config.secret import (
+    ENV_SECRET,
+    ENV_SECRET_FILE,
+    load_credential,
+    operator_headers,
+)
+from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor import probes
 from kvpool.ops.doctor.checks import fail
@@ -154,12 +161,15 @@ def gather(options: DoctorOptions, env: Mapping[str, str] | None = None) -> Gath
     node = _node_config(g, options)
     _gather_node(g, node)
     _gather_master(g, options, node)
+    credential = _gather_security(g, node)
     _gather_ports(g, options)
     if options.probe_keys:
         g.key_probe = probes.key_probe()
         if g.master is not None and g.master.health_status == 200:
             host = node.local_hostname if node is not None else socket.gethostname()
-            g.cross_node = probes.cross_node_probe(g.master.address, host, __version__)
+            g.cross_node = probes.cross_node_probe(
+                g.master.address, host, __version__, credential=credential
+            )
     return g
 
 
@@ -208,7 +218,9 @@ def _gather_master(
         _read_master_cmd(g, options.master_cmd, "mooncake" if mooncake_config else None)
     if address is not None:
         metrics_port = g.master_config_metrics_port
-        g.master = probes.probe_master(address, metrics_port=metrics_port)
+        g.master = probes.probe_master(
+            address, metrics_port=metrics_port, headers=operator_headers(g.env)
+        )
         if g.master.mooncake is not None and g.master_engine == "kvpool":
             _read_master_cmd(g, options.master_cmd or "", "mooncake")
     if options.master_cmd is not None:
@@ -236,6 +248,46 @@ def _read_master_cmd(g: Gathered, value: str, engine: str | None) -> None:
         return
     g.master_config, g.master_engine = command.config, command.engine
     g.master_config_metrics_port = command.metrics_port
+
+
+def _gather_security(
+    g: Gathered, node: NodeConfig | MooncakeNodeConfig | None
+) -> Credential | None:
+    """kvpool's credentials on this host: its secret files, and the handshake with the
+    master using the one this host's processes would use (Mooncake has none).  Returns
+    that credential (None: none, or a broken one)."""
+    if isinstance(node, MooncakeNodeConfig) or g.master_engine == "mooncake":
+        return None
+    if g.master is not None and (g.master.mooncake is not None or g.master.mooncake_rpc):
+        return None
+    sources: list[tuple[str, str]] = []
+    if node is not None and node.secret_file:
+        sources.append(("secret_file", node.secret_file))
+    if g.env.get(ENV_SECRET_FILE, "").strip():
+        sources.append((ENV_SECRET_FILE, g.env[ENV_SECRET_FILE].strip()))
+    master = g.master_config
+    if master is not None and master.secret_file and _runs_here(master.host):
+        sources.append(("--secret_file", master.secret_file))
+    seen: set[str] = set()
+    for source, path in sources:
+        if path not in seen:
+            seen.add(path)
+            g.secret_files.append(probes.secret_file_facts(source, path))
+    g.env_credential = bool(g.env.get(ENV_SECRET_FILE, "").strip() or g.env.get(ENV_SECRET))
+    try:
+        secret_file = node.secret_file if node is not None else ""
+        credential = load_credential(secret_file, g.env, key="secret_file")
+    except ConfigError:
+        g.has_credential = True  # configured, if broken: the file check is the one to fail
+        return None
+    g.has_credential = credential is not None
+    if g.master is not None and g.master.health_status == 200:
+        g.master_auth = probes.master_auth_probe(g.master.address, credential)
+    return credential
+
+
+def _runs_here(host: str) -> bool:
+    return host in ("0.0.0.0", "::") or probes.address_is_local(host) is None
 
 
 def _gather_ports(g: Gathered, options: DoctorOptions) -> None:

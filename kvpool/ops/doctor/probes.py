@@ -10,19 +10,25 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvpool.config.secret import operator_headers
+from kvpool.config.secret import operator_headers, read_secret_file
+from kvpool.core.credentials import Credential
 from kvpool.core.keys import KeyNamespace, chunk_keys
+from kvpool.errors import AuthError, ConfigError, KVPoolError
 from kvpool.net import http_get, split_address
 from kvpool.ops.doctor.checks_host import SsdFacts
 from kvpool.ops.doctor.checks_node import MasterFacts
+from kvpool.ops.doctor.checks_security import MasterAuthFacts, SecretFileFacts
 from kvpool.ops.mooncake_master import find_mooncake_master, looks_like_mooncake_health
 from kvpool.service.master_link import mooncake_answers
+from kvpool.transfer.auth import authenticate
 
 __all__ = [
     "CROSS_NODE_KEY",
@@ -32,9 +38,11 @@ __all__ = [
     "cross_node_probe",
     "key_probe",
     "local_probe_keys",
+    "master_auth_probe",
     "port_bind_error",
     "probe_master",
     "rdma_devices",
+    "secret_file_facts",
     "ssd_facts",
     "tcp_connect_error",
 ]
@@ -63,14 +71,19 @@ def rdma_devices(root: str = "/sys/class/infiniband") -> tuple[str, ...] | None:
 
 
 def probe_master(
-    address: str, timeout_s: float = 3.0, *, metrics_port: int | None = None
+    address: str,
+    timeout_s: float = 3.0,
+    *,
+    metrics_port: int | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> MasterFacts:
     """TCP connect, then GET /health, /metrics and /api/status on the same port (the master
     serves its RPC and HTTP on one port).  When that is no kvpool master, look for a real
     mooncake_master: its metrics port is ``metrics_port`` (from its command line), the
     address itself or 9003 beside its RPC port (an HTTP GET on Mooncake's RPC port is
     closed without an answer); an RPC port that answers coro_rpc is named as Mooncake's
-    even when its metrics port is not found."""
+    even when its metrics port is not found.  ``headers``: the operator's (its token),
+    None: from this process's environment."""
     try:
         host, port = split_address(address)
     except ValueError:
@@ -93,8 +106,8 @@ def probe_master(
         if health.status is None:
             error = f"{error} (no HTTP answer; and no Mooncake master: {why})"
         return MasterFacts(address, None, health.status, error)
-    operator = operator_headers(os.environ)
-    metrics = http_get(f"http://{address}/metrics", timeout_s, headers=operator).text
+    operator = dict(headers) if headers is not None else operator_headers(os.environ)
+    metrics = http_get(f"http://{address}/metrics", timeout_s, headers=operator)
     status = http_get(f"http://{address}/api/status", timeout_s, headers=operator)
     snapshot = None
     if status.status == 200:
@@ -103,7 +116,10 @@ def probe_master(
         except json.JSONDecodeError:
             parsed = None
         snapshot = parsed if isinstance(parsed, dict) else None
-    return MasterFacts(address, None, health.status, None, metrics, snapshot)
+    locked = metrics.status == 401
+    return MasterFacts(
+        address, None, health.status, None, metrics.text, snapshot, metrics_locked=locked
+    )
 
 
 def port_bind_error(port: int, host: str = "127.0.0.1") -> str | None:
@@ -217,11 +233,17 @@ CROSS_NODE_KEY = "kvpool-doctor/key-probe-v1"
 
 
 def cross_node_probe(
-    master: str, host: str, version: str, timeout_s: float = 2.0
+    master: str,
+    host: str,
+    version: str,
+    timeout_s: float = 2.0,
+    *,
+    credential: Credential | None = None,
 ) -> tuple[dict[str, object] | None, bool, str | None]:
     """Compare block keys with other nodes through the pool: the first node to run doctor
     publishes its probe keys under CROSS_NODE_KEY; every later one reads them.
 
+    ``credential``: this host's (None: the environment's, as any Client).
     Returns (what another node published or None, whether this run published, error).
     Writes one small object into the pool; a duplicate put is a no-op by the pool's rules.
     """
@@ -232,7 +254,7 @@ def cross_node_probe(
         return None, False, f"no pool client ({exc})"
     mine = {"host": host, "version": version, "keys": local_probe_keys()}
     try:
-        with Client(master, timeout_s=timeout_s) as client:
+        with Client(master, timeout_s=timeout_s, credential=credential) as client:
             try:
                 other = json.loads(client.get(CROSS_NODE_KEY))
             except ObjectNotFound:
@@ -243,3 +265,41 @@ def cross_node_probe(
     if not isinstance(other, dict):
         return None, False, f"{CROSS_NODE_KEY} holds something else than a key probe"
     return other, False, None
+
+
+def secret_file_facts(source: str, path: str) -> SecretFileFacts:
+    """A secret file as the processes would read it (kvpool.config.secret's own loader)."""
+    try:
+        mode: int | None = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = None
+    if mode is None:
+        return SecretFileFacts(source, path, None)
+    try:
+        credential = read_secret_file(path, source)
+    except ConfigError as exc:
+        return SecretFileFacts(source, path, mode, str(exc))
+    holds = (
+        "the cluster secret" if credential.is_cluster else f"node {credential.node_id}'s credential"
+    )
+    return SecretFileFacts(source, path, mode, holds=holds)
+
+
+def master_auth_probe(
+    address: str, credential: Credential | None, timeout_s: float = 3.0
+) -> MasterAuthFacts:
+    """The handshake with the master's RPC port, as this host's processes would run it: a
+    cluster secret proves itself as a client, a node credential as its node.  Without a
+    credential: whether the master's operator endpoint asks for one (HTTP 401)."""
+    if credential is None:
+        reply = http_get(f"http://{address}/api/status", timeout_s)
+        return MasterAuthFacts(address, "", required=reply.status == 401)
+    role = "client" if credential.is_cluster else "node"
+    client_id = f"client-doctor-{uuid.uuid4().hex[:8]}" if role == "client" else credential.node_id
+    try:
+        host, port = split_address(address)
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            authenticate(sock, credential, role, client_id, timeout_s, f"the master at {address}")
+    except (AuthError, KVPoolError, OSError, ValueError) as exc:
+        return MasterAuthFacts(address, role, f"{type(exc).__name__}: {exc}")
+    return MasterAuthFacts(address, role)

@@ -9,14 +9,17 @@ Inventory (TOML or JSON, same shape; docs/configuration.md has the reference)::
     [[hosts]]
     name = "d0"   address = "10.0.0.2"   role = "decode"    dp_size = 8   tp_size = 4
 
-Output: ``master.sh`` (run on the first prefill host) and, per host, ``<name>/mooncake.json``,
-``<name>/kv-transfer-config.json``, ``<name>/env.sh``, ``<name>/node.sh`` and
-``<name>/serve.sh``.  ``engine = "mooncake"`` (or ``--engine mooncake``) renders the same
+Output: ``master.sh`` (run on the first prefill host), ``README.md`` and, per host,
+``<name>/mooncake.json``, ``<name>/kv-transfer-config.json``, ``<name>/env.sh``,
+``<name>/node.sh`` and ``<name>/serve.sh``; with a cluster secret (any host beyond
+loopback, unless ``insecure = true``) also ``secret`` and each host's credential
+(:mod:`.credentials`).  ``engine = "mooncake"`` (or ``--engine mooncake``) renders the same
 cluster for real Mooncake instead (:mod:`.mooncake`).  :func:`render` is pure (inventory
 in, file texts out); :func:`run` does the reading and writing.
 
 - :mod:`.inventory` — the inventory's keys and validation;
 - :mod:`.files` — the rendered files (pure);
+- :mod:`.credentials` — the cluster secret and node keys, and how they are written;
 - :mod:`.mooncake` — what differs on real Mooncake.
 """
 
@@ -27,8 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool.config import load_node_config, served_protocols
+from kvpool.config.secret import read_secret_file
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor.checks_connector import model_info
+from kvpool.ops.render.credentials import CLUSTER_SECRET
 from kvpool.ops.render.files import render, write_rendered
 from kvpool.ops.render.inventory import (
     ENGINES,
@@ -76,24 +81,50 @@ class RenderOptions:
     inventory: str
     out: str
     engine: str | None = None  # None: the inventory's engine, else kvpool
+    new_secret: bool = False  # replace a secret already in ``out`` (a rotation)
+
+
+def _kept_secret(options: RenderOptions) -> str | None:
+    """The cluster secret an earlier render wrote to ``out``: a re-render keeps it, so the
+    running cluster keeps working.  None: none there, or ``--new-secret``."""
+    path = Path(options.out) / CLUSTER_SECRET
+    if options.new_secret or not path.exists():
+        return None
+    credential = read_secret_file(str(path), CLUSTER_SECRET)
+    if not credential.is_cluster:
+        raise ConfigError(
+            f"{path}: holds a node credential, not a cluster secret; remove it, or pass"
+            " --new-secret to write a new one"
+        )
+    return credential.secret.decode()
 
 
 def run(options: RenderOptions) -> int:
-    """``kvpool config render``: write every host's files, print what was written.  A bad
-    inventory is a ConfigError naming the key (nothing is written then)."""
+    """``kvpool config render``: write every host's files, print what was written (never
+    a secret).  A bad inventory is a ConfigError naming the key (nothing is written)."""
     inv = parse_inventory(load_inventory(options.inventory), engine=options.engine)
     # Mooncake's Transfer Engine serves its own protocols (rdma, ...); kvpool's must be here
     if inv.engine == "kvpool" and inv.protocol not in served_protocols():
         raise ConfigError(f'protocol: {inv.protocol!r} cannot be served here; set protocol = "tcp"')
     _check_model(inv)
-    written = write_rendered(render(inv), options.out)
+    kept = _kept_secret(options) if inv.credentials else None
+    written = write_rendered(render(inv, kept), options.out)
     for path in written:
         print(path)
     print(f"master: {inv.master.address} (run master.sh on {inv.role('prefill')[0].name})")
+    if inv.credentials:
+        how = "kept from the last render" if kept else "new"
+        print(
+            f"cluster secret ({how}): {Path(options.out) / CLUSTER_SECRET}, mode 600; copy it"
+            " only to the master and P/D hosts (storage hosts get their node.cred)"
+        )
+    elif inv.open_beyond_loopback:
+        print("insecure = true: the pool is open to every host that reaches it")
     if inv.engine == "mooncake":
         print(
-            "engine mooncake: mooncake_master and every vLLM process's Transfer Engine listen"
-            " on every interface; keep the hosts on a private network"
+            "engine mooncake: no credentials (Mooncake has none), and mooncake_master and every"
+            " vLLM process's Transfer Engine listen on every interface; keep the hosts on a"
+            " private network"
         )
     return 0
 

@@ -1,7 +1,13 @@
 """The files ``kvpool config render`` writes, from a validated inventory (pure, but for
-:func:`write_rendered`): ``master.sh``; per host ``mooncake.json``,
-``kv-transfer-config.json``, ``env.sh``, ``node.sh`` and ``serve.sh``.  On Mooncake the
-per-engine parts come from :mod:`.mooncake`."""
+:func:`write_rendered` and a fresh secret when none is given): ``master.sh`` and
+``README.md``; per host ``mooncake.json``, ``kv-transfer-config.json``, ``env.sh``,
+``node.sh`` and ``serve.sh`` (a storage host: no vLLM, so no serve or connector config).
+On Mooncake the per-engine parts come from :mod:`.mooncake`.
+
+Credentials (:mod:`.credentials`): a cluster whose hosts other hosts reach runs on a cluster
+secret, ``secret`` (for the master, and for every P/D host: its vLLM is a client of the
+pool, and a client needs the cluster secret); a storage host gets only its own node key,
+``node.cred``.  Both are written with mode 600 (:data:`SECRET_NAMES`)."""
 
 from __future__ import annotations
 
@@ -13,10 +19,12 @@ from typing import Any
 
 from kvpool.config import Topology
 from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
+from kvpool.ops.render import credentials as render_secrets
 from kvpool.ops.render import mooncake as render_mooncake
+from kvpool.ops.render.credentials import SECRET_NAMES
 from kvpool.ops.render.inventory import Host, Inventory
 
-__all__ = ["render", "write_rendered"]
+__all__ = ["SECRET_NAMES", "render", "write_rendered"]
 
 
 def _node_json(inv: Inventory, host: Host) -> dict[str, Any]:
@@ -33,6 +41,8 @@ def _node_json(inv: Inventory, host: Host) -> dict[str, Any]:
         node["ssd_offload_path"] = host.ssd_offload_path
         if host.ssd_offload_limit is not None:
             node["ssd_offload_limit"] = host.ssd_offload_limit
+    if inv.credentials:
+        node["secret_file"] = render_secrets.host_secret_path(inv, host)
     return node
 
 
@@ -82,18 +92,24 @@ def _topology_json(t: Topology) -> dict[str, int]:
     return {"dp_size": t.dp_size, "tp_size": t.tp_size}
 
 
-def render(inv: Inventory) -> dict[str, str]:
-    """Relative path → file text for the whole cluster."""
+def render(inv: Inventory, secret: str | None = None) -> dict[str, str]:
+    """Relative path → file text for the whole cluster.  ``secret``: the cluster secret
+    to render (a re-render passes the one already written, so the cluster keeps working);
+    None makes a fresh one when the cluster needs it."""
     files: dict[str, str] = {}
     decode_ranks = inv.topology("decode").ranks
     connect_ms = max(10_000, 500 * decode_ranks)  # the guide's §5.1: ≥ 500 ms × decode ranks
     files["master.sh"] = _master_sh(inv)
+    files["README.md"] = render_secrets.readme(inv)
+    if inv.credentials:
+        files.update(render_secrets.secret_files(inv, secret))
     config_path = f"{inv.config_dir.rstrip('/')}/mooncake.json"
     mooncake = inv.engine == "mooncake"
     for host in inv.hosts:
-        kv = _kv_transfer_config(inv, host)
-        files[f"{host.name}/kv-transfer-config.json"] = json.dumps(kv, indent=2) + "\n"
-        files.update(_serve_sh(inv, host, kv))
+        if host.runs_vllm:
+            kv = _kv_transfer_config(inv, host)
+            files[f"{host.name}/kv-transfer-config.json"] = json.dumps(kv, indent=2) + "\n"
+            files.update(_serve_sh(inv, host, kv))
         if mooncake:  # no node.sh: every vLLM process contributes its own segment
             files[f"{host.name}/mooncake.json"] = render_mooncake.node_text(inv, host)
             files[f"{host.name}/env.sh"] = render_mooncake.env_sh(
@@ -108,10 +124,12 @@ def render(inv: Inventory) -> dict[str, str]:
             f"export KVPOOL_CONFIG_PATH={shlex.quote(config_path)}\n"
             f"export KVPOOL_CONNECT_TIMEOUT_MS={connect_ms}\n"
             f"export KVPOOL_TRANSFER_TIMEOUT_MS={inv.transfer_timeout_ms}\n"
+            + render_secrets.env_lines(inv, host)
         )
+        node_argv = ["kvpool", "node", *(["--insecure"] if inv.open_beyond_loopback else [])]
         files[f"{host.name}/node.sh"] = _script(
             f"storage node on {host.name}: contributes memory (and SSD) to the pool",
-            ["kvpool", "node"],
+            node_argv,
             source_env=True,
         )
     return files
@@ -133,6 +151,7 @@ def _master_sh(inv: Inventory) -> str:
         "--default_kv_lease_ttl", str(m.default_kv_lease_ttl),
         f"--enable_offload={'true' if m.enable_offload else 'false'}",
         f"--client_ttl={m.client_ttl}",
+        *render_secrets.master_flags(inv),
     ]  # fmt: skip
     return _script(f"kvpool master: {where}; every node's metadata_server points here", master_argv)
 
@@ -161,7 +180,10 @@ def write_rendered(files: Mapping[str, str], out_dir: str | Path) -> list[Path]:
     for rel, text in sorted(files.items()):
         target = out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text, encoding="utf-8")
+        if Path(rel).name in SECRET_NAMES:
+            render_secrets.write_private(target, text)
+        else:
+            target.write_text(text, encoding="utf-8")
         if rel.endswith(".sh"):
             target.chmod(0o755)
         written.append(target)

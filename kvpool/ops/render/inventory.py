@@ -18,6 +18,7 @@ from kvpool.config import (
     parse_bool_value,
     parse_size,
 )
+from kvpool.config.secret import is_loopback
 from kvpool.errors import ConfigError
 
 __all__ = ["ENGINES", "Host", "Inventory", "load_inventory", "parse_inventory"]
@@ -36,13 +37,14 @@ _TOP_KEYS = {
     "transfer_timeout_ms": "per-transfer timeout (10000)",
     "metrics_port": "mooncake_master's --metrics_port (9003; engine mooncake)",
     "local_buffer_size": "each process's Mooncake transfer buffer (1GB; engine mooncake)",
+    "insecure": "true: no cluster secret; the master and nodes run open with --insecure",
     "master": "table of master flags (kvpool master's names; Mooncake's are the same)",
     "hosts": "list of hosts",
 }
 _HOST_KEYS = {
     "name": "folder name of the host's files (default: its address)",
     "address": "the host's IP as peers reach it (required)",
-    "role": "prefill or decode (required)",
+    "role": "prefill, decode, or storage (a storage node only: no vLLM) (required)",
     "dp_size": "data-parallel size of the instance (1)",
     "tp_size": "tensor-parallel size of the instance (1)",
     "http_port": "vLLM's HTTP port (8100 prefill, 8200 decode)",
@@ -50,7 +52,8 @@ _HOST_KEYS = {
     "ssd_offload_path": "SSD tier directory; enables SSD offload on this host",
     "ssd_offload_limit": "SSD tier cap (size; default 2 TiB)",
 }
-_ROLES = ("prefill", "decode")
+_ROLES = ("prefill", "decode")  # the P/D roles: each needs at least one host
+_HOST_ROLES = (*_ROLES, "storage")
 ENGINES = ("kvpool", "mooncake")
 _DEFAULT_HTTP = {"prefill": 8100, "decode": 8200}
 
@@ -65,6 +68,16 @@ class Host:
     kv_port: int
     ssd_offload_path: str = ""
     ssd_offload_limit: str | int | None = None
+
+    @property
+    def runs_vllm(self) -> bool:
+        """A P/D host (its vLLM is a client of the pool); a storage host runs a node only."""
+        return self.role != "storage"
+
+    @property
+    def node_id(self) -> str:
+        """The id of this host's storage node when it runs on its own credential."""
+        return f"node-{self.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +95,22 @@ class Inventory:
     engine: str = "kvpool"
     metrics_port: int = 9003
     local_buffer_size: str | int = "1GB"
+    insecure: bool = False
+
+    @property
+    def credentials(self) -> bool:
+        """Whether the cluster runs on a secret: on kvpool's engine, when any host is
+        reachable from another (kvpool refuses to serve beyond loopback without one),
+        unless the inventory says ``insecure``.  Mooncake has no credentials."""
+        if self.engine != "kvpool" or self.insecure:
+            return False
+        return any(not is_loopback(h.address) for h in self.hosts)
+
+    @property
+    def open_beyond_loopback(self) -> bool:
+        """kvpool's processes must be told --insecure: an open pool other hosts reach."""
+        reachable = any(not is_loopback(h.address) for h in self.hosts)
+        return self.engine == "kvpool" and self.insecure and reachable
 
     def role(self, role: str) -> list[Host]:
         return [h for h in self.hosts if h.role == role]
@@ -115,8 +144,9 @@ def _host(i: int, data: object, ports: Mapping[str, int]) -> Host:
     _unknown(data, _HOST_KEYS, where)
     address = _str(data.get("address"), where + "address")
     role = data.get("role")
-    if role not in _ROLES:
-        raise ConfigError(f"{where}role: must be prefill or decode, got {role!r}")
+    if role not in _HOST_ROLES:
+        raise ConfigError(f"{where}role: must be prefill, decode or storage, got {role!r}")
+    lo = 0 if role == "storage" else 1  # a storage host has no vLLM ports
     size = data.get("ssd_offload_limit")
     if size is not None:
         parse_size(size, key=where + "ssd_offload_limit")
@@ -128,8 +158,8 @@ def _host(i: int, data: object, ports: Mapping[str, int]) -> Host:
             _int(data.get("dp_size", 1), where + "dp_size", hi=1024),
             _int(data.get("tp_size", 1), where + "tp_size", hi=1024),
         ),
-        http_port=_int(data.get("http_port", _DEFAULT_HTTP[role]), where + "http_port"),
-        kv_port=_int(data.get("kv_port", ports[role]), where + "kv_port"),
+        http_port=_int(data.get("http_port", _DEFAULT_HTTP.get(role, 0)), where + "http_port", lo),
+        kv_port=_int(data.get("kv_port", ports.get(role, 0)), where + "kv_port", lo),
         ssd_offload_path=str(data.get("ssd_offload_path", "")),
         ssd_offload_limit=size,
     )
@@ -163,6 +193,13 @@ def parse_inventory(data: Mapping[str, Any], *, engine: str | None = None) -> In
                 f" ({', '.join(f'{h.name} {h.topology}' for h in group)}); the peer side is told"
                 " one layout, so give every host of a role the same one"
             )
+    storage = [h.name for h in hosts if not h.runs_vllm]
+    if storage and engine == "mooncake":
+        raise ConfigError(
+            f"hosts: {', '.join(storage)} have role storage, but on Mooncake every vLLM"
+            " process contributes its own segment and there is no storage node; remove them"
+            ' or use engine = "kvpool"'
+        )
     if len({h.name for h in hosts}) != len(hosts):
         raise ConfigError("hosts: two hosts share a name; names are output folder names")
     _check_shared_addresses(hosts)
@@ -203,6 +240,7 @@ def parse_inventory(data: Mapping[str, Any], *, engine: str | None = None) -> In
         engine=engine,
         metrics_port=_int(data.get("metrics_port", 9003), "metrics_port"),
         local_buffer_size=local_buffer,
+        insecure=parse_bool_value(data.get("insecure", False), key="insecure"),
     )
 
 
@@ -210,7 +248,7 @@ def _check_shared_addresses(hosts: tuple[Host, ...]) -> None:
     """Instances sharing an address must not share HTTP ports or per-rank kv_ports."""
     for i, a in enumerate(hosts):
         for b in hosts[i + 1 :]:
-            if a.address != b.address:
+            if a.address != b.address or not (a.runs_vllm and b.runs_vllm):
                 continue
             ra = range(a.kv_port, a.kv_port + a.topology.ranks)
             rb = range(b.kv_port, b.kv_port + b.topology.ranks)
