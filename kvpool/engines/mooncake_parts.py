@@ -85,6 +85,20 @@ class Plan:
             copy_bytes(dst, slot)
 
 
+def _row_view(part: Any) -> memoryview | None:
+    """A writable byte view of a 1-D contiguous CPU tensor of bytes (what
+    :meth:`~kvpool.connectors.pages.PagedCaches.block_parts` hands over), made in a
+    fraction of :func:`~kvpool.storage.buffers.byte_view`'s general checks: pages of many
+    layers are hundreds of parts per call.  None for anything else."""
+    try:
+        one_d = part.dim() == 1 and part.element_size() == 1 and part.is_contiguous()
+        if part.is_cpu and one_d:
+            return memoryview(part.numpy()).cast("B")
+    except (AttributeError, RuntimeError, TypeError):  # not a tensor, or needs grad
+        pass
+    return None
+
+
 class Layout:
     """The pieces of a batch of objects: ``objects`` maps an index to (its parts, whether
     they are written into: a get)."""
@@ -98,9 +112,14 @@ class Layout:
             view = writable_byte_view if writable else byte_view
             placed = []
             for part in parts:
-                v = view(part)
+                v = _row_view(part)
+                if v is None:
+                    v = view(part)
+                    address = registered.address(part, len(v))
+                else:  # a KV cache row: looked up, not probed (a page is L of them)
+                    address = registered.row_address(part, len(v))
                 if len(v):
-                    placed.append((v, registered.address(part, len(v))))
+                    placed.append((v, address))
             self._objects[i] = placed
             self.staging_bytes += HEADER_SIZE + sum(len(v) for v, a in placed if a is None)
 
