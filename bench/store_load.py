@@ -103,6 +103,7 @@ def measure(engine_name: str, layers: int, blocks: int, rounds: int) -> dict[str
 
     import torch
 
+    import kvpool
     from bench.baselines import memcpy
     from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
     from kvpool.connectors.store.pool import PoolHandle
@@ -163,6 +164,7 @@ def measure(engine_name: str, layers: int, blocks: int, rounds: int) -> dict[str
         "save_gib_s": nbytes / save_s / GIB,
         "memcpy_gib_s": nbytes / memcpy_s / GIB,
         "moved": moved,
+        "kvpool": str(Path(kvpool.__file__).parent),
     }
 
 
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--markdown", action="store_true")
     opts = p.parse_args(argv)
+    if _TREE:  # the namespace helper puts its working folder first on sys.path
+        os.chdir(_TREE)
     from kvpool.testing.mooncake import Namespace
 
     rows = []
@@ -184,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 ns.run("bench.store_load:measure", name, opts.layers, opts.blocks, opts.rounds)
             )
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    tree = _TREE or "this checkout"
-    print(f"# {stamp}, {platform.node()}, {os.cpu_count()} cores, kvpool from {tree}")
+    trees = sorted({r["kvpool"] for r in rows})
+    print(f"# {stamp}, {platform.node()}, {os.cpu_count()} cores, kvpool from {trees}")
     mib = rows[0]["bytes"] / (1 << 20) if rows else 0
     print(f"# one request: {opts.blocks} blocks x {opts.layers} layers = {mib:.0f} MiB")
     if opts.markdown:

@@ -54,6 +54,7 @@ __all__ = [
     "check_batch",
     "get_into_parts",
     "put_from_parts",
+    "row_view",
 ]
 
 #: :meth:`PoolEngine.batch_get_into`'s size for a key it could not read
@@ -157,16 +158,34 @@ class StagingPages:
         import numpy as np
 
         starts = [0]
-        for n in sizes:  # each slot starts on a cache line
-            starts.append(starts[-1] + -(-n // 64) * 64)
+        for n in sizes:  # each slot starts on a page, as the KV rows copied to or from it
+            starts.append(starts[-1] + -(-n // 4096) * 4096)
         if self._area is None or len(self._area) < starts[-1]:
             self._area = np.empty(max(starts[-1], 1), dtype=np.uint8).data.cast("B")
         return [self._area[at : at + n] for at, n in zip(starts, sizes, strict=False)]
 
 
+def row_view(part: Any) -> memoryview | None:
+    """A writable byte view of a 1-D contiguous CPU tensor of bytes (what
+    :meth:`~kvpool.connectors.pages.PagedCaches.block_parts` hands over), made in a
+    fraction of :func:`~kvpool.storage.buffers.byte_view`'s general checks: pages of many
+    layers are hundreds of parts per call.  None for anything else."""
+    try:
+        one_d = part.dim() == 1 and part.element_size() == 1 and part.is_contiguous()
+        if part.is_cpu and one_d:
+            return memoryview(part.numpy()).cast("B")
+    except (AttributeError, RuntimeError, TypeError):  # not a tensor, or needs grad
+        pass
+    return None
+
+
 def _views(parts: Sequence[Any], writable: bool) -> list[memoryview]:
     view = writable_byte_view if writable else byte_view
-    return [view(p) for p in parts]
+    out = []
+    for part in parts:
+        fast = row_view(part)
+        out.append(view(part) if fast is None else fast)
+    return out
 
 
 def put_from_parts(

@@ -27,6 +27,7 @@ from typing import Any
 
 import xxhash
 
+from kvpool.engines.base import row_view
 from kvpool.engines.mooncake_buffers import Registered
 from kvpool.storage.buffers import byte_view, copy_bytes, writable_byte_view
 
@@ -85,20 +86,6 @@ class Plan:
             copy_bytes(dst, slot)
 
 
-def _row_view(part: Any) -> memoryview | None:
-    """A writable byte view of a 1-D contiguous CPU tensor of bytes (what
-    :meth:`~kvpool.connectors.pages.PagedCaches.block_parts` hands over), made in a
-    fraction of :func:`~kvpool.storage.buffers.byte_view`'s general checks: pages of many
-    layers are hundreds of parts per call.  None for anything else."""
-    try:
-        one_d = part.dim() == 1 and part.element_size() == 1 and part.is_contiguous()
-        if part.is_cpu and one_d:
-            return memoryview(part.numpy()).cast("B")
-    except (AttributeError, RuntimeError, TypeError):  # not a tensor, or needs grad
-        pass
-    return None
-
-
 class Layout:
     """The pieces of a batch of objects: ``objects`` maps an index to (its parts, whether
     they are written into: a get)."""
@@ -112,7 +99,7 @@ class Layout:
             view = writable_byte_view if writable else byte_view
             placed = []
             for part in parts:
-                v = _row_view(part)
+                v = row_view(part)
                 if v is None:
                     v = view(part)
                     address = registered.address(part, len(v))
