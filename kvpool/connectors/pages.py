@@ -8,7 +8,8 @@ vLLM's tensors, and serves two uses:
 
 - the store connector moves *whole blocks*: :meth:`PagedCaches.gather` and
   :meth:`PagedCaches.scatter` copy one block of every layer (a *page*: one pool object) to
-  and from a staging array made by :meth:`PagedCaches.new_pages`.  Pages move opaque: the
+  and from a staging array made by :meth:`PagedCaches.new_pages`, or a pool moves them in
+  place as :meth:`PagedCaches.block_parts` (one row per layer).  Pages move opaque: the
   CPU kernel does not keep a block's tokens in position order, so nothing looks inside;
 - the transfer connector sends and receives *page slices*, on CPU in place:
   :meth:`PagedCaches.page` is the contiguous bytes of heads ``h0:h0+n`` of one block of
@@ -62,7 +63,13 @@ class PagedCaches:
     #: staging (:class:`~kvpool.connectors.device_pages.StagedCaches`)
     staged = False
 
-    def __init__(self, layers: Mapping[str, np.ndarray], *, connector: str = "kvpool") -> None:
+    def __init__(
+        self,
+        layers: Mapping[str, np.ndarray],
+        *,
+        connector: str = "kvpool",
+        tensors: Mapping[str, Any] | None = None,
+    ) -> None:
         for name, arr in layers.items():
             if arr.ndim != 4 or arr.dtype != np.uint8 or not arr.flags.c_contiguous:
                 raise ConfigError(
@@ -73,6 +80,11 @@ class PagedCaches:
         self._layers = dict(layers)
         # [num_blocks, layer_page_bytes] views of the same memory, for whole-block copies
         self._blocks = [arr.reshape(self.num_blocks, -1) for arr in self._layers.values()]
+        # the same rows as the CPU tensors the arrays view (``tensors``, same order), so
+        # that an engine can find the tensor a row lies in (Mooncake registers it in place)
+        self._block_tensors = (
+            None if tensors is None else [t.reshape(self.num_blocks, -1) for t in tensors.values()]
+        )
 
     def _geometry(self, shapes: Mapping[str, tuple[int, ...]], connector: str) -> None:
         """Sizes from the layers' ``[num_blocks, heads, block_size, row]`` byte shapes."""
@@ -116,6 +128,13 @@ class PagedCaches:
         yield [self.page(layer, block, head_start, head_count) for block in blocks]
 
     # ------------------------------------------------------------ whole blocks (store)
+
+    def block_parts(self, block: int) -> list[Any]:
+        """One block of every layer in place: the *parts* of its page, one per layer, in
+        layer order (what a pool reads into or writes from with no staging copy).  CPU
+        tensor rows when the caches came from tensors, else NumPy rows."""
+        rows = self._blocks if self._block_tensors is None else self._block_tensors
+        return [kv[block] for kv in rows]
 
     def new_pages(self, n: int) -> np.ndarray[Any, Any]:
         """Staging for ``n`` pages: ``[n, layers, layer_page_bytes]`` bytes."""
@@ -217,7 +236,9 @@ def _staged(layers: Mapping[str, torch.Tensor], connector: str, staged: bool | N
 
 def _build(layers: Mapping[str, torch.Tensor], connector: str, staged: bool | None) -> PagedCaches:
     if not _staged(layers, connector, staged):
-        return PagedCaches({n: t.numpy() for n, t in layers.items()}, connector=connector)
+        return PagedCaches(
+            {n: t.numpy() for n, t in layers.items()}, connector=connector, tensors=layers
+        )
     from kvpool.connectors.device_pages import StagedCaches
 
     return StagedCaches(layers, connector=connector)

@@ -5,6 +5,11 @@ have the same public methods, so one adapter maps :class:`~kvpool.engines.base.P
 onto them; :mod:`.kvpool_master` and :mod:`.embedded` only name the engine and build the
 client.  Only the clients' public methods are used.
 
+Multi-part moves (a page as one piece per layer) are base's default: gathered into or
+scattered from one reused staging page, since the clients move one buffer per object
+(their get already reads straight into it, and checks the checksum there before the
+scatter: a corrupt object writes nothing into the parts).
+
 A batch put is one ``batch_put``: two metadata round trips whatever its length, each
 key's parent carried along (kvpool's eviction policy trims a prefix from its tail).
 """
@@ -14,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvpool.engines.base import check_batch
+from kvpool.engines.base import StagedParts, check_batch
 from kvpool.errors import KVPoolError
 
 __all__ = ["ClientAPI", "ClientEngine"]
@@ -48,8 +53,11 @@ class ClientAPI(Protocol):
     def close(self) -> None: ...
 
 
-class ClientEngine:
-    """A :class:`~kvpool.engines.base.PoolEngine` over a kvpool client."""
+class ClientEngine(StagedParts):
+    """A :class:`~kvpool.engines.base.PoolEngine` over a kvpool client.
+
+    Multi-part moves go through one reused staging page (:class:`StagedParts`): the
+    client reads into and writes from one buffer per object."""
 
     engine = "kvpool"
 

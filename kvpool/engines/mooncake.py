@@ -18,7 +18,11 @@ How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
   cache) are registered in place once and moved zero-copy, each object as two parts
   (its header from the staging area, the page itself), as vllm-ascend's Mooncake backend
   does with ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``; other
-  buffers are copied through one registered staging area.  One call per batch.
+  buffers are copied through one registered staging area.  One call per batch.  A page
+  given as parts (:meth:`batch_put_from_parts`, one block of every layer) is 1 + L
+  pieces, each layer's block where it is (:mod:`.mooncake_parts`).  A get in place lands
+  before its checksum is known: a miss leaves those parts unspecified, and the store
+  connector reports the block failed (vLLM recomputes it).
 - *Errors.*  Mooncake answers integer codes; :func:`put_error` maps them (-200 no handle
   → :class:`~kvpool.errors.NoSpace`, -704 → a miss, ...).
 - *Eviction.*  Mooncake evicts in a background thread, not inside the put: a put into a
@@ -44,7 +48,6 @@ from __future__ import annotations
 
 import itertools
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,9 +56,10 @@ from typing import Any
 from kvpool.config.node import MooncakeNodeConfig
 from kvpool.engines.base import MISS, check_batch
 from kvpool.engines.mooncake_buffers import Registered, Staging
+from kvpool.engines.mooncake_parts import HEADER, HEADER_SIZE, MAGIC, Layout, pack_header
 from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
 from kvpool.net import http_get, split_address
-from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.storage.buffers import writable_byte_view
 from kvpool.storage.checksum import checksum
 
 __all__ = [
@@ -91,23 +95,14 @@ _HAS_LEASE = -706
 
 _FIRST_CHUNK = 4  # prefix_lookup's first probe: most lookups end within a few RPCs
 
-_MAGIC = b"KVPM"
-_HEADER = struct.Struct("<4s4xQ")  # magic, reserved, xxh3-64 of the payload
-HEADER_SIZE = _HEADER.size  # 16
-
-
-def pack_header(payload: Any) -> bytes:
-    """The 16 bytes stored in front of ``payload``."""
-    return _HEADER.pack(_MAGIC, checksum(payload))
-
 
 def unpack_payload(stored: memoryview) -> memoryview | None:
     """The payload of a stored object, or None when it is not an intact kvpool object."""
     if len(stored) < HEADER_SIZE:
         return None
-    magic, digest = _HEADER.unpack_from(stored)
+    magic, digest = HEADER.unpack_from(stored)
     payload = stored[HEADER_SIZE:]
-    return payload if magic == _MAGIC and checksum(payload) == digest else None
+    return payload if magic == MAGIC and checksum(payload) == digest else None
 
 
 def put_error(code: int, key: str) -> KVPoolError | None:
@@ -248,40 +243,43 @@ class MooncakeEngine:
         if not keys:
             return []
         with self._lock:
-            return self._put(list(keys), list(buffers))
+            return self._put(list(keys), [[b] for b in buffers])
 
-    def _put(self, keys: list[str], buffers: list[Any]) -> list[KVPoolError | None]:
+    def batch_put_from_parts(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[Any]],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        check_batch(keys, parts, parents)
+        if not keys:
+            return []
+        with self._lock:
+            return self._put(list(keys), [list(p) for p in parts])
+
+    def _put(self, keys: list[str], parts: list[list[Any]]) -> list[KVPoolError | None]:
+        """One object per key: its header from the staging area, then its parts (each in
+        place where registered, else copied into the staging area)."""
         store = self._open()
         assert self._staging is not None and self._registered is not None
         first = {k: i for i, k in reversed(list(enumerate(keys)))}  # a repeat is the first
         todo = sorted(set(first.values()))
-        views = {i: byte_view(buffers[i]) for i in todo}
-        in_place = {i: self._registered.address(buffers[i], len(views[i])) for i in todo}
-        staged = sum(len(views[i]) for i in todo if in_place[i] is None)
-        area, base = self._staging.region(HEADER_SIZE * len(todo) + staged)
-        parts: dict[int, tuple[list[int], list[int]]] = {}
-        at = 0
-        for i in todo:
-            view, n = views[i], len(views[i])
-            area[at : at + HEADER_SIZE] = pack_header(view)
-            address = in_place[i]
-            if address is None:  # header and payload, one part
-                area[at + HEADER_SIZE : at + HEADER_SIZE + n] = view
-                parts[i] = ([base + at], [HEADER_SIZE + n])
-                at += HEADER_SIZE + n
-            else:  # the header here, the payload where it is
-                parts[i] = ([base + at, address], [HEADER_SIZE, n])
-                at += HEADER_SIZE
+        layout = Layout(self._registered, {i: (parts[i], False) for i in todo})
+        area, base = self._staging.region(layout.staging_bytes)
+        plans = layout.place(area, base, fill=True)
         codes: dict[int, int] = {}
         deadline = time.monotonic() + self.put_retry_s
         while todo:
             answers = store.batch_put_from_multi_buffers(
-                [keys[i] for i in todo], [parts[i][0] for i in todo], [parts[i][1] for i in todo]
+                [keys[i] for i in todo],
+                [plans[i].ptrs for i in todo],
+                [plans[i].sizes for i in todo],
             )
             for i, rc in zip(todo, answers, strict=True):
                 codes[i] = int(rc)
                 if rc == 0:
-                    self.moved["put_staged" if in_place[i] is None else "put_in_place"] += 1
+                    self.moved["put_in_place" if plans[i].in_place else "put_staged"] += 1
             # Mooncake evicts in the background: a refused put may fit a moment later.
             todo = [i for i in todo if codes[i] == _NO_HANDLE]
             if not todo or time.monotonic() >= deadline:
@@ -307,6 +305,34 @@ class MooncakeEngine:
             staged = [i for i in range(len(keys)) if in_place[i] is None]
             staged += self._get_in_place(keys, views, in_place, direct, out)
             self._get_staged(keys, views, sorted(staged), out)
+            return out
+
+    def batch_get_into_parts(
+        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
+    ) -> list[int]:
+        """Each object read into its parts: registered parts in place (bytes land there
+        before the checksum is known: a miss leaves them unspecified, as the seam allows),
+        the others through the staging area, copied out only once the object checked good."""
+        check_batch(keys, parts)
+        if not keys:
+            return []
+        with self._lock:
+            self._open()
+            assert self._staging is not None and self._registered is not None
+            layout = Layout(self._registered, {i: (p, True) for i, p in enumerate(parts)})
+            area, base = self._staging.region(layout.staging_bytes)
+            plans = layout.place(area, base, fill=False)
+            got = self._store.batch_get_into_multi_buffers(
+                list(keys), [plans[i].ptrs for i in plans], [plans[i].sizes for i in plans]
+            )
+            out = [MISS] * len(keys)
+            for i, n in zip(plans, got, strict=True):
+                plan = plans[i]
+                if n != HEADER_SIZE + plan.payload or not plan.intact(area):
+                    continue  # missing, another size, a failed transfer, or damaged
+                plan.copy_out()
+                out[i] = plan.payload
+                self.moved["get_in_place" if plan.in_place else "get_staged"] += 1
             return out
 
     def _get_in_place(
@@ -335,8 +361,8 @@ class MooncakeEngine:
             if n != HEADER_SIZE + len(views[i]):
                 retry.append(i)  # another size (or a failed transfer): staged
                 continue
-            magic, digest = _HEADER.unpack_from(area, HEADER_SIZE * j)
-            if magic == _MAGIC and checksum(views[i]) == digest:
+            magic, digest = HEADER.unpack_from(area, HEADER_SIZE * j)
+            if magic == MAGIC and checksum(views[i]) == digest:
                 out[i] = len(views[i])
                 self.moved["get_in_place"] += 1
         return retry

@@ -89,6 +89,16 @@ class Registered:
         address = int(buffer.data_ptr())
         return address if start <= address and address + nbytes <= end else None
 
+    def row_address(self, tensor: Any, nbytes: int) -> int | None:
+        """:meth:`address` for a CPU tensor, with one dictionary look-up once its storage
+        is registered (the common case: every row of a KV cache)."""
+        start = int(tensor.untyped_storage().data_ptr())
+        region = self._regions.get(start)
+        if region is None:
+            return self.address(tensor, nbytes)
+        address = int(tensor.data_ptr())
+        return address if address + nbytes <= region[0] else None
+
     def free(self) -> None:
         for start in self._regions:
             self._store.unregister_buffer(start)

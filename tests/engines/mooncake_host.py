@@ -29,6 +29,14 @@ def get_into(engine: MooncakeEngine, keys: list[str], sizes: list[int]) -> tuple
     return got, [bytes(b[:n]) if n >= 0 else b"" for b, n in zip(buffers, got, strict=True)]
 
 
+def get_into_parts(
+    engine: MooncakeEngine, keys: list[str], sizes: list[list[int]]
+) -> tuple[list, list]:
+    parts = [[bytearray(n) for n in ns] for ns in sizes]
+    got = engine.batch_get_into_parts(keys, parts)
+    return got, [[bytes(p) for p in ps] if n >= 0 else [] for ps, n in zip(parts, got, strict=True)]
+
+
 def corrupt(engine: MooncakeEngine, key: str) -> None:
     """Flip one payload byte of a stored object with Mooncake's own calls (as a bad
     segment would), leaving kvpool's header as it was."""
@@ -81,6 +89,32 @@ class NamespacedEngine:
         for view, n, chunk in zip(views, got, data, strict=True):
             if n >= 0:
                 view[:n] = chunk
+        return got
+
+    def batch_put_from_parts(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[Any]],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        data = [[bytes(byte_view(p)) for p in ps] for ps in parts]
+        return self.ns.call(self.ref, "batch_put_from_parts", list(keys), data, parents=parents)
+
+    def batch_get_into_parts(
+        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
+    ) -> list[int]:
+        views = [[writable_byte_view(p) for p in ps] for ps in parts]
+        got, data = self.ns.run(
+            f"{__name__}:get_into_parts",
+            self.ref,
+            list(keys),
+            [[len(v) for v in vs] for vs in views],
+        )
+        for vs, n, chunks in zip(views, got, data, strict=True):
+            if n >= 0:
+                for view, chunk in zip(vs, chunks, strict=True):
+                    view[:] = chunk
         return got
 
     def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:

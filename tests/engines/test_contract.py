@@ -10,6 +10,7 @@ explicitly (see :mod:`kvpool.engines.mooncake`):
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import pytest
 
@@ -115,6 +116,57 @@ def test_a_corrupted_object_is_a_miss_until_replaced(harness: Harness, engine: P
     assert engine.batch_exists([bad]) == [False]
     assert put(engine, [bad]) == [None]  # ... so that a recomputed copy replaces it
     assert read(engine, [bad]) == [value(bad)]
+
+
+# ------------------------------------------------------------ multi-part moves
+# A page is one block of every layer: one object stored from, and read into, L pieces.
+SPLIT = (1000, OBJECT_SIZE // 2)  # cut points: three parts of uneven sizes
+
+
+def split(data: bytes, cuts: tuple[int, ...] = SPLIT) -> list[bytes]:
+    edges = [0, *cuts, len(data)]
+    return [data[a:b] for a, b in itertools.pairwise(edges)]
+
+
+def read_parts(engine: PoolEngine, keys: list[str], sizes: list[int]) -> list[list[bytes] | None]:
+    parts = [[bytearray(n) for n in sizes] for _ in keys]
+    got = engine.batch_get_into_parts(keys, parts)
+    assert all(n == MISS or n == sum(sizes) for n in got), got
+    return [[bytes(p) for p in ps] if n != MISS else None for ps, n in zip(parts, got, strict=True)]
+
+
+def test_parts_round_trip_as_one_object(engine: PoolEngine) -> None:
+    a, b = fresh(2)
+    assert engine.batch_put_from_parts([a], [split(value(a))], parents=[None]) == [None]
+    assert put(engine, [b]) == [None]  # stored whole
+    # any split reads the same bytes back, and a parts-stored object reads whole
+    other = [300, OBJECT_SIZE - 300]
+    assert read_parts(engine, [a, b], other) == [split(value(a), (300,)), split(value(b), (300,))]
+    assert read(engine, [a]) == [value(a)]
+    assert engine.batch_put_from_parts([], []) == [] and engine.batch_get_into_parts([], []) == []
+
+
+def test_parts_of_a_missing_corrupt_or_other_sized_object_are_a_miss(
+    harness: Harness, engine: PoolEngine
+) -> None:
+    good, bad, small = fresh(3)
+    (missing,) = fresh(1, "missing")
+    sizes = [len(p) for p in split(value(good))]
+    assert engine.batch_put_from_parts([good, bad], [split(value(good)), split(value(bad))]) == [
+        None,
+        None,
+    ]
+    assert engine.batch_put_from_parts([small], [[value(small)[:1000]]]) == [None]
+    harness.corrupt(bad)
+    assert read_parts(engine, [good, missing, bad, small], sizes) == [
+        split(value(good)),
+        None,
+        None,  # never the wrong bytes reported good
+        None,  # a smaller object than the parts
+    ]
+    assert read_parts(engine, [good], [*sizes, 1]) == [None]  # parts larger than the object
+    assert read_parts(engine, [good], [1000, 1000]) == [None]  # ... and smaller
+    assert read_parts(engine, [good], sizes) == [split(value(good))]  # still there
 
 
 def protect(engine: PoolEngine, harness: Harness, keys: list[str]) -> None:

@@ -225,6 +225,20 @@ class LookupClient:
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         raise NotImplementedError("the lookup channel only answers lookups")
 
+    def batch_put_from_parts(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[Any]],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        raise NotImplementedError("the lookup channel only answers lookups")
+
+    def batch_get_into_parts(
+        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
+    ) -> list[int]:
+        raise NotImplementedError("the lookup channel only answers lookups")
+
     def remove(self, key: str) -> bool:
         raise NotImplementedError("the lookup channel only answers lookups")
 

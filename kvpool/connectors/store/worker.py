@@ -19,8 +19,15 @@ Rules:
   is never freed or reused while it is being written out.  A failed save only costs a
   future hit.
 - A request's blocks move in batches of up to ``_BATCH`` pages, one engine call per batch
-  (:meth:`~kvpool.engines.PoolEngine.batch_get_into`,
-  :meth:`~kvpool.engines.PoolEngine.batch_put_from`) instead of one per block.
+  (:meth:`~kvpool.engines.PoolEngine.batch_get_into_parts`,
+  :meth:`~kvpool.engines.PoolEngine.batch_put_from_parts`) instead of one per block.
+- CPU caches move in place: each page is handed to the engine as its L layer rows
+  (:meth:`~kvpool.connectors.pages.PagedCaches.block_parts`), so an engine that can (Mooncake,
+  on a registered cache) moves them with no copy, and one that cannot copies once through
+  its own staging.  A read in place may write a block before its checksum fails: that
+  block is reported failed like any other, and vLLM recomputes it.  Caches on a device
+  go through host staging pages allocated once per worker thread and reused (a save and
+  an async load run on different threads), never a fresh page per load.
 - Each pool call goes through a :class:`~kvpool.connectors.store.pool.PoolHandle`, so a
   dead pool fails fast instead of stalling every step for a timeout.
 """
@@ -35,10 +42,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
-from kvpool.connectors.pages import PagedCaches, block_pages, page_view
+from kvpool.connectors.pages import PagedCaches, block_pages
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle, is_outage
 from kvpool.engines import MISS, PoolEngine
@@ -51,8 +59,8 @@ _BATCH = 16
 _WARN_EVERY_S = 30.0
 
 
-def _get_into(pool: PoolEngine, keys: Sequence[str], views: Sequence[memoryview]) -> list[int]:
-    return pool.batch_get_into(keys, views)
+def _get_into(pool: PoolEngine, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
+    return pool.batch_get_into_parts(keys, parts)
 
 
 def _remove(pool: PoolEngine, key: str) -> bool:
@@ -66,10 +74,10 @@ def _release(pool: PoolEngine, owner: str) -> int:
 def _put_from(
     pool: PoolEngine,
     keys: Sequence[str],
-    views: Sequence[memoryview],
+    parts: Sequence[Sequence[Any]],
     parents: Sequence[str | None],
 ) -> list[KVPoolError | None]:
-    return pool.batch_put_from(keys, views, parents=parents)
+    return pool.batch_put_from_parts(keys, parts, parents=parents)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +110,21 @@ class StoreWorker:
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self._last_save_warning = -_WARN_EVERY_S
+        self._staging = threading.local()  # staged caches: one page batch per thread
+
+    def _pages(self, paged: PagedCaches, block_ids: Sequence[int]) -> tuple[list[list[Any]], Any]:
+        """The parts of the pages of ``block_ids``: the cache's own rows (CPU), or this
+        thread's reused staging pages (device caches; returned too, to scatter or gather)."""
+        if not paged.staged:
+            return [paged.block_parts(b) for b in block_ids], None
+        pages = getattr(self._staging, "pages", None)
+        if pages is None:
+            host = paged.new_pages(_BATCH)
+            # a CPU tensor over the same memory: an engine that registers big CPU
+            # tensors (Mooncake, from 16 MiB) then moves the staging in place
+            pages = self._staging.pages = (host, torch.from_numpy(host))
+        host, tensor = pages
+        return [[tensor[j]] for j in range(len(block_ids))], host
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.paged = block_pages(kv_caches)
@@ -163,9 +186,10 @@ class StoreWorker:
                 return LoadResult(spec.req_id, loaded, frozenset())
             batch = keys[start : start + _BATCH]
             block_ids = spec.block_ids[start : start + _BATCH]
-            pages = paged.new_pages(len(block_ids))
-            good, failure = self._read(handle, batch, [page_view(p) for p in pages])
-            paged.scatter(block_ids[:good], pages)
+            parts, staging = self._pages(paged, block_ids)
+            good, failure = self._read(handle, batch, parts)
+            if staging is not None:
+                paged.scatter(block_ids[:good], staging)
             loaded += good
             if failure is not None:
                 key = batch[good]
@@ -183,21 +207,22 @@ class StoreWorker:
         return LoadResult(spec.req_id, loaded, frozenset())
 
     def _read(
-        self, handle: PoolHandle, keys: Sequence[str], views: Sequence[memoryview]
+        self, handle: PoolHandle, keys: Sequence[str], parts: Sequence[Sequence[Any]]
     ) -> tuple[int, Exception | None]:
-        """Read ``keys`` into ``views``: how many leading pages are good, and why the page
-        after them is not (None when all are)."""
+        """Read ``keys`` into their pages' ``parts``: how many leading pages are good, and
+        why the page after them is not (None when all are).  Pages from there on may hold
+        anything (a read in place): the caller reports them all failed."""
         assert self.paged is not None
         page_bytes = self.paged.page_bytes
         try:
-            sizes = handle.call(partial(_get_into, keys=keys, views=views))
+            sizes = handle.call(partial(_get_into, keys=keys, parts=parts))
         except Exception as exc:
             if is_outage(exc) or len(keys) == 1:
                 return 0, exc
             # An answer about one object failed the whole batch (an object larger than a
             # page): read them one by one to find which, so that the right one is dropped.
             for j in range(len(keys)):
-                _, failure = self._read(handle, keys[j : j + 1], views[j : j + 1])
+                _, failure = self._read(handle, keys[j : j + 1], parts[j : j + 1])
                 if failure is not None:
                     return j, failure
             return len(keys), None
@@ -269,13 +294,13 @@ class StoreWorker:
         for start in range(0, len(keys), _BATCH):
             batch = keys[start : start + _BATCH]
             block_ids = spec.block_ids[start : start + _BATCH]
-            pages = paged.new_pages(len(block_ids))
-            paged.gather(block_ids, pages)
-            views = [page_view(p) for p in pages]
+            parts, staging = self._pages(paged, block_ids)
+            if staging is not None:
+                paged.gather(block_ids, staging)
             parents = [parent, *batch[:-1]]  # each chunk hangs off the one before it
             try:
                 results = self._pool.call(
-                    partial(_put_from, keys=batch, views=views, parents=parents)
+                    partial(_put_from, keys=batch, parts=parts, parents=parents)
                 )
             except Exception as exc:
                 self._save_failed(spec, batch[0], exc)

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvpool.engines import MISS, POOL_TTL
 from kvpool.errors import KVPoolError, ObjectBusy, PeerTimeout, WriteConflict
+from kvpool.storage.buffers import byte_view, writable_byte_view
 
 __all__ = ["FakePool"]
 
@@ -48,6 +49,14 @@ class FakePool:
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
         self._check("batch_put_from")
+        return self._store(keys, buffers, parents)
+
+    def _store(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Any],
+        parents: Sequence[str | None] | None,
+    ) -> list[KVPoolError | None]:
         results: list[KVPoolError | None] = []
         for i, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
             if key in self.conflict:
@@ -74,6 +83,41 @@ class FakePool:
                 sizes.append(len(data))
         finally:
             self.leases -= 1
+        return sizes
+
+    def batch_put_from_parts(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[Any]],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        self._check("batch_put_from_parts")
+        joined = [b"".join(bytes(byte_view(p)) for p in ps) for ps in parts]
+        return self._store(keys, joined, parents)
+
+    def batch_get_into_parts(
+        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
+    ) -> list[int]:
+        """As an engine that reads in place (Mooncake on a registered cache): the bytes
+        land in the parts before the read is known good, so a corrupt or wrong-sized
+        object leaves garbage there (0xEE) and answers MISS."""
+        self._check("batch_get_into_parts")
+        sizes = []
+        for key, ps in zip(keys, parts, strict=True):
+            views = [writable_byte_view(p) for p in ps]
+            total = sum(len(v) for v in views)
+            data = self.objects.get(key)
+            if data is None:
+                sizes.append(MISS)
+                continue
+            bad = key in self.corrupt or len(data) != total
+            stream = b"\xee" * total if bad else data
+            at = 0
+            for view in views:
+                view[:] = stream[at : at + len(view)]
+                at += len(view)
+            sizes.append(MISS if bad else total)
         return sizes
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:

@@ -6,9 +6,11 @@ from typing import Any
 
 import torch
 
+from kvpool.connectors.pages import block_pages
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.worker import StoreWorker
+from kvpool.errors import KVPoolError
 from tests.connectors.store.fake_pool import FakePool
 from tests.waiting import wait_until
 
@@ -73,7 +75,9 @@ def test_failed_block_and_everything_after_it_are_reported() -> None:
     assert worker.counters["dropped_blocks"] == 1
     for name in src:
         assert torch.equal(dst[name][8], src[name][0])
-        assert torch.equal(dst[name][10], before[name][10])  # never wrong data
+        # read in place: the corrupt copy's bytes landed in block 9 before its checksum
+        # failed, which is why it (and all after it) is reported for vLLM to recompute
+        assert not torch.equal(dst[name][9], before[name][9])
 
 
 def test_missing_short_and_dead_pool_are_failures() -> None:
@@ -131,7 +135,7 @@ def test_save_stops_at_a_full_pool_but_skips_a_conflict() -> None:
     pool.down = True
     worker.save(save_plan((3, 4), keys(2, "z")))
     # one engine call per save, and none after the one the dead pool refused
-    assert worker.counters["save_errors"] == 1 and pool.calls["batch_put_from"] == 2
+    assert worker.counters["save_errors"] == 1 and pool.calls["batch_put_from_parts"] == 2
 
 
 def test_rank_picks_its_own_keys() -> None:
@@ -146,23 +150,26 @@ def test_a_request_moves_in_one_engine_call_per_batch() -> None:
     pool = FakePool()
     src, dst = kv_caches(1), kv_caches(2)
     make(pool, src).save(save_plan(tuple(range(12)), keys(12)))
-    assert pool.calls["batch_put_from"] == 1
+    assert pool.calls["batch_put_from_parts"] == 1 and pool.calls["batch_put_from"] == 0
     assert list(pool.parents.values()) == [None, *keys(12)[:-1]]  # the chain is kept
     worker = make(pool, dst)
     worker.start_loads(load_plan(tuple(range(12)), keys(12)))
-    assert pool.calls["batch_get_into"] == 1 and worker.take_invalid_block_ids() == set()
+    assert pool.calls["batch_get_into_parts"] == 1 and pool.calls["batch_get_into"] == 0
+    assert worker.take_invalid_block_ids() == set()
     assert all(torch.equal(src[n], dst[n]) for n in src)
 
 
 class OversizedPool(FakePool):
     """Reads a too-large object the way kvpool's client does: the batch raises."""
 
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        for key, buffer in zip(keys, buffers, strict=True):
-            if len(self.objects.get(key, b"")) > len(memoryview(buffer).cast("B")):
-                self.calls["batch_get_into"] += 1
+    def batch_get_into_parts(
+        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
+    ) -> list[int]:
+        for key, ps in zip(keys, parts, strict=True):
+            if len(self.objects.get(key, b"")) > sum(p.numel() * p.element_size() for p in ps):
+                self.calls["batch_get_into_parts"] += 1
                 raise ValueError(f"buffer too small for {key}")
-        return super().batch_get_into(keys, buffers)
+        return super().batch_get_into_parts(keys, parts)
 
 
 def test_an_object_larger_than_a_page_fails_its_own_block_and_is_dropped() -> None:
@@ -175,3 +182,65 @@ def test_an_object_larger_than_a_page_fails_its_own_block_and_is_dropped() -> No
     assert worker.take_invalid_block_ids() == {5, 6}
     assert keys(3)[1] not in pool.objects and worker.counters["dropped_blocks"] == 1
     assert all(torch.equal(dst[n][4], src[n][0]) for n in src)
+
+
+class PartsRecorder(FakePool):
+    """Remembers the parts each get and put was handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[Any]] = []
+
+    def batch_put_from_parts(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[Any]],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        self.seen.extend(list(p) for p in parts)
+        return super().batch_put_from_parts(keys, parts, parents=parents)
+
+    def batch_get_into_parts(
+        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
+    ) -> list[int]:
+        self.seen.extend(list(p) for p in parts)
+        return super().batch_get_into_parts(keys, parts)
+
+
+def test_cpu_pages_are_handed_over_in_place_one_part_per_layer() -> None:
+    pool = PartsRecorder()
+    src, dst = kv_caches(1), kv_caches(2)
+    make(pool, src).save(save_plan((3, 0), keys(2)))
+    worker = make(pool, dst)
+    worker.start_loads(load_plan((5, 6), keys(2)))
+    assert worker.take_invalid_block_ids() == set()
+    saved, loaded = pool.seen[:2], pool.seen[2:]
+    names = list(src)
+    for parts, caches, blocks in ((saved, src, (3, 0)), (loaded, dst, (5, 6))):
+        for page, block in zip(parts, blocks, strict=True):
+            # the cache's own rows (no staging page): one per layer, in layer order
+            assert [p.data_ptr() for p in page] == [caches[n][block].data_ptr() for n in names]
+    assert all(torch.equal(src[n][3], dst[n][5]) for n in names)
+
+
+def test_staged_caches_reuse_one_staging_batch_per_thread() -> None:
+    pool = PartsRecorder()
+    src, dst = kv_caches(1), kv_caches(2)
+    saver = make(pool, src)
+    saver.paged = block_pages(src, staged=True)  # the device path, on CPU tensors
+    saver.save(save_plan((0, 1, 2), keys(3)))
+    saver.save(save_plan((4,), keys(1, "z")))
+    loader = make(pool, dst)
+    loader.paged = block_pages(dst, staged=True)
+    loader.start_loads(load_plan((7, 8, 9), keys(3)))
+    loader.start_loads(load_plan((10,), keys(1, "z")))
+    assert loader.take_invalid_block_ids() == set()
+    assert all(
+        torch.equal(src[n][:3], dst[n][7:10]) and torch.equal(src[n][4], dst[n][10]) for n in src
+    )
+    # one page per part, from one staging batch allocated once per worker, not per call
+    starts = [page[0].data_ptr() for page in pool.seen]
+    assert all(len(page) == 1 for page in pool.seen)
+    assert starts[3] == starts[0] and starts[7] == starts[4]
+    assert len(set(starts[:3])) == 3 and starts[0] != starts[4]  # two workers, two batches
