@@ -253,6 +253,22 @@ class PoolHandle:
             self._failures = 0
             return result
 
+    def open(self) -> bool:
+        """Open the pool now if it is not open (a worker at start: on Mooncake this
+        mounts the process's ``global_segment_size``, so the memory is in the pool from
+        the start, not from the first save or load).  A failure is logged by the caller
+        and not held against the pool: the first real call tries again."""
+        with self._lock:
+            if self._client is None:
+                try:
+                    client = self._opener()
+                    client.health()  # engines open lazily: this is what connects
+                except Exception as exc:
+                    self._last_error = f"{type(exc).__name__}: {exc}"
+                    return False
+                self._client = client
+            return True
+
     def _mark_down(self, exc: BaseException) -> None:
         self._last_error = f"{type(exc).__name__}: {exc}"
         self._failures += 1

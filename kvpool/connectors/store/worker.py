@@ -128,6 +128,14 @@ class StoreWorker:
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.paged = block_pages(kv_caches)
+        # the pool opened with the KV caches (the guide's "every node registers memory":
+        # a Mooncake worker's segment is in the pool before its first request)
+        if not self._pool.open():
+            self._log.warning(
+                "[KVPoolStoreConnector] pool not reachable at start (%s); trying again at"
+                " the first load or save",
+                self._pool.last_error,
+            )
 
     # ------------------------------------------------------------------ loads
 

@@ -118,3 +118,21 @@ def test_repeated_outages_back_off() -> None:
     assert handle.call(lambda p: p.prefix_lookup([])) == 0  # a success resets the wait
     pool.down = True
     assert outage_then_wait() == 5
+
+
+def test_open_opens_once_and_a_failure_is_not_held_against_the_pool() -> None:
+    opened: list[int] = []
+    fail = [True]
+
+    def opener() -> FakePool:
+        if fail[0]:
+            raise ConnectionRefusedError("nobody there")
+        opened.append(1)
+        return FakePool()
+
+    handle = PoolHandle(opener, reconnect_interval_s=60, describe="test")
+    assert not handle.open() and "nobody there" in handle.last_error
+    fail[0] = False
+    # not marked down: the next call opens at once, not after the 60 s interval
+    assert handle.call(lambda p: p.batch_exists(["k"])) == [False]
+    assert handle.open() and opened == [1]

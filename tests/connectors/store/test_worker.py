@@ -244,3 +244,23 @@ def test_staged_caches_reuse_one_staging_batch_per_thread() -> None:
     assert all(len(page) == 1 for page in pool.seen)
     assert starts[3] == starts[0] and starts[7] == starts[4]
     assert len(set(starts[:3])) == 3 and starts[0] != starts[4]  # two workers, two batches
+
+
+def test_registering_the_caches_opens_the_pool() -> None:
+    """A worker's pool is open from the start (on Mooncake: its segment is in the pool
+    before the first request), and one that cannot be reached is tried again later."""
+    opened: list[FakePool] = []
+
+    def opener() -> FakePool:
+        opened.append(FakePool())
+        return opened[-1]
+
+    worker = StoreWorker(
+        tp_rank=0,
+        pool=PoolHandle(opener, reconnect_interval_s=60, describe="fake"),
+        loader_pool=PoolHandle(opener, reconnect_interval_s=60, describe="fake"),
+        logger=logging.getLogger("t"),
+    )
+    assert opened == []
+    worker.register(kv_caches(1))
+    assert len(opened) == 1
