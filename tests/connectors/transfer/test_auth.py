@@ -10,6 +10,7 @@ test_transports.py.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,9 +18,11 @@ from typing import Any
 
 import pytest
 
-from kvpool.config.kv_transfer import TransferConfig
+from kvpool.config.kv_transfer import TransferConfig, connector_credential
+from kvpool.config.node import load_any_node_config
 from kvpool.config.topology import Topology
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
+from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError
 from kvpool.testing.mooncake import Namespace
 from tests.connectors.transfer import auth_scenarios, scenarios
@@ -187,3 +190,31 @@ def test_a_bad_insecure_value_names_the_key() -> None:
             extra={"decode": {"tp_size": 1}},
             env={"KVPOOL_INSECURE": "sure"},
         )
+
+
+def test_the_node_configs_secret_file_is_the_connectors_and_wins_over_the_environment(
+    files: dict[str, str], tmp_path: Path
+) -> None:
+    node_json = tmp_path / "mooncake.json"
+    node = {
+        "local_hostname": "10.7.0.2",
+        "metadata_server": "10.7.0.1:50088",
+        "protocol": "tcp",
+        "secret_file": files["right"],
+    }
+    node_json.write_text(json.dumps(node))
+    cfg = TransferConfig.from_values(
+        role="kv_producer",
+        kv_port=30000,
+        engine_id="g",
+        extra={"decode": {"tp_size": 1}},
+        env={},
+        node=load_any_node_config(node_json, env={}),
+    )
+    assert cfg.kv_host == "10.7.0.2" and cfg.secret_file == files["right"]
+    env = {"KVPOOL_SECRET_FILE": files["wrong"]}
+    found = connector_credential(cfg.secret_file, env)
+    assert found == Credential.parse(SECRET, "k")
+    assert connector_credential("", env) == Credential.parse(WRONG, "k")
+    assert connector_credential("", {}) is None
+    TransferWorker(cfg, RankInfo(0, 1, 0, 2), env={}).close()  # starts: it has a credential
