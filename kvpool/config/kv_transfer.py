@@ -71,6 +71,11 @@ transfer_timeout_ms    extra ``transfer_timeout_ms``, env ``KVPOOL_TRANSFER_TIME
                        name), the node config's ``transfer_timeout_ms``, 10000
 hold_timeout_ms        extra ``hold_timeout_ms``, env ``KVPOOL_HOLD_TIMEOUT_MS``, 120000:
                        how long P keeps a request's blocks for a D that never comes
+credential             the node config's ``secret_file``, env ``KVPOOL_SECRET_FILE``,
+                       ``KVPOOL_SECRET`` (:func:`connector_credential`): with one, every
+                       ``kv_port`` connection opens with the handshake (docs/security.md)
+insecure               extra ``insecure``, env ``KVPOOL_INSECURE`` (false): let a P whose
+                       ``kv_host`` is not loopback serve without a credential
 =====================  ========================================================================
 """
 
@@ -82,6 +87,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.config.node import MooncakeNodeConfig, NodeConfig
+from kvpool.config.secret import load_credential
 from kvpool.config.topology import MAX_PORT, Topology, parse_topology
 from kvpool.config.values import (
     CONNECT_TIMEOUT_VARS,
@@ -91,6 +97,7 @@ from kvpool.config.values import (
     parse_host_port,
     parse_size,
 )
+from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError
 
 __all__ = [
@@ -103,6 +110,7 @@ __all__ = [
     "StoreConfig",
     "TransferConfig",
     "check_put_back",
+    "connector_credential",
     "pairing_group",
     "parse_store_config",
 ]
@@ -298,7 +306,9 @@ TRANSFER_EXTRA_KEYS = (
     "connect_timeout_ms",
     "transfer_timeout_ms",
     "hold_timeout_ms",
+    "insecure",
 )
+ENV_INSECURE = "KVPOOL_INSECURE"
 _DEFAULT_CONNECT_MS = 10_000
 _DEFAULT_TRANSFER_MS = 10_000
 _DEFAULT_HOLD_MS = 120_000
@@ -360,6 +370,8 @@ class TransferConfig:
     connect_timeout_ms: int = _DEFAULT_CONNECT_MS
     transfer_timeout_ms: int = _DEFAULT_TRANSFER_MS
     hold_timeout_ms: int = _DEFAULT_HOLD_MS
+    secret_file: str = ""  # the node config's; "": the environment's (connector_credential)
+    insecure: bool = False  # a non-loopback P may serve without a credential
 
     @property
     def is_producer(self) -> bool:
@@ -452,4 +464,22 @@ class TransferConfig:
             hold_timeout_ms=_timeout_ms(
                 extra, env, "hold_timeout_ms", ("KVPOOL_HOLD_TIMEOUT_MS",), _DEFAULT_HOLD_MS
             ),
+            secret_file=node.secret_file if isinstance(node, NodeConfig) else "",
+            insecure=_insecure(extra, env),
         )
+
+
+def _insecure(extra: Mapping[str, Any], env: Mapping[str, str]) -> bool:
+    if "insecure" in extra:
+        return parse_bool_value(extra["insecure"], key='kv_connector_extra_config["insecure"]')
+    if env.get(ENV_INSECURE, "") != "":
+        return parse_bool_value(env[ENV_INSECURE], key=ENV_INSECURE)
+    return False
+
+
+def connector_credential(secret_file: str, env: Mapping[str, str]) -> Credential | None:
+    """The credential of a connector's connections, found as every kvpool process finds
+    its own: the node config's ``secret_file``, else ``KVPOOL_SECRET_FILE``, else
+    ``KVPOOL_SECRET``; None when none is configured.  Both connectors use it (the
+    transfer connector's ``kv_port``; the store connector's pool handle)."""
+    return load_credential(secret_file, env, key="secret_file")

@@ -13,6 +13,23 @@ the data-parallel rank and ``lookup_rpc_port``.  So ``"lookup_rpc_port": "0"`` (
 value) never collides between two instances on one host — not even a P and a D that share
 an ``engine_id`` as the production guide pairs them — and no TCP port is taken.
 
+Who may ask: only this user's processes.  The channel is a Unix socket, never a TCP port,
+so no other host reaches it; on this host three things keep other users out (a lookup
+answers what the pool holds, and a pin holds its memory):
+
+- the socket lies in a directory only its owner may enter (``kvpool-<uid>``, mode 700,
+  made by :func:`private_dir`, which refuses one that is not this user's or that others
+  may enter), so another user cannot reach the socket nor put one of their own in its
+  place (the scheduler checks the directory too before it asks);
+- the socket itself is mode 600;
+- the server asks the kernel who connected (``SO_PEERCRED``) and refuses another user,
+  should the permissions above ever be loosened.
+
+No handshake: every process that may connect runs as the one user, who owns the secret
+file too, so a secret would add nothing the kernel does not already check.  At most
+``max_connections`` are served at once (the scheduler needs one; each holds a thread);
+one more is answered :class:`Failed` (``Overloaded``) and closed.
+
 Wire format: kvpool's frames (:mod:`kvpool.protocol.codec`), one request per round trip
 on a persistent connection: a :class:`Lookup` (the keys), a :class:`PinKeys` or a
 :class:`ReleasePins`, answered by a :class:`Found` (how many leading keys are present,
@@ -26,6 +43,8 @@ import hashlib
 import logging
 import os
 import socket
+import stat
+import struct
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -34,8 +53,9 @@ from typing import Any
 
 import msgspec
 
+from kvpool.closing import Closing
 from kvpool.engines import PoolEngine
-from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
+from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
 from kvpool.transfer import framing
 
@@ -50,6 +70,7 @@ __all__ = [
     "PinKeys",
     "ReleasePins",
     "channel_path",
+    "private_dir",
 ]
 
 
@@ -90,6 +111,12 @@ LOOKUP_CODEC: Codec[Lookup | PinKeys | ReleasePins] = Codec(
 REPLY_CODEC: Codec[Found | Failed] = Codec(Found | Failed, max_payload=0)
 # Once a request has started, the rest of it must arrive within this long.
 _REQUEST_TIMEOUT_S = 30.0
+#: connections served at once (the scheduler holds one; more are a bug or a flood)
+MAX_CONNECTIONS = 32
+#: refused connections answered at once (each in a short thread); past it, closed at once
+_MAX_REFUSING = 8
+_REFUSE_S = 1.0  # how long a refused connection may take to send its request
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
 def channel_path(
@@ -100,7 +127,38 @@ def channel_path(
         f"{instance_id}|{engine_id}|{dp_rank}|{lookup_rpc_port}".encode(), digest_size=8
     ).hexdigest()
     base = Path(root or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
-    return str(base / f"kvpool-lookup-{digest}.sock")
+    return str(base / f"kvpool-{os.geteuid()}" / f"lookup-{digest}.sock")
+
+
+def private_dir(path: str, *, create: bool) -> None:
+    """Check (and with ``create``, make) the directory of socket ``path``: a directory
+    of this user's that no one else may enter.  ConfigError naming the fix otherwise."""
+    folder = os.path.dirname(path) or "."
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+    try:
+        info = os.lstat(folder)
+    except OSError as exc:
+        raise ConfigError(f"lookup channel: cannot use {folder} ({exc.strerror})") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"lookup channel: {folder} is not a directory; remove it")
+    if info.st_uid != os.geteuid():
+        raise ConfigError(
+            f"lookup channel: {folder} belongs to user {info.st_uid}, not to this process's "
+            f"user {os.geteuid()}; remove it (or set XDG_RUNTIME_DIR to a directory of yours)"
+        )
+    if info.st_mode & 0o077:
+        raise ConfigError(
+            f"lookup channel: other users may enter {folder} (mode "
+            f"{stat.S_IMODE(info.st_mode):o}); run `chmod 700 {folder}`"
+        )
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The user of the process at the other end (the kernel's word, not the peer's)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return int(_UCRED.unpack(creds)[1])
 
 
 def _answer(pool: PoolEngine, request: Lookup | PinKeys | ReleasePins) -> int:
@@ -115,19 +173,38 @@ class LookupServer:
     """Answers the scheduler's lookups, pins and releases on ``pool``, from a thread of the
     worker process."""
 
-    def __init__(self, path: str, pool: PoolEngine, logger: logging.Logger) -> None:
+    def __init__(
+        self,
+        path: str,
+        pool: PoolEngine,
+        logger: logging.Logger,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self.path = path
         self._pool = pool
         self._log = logger
+        self.max_connections = max_connections
+        self.refused = 0  # connections refused (another user, or over the cap), since start
+        self._open = 0  # connections served now (under _lock)
+        self._refusing = 0
+        self._lock = threading.Lock()
+        private_dir(path, create=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a leftover of this very instance (names are per instance)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
-        os.chmod(path, 0o600)
+        os.chmod(path, 0o600)  # the directory already keeps others out; this says so too
         self._sock.listen(16)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="kvpool-lookup", daemon=True)
         self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        """Connections served now."""
+        with self._lock:
+            return self._open
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -135,11 +212,69 @@ class LookupServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
+            reason = self._refusal(conn)
+            if reason is not None:
+                self._refuse(conn, reason)
+                continue
             threading.Thread(
                 target=self._serve, args=(conn,), name="kvpool-lookup-conn", daemon=True
             ).start()
 
+    def _refusal(self, conn: socket.socket) -> str | None:
+        """Why ``conn`` is not served (None: it is, and it counts toward the cap)."""
+        try:
+            uid = _peer_uid(conn)
+        except OSError as exc:
+            return f"AuthError: lookup channel: cannot tell who connected ({exc})"
+        if uid != os.geteuid():
+            return (
+                f"AuthError: lookup channel {self.path} serves only user {os.geteuid()}'s "
+                f"processes, not user {uid}'s"
+            )
+        with self._lock:
+            if self._open >= self.max_connections:
+                return (
+                    f"Overloaded: lookup channel {self.path} is serving its limit of "
+                    f"{self.max_connections} connections; close idle ones"
+                )
+            self._open += 1
+        return None
+
+    def _refuse(self, conn: socket.socket, reason: str) -> None:
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
+            self._log.warning("refusing a lookup connection (%d so far): %s", self.refused, reason)
+        with self._lock:
+            answer = self._refusing < _MAX_REFUSING
+            self._refusing += answer
+        if not answer:
+            conn.close()
+            return
+        threading.Thread(
+            target=self._answer_refused, args=(conn, reason), name="kvpool-lookup-refused",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    def _answer_refused(self, conn: socket.socket, reason: str) -> None:
+        # Read the request first: closing a Unix socket before the peer has sent would
+        # fail its send (EPIPE) before it could read why.
+        try:
+            with conn, contextlib.suppress(KVPoolError, OSError):
+                framing.recv_request(conn, LOOKUP_CODEC, _REFUSE_S, _REFUSE_S)
+                deadline = framing.deadline_after(_REFUSE_S)
+                framing.send_frame(conn, REPLY_CODEC, Failed(reason), None, deadline)
+        finally:
+            with self._lock:
+                self._refusing -= 1
+
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._conversation(conn)
+        finally:
+            with self._lock:
+                self._open -= 1
+
+    def _conversation(self, conn: socket.socket) -> None:
         with conn:
             while not self._closed.is_set():
                 try:
@@ -172,7 +307,7 @@ class LookupServer:
         self._thread.join(timeout=5)
 
 
-class LookupClient:
+class LookupClient(Closing):
     """The scheduler's view of the embedded pool over the channel: ``prefix_lookup``,
     ``pin`` and ``release``."""
 
@@ -181,6 +316,10 @@ class LookupClient:
     def __init__(self, path: str, *, timeout_s: float) -> None:
         self._path = path
         self._timeout_s = timeout_s
+        try:
+            private_dir(path, create=False)  # else the socket may be another user's
+        except ConfigError as exc:
+            raise TransferError(f"lookup channel {path} not reachable: {exc}") from None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         try:

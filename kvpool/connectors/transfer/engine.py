@@ -23,7 +23,9 @@ import numpy as np
 from kvpool.closing import Closing
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
 from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.transfer.auth import admit_decode, open_to_prefill
 from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
+from kvpool.core.credentials import Credential
 from kvpool.errors import KVPoolError, ProtocolError, TransferError
 from kvpool.protocol.engine_pull import (
     ENGINE_REPLY_CODEC,
@@ -61,8 +63,20 @@ class EngineTransport:
     """Pulls whose pages move with Mooncake's Transfer Engine over ``protocol``."""
 
     def __init__(
-        self, *, hostname: str, protocol: str, device_name: str, transfer_timeout_s: float
+        self,
+        *,
+        hostname: str,
+        protocol: str,
+        device_name: str,
+        transfer_timeout_s: float,
+        credential: Credential | None = None,
+        client_id: str = "decode",
     ) -> None:
+        # with a credential every control connection opens with the handshake (.auth);
+        # the engine's own data ports take none
+        self._credential = credential
+        self._client_id = client_id
+        self.refused_auth = 0  # decode connections refused for their credential
         self.name = f"{protocol} (Mooncake Transfer Engine)"
         self._hostname = hostname
         self._protocol = protocol
@@ -109,6 +123,14 @@ class EngineTransport:
         except OSError as exc:
             raise PeerUnreachable(f"cannot connect to prefill {host}:{port}: {exc}") from None
         tune_socket(sock)
+        if self._credential is not None:
+            try:
+                open_to_prefill(
+                    sock, self._credential, self._client_id, timeout_s, f"{host}:{port}"
+                )
+            except BaseException:
+                sock.close()
+                raise
         return EngineLink(sock, self._caches, self._mover, self._bases)
 
     # -- P ---------------------------------------------------------------------------
@@ -130,6 +152,8 @@ class EngineTransport:
     def _serve(self, conn: socket.socket, handler: PullHandler) -> None:
         assert self._server is not None
         tune_socket(conn)
+        if self._credential is not None and not self._admitted(conn):
+            return
         while not self._server.stopping:
             try:
                 got = recv_request(
@@ -152,6 +176,15 @@ class EngineTransport:
             except KVPoolError as exc:
                 logger.warning("%s dropping a decode connection: %s", _PREFIX, exc)
                 return
+
+    def _admitted(self, conn: socket.socket) -> bool:
+        assert self._server is not None and self._credential is not None
+        where = f"{self._server.host}:{self._server.port}"
+        refused = admit_decode(conn, self._credential, where, self._timeout_s, ENGINE_REPLY_CODEC)
+        if refused is not None:
+            self.refused_auth += 1
+            logger.warning("%s refused a decode connection: %s", _PREFIX, refused)
+        return refused is None
 
     def _serve_pull(
         self, conn: socket.socket, pull: Pull, handler: PullHandler, deadline: float

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from kvpool.closing import Closing
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
 from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.transfer.auth import admit_decode, open_to_prefill
 from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
+from kvpool.core.credentials import Credential
 from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.pull import (
     PULL_REPLY_CODEC,
@@ -54,8 +56,18 @@ class TcpTransport:
 
     name = "tcp"
 
-    def __init__(self, *, transfer_timeout_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        transfer_timeout_s: float,
+        credential: Credential | None = None,
+        client_id: str = "decode",
+    ) -> None:
         self._timeout_s = transfer_timeout_s
+        # with a credential every connection opens with the handshake (.auth)
+        self._credential = credential
+        self._client_id = client_id
+        self.refused_auth = 0  # decode connections refused for their credential
         self._caches: PagedCaches | None = None
         self._server: ThreadedServer | None = None
 
@@ -80,6 +92,14 @@ class TcpTransport:
         except OSError as exc:
             raise PeerUnreachable(f"cannot connect to prefill {host}:{port}: {exc}") from None
         tune_socket(sock)
+        if self._credential is not None:
+            try:
+                open_to_prefill(
+                    sock, self._credential, self._client_id, timeout_s, f"{host}:{port}"
+                )
+            except BaseException:
+                sock.close()
+                raise
         return TcpLink(sock, self._caches)
 
     # -- P ---------------------------------------------------------------------------
@@ -102,6 +122,8 @@ class TcpTransport:
         # the server closes conn when this returns; its close() wakes a blocked recv
         assert self._server is not None
         tune_socket(conn)
+        if self._credential is not None and not self._admitted(conn):
+            return
         while not self._server.stopping:
             try:
                 got = recv_request(conn, PULL_REQUEST_CODEC, self._timeout_s, idle_timeout=_IDLE_S)
@@ -120,6 +142,15 @@ class TcpTransport:
             except KVPoolError as exc:
                 logger.warning("%s dropping a decode connection: %s", _PREFIX, exc)
                 return
+
+    def _admitted(self, conn: socket.socket) -> bool:
+        assert self._server is not None and self._credential is not None
+        where = f"{self._server.host}:{self._server.port}"
+        refused = admit_decode(conn, self._credential, where, self._timeout_s, PULL_REPLY_CODEC)
+        if refused is not None:
+            self.refused_auth += 1
+            logger.warning("%s refused a decode connection: %s", _PREFIX, refused)
+        return refused is None
 
     def _serve_pull(
         self, conn: socket.socket, pull: Pull, handler: PullHandler, deadline: float
@@ -148,7 +179,6 @@ class TcpLink(Closing):
     def __init__(self, sock: socket.socket, caches: PagedCaches) -> None:
         self._sock = sock
         self._caches = caches
-
 
     def close(self) -> None:
         self._sock.close()

@@ -17,6 +17,9 @@ Primitives, in the order a worker uses them:
   memory, bounded by the transfer deadline; :meth:`PeerLink.done` — D needs nothing;
 - :meth:`PeerLink.close`, :meth:`KVTransport.close`.
 
+With a credential, each transport opens every ``kv_port`` connection with the pool's
+handshake (:mod:`.auth`), before the first pull frame.
+
 Rules every transport keeps: every wait is bounded (a deadline or the configured
 timeouts), a refusal by P surfaces on D as :class:`~kvpool.errors.TransferError` naming
 P's reason, and a broken stream as :class:`~kvpool.errors.ProtocolError` or
@@ -31,6 +34,7 @@ from typing import Protocol
 from kvpool.config.fabrics import ENGINE_PROTOCOLS, TRANSPORT_ENGINE, TRANSPORT_KVPOOL
 from kvpool.config.kv_transfer import TransferConfig
 from kvpool.connectors.pages import PagedCaches
+from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError, TransferError
 from kvpool.protocol.pull import Pull, PullDone
 
@@ -100,14 +104,22 @@ class KVTransport(Protocol):
     def close(self) -> None: ...
 
 
-def _tcp(config: TransferConfig) -> KVTransport:
+def _client_id(config: TransferConfig) -> str:
+    return f"decode {config.engine_id}" if config.engine_id else "decode"
+
+
+def _tcp(config: TransferConfig, credential: Credential | None) -> KVTransport:
     # Imported when chosen: the implementation imports this module's interface.
     from kvpool.connectors.transfer.tcp import TcpTransport
 
-    return TcpTransport(transfer_timeout_s=config.transfer_timeout_ms / 1000)
+    return TcpTransport(
+        transfer_timeout_s=config.transfer_timeout_ms / 1000,
+        credential=credential,
+        client_id=_client_id(config),
+    )
 
 
-def _engine(config: TransferConfig) -> KVTransport:
+def _engine(config: TransferConfig, credential: Credential | None) -> KVTransport:
     # Imported when chosen; mooncake itself only when the caches are registered.
     from kvpool.connectors.transfer.engine import EngineTransport
 
@@ -116,6 +128,8 @@ def _engine(config: TransferConfig) -> KVTransport:
         protocol=config.protocol,
         device_name=config.device_name,
         transfer_timeout_s=config.transfer_timeout_ms / 1000,
+        credential=credential,
+        client_id=_client_id(config),
     )
 
 
@@ -127,10 +141,11 @@ TRANSPORTS = {
 }
 
 
-def make_transport(config: TransferConfig) -> KVTransport:
+def make_transport(config: TransferConfig, credential: Credential | None = None) -> KVTransport:
     """The transport the node config names: ``transport`` (by default kvpool's for
     ``tcp``, the Transfer Engine for the other protocols) over ``protocol`` (``tcp``
-    without a node config)."""
+    without a node config); with ``credential`` its ``kv_port`` connections open with the
+    handshake (:mod:`.auth`)."""
     transport = config.transport
     if transport is None:
         transport = TRANSPORT_KVPOOL if config.protocol == "tcp" else TRANSPORT_ENGINE
@@ -142,4 +157,4 @@ def make_transport(config: TransferConfig) -> KVTransport:
             f' transport {transport!r} (it has: {known}); set "protocol": "tcp" in the node'
             " config"
         )
-    return factory(config)
+    return factory(config, credential)

@@ -18,21 +18,28 @@ AND failed, with its blocks as load errors, so ``kv_load_failure_policy: recompu
 recomputes it.  A D that will not pull after all (or whose pull broke after reaching P)
 tells P with a ``PullDone``.  Connect and transfer waits are bounded by the configured
 timeouts.
+
+Credentials: the node config's ``secret_file``, else the environment's
+(:func:`~kvpool.config.kv_transfer.connector_credential`); with one, both sides open every
+``kv_port`` connection with the pool's handshake, and without one a P bound beyond
+loopback refuses to start unless told ``insecure`` (:mod:`.auth`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig
+from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig, connector_credential
 from kvpool.config.topology import expected_pullers, local_heads, plan_pulls, rank_port
 from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.transfer.auth import require_pull_credential
 from kvpool.connectors.transfer.jobs import RecvJob, ReleaseJob, TransferJobs
 from kvpool.connectors.transfer.server import PullServer
 from kvpool.connectors.transfer.state import RecvResults, SendTracker
@@ -80,11 +87,14 @@ class TransferWorker:
         rank: RankInfo,
         clock: Callable[[], float] = time.monotonic,
         transport: KVTransport | None = None,
+        env: Mapping[str, str] = os.environ,
     ) -> None:
         self.config = config
         self.rank = rank
         self._clock = clock
-        self._transport = make_transport(config) if transport is None else transport
+        credential = connector_credential(config.secret_file, env)
+        require_pull_credential(config, credential)  # before anything is allocated
+        self._transport = make_transport(config, credential) if transport is None else transport
         self._caches: PagedCaches | None = None
         self._cond = threading.Condition()
         self._tracker = SendTracker()

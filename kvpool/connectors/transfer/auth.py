@@ -1,0 +1,82 @@
+"""Credentials on the prefill's ``kv_port``: the pool's handshake, for both transports.
+
+Rules:
+
+- With a credential (:func:`kvpool.config.kv_transfer.connector_credential`), every
+  connection to a P rank's ``kv_port`` opens with the handshake of
+  :mod:`kvpool.protocol.auth` (the same one as the master's and the nodes' ports), D
+  proving the cluster's client key in the ``client`` role; after it the connection speaks
+  the pull protocol unchanged, so the pages pay nothing per frame.  The Transfer Engine's
+  control channel is such a connection; its own data ports are the engine's and take no
+  credential (docs/security.md).
+- A D without a credential is answered ``Refused("AuthError: ...")`` in the pull
+  protocol's own words (so its load fails with a reason, and vLLM recomputes), a D with a
+  wrong one fails the handshake; either way P closes that connection and keeps serving
+  the others.
+- Safe by default (:func:`require_pull_credential`): a P whose ``kv_host`` is not
+  loopback refuses to start its pull server without a credential, unless told
+  ``"insecure": true`` (``KVPOOL_INSECURE=1``), as the master refuses without
+  ``--insecure``.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from kvpool.config.kv_transfer import ENV_INSECURE, TRANSFER_CONNECTOR, TransferConfig
+from kvpool.config.secret import ENV_SECRET_FILE, is_loopback
+from kvpool.core.credentials import Credential
+from kvpool.errors import AuthError, ConfigError, PeerTimeout, TransferError
+from kvpool.protocol.codec import Codec
+from kvpool.protocol.pull import Refused
+from kvpool.transfer.auth import admit, authenticate
+
+__all__ = ["ROLE", "admit_decode", "open_to_prefill", "require_pull_credential"]
+
+#: the handshake role a decode claims: the cluster's client key (a node's own credential
+#: cannot pull KV)
+ROLE = "client"
+
+
+def require_pull_credential(config: TransferConfig, credential: Credential | None) -> None:
+    """Refuse a P serving ``kv_host`` beyond loopback without a credential (one line
+    naming the fix), unless ``config.insecure``."""
+    if not config.is_producer or credential is not None or config.insecure:
+        return
+    if is_loopback(config.kv_host):
+        return
+    raise ConfigError(
+        f"{TRANSFER_CONNECTOR}: kv_host {config.kv_host} is reachable from other hosts and "
+        "no credential is configured, so anyone could read this prefill's KV from kv_port; "
+        f'set "secret_file" in the node config (or {ENV_SECRET_FILE}) to the cluster secret, '
+        f'or set "insecure": true in kv_connector_extra_config ({ENV_INSECURE}=1) to serve '
+        "it open"
+    )
+
+
+def admit_decode(
+    conn: socket.socket,
+    credential: Credential,
+    server_id: str,
+    timeout_s: float,
+    reply_codec: Codec,  # type: ignore[type-arg]
+) -> str | None:
+    """The handshake on a fresh ``kv_port`` connection: None when the decode proved the
+    credential, else why it was refused (already said to it; the caller closes)."""
+    plain = Refused(
+        f"AuthError: prefill {server_id} requires a credential: set {ENV_SECRET_FILE} (or "
+        '"secret_file" in the node config) to this cluster\'s secret'
+    )
+    try:
+        admit(conn, credential, server_id, (ROLE,), timeout_s, reply_codec.encode(plain))
+    except (AuthError, TransferError, PeerTimeout) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def open_to_prefill(
+    sock: socket.socket, credential: Credential, client_id: str, timeout_s: float, where: str
+) -> None:
+    """D's side of the handshake on a fresh connection to prefill ``where``; raises
+    AuthError (the load fails, vLLM recomputes) or PeerTimeout."""
+    authenticate(sock, credential, ROLE, client_id, timeout_s, f"prefill {where}")
