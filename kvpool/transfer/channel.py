@@ -29,6 +29,7 @@ Why it looks like this (CPython on loopback spends its time in syscalls, not cop
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from typing import Generic, TypeVar
 
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
-from kvpool.transfer.framing import BadRequest, deadline_after
+from kvpool.transfer.framing import SMALL_PAYLOAD, BadRequest, deadline_after
 
 __all__ = ["MAX_OWED", "STAGE_SIZE", "Channel"]
 
@@ -85,6 +86,9 @@ class Channel(Generic[S, R]):
         self._end = 0
         self.owed = 0  # replies of posted requests not read yet
         self._on_owed_reply = on_owed_reply
+        # On TLS the kernel timeouts above still bound each read and write: the SSL
+        # socket stays blocking, and a timed-out read surfaces as SSLWantReadError.
+        self._tls = isinstance(sock, ssl.SSLSocket)
 
     def close(self) -> None:
         self.sock.close()
@@ -98,6 +102,9 @@ class Channel(Generic[S, R]):
         buffers: list[bytes | memoryview] = [head]
         if payload is not None and length:
             buffers.append(payload)
+        if self._tls:
+            self._send_tls(buffers)
+            return
         try:
             sent = self.sock.sendmsg(buffers)
         except BlockingIOError:
@@ -106,6 +113,19 @@ class Channel(Generic[S, R]):
             raise TransferError(f"connection failed while sending: {exc}") from None
         if sent < len(head) + length:  # interrupted or timed out part-way: finish it
             self._send_rest([memoryview(b) for b in buffers], sent)
+
+    def _send_tls(self, buffers: list[bytes | memoryview]) -> None:
+        """An SSLSocket has no ``sendmsg``: a small frame is joined into one TLS record,
+        a large payload follows its header (``sendall`` splits it into records)."""
+        if len(buffers) == 2 and len(buffers[1]) <= SMALL_PAYLOAD:
+            buffers = [bytes(buffers[0]) + bytes(buffers[1])]
+        try:
+            for buffer in buffers:
+                self.sock.sendall(buffer)
+        except (BlockingIOError, ssl.SSLWantWriteError, TimeoutError):
+            raise PeerTimeout("timed out sending: the peer stopped reading") from None
+        except OSError as exc:
+            raise TransferError(f"connection failed while sending: {exc}") from None
 
     def _send_rest(self, buffers: list[memoryview], sent: int) -> None:
         deadline = deadline_after(self.timeout_s)
@@ -134,7 +154,7 @@ class Channel(Generic[S, R]):
     def _recv_some(self, view: memoryview, deadline: float | None, what: str) -> int:
         try:
             n = self.sock.recv_into(view)
-        except BlockingIOError:
+        except (BlockingIOError, ssl.SSLWantReadError):  # SO_RCVTIMEO ran out
             raise PeerTimeout(f"timed out waiting for {what}") from None
         except OSError as exc:
             raise TransferError(f"connection failed while receiving {what}: {exc}") from None

@@ -9,6 +9,7 @@ Replies' payloads are received straight into the caller's buffer.
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.transfer import framing
 from kvpool.transfer.auth import authenticate
 from kvpool.transfer.channel import Channel
+from kvpool.transfer.tls import wrap_client
 
 __all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
 
@@ -72,7 +74,9 @@ class SegmentConnection(Closing):
         *,
         credential: Credential | None = None,
         client_id: str = "",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self.tls = tls
         self.credential = credential
         self.client_id = client_id
         self.host = host
@@ -101,8 +105,10 @@ class SegmentConnection(Closing):
             except OSError as exc:
                 raise TransferError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
             framing.tune_socket(sock)
+            where = f"data server {self.host}:{self.port}"
+            if self.tls is not None:
+                sock = wrap_client(sock, self.tls, self.host, self.timeout_s, where)
             if self.credential is not None:
-                where = f"data server {self.host}:{self.port}"
                 try:
                     authenticate(
                         sock, self.credential, "data", self.client_id, self.timeout_s, where
@@ -257,11 +263,12 @@ class SegmentConnection(Closing):
             self._drop()
 
 
-
 def _closed_by_peer(sock: socket.socket) -> bool:
     """True when the peer closed (or reset) the connection; a look, no byte consumed."""
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        # On TLS, a look at the raw stream (SSLSocket.recv takes no flags): a close
+        # still reads as b""; pending bytes (a TLS session ticket) as open.
+        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except BlockingIOError:
         return False  # open, nothing to read: the usual case
     except OSError:

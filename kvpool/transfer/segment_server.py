@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 from dataclasses import dataclass, field
 
@@ -54,6 +55,7 @@ from kvpool.errors import (
     TransferError,
     UnknownSegment,
 )
+from kvpool.protocol.auth import AUTH_MAGIC, refusal
 from kvpool.protocol.data import (
     DATA_REPLY_CODEC,
     DATA_REQUEST_CODEC,
@@ -137,8 +139,10 @@ class SegmentServer(Serving):
         ssd_read_budget: int = SSD_READ_BUDGET,
         credential: Credential | None = None,
         server_id: str = "",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host = host
+        self.tls = tls
         self.credential = credential
         self.server_id = server_id
         self.ssd = ssd
@@ -158,6 +162,9 @@ class SegmentServer(Serving):
             on_connection=lambda: self.stats.add("connections"),
             max_connections=max_connections,
             refuse=self._refuse,
+            tls=tls,
+            refuse_plain=self._refuse_plain,
+            tls_timeout_s=timeout_s,
         )
 
     # -- segments ---------------------------------------------------------------
@@ -201,7 +208,6 @@ class SegmentServer(Serving):
         """Stop accepting, end every connection, and wait (bounded) for their threads."""
         self._server.close(timeout_s)
 
-
     @property
     def connections(self) -> int:
         """Connections open now."""
@@ -217,6 +223,17 @@ class SegmentServer(Serving):
             "connections; retry later, or close idle clients"
         )
         conn.sendall(DATA_REPLY_CODEC.encode(error_reply(error)))
+
+    def _refuse_plain(self, head: bytes) -> bytes:
+        """What a client without TLS reads from a TLS port: a refusal in the handshake's
+        words if it began one, else a data error reply."""
+        error = AuthError(
+            f"data server {self.host}:{self.port} requires TLS: set KVPOOL_TLS_CA (or the "
+            "node config's tls_ca) to the CA that signed its certificate"
+        )
+        if head.startswith(AUTH_MAGIC[: len(head)]):
+            return refusal(str(error))
+        return DATA_REPLY_CODEC.encode(error_reply(error))
 
     def _serve_connection(self, conn: socket.socket) -> None:
         """One client's conversation, in its own thread (the server closes ``conn``)."""

@@ -29,11 +29,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 
 from kvpool.closing import Serving
+from kvpool.errors import AuthError, PeerTimeout, TransferError
+from kvpool.transfer.tls import accept_tls
 
 __all__ = ["ACCEPT_POLL_S", "LINGER_S", "MAX_CONNECTIONS", "MAX_LINGERING", "ThreadedServer"]
 
@@ -66,6 +69,9 @@ class ThreadedServer(Serving):
         on_connection: Callable[[], None] | None = None,
         max_connections: int = MAX_CONNECTIONS,
         refuse: Callable[[socket.socket], None] | None = None,
+        tls: ssl.SSLContext | None = None,
+        refuse_plain: Callable[[bytes], bytes] | None = None,
+        tls_timeout_s: float = 10.0,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
@@ -78,6 +84,12 @@ class ThreadedServer(Serving):
         self._on_connection = on_connection
         self.max_connections = max_connections
         self._refuse = refuse
+        # TLS (None: plain TCP): the handshake runs in the connection's thread, so a
+        # slow or silent peer never holds up the accept loop.
+        self._tls = tls
+        self._refuse_plain = refuse_plain or (lambda _head: b"")
+        self._tls_timeout_s = tls_timeout_s
+        self.tls_refused = 0  # connections whose TLS handshake failed, since start
         self.refused = 0  # connections refused at the cap, since start
         self._lingering = 0
         self._listener: socket.socket | None = None
@@ -138,7 +150,6 @@ class ThreadedServer(Serving):
         for _, thread in conns:
             thread.join(timeout_s)
 
-
     def _accept_loop(self) -> None:
         assert self._listener is not None
         while not self._stopping.is_set():
@@ -166,13 +177,29 @@ class ThreadedServer(Serving):
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if self._tls is not None:
+                conn = self._start_tls(conn)
             self._handle(conn)
+        except (AuthError, PeerTimeout, TransferError) as exc:  # the TLS step's refusals
+            self.tls_refused += 1
+            log.info("%s: connection refused: %s", self.name, exc)
         except Exception:  # a handler's bug ends its own connection, never the server
             log.exception("%s: connection handler failed", self.name)
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+
+    def _start_tls(self, conn: socket.socket) -> socket.socket:
+        """Run the TLS handshake; the TLS socket replaces ``conn`` among the open
+        connections (so :meth:`close` shuts the right one down)."""
+        assert self._tls is not None
+        tls = accept_tls(conn, self._tls, self._tls_timeout_s, self._refuse_plain)
+        with self._lock:
+            thread = self._conns.pop(conn, None)
+            if thread is not None:
+                self._conns[tls] = thread
+        return tls
 
     def _refuse_connection(self, conn: socket.socket) -> None:
         self.refused += 1
