@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -22,6 +24,8 @@ __all__ = [
     "HttpReply",
     "free_port",
     "http_get",
+    "https_context",
+    "master_scheme",
     "port_free",
     "split_address",
 ]
@@ -80,19 +84,40 @@ class HttpReply:
         return self.body.decode("utf-8", "replace")
 
 
+def master_scheme(env: Mapping[str, str] | None = None) -> str:
+    """``https`` when this process is configured for a TLS pool (KVPOOL_TLS_CA set: a
+    master with --tls_cert serves HTTPS on its one port), else ``http``."""
+    env = os.environ if env is None else env
+    return "https" if env.get("KVPOOL_TLS_CA") else "http"
+
+
+def https_context(ca: str | None = None) -> ssl.SSLContext:
+    """A verifying client context for an HTTPS GET: ``ca`` (``None``: KVPOOL_TLS_CA,
+    else the system's trust store) verifies the server, and KVPOOL_TLS_CERT/KEY, when
+    set, are the client certificate a master with --tls_ca asks for."""
+    ca = os.environ.get("KVPOOL_TLS_CA", "") if ca is None else ca
+    context = ssl.create_default_context(cafile=ca or None)
+    cert, key = os.environ.get("KVPOOL_TLS_CERT", ""), os.environ.get("KVPOOL_TLS_KEY", "")
+    if cert and key:
+        context.load_cert_chain(cert, key)
+    return context
+
+
 def http_get(
     url: str,
     timeout_s: float = 3.0,
     *,
     max_bytes: int = 4 << 20,
     headers: Mapping[str, str] | None = None,
+    ca: str | None = None,
 ) -> HttpReply:
     """GET ``url`` (with ``headers``, e.g. the operator's bearer token), reading at most
     ``max_bytes`` of the body; never raises for network trouble (a timeout, a refusal, an
     HTTP error status are all in the reply)."""
     try:
         request = urllib.request.Request(url, headers=dict(headers or {}))
-        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        context = https_context(ca) if url.startswith("https://") else None
+        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as reply:
             return HttpReply(reply.status, reply.read(max_bytes))
     except urllib.error.HTTPError as exc:
         return HttpReply(exc.code, b"", f"HTTP {exc.code} {exc.reason}")

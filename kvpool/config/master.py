@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import PurePath
 from typing import Any
 
+from kvpool.config.tls import TLSConfig
 from kvpool.config.values import (
     DEFAULT_MASTER_PORT,
     DEFAULT_OFFLOAD_LIMIT,
@@ -163,6 +164,16 @@ class MasterConfig:
     open_metrics: bool = _flag(
         False, _bool, "with a secret, let /metrics be read without the token (true/false)"
     )
+    tls_cert: str = _flag("", _string, "PEM certificate: TLS on the RPC/HTTP port and segment")
+    tls_key: str = _flag("", _string, "PEM private key of --tls_cert")
+    tls_ca: str = _flag(
+        "", _string, "PEM CA bundle: verifies nodes, and clients must present a cert it signed"
+    )
+
+    @property
+    def tls(self) -> TLSConfig:
+        """The TLS settings (off unless one of --tls_cert/--tls_key/--tls_ca is set)."""
+        return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, prefix="--tls_")
 
     def __post_init__(self) -> None:
         if not self.host:

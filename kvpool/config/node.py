@@ -32,6 +32,7 @@ from kvpool.config.fabrics import (
     host_fabrics,
     served_protocols,
 )
+from kvpool.config.tls import TLSConfig
 from kvpool.config.values import (
     CONFIG_PATH_VARS,
     DEFAULT_MASTER_PORT,
@@ -87,7 +88,17 @@ class NodeConfig:
     ssd_offload_limit: int = DEFAULT_OFFLOAD_LIMIT
     timeouts: Timeouts = Timeouts()  # noqa: RUF009 - frozen, so one shared default is safe
     secret_file: str = ""  # the cluster secret or this node's credential ("": environment)
+    tls_cert: str = ""  # TLS on the data port and to the master ("": off; docs/security.md)
+    tls_key: str = ""
+    tls_ca: str = ""
     source: str = ""  # where it came from, for messages ("" when built in code)
+
+    @property
+    def tls(self) -> TLSConfig:
+        """The TLS settings (off unless one of tls_cert/tls_key/tls_ca is set; else the
+        KVPOOL_TLS_* environment)."""
+        mine = TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, prefix="tls_")
+        return mine if mine.enabled else TLSConfig.from_env()
 
     @property
     def master_address(self) -> str:
@@ -110,6 +121,9 @@ NODE_KEYS: dict[str, str] = {
     "connect_timeout_ms": "connect timeout, ms (env KVPOOL_CONNECT_TIMEOUT_MS wins)",
     "transfer_timeout_ms": "transfer timeout, ms (env KVPOOL_TRANSFER_TIMEOUT_MS wins)",
     "secret_file": "file with the cluster secret or this node's credential (docs/security.md)",
+    "tls_cert": "PEM certificate of this node's data port (TLS; env KVPOOL_TLS_CERT)",
+    "tls_key": "PEM private key of tls_cert (env KVPOOL_TLS_KEY)",
+    "tls_ca": "PEM CA bundle verifying the master and peers (env KVPOOL_TLS_CA)",
 }
 
 # Mooncake keys kvpool deliberately does not take, with the reason shown to the operator.
@@ -220,6 +234,9 @@ def parse_node_config(
             transfer_ms=data.get("transfer_timeout_ms"),
         ),
         secret_file=_str_key(data, "secret_file", ""),
+        tls_cert=_str_key(data, "tls_cert", ""),
+        tls_key=_str_key(data, "tls_key", ""),
+        tls_ca=_str_key(data, "tls_ca", ""),
         source=source,
     )
 

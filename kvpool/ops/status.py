@@ -41,7 +41,7 @@ from kvpool.errors import (
     ProtocolError,
     TransferError,
 )
-from kvpool.net import DEFAULT_MASTER_PORT, http_get
+from kvpool.net import DEFAULT_MASTER_PORT, http_get, master_scheme
 from kvpool.ops.mooncake_master import MooncakeMasterFacts, find_mooncake_master, render_mooncake
 
 __all__ = [
@@ -353,7 +353,7 @@ def _get(url: str, timeout_s: float) -> bytes:
 
 def fetch_snapshot(master: str, timeout_s: float = 5.0) -> PoolSnapshot:
     """GET the master's /api/status and /metrics (raises KVPoolError subclasses)."""
-    base = f"http://{master}"
+    base = f"{master_scheme()}://{master}"  # https with KVPOOL_TLS_CA (a TLS master)
     body = _get(f"{base}/api/status", timeout_s)
     try:
         status = json.loads(body)

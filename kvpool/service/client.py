@@ -42,6 +42,7 @@ import contextlib
 import itertools
 import logging
 import os
+import ssl
 import threading
 import uuid
 from collections.abc import Sequence
@@ -49,6 +50,7 @@ from typing import Any
 
 from kvpool.closing import Closing
 from kvpool.config.secret import load_credential
+from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
 from kvpool.errors import (
     ChecksumMismatch,
@@ -106,6 +108,7 @@ class Client(Closing):
         link: MasterLink | None = None,
         credential: Credential | str | None = None,
         role: str = "client",
+        tls: TLSConfig | ssl.SSLContext | None = None,
     ) -> None:
         self.master = master
         self.timeout_s = timeout_s
@@ -116,11 +119,16 @@ class Client(Closing):
         elif credential is None and link is None:
             credential = load_credential("", os.environ, key="secret_file")
         self.credential = credential
+        if tls is None and link is None:
+            tls = TLSConfig.from_env()
+        if isinstance(tls, TLSConfig):
+            tls = tls.client_context()
+        self.tls = tls
         if transport is None:
             transport = "shm" if allow_shm else "tcp"
         self.transport: Transport = (
             transport_named(
-                transport, timeout_s, credential=credential, client_id=self.client_id
+                transport, timeout_s, credential=credential, client_id=self.client_id, tls=tls
             )
             if isinstance(transport, str)
             else transport
@@ -129,7 +137,12 @@ class Client(Closing):
             link
             if link is not None
             else TcpMasterLink(
-                master, timeout_s, credential=credential, role=role, client_id=self.client_id
+                master,
+                timeout_s,
+                credential=credential,
+                role=role,
+                client_id=self.client_id,
+                tls=tls,
             )
         )
         self._paths: dict[str, DataPath] = {}  # data address -> open data path

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import logging
 import os
+import ssl
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -173,6 +174,7 @@ class LocalStorage:
         names: SettingNames = SettingNames(),
         serve: bool = True,
         credential: Credential | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """``serve=False``: an in-process pool that never starts the data server, so no
         port is bound for it (:meth:`start` would bind one then)."""
@@ -187,6 +189,7 @@ class LocalStorage:
             host_token=self.host_token,
             credential=credential,
             server_id=client_id,
+            tls=tls,
         )
         try:
             if serve:

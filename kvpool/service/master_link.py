@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from kvpool.protocol.data import Error
 from kvpool.transfer import framing
 from kvpool.transfer.auth import authenticate
 from kvpool.transfer.channel import Channel
+from kvpool.transfer.tls import speaks_tls, tls_required, wrap_client
 
 __all__ = ["CLOSE_SETTLE_S", "MasterLink", "TcpMasterLink", "mooncake_answers", "wrong_engine"]
 
@@ -135,7 +137,9 @@ class TcpMasterLink:
         credential: Credential | None = None,
         role: str = "client",
         client_id: str = "",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self.tls = tls  # verifies the master's certificate (None: plain TCP)
         self.credential = credential
         self.role = role
         self.client_id = client_id
@@ -160,6 +164,8 @@ class TcpMasterLink:
                 # PeerTimeout is neither: a silent peer is no sign of another protocol
                 if fresh and mooncake_answers(self.address, min(self.timeout_s, 2.0)):
                     raise wrong_engine(self.address) from exc
+                if fresh and self._tls_expected():
+                    raise tls_required(f"the master at {self.address}") from exc
                 raise
             except KVPoolError:
                 self._drop()
@@ -199,6 +205,9 @@ class TcpMasterLink:
             except OSError as exc:
                 raise TransferError(f"cannot reach the master at {self.address}: {exc}") from None
             framing.tune_socket(sock)
+            if self.tls is not None:
+                where = f"the master at {self.address}"
+                sock = wrap_client(sock, self.tls, host, self.timeout_s, where)
             if self.credential is not None:
                 self._authenticate(sock)
             self._channel = Channel(
@@ -216,10 +225,19 @@ class TcpMasterLink:
             sock.close()
             if exc.__cause__ is not None and mooncake_answers(self.address, 2.0):
                 raise wrong_engine(self.address) from exc
+            if exc.__cause__ is not None and self._tls_expected():
+                raise tls_required(f"the master at {self.address}") from exc
             raise
         except BaseException:
             sock.close()
             raise
+
+    def _tls_expected(self) -> bool:
+        """A plain client closed on at once: does the master speak TLS?"""
+        if self.tls is not None:
+            return False
+        host, port = split_address(self.address)
+        return speaks_tls(host, port, min(self.timeout_s, 2.0))
 
     def _drop(self) -> None:
         if self._channel is not None:

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 from typing import Any, cast
 
 from aiohttp import web
@@ -57,6 +58,8 @@ RPC_BUFFER_LIMIT = 64 << 20
 RPC_FRAME_TIMEOUT_S = 30.0
 #: How long a refused connection is read (and discarded) before it is reset.
 RPC_LINGER_S = 2.0
+# a peer that opens a connection and never finishes TLS is dropped after this
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class RpcBuffers:
@@ -320,6 +323,7 @@ class MasterServer:
         (read at :meth:`start`), if any."""
         self.config = config
         self.credential = credential
+        self.tls: ssl.SSLContext | None = None  # the listener's, from --tls_* at start
         self.owners = Owners()
         self.service = MasterService(
             IndexConfig(
@@ -371,6 +375,9 @@ class MasterServer:
             )
         require_credential(cfg.host, self.credential, cfg.insecure, key="--host")
         self.service.node_links.credential = self.credential
+        # TLS (off unless --tls_* are set): files checked before anything binds
+        self.tls = cfg.tls.server_context()
+        self.service.node_links.tls = cfg.tls.client_context()
         listener = _listen(cfg.host, cfg.port)
         try:
             await self._start_on(listener)
@@ -387,9 +394,12 @@ class MasterServer:
             f", SSD tier {cfg.ssd_offload_path} ({cfg.ssd_offload_limit} bytes)"
             if self.storage is not None and self.storage.ssd is not None
             else "",
-            "every connection must prove the cluster secret"
-            if self.credential is not None
-            else "open: no credential configured",
+            (
+                "every connection must prove the cluster secret"
+                if self.credential is not None
+                else "open: no credential configured"
+            )
+            + ("; TLS" if self.tls is not None else ""),
             dataclasses.replace(cfg, port=self.port).flags_line(),
         )
 
@@ -405,6 +415,7 @@ class MasterServer:
                 ssd_limit=cfg.ssd_offload_limit if ssd_path else 0,
                 names=MASTER_SETTINGS,
                 credential=self.credential,
+                tls=self.tls,
             )
             self.storage.start()
             self.service.attach_local(self.storage)
@@ -412,7 +423,14 @@ class MasterServer:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Sniffer(self), sock=listener)
+        # With TLS, RPC and HTTP both run inside it on the one port (HTTP becomes HTTPS);
+        # the sniffer sees the decrypted bytes.
+        self._server = await loop.create_server(
+            lambda: _Sniffer(self),
+            sock=listener,
+            ssl=self.tls,
+            ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if self.tls is not None else None,
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         # a node's copy reported (on its link thread): settle on the loop, at once
         self.service.copies.wakeup = lambda: loop.call_soon_threadsafe(self.service.settle)

@@ -115,6 +115,7 @@ class NodeService:
                     "node id (node-<name>); make one for node-<name>"
                 )
             self.client_id = credential.node_id  # the credential is this id's, and only its
+        tls = config.tls  # off unless tls_* (or KVPOOL_TLS_*) are set
         self.storage = LocalStorage(
             self.client_id,
             config.global_segment_size,
@@ -124,6 +125,7 @@ class NodeService:
             ssd_path=config.ssd_offload_path if ssd else "",
             ssd_limit=config.ssd_offload_limit if ssd else 0,
             credential=credential,
+            tls=tls.server_context(),
         )
         self.master = Client(
             config.master_address,
@@ -131,6 +133,7 @@ class NodeService:
             client_id=self.client_id,
             credential=credential,
             role="node",
+            tls=tls.client_context(),
         )
         self.catalog: dict[str, tuple[int, int, int]] = {}  # key -> offset, size, checksum
         self.heartbeat_s = 1.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -45,10 +46,21 @@ _Job = Callable[[SegmentConnection], None]
 class _NodeWorker:
     """One node's connection, served by one thread from a bounded queue."""
 
-    def __init__(self, address: str, timeout_s: float, credential: Credential | None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        credential: Credential | None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         host, _, port = address.rpartition(":")  # as the node wrote it: host:port
         self.conn = SegmentConnection(
-            host, int(port), timeout_s=timeout_s, credential=credential, client_id="master"
+            host,
+            int(port),
+            timeout_s=timeout_s,
+            credential=credential,
+            client_id="master",
+            tls=tls,
         )
         self.jobs: queue.Queue[_Job | None] = queue.Queue(QUEUE_DEPTH)
         self.thread = threading.Thread(
@@ -89,12 +101,16 @@ class NodeLinks(Closing):
         self.timeout_s = timeout_s
         #: proved to each node's data port (the master holds the cluster secret)
         self.credential: Credential | None = None
+        #: verifies each node's data port when the pool runs TLS (None: plain TCP)
+        self.tls: ssl.SSLContext | None = None
         self._workers: dict[str, _NodeWorker] = {}
 
     def _worker(self, address: str) -> _NodeWorker:
         worker = self._workers.get(address)
         if worker is None:
-            worker = self._workers[address] = _NodeWorker(address, self.timeout_s, self.credential)
+            worker = self._workers[address] = _NodeWorker(
+                address, self.timeout_s, self.credential, self.tls
+            )
         return worker
 
     def demote(self, address: str, event: Demote, done: DemoteDone) -> None:

@@ -28,6 +28,7 @@ Why it looks like this (CPython on loopback spends its time in syscalls, not cop
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import struct
@@ -35,9 +36,10 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from kvpool.errors import PeerTimeout, ProtocolError, TransferError
+from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
 from kvpool.transfer.framing import SMALL_PAYLOAD, BadRequest, deadline_after
+from kvpool.transfer.tls import peer_alert
 
 __all__ = ["MAX_OWED", "STAGE_SIZE", "Channel"]
 
@@ -124,8 +126,21 @@ class Channel(Generic[S, R]):
                 self.sock.sendall(buffer)
         except (BlockingIOError, ssl.SSLWantWriteError, TimeoutError):
             raise PeerTimeout("timed out sending: the peer stopped reading") from None
-        except OSError as exc:
-            raise TransferError(f"connection failed while sending: {exc}") from None
+        except OSError as exc:  # SSLError included
+            raise self._why_send_failed(exc) from None
+
+    def _why_send_failed(self, exc: OSError) -> KVPoolError:
+        """A TLS peer that closed on us usually said why first (an alert such as
+        "certificate required", on TLS 1.3 sent after the handshake): read it."""
+        with contextlib.suppress(OSError):
+            self.sock.settimeout(0.2)
+            try:
+                self.sock.recv(1)
+            except ssl.SSLError as alert:
+                return peer_alert(alert, "sending")
+        if isinstance(exc, ssl.SSLError):
+            return peer_alert(exc, "sending")
+        return TransferError(f"connection failed while sending: {exc}")
 
     def _send_rest(self, buffers: list[memoryview], sent: int) -> None:
         deadline = deadline_after(self.timeout_s)
@@ -156,6 +171,8 @@ class Channel(Generic[S, R]):
             n = self.sock.recv_into(view)
         except (BlockingIOError, ssl.SSLWantReadError):  # SO_RCVTIMEO ran out
             raise PeerTimeout(f"timed out waiting for {what}") from None
+        except ssl.SSLError as exc:
+            raise peer_alert(exc, f"receiving {what}") from None
         except OSError as exc:
             raise TransferError(f"connection failed while receiving {what}: {exc}") from None
         if n and deadline is not None and time.monotonic() > deadline:

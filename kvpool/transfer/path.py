@@ -13,6 +13,7 @@ A direct copy into a segment whose owner died raises
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -40,9 +41,10 @@ class NodeDataPath(Closing):
         allow_shm: bool = True,
         credential: Credential | None = None,
         client_id: str = "",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.tcp = SegmentConnection(
-            host, port, timeout_s, credential=credential, client_id=client_id
+            host, port, timeout_s, credential=credential, client_id=client_id, tls=tls
         )
         self.shm = ShmConnection()
         self.allow_shm = allow_shm

@@ -23,7 +23,14 @@ from collections.abc import Callable
 from kvpool.errors import AuthError, PeerTimeout, TransferError
 from kvpool.transfer.framing import deadline_after
 
-__all__ = ["TLS_RECORD_HANDSHAKE", "accept_tls", "wrap_client"]
+__all__ = [
+    "TLS_RECORD_HANDSHAKE",
+    "accept_tls",
+    "peer_alert",
+    "speaks_tls",
+    "tls_required",
+    "wrap_client",
+]
 
 TLS_RECORD_HANDSHAKE = 0x16
 _PEEK = 8
@@ -97,3 +104,40 @@ def accept_tls(
         raise PeerTimeout("a peer's TLS handshake timed out") from None
     except ssl.SSLError as exc:
         raise AuthError(f"a TLS handshake failed: {exc.reason or exc}") from None
+
+
+def speaks_tls(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether ``host:port`` answers a TLS handshake (verification off: only to tell a
+    client without TLS why a server closed on it).  One bounded exchange."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    probe.check_hostname = False
+    probe.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout_s) as sock,
+            probe.wrap_socket(sock),
+        ):
+            return True
+    except (OSError, ValueError):  # ssl.SSLError is an OSError
+        return False
+
+
+def tls_required(where: str) -> AuthError:
+    """The error of a client without TLS whose server speaks TLS."""
+    return AuthError(
+        f"{where} requires TLS: set KVPOOL_TLS_CA (or tls_ca; kvpool.Client(tls=...)) to "
+        "the CA that signed its certificate"
+    )
+
+
+def peer_alert(exc: ssl.SSLError, what: str) -> AuthError | TransferError:
+    """A TLS error met after the handshake (on TLS 1.3 a server's refusal of the client's
+    certificate arrives with the first read): the kvpool error that says why."""
+    reason = exc.reason or str(exc)
+    if "CERTIFICATE" in reason.upper():
+        return AuthError(
+            f"the TLS server refused this client ({reason}): a server with tls_ca wants a "
+            "client certificate its CA signed; set KVPOOL_TLS_CERT and KVPOOL_TLS_KEY "
+            "(or tls_cert/tls_key)"
+        )
+    return TransferError(f"TLS failed while {what}: {reason}")

@@ -18,6 +18,7 @@ Buffers are anything with the buffer protocol, NumPy arrays, or CPU tensors.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -89,7 +90,9 @@ class TcpTransport:
         *,
         credential: Credential | None = None,
         client_id: str = "",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self.tls = tls  # verifies each node's data port (None: plain TCP)
         self.timeout_s = timeout_s
         self.credential = credential  # proved to each node's data port (None: no handshake)
         self.client_id = client_id
@@ -103,6 +106,7 @@ class TcpTransport:
             allow_shm=self._shared_memory,
             credential=self.credential,
             client_id=self.client_id,
+            tls=self.tls,
         )
 
 
@@ -126,6 +130,7 @@ def transport_named(
     *,
     credential: Credential | None = None,
     client_id: str = "",
+    tls: ssl.SSLContext | None = None,
 ) -> TcpTransport:
     """The network transport called ``name`` in config (``"shm"`` or ``"tcp"``)."""
     try:
@@ -133,4 +138,4 @@ def transport_named(
     except KeyError:
         known = ", ".join(sorted(TRANSPORTS))
         raise ConfigError(f"transport {name!r} is not one of {known}") from None
-    return cls(timeout_s, credential=credential, client_id=client_id)
+    return cls(timeout_s, credential=credential, client_id=client_id, tls=tls)

@@ -19,16 +19,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvpool.config.secret import operator_headers, read_secret_file
+from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
 from kvpool.core.keys import KeyNamespace, chunk_keys
 from kvpool.errors import AuthError, ConfigError, KVPoolError
-from kvpool.net import http_get, split_address
+from kvpool.net import http_get, master_scheme, split_address
 from kvpool.ops.doctor.checks_host import SsdFacts
 from kvpool.ops.doctor.checks_node import MasterFacts
 from kvpool.ops.doctor.checks_security import MasterAuthFacts, SecretFileFacts
 from kvpool.ops.mooncake_master import find_mooncake_master, looks_like_mooncake_health
 from kvpool.service.master_link import mooncake_answers
 from kvpool.transfer.auth import authenticate
+from kvpool.transfer.tls import wrap_client
 
 __all__ = [
     "CROSS_NODE_KEY",
@@ -91,7 +93,7 @@ def probe_master(
     error = tcp_connect_error(host, port, timeout_s)
     if error is not None:
         return MasterFacts(address, error)
-    health = http_get(f"http://{address}/health", timeout_s)
+    health = http_get(f"{master_scheme()}://{address}/health", timeout_s)
     if health.status != 200 or looks_like_mooncake_health(health.text) is not None:
         mooncake, why = None, ""
         if metrics_port is not None:
@@ -107,8 +109,8 @@ def probe_master(
             error = f"{error} (no HTTP answer; and no Mooncake master: {why})"
         return MasterFacts(address, None, health.status, error)
     operator = dict(headers) if headers is not None else operator_headers(os.environ)
-    metrics = http_get(f"http://{address}/metrics", timeout_s, headers=operator)
-    status = http_get(f"http://{address}/api/status", timeout_s, headers=operator)
+    metrics = http_get(f"{master_scheme()}://{address}/metrics", timeout_s, headers=operator)
+    status = http_get(f"{master_scheme()}://{address}/api/status", timeout_s, headers=operator)
     snapshot = None
     if status.status == 200:
         try:
@@ -292,14 +294,19 @@ def master_auth_probe(
     cluster secret proves itself as a client, a node credential as its node.  Without a
     credential: whether the master's operator endpoint asks for one (HTTP 401)."""
     if credential is None:
-        reply = http_get(f"http://{address}/api/status", timeout_s)
+        reply = http_get(f"{master_scheme()}://{address}/api/status", timeout_s)
         return MasterAuthFacts(address, "", required=reply.status == 401)
     role = "client" if credential.is_cluster else "node"
     client_id = f"client-doctor-{uuid.uuid4().hex[:8]}" if role == "client" else credential.node_id
     try:
         host, port = split_address(address)
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            authenticate(sock, credential, role, client_id, timeout_s, f"the master at {address}")
+        where = f"the master at {address}"
+        tls = TLSConfig.from_env().client_context()  # a TLS master: KVPOOL_TLS_CA
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        if tls is not None:
+            sock = wrap_client(sock, tls, host, timeout_s, where)
+        with sock:
+            authenticate(sock, credential, role, client_id, timeout_s, where)
     except (AuthError, KVPoolError, OSError, ValueError) as exc:
         return MasterAuthFacts(address, role, f"{type(exc).__name__}: {exc}")
     return MasterAuthFacts(address, role)

@@ -1,0 +1,248 @@
+"""TLS on a node's data port: bytes equal through it, a plain or mistrusting client gets
+a clear error (never a hang), the server keeps serving, the wire carries no plaintext,
+the handshake still runs inside, and bad settings are one-line errors."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool.config.tls import TLSConfig
+from kvpool.core.credentials import Credential
+from kvpool.errors import AuthError, ConfigError
+from kvpool.protocol.data import DATA_REQUEST_CODEC, SegmentRead
+from kvpool.storage.segment import Segment
+from kvpool.transfer.segment_client import SegmentConnection
+from kvpool.transfer.segment_server import SegmentServer
+from tests.tls_material import Material, make_material
+
+SECRET = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
+WRONG = "9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b"
+KNOWN = b"the user's prompt, as KV: " + b"7" * 64
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory: pytest.TempPathFactory) -> Material:
+    return make_material(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def segment() -> Iterator[Segment]:
+    seg = Segment.create(32 << 20)
+    yield seg
+    seg.close()
+
+
+def _server(
+    material: Material, segment: Segment, *, mutual: bool = False, **kw: object
+) -> SegmentServer:
+    cfg = TLSConfig(material.server.cert, material.server.key, material.ca.cert if mutual else "")
+    srv = SegmentServer(timeout_s=5.0, tls=cfg.server_context(), **kw)  # type: ignore[arg-type]
+    srv.add_segment("seg0", segment)
+    srv.start()
+    return srv
+
+
+def _client(material: Material, **kw: object) -> ssl.SSLContext:
+    ctx = TLSConfig(ca=material.ca.cert, **kw).client_context()  # type: ignore[arg-type]
+    assert ctx is not None
+    return ctx
+
+
+@pytest.fixture
+def server(material: Material, segment: Segment) -> Iterator[SegmentServer]:
+    srv = _server(material, segment)
+    yield srv
+    srv.close()
+
+
+def _connect(server: SegmentServer, tls: ssl.SSLContext | None, **kw: object) -> SegmentConnection:
+    return SegmentConnection(*server.address, 5.0, tls=tls, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [1, 64 << 10, 16 << 20])
+def test_bytes_round_trip_equal_over_tls(
+    server: SegmentServer, segment: Segment, material: Material, size: int
+) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    with _connect(server, _client(material)) as conn:
+        assert conn.write("seg0", 4096, data) == size
+        out = np.zeros(size, dtype=np.uint8)
+        assert conn.read_into("seg0", 4096, out) == size
+        # many small frames in a row on one connection (joined records)
+        for i in range(50):
+            conn.write("seg0", i * 8, i.to_bytes(8, "little"))
+        assert conn.read("seg0", 49 * 8, 8) == (49).to_bytes(8, "little")
+    np.testing.assert_array_equal(out, data)
+    assert segment.read(4096, size) == data.tobytes()
+
+
+def test_a_client_without_tls_gets_a_clear_error_and_the_server_keeps_serving(
+    server: SegmentServer, material: Material
+) -> None:
+    start = time.monotonic()
+    with _connect(server, None) as plain, pytest.raises(AuthError, match="requires TLS"):
+        plain.read("seg0", 0, 5)
+    # with a credential the plain client starts the kvpool handshake: refused in its words
+    cred = Credential.parse(SECRET, "k")
+    with (
+        _connect(server, None, credential=cred, client_id="c") as plain,
+        pytest.raises(AuthError, match="requires TLS"),
+    ):
+        plain.read("seg0", 0, 5)
+    assert time.monotonic() - start < 4.0  # a refusal, not a timeout
+    with _connect(server, _client(material)) as conn:
+        conn.write("seg0", 0, b"alive")
+        assert conn.read("seg0", 0, 5) == b"alive"
+    assert server._server.tls_refused >= 2
+
+
+def test_a_client_trusting_another_ca_gets_a_certificate_error(
+    server: SegmentServer, material: Material
+) -> None:
+    other = TLSConfig(ca=material.other_ca.cert).client_context()
+    with _connect(server, other) as conn, pytest.raises(AuthError, match="not trusted"):
+        conn.read("seg0", 0, 5)
+    with _connect(server, _client(material)) as conn:
+        assert conn.read("seg0", 0, 1) is not None
+
+
+def test_the_certificate_must_name_the_address_dialled(
+    material: Material, segment: Segment
+) -> None:
+    cfg = TLSConfig(material.wrong_host.cert, material.wrong_host.key)
+    srv = SegmentServer(timeout_s=5.0, tls=cfg.server_context())
+    srv.add_segment("seg0", segment)
+    srv.start()
+    try:
+        with (
+            _connect(srv, _client(material)) as conn,
+            pytest.raises(AuthError, match=r"subjectAltName names 127\.0\.0\.1"),
+        ):
+            conn.read("seg0", 0, 5)
+    finally:
+        srv.close()
+
+
+def test_a_silent_peer_is_dropped_and_does_not_block_others(
+    server: SegmentServer, material: Material
+) -> None:
+    idle = socket.create_connection(server.address, timeout=5)  # says nothing at all
+    try:
+        with _connect(server, _client(material)) as conn:
+            conn.write("seg0", 0, b"ok")
+            assert conn.read("seg0", 0, 2) == b"ok"
+    finally:
+        idle.close()
+
+
+def test_the_wire_carries_no_plaintext(server: SegmentServer, material: Material) -> None:
+    """Relay one TLS client through a raw socket pair and look at every byte."""
+    seen = {"up": bytearray(), "down": bytearray()}
+    relay = socket.create_server(("127.0.0.1", 0))
+    relay.settimeout(5)
+
+    def pump(src: socket.socket, dst: socket.socket, key: str) -> None:
+        src.settimeout(5)
+        try:
+            while chunk := src.recv(65536):
+                seen[key] += chunk
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        inbound, _ = relay.accept()
+        outbound = socket.create_connection(server.address, timeout=5)
+        with inbound, outbound:
+            t = threading.Thread(target=pump, args=(outbound, inbound, "down"), daemon=True)
+            t.start()
+            pump(inbound, outbound, "up")
+            t.join(5)
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    port = relay.getsockname()[1]
+    with SegmentConnection("127.0.0.1", port, 5.0, tls=_client(material)) as conn:
+        conn.write("seg0", 100, KNOWN)
+        assert conn.read("seg0", 100, len(KNOWN)) == KNOWN
+    acceptor.join(10)
+    relay.close()
+    assert len(seen["up"]) > len(KNOWN) and len(seen["down"]) > len(KNOWN)
+    for key in ("up", "down"):
+        assert KNOWN[:24] not in seen[key]
+        assert b"seg0" not in seen[key]
+
+
+def test_the_kvpool_handshake_runs_inside_tls(material: Material, segment: Segment) -> None:
+    cred = Credential.parse(SECRET, "k")
+    srv = _server(material, segment, credential=cred, server_id="node-a")
+    try:
+        with _connect(srv, _client(material), credential=cred, client_id="c") as conn:
+            conn.write("seg0", 0, b"secret-proved")
+            assert conn.read("seg0", 0, 13) == b"secret-proved"
+        wrong = Credential.parse(WRONG, "k")
+        with (
+            _connect(srv, _client(material), credential=wrong, client_id="c") as conn,
+            pytest.raises(AuthError),
+        ):
+            conn.read("seg0", 0, 5)
+        # TLS alone is not the cluster secret: no handshake, no data
+        with _connect(srv, _client(material)) as conn, pytest.raises(AuthError):
+            conn.read("seg0", 0, 5)
+    finally:
+        srv.close()
+
+
+def test_mutual_tls_wants_a_client_certificate(material: Material, segment: Segment) -> None:
+    srv = _server(material, segment, mutual=True)
+    try:
+        with (
+            _connect(srv, _client(material)) as conn,
+            pytest.raises(AuthError, match="KVPOOL_TLS_CERT and KVPOOL_TLS_KEY"),
+        ):
+            conn.read("seg0", 0, 5)
+        mine = _client(material, cert=material.client.cert, key=material.client.key)
+        with _connect(srv, mine) as conn:
+            conn.write("seg0", 0, b"mtls")
+            assert conn.read("seg0", 0, 4) == b"mtls"
+    finally:
+        srv.close()
+
+
+def test_a_raw_plain_request_reads_no_memory(server: SegmentServer, segment: Segment) -> None:
+    segment.write(0, KNOWN)
+    with socket.create_connection(server.address, timeout=5) as s:
+        s.sendall(DATA_REQUEST_CODEC.encode(SegmentRead("seg0", 0, len(KNOWN))))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert KNOWN not in data and b"requires TLS" in data
+
+
+def test_bad_settings_are_one_line_errors(material: Material, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^tls_cert: .*nope.pem is not a file"):
+        TLSConfig(str(tmp_path / "nope.pem"), material.server.key).server_context()
+    with pytest.raises(ConfigError, match=r"^--tls_key: missing"):
+        TLSConfig(material.server.cert, "", prefix="--tls_").server_context()
+    with pytest.raises(ConfigError, match=r"^tls_key: .* is not the key of tls_cert"):
+        TLSConfig(material.server.cert, material.client.key).server_context()
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    with pytest.raises(ConfigError, match=r"^tls_cert/tls_key: cannot load"):
+        TLSConfig(str(garbage), material.server.key).server_context()
+    with pytest.raises(ConfigError, match=r"^KVPOOL_TLS_CA: .* holds no PEM certificate"):
+        TLSConfig.from_env({"KVPOOL_TLS_CA": str(garbage)}).client_context()
+    assert TLSConfig().server_context() is None and TLSConfig().client_context() is None
