@@ -20,12 +20,14 @@ Rules:
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 from typing import TypeVar
 
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
+from kvpool.transfer.tls import peer_alert
 
 __all__ = [
     "SMALL_PAYLOAD",
@@ -88,6 +90,8 @@ def recv_exactly_into(
             n = sock.recv_into(view[received:])
         except TimeoutError:
             raise PeerTimeout(f"timed out waiting for {what}") from None
+        except ssl.SSLError as exc:  # e.g. a TLS server refusing this client's certificate
+            raise peer_alert(exc, f"receiving {what}") from None
         except OSError as exc:
             raise TransferError(f"connection failed while receiving {what}: {exc}") from None
         if n == 0:

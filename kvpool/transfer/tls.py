@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 
 from kvpool.errors import AuthError, PeerTimeout, TransferError
-from kvpool.transfer.framing import deadline_after
 
 __all__ = [
     "TLS_RECORD_HANDSHAKE",
@@ -79,7 +78,7 @@ def accept_tls(
     client, refused with ``refuse_plain``; a failed handshake) or PeerTimeout.  On
     success ``conn`` is detached into the returned socket; on failure the caller
     closes ``conn``."""
-    deadline = deadline_after(timeout_s)
+    deadline = time.monotonic() + timeout_s
     conn.settimeout(timeout_s)
     try:
         head = conn.recv(_PEEK, socket.MSG_PEEK)
