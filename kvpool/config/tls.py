@@ -96,15 +96,11 @@ class TLSConfig:
             ) from None
 
     def server_context(self) -> ssl.SSLContext | None:
-        """The listening side's context (None: TLS off).  With ``ca`` set, clients
-        must present a certificate it signed."""
-        if not self.enabled:
+        """The listening side's context (None: no certificate, so this process's own
+        port stays plain; ``ca`` alone only verifies the servers it dials).  With ``ca``
+        set, clients must present a certificate it signed."""
+        if not self.cert and not self.key:
             return None
-        if not self.cert or not self.key:
-            self._load_chain(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))  # names what is missing
-            raise ConfigError(
-                f"{self._name('cert')}: a server with TLS needs its certificate and key"
-            )
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         self._load_chain(ctx)

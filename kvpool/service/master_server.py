@@ -28,6 +28,7 @@ from aiohttp import web
 
 from kvpool.config import MasterConfig
 from kvpool.config.secret import load_credential, require_credential
+from kvpool.config.tls import ENV_CA
 from kvpool.core.credentials import Credential
 from kvpool.core.index import IndexConfig
 from kvpool.core.registry import Tier
@@ -377,7 +378,11 @@ class MasterServer:
         self.service.node_links.credential = self.credential
         # TLS (off unless --tls_* are set): files checked before anything binds
         self.tls = cfg.tls.server_context()
-        self.service.node_links.tls = cfg.tls.client_context()
+        # dialling nodes (copies, demotions) verifies them with --tls_ca, else KVPOOL_TLS_CA
+        dial = cfg.tls
+        if not dial.ca and os.environ.get(ENV_CA):
+            dial = dataclasses.replace(dial, ca=os.environ[ENV_CA])
+        self.service.node_links.tls = dial.client_context()
         listener = _listen(cfg.host, cfg.port)
         try:
             await self._start_on(listener)
