@@ -5,7 +5,10 @@ the pool keeps serving; HTTP on the master's port is HTTPS."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -133,3 +136,27 @@ def test_the_master_port_carries_no_plaintext_and_http_is_https(pool: TlsPool) -
     assert secure.status == 200
     wrong = http_get(f"https://{pool.master.address}/health", 3, ca=pool.material.other_ca.cert)
     assert wrong.status is None and "CERTIFICATE_VERIFY_FAILED" in str(wrong.error)
+
+
+def test_bad_tls_settings_stop_master_and_node_with_one_line(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.pem")
+    master = subprocess.run(
+        [sys.executable, "-m", "kvpool", "master", "--port", "0", "--tls_cert", missing,
+         "--tls_key", missing],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert master.returncode == 2
+    assert master.stderr.strip().splitlines() == [
+        f"kvpool master: --tls_cert: {missing} is not a file; give the path of a PEM file "
+        "(openssl can make one; docs/security.md#tls)"
+    ]
+    config = node_config(tmp_path, "127.0.0.1:1", tls_cert=missing, tls_key=missing)
+    node = subprocess.run(
+        [sys.executable, "-m", "kvpool", "node", "--data-port", "0"],
+        capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, KVPOOL_CONFIG_PATH=str(config)),
+    )  # fmt: skip
+    assert node.returncode == 2
+    assert node.stderr.strip().endswith(f"tls_cert: {missing} is not a file; give the path "
+                                        "of a PEM file (openssl can make one; "
+                                        "docs/security.md#tls)")  # fmt: skip
