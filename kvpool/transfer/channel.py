@@ -80,17 +80,25 @@ class Channel(Generic[S, R]):
         self.timeout_s = timeout_s
         self._send_codec = send_codec
         self._recv_codec = recv_codec
-        sock.settimeout(None)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
+        # On TLS the kernel's timeouts do not bound a read: CPython's SSL read on a
+        # blocking socket retries a timed-out read forever, so a dead peer would hang it.
+        # There Python's own timeout (a poll per call) bounds each read and write.
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._set_timeout(timeout_s, send=True)
         self._stage = memoryview(bytearray(STAGE_SIZE))
         self._start = 0  # staged bytes not consumed yet: [_start, _end)
         self._end = 0
         self.owed = 0  # replies of posted requests not read yet
         self._on_owed_reply = on_owed_reply
-        # On TLS the kernel timeouts above still bound each read and write: the SSL
-        # socket stays blocking, and a timed-out read surfaces as SSLWantReadError.
-        self._tls = isinstance(sock, ssl.SSLSocket)
+
+    def _set_timeout(self, timeout_s: float, *, send: bool = False) -> None:
+        if self._tls:
+            self.sock.settimeout(timeout_s)
+            return
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
+        if send:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
 
     def close(self) -> None:
         self.sock.close()
@@ -124,7 +132,7 @@ class Channel(Generic[S, R]):
         try:
             for buffer in buffers:
                 self.sock.sendall(buffer)
-        except (BlockingIOError, ssl.SSLWantWriteError, TimeoutError):
+        except (BlockingIOError, TimeoutError):
             raise PeerTimeout("timed out sending: the peer stopped reading") from None
         except OSError as exc:  # SSLError included
             raise self._why_send_failed(exc) from None
@@ -169,7 +177,7 @@ class Channel(Generic[S, R]):
     def _recv_some(self, view: memoryview, deadline: float | None, what: str) -> int:
         try:
             n = self.sock.recv_into(view)
-        except (BlockingIOError, ssl.SSLWantReadError):  # SO_RCVTIMEO ran out
+        except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO (TLS: the timeout) ran out
             raise PeerTimeout(f"timed out waiting for {what}") from None
         except ssl.SSLError as exc:
             raise peer_alert(exc, f"receiving {what}") from None
@@ -325,11 +333,11 @@ class Channel(Generic[S, R]):
         if timeout_s is None or timeout_s >= self.timeout_s:
             self._settle(deadline_after(self.timeout_s))
             return
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
+        self._set_timeout(timeout_s)
         try:
             self._settle(deadline_after(timeout_s))
         finally:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout_s))
+            self._set_timeout(self.timeout_s)
 
     def _settle(self, deadline: float) -> None:
         while self.owed:

@@ -17,7 +17,7 @@ import pytest
 
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
-from kvpool.errors import AuthError, ConfigError
+from kvpool.errors import AuthError, ConfigError, PeerTimeout
 from kvpool.protocol.data import DATA_REQUEST_CODEC, SegmentRead
 from kvpool.storage.segment import Segment
 from kvpool.transfer.segment_client import SegmentConnection
@@ -246,3 +246,52 @@ def test_bad_settings_are_one_line_errors(material: Material, tmp_path: Path) ->
     with pytest.raises(ConfigError, match=r"^KVPOOL_TLS_CA: .* holds no PEM certificate"):
         TLSConfig.from_env({"KVPOOL_TLS_CA": str(garbage)}).client_context()
     assert TLSConfig().server_context() is None and TLSConfig().client_context() is None
+
+
+def test_a_tls_peer_that_stops_answering_is_a_timeout_not_a_hang(material: Material) -> None:
+    """TLS completes, then the server never replies: the read ends at the timeout."""
+    ctx = TLSConfig(material.server.cert, material.server.key).server_context()
+    assert ctx is not None
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    done = threading.Event()
+
+    def mute() -> None:
+        conn, _ = listener.accept()
+        with ctx.wrap_socket(conn, server_side=True) as tls:
+            done.wait(10)  # reads nothing, answers nothing
+            del tls
+
+    thread = threading.Thread(target=mute, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    try:
+        with (
+            SegmentConnection(*listener.getsockname(), 1.0, tls=_client(material)) as conn,
+            pytest.raises(PeerTimeout),
+        ):
+            conn.read("seg0", 0, 5)
+        assert time.monotonic() - start < 4.0
+    finally:
+        done.set()
+        thread.join(10)
+        listener.close()
+
+
+def test_a_quiet_tls_connection_is_dropped_and_the_client_reconnects(
+    material: Material, segment: Segment
+) -> None:
+    srv = _server(material, segment, idle_timeout_s=0.5)
+    srv.timeout_s = 0.5  # the idle wait wakes each timeout_s to look at the idle clock
+    try:
+        with _connect(srv, _client(material)) as conn:
+            conn.write("seg0", 0, b"before")
+            deadline = time.monotonic() + 10
+            while srv.stats.dropped_connections == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert srv.stats.dropped_connections == 1  # the server let go of it
+            time.sleep(1.1)  # past the client's reuse check
+            assert conn.read("seg0", 0, 6) == b"before"  # on a new connection
+        assert srv.stats.connections == 2
+    finally:
+        srv.close()
