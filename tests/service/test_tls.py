@@ -160,3 +160,18 @@ def test_bad_tls_settings_stop_master_and_node_with_one_line(tmp_path: Path) -> 
     assert node.stderr.strip().endswith(f"tls_cert: {missing} is not a file; give the path "
                                         "of a PEM file (openssl can make one; "
                                         "docs/security.md#tls)")  # fmt: skip
+
+
+def test_kvpool_status_speaks_https_with_the_ca(pool: TlsPool, tmp_path: Path) -> None:
+    env = dict(
+        os.environ,
+        KVPOOL_TLS_CA=pool.material.ca.cert,
+        KVPOOL_SECRET_FILE=str(secret_file(tmp_path)),
+    )
+    argv = [sys.executable, "-m", "kvpool", "status", "--master", pool.master.address, "--json"]
+    shown = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert '"clients"' in shown.stdout
+    env.pop("KVPOOL_TLS_CA")
+    plain = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert plain.returncode == 1
