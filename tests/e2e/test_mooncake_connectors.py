@@ -156,6 +156,7 @@ def test_kv_both_on_mooncake_loads_from_the_pool_and_misses_damaged_objects(
     tiny_model_dir: Path, run_offline: RunOffline, pool: Pool, reference: dict[str, list[int]]
 ) -> None:
     keys_before = pool.keys()
+    capacity_before = pool.metrics()["master_total_capacity_bytes"]
     run = offline(
         run_offline,
         pool,
@@ -178,8 +179,10 @@ def test_kv_both_on_mooncake_loads_from_the_pool_and_misses_damaged_objects(
         run.results
     )
     assert "[KVPoolStoreConnector] role=kv_both, backend=mooncake" in run.log
-    # This process's global_segment_size is pool capacity once its store is open.
-    assert m1["master_total_capacity_bytes"] - m0["master_total_capacity_bytes"] == SEGMENT
+    # This process's global_segment_size is pool capacity from the start: mounted when
+    # vLLM registered the KV caches, before the first request (and only once).
+    assert m0["master_total_capacity_bytes"] - capacity_before == SEGMENT
+    assert m1["master_total_capacity_bytes"] == m0["master_total_capacity_bytes"]
     # First run: computed, its three full blocks written to Mooncake under kvpool's keys.
     assert first["tokens"][0] == reference[LONG]
     assert s1["hit_tokens"] == 0 and s1["saved_blocks"] >= 3

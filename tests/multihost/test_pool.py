@@ -189,8 +189,8 @@ def test_master_host_cut_off_then_restored(cluster: Cluster, record: Any) -> Non
         "tests.multihost.client_side:Traffic", cluster.client, keys, SIZE, 0.05
     )
     time.sleep(1.0)
-    t_cut = time.monotonic()
     cluster.topology.cut("master")
+    t_cut = time.monotonic()  # after the cut is in place: a call just before it may succeed
     # long enough for the master to expire both nodes (it hears no heartbeat)
     time.sleep(CLIENT_TTL_S + 2 * HEARTBEAT_S)
     during: list[Op] = cluster.agent.call(traffic, "since", t_cut)
@@ -335,8 +335,8 @@ def test_client_partitioned_from_one_node(cluster: Cluster, record: Any) -> None
         "tests.multihost.client_side:Traffic", cluster.client, cluster_keys(by_node), SIZE, 0.05
     )
     time.sleep(1.0)
-    t_cut = time.monotonic()
     topo.partition("client", "node1")
+    t_cut = time.monotonic()  # after both routes are in place
     time.sleep(3 * OP_BOUND_S)
     during: list[Op] = cluster.agent.call(traffic, "since", t_cut)
     _bounded(during)
@@ -352,7 +352,10 @@ def test_client_partitioned_from_one_node(cluster: Cluster, record: Any) -> None
     t_served = _wait(
         "node1's objects are read again",
         lambda: all(cluster.on_client("get", k, SIZE).outcome == "hit" for k in cut_keys),  # type: ignore[attr-defined]
-        3 * (NODE_TIMEOUT_S + HEARTBEAT_S),
+        # node1 may have been dropped on the client's reports just before the heal: a
+        # heartbeat to register again, one to re-announce, and reads that may still each
+        # wait out a timeout until then
+        3 * (NODE_TIMEOUT_S + 2 * HEARTBEAT_S) + CLIENT_TIMEOUT_S * len(cut_keys),
         cluster,
     )
     ops: list[Op] = cluster.agent.call(traffic, "stop")
