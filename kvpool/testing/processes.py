@@ -6,6 +6,8 @@ the line announcing the bound address, and stops the process by its own PID only
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import re
@@ -106,6 +108,11 @@ class PoolProcess(Closing):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        # a killed process cannot unlink its shared-memory segments: its name carries
+        # its PID (kvpool.storage.segment), so what it left is removed by that PID
+        for leftover in glob.glob(f"/dev/shm/kvpool-{self.proc.pid}-*"):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
         self._reader.join(5)
         if self.proc.stderr is not None and not self._reader.is_alive():
             self.proc.stderr.close()
