@@ -65,6 +65,7 @@ from kvpool.errors import (
 if typing.TYPE_CHECKING:
     from kvpool.service.async_client import AsyncClient
     from kvpool.service.client import Client
+    from kvpool.config.tls import TLSConfig
     from kvpool.service.embedded import EmbeddedPool
 
 __version__ = "0.1.0"
@@ -87,6 +88,7 @@ __all__ = [
     "PoolError",
     "ProtocolError",
     "StaleWrite",
+    "TLSConfig",
     "TransferError",
     "UnknownClient",
     "UnknownSegment",
@@ -101,6 +103,7 @@ _LAZY = {
     "AsyncClient": "kvpool.service.async_client",
     "Client": "kvpool.service.client",
     "EmbeddedPool": "kvpool.service.embedded",
+    "TLSConfig": "kvpool.config.tls",
 }
 
 

@@ -28,6 +28,7 @@ PUBLIC = [
     "PoolError",
     "ProtocolError",
     "StaleWrite",
+    "TLSConfig",
     "TransferError",
     "UnknownClient",
     "UnknownSegment",
@@ -62,6 +63,15 @@ def test_the_clients_are_the_service_classes() -> None:
     assert kvpool.AsyncClient is AsyncClient
     assert kvpool.EmbeddedPool is EmbeddedPool
     assert issubclass(kvpool.EmbeddedPool, kvpool.Client)
+
+
+def test_tls_config_is_the_one_the_client_takes() -> None:
+    # docs/security.md tells a client to pass ``tls=TLSConfig(ca=...)``: it must be
+    # importable from the package itself, not only from an internal module.
+    from kvpool.config.tls import TLSConfig
+
+    assert kvpool.TLSConfig is TLSConfig
+    assert kvpool.TLSConfig(ca="/etc/kvpool/ca.pem").enabled
 
 
 def test_the_whole_error_tree_is_exported() -> None:
