@@ -88,10 +88,12 @@ def test_a_second_node_with_a_live_nodes_credential_is_refused(tmp_path: Path) -
             for key, value in values.items():
                 c.put(key, value)
             second = node_config(tmp_path / "b", master.address, secret_file=str(node_cred))
-            # it never gets to serve: each registration is refused (and retried, logged)
+            # it never gets to serve: each registration is refused (and retried, logged).
+            # The wait is for the refusal to be logged at least once: 4 s was too short for
+            # a node to start and be refused on a host loaded by other jobs.
             env = {"KVPOOL_CONFIG_PATH": str(second)}
             with pytest.raises(RuntimeError, match="live node on another connection"):
-                PoolProcess(["node", "--data-port", "0"], env=env, ready_timeout_s=4)
+                PoolProcess(["node", "--data-port", "0"], env=env, ready_timeout_s=15)
             assert node.proc.poll() is None
             assert _readable(c, values) == 10
 
