@@ -96,7 +96,10 @@ class Credential:
                 f"{key}: {len(lines)} lines; a credential is one line, or two while rotating "
                 "(the new one, then the previous one)"
             )
-        new, old = cls._parse_one(lines[0], f"{key} line 1"), cls._parse_one(lines[1], f"{key} line 2")
+        new, old = (
+            cls._parse_one(lines[0], f"{key} line 1"),
+            cls._parse_one(lines[1], f"{key} line 2"),
+        )
         if new.is_cluster != old.is_cluster or new.node_id != old.node_id:
             raise ConfigError(
                 f"{key}: the two lines are different kinds of credential (or two nodes'); "

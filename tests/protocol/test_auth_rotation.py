@@ -91,7 +91,7 @@ def test_a_server_refuses_a_client_proof_under_a_secret_it_does_not_hold() -> No
 
 def test_one_secret_gives_the_challenge_of_before_rotation() -> None:
     s = ServerHandshake(cred(NEW), "master", MASTER)
-    kind, body = frame(s.on_hello(frame(ClientHandshake(cred(NEW), "client", "c").hello())))
+    _, body = frame(s.on_hello(frame(ClientHandshake(cred(NEW), "client", "c").hello())))
     assert len(body) == 32 + 32 + len("master") and b"\0" not in body[64:]
     two = ServerHandshake(cred(NEW, OLD), "master", MASTER)
     _, body = frame(two.on_hello(frame(ClientHandshake(cred(NEW), "client", "c").hello())))

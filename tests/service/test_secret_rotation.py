@@ -8,18 +8,35 @@ from __future__ import annotations
 
 import os
 import socket
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvpool.core.credentials import Credential
 from kvpool.errors import AuthError, KVPoolError
 from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
 from tests.service.auth_pool import SECRET as OLD
+from tests.service.auth_pool import WRONG
 from tests.waiting import wait_until
 
 NEW = "7d2a9c4e6b1f3a5c8e0d2b4f6a8c1e3d5b7f9a0c2e4b6d8f1a3c5e7b9d0f2a4c"
+
+
+def _status(address: str, secret: str) -> int:
+    """The status code of ``GET /api/status`` with the operator token of ``secret``."""
+    token = Credential.parse(secret, "k").operator_token()
+    request = urllib.request.Request(
+        f"http://{address}/api/status", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
 
 
 def _free_port() -> int:
@@ -138,12 +155,17 @@ def test_a_rolling_rotation_refuses_no_request(rotation: Rotation) -> None:
     r.start_master("both")
     r.wait_for_node()
     r.check("master-both")  # client a still holds only the old secret
+    # the operator's HTTP token of either secret reads the master's status
+    for secret in (OLD, NEW):
+        assert _status(r.master_address, secret) == 200
+    assert _status(r.master_address, WRONG) == 401
     r.client("a", "both")
     r.check("client-a-both")
     # phase 2: drop the previous secret, one process at a time
     r.start_master("new")
     r.wait_for_node()
     r.check("master-new")
+    assert _status(r.master_address, OLD) == 401
     r.start_node("new")
     r.keys.clear()
     r.wait_for_node()
@@ -152,6 +174,6 @@ def test_a_rolling_rotation_refuses_no_request(rotation: Rotation) -> None:
     r.client("b", "new")
     r.check("after")
     # done: the old secret opens nothing any more
-    with Client(r.master_address, credential=OLD, timeout_s=5) as stale:
-        with pytest.raises(AuthError, match="different secrets"):
-            stale.stats()
+    stale = Client(r.master_address, credential=OLD, timeout_s=5)
+    with stale, pytest.raises(AuthError, match="different secrets"):
+        stale.stats()
