@@ -19,10 +19,11 @@ Rules:
 A secret is checked before it is used (:func:`check_secret`): short or repetitive text is
 refused, because the handshake is only as strong as the secret it proves.
 
-- A rotation holds two: text of two lines is the new credential, then the *previous* one
-  (:attr:`Credential.previous`).  Servers accept a peer proving either; a handshake uses
-  the first one both sides hold (:mod:`kvpool.protocol.auth`), so processes switch one
-  at a time without a refused request (docs/security.md, "Rolling rotation").
+While a secret is rotated a credential holds two: text of two lines is the new
+credential, then the *previous* one (:attr:`Credential.previous`).  Servers accept a peer
+proving either; a handshake uses the first one both sides hold
+(:mod:`kvpool.protocol.auth`), so processes switch one at a time without a refused
+request (docs/security.md, "Rolling rotation").
 """
 
 from __future__ import annotations

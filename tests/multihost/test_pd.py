@@ -48,8 +48,8 @@ HEALED_PROMPT = sample_text(200, seed=23)
 # The store connector's timeouts (its child's extra config): every bound of the master
 # cut is derived from them.
 LOOKUP_TIMEOUT_MS, POOL_TIMEOUT_MS, RECONNECT_MS = 2000, 2000, 1000
-CUT_STORED_PROMPT = sample_text(300, seed=24)  # in the pool before the cut
-CUT_PROMPTS = [sample_text(220, seed=25), sample_text(240, seed=26)]  # asked while cut
+CUT_STORED_PROMPT = sample_text(300, 24)  # in the pool before the cut
+CUT_PROMPTS = [sample_text(220, 25), sample_text(240, 26)]  # asked while cut
 MASTER_CUT_S = 8.0  # longer than a few reconnect intervals: several outages in a row
 PROMPTS = [PROMPT, PARTITIONED_PROMPT, HEALED_PROMPT, CUT_STORED_PROMPT, *CUT_PROMPTS]
 API_KEY = "sk-kvpool-multihost-0123456789abcdef"  # the proxy's, and P's and D's
