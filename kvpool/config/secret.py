@@ -9,7 +9,9 @@ Sources, first found wins:
    environment of a process is readable by its user's other processes).
 
 A file holds the cluster secret, or one node's credential
-(:meth:`kvpool.core.credentials.Credential.parse`).  A secret file readable or writable
+(:meth:`kvpool.core.credentials.Credential.parse`); while a secret is rotated, two lines:
+the new one, then the previous one, both accepted from peers (docs/security.md, "Rolling
+rotation").  A secret file readable or writable
 by every user is refused (``chmod 600 PATH``): a secret anyone on the host can read
 protects nothing.  A secret that is too short or repetitive is refused.
 

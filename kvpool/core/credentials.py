@@ -18,6 +18,12 @@ Rules:
 
 A secret is checked before it is used (:func:`check_secret`): short or repetitive text is
 refused, because the handshake is only as strong as the secret it proves.
+
+While a secret is rotated a credential holds two: text of two lines is the new
+credential, then the *previous* one (:attr:`Credential.previous`).  Servers accept a peer
+proving either; a handshake uses the first one both sides hold
+(:mod:`kvpool.protocol.auth`), so processes switch one at a time without a refused
+request (docs/security.md, "Rolling rotation").
 """
 
 from __future__ import annotations
@@ -75,11 +81,41 @@ class Credential:
     secret: bytes = b""
     node_id: str = ""
     node_key: bytes = b""
+    #: the credential being rotated out, still accepted (a file's second line)
+    previous: Credential | None = None
 
     @classmethod
     def parse(cls, text: str, key: str) -> Credential:
         """A credential as written in a file or variable: a node credential
-        (``kvpool-node:ID:HEX``) or a cluster secret."""
+        (``kvpool-node:ID:HEX``) or a cluster secret; a second line is the previous one,
+        of the same kind (and node), during a rotation."""
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if len(lines) <= 1:
+            return cls._parse_one(lines[0] if lines else "", key)
+        if len(lines) > 2:
+            raise ConfigError(
+                f"{key}: {len(lines)} lines; a credential is one line, or two while rotating "
+                "(the new one, then the previous one)"
+            )
+        new, old = (
+            cls._parse_one(lines[0], f"{key} line 1"),
+            cls._parse_one(lines[1], f"{key} line 2"),
+        )
+        if new.is_cluster != old.is_cluster or new.node_id != old.node_id:
+            raise ConfigError(
+                f"{key}: the two lines are different kinds of credential (or two nodes'); "
+                "while rotating, line 2 is the previous credential of the same kind"
+            )
+        return cls(new.secret, new.node_id, new.node_key, previous=old)
+
+    def candidates(self) -> tuple[Credential, ...]:
+        """This credential, then the previous one if rotating (each without a previous)."""
+        if self.previous is None:
+            return (self,)
+        return (Credential(self.secret, self.node_id, self.node_key), self.previous)
+
+    @classmethod
+    def _parse_one(cls, text: str, key: str) -> Credential:
         stripped = text.strip()
         if not stripped.startswith(NODE_CREDENTIAL_PREFIX):
             return cls(secret=check_secret(stripped, key))

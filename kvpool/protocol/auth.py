@@ -26,6 +26,14 @@ Rules:
   which the peer raises as :class:`~kvpool.errors.AuthError`.
 - After Welcome the connection speaks its port's own protocol; frames carry nothing of
   the handshake, so the data plane pays nothing per frame.
+- During a rotation a side holds two credentials, the new one and the previous one
+  (:meth:`Credential.candidates <kvpool.core.credentials.Credential.candidates>`).  The
+  server proves each: its Challenge carries proof_s under the new key, then, after the
+  server id and a NUL byte, proof_s under the previous key.  The client proves with the
+  first of its own keys (the new one first) that matches one of those, so a client and a
+  server meet on whichever secret they share, in one round trip, with no retry; the
+  server accepts a client proof under either of its keys.  With one credential the
+  Challenge is the same bytes as before rotation existed.
 
 :class:`ClientHandshake` and :class:`ServerHandshake` are the two sides as state
 machines fed with frames; :class:`FrameReader` cuts frames out of received bytes.  The
@@ -150,7 +158,6 @@ class ClientHandshake:
     client_id: str
     nonce: bytes = field(default_factory=_nonce)
     server_id: str = ""
-    _key: bytes = b""
 
     def hello(self) -> bytes:
         if self.role not in ROLES:
@@ -163,16 +170,24 @@ class ClientHandshake:
         if len(body) < NONCE_BYTES + PROOF_BYTES:
             raise ProtocolError("handshake: a short challenge")
         ns = body[:NONCE_BYTES]
-        proof_s = body[NONCE_BYTES : NONCE_BYTES + PROOF_BYTES]
-        self.server_id = body[NONCE_BYTES + PROOF_BYTES :].decode(errors="replace")
-        key = key_for(self.credential, self.role, self.client_id, self.server_id)
+        proofs = [body[NONCE_BYTES : NONCE_BYTES + PROOF_BYTES]]
+        server_id, _, previous = body[NONCE_BYTES + PROOF_BYTES :].partition(b"\0")
+        if len(previous) not in (0, PROOF_BYTES):
+            raise ProtocolError("handshake: a challenge with a broken second proof")
+        if previous:
+            proofs.append(previous)
+        self.server_id = server_id.decode(errors="replace")
         args = (self.role, self.client_id, self.server_id, self.nonce, ns)
-        if not hmac.compare_digest(proof_s, _proof(key, b"server", *args)):
-            raise AuthError(
-                f"the server ({self.server_id or 'unnamed'}) did not prove the cluster secret:"
-                " the two sides hold different secrets, or this is not the real server"
-            )
-        return _frame(PROOF, _proof(key, b"client", *args))
+        for candidate in self.credential.candidates():
+            key = key_for(candidate, self.role, self.client_id, self.server_id)
+            expected = _proof(key, b"server", *args)
+            # every comparison runs: which proof matched is no timing signal
+            if sum(hmac.compare_digest(p, expected) for p in proofs):
+                return _frame(PROOF, _proof(key, b"client", *args))
+        raise AuthError(
+            f"the server ({self.server_id or 'unnamed'}) did not prove the cluster secret:"
+            " the two sides hold different secrets, or this is not the real server"
+        )
 
     def on_verdict(self, frame: tuple[int, bytes]) -> None:
         _expect(frame, WELCOME, "a welcome")
@@ -190,7 +205,7 @@ class ServerHandshake:
     nonce: bytes = field(default_factory=_nonce)
     failure: KVPoolError | None = None
     _args: tuple[str, str, str, bytes, bytes] | None = None
-    _key: bytes = b""
+    _keys: tuple[bytes, ...] = ()
 
     def _refuse(self, reason: str) -> bytes:
         self.failure = AuthError(reason)
@@ -211,18 +226,24 @@ class ServerHandshake:
         nc = body[2 : 2 + NONCE_BYTES]
         client_id = body[2 + NONCE_BYTES :].decode(errors="replace")
         try:
-            self._key = key_for(self.credential, role, client_id, self.server_id)
+            self._keys = tuple(
+                key_for(c, role, client_id, self.server_id) for c in self.credential.candidates()
+            )
         except AuthError as exc:
             return self._refuse(str(exc))
         self._args = (role, client_id, self.server_id, nc, self.nonce)
-        proof_s = _proof(self._key, b"server", *self._args)
-        return _frame(CHALLENGE, self.nonce + proof_s + self.server_id.encode())
+        first, *previous = (_proof(key, b"server", *self._args) for key in self._keys)
+        body = self.nonce + first + self.server_id.encode()
+        if previous:
+            body += b"\0" + previous[0]
+        return _frame(CHALLENGE, body)
 
     def on_proof(self, frame: tuple[int, bytes]) -> tuple[bytes, Identity | None]:
         kind, body = frame
         if self._args is None or kind != PROOF:
             return self._refuse("expected a handshake proof"), None
-        if not hmac.compare_digest(body, _proof(self._key, b"client", *self._args)):
+        expected = [_proof(key, b"client", *self._args) for key in self._keys]
+        if not sum(hmac.compare_digest(body, e) for e in expected):
             role, client_id = self._args[0], self._args[1]
             return self._refuse(
                 f"wrong credential for {role} {client_id!r}: check KVPOOL_SECRET_FILE "

@@ -53,13 +53,16 @@ async def _snapshot(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE_KEY].snapshot())
 
 
-def _guard(token: str, open_paths: frozenset[str]) -> Callable[..., Awaitable[web.StreamResponse]]:
-    expected = f"Bearer {token}".encode()
+def _guard(
+    tokens: list[str], open_paths: frozenset[str]
+) -> Callable[..., Awaitable[web.StreamResponse]]:
+    # several while a secret is rotated: the new secret's token and the previous one's
+    expected = [f"Bearer {token}".encode() for token in tokens]
 
     @web.middleware
     async def guard(request: web.Request, handler: _Handler) -> web.StreamResponse:
         given = request.headers.get("Authorization", "").encode()
-        operator = hmac.compare_digest(given, expected)
+        operator = bool(sum(hmac.compare_digest(given, e) for e in expected))
         request["operator"] = operator
         if operator or request.path in open_paths:
             return await handler(request)
@@ -80,7 +83,8 @@ def build_app(
     middlewares = []
     if credential is not None and credential.is_cluster:
         open_paths = frozenset({"/health", *(("/metrics",) if open_metrics else ())})
-        middlewares.append(_guard(credential.operator_token(), open_paths))
+        tokens = [c.operator_token() for c in credential.candidates()]
+        middlewares.append(_guard(tokens, open_paths))
     app = web.Application(middlewares=middlewares)
     app[SERVICE_KEY] = service
     app.router.add_get("/metrics", _metrics)

@@ -4,6 +4,10 @@ own, the master on another, the production guide's connector JSON on P and D.
 Answers through the proxy equal a plain vLLM's (greedy), and D's log shows the KV came from
 P's host.  Then an asymmetric partition: D cannot reach P, the proxy still reaches both;
 D's pull times out within its connect timeout, D recomputes, the answer is still right.
+And the master's host cut off while requests flow, with both instances' store connector
+(the prefix pool) active: every request is still answered equal to plain vLLM, each
+within a bound derived from the store's timeouts, and after the link returns P's store
+serves hits from the pool again.
 The proxy listens on a 10.x address, so it needs an API key: clients send it as a Bearer
 header, and the proxy sends it on to P and D, started with the same ``--api-key``.
 """
@@ -41,7 +45,13 @@ START_TIMEOUT_S = 300.0
 PROMPT = sample_text(180, seed=21)  # more than one 128-token block
 PARTITIONED_PROMPT = sample_text(260, seed=22)
 HEALED_PROMPT = sample_text(200, seed=23)
-PROMPTS = [PROMPT, PARTITIONED_PROMPT, HEALED_PROMPT]
+# The store connector's timeouts (its child's extra config): every bound of the master
+# cut is derived from them.
+LOOKUP_TIMEOUT_MS, POOL_TIMEOUT_MS, RECONNECT_MS = 2000, 2000, 1000
+CUT_STORED_PROMPT = sample_text(300, 24)  # in the pool before the cut
+CUT_PROMPTS = [sample_text(220, 25), sample_text(240, 26)]  # asked while cut
+MASTER_CUT_S = 8.0  # longer than a few reconnect intervals: several outages in a row
+PROMPTS = [PROMPT, PARTITIONED_PROMPT, HEALED_PROMPT, CUT_STORED_PROMPT, *CUT_PROMPTS]
 API_KEY = "sk-kvpool-multihost-0123456789abcdef"  # the proxy's, and P's and D's
 
 
@@ -109,6 +119,20 @@ def _vllm(topo: Topology, host: str, port: int, model: Path, config: dict[str, A
     return HostProcess(host, proc, log)
 
 
+def _connector_config(guide: str) -> dict[str, Any]:
+    """The guide's JSON with kvpool's classes, and the store child's timeouts set (the
+    master cut's bounds are derived from them)."""
+    config = kvpool_config(guide, KV_PORT)
+    for child in config["kv_connector_extra_config"]["connectors"]:
+        if "kv_port" not in child:
+            child["kv_connector_extra_config"].update(
+                lookup_timeout_ms=LOOKUP_TIMEOUT_MS,
+                pool_timeout_ms=POOL_TIMEOUT_MS,
+                reconnect_interval_ms=RECONNECT_MS,
+            )
+    return config
+
+
 def _healthy(stack_client: Agent, process: HostProcess, url: str, deadline: float) -> None:
     while True:
         status, _ = stack_client.run("kvpool.testing.mooncake:http_json", url, None, 2.0)
@@ -149,7 +173,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 )
             )
             servers[host] = _vllm(
-                topo, host, port, model, kvpool_config(guide, KV_PORT), node_config, cpu, logs
+                topo, host, port, model, _connector_config(guide), node_config, cpu, logs
             )
         client = topo.agent("client", env={"PYTHONPATH": str(REPO)})
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -220,4 +244,110 @@ def test_d_partitioned_from_p_recomputes(stack: Stack, record: Any) -> None:
         "D partitioned from P (vLLM P/D)",
         answered_with_recompute_s=round(answered, 2),
         answered_after_heal_with_pull_s=round(healed, 2),
+    )
+
+
+def _p_hits(stack: Stack) -> float:
+    """P's count of prompt tokens its store connector loaded from the pool (vLLM's metric;
+    /metrics needs no API key), read from the client host."""
+    url = f"http://{stack.topology.address('p')}:{P_PORT}/metrics"
+    status, text = stack.client.run("kvpool.testing.mooncake:http_json", url, None, 10.0)
+    assert status == 200, (status, text)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in str(text).splitlines()
+        if line.startswith("vllm:external_prefix_cache_hits_total")
+    )
+
+
+def _logged_after(log: str, what: str, since: float) -> int | None:
+    """Whole seconds from ``since`` (wall clock) to the first vLLM log line saying
+    ``what`` (vLLM stamps lines to the second, in local time); None if none says it."""
+    found = re.search(rf"(\d\d-\d\d \d\d:\d\d:\d\d)[^\n]*{what}", log)
+    if not found:
+        return None
+    year = time.localtime(since).tm_year
+    stamp = time.mktime(time.strptime(f"{year}-{found.group(1)}", "%Y-%m-%d %H:%M:%S"))
+    return round(stamp - since)
+
+
+def _timed(stack: Stack, prompt: str) -> tuple[str, float]:
+    started = time.monotonic()
+    text = _text(stack.ask(prompt))
+    return text, time.monotonic() - started
+
+
+@pytest.mark.timeout(600)  # the module's stack starts within it when it runs first (-k)
+def test_master_cut_off_under_vllm_traffic(stack: Stack, record: Any) -> None:
+    # Per request, each of P and D asks the pool from two halves (the scheduler's lookup,
+    # the worker's save or load); with the master gone each may wait out one lookup or
+    # pool timeout before its handle marks the pool down: the store's waits.  A request
+    # may take twice those and twice its own time before the cut (the model's share on a
+    # loaded host): an upper bound that fails loudly on a hang, not a timing target.
+    store_waits = 2 * (LOOKUP_TIMEOUT_MS + POOL_TIMEOUT_MS) / 1000
+    # the pool serves hits before the cut: the second ask of a prompt loads P's blocks
+    assert _text(stack.ask(CUT_STORED_PROMPT)) == stack.reference[CUT_STORED_PROMPT]
+    hits = _p_hits(stack)
+    text, healthy_s = _timed(stack, CUT_STORED_PROMPT)
+    assert text == stack.reference[CUT_STORED_PROMPT]
+    assert _p_hits(stack) > hits, "no pool hit before the cut:\n" + stack.p.log()[-3000:]
+    bound = 2 * (store_waits + healthy_s)
+
+    latencies: list[float] = []
+    log_at_cut = len(stack.p.log())
+    stack.topology.cut("master")
+    cut_at, cut_wall = time.monotonic(), time.time()
+    try:
+        first_answer_s = None
+        for i in range(12):  # bounded: at most 12 requests, MASTER_CUT_S of cut
+            prompt = [*CUT_PROMPTS, CUT_STORED_PROMPT][i % 3]
+            text, took = _timed(stack, prompt)
+            assert text == stack.reference[prompt], (i, prompt[:40])
+            assert took <= bound, (
+                f"request {i} took {took:.1f} s with the master cut off "
+                f"(bound {bound} s):\n{stack.p.log()[-3000:]}"
+            )
+            latencies.append(took)
+            if first_answer_s is None:
+                first_answer_s = time.monotonic() - cut_at
+            if len(latencies) >= 3 and time.monotonic() - cut_at >= MASTER_CUT_S:
+                break
+        cut_for = time.monotonic() - cut_at
+    finally:
+        stack.topology.restore("master")
+    restored_at = time.monotonic()
+    detected_s = _logged_after(stack.p.log()[log_at_cut:], "lookup failed", cut_wall)
+    hits = _p_hits(stack)
+    assert len(latencies) >= 3, latencies
+
+    # healed: within a few reconnect waits (they double with each outage in a row),
+    # P's store reaches the master again and loads the stored prompt's blocks from it
+    # (if P's own segment was dropped while cut, the first ask stores them again)
+    recovered_s = None
+    deadline = restored_at + 60.0
+    for _ in range(20):
+        text, took = _timed(stack, CUT_STORED_PROMPT)
+        assert text == stack.reference[CUT_STORED_PROMPT]
+        assert took <= bound, f"request after restore took {took:.1f} s (bound {bound} s)"
+        now_hits = _p_hits(stack)
+        if now_hits > hits:
+            recovered_s = time.monotonic() - restored_at
+            break
+        hits = now_hits
+        assert time.monotonic() < deadline, (
+            "no pool hit 60 s after restore:\n" + stack.p.log()[-4000:]
+        )
+        time.sleep(0.5)
+    assert recovered_s is not None, "no pool hit after 20 requests:\n" + stack.p.log()[-4000:]
+    record(
+        "master host cut off under vLLM P/D traffic",
+        before_cut_s=round(healthy_s, 2),
+        cut_s=round(cut_for, 2),
+        requests_while_cut=len(latencies),
+        p_store_first_lookup_failure_after_cut_s=detected_s,
+        first_answer_after_cut_s=round(first_answer_s or 0.0, 2),
+        slowest_while_cut_s=round(max(latencies), 2),
+        median_while_cut_s=round(sorted(latencies)[len(latencies) // 2], 2),
+        bound_s=round(bound, 1),
+        pool_hit_again_after_restore_s=round(recovered_s, 2),
     )
