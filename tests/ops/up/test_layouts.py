@@ -128,3 +128,23 @@ def test_doctor_fails_a_prefill_that_describes_itself_and_says_the_fix(tmp_path:
     text = format_text(failed)
     assert "must describe the PEER" in text
     assert 'set "decode": {"dp_size": 1, "tp_size": 1}' in text
+
+
+def test_doctor_reads_a_command_line_whose_json_is_longer_than_a_file_name(
+    tmp_path: Path,
+) -> None:
+    # a pasted `vllm serve` line with no "/" near its JSON: taken for a path, it raised
+    # "File name too long" instead of being read as the command it is
+    plan = make_plan(UpOptions(state_dir=tmp_path, prefill_tp=2, python="py"))
+    (p,), (d,) = plan.by_role("prefill"), plan.by_role("decode")
+
+    def bare(spec: ProcessSpec) -> str:
+        kv = _flag(spec, "--kv-transfer-config")
+        tp, dp = _flag(spec, "--tensor-parallel-size"), _flag(spec, "--data-parallel-size")
+        line = ["vllm", "serve", "model", "-tp", tp, "-dp", dp, "--kv-transfer-config", kv]
+        return shlex.join(line)
+
+    assert len(bare(p)) > 255 and "/" not in bare(p)
+    checks = _doctor(bare(p), bare(d), tmp_path)
+    topology = [c for c in checks if c.name.startswith("connector.peer_topology")]
+    assert len(topology) == 2 and {c.status for c in topology} == {Status.PASS}, format_text(checks)
