@@ -196,6 +196,13 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         add_flag(p, name, type=int, default=default, help=f"{text} (default {default})")
     add_flag(p, "prefill_instances", type=int, default=1, help="prefill instances (1)")
     add_flag(p, "decode_instances", type=int, default=1, help="decode instances (1)")
+    for side in ("prefill", "decode"):
+        for key, what in (("tp", "tensor"), ("dp", "data")):
+            add_flag(
+                p, f"{side}_{key}", type=int, default=1,
+                help=f"{what}-parallel size of each {side} instance (vLLM -{key}; 1); the "
+                f"peer's --kv-transfer-config gets it as \"{side}\": {{\"{key}_size\": N}}",
+            )  # fmt: skip
     add_flag(
         p, "segment_size", default="256MiB",
         help="the master's memory segment; mooncake: each vLLM instance's (256MiB)",

@@ -81,6 +81,18 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
         return 0
 
 
+def _dp_rank(parallel: Any) -> int:
+    """This engine's DP rank among its instance's DP engines.
+
+    vLLM runs the DP engines of a dense (non-MoE) model as independent engines and resets
+    each one's ``data_parallel_rank`` to 0 (``reconfigure_for_independent_dp_rank``);
+    ``data_parallel_index`` keeps the real rank.  Port and params must use the real one,
+    or every DP engine of a prefill claims ``kv_port + 0`` and only the first can listen.
+    """
+    index = getattr(parallel, "data_parallel_index", None)
+    return int(parallel.data_parallel_rank if index is None else index)
+
+
 class KVPoolTransferConnector(CounterStatsHooks, KVConnectorBase_V1):
     """vLLM connector for P→D KV transfer (pull by D from P's ``kv_port``; TCP by default)."""
 
@@ -115,7 +127,7 @@ class KVPoolTransferConnector(CounterStatsHooks, KVConnectorBase_V1):
                 self._config,
                 block_size=self._block_size,
                 tp_size=parallel.tensor_parallel_size,
-                dp_rank=parallel.data_parallel_rank,
+                dp_rank=_dp_rank(parallel),
                 num_kv_cache_groups=groups,
             )
         else:
@@ -124,7 +136,7 @@ class KVPoolTransferConnector(CounterStatsHooks, KVConnectorBase_V1):
                 RankInfo(
                     tp_rank=_tp_rank(vllm_config),
                     tp_size=parallel.tensor_parallel_size,
-                    dp_rank=parallel.data_parallel_rank,
+                    dp_rank=_dp_rank(parallel),
                     total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
                 ),
             )

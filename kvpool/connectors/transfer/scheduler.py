@@ -29,7 +29,7 @@ import logging
 from typing import Any
 
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig, pairing_group
-from kvpool.config.topology import rank_port
+from kvpool.config.topology import Topology, rank_port
 from kvpool.connectors.transfer.jobs import HoldJob, RecvJob, ReleaseJob, TransferJobs
 
 __all__ = ["PARAM_KEYS", "TransferScheduler"]
@@ -59,11 +59,41 @@ _REQUIRED = (
 )
 
 
-def _remote_problem(params: dict[str, Any], block_size: int, group: str | None) -> str | None:
+def _layout_problem(params: dict[str, Any], peer: Topology) -> str | None:
+    """Why the prefill that sent ``params`` is not the one D's config describes.
+
+    The P→D routing itself follows the ``tp_size`` P reports, but a config that
+    describes the wrong side (the guide's §5.4 trap: a side's own layout instead of its
+    peer's) is wrong on P as well, where it decides which D ranks P waits for.  So D
+    refuses to pull and says which key to fix, rather than half-working.
+    """
+    key = 'kv_connector_extra_config["prefill"]'
+    remote_tp = params["tp_size"]
+    if remote_tp != peer.tp_size:
+        return (
+            f"the prefill runs tp_size {remote_tp} but this decode's {key} says {peer}; "
+            f'it must describe the prefill side: set {key} to {{"tp_size": {remote_tp}, ...}}'
+        )
+    remote_dp = params.get("remote_dp_rank", 0)
+    if not isinstance(remote_dp, int) or not 0 <= remote_dp < peer.dp_size:
+        return (
+            f"the prefill is DP rank {remote_dp} but this decode's {key} says {peer}; "
+            "its dp_size must be the prefill side's"
+        )
+    return None
+
+
+def _remote_problem(
+    params: dict[str, Any], block_size: int, group: str | None, peer: Topology | None = None
+) -> str | None:
     """Why this D should not pull with ``params`` (``None``: it should)."""
     missing = [key for key in _REQUIRED if key not in params]
     if missing:
         return f"kv_transfer_params lack {missing}"
+    if peer is not None:
+        problem = _layout_problem(params, peer)
+        if problem is not None:
+            return problem
     blocks = params["remote_block_ids"]
     if not isinstance(blocks, list) or not all(isinstance(b, int) for b in blocks):
         return "remote_block_ids must be a list of block ids"
@@ -95,6 +125,9 @@ class TransferScheduler:
         self.num_kv_cache_groups = num_kv_cache_groups
         self._jobs = TransferJobs()
         self._warned: set[str] = set()
+        # the prefill side's layout as this D's config describes it (kv_both: its own
+        # peer section is ambiguous, so it trusts what the prefill reports)
+        self._peer = config.peer if config.role == "kv_consumer" else None
 
     # -- D ---------------------------------------------------------------------------
 
@@ -102,7 +135,7 @@ class TransferScheduler:
         params = request.kv_transfer_params
         if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
             return False
-        problem = _remote_problem(params, self.block_size, self.config.group)
+        problem = _remote_problem(params, self.block_size, self.config.group, self._peer)
         if problem is None and self.num_kv_cache_groups != 1:
             problem = (
                 f"{self.num_kv_cache_groups} KV cache groups (hybrid models) are not supported"

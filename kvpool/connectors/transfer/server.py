@@ -97,10 +97,14 @@ class PullServer:
         with self._cond:
             freed = self._tracker.mark_done(pull.request_id, pull.dst_rank, nbytes)
         logger.info(
-            "%s sent request %s to decode rank %d: %d blocks, %d bytes%s",
+            "%s sent request %s to decode rank %d/%d from prefill rank %d (port %d): "
+            "%d blocks, %d bytes%s",
             _PREFIX,
             pull.request_id,
             pull.dst_rank,
+            pull.dst_tp_size,
+            self._tp_rank,
+            self.port,
             len(pull.block_ids),
             nbytes,
             "; blocks released" if freed else "",

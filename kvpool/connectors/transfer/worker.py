@@ -231,7 +231,7 @@ class TransferWorker:
     def _run_recv(self, job: RecvJob) -> None:
         started = time.monotonic()
         try:
-            nbytes = self._pull(job)
+            nbytes, ports = self._pull(job)
         except Exception as exc:  # every load must be reported, whatever went wrong
             logger.warning(
                 "%s loading request %s from %s:%d failed (%s); it will be recomputed "
@@ -261,18 +261,24 @@ class TransferWorker:
         self._count(pulls=1, pulled_blocks=len(job.local_block_ids), pulled_bytes=nbytes)
         with self._recv_lock:
             self._recv.succeeded(job.request_id, nbytes)
+        # the ports say which prefill ranks this rank read from (kv_port + rank)
         logger.info(
-            "%s loaded request %s from %s:%d: %d blocks, %d bytes in %.1f ms",
+            "%s loaded request %s from %s:%d as decode rank %d/%d (prefill ports %s): "
+            "%d blocks, %d bytes in %.1f ms",
             _PREFIX,
             job.request_id,
             job.remote_host,
             job.remote_port,
+            self.rank.tp_rank,
+            self.rank.tp_size,
+            ",".join(str(port) for port in ports),
             len(job.local_block_ids),
             nbytes,
             (time.monotonic() - started) * 1000,
         )
 
-    def _pull(self, job: RecvJob) -> int:
+    def _pull(self, job: RecvJob) -> tuple[int, list[int]]:
+        """Pull this rank's heads of ``job``; the bytes received and the ports read from."""
         caches = self._caches
         if caches is None:
             raise TransferError("KV caches are not registered yet")
@@ -281,7 +287,7 @@ class TransferWorker:
                 f"{len(job.local_block_ids)} local blocks but {len(job.remote_block_ids)} remote"
             )
         deadline = deadline_after(self.config.transfer_timeout_ms / 1000)
-        total = 0
+        total, ports = 0, []
         for piece in plan_pulls(
             self.rank.total_kv_heads, job.remote_tp_size, self.rank.tp_size, self.rank.tp_rank
         ):
@@ -296,9 +302,11 @@ class TransferWorker:
                 page_bytes=piece.count * caches.head_bytes,
                 group=self.config.group,
             )
-            with self._connect(job.remote_host, job.remote_port + piece.src_rank, deadline) as link:
+            port = job.remote_port + piece.src_rank
+            with self._connect(job.remote_host, port, deadline) as link:
                 total += link.pull(pull, job.local_block_ids, piece.dst_start, deadline)
-        return total
+            ports.append(port)
+        return total, ports
 
     def _run_release(self, job: ReleaseJob) -> None:
         deadline = deadline_after(self.config.transfer_timeout_ms / 1000)

@@ -51,12 +51,21 @@ __all__ = ["gather", "read_connector_input"]
 _MAX_PORTS_PER_RANGE = 64
 
 
+def _is_file(text: str) -> bool:
+    # A pasted command line is no path: its JSON alone can exceed the 255 bytes a file
+    # name may have, and is_file() then raises (ENAMETOOLONG) instead of saying False.
+    try:
+        return Path(text).is_file()
+    except OSError:
+        return False
+
+
 def read_connector_input(value: str) -> tuple[KVTransferConfig, object]:
     """A ``--kv-transfer-config`` given as JSON, as a file (JSON or a shell script holding a
     ``vllm serve`` line), or as a vLLM command line.  Returns the config and, when it came
     from a command, the parsed command (its TP/DP and model)."""
     text = value.strip()
-    if not text.startswith("{") and "\n" not in text and Path(text).is_file():
+    if not text.startswith("{") and "\n" not in text and _is_file(text):
         text = Path(text).read_text(encoding="utf-8").strip()
     if text.startswith("{"):
         return parse_kv_transfer_text(text), None

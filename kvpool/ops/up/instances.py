@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.config.topology import Topology
 from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
 
-__all__ = ["cpu_sets", "kv_transfer_config"]
+__all__ = ["cpu_sets", "kv_transfer_config", "rank_binds"]
 
 
 def cpu_sets(cpus: Sequence[int], instances: int, *, dedicated: int = 0) -> list[str]:
@@ -42,15 +43,37 @@ def cpu_sets(cpus: Sequence[int], instances: int, *, dedicated: int = 0) -> list
     return out
 
 
-def kv_transfer_config(role: str, kv_port: int, host: str) -> dict[str, Any]:
+def rank_binds(cpus: Sequence[int], ranks: Sequence[int], *, dedicated: int = 0) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` per instance when instance ``i`` runs ``ranks[i]``
+    worker ranks (dp_size x tp_size): vLLM-CPU takes one core list per rank, joined by
+    ``|`` in [DP, TP] order.  Cores are dealt out per rank as :func:`cpu_sets` deals them
+    per instance, so with 2 cores a TP 2 prefill gets ``0|1`` and a TP 1 decode ``0``.
+    ``dedicated`` counts instances (the prefills), as in :func:`cpu_sets`.
+    """
+    per_rank = cpu_sets(cpus, sum(ranks), dedicated=sum(ranks[:dedicated]))
+    out, at = [], 0
+    for n in ranks:
+        out.append("|".join(per_rank[at : at + n]))
+        at += n
+    return out
+
+
+def kv_transfer_config(
+    role: str,
+    kv_port: int,
+    host: str,
+    prefill: Topology | None = None,
+    decode: Topology | None = None,
+) -> dict[str, Any]:
     """The production guide's §5.2 (``prefill``) / §5.3 (``decode``) ``--kv-transfer-config`` with
-    kvpool's classes; every instance here runs dp 1, tp 1, so both peer sections say so."""
+    kvpool's classes.  As in the guide both sides carry both layouts; the one the connector
+    reads is the PEER's (``"decode"`` on P, ``"prefill"`` on D: the guide's §5.4)."""
+    prefill, decode = prefill or Topology(), decode or Topology()
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
     transfer, store = "KVPoolTransferConnector", "KVPoolStoreConnector"
     store_extra: dict[str, Any] = {"lookup_rpc_port": "0", "backend": "mooncake"}
     if role == "decode":
         store_extra["load_async"] = True
-    one = {"dp_size": 1, "tp_size": 1}
     return {
         "kv_connector": "MultiConnector",
         "kv_role": kv_role,
@@ -63,8 +86,8 @@ def kv_transfer_config(role: str, kv_port: int, host: str) -> dict[str, Any]:
                     "kv_role": kv_role,
                     "kv_port": str(kv_port),
                     "kv_connector_extra_config": {
-                        "prefill": dict(one),
-                        "decode": dict(one),
+                        "prefill": {"dp_size": prefill.dp_size, "tp_size": prefill.tp_size},
+                        "decode": {"dp_size": decode.dp_size, "tp_size": decode.tp_size},
                         "kv_host": host,
                     },
                 },

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kvpool.config import parse_size
+from kvpool.config import Topology, parse_size
 from kvpool.errors import ConfigError
 from kvpool.net import DEFAULT_MASTER_PORT
 
@@ -64,6 +64,12 @@ class UpOptions:
     decode_kv_port: int = 30100
     prefill_instances: int = 1
     decode_instances: int = 1
+    # each instance's own layout (vLLM -tp/-dp); each side's --kv-transfer-config gets the
+    # peer's (the guide's §5.4), and an instance's ranks listen on kv_port + rank
+    prefill_tp: int = 1
+    prefill_dp: int = 1
+    decode_tp: int = 1
+    decode_dp: int = 1
     # kvpool: the master's own memory segment; mooncake: each vLLM instance's
     # global_segment_size (Mooncake's master holds no memory)
     segment_size: int = 256 * _MiB
@@ -82,6 +88,18 @@ class UpOptions:
     start_timeout_s: float = 300.0  # every stage must be healthy within this
     stop_timeout_s: float = 20.0  # SIGTERM grace before SIGKILL
 
+    @property
+    def prefill_layout(self) -> Topology:
+        return Topology(dp_size=self.prefill_dp, tp_size=self.prefill_tp)
+
+    @property
+    def decode_layout(self) -> Topology:
+        return Topology(dp_size=self.decode_dp, tp_size=self.decode_tp)
+
+    def layout(self, role: str) -> Topology:
+        """``role``'s own layout (``"prefill"`` or ``"decode"``)."""
+        return self.prefill_layout if role == "prefill" else self.decode_layout
+
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(
@@ -97,6 +115,14 @@ class UpOptions:
         ):
             if not 1 <= count <= 16:
                 raise ConfigError(f"{flag}: must be 1..16, got {count}")
+        for flag, size in (
+            ("--prefill-tp", self.prefill_tp),
+            ("--prefill-dp", self.prefill_dp),
+            ("--decode-tp", self.decode_tp),
+            ("--decode-dp", self.decode_dp),
+        ):
+            if not 1 <= size <= 64:
+                raise ConfigError(f"{flag}: must be 1..64, got {size}")
         if self.segment_size <= 0:
             raise ConfigError("--segment-size: must be a positive size, e.g. 256MiB")
         if self.engine == "mooncake" and self.segment_size < 16 * _MiB:
@@ -161,6 +187,10 @@ def options_from_args(
         no_vllm=args.no_vllm,
         prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances,
+        prefill_tp=args.prefill_tp,
+        prefill_dp=args.prefill_dp,
+        decode_tp=args.decode_tp,
+        decode_dp=args.decode_dp,
         segment_size=parse_size(args.segment_size, key="--segment-size"),
         ssd_limit=parse_size(args.ssd_limit, key="--ssd-limit"),
         kv_cache_bytes=parse_size(args.kv_cache_bytes, key="--kv-cache-bytes"),

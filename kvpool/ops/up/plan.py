@@ -29,7 +29,7 @@ from typing import Any
 
 from kvpool.errors import ConfigError
 from kvpool.ops.up import mooncake
-from kvpool.ops.up.instances import cpu_sets, kv_transfer_config
+from kvpool.ops.up.instances import cpu_sets, kv_transfer_config, rank_binds
 from kvpool.ops.up.options import PORT_FLAGS, UpOptions
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "ProcessSpec",
     "UpPlan",
     "cpu_sets",
+    "instance_kv_port",
     "kv_transfer_config",
     "make_plan",
     "planned_ports",
@@ -113,6 +114,13 @@ class PortUse:
         return self.flag if self.instance is None else f"{self.flag} (instance {self.instance})"
 
 
+def instance_kv_port(opts: UpOptions, role: str, index: int) -> int:
+    """Instance ``index``'s ``kv_port``: its ranks listen on ``kv_port + dp_rank * tp_size +
+    tp_rank`` (the transfer connector's rule), so instances are spaced by their rank count."""
+    base = opts.prefill_kv_port if role == "prefill" else opts.decode_kv_port
+    return base + index * opts.layout(role).ranks
+
+
 def planned_ports(opts: UpOptions) -> list[PortUse]:
     """Every port the stack will listen on, in start order (the master's first)."""
     uses = [PortUse(opts.master_port, "--master-port")]
@@ -121,13 +129,15 @@ def planned_ports(opts: UpOptions) -> list[PortUse]:
     if opts.no_vllm:
         return uses
     uses.append(PortUse(opts.proxy_port, "--proxy-port"))
-    for role, http, kv, n in (
-        ("prefill", opts.prefill_port, opts.prefill_kv_port, opts.prefill_instances),
-        ("decode", opts.decode_port, opts.decode_kv_port, opts.decode_instances),
+    for role, http, n in (
+        ("prefill", opts.prefill_port, opts.prefill_instances),
+        ("decode", opts.decode_port, opts.decode_instances),
     ):
         for i in range(n):
             uses.append(PortUse(http + i, f"--{role}-port", i))
-            uses.append(PortUse(kv + i, f"--{role}-kv-port", i))
+            first = instance_kv_port(opts, role, i)
+            for rank in range(opts.layout(role).ranks):
+                uses.append(PortUse(first + rank, f"--{role}-kv-port", i))
     return uses
 
 
@@ -182,7 +192,11 @@ def make_plan(opts: UpOptions) -> UpPlan:
         instances = [("prefill", i) for i in range(opts.prefill_instances)] + [
             ("decode", i) for i in range(opts.decode_instances)
         ]
-        cores = cpu_sets(opts.cpus, len(instances), dedicated=opts.prefill_instances)
+        cores = rank_binds(
+            opts.cpus,
+            [opts.layout(role).ranks for role, _ in instances],
+            dedicated=opts.prefill_instances,
+        )
         for (role, i), core in zip(instances, cores, strict=True):
             processes.append(
                 _vllm_spec(opts, role, i, core, model_dir, model_name, chat_template, logs)
@@ -250,7 +264,11 @@ def _vllm_spec(
     logs: Path,
 ) -> ProcessSpec:
     port = (opts.prefill_port if role == "prefill" else opts.decode_port) + index
-    kv_port = (opts.prefill_kv_port if role == "prefill" else opts.decode_kv_port) + index
+    kv_port = instance_kv_port(opts, role, index)
+    kv_config = kv_transfer_config(
+        role, kv_port, opts.host, prefill=opts.prefill_layout, decode=opts.decode_layout
+    )
+    layout = opts.layout(role)
     dtype = opts.dtype or ("float32" if opts.model is None else "auto")
     argv = [
         opts.python, "-m", "vllm.entrypoints.openai.api_server",
@@ -260,7 +278,10 @@ def _vllm_spec(
         "--max-model-len", str(opts.max_model_len),
         "--kv-cache-memory-bytes", str(opts.kv_cache_bytes),
         "--seed", "0", "--disable-uvicorn-access-log",
-        "--kv-transfer-config", json.dumps(kv_transfer_config(role, kv_port, opts.host)),
+        # always written, so that `kvpool doctor` reading the command knows the layout
+        "--tensor-parallel-size", str(layout.tp_size),
+        "--data-parallel-size", str(layout.dp_size),
+        "--kv-transfer-config", json.dumps(kv_config),
     ]  # fmt: skip
     if chat_template is not None:
         argv += ["--chat-template", str(chat_template)]

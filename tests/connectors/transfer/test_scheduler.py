@@ -47,7 +47,9 @@ class FakeBlocks:
 
 
 def sched(role: str, engine_id: str = "g0", **kw: Any) -> TransferScheduler:
-    cfg = TransferConfig(role, 30000, engine_id, Topology(1, 1), kv_host="10.1.1.1")
+    # a D's peer is the prefill of prefill_params: dp_size 2 (it is DP rank 1), tp_size 2
+    peer = kw.get("peer", Topology(2, 2) if role == "kv_consumer" else Topology(1, 1))
+    cfg = TransferConfig(role, 30000, engine_id, peer, kv_host="10.1.1.1")
     return TransferScheduler(
         cfg,
         block_size=BLOCK,
@@ -156,3 +158,23 @@ def test_generated_engine_ids_pair_with_anything() -> None:
     params = prefill_params(sched("kv_producer", engine_id="eb936a3b-b9c7-4fe8-a829-51e4ea181170"))
     d = sched("kv_consumer", engine_id="g0")
     assert d.get_num_new_matched_tokens(FakeRequest("d", 300, params), 0) == (300, True)
+
+
+def test_decode_whose_config_describes_the_wrong_prefill_layout_names_the_key(
+    caplog: Any,
+) -> None:
+    # P runs tp 2 (DP rank 1 of 2); a D whose "prefill" block says its own tp 1 instead
+    params = prefill_params(sched("kv_producer"))
+    caplog.set_level("WARNING", logger="vllm.kvpool.transfer")
+    for wrong in (Topology(2, 1), Topology(1, 2)):  # tp_size wrong; dp_size too small
+        d = sched("kv_consumer", peer=wrong)
+        assert d.get_num_new_matched_tokens(FakeRequest("d", 300, dict(params)), 0) == (0, False)
+        # it computes locally and lets P go at once
+        d.update_state_after_alloc(FakeRequest("d-w", 300, dict(params)), FakeBlocks(), 0)
+        assert [r.request_id for r in d.build_jobs().releases] == ["d-w"]
+    text = caplog.text
+    assert 'kv_connector_extra_config["prefill"]' in text
+    assert 'the prefill runs tp_size 2 but this decode' in text
+    assert "the prefill is DP rank 1" in text
+    right = sched("kv_consumer", peer=Topology(2, 2))
+    assert right.get_num_new_matched_tokens(FakeRequest("d", 300, dict(params)), 0) == (300, True)

@@ -181,7 +181,10 @@ def test_release_frees_without_a_transfer(workers: list[TransferWorker]) -> None
 
 
 @pytest.mark.parametrize("case", ["blocks", "tp", "group"])
-def test_prefill_refuses_bad_pulls(workers: list[TransferWorker], case: str) -> None:
+def test_prefill_refuses_bad_pulls(
+    workers: list[TransferWorker], case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="vllm.kvpool.transfer")
     port = free_port()
     p, _ = start(workers, config("kv_producer", port), 0, 1, 2, seed=1)
     d_cfg = config("kv_consumer", port + 100)
@@ -200,6 +203,9 @@ def test_prefill_refuses_bad_pulls(workers: list[TransferWorker], case: str) -> 
         assert "p-bad" in wait_results(p, want_send="p-bad").finished_sending
     else:
         assert p.num_held == 1  # a foreign decode cannot release it either
+    if case == "tp":
+        # the guide's §5.4 trap on P: the refusal names the key to fix
+        assert 'this prefill\'s kv_connector_extra_config["decode"] says 1' in caplog.text
 
 
 def test_caches_must_match_the_rank_layout(workers: list[TransferWorker]) -> None:
