@@ -204,3 +204,65 @@ def test_tenants_store_and_read_bytes_and_share_none(pool: SecuredPool) -> None:
         red.batch_put(keys, [bytes([i]) * 300 for i in range(5)])
         assert red.batch_get(keys) == [bytes([i]) * 300 for i in range(5)]
         assert blue.batch_get(keys) == [None] * 5
+
+
+def _granted(pool: SecuredPool, credential: str, key: str, value: bytes) -> m.Placement:
+    """``key`` stored by the tenant of ``credential``, and a read placement of it (with
+    its grant) as the master gave it to that tenant."""
+    with _client(pool, credential) as c:
+        c.put(key, value)
+        placement = c.call(m.Get("raw#1", key))
+    assert isinstance(placement, m.Placement) and placement.placed
+    assert placement.shm_name == "" and placement.segment_id.count("#") == 2
+    return placement
+
+
+def test_a_tenants_data_port_requests_need_the_masters_grant(pool: SecuredPool) -> None:
+    from kvpool.net import split_address
+    from kvpool.transfer.segment_client import SegmentConnection
+
+    red_placement = _granted(pool, RED, "red-secret", b"R" * 4096)
+    blue_placement = _granted(pool, BLUE, "blue-own", b"B" * 4096)
+    host, port = split_address(red_placement.data_address)
+    segment, red_grant, red_key = red_placement.segment_id.split("#")
+    _, blue_grant, blue_key = blue_placement.segment_id.split("#")
+    red_data = Credential(tenant="red", data_key=bytes.fromhex(red_key))
+    blue_data = Credential(tenant="blue", data_key=bytes.fromhex(blue_key))
+    offset, size = red_placement.offset, red_placement.size
+    with SegmentConnection(host, port, 5, credential=red_data, client_id="red") as conn:
+        # with its grant: exactly its range
+        assert conn.read(f"{segment}#{red_grant}", offset, size) == b"R" * 4096
+        refusals = (
+            (f"{segment}", offset, size, "without a grant"),  # a raw read, no grant
+            (f"{segment}#{red_grant}", offset + size, size, "outside its grant"),
+            (f"{segment}#{red_grant}", 0, 16 << 20, "outside its grant"),
+            (f"{segment}#{blue_grant}", blue_placement.offset, 64, "did not make"),
+            (f"{segment}#{red_grant[:-1]}0", offset, size, "did not make"),
+        )
+        for segment_id, at, length, why in refusals:
+            with pytest.raises(AuthError, match=why):
+                conn.read(segment_id, at, length)
+        # a read grant writes nothing (the payload is drained, the link goes on)
+        with pytest.raises(AuthError, match="outside its grant"):
+            conn.write(f"{segment}#{red_grant}", offset, b"X" * size)
+        with pytest.raises(AuthError, match="not open to a tenant"):
+            conn.info(segment)
+    # blue, with its own data key, cannot use red's grant either
+    with SegmentConnection(host, port, 5, credential=blue_data, client_id="blue") as conn:
+        with pytest.raises(AuthError, match="did not make"):
+            conn.read(f"{segment}#{red_grant}", offset, size)
+    # a tenant's data key is that tenant's: claiming another tenant with it fails
+    forged = Credential(tenant="red", data_key=bytes.fromhex(blue_key))
+    with (
+        SegmentConnection(host, port, 5, credential=forged, client_id="red") as conn,
+        pytest.raises(AuthError, match="did not prove"),
+    ):
+        conn.read(f"{segment}#{red_grant}", offset, size)
+    # and a tenant's own credential is no key to a data port at all
+    with (
+        SegmentConnection(host, port, 5, credential=Credential.parse(RED, "k")) as conn,
+        pytest.raises(AuthError, match="cannot act as node"),
+    ):
+        conn.read(segment, offset, size)
+    with _client(pool, RED) as red:  # red's object is as it was
+        assert red.get("red-secret") == b"R" * 4096
