@@ -33,6 +33,7 @@ from kvpool.core.credentials import Credential
 from kvpool.core.index import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
+from kvpool.protocol import messages as m
 from kvpool.protocol.auth import AUTH_MAGIC, Identity
 from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
 from kvpool.protocol.data import error_reply
@@ -47,6 +48,7 @@ from kvpool.service.master_tenants import (
     parse_tenant_quotas,
     tenant_reply,
     tenant_request,
+    tenant_stats,
 )
 
 __all__ = ["RPC_BUFFER_LIMIT", "RPC_REQUEST_CODEC", "MasterServer", "RpcBuffers", "run_master"]
@@ -194,6 +196,10 @@ class _RpcProtocol(asyncio.Protocol):
                     message = tenant_request(self.tenant, message)
                     if isinstance(message, KVPoolError):  # refused; the link stays open
                         self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(message)))
+                        continue
+                    if isinstance(message, m.Stats):
+                        stats = tenant_stats(self.service, self.tenant)
+                        self.transport.write(MASTER_REPLY_CODEC.encode(stats))
                         continue
                 elif self.owners is not None:
                     refused = self.owners.check(self, self.identity, message)

@@ -17,10 +17,11 @@ it (:func:`tenant_request`) and to each reply (:func:`tenant_reply`):
   key to that node's data port.  Placements carry no shared-memory name for a tenant:
   a segment mapped into its process would bypass every grant.  Its objects on the SSD
   tier are misses for it (an SSD read by key takes no grant yet).
-- Operator requests (``Stats``: every object of the pool; ``SetQuota``; ``ReportFailure``,
-  which drops a whole storage owner) and a node's own requests are refused with an
-  ``AuthError`` reply; the connection stays open (a tenant client's report of a failed
-  transfer is fire-and-forget: it must not cost it its link).
+- Operator requests (``SetQuota``; ``ReportFailure``, which drops a whole storage owner)
+  and a node's own requests are refused with an ``AuthError`` reply; the connection
+  stays open (a tenant client's report of a failed transfer is fire-and-forget: it must
+  not cost it its link).  ``Stats`` (the pool's clients, segments and objects for the
+  operator) answers a tenant with its own usage only (:func:`tenant_stats`).
 - The cluster secret's connections are untouched (no copy, no rewrite): the operator's
   and single-tenant pools' fast path is what it was.
 """
@@ -49,13 +50,14 @@ __all__ = [
     "parse_tenant_quotas",
     "tenant_reply",
     "tenant_request",
+    "tenant_stats",
 ]
 
 #: between a segment id and the grant a tenant's placement carries with it
 GRANT_SEP = "#"
 
 #: what only the cluster secret may send
-OPERATOR_REQUESTS = (m.Stats, m.SetQuota, m.ReportFailure)
+OPERATOR_REQUESTS = (m.SetQuota, m.ReportFailure)
 #: a storage owner's own requests: never a tenant's
 OWNER_REQUESTS = (m.Register, m.AddSegment, m.Heartbeat, m.Restore)
 
@@ -95,6 +97,8 @@ def tenant_request(tenant: str, request: Any) -> Any:
             f"tenant {tenant}'s credential may not send {kind.__name__}: an operator "
             "action needs the cluster secret"
         )
+    if kind is m.Stats:
+        return request  # answered by tenant_stats, never by the pool's snapshot
     if kind in OWNER_REQUESTS:
         return AuthError(f"tenant {tenant}'s credential may not send {kind.__name__}")
     changes: dict[str, Any] = {}
@@ -149,6 +153,22 @@ def tenant_reply(tenant: str, reply: Any, op: str, grants: Grants) -> Any:
     if isinstance(reply, m.Placements):
         return m.Placements([grants.placement(tenant, p, op) for p in reply.items])
     return reply
+
+
+def tenant_stats(service: MasterService, tenant: str) -> m.StatsReply:
+    """What a tenant may know of the pool: its own usage."""
+    usage = service.tenants.add(tenant)
+    return m.StatsReply(
+        {
+            "tenant": tenant,
+            "bytes": usage.bytes,
+            "objects": usage.objects,
+            "quota_bytes": usage.quota,
+            "hits": usage.hits,
+            "misses": usage.misses,
+            "evictions": usage.evictions,
+        }
+    )
 
 
 def grant_op(request: Any) -> str:
