@@ -205,10 +205,8 @@ class Credential:
     def operator_token(self) -> str:
         """The bearer token of the master's HTTP endpoints."""
         if not self.secret:
-            raise AuthError(
-                "only the cluster secret has the operator token (a node's or a tenant's "
-                "credential has none); use the cluster secret"
-            )
+            kind = "a tenant" if self.tenant_key else "a node"
+            raise AuthError(f"{kind} credential has no operator token; use the cluster secret")
         return _derive(self.secret, "kvpool operator").hex()
 
     def client_key(self) -> bytes:
