@@ -154,6 +154,7 @@ class SegmentServer(Serving):
         self.tls = tls
         self.credential = credential
         self.server_id = server_id
+        self._node_key = b""  # this server's node key, for checking tenants' grants
         self.ssd = ssd
         self.port = port
         self.timeout_s = timeout_s
@@ -303,7 +304,9 @@ class SegmentServer(Serving):
         assert self.credential is not None
         segment_id, _, grant = request.segment_id.partition("#")
         op = "w" if isinstance(request, SegmentWrite) else "r"
-        node_key = self.credential.node_key_of(self.server_id)
+        node_key = self._node_key
+        if not node_key:  # derived once: the grants of every request are MACed with it
+            node_key = self._node_key = self.credential.node_key_of(self.server_id)
         now_ms = time.time_ns() // 1_000_000
         check_grant(
             node_key, tenant, segment_id, grant, op, request.offset, request.length, now_ms
