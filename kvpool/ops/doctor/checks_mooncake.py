@@ -96,8 +96,8 @@ def check_mooncake_security() -> Check:
     """Mooncake has no authentication: say so, with what protects the pool instead."""
     return warn(
         "security.credentials",
-        "the pool is open: the Mooncake engine has no credentials, no tenants and no quotas"
-        " of its own, so any host that reaches the master's RPC port or a process's"
+        "the pool is open: the Mooncake engine has no credentials of its own, and no tenants"
+        " or quotas, so any host that reaches the master's RPC port or a process's"
         " Transfer Engine ports can read, overwrite and remove every object, and every"
         " deployment on this pool shares every object with every other; network isolation"
         " is the only protection",
