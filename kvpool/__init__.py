@@ -55,6 +55,7 @@ from kvpool.errors import (
     PeerTimeout,
     PoolError,
     ProtocolError,
+    QuotaExceeded,
     StaleWrite,
     TransferError,
     UnknownClient,
@@ -63,9 +64,9 @@ from kvpool.errors import (
 )
 
 if typing.TYPE_CHECKING:
+    from kvpool.config.tls import TLSConfig
     from kvpool.service.async_client import AsyncClient
     from kvpool.service.client import Client
-    from kvpool.config.tls import TLSConfig
     from kvpool.service.embedded import EmbeddedPool
 
 __version__ = "0.1.0"
@@ -87,6 +88,7 @@ __all__ = [
     "PeerTimeout",
     "PoolError",
     "ProtocolError",
+    "QuotaExceeded",
     "StaleWrite",
     "TLSConfig",
     "TransferError",

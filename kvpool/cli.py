@@ -428,21 +428,23 @@ def _run_status(args: argparse.Namespace) -> int:
 def _add_secret(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "secret",
-        help="make a cluster secret; print the operator's token or a node's credential",
+        help="make a cluster secret; print the operator's token, a node's or a tenant's credential",
         description="new: a fresh secret; token: the bearer token of the master's HTTP "
-        "endpoints; node-key --node-id ID: node ID's own credential.  The secret is read "
+        "endpoints; node-key --node-id ID: node ID's own credential; tenant-key --tenant "
+        "NAME: tenant NAME's credential.  The secret is read "
         "from --secret-file, else KVPOOL_SECRET_FILE, else KVPOOL_SECRET.",
     )
-    p.add_argument("action", choices=["new", "token", "node-key"])
+    p.add_argument("action", choices=["new", "token", "node-key", "tenant-key"])
     add_flag(p, "secret_file", default="", help="file with the cluster secret")
     add_flag(p, "node_id", default="", help="the node of node-key (node-<name>)")
+    add_flag(p, "tenant", default="", help="the tenant of tenant-key")
     p.set_defaults(run=_run_secret, command_name=p.prog)
 
 
 def _run_secret(args: argparse.Namespace) -> int:
     from kvpool.ops import secret
 
-    opts = secret.SecretOptions(args.action, args.secret_file, args.node_id)
+    opts = secret.SecretOptions(args.action, args.secret_file, args.node_id, args.tenant)
     return secret.run(opts)
 
 

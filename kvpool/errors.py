@@ -8,6 +8,7 @@ can catch the whole family with one clause and a narrower branch when it cares::
     ├── ProtocolError          malformed, oversized or unknown wire frame
     ├── PoolError              a request the pool understood but could not honour
     │   ├── NoSpace            no room even after evicting everything evictable
+    │   │   └── QuotaExceeded  the tenant's byte quota, even after evicting its own objects
     │   ├── ObjectNotFound     no READY object under that key (a miss)
     │   ├── ObjectBusy         leased or pinned, so it cannot be removed now
     │   ├── WriteConflict      another writer holds the key PENDING
@@ -38,6 +39,7 @@ __all__ = [
     "PeerTimeout",
     "PoolError",
     "ProtocolError",
+    "QuotaExceeded",
     "StaleWrite",
     "TransferError",
     "UnknownClient",
@@ -76,6 +78,14 @@ class NoSpace(PoolError):
     """No segment can hold the object, even after evicting every evictable object."""
 
     code = "NO_SPACE"
+
+
+class QuotaExceeded(NoSpace):
+    """The put would take its tenant over its byte quota, even after evicting every
+    evictable object of that tenant (never another tenant's).  A NoSpace, so a caller
+    that skips a put on a full pool skips this one alike."""
+
+    code = "QUOTA_EXCEEDED"
 
 
 class ObjectNotFound(PoolError):

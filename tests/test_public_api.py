@@ -27,6 +27,7 @@ PUBLIC = [
     "PeerTimeout",
     "PoolError",
     "ProtocolError",
+    "QuotaExceeded",
     "StaleWrite",
     "TLSConfig",
     "TransferError",

@@ -164,6 +164,9 @@ class MasterConfig:
     open_metrics: bool = _flag(
         False, _bool, "with a secret, let /metrics be read without the token (true/false)"
     )
+    tenant_quota: str = _flag(
+        "", _string, "per-tenant byte quotas, NAME=SIZE[,NAME=SIZE...] (e.g. teamA=8GB)"
+    )
     tls_cert: str = _flag("", _string, "PEM certificate: TLS on the RPC/HTTP port and segment")
     tls_key: str = _flag("", _string, "PEM private key of --tls_cert")
     tls_ca: str = _flag(

@@ -7,6 +7,9 @@
   (``curl -H "Authorization: Bearer $(kvpool secret token)" http://MASTER/api/status``).
 - ``kvpool secret node-key --node-id ID`` prints node ID's credential: a node given only
   that can be node ID and nothing else (docs/security.md).
+- ``kvpool secret tenant-key --tenant NAME`` prints tenant NAME's credential: a client
+  given only that works in tenant NAME's namespace and nothing else (docs/security.md,
+  "Tenants and quotas").
 
 The secret is read as every kvpool process reads it: ``--secret-file``, else
 ``KVPOOL_SECRET_FILE``, else ``KVPOOL_SECRET``.
@@ -24,7 +27,7 @@ from kvpool.errors import ConfigError, KVPoolError
 
 __all__ = ["SecretOptions", "run"]
 
-ACTIONS = ("new", "token", "node-key")
+ACTIONS = ("new", "token", "node-key", "tenant-key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,7 @@ class SecretOptions:
     action: str
     secret_file: str = ""
     node_id: str = ""
+    tenant: str = ""
 
 
 def run(opts: SecretOptions) -> int:
@@ -46,11 +50,17 @@ def run(opts: SecretOptions) -> int:
     try:
         if opts.action == "token":
             print(credential.operator_token())
+        elif opts.action == "tenant-key":
+            if not opts.tenant:
+                raise ConfigError("--tenant: name it (kvpool secret tenant-key --tenant NAME)")
+            if not credential.is_cluster:
+                raise ConfigError("--secret-file: a tenant key derives from the cluster secret")
+            print(credential.tenant_credential(opts.tenant))
         else:
             if not opts.node_id.startswith("node-"):
                 raise ConfigError("--node-id: a node id starts with node- (node-<name>)")
             print(credential.node_credential(opts.node_id))
-    except KVPoolError as exc:
+    except KVPoolError as exc:  # ConfigError included: one line, exit 1
         print(f"kvpool secret {opts.action}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -11,6 +11,7 @@ the request's own reply type, or :class:`~kvpool.protocol.data.Error`.
     ReportFailure                                    a transfer to a segment failed
     ReportCorrupt                                    a copy failed its checksum
     Stats                                            pool at a glance (kvpool status)
+    SetQuota                                         a tenant's byte quota (operator only)
 
 A :class:`Placement` names the segment and how to reach it: the owner's data address for
 TCP and, for clients on the same host (equal ``host_token``), its shared-memory name.
@@ -56,6 +57,7 @@ __all__ = [
     "ReportCorrupt",
     "ReportFailure",
     "Restore",
+    "SetQuota",
     "Stats",
     "StatsReply",
 ]
@@ -203,6 +205,14 @@ class Stats(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
+class SetQuota(msgspec.Struct, frozen=True, tag=True):
+    """Set tenant ``tenant``'s byte quota (0: none); the cluster secret's connections only.
+    Replies :class:`Count`: the tenant's bytes held now."""
+
+    tenant: str
+    quota_bytes: int
+
+
 class Placement(msgspec.Struct, frozen=True, tag=True, rename={"placed": "found"}):
     """Where an object is (a get) or is to be written (a put).
 
@@ -264,6 +274,7 @@ MasterRequest = (
     | ReportFailure
     | ReportCorrupt
     | Stats
+    | SetQuota
 )
 MasterReply = (
     RegisterReply

@@ -31,7 +31,9 @@ Credentials: ``credential`` (a :class:`~kvpool.core.credentials.Credential`, or 
 secret's text), else the environment's (``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), else
 none.  With one, every connection -- to the master and to each node's data port -- opens
 with the handshake of :mod:`kvpool.protocol.auth`; without one, none does (a pool on
-loopback with no secret).
+loopback with no secret).  A tenant's credential (``kvpool-tenant:...``) makes this a
+client of that tenant only: the master keeps its keys in the tenant's namespace, and its
+bytes move over TCP with the master's grants (:mod:`kvpool.transfer.tenant_path`).
 
 Thread-safe: metadata calls are serialised on one connection; data paths are per node.
 """
@@ -68,6 +70,7 @@ from kvpool.protocol.data import Error
 from kvpool.service.master_link import CLOSE_SETTLE_S, MasterLink, TcpMasterLink
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.storage.checksum import checksum
+from kvpool.transfer.tenant_path import TenantTransport
 from kvpool.transfer.transport import DataPath, Transport, transport_named
 
 __all__ = ["CLOSE_SETTLE_S", "OVERLAP_CHECKSUM_MAX", "Client"]
@@ -126,13 +129,16 @@ class Client(Closing):
         self.tls = tls
         if transport is None:
             transport = "shm" if allow_shm else "tcp"
-        self.transport: Transport = (
-            transport_named(
+        self.transport: Transport
+        if credential is not None and credential.is_tenant and isinstance(transport, str):
+            # a tenant's bytes move with the master's grants, over TCP only
+            self.transport = TenantTransport(timeout_s, credential, tls)
+        elif isinstance(transport, str):
+            self.transport = transport_named(
                 transport, timeout_s, credential=credential, client_id=self.client_id, tls=tls
             )
-            if isinstance(transport, str)
-            else transport
-        )
+        else:
+            self.transport = transport
         self.link: MasterLink = (
             link
             if link is not None

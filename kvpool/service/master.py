@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.core.credentials import check_tenant_name
 from kvpool.core.index import (
     Demote,
     Dropped,
@@ -34,7 +35,15 @@ from kvpool.core.index import (
     ObjectIndex,
 )
 from kvpool.core.registry import Tier
-from kvpool.errors import KVPoolError, NoSpace, ObjectNotFound, PoolError, UnknownSegment
+from kvpool.core.tenants import TenantBook
+from kvpool.errors import (
+    ConfigError,
+    KVPoolError,
+    NoSpace,
+    ObjectNotFound,
+    PoolError,
+    UnknownSegment,
+)
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok, error_reply
 from kvpool.service.catalog import Outbox
@@ -42,6 +51,7 @@ from kvpool.service.copies import Copies, Later
 from kvpool.service.local_storage import LocalStorage
 from kvpool.service.master_clients import Endpoint, MasterClients
 from kvpool.service.master_copies import NodeCopies
+from kvpool.service.master_tenants import make_tenant_room
 from kvpool.service.metrics import MasterMetrics
 from kvpool.service.node_links import NodeLinks
 from kvpool.service.snapshot import pool_snapshot
@@ -96,6 +106,7 @@ class MasterService(MasterClients, NodeCopies):
         self.started_ms = clock()
         self.rpc_connections = 0  # open client connections (kept by the server)
         self.config_view: dict[str, Any] = {}  # the flags it runs with, for doctor and status
+        self.tenants = TenantBook()  # per-tenant quotas and usage (empty: no tenants)
         self._handlers: dict[type, Callable[[Any, int], Any]] = {
             m.Register: self._register,
             m.AddSegment: self._add_segment,
@@ -118,6 +129,7 @@ class MasterService(MasterClients, NodeCopies):
             m.ReportFailure: self._report_failure,
             m.ReportCorrupt: self._report_corrupt,
             m.Stats: self._stats,
+            m.SetQuota: self._set_quota,
         }
         self._routes: dict[type, _Route] = {}  # filled by _route
 
@@ -180,6 +192,10 @@ class MasterService(MasterClients, NodeCopies):
         self.node_links.close()
 
     # ---------------------------------------------------------------------------- effects
+    def apply_events(self, events: list[Event]) -> None:
+        """Carry out the index's effects (for the handlers of the modules beside this)."""
+        self._apply(events)
+
     def _apply(self, events: list[Event]) -> None:
         ssd_gone: dict[str, list[str]] = {}  # remote owner -> SSD keys to delete there
         for event in events:
@@ -194,6 +210,8 @@ class MasterService(MasterClients, NodeCopies):
                 else:
                     self.metrics.offloads.inc()
             elif isinstance(event, Dropped):
+                if self.tenants.tenants:
+                    self.tenants.dropped(event.key)
                 self.metrics.dropped.labels(reason=event.reason, tier=event.tier.value).inc()
                 if event.reason == "evicted":
                     self.metrics.evictions.labels(tier=event.tier.value).inc()
@@ -226,6 +244,9 @@ class MasterService(MasterClients, NodeCopies):
 
     # ----------------------------------------------------------------------------- writes
     def _put_start(self, req: m.PutStart, now: int) -> m.Placement:
+        tenanted = bool(self.tenants.tenants) and req.key.startswith("@")
+        if tenanted and self.index.state_of(req.key) is None:
+            make_tenant_room(self, req.key, req.size, now)
         try:
             reservation, events = self.index.put_start(
                 req.key, req.size, req.client_id, now, req.parent
@@ -246,6 +267,8 @@ class MasterService(MasterClients, NodeCopies):
         self._apply(events)
         if reservation is None:
             return m.Placement(False, req.key)
+        if tenanted:
+            self.tenants.reserved(req.key, req.size)
         return self._placement(req.key, reservation.location)
 
     def _batch_put_start(self, req: m.BatchPutStart, now: int) -> m.Placements:
@@ -267,6 +290,8 @@ class MasterService(MasterClients, NodeCopies):
     def _put_end(self, req: m.PutEnd, now: int) -> Ok:
         self.index.put_end(req.key, req.client_id, now, req.checksum)
         self.metrics.puts.inc()
+        if self.tenants.tenants:
+            self.tenants.stored(req.key)
         loc = self.index.location_of(req.key)
         if loc is not None:
             self.outbox.add(
@@ -288,6 +313,8 @@ class MasterService(MasterClients, NodeCopies):
 
     def _put_revoke(self, req: m.PutRevoke, now: int) -> Ok:
         self.index.put_revoke(req.key, req.client_id)
+        if self.tenants.tenants:
+            self.tenants.dropped(req.key)
         return Ok()
 
     # ------------------------------------------------------------------------------ reads
@@ -296,7 +323,11 @@ class MasterService(MasterClients, NodeCopies):
         try:
             grant = self.index.get(req.key, req.owner, now)
         except ObjectNotFound:
+            if self.tenants.tenants:
+                self.tenants.miss(req.key)
             return m.Placement(False, req.key)
+        if self.tenants.tenants:
+            self.tenants.hit(req.key)
         loc = grant.location
         self.metrics.hits_of("get", _TIER_NAMES[loc.tier]).inc()
         return self._placement(req.key, loc, grant.checksum)
@@ -357,6 +388,16 @@ class MasterService(MasterClients, NodeCopies):
 
     def _stats(self, req: m.Stats, now: int) -> m.StatsReply:
         return m.StatsReply(self.snapshot())
+
+    def _set_quota(self, req: m.SetQuota, now: int) -> m.Count:
+        # who may send it is the server's rule (master_tenants.py): the operator only
+        try:
+            check_tenant_name(req.tenant, "tenant")
+            self.tenants.set_quota(req.tenant, req.quota_bytes)
+        except (ConfigError, ValueError) as exc:
+            raise PoolError(str(exc)) from None
+        log.info("tenant %s: quota set to %d bytes", req.tenant, req.quota_bytes)
+        return m.Count(self.tenants.tenants[req.tenant].bytes)
 
     # ----------------------------------------------------------------------------- status
     def snapshot(self) -> dict[str, Any]:

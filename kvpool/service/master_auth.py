@@ -3,7 +3,8 @@ speak for which id.
 
 With a credential configured, :class:`~kvpool.service.master_server.MasterServer` hands
 every connection that opens with the handshake's magic to :class:`AuthProtocol`, which
-runs :class:`~kvpool.protocol.auth.ServerHandshake` (roles ``client`` and ``node``) and,
+runs :class:`~kvpool.protocol.auth.ServerHandshake` (roles ``client``, ``node`` and
+``tenant``: :mod:`kvpool.service.master_tenants`) and,
 once the peer proved its key, hands the connection, with the :class:`Identity` it proved,
 to the RPC protocol.  A connection that sends a plain RPC frame instead gets an
 ``AuthError`` reply and is closed (:func:`plain_refusal`).
@@ -121,7 +122,7 @@ class AuthProtocol(asyncio.Protocol):
         admitted: Callable[[asyncio.Transport, Identity, bytes], None],
         timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
-        self.side = ServerHandshake(credential, "master", ("client", "node"))
+        self.side = ServerHandshake(credential, "master", ("client", "node", "tenant"))
         self.reader = FrameReader()
         self.admitted = admitted
         self.timeout_s = timeout_s

@@ -219,8 +219,13 @@ class TcpMasterLink:
     def _authenticate(self, sock: socket.socket) -> None:
         where = f"the master at {self.address}"
         assert self.credential is not None
+        role, client_id = self.role, self.client_id
+        if self.credential.is_tenant and role == "client":
+            # a tenant's credential proves its tenant, named as the handshake's id: the
+            # master puts this connection's keys in that tenant's namespace
+            role, client_id = "tenant", self.credential.tenant
         try:
-            authenticate(sock, self.credential, self.role, self.client_id, self.timeout_s, where)
+            authenticate(sock, self.credential, role, client_id, self.timeout_s, where)
         except AuthError as exc:
             sock.close()
             if exc.__cause__ is not None and mooncake_answers(self.address, 2.0):

@@ -33,6 +33,7 @@ from kvpool.core.credentials import Credential
 from kvpool.core.index import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
+from kvpool.protocol import messages as m
 from kvpool.protocol.auth import AUTH_MAGIC, Identity
 from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
 from kvpool.protocol.data import error_reply
@@ -41,6 +42,14 @@ from kvpool.service.http import build_app
 from kvpool.service.local_storage import MASTER_SETTINGS, LocalStorage
 from kvpool.service.master import Later, MasterService
 from kvpool.service.master_auth import AuthProtocol, Owners, no_secret_refusal, plain_refusal
+from kvpool.service.master_tenants import (
+    Grants,
+    grant_op,
+    parse_tenant_quotas,
+    tenant_reply,
+    tenant_request,
+    tenant_stats,
+)
 
 __all__ = ["RPC_BUFFER_LIMIT", "RPC_REQUEST_CODEC", "MasterServer", "RpcBuffers", "run_master"]
 
@@ -93,8 +102,14 @@ class _RpcProtocol(asyncio.Protocol):
         frame_timeout_s: float = RPC_FRAME_TIMEOUT_S,
         identity: Identity | None = None,
         owners: Owners | None = None,
+        grants: Grants | None = None,
     ) -> None:
         self.identity = identity  # who the handshake proved (None: no credential here)
+        # a tenant's connection: its keys in that tenant's namespace ("" : as they are)
+        tenant = identity is not None and identity.role == "tenant"
+        self.tenant = identity.client_id if identity is not None and tenant else ""
+        self.grants = grants
+        self._held_op = ""  # the grant op of the reply held back (a tenant's put)
         self.owners = owners
         self.service = service
         self.buffers = buffers
@@ -174,18 +189,33 @@ class _RpcProtocol(asyncio.Protocol):
                         self.service.settle()
                     break
                 served += 1
-                if self.owners is not None:
-                    refused = self.owners.check(self, self.identity, frame.message)
+                message = frame.message
+                op = ""
+                if self.tenant:
+                    op = grant_op(message)
+                    message = tenant_request(self.tenant, message)
+                    if isinstance(message, KVPoolError):  # refused; the link stays open
+                        self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(message)))
+                        continue
+                    if isinstance(message, m.Stats):
+                        stats = tenant_stats(self.service, self.tenant)
+                        self.transport.write(MASTER_REPLY_CODEC.encode(stats))
+                        continue
+                elif self.owners is not None:
+                    refused = self.owners.check(self, self.identity, message)
                     if refused is not None:
                         self._refuse(refused)
                         return
-                reply = self.service.submit(frame.message)
+                reply = self.service.submit(message)
                 if isinstance(reply, Later):
+                    self._held_op = op
                     self.waiting = reply
                     reply.deliver = self._deliver
                     self.transport.pause_reading()
                     self.service.settle()  # e.g. a node's held heartbeat can go now
                     break
+                if self.tenant and self.grants is not None:
+                    reply = tenant_reply(self.tenant, reply, op, self.grants)
                 self.transport.write(MASTER_REPLY_CODEC.encode(reply))
         except ProtocolError as exc:
             # A bad header: the stream cannot be resynchronised.  Say why and close.
@@ -261,6 +291,8 @@ class _RpcProtocol(asyncio.Protocol):
         assert self.transport is not None
         if self._closed or self.transport.is_closing():
             return
+        if self.tenant and self.grants is not None:
+            reply = tenant_reply(self.tenant, reply, self._held_op, self.grants)
         self.transport.write(MASTER_REPLY_CODEC.encode(reply))
         if not self._paused:
             self.transport.resume_reading()
@@ -347,8 +379,15 @@ class MasterServer:
 
     def rpc_admitted(self, transport: asyncio.Transport, identity: Identity, rest: bytes) -> None:
         """A handshake succeeded: the connection is RPC from now on, as ``identity``."""
+        if identity.role == "tenant":  # proved: its series on /metrics from now on
+            self.service.tenants.add(identity.client_id)
         proto = _RpcProtocol(
-            self.service, self.rpc_buffers, self.rpc_frame_timeout_s, identity, self.owners
+            self.service,
+            self.rpc_buffers,
+            self.rpc_frame_timeout_s,
+            identity,
+            self.owners,
+            Grants(self.service, self.credential),
         )
         transport.set_protocol(proto)
         proto.connection_made(transport)
@@ -375,6 +414,8 @@ class MasterServer:
                 "secret it was derived from"
             )
         require_credential(cfg.host, self.credential, cfg.insecure, key="--host")
+        for tenant, quota in parse_tenant_quotas(cfg.tenant_quota).items():
+            self.service.tenants.set_quota(tenant, quota)
         self.service.node_links.credential = self.credential
         # TLS (off unless --tls_* are set): files checked before anything binds
         self.tls = cfg.tls.server_context()

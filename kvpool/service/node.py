@@ -108,6 +108,12 @@ class NodeService:
         require_credential(host, credential, insecure, key=bind_key)
         ssd = config.enable_ssd_offload
         self.client_id = node_id(config.local_hostname, config.ssd_offload_path if ssd else "")
+        if credential is not None and credential.is_tenant:
+            raise ConfigError(
+                f"secret_file: this is tenant {credential.tenant}'s credential, a client's; "
+                "a node needs its own (kvpool secret node-key --node-id node-<name>) or the "
+                "cluster secret"
+            )
         if credential is not None and not credential.is_cluster:
             if not _VALID_ID.match(credential.node_id):
                 raise ConfigError(

@@ -61,6 +61,9 @@ def authenticate(
     AuthError whose ``__cause__`` is set means the server did not speak the handshake at
     all (it may be another protocol's server)."""
     deadline = deadline_after(timeout_s)
+    if credential.data_key and role == "data":
+        # a tenant's key to one node's data port (kvpool.transfer.tenant_path)
+        role, client_id = "tenant-data", credential.tenant
     side = ClientHandshake(credential, role, client_id)
     reader = FrameReader()
     try:

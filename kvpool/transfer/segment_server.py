@@ -29,6 +29,11 @@ multi-megabyte transfers with the GIL released, where an event loop would wake p
   :mod:`kvpool.protocol.auth` in role ``data``, proving the key of the node that serves
   (``server_id``); a peer that skips it or fails it gets an
   :class:`~kvpool.errors.AuthError` reply and is closed, and nothing else is read from it.
+- A tenant's connection (role ``tenant-data``, the tenant's data key) may only read or
+  write, and each request must carry the master's grant for exactly that tenant,
+  operation and range, unexpired (:func:`kvpool.core.credentials.check_grant`: one HMAC
+  per request, none per frame).  A request without one gets an ``AuthError`` reply
+  naming it, the payload of a refused write is drained, and the connection goes on.
 
 :class:`~kvpool.transfer.segment_client.SegmentConnection` is the client side.
 """
@@ -40,10 +45,13 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 
+from msgspec import structs
+
 from kvpool.closing import Serving
-from kvpool.core.credentials import Credential
+from kvpool.core.credentials import Credential, check_grant
 from kvpool.errors import (
     AuthError,
     ChecksumMismatch,
@@ -55,7 +63,7 @@ from kvpool.errors import (
     TransferError,
     UnknownSegment,
 )
-from kvpool.protocol.auth import AUTH_MAGIC, refusal
+from kvpool.protocol.auth import AUTH_MAGIC, Identity, refusal
 from kvpool.protocol.data import (
     DATA_REPLY_CODEC,
     DATA_REQUEST_CODEC,
@@ -112,6 +120,7 @@ class ServerStats:
     protocol_errors: int = 0
     dropped_connections: int = 0
     refused_auth: int = 0
+    refused_grants: int = 0  # a tenant's requests without a valid grant
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, amount: int = 1) -> None:
@@ -145,6 +154,7 @@ class SegmentServer(Serving):
         self.tls = tls
         self.credential = credential
         self.server_id = server_id
+        self._node_key = b""  # this server's node key, for checking tenants' grants
         self.ssd = ssd
         self.port = port
         self.timeout_s = timeout_s
@@ -239,13 +249,18 @@ class SegmentServer(Serving):
         """One client's conversation, in its own thread (the server closes ``conn``)."""
         framing.tune_socket(conn)
         _keepalive(conn)
-        if self.credential is not None and not self._admitted(conn):
-            return
+        tenant = ""
+        if self.credential is not None:
+            identity = self._admitted(conn)
+            if identity is None:
+                return
+            if identity.role == "tenant-data":
+                tenant = identity.client_id
         channel: Channel[DataReply, DataRequest] = Channel(
             conn, DATA_REPLY_CODEC, DATA_REQUEST_CODEC, self.timeout_s
         )
         try:
-            while not self._server.stopping and self._serve_one(channel):
+            while not self._server.stopping and self._serve_one(channel, tenant):
                 pass
         except ProtocolError as exc:
             # Bad header: the stream cannot be resynchronised.  Say why, then close.
@@ -257,27 +272,46 @@ class SegmentServer(Serving):
             self.stats.add("dropped_connections")
             log.info("data connection ended: %s", exc)
 
-    def _admitted(self, conn: socket.socket) -> bool:
-        """The handshake; False (said to the peer and logged) when it failed."""
+    def _admitted(self, conn: socket.socket) -> Identity | None:
+        """The handshake; None (said to the peer and logged) when it failed."""
         assert self.credential is not None
         plain = AuthError(
             f"data server {self.host}:{self.port} requires a credential: set "
             "KVPOOL_SECRET_FILE (or KVPOOL_SECRET) to this cluster's secret"
         )
         try:
-            admit(
+            return admit(
                 conn,
                 self.credential,
                 self.server_id,
-                ("data",),
+                ("data", "tenant-data"),
                 self.timeout_s,
                 DATA_REPLY_CODEC.encode(error_reply(plain)),
             )
         except (AuthError, TransferError, PeerTimeout) as exc:
             self.stats.add("refused_auth")
             log.warning("data connection refused: %s", exc)
-            return False
-        return True
+            return None
+
+    def _granted(self, tenant: str, request: DataRequest) -> DataRequest:
+        """A tenant's request as served (its segment id without the grant), or the
+        AuthError that refuses it."""
+        if not isinstance(request, SegmentRead | SegmentWrite):
+            raise AuthError(
+                f"tenant {tenant}: {type(request).__name__} is not open to a tenant's "
+                "connection (reads and writes with a grant only)"
+            )
+        assert self.credential is not None
+        segment_id, _, grant = request.segment_id.partition("#")
+        op = "w" if isinstance(request, SegmentWrite) else "r"
+        node_key = self._node_key
+        if not node_key:  # derived once: the grants of every request are MACed with it
+            node_key = self._node_key = self.credential.node_key_of(self.server_id)
+        now_ms = time.time_ns() // 1_000_000
+        check_grant(
+            node_key, tenant, segment_id, grant, op, request.offset, request.length, now_ms
+        )
+        return structs.replace(request, segment_id=segment_id)
 
     def _reply(
         self,
@@ -289,7 +323,7 @@ class SegmentServer(Serving):
             self.stats.add("error_replies")
         channel.send(reply, payload)
 
-    def _serve_one(self, channel: Channel[DataReply, DataRequest]) -> bool:
+    def _serve_one(self, channel: Channel[DataReply, DataRequest], tenant: str = "") -> bool:
         """Handle one request; ``False`` when the peer closed cleanly."""
         got = channel.recv_request(self.idle_timeout_s)
         if got is None:
@@ -301,6 +335,13 @@ class SegmentServer(Serving):
         request, payload_length = got
         self.stats.add("requests")
         try:
+            if tenant:
+                try:
+                    request = self._granted(tenant, request)
+                except AuthError:
+                    self.stats.add("refused_grants")
+                    channel.discard_payload(payload_length)
+                    raise
             reply, payload = self._handle(channel, request, payload_length)
         except ChecksumMismatch as exc:  # a corrupt SSD object: a miss, not a broken link
             self._reply(channel, error_reply(exc))

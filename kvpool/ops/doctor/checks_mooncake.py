@@ -96,12 +96,16 @@ def check_mooncake_security() -> Check:
     """Mooncake has no authentication: say so, with what protects the pool instead."""
     return warn(
         "security.credentials",
-        "the Mooncake engine has no credentials of its own: any host that reaches the"
-        " master's RPC port or a process's Transfer Engine ports can read, overwrite and"
-        " remove every object; network isolation is the only protection",
+        "the pool is open: the Mooncake engine has no credentials of its own, and no tenants"
+        " or quotas, so any host that reaches the master's RPC port or a process's"
+        " Transfer Engine ports can read, overwrite and remove every object, and every"
+        " deployment on this pool shares every object with every other; network isolation"
+        " is the only protection",
         "keep every Mooncake port on a private network (a VLAN, or a firewall admitting only"
         " the P/D hosts); Mooncake binds all interfaces unless told otherwise"
-        " (--rpc_address, --metrics_host on the master)",
+        " (--rpc_address, --metrics_host on the master); one pool per tenant, or kvpool's"
+        " engine with a tenant credential per deployment (docs/security.md, Tenants and"
+        " quotas)",
     )
 
 

@@ -281,9 +281,14 @@ def secret_file_facts(source: str, path: str) -> SecretFileFacts:
         credential = read_secret_file(path, source)
     except ConfigError as exc:
         return SecretFileFacts(source, path, mode, str(exc))
-    holds = (
-        "the cluster secret" if credential.is_cluster else f"node {credential.node_id}'s credential"
-    )
+    if credential.is_tenant:
+        holds = f"tenant {credential.tenant}'s credential"
+    else:
+        holds = (
+            "the cluster secret"
+            if credential.is_cluster
+            else f"node {credential.node_id}'s credential"
+        )
     return SecretFileFacts(source, path, mode, holds=holds)
 
 
@@ -298,6 +303,8 @@ def master_auth_probe(
         return MasterAuthFacts(address, "", required=reply.status == 401)
     role = "client" if credential.is_cluster else "node"
     client_id = f"client-doctor-{uuid.uuid4().hex[:8]}" if role == "client" else credential.node_id
+    if credential.is_tenant:  # a tenant's client proves its tenant
+        role, client_id = "tenant", credential.tenant
     try:
         host, port = split_address(address)
         where = f"the master at {address}"
