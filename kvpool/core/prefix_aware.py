@@ -39,6 +39,19 @@ looks the way it does (measured on the Mooncake conversation trace in docs/bench
    trace this is the strongest online signal found: +4.3 % hit ratio at 10,000 blocks,
    +13 % at 2,000 and 5,000, +2.5 % at 20,000 over the same weights without it.  Cost:
    up to 2L remembered keys, a set entry each.
+5. *How much longer a read block is worth keeping depends on the trace and the size.*  The
+   weights of the read class and of never-read chain ends follow the trace: the policy
+   counts, per class, the hits on queued blocks and the ages at which its blocks were hit
+   or left (hits per unit of age: the class's hit density), and every tenth of the most
+   blocks held sets each of the two weights to ``weight[1] * density[1] /
+   density[class]`` within its range (read 0.05-1, chain end 1-8), the counts then
+   decaying by 2 %.  Fixed weights tuned on the conversation trace lost to LRU on traces
+   where every block's future is alike (conversations that come back soon: 0.986 x LRU)
+   or where chain ends are read again (a loop over a working set); following the
+   densities, the policy is at or above LRU on all of them, +30 % / +5 % over the fixed
+   weights at 2,000 / 5,000 blocks of the conversation trace and within 0.6 % of them at
+   10,000 / 20,000 (docs/benchmarks.md, "the next policy").  ``adaptive=False`` keeps
+   the weights fixed.
 
 Ideas measured and dropped: valuing blocks by depth or by their chain's length (no gain),
 more reuse classes (read 2, 3+ times: within 0.001), LHD-style learned hit densities and
@@ -50,16 +63,30 @@ their blocks are reused less than a first turn's, 7-18 % against 26 %), a shorte
 them (better at 2,000 blocks, worse at 20,000), an exact FIFO of ghosts (an ordered
 dict: the same hit ratios within 0.001, but 15 % of the policy's time; two sets cost too
 little to measure), remembering fewer keys (0.5 to 1.5 times the blocks held: up to 0.0025
-worse at 10,000 blocks).
+worse at 10,000 blocks) or more (2 to 4 times: within 0.002).  Adapting the read weight
+as ARC moves its split (a step per ghost hit, against the kind of ghost hit) drove it to
+0.07 at 10,000 blocks and lost 1-13 %; densities over a shorter window (re-weighting
+every half of the blocks held, 20 % decay) or scaled by 0.7-1.15: 0.2289-0.2323 at
+10,000 blocks against 0.2326.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-__all__ = ["GHOST_FACTOR", "REUSE_WEIGHTS", "PrefixAwarePolicy"]
+__all__ = [
+    "END_WEIGHT_RANGE",
+    "GHOST_FACTOR",
+    "READ_WEIGHT_RANGE",
+    "REUSE_WEIGHTS",
+    "REWEIGH_DECAY",
+    "REWEIGH_FACTOR",
+    "REWEIGH_MIN",
+    "PrefixAwarePolicy",
+]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -68,6 +95,15 @@ K = TypeVar("K", bound=Hashable)
 #: times, may follow).  A block's expected life is proportional to 1 / weight.  Tuned on
 #: the Mooncake conversation trace (docs/benchmarks.md).
 REUSE_WEIGHTS: tuple[float, ...] = (8.0, 1.0, 0.35)
+
+#: Re-weighting (5. in the module docstring): the read class's weight stays within this
+#: range; it is set every ``REWEIGH_FACTOR`` times the most blocks held (at least every
+#: ``REWEIGH_MIN``) placed blocks, and the counts then decay by ``REWEIGH_DECAY``.
+END_WEIGHT_RANGE = (1.0, 8.0)
+READ_WEIGHT_RANGE = (0.05, 1.0)
+REWEIGH_FACTOR = 0.1
+REWEIGH_MIN = 500
+REWEIGH_DECAY = 0.98
 
 #: How many evicted keys the policy remembers: between one and two times this multiple of
 #: the most blocks it has held (see 4. in the module docstring).
@@ -103,7 +139,10 @@ class PrefixAwarePolicy(Generic[K]):
     name = "prefix_aware"
 
     def __init__(
-        self, weights: Sequence[float] = REUSE_WEIGHTS, ghost_factor: float = GHOST_FACTOR
+        self,
+        weights: Sequence[float] = REUSE_WEIGHTS,
+        ghost_factor: float = GHOST_FACTOR,
+        adaptive: bool = True,
     ) -> None:
         if len(weights) < 2 or any(w <= 0 for w in weights):
             raise ValueError(f"weights must be two or more positive numbers, got {weights}")
@@ -118,7 +157,13 @@ class PrefixAwarePolicy(Generic[K]):
         self._old_ghosts: set[K] = set()
         self._most = 0  # the most blocks held at once: the ghost lists' scale
         self._ghost_limit = 0.0  # L = _most * ghost_factor
-        self._weights = tuple(float(w) for w in weights)
+        self._weights = [float(w) for w in weights]
+        # Hit density per class (5. in the module docstring): reads of queued blocks, and
+        # the ages they were read or left at, decayed at each re-weighting.
+        self._adaptive = adaptive
+        self._hits = [0.0] * len(self._weights)
+        self._lives = [0.0] * len(self._weights)
+        self._reweigh_at = REWEIGH_MIN
         self._top = len(self._weights) - 1
         self._nodes: dict[K, _Node[K]] = {}
         # One queue per reuse class, oldest first.  A run of touches that walks down one
@@ -132,13 +177,16 @@ class PrefixAwarePolicy(Generic[K]):
         self._orphans: OrderedDict[K, _Node[K]] = OrderedDict()
         self._run: list[_Node[K]] = []
         self._clock = 0
-        # (class, weight, queue) for the one-victim path, which scans every class
-        self._classes = tuple(
-            zip(range(len(self._weights)), self._weights, self._queues, strict=True)
-        )
+        # (class, queue) for the one-victim path, which scans every class
+        self._classes = tuple(enumerate(self._queues))
 
     def __len__(self) -> int:
         return len(self._nodes)
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """The reuse classes' weights now (the read class's follows its hit density)."""
+        return tuple(self._weights)
 
     # ------------------------------------------------------------------------- calls
     def on_insert(self, key: K, parent: K | None) -> None:
@@ -182,6 +230,9 @@ class PrefixAwarePolicy(Generic[K]):
         if where == _RUN:
             return  # already among the youngest; it is placed when the run ends
         if where == _QUEUED:
+            c = node.cls
+            self._hits[c] += 1.0
+            self._lives[c] += self._clock - node.stamp
             self._unqueue(node)
         else:
             del self._orphans[key]
@@ -197,6 +248,7 @@ class PrefixAwarePolicy(Generic[K]):
             return
         where = node.where
         if where == _QUEUED:  # the usual case: an evicted victim
+            self._lives[node.cls] += self._clock - node.stamp
             self._unqueue(node)
         elif where == _RUN:
             self._run.remove(node)
@@ -227,13 +279,14 @@ class PrefixAwarePolicy(Generic[K]):
             best: _Node[K] | None = None
             best_score = -1.0
             heads = self._heads
-            for c, weight, queue in self._classes:
+            weights = self._weights
+            for c, queue in self._classes:
                 head = heads[c]
                 if head is None:
                     if not queue:
                         continue
                     head = heads[c] = next(iter(queue.values()))
-                score = (clock - head.stamp) * weight
+                score = (clock - head.stamp) * weights[c]
                 if score > best_score:
                     best, best_score = head, score
             if best is not None and not best.children and can_evict(best.key):
@@ -288,6 +341,31 @@ class PrefixAwarePolicy(Generic[K]):
                 queues[c][node.key] = node
         self._clock = clock
         self._run.clear()
+        if clock >= self._reweigh_at and self._adaptive:
+            self._reweigh()
+
+    def _reweigh(self) -> None:
+        """Set the weights of the never-read chain ends and of the read class to
+        ``weight[1] * density[1] / density[class]`` (density: hits per unit of age spent
+        in the class), each within its range, then decay the counts, so the weights
+        follow the trace (5. in the module docstring)."""
+        hits, lives, weights = self._hits, self._lives, self._weights
+        densities = [
+            # hits at age 0 (read before anything else was placed): density infinite
+            h / n if n else (math.inf if h else 0.0)
+            for h, n in zip(hits, lives, strict=True)
+        ]
+        inner = densities[1]
+        for c, (lo, hi) in ((0, END_WEIGHT_RANGE), (self._top, READ_WEIGHT_RANGE)):
+            d = densities[c]
+            if not (inner or d):
+                continue  # no evidence yet: keep the weight
+            w = weights[1] if d == inner else hi if d == 0 else weights[1] * inner / d
+            weights[c] = lo if w < lo else hi if w > hi else w
+        for counts in (hits, lives):
+            for c in range(len(counts)):
+                counts[c] *= REWEIGH_DECAY
+        self._reweigh_at = self._clock + max(REWEIGH_MIN, int(REWEIGH_FACTOR * self._most))
 
     def _orphan_subtree(self, root: _Node[K]) -> None:
         """A subtree lost its parent: no block in it can be a prefix hit here any more, so
