@@ -145,8 +145,9 @@ class PrefixAwarePolicy(Generic[K]):
         self._orphans: OrderedDict[K, Node[K]] = OrderedDict()
         self._run: list[Node[K]] = []
         self._clock = 0
-        # (class, queue) for the one-victim path, which scans every class
-        self._classes = tuple(enumerate(self._queues))
+        # (class, weight, queue) for the one-victim path, which scans every class; made
+        # again when the weights change (rarely), so the path reads no list per class
+        self._classes = self._class_table()
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -247,14 +248,13 @@ class PrefixAwarePolicy(Generic[K]):
             best: Node[K] | None = None
             best_score = -1.0
             heads = self._heads
-            weights = self._weights
-            for c, queue in self._classes:
+            for c, weight, queue in self._classes:
                 head = heads[c]
                 if head is None:
                     if not queue:
                         continue
                     head = heads[c] = next(iter(queue.values()))
-                score = (clock - head.stamp) * weights[c]
+                score = (clock - head.stamp) * weight
                 if score > best_score:
                     best, best_score = head, score
             if best is not None and not best.children and can_evict(best.key):
@@ -334,6 +334,10 @@ class PrefixAwarePolicy(Generic[K]):
             for c in range(len(counts)):
                 counts[c] *= REWEIGH_DECAY
         self._reweigh_at = self._clock + max(REWEIGH_MIN, int(REWEIGH_FACTOR * self._most))
+        self._classes = self._class_table()
+
+    def _class_table(self) -> tuple[tuple[int, float, OrderedDict[K, Node[K]]], ...]:
+        return tuple(zip(range(len(self._queues)), self._weights, self._queues, strict=True))
 
     def _orphan_subtree(self, root: Node[K]) -> None:
         """A subtree lost its parent: no block in it can be a prefix hit here any more, so
