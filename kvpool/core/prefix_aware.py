@@ -39,61 +39,65 @@ looks the way it does (measured on the Mooncake conversation trace in docs/bench
    trace this is the strongest online signal found: +4.3 % hit ratio at 10,000 blocks,
    +13 % at 2,000 and 5,000, +2.5 % at 20,000 over the same weights without it.  Cost:
    up to 2L remembered keys, a set entry each.
+5. *How much longer a read block is worth keeping depends on the trace and the size.*  The
+   weights of the read class and of never-read chain ends follow the trace: the policy
+   counts, per class, the hits on queued blocks and the ages at which its blocks were hit
+   or left (hits per unit of age: the class's hit density), and every tenth of the most
+   blocks held sets each of the two weights to ``weight[1] * density[1] /
+   density[class]`` within its range (read 0.05-1, chain end 1-8), the counts then
+   decaying by 2 %.  Fixed weights tuned on the conversation trace lost to LRU on traces
+   where every block's future is alike (conversations that come back soon: 0.986 x LRU)
+   or where chain ends are read again (a loop over a working set); following the
+   densities, the policy is at or above LRU on all of them, +30 % / +5 % over the fixed
+   weights at 2,000 / 5,000 blocks of the conversation trace and within 0.6 % of them at
+   10,000 / 20,000 (docs/benchmarks.md, "the next policy").  ``adaptive=False`` keeps
+   the weights fixed.
 
-Ideas measured and dropped: valuing blocks by depth or by their chain's length (no gain),
-more reuse classes (read 2, 3+ times: within 0.001), LHD-style learned hit densities and
-random-sampling eviction (worse than LRU: sampling noise), inheriting a conversation's
-turn count into its new blocks (worse), random admission (helps only at 5,000 blocks).
-With ghosts: a class of their own (weight 0.2-0.6: at best 0.001 above joining the read
-class), a longer life for new blocks of a returning conversation (worse at every size:
-their blocks are reused less than a first turn's, 7-18 % against 26 %), a shorter one for
-them (better at 2,000 blocks, worse at 20,000), an exact FIFO of ghosts (an ordered
-dict: the same hit ratios within 0.001, but 15 % of the policy's time; two sets cost too
-little to measure), remembering fewer keys (0.5 to 1.5 times the blocks held: up to 0.0025
-worse at 10,000 blocks).
+Ideas measured and dropped (docs/benchmarks.md, "Trace replay" sections, has the numbers):
+block depth or chain length as value, more reuse classes, LHD-style sampled hit densities,
+a conversation's turn count carried into its new blocks, random admission; with ghosts, a
+class of their own, longer or shorter lives for a returning conversation's new blocks, an
+exact FIFO of ghosts, fewer or more ghosts; ARC-style steps of the read weight per ghost
+hit, and density windows shorter than the one above.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-__all__ = ["GHOST_FACTOR", "REUSE_WEIGHTS", "PrefixAwarePolicy"]
+from kvpool.core.prefix_nodes import ORPHAN, QUEUED, RUN, Node, take_in_order, take_passed
+
+__all__ = [
+    "END_WEIGHT_RANGE",
+    "GHOST_FACTOR",
+    "READ_WEIGHT_RANGE",
+    "REUSE_WEIGHTS",
+    "REWEIGH_DECAY",
+    "REWEIGH_FACTOR",
+    "REWEIGH_MIN",
+    "PrefixAwarePolicy",
+]
 
 K = TypeVar("K", bound=Hashable)
 
-#: Age multiplier per reuse class: a never-read block at the end of its chain, any other
-#: never-read block, a block read at least once (more classes, for blocks read 2, 3, ...
-#: times, may follow).  A block's expected life is proportional to 1 / weight.  Tuned on
-#: the Mooncake conversation trace (docs/benchmarks.md).
+#: Starting age multiplier per reuse class: a never-read block at the end of its chain, any
+#: other never-read block, a block read at least once.  Life is proportional to 1 / weight.
 REUSE_WEIGHTS: tuple[float, ...] = (8.0, 1.0, 0.35)
+
+#: Re-weighting (5. in the module docstring): the ranges of the chain-end and read weights;
+#: every REWEIGH_FACTOR x the most blocks held (>= REWEIGH_MIN) placed blocks, then decay.
+END_WEIGHT_RANGE = (1.0, 8.0)
+READ_WEIGHT_RANGE = (0.05, 1.0)
+REWEIGH_FACTOR = 0.1
+REWEIGH_MIN = 500
+REWEIGH_DECAY = 0.98
 
 #: How many evicted keys the policy remembers: between one and two times this multiple of
 #: the most blocks it has held (see 4. in the module docstring).
 GHOST_FACTOR = 1.0
-
-
-_QUEUED, _RUN, _ORPHAN = 0, 1, 2  # where a node of the policy sits
-
-
-class _Node(Generic[K]):
-    """One cached block of the prefix-aware policy."""
-
-    __slots__ = ("children", "cls", "key", "kids", "orphan", "parent", "reads", "stamp", "where")
-
-    def __init__(self, key: K, parent: _Node[K] | None, orphan: bool) -> None:
-        self.key = key
-        self.parent = parent
-        # cached children, created on the first one; a dict, not a set, so that orphaned
-        # subtrees are queued in an order that does not depend on object addresses
-        self.kids: dict[_Node[K], None] | None = None
-        self.children = 0  # len(kids), kept apart because it is read on every choice
-        self.reads = 0
-        self.stamp = 0  # the policy's clock when the node was last placed in a queue
-        self.cls = 0  # reuse class = queue index while queued
-        self.orphan = orphan
-        self.where = _RUN
 
 
 class PrefixAwarePolicy(Generic[K]):
@@ -103,7 +107,10 @@ class PrefixAwarePolicy(Generic[K]):
     name = "prefix_aware"
 
     def __init__(
-        self, weights: Sequence[float] = REUSE_WEIGHTS, ghost_factor: float = GHOST_FACTOR
+        self,
+        weights: Sequence[float] = REUSE_WEIGHTS,
+        ghost_factor: float = GHOST_FACTOR,
+        adaptive: bool = True,
     ) -> None:
         if len(weights) < 2 or any(w <= 0 for w in weights):
             raise ValueError(f"weights must be two or more positive numbers, got {weights}")
@@ -118,27 +125,37 @@ class PrefixAwarePolicy(Generic[K]):
         self._old_ghosts: set[K] = set()
         self._most = 0  # the most blocks held at once: the ghost lists' scale
         self._ghost_limit = 0.0  # L = _most * ghost_factor
-        self._weights = tuple(float(w) for w in weights)
+        self._weights = [float(w) for w in weights]
+        # Hit density per class (5. in the module docstring): reads of queued blocks, and
+        # the ages they were read or left at, decayed at each re-weighting.
+        self._adaptive = adaptive
+        self._hits = [0.0] * len(self._weights)
+        self._lives = [0.0] * len(self._weights)
+        self._reweigh_at = REWEIGH_MIN
         self._top = len(self._weights) - 1
-        self._nodes: dict[K, _Node[K]] = {}
+        self._nodes: dict[K, Node[K]] = {}
         # One queue per reuse class, oldest first.  A run of touches that walks down one
         # chain (root ... leaf, the order a request reads and writes its prefix) is held
         # apart in ``_run`` and placed deepest-first when it ends, so within a request the
         # tail is older than the head and LRU order trims chains from the tail.
-        self._queues: list[OrderedDict[K, _Node[K]]] = [OrderedDict() for _ in self._weights]
+        self._queues: list[OrderedDict[K, Node[K]]] = [OrderedDict() for _ in self._weights]
         # Cached head of each queue (None: look it up), so a choice costs one score per
         # class instead of one iterator per class.
-        self._heads: list[_Node[K] | None] = [None] * len(self._weights)
-        self._orphans: OrderedDict[K, _Node[K]] = OrderedDict()
-        self._run: list[_Node[K]] = []
+        self._heads: list[Node[K] | None] = [None] * len(self._weights)
+        self._orphans: OrderedDict[K, Node[K]] = OrderedDict()
+        self._run: list[Node[K]] = []
         self._clock = 0
-        # (class, weight, queue) for the one-victim path, which scans every class
-        self._classes = tuple(
-            zip(range(len(self._weights)), self._weights, self._queues, strict=True)
-        )
+        # (class, weight, queue) for the one-victim path, which scans every class; made
+        # again when the weights change (rarely), so the path reads no list per class
+        self._classes = self._class_table()
 
     def __len__(self) -> int:
         return len(self._nodes)
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """The reuse classes' weights now (the read class's follows its hit density)."""
+        return tuple(self._weights)
 
     # ------------------------------------------------------------------------- calls
     def on_insert(self, key: K, parent: K | None) -> None:
@@ -147,14 +164,14 @@ class PrefixAwarePolicy(Generic[K]):
             self.on_access(key)
             return
         if parent is None:
-            node = nodes[key] = _Node(key, None, False)
+            node = nodes[key] = Node(key, None, False)
             p = None
         else:
             p = nodes.get(parent)
             if p is None:
-                node = nodes[key] = _Node(key, None, False)
+                node = nodes[key] = Node(key, None, False)
             else:
-                node = nodes[key] = _Node(key, p, p.orphan)
+                node = nodes[key] = Node(key, p, p.orphan)
                 kids = p.kids
                 if kids is None:
                     p.kids = {node: None}
@@ -179,13 +196,16 @@ class PrefixAwarePolicy(Generic[K]):
             return
         node.reads += 1
         where = node.where
-        if where == _RUN:
+        if where == RUN:
             return  # already among the youngest; it is placed when the run ends
-        if where == _QUEUED:
+        if where == QUEUED:
+            c = node.cls
+            self._hits[c] += 1.0
+            self._lives[c] += self._clock - node.stamp
             self._unqueue(node)
         else:
             del self._orphans[key]
-        node.where = _RUN
+        node.where = RUN
         run = self._run
         if run and node.parent is not run[-1]:
             self._place_run()
@@ -196,9 +216,10 @@ class PrefixAwarePolicy(Generic[K]):
         if node is None:
             return
         where = node.where
-        if where == _QUEUED:  # the usual case: an evicted victim
+        if where == QUEUED:  # the usual case: an evicted victim
+            self._lives[node.cls] += self._clock - node.stamp
             self._unqueue(node)
-        elif where == _RUN:
+        elif where == RUN:
             self._run.remove(node)
         else:
             del self._orphans[key]
@@ -224,7 +245,7 @@ class PrefixAwarePolicy(Generic[K]):
             # The common case (one block's room), without the bookkeeping of the general
             # path; falls through when the best head is pinned or has children.
             clock = self._clock
-            best: _Node[K] | None = None
+            best: Node[K] | None = None
             best_score = -1.0
             heads = self._heads
             for c, weight, queue in self._classes:
@@ -241,27 +262,27 @@ class PrefixAwarePolicy(Generic[K]):
         out: list[K] = []
         if count <= 0:
             return out
-        chosen: dict[_Node[K], int] = {}  # node -> how many of its children are in ``out``
-        passed: list[_Node[K]] = []  # evictable nodes passed over for their children
+        chosen: dict[Node[K], int] = {}  # node -> how many of its children are in ``out``
+        passed: list[Node[K]] = []  # evictable nodes passed over for their children
         if self._orphans:
-            self._take_in_order(self._orphans.values(), count, can_evict, out, chosen, passed)
+            take_in_order(self._orphans.values(), count, can_evict, out, chosen, passed)
         if len(out) < count:
             self._take_weighted(count, can_evict, out, chosen, passed)
         if len(out) < count and self._run:
             # The current run holds the youngest blocks: deepest first, only if needed.
-            self._take_in_order(reversed(self._run), count, can_evict, out, chosen, passed)
+            take_in_order(reversed(self._run), count, can_evict, out, chosen, passed)
         if len(out) < count and passed:
-            self._take_passed(count, out, chosen, passed)
+            take_passed(count, out, chosen, passed)
         return out
 
     # ---------------------------------------------------------------------- internals
-    def _unqueue(self, node: _Node[K]) -> None:
+    def _unqueue(self, node: Node[K]) -> None:
         c = node.cls
         del self._queues[c][node.key]
         if self._heads[c] is node:
             self._heads[c] = None
 
-    def _head(self, c: int) -> _Node[K] | None:
+    def _head(self, c: int) -> Node[K] | None:
         head = self._heads[c]
         if head is None:
             queue = self._queues[c]
@@ -277,10 +298,10 @@ class PrefixAwarePolicy(Generic[K]):
             clock += 1
             node.stamp = clock
             if node.orphan:
-                node.where = _ORPHAN
+                node.where = ORPHAN
                 self._orphans[node.key] = node
             else:
-                node.where = _QUEUED
+                node.where = QUEUED
                 reads = node.reads
                 # never-read: 0 at the end of its chain, else 1; read n times: n + 1
                 c = (reads + 1 if reads < top else top) if reads else (1 if node.children else 0)
@@ -288,11 +309,40 @@ class PrefixAwarePolicy(Generic[K]):
                 queues[c][node.key] = node
         self._clock = clock
         self._run.clear()
+        if clock >= self._reweigh_at and self._adaptive:
+            self._reweigh()
 
-    def _orphan_subtree(self, root: _Node[K]) -> None:
+    def _reweigh(self) -> None:
+        """Set the weights of the never-read chain ends and of the read class to
+        ``weight[1] * density[1] / density[class]`` (density: hits per unit of age spent
+        in the class), each within its range, then decay the counts, so the weights
+        follow the trace (5. in the module docstring)."""
+        hits, lives, weights = self._hits, self._lives, self._weights
+        densities = [
+            # hits at age 0 (read before anything else was placed): density infinite
+            h / n if n else (math.inf if h else 0.0)
+            for h, n in zip(hits, lives, strict=True)
+        ]
+        inner = densities[1]
+        for c, (lo, hi) in ((0, END_WEIGHT_RANGE), (self._top, READ_WEIGHT_RANGE)):
+            d = densities[c]
+            if not (inner or d):
+                continue  # no evidence yet: keep the weight
+            w = weights[1] if d == inner else hi if d == 0 else weights[1] * inner / d
+            weights[c] = lo if w < lo else hi if w > hi else w
+        for counts in (hits, lives):
+            for c in range(len(counts)):
+                counts[c] *= REWEIGH_DECAY
+        self._reweigh_at = self._clock + max(REWEIGH_MIN, int(REWEIGH_FACTOR * self._most))
+        self._classes = self._class_table()
+
+    def _class_table(self) -> tuple[tuple[int, float, OrderedDict[K, Node[K]]], ...]:
+        return tuple(zip(range(len(self._queues)), self._weights, self._queues, strict=True))
+
+    def _orphan_subtree(self, root: Node[K]) -> None:
         """A subtree lost its parent: no block in it can be a prefix hit here any more, so
         all of it moves to the orphan queue, deepest first."""
-        found: list[_Node[K]] = []
+        found: list[Node[K]] = []
         stack = [root]
         while stack:
             node = stack.pop()
@@ -303,40 +353,18 @@ class PrefixAwarePolicy(Generic[K]):
             if node.kids:
                 stack.extend(node.kids)
         for node in reversed(found):  # children were found after their parents
-            if node.where == _QUEUED:
+            if node.where == QUEUED:
                 self._unqueue(node)
-                node.where = _ORPHAN
+                node.where = ORPHAN
                 self._orphans[node.key] = node
-
-    @staticmethod
-    def _take_in_order(
-        nodes: Iterable[_Node[K]],
-        count: int,
-        can_evict: Callable[[K], bool],
-        out: list[K],
-        chosen: dict[_Node[K], int],
-        passed: list[_Node[K]],
-    ) -> None:
-        for node in nodes:
-            if not can_evict(node.key):
-                continue
-            if node.children and chosen.get(node, 0) < node.children:
-                passed.append(node)
-                continue
-            out.append(node.key)
-            p = node.parent
-            if p is not None:
-                chosen[p] = chosen.get(p, 0) + 1
-            if len(out) >= count:
-                return
 
     def _take_weighted(
         self,
         count: int,
         can_evict: Callable[[K], bool],
         out: list[K],
-        chosen: dict[_Node[K], int],
-        passed: list[_Node[K]],
+        chosen: dict[Node[K], int],
+        passed: list[Node[K]],
     ) -> None:
         """Repeatedly take the queue head with the largest ``age * weight``.  A node
         whose children are still cached is passed over, not moved: its descendants go
@@ -345,7 +373,7 @@ class PrefixAwarePolicy(Generic[K]):
         weights = self._weights
         clock = self._clock
         heads = [self._head(c) for c in range(len(queues))]
-        iters: list[Iterator[_Node[K]] | None] = [None] * len(queues)
+        iters: list[Iterator[Node[K]] | None] = [None] * len(queues)
         taken = -1  # the class whose head was just taken; advanced only if we go on
         while len(out) < count:
             if taken >= 0:
@@ -375,27 +403,3 @@ class PrefixAwarePolicy(Generic[K]):
             p = node.parent
             if p is not None:
                 chosen[p] = chosen.get(p, 0) + 1
-
-    @staticmethod
-    def _take_passed(
-        count: int, out: list[K], chosen: dict[_Node[K], int], passed: list[_Node[K]]
-    ) -> None:
-        """Nothing else is left: take passed-over nodes, those whose children are all
-        chosen first, then the rest (their children are pinned; better an orphan than a
-        put failing with NoSpace while something is evictable)."""
-        waiting = passed
-        while waiting and len(out) < count:
-            later: list[_Node[K]] = []
-            for node in waiting:
-                if chosen.get(node, 0) >= node.children and len(out) < count:
-                    out.append(node.key)
-                    p = node.parent
-                    if p is not None:
-                        chosen[p] = chosen.get(p, 0) + 1
-                else:
-                    later.append(node)
-            if len(later) == len(waiting):  # no progress: the guard cannot be met
-                for node in later[: count - len(out)]:
-                    out.append(node.key)
-                return
-            waiting = later

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvpool.core.eviction import LRUPolicy
-from kvpool.core.prefix_aware import REUSE_WEIGHTS, PrefixAwarePolicy
+from kvpool.core.prefix_aware import READ_WEIGHT_RANGE, REUSE_WEIGHTS, PrefixAwarePolicy
 from tests.core.policy_calls import Model, Op, always, chain, ops_strategy, read, run_ops
 
 
@@ -188,3 +188,56 @@ def test_prefix_aware_chooses_children_before_their_parents(ops: list[Op]) -> No
                 assert child in position and position[child] < i, (key, child, victims)
 
     run_ops("prefix_aware", ops, check)
+
+
+def replay(policy: PrefixAwarePolicy[str], requests: list[list[str]], capacity: int) -> None:
+    """Requests as chains of keys against ``capacity`` blocks: leading cached keys are
+    read, the rest written, one victim at a time (the index's calls)."""
+    cached: set[str] = set()
+    for keys in requests:
+        h = 0
+        while h < len(keys) and keys[h] in cached:
+            h += 1
+        for k in keys[:h]:
+            policy.on_access(k)
+        for j in range(h, len(keys)):
+            if len(cached) >= capacity:
+                (victim,) = policy.choose_victims(1, lambda k, hit=keys[:h]: k not in hit)
+                cached.discard(victim)
+                policy.on_remove(victim)
+            cached.add(keys[j])
+            policy.on_insert(keys[j], keys[j - 1] if j else None)
+
+
+def read_once_trace() -> list[list[str]]:
+    """Each chain's root is read once, five requests after it was written, then never."""
+    out: list[list[str]] = []
+    for i in range(400):
+        out.append([f"p{i}", f"q{i}"])
+        if i >= 5:
+            out.append([f"p{i - 5}"])
+    return out
+
+
+def read_often_trace() -> list[list[str]]:
+    """A hot block read by every request, between one-shot chains never read."""
+    return [["hot"]] + [k for i in range(400) for k in (["hot"], [f"u{i}", f"v{i}"])]
+
+
+def test_the_read_weight_rises_when_read_blocks_are_not_read_again() -> None:
+    p: PrefixAwarePolicy[str] = PrefixAwarePolicy()
+    replay(p, read_once_trace(), 30)
+    assert p.weights[-1] == READ_WEIGHT_RANGE[1]
+    assert p.weights[:-1] == REUSE_WEIGHTS[:-1]  # only the read class's weight moves
+
+
+def test_the_read_weight_falls_when_read_blocks_are_read_again() -> None:
+    p: PrefixAwarePolicy[str] = PrefixAwarePolicy()
+    replay(p, read_often_trace(), 30)
+    assert p.weights[-1] == READ_WEIGHT_RANGE[0]
+
+
+def test_fixed_weights_stay_without_adaptation() -> None:
+    p: PrefixAwarePolicy[str] = PrefixAwarePolicy(adaptive=False)
+    replay(p, read_once_trace(), 30)
+    assert p.weights == REUSE_WEIGHTS
