@@ -279,11 +279,21 @@ class Client(Closing):
     ) -> None:
         """The two round trips of :meth:`batch_put` for ``keys[i] for i in sent``."""
         chained = [parents[i] for i in sent] if parents is not None and any(parents) else []
-        reply = self.call(
-            m.BatchPutStart(
-                self.client_id, [keys[i] for i in sent], [len(views[i]) for i in sent], chained
-            )
+        digests: dict[int, int] = {}
+
+        def hash_values() -> None:
+            for i in sent:
+                digests[i] = checksum(views[i])
+
+        # as put_from does: the values are hashed while BatchPutStart is in flight
+        total = sum(len(views[i]) for i in sent)
+        overlap = self.link.pipelined and total <= self.overlap_checksum_max
+        start = m.BatchPutStart(
+            self.client_id, [keys[i] for i in sent], [len(views[i]) for i in sent], chained
         )
+        reply = self.link.call(start, hash_values if overlap else None)
+        if isinstance(reply, Error):
+            raise reply.to_exception()
         assert isinstance(reply, m.Placements)
         by_node: dict[str, list[int]] = {}
         for i, placement in zip(sent, reply.items, strict=True):
@@ -316,7 +326,7 @@ class Client(Closing):
                 m.BatchPutEnd(
                     self.client_id,
                     [keys[i] for i in written],
-                    [checksum(views[i]) for i in written],
+                    [digests[i] if i in digests else checksum(views[i]) for i in written],
                 )
             )
             assert isinstance(ended, m.Bools)
