@@ -40,7 +40,6 @@ import logging
 import socket
 import ssl
 import threading
-from dataclasses import dataclass, field
 
 from kvpool.closing import Serving
 from kvpool.core.credentials import Credential
@@ -66,7 +65,9 @@ from kvpool.protocol.data import (
     SegmentDemote,
     SegmentInfoReply,
     SegmentRead,
+    SegmentReadMany,
     SegmentWrite,
+    SegmentWriteMany,
     SsdRead,
     SsdRemove,
     error_reply,
@@ -78,7 +79,7 @@ from kvpool.transfer.auth import admit
 from kvpool.transfer.budget import ByteBudget
 from kvpool.transfer.channel import Channel
 from kvpool.transfer.framing import BadRequest
-from kvpool.transfer.server import ThreadedServer
+from kvpool.transfer.server import ServerStats, ThreadedServer, keepalive
 
 __all__ = [
     "DATA_IDLE_TIMEOUT_S",
@@ -97,26 +98,6 @@ DATA_IDLE_TIMEOUT_S = 120.0
 DATA_MAX_CONNECTIONS = 256
 #: Bytes of SSD objects being read into memory for sending, all connections together.
 SSD_READ_BUDGET = 256 << 20
-
-
-@dataclass
-class ServerStats:
-    """Counters since start (monotonic, for metrics).  Read freely; update with :meth:`add`
-    (connection threads update concurrently, and ``+=`` on an attribute is not atomic)."""
-
-    connections: int = 0
-    requests: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    error_replies: int = 0
-    protocol_errors: int = 0
-    dropped_connections: int = 0
-    refused_auth: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, name: str, amount: int = 1) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + amount)
 
 
 class SegmentServer(Serving):
@@ -238,7 +219,7 @@ class SegmentServer(Serving):
     def _serve_connection(self, conn: socket.socket) -> None:
         """One client's conversation, in its own thread (the server closes ``conn``)."""
         framing.tune_socket(conn)
-        _keepalive(conn)
+        keepalive(conn)
         if self.credential is not None and not self._admitted(conn):
             return
         channel: Channel[DataReply, DataRequest] = Channel(
@@ -283,11 +264,14 @@ class SegmentServer(Serving):
         self,
         channel: Channel[DataReply, DataRequest],
         reply: DataReply,
-        payload: memoryview | None = None,
+        payload: memoryview | list[memoryview] | None = None,
     ) -> None:
         if isinstance(reply, Error):
             self.stats.add("error_replies")
-        channel.send(reply, payload)
+        if isinstance(payload, list):
+            channel.send_parts(reply, payload)  # a ranged read: the views, gathered
+        else:
+            channel.send(reply, payload)
 
     def _serve_one(self, channel: Channel[DataReply, DataRequest]) -> bool:
         """Handle one request; ``False`` when the peer closed cleanly."""
@@ -313,14 +297,16 @@ class SegmentServer(Serving):
         try:
             self._reply(channel, reply, payload)
         finally:
-            if isinstance(request, SsdRead) and payload is not None:
+            if isinstance(request, SsdRead) and isinstance(payload, memoryview):
                 payload.release()
                 self.ssd_reads.give(request.length)
         return True
 
     def _handle(
         self, channel: Channel[DataReply, DataRequest], request: DataRequest, payload_length: int
-    ) -> tuple[DataReply, memoryview | None]:
+    ) -> tuple[DataReply, memoryview | list[memoryview] | None]:
+        if isinstance(request, SegmentReadMany | SegmentWriteMany):
+            return self._ranges(channel, request, payload_length)
         expected = request.length if isinstance(request, SegmentWrite) else 0
         if payload_length != expected:
             channel.discard_payload(payload_length)
@@ -354,6 +340,34 @@ class SegmentServer(Serving):
         info = SegmentInfoReply(request.segment_id, segment.size, segment.name, self.host_token)
         return info, None
 
+    def _ranges(
+        self,
+        channel: Channel[DataReply, DataRequest],
+        request: SegmentReadMany | SegmentWriteMany,
+        payload_length: int,
+    ) -> tuple[DataReply, list[memoryview] | None]:
+        """A batch in one request: every range is checked before a byte moves, so a
+        refusal leaves nothing half done (the client then asks per range)."""
+        total = sum(length for _, _, length in request.ranges)
+        write = isinstance(request, SegmentWriteMany)
+        if payload_length != (total if write else 0):
+            channel.discard_payload(payload_length)
+            raise ProtocolError(
+                f"{type(request).__name__} of {total} bytes, frame carries {payload_length}"
+            )
+        try:
+            views = [self._segment(s).view(o, n) for s, o, n in request.ranges]
+        except KVPoolError:
+            channel.discard_payload(payload_length)
+            raise
+        if not write:
+            self.stats.add("bytes_read", total)
+            return Ok(total), views
+        for target in views:
+            channel.recv_payload_into(target)  # straight into the segments' memory
+        self.stats.add("bytes_written", total)
+        return Ok(), None
+
     def _demote(self, request: SegmentDemote) -> tuple[DataReply, memoryview | None]:
         if self.ssd is None:
             raise UnknownSegment("this node has no SSD tier")
@@ -385,12 +399,3 @@ class SegmentServer(Serving):
             raise
         self.stats.add("bytes_read", size)
         return Ok(size), buf
-
-
-def _keepalive(conn: socket.socket) -> None:
-    """Let the kernel find clients that vanished without a FIN (host down, partition):
-    an idle connection waits without a timeout, so without this it would wait forever."""
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, option):  # Linux names; other systems keep their defaults
-            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
