@@ -84,6 +84,7 @@ from kvpool.transfer.server import ServerStats, ThreadedServer, keepalive
 __all__ = [
     "DATA_IDLE_TIMEOUT_S",
     "DATA_MAX_CONNECTIONS",
+    "MAX_RANGES",
     "SSD_READ_BUDGET",
     "SegmentServer",
     "ServerStats",
@@ -98,6 +99,9 @@ DATA_IDLE_TIMEOUT_S = 120.0
 DATA_MAX_CONNECTIONS = 256
 #: Bytes of SSD objects being read into memory for sending, all connections together.
 SSD_READ_BUDGET = 256 << 20
+#: Ranges per SegmentReadMany / SegmentWriteMany (a reply's views go in one sendmsg,
+#: which takes at most 1024 buffers).
+MAX_RANGES = 512
 
 
 class SegmentServer(Serving):
@@ -350,10 +354,16 @@ class SegmentServer(Serving):
         refusal leaves nothing half done (the client then asks per range)."""
         total = sum(length for _, _, length in request.ranges)
         write = isinstance(request, SegmentWriteMany)
+        name = type(request).__name__
         if payload_length != (total if write else 0):
             channel.discard_payload(payload_length)
+            raise ProtocolError(f"{name} of {total} bytes, frame carries {payload_length}")
+        if len(request.ranges) > MAX_RANGES or total > DATA_REPLY_CODEC.max_payload:
+            # a reply is one sendmsg of its views, and one frame
+            channel.discard_payload(payload_length)
             raise ProtocolError(
-                f"{type(request).__name__} of {total} bytes, frame carries {payload_length}"
+                f"{name} of {len(request.ranges)} ranges and {total} bytes: at most "
+                f"{MAX_RANGES} ranges and {DATA_REPLY_CODEC.max_payload} bytes per request"
             )
         try:
             views = [self._segment(s).view(o, n) for s, o, n in request.ranges]
