@@ -58,7 +58,7 @@ from kvpool.protocol import messages as m
 from kvpool.service.client import Client
 from kvpool.service.master import MasterService
 from kvpool.storage.segment import Segment
-from kvpool.testing.processes import start_master
+from kvpool.testing.processes import PoolProcess
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.segment_server import SegmentServer
 
@@ -351,7 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [SIZES[s] for s in args.sizes.split(",")]
     biggest = max(sizes)
     # room for every fresh put key of the run (evictions keep it bounded anyway)
-    with start_master("--segment_size", str(max(512 << 20, biggest * 24))) as master:
+    # a loaded host takes more than the default 30 s to start and populate the segment
+    segment = str(max(512 << 20, biggest * 24))
+    with PoolProcess(
+        ["master", "--port", "0", "--segment_size", segment], ready_timeout_s=180
+    ) as master:
         bench = Bench(master.address, args.seconds)
         table: list[Row] = []
         for size in sizes:
