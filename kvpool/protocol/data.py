@@ -4,6 +4,8 @@ Conversation on one connection (strictly request → reply, one at a time)::
 
     SegmentWrite(segment_id, offset, length) + payload of `length` bytes  →  Ok(length=0)
     SegmentRead(segment_id, offset, length)                               →  Ok(length) + payload
+    SegmentWriteMany(ranges) + the ranges' bytes back to back             →  Ok(length=0)
+    SegmentReadMany(ranges)                                               →  Ok(total) + payload
     SegmentInfo(segment_id)                                               →  SegmentInfoReply
     SsdRead(key, length)                                                  →  Ok(length) + payload
     any request the node cannot honour                                    →  Error(code, message)
@@ -35,7 +37,9 @@ __all__ = [
     "SegmentInfo",
     "SegmentInfoReply",
     "SegmentRead",
+    "SegmentReadMany",
     "SegmentWrite",
+    "SegmentWriteMany",
     "SsdRead",
     "SsdRemove",
     "error_reply",
@@ -56,6 +60,28 @@ class SegmentRead(msgspec.Struct, frozen=True, tag=True):
     segment_id: str
     offset: int
     length: int
+
+
+#: one range of a batch: segment id, offset in it, length
+Range = tuple[str, int, int]
+
+
+class SegmentWriteMany(msgspec.Struct, frozen=True, tag=True):
+    """Write several ranges in one exchange; the payload is their bytes back to back, in
+    order.  A batch costs the node one request instead of one per value.  All or nothing:
+    if any range cannot be written (unknown segment, out of range), the payload is
+    drained, nothing is written and the reply is one ``Error``; a client that needs to
+    know which range was refused asks again per range."""
+
+    ranges: list[Range]
+
+
+class SegmentReadMany(msgspec.Struct, frozen=True, tag=True):
+    """Read several ranges in one exchange; the reply ``Ok(total)`` carries them back to
+    back, in order.  All or nothing, as :class:`SegmentWriteMany`: a range the node
+    cannot serve makes the reply one ``Error`` with no payload."""
+
+    ranges: list[Range]
 
 
 class SsdRead(msgspec.Struct, frozen=True, tag=True):
@@ -126,7 +152,16 @@ def error_reply(exc: BaseException) -> Error:
     return Error(error_code(exc), str(exc) or type(exc).__name__)
 
 
-DataRequest = SegmentWrite | SegmentRead | SegmentInfo | SsdRead | SegmentDemote | SsdRemove
+DataRequest = (
+    SegmentWrite
+    | SegmentRead
+    | SegmentInfo
+    | SsdRead
+    | SegmentDemote
+    | SsdRemove
+    | SegmentWriteMany
+    | SegmentReadMany
+)
 DataReply = Ok | Error | SegmentInfoReply
 
 DATA_REQUEST_CODEC: Codec[DataRequest] = Codec(DataRequest)

@@ -33,7 +33,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
@@ -107,11 +107,14 @@ class Channel(Generic[S, R]):
 
     def send(self, message: S, payload: memoryview | None = None) -> None:
         """Send one frame (``payload`` must be a flat byte view) within ``timeout_s``."""
-        length = 0 if payload is None else len(payload)
+        self.send_parts(message, () if payload is None or not len(payload) else (payload,))
+
+    def send_parts(self, message: S, parts: Sequence[memoryview]) -> None:
+        """Send one frame whose payload is ``parts`` (flat byte views) back to back, in
+        one ``sendmsg`` gathering them (a batch of values without joining them)."""
+        length = sum(len(p) for p in parts) if parts else 0
         head = self._send_codec.encode(message, length)
-        buffers: list[bytes | memoryview] = [head]
-        if payload is not None and length:
-            buffers.append(payload)
+        buffers: list[bytes | memoryview] = [head, *parts]
         if self._tls:
             self._send_tls(buffers)
             return
@@ -127,8 +130,8 @@ class Channel(Generic[S, R]):
     def _send_tls(self, buffers: list[bytes | memoryview]) -> None:
         """An SSLSocket has no ``sendmsg``: a small frame is joined into one TLS record,
         a large payload follows its header (``sendall`` splits it into records)."""
-        if len(buffers) == 2 and len(buffers[1]) <= SMALL_PAYLOAD:
-            buffers = [bytes(buffers[0]) + bytes(buffers[1])]
+        if len(buffers) > 1 and sum(len(b) for b in buffers[1:]) <= SMALL_PAYLOAD:
+            buffers = [b"".join(bytes(b) for b in buffers)]
         try:
             for buffer in buffers:
                 self.sock.sendall(buffer)

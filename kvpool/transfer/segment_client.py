@@ -36,7 +36,9 @@ from kvpool.protocol.data import (
     SegmentInfo,
     SegmentInfoReply,
     SegmentRead,
+    SegmentReadMany,
     SegmentWrite,
+    SegmentWriteMany,
     SsdRead,
     SsdRemove,
 )
@@ -48,8 +50,11 @@ from kvpool.transfer.tls import wrap_client
 
 __all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
 
-# Requests in flight per pipelined batch (write_many / read_many_into).
+# Requests in flight per pipelined batch (write_many / read_many_into), and values per
+# ranged request (one sendmsg gathers them: well under the kernel's 1024 iovecs).
 PIPELINE_DEPTH = 64
+# Bytes per ranged request: a window's frame stays far below the codec's payload limit.
+WINDOW_BYTES = 256 << 20
 # A connection unused this long is checked before reuse: the server closes idle ones.
 _REUSE_CHECK_S = 1.0
 
@@ -170,15 +175,71 @@ class SegmentConnection(Closing):
         other items still happen).  A broken connection raises for the whole batch.
         """
         views = [byte_view(buffer) for _, _, buffer in items]
-        requests = [SegmentWrite(s, o, len(v)) for (s, o, _), v in zip(items, views, strict=True)]
-        return self._pipeline(requests, views, [None] * len(items))
+        return self._batch(items, views, write=True)
 
     def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
         """Pipelined :meth:`read_into` of ``(segment_id, offset, buffer)`` items; see
         :meth:`write_many` for the results."""
         views = [writable_byte_view(buffer) for _, _, buffer in items]
-        requests = [SegmentRead(s, o, len(v)) for (s, o, _), v in zip(items, views, strict=True)]
-        return self._pipeline(requests, [None] * len(items), views)
+        return self._batch(items, views, write=False)
+
+    def _batch(
+        self, items: Sequence[tuple[str, int, Any]], views: list[memoryview], *, write: bool
+    ) -> list[KVPoolError | None]:
+        """Windows of up to :data:`PIPELINE_DEPTH` items (and :data:`WINDOW_BYTES`), each
+        one ranged request (:class:`SegmentWriteMany` / :class:`SegmentReadMany`): the
+        node handles one request per window, not one per value.  A window the node
+        refuses as a whole is asked again item by item, so each item gets its own
+        result."""
+        results: list[KVPoolError | None] = []
+        for window in _windows(views):
+            chunk = [(items[i][0], items[i][1], len(views[i])) for i in window]
+            parts = [views[i] for i in window]
+            if len(window) > 1:
+                refused = self._ranged(chunk, parts, write)
+                if refused is None:
+                    results.extend([None] * len(window))
+                    continue
+                if refused.code in (Overloaded.code, AuthError.code):
+                    self.close()  # the server closes a refused connection
+                    return results + [refused.to_exception()] * (len(items) - len(results))
+            done = self._pipeline_items(chunk, parts, write)
+            results.extend(done)
+            if done and isinstance(done[-1], Overloaded):  # nothing after it was served
+                return results + [done[-1]] * (len(items) - len(results))
+        return results
+
+    def _ranged(
+        self, ranges: list[tuple[str, int, int]], parts: list[memoryview], write: bool
+    ) -> Error | None:
+        """One ranged exchange; the node's refusal (nothing was moved), or None."""
+        with self._lock:
+            channel = self._connected()
+            try:
+                deadline = framing.deadline_after(self.timeout_s)
+                if write:
+                    channel.send_parts(SegmentWriteMany(ranges), parts)
+                else:
+                    channel.send(SegmentReadMany(ranges))
+                reply, length = channel.recv(deadline)
+                expected = 0 if write or isinstance(reply, Error) else sum(len(p) for p in parts)
+                if length != expected or not isinstance(reply, Ok | Error):
+                    raise ProtocolError(f"unexpected reply to a ranged transfer: {reply!r}")
+                for part in parts if length else ():
+                    channel.recv_payload_into(part)
+            except KVPoolError:
+                self._drop()
+                raise
+        return reply if isinstance(reply, Error) else None
+
+    def _pipeline_items(
+        self, ranges: list[tuple[str, int, int]], parts: list[memoryview], write: bool
+    ) -> list[KVPoolError | None]:
+        if write:
+            requests: list[DataRequest] = [SegmentWrite(*r) for r in ranges]
+            return self._pipeline(requests, parts, [None] * len(parts))
+        requests = [SegmentRead(*r) for r in ranges]
+        return self._pipeline(requests, [None] * len(parts), parts)
 
     def _pipeline(
         self,
@@ -261,6 +322,21 @@ class SegmentConnection(Closing):
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+def _windows(views: Sequence[memoryview]) -> list[range]:
+    """Consecutive index ranges of at most PIPELINE_DEPTH views and WINDOW_BYTES bytes
+    (a single larger view is a window of its own)."""
+    windows: list[range] = []
+    start, size = 0, 0
+    for i, view in enumerate(views):
+        if i > start and (i - start >= PIPELINE_DEPTH or size + len(view) > WINDOW_BYTES):
+            windows.append(range(start, i))
+            start, size = i, 0
+        size += len(view)
+    if start < len(views):
+        windows.append(range(start, len(views)))
+    return windows
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

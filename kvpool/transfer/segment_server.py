@@ -46,7 +46,6 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass, field
 
 from msgspec import structs
 
@@ -74,7 +73,9 @@ from kvpool.protocol.data import (
     SegmentDemote,
     SegmentInfoReply,
     SegmentRead,
+    SegmentReadMany,
     SegmentWrite,
+    SegmentWriteMany,
     SsdRead,
     SsdRemove,
     error_reply,
@@ -86,11 +87,12 @@ from kvpool.transfer.auth import admit
 from kvpool.transfer.budget import ByteBudget
 from kvpool.transfer.channel import Channel
 from kvpool.transfer.framing import BadRequest
-from kvpool.transfer.server import ThreadedServer
+from kvpool.transfer.server import ServerStats, ThreadedServer, keepalive
 
 __all__ = [
     "DATA_IDLE_TIMEOUT_S",
     "DATA_MAX_CONNECTIONS",
+    "MAX_RANGES",
     "SSD_READ_BUDGET",
     "SegmentServer",
     "ServerStats",
@@ -105,27 +107,9 @@ DATA_IDLE_TIMEOUT_S = 120.0
 DATA_MAX_CONNECTIONS = 256
 #: Bytes of SSD objects being read into memory for sending, all connections together.
 SSD_READ_BUDGET = 256 << 20
-
-
-@dataclass
-class ServerStats:
-    """Counters since start (monotonic, for metrics).  Read freely; update with :meth:`add`
-    (connection threads update concurrently, and ``+=`` on an attribute is not atomic)."""
-
-    connections: int = 0
-    requests: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    error_replies: int = 0
-    protocol_errors: int = 0
-    dropped_connections: int = 0
-    refused_auth: int = 0
-    refused_grants: int = 0  # a tenant's requests without a valid grant
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, name: str, amount: int = 1) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + amount)
+#: Ranges per SegmentReadMany / SegmentWriteMany (a reply's views go in one sendmsg,
+#: which takes at most 1024 buffers).
+MAX_RANGES = 512
 
 
 class SegmentServer(Serving):
@@ -248,7 +232,7 @@ class SegmentServer(Serving):
     def _serve_connection(self, conn: socket.socket) -> None:
         """One client's conversation, in its own thread (the server closes ``conn``)."""
         framing.tune_socket(conn)
-        _keepalive(conn)
+        keepalive(conn)
         tenant = ""
         if self.credential is not None:
             identity = self._admitted(conn)
@@ -294,34 +278,46 @@ class SegmentServer(Serving):
             return None
 
     def _granted(self, tenant: str, request: DataRequest) -> DataRequest:
-        """A tenant's request as served (its segment id without the grant), or the
-        AuthError that refuses it."""
+        """A tenant's request as served (its segment ids without the grants), or the
+        AuthError that refuses it.  A batch is checked range by range, each against its
+        own grant, before any byte moves."""
+        if isinstance(request, SegmentReadMany | SegmentWriteMany):
+            op = "w" if isinstance(request, SegmentWriteMany) else "r"
+            ranges = [(self._check(tenant, s, op, o, n), o, n) for s, o, n in request.ranges]
+            return structs.replace(request, ranges=ranges)
         if not isinstance(request, SegmentRead | SegmentWrite):
             raise AuthError(
                 f"tenant {tenant}: {type(request).__name__} is not open to a tenant's "
                 "connection (reads and writes with a grant only)"
             )
-        assert self.credential is not None
-        segment_id, _, grant = request.segment_id.partition("#")
         op = "w" if isinstance(request, SegmentWrite) else "r"
+        segment_id = self._check(tenant, request.segment_id, op, request.offset, request.length)
+        return structs.replace(request, segment_id=segment_id)
+
+    def _check(self, tenant: str, granted_id: str, op: str, offset: int, length: int) -> str:
+        """The segment id of ``granted_id`` (``segment#grant``) once its grant lets
+        ``tenant`` do ``op`` on that range."""
+        assert self.credential is not None
+        segment_id, _, grant = granted_id.partition("#")
         node_key = self._node_key
         if not node_key:  # derived once: the grants of every request are MACed with it
             node_key = self._node_key = self.credential.node_key_of(self.server_id)
         now_ms = time.time_ns() // 1_000_000
-        check_grant(
-            node_key, tenant, segment_id, grant, op, request.offset, request.length, now_ms
-        )
-        return structs.replace(request, segment_id=segment_id)
+        check_grant(node_key, tenant, segment_id, grant, op, offset, length, now_ms)
+        return segment_id
 
     def _reply(
         self,
         channel: Channel[DataReply, DataRequest],
         reply: DataReply,
-        payload: memoryview | None = None,
+        payload: memoryview | list[memoryview] | None = None,
     ) -> None:
         if isinstance(reply, Error):
             self.stats.add("error_replies")
-        channel.send(reply, payload)
+        if isinstance(payload, list):
+            channel.send_parts(reply, payload)  # a ranged read: the views, gathered
+        else:
+            channel.send(reply, payload)
 
     def _serve_one(self, channel: Channel[DataReply, DataRequest], tenant: str = "") -> bool:
         """Handle one request; ``False`` when the peer closed cleanly."""
@@ -354,14 +350,16 @@ class SegmentServer(Serving):
         try:
             self._reply(channel, reply, payload)
         finally:
-            if isinstance(request, SsdRead) and payload is not None:
+            if isinstance(request, SsdRead) and isinstance(payload, memoryview):
                 payload.release()
                 self.ssd_reads.give(request.length)
         return True
 
     def _handle(
         self, channel: Channel[DataReply, DataRequest], request: DataRequest, payload_length: int
-    ) -> tuple[DataReply, memoryview | None]:
+    ) -> tuple[DataReply, memoryview | list[memoryview] | None]:
+        if isinstance(request, SegmentReadMany | SegmentWriteMany):
+            return self._ranges(channel, request, payload_length)
         expected = request.length if isinstance(request, SegmentWrite) else 0
         if payload_length != expected:
             channel.discard_payload(payload_length)
@@ -395,6 +393,40 @@ class SegmentServer(Serving):
         info = SegmentInfoReply(request.segment_id, segment.size, segment.name, self.host_token)
         return info, None
 
+    def _ranges(
+        self,
+        channel: Channel[DataReply, DataRequest],
+        request: SegmentReadMany | SegmentWriteMany,
+        payload_length: int,
+    ) -> tuple[DataReply, list[memoryview] | None]:
+        """A batch in one request: every range is checked before a byte moves, so a
+        refusal leaves nothing half done (the client then asks per range)."""
+        total = sum(length for _, _, length in request.ranges)
+        write = isinstance(request, SegmentWriteMany)
+        name = type(request).__name__
+        if payload_length != (total if write else 0):
+            channel.discard_payload(payload_length)
+            raise ProtocolError(f"{name} of {total} bytes, frame carries {payload_length}")
+        if len(request.ranges) > MAX_RANGES or total > DATA_REPLY_CODEC.max_payload:
+            # a reply is one sendmsg of its views, and one frame
+            channel.discard_payload(payload_length)
+            raise ProtocolError(
+                f"{name} of {len(request.ranges)} ranges and {total} bytes: at most "
+                f"{MAX_RANGES} ranges and {DATA_REPLY_CODEC.max_payload} bytes per request"
+            )
+        try:
+            views = [self._segment(s).view(o, n) for s, o, n in request.ranges]
+        except KVPoolError:
+            channel.discard_payload(payload_length)
+            raise
+        if not write:
+            self.stats.add("bytes_read", total)
+            return Ok(total), views
+        for target in views:
+            channel.recv_payload_into(target)  # straight into the segments' memory
+        self.stats.add("bytes_written", total)
+        return Ok(), None
+
     def _demote(self, request: SegmentDemote) -> tuple[DataReply, memoryview | None]:
         if self.ssd is None:
             raise UnknownSegment("this node has no SSD tier")
@@ -426,12 +458,3 @@ class SegmentServer(Serving):
             raise
         self.stats.add("bytes_read", size)
         return Ok(size), buf
-
-
-def _keepalive(conn: socket.socket) -> None:
-    """Let the kernel find clients that vanished without a FIN (host down, partition):
-    an idle connection waits without a timeout, so without this it would wait forever."""
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, option):  # Linux names; other systems keep their defaults
-            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)

@@ -33,12 +33,21 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvpool.closing import Serving
 from kvpool.errors import AuthError, PeerTimeout, TransferError
 from kvpool.transfer.tls import accept_tls
 
-__all__ = ["ACCEPT_POLL_S", "LINGER_S", "MAX_CONNECTIONS", "MAX_LINGERING", "ThreadedServer"]
+__all__ = [
+    "ACCEPT_POLL_S",
+    "LINGER_S",
+    "MAX_CONNECTIONS",
+    "MAX_LINGERING",
+    "ServerStats",
+    "ThreadedServer",
+    "keepalive",
+]
 
 log = logging.getLogger(__name__)
 
@@ -240,3 +249,33 @@ class ThreadedServer(Serving):
             conn.close()
             with self._lock:
                 self._lingering -= 1
+
+
+@dataclass
+class ServerStats:
+    """Counters since start (monotonic, for metrics).  Read freely; update with :meth:`add`
+    (connection threads update concurrently, and ``+=`` on an attribute is not atomic)."""
+
+    connections: int = 0
+    requests: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    error_replies: int = 0
+    protocol_errors: int = 0
+    dropped_connections: int = 0
+    refused_auth: int = 0
+    refused_grants: int = 0  # a tenant's requests without a valid grant
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + amount)
+
+
+def keepalive(conn: socket.socket) -> None:
+    """Let the kernel find clients that vanished without a FIN (host down, partition):
+    an idle connection waits without a timeout, so without this it would wait forever."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):  # Linux names; other systems keep their defaults
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)

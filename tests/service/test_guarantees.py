@@ -190,6 +190,24 @@ def test_a_corrupt_copy_found_by_a_batch_read_leaves_the_index() -> None:
         assert c.get("bad") == b"n" * 5000
 
 
+def test_a_pipelined_tcp_batch_read_is_a_miss_for_a_corrupt_copy_only() -> None:
+    # over TCP the batch is one pipelined transfer: each value is still checked alone
+    with (
+        start_master("--segment_size", "4MiB") as master,
+        Client(master.address, allow_shm=False) as c,
+    ):
+        keys = ["a", "bad", "c"]
+        assert c.batch_put(keys, [b"a" * 5000, b"b" * 5000, b"c" * 7000]) == [None] * 3
+        corrupt(c, "bad")
+        buffers = [bytearray(5000), bytearray(5000), bytearray(8000), bytearray(10)]
+        assert c.batch_get_into([*keys, "missing"], buffers) == [5000, -1, 7000, -1]
+        assert bytes(buffers[0]) == b"a" * 5000 and bytes(buffers[2][:7000]) == b"c" * 7000
+        assert c.batch_exists(keys) == [True, False, True]
+        with pytest.raises(ValueError, match="c: buffer of 10 bytes is too small for 7000"):
+            c.batch_get_into(["a", "c"], [bytearray(5000), bytearray(10)])
+        assert c.get("a") == b"a" * 5000  # the refused batch's leases were released
+
+
 # ------------------------------------------------------------ bad input is never INTERNAL
 def internal_errors(master: PoolProcess) -> list[str]:
     from kvpool.net import http_get

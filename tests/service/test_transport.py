@@ -96,7 +96,7 @@ def test_every_byte_goes_through_the_clients_transport(master: PoolProcess) -> N
         assert c.batch_put(["a", "b"], [b"a" * 10, b"b" * 20]) == [None, None]
         assert c.batch_get_into(["a", "b"], [bytearray(10), bytearray(20)]) == [10, 20]
         (path,) = transport.paths  # one data path per storage owner, kept open
-    assert path.calls == ["write", "read_into", "write_many", "read_into", "read_into", "close"]
+    assert path.calls == ["write", "read_into", "write_many", "read_many_into", "close"]
 
 
 def test_a_failed_transfer_reopens_the_path_and_frees_the_reservation(

@@ -30,13 +30,14 @@ from kvpool.protocol.data import (
     Error,
     Ok,
     SegmentRead,
+    SegmentReadMany,
     SegmentWrite,
 )
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore, object_path
 from kvpool.transfer import framing
 from kvpool.transfer.segment_client import PIPELINE_DEPTH, SegmentConnection
-from kvpool.transfer.segment_server import DATA_IDLE_TIMEOUT_S, SegmentServer
+from kvpool.transfer.segment_server import DATA_IDLE_TIMEOUT_S, MAX_RANGES, SegmentServer
 from tests.waiting import wait_until
 
 from .conftest import SEGMENT_SIZE
@@ -437,3 +438,44 @@ def test_ssd_reads_share_one_byte_budget(tmp_path: Path, segment: Segment) -> No
                 conn.ssd_read_into("big", buf)
             srv.ssd_reads.give(1)
             assert conn.ssd_read_into("big", buf) == 1 << 20  # the connection goes on
+
+
+def test_a_batch_is_one_request_per_window_and_a_refused_window_is_retried_per_item(
+    server: SegmentServer, segment: Segment
+) -> None:
+    count = PIPELINE_DEPTH + 6  # two windows
+    values = [bytes([i % 251 + 1]) * 1000 for i in range(count)]
+    with connect(server) as conn:
+        before = server.stats.requests
+        assert conn.write_many([("seg0", i * 1000, v) for i, v in enumerate(values)]) == [
+            None
+        ] * count
+        outs = [bytearray(1000) for _ in range(count)]
+        assert conn.read_many_into([("seg0", i * 1000, o) for i, o in enumerate(outs)]) == [
+            None
+        ] * count
+        assert outs == [bytearray(v) for v in values]
+        assert server.stats.requests - before == 4  # a ranged request per window
+        # one bad range: the ranged write is refused whole (nothing of it written), and
+        # the items asked again one by one write the good ones
+        fresh = [b"\xee" * 1000, b"\xdd" * 1000]
+        items: list[tuple[str, int, object]] = [("seg0", 0, fresh[0]), ("nope", 0, fresh[1])]
+        before = server.stats.requests
+        results = conn.write_many(items)
+        assert results[0] is None and isinstance(results[1], UnknownSegment)
+        assert server.stats.requests - before == 3  # the ranged one, then one per item
+        assert conn.read("seg0", 0, 1000) == fresh[0]
+
+
+def test_a_ranged_read_of_too_many_ranges_is_refused_and_the_connection_goes_on(
+    server: SegmentServer,
+) -> None:
+    with raw_socket(server) as sock:
+        too_many = SegmentReadMany([("seg0", 0, 1)] * (MAX_RANGES + 1))
+        sock.sendall(DATA_REQUEST_CODEC.encode(too_many))
+        reply, length = read_reply(sock)
+        assert isinstance(reply, Error) and reply.code == ProtocolError.code and length == 0
+        assert f"at most {MAX_RANGES} ranges" in reply.message
+        sock.sendall(DATA_REQUEST_CODEC.encode(SegmentReadMany([("seg0", 0, 3), ("seg0", 8, 2)])))
+        reply, length = read_reply(sock)
+        assert reply == Ok(5) and length == 5

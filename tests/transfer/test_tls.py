@@ -85,6 +85,21 @@ def test_bytes_round_trip_equal_over_tls(
     assert segment.read(4096, size) == data.tobytes()
 
 
+@pytest.mark.parametrize("size", [100, 1 << 20])  # joined into one record, and not
+def test_a_ranged_batch_round_trips_over_tls(
+    server: SegmentServer, material: Material, size: int
+) -> None:
+    values = [np.full(size, i + 1, dtype=np.uint8) for i in range(5)]
+    with _connect(server, _client(material)) as conn:
+        assert conn.write_many([("seg0", i * size, v) for i, v in enumerate(values)]) == [None] * 5
+        outs = [np.zeros(size, dtype=np.uint8) for _ in values]
+        assert conn.read_many_into([("seg0", i * size, o) for i, o in enumerate(outs)]) == [
+            None
+        ] * 5
+    for v, o in zip(values, outs, strict=True):
+        np.testing.assert_array_equal(v, o)
+
+
 def test_a_client_without_tls_gets_a_clear_error_and_the_server_keeps_serving(
     server: SegmentServer, material: Material
 ) -> None:
