@@ -100,8 +100,8 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["proxy_added_p99"] = proxy["p99"] - row["p99"]
                 row["proxy_ratio_p50"] = proxy["p50"] / row["p50"]
             if target == "proxy":
-                parts = [s["timing"] for s in samples
-                         if s["kind"] == kind and s["target"] == "proxy" and s.get("timing")]  # fmt: skip
+                mine = [s for s in samples if s["kind"] == kind and s["target"] == "proxy"]
+                parts = [s["timing"] for s in mine if s.get("timing")]
                 for name in sorted({k for t in parts for k in t}):
                     values = [t[name] for t in parts if name in t]
                     row[f"{name}_p50"] = percentile(values, 50)
@@ -129,7 +129,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
     parts = [r for r in rows if r["target"] == "proxy" and "prefill_p50" in r]
     if parts:
-        lines += ["", "| prompt | P leg p50/p99 ms | D leg to first bytes p50/p99 ms |", "|---|---|---|"]
+        lines += [
+            "",
+            "| prompt | P leg p50/p99 ms | D leg to first bytes p50/p99 ms |",
+            "|---|---|---|",
+        ]
         for r in parts:
             lines.append(
                 f"| {r['kind']} | {r['prefill_p50']:.1f} / {r['prefill_p99']:.1f} | "
@@ -207,9 +211,9 @@ async def ttft(
                 out["status"] = resp.status
                 out["timing"] = server_timing(resp.headers.get("Server-Timing"))
                 async for line in resp.content:
-                    if line.startswith(b"data: {") and b'"choices"' in line:
-                        if out["ttft_ms"] is None:
-                            out["ttft_ms"] = (time.perf_counter() - started) * 1000
+                    first = out["ttft_ms"] is None
+                    if first and line.startswith(b"data: {") and b'"choices"' in line:
+                        out["ttft_ms"] = (time.perf_counter() - started) * 1000
                 if resp.status != 200:
                     out["ttft_ms"] = None
     except (TimeoutError, OSError, Exception) as exc:  # counted, reported, never fatal
@@ -236,12 +240,10 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
             order = [(k, t) for k in KINDS for t in TARGETS]
             rng.shuffle(order)
             for kind, target in order:
-                prompt = (
-                    repeated
-                    if kind == "repeated"
-                    # a distinct prefix: no block in common with any other prompt
-                    else f"{i} {target} " + sample_text(args.words, seed=10_000 + 3 * i + TARGETS.index(target))
-                )  # fmt: skip
+                # fresh: a distinct prefix, no block in common with any other prompt
+                seed = 10_000 + 3 * i + TARGETS.index(target)
+                fresh = f"{i} {target} " + sample_text(args.words, seed=seed)
+                prompt = repeated if kind == "repeated" else fresh
                 rid = f"b-{run}-{i}-{kind}-{target}"
                 s = await ttft(session, urls[target], prompt, args, rid)
                 s.update(kind=kind, target=target, round=i)
@@ -309,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-args", default="", help="appended to both vLLM command lines")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument(
-        "--hold", metavar="DIR", help="start the stack in DIR, write DIR/stack.json, wait for Ctrl-C"
+        "--hold",
+        metavar="DIR",
+        help="start the stack in DIR, write DIR/stack.json, wait for Ctrl-C",
     )
     p.add_argument("--attach", metavar="DIR", help="measure the stack a --hold run keeps")
     p.add_argument("--shuffle-seed", type=int, default=0)
@@ -346,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         "when": when,
         "load_before": load_before,
         "load_after": os.getloadavg(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores,"
+        f" Python {platform.python_version()}",
         "args": {k: v for k, v in vars(args).items() if k != "markdown"},
         "state": str(state) if args.keep else None,
     }
