@@ -50,7 +50,18 @@ if str(REPO) not in sys.path:  # run as a script: kvpool from this tree
 
 TARGETS = ("proxy", "P", "D")
 KINDS = ("repeated", "fresh")
+# the parts of a proxied request, as the table names them
+PARTS = {
+    "prefill": "P leg ms",
+    "decode_first": "D leg to first bytes ms",
+    "pull": "D's pull ms",
+    "pull_to_report": "pull end → vLLM told, ms",
+    "steps": "D engine steps, pull submitted → told",
+}
 _TIMING = re.compile(r"(\w+);dur=([0-9.]+)")
+_REPORTED = re.compile(
+    r"reported request (\S+): (\d+) engine steps after its pull was submitted, ([0-9.]+) ms"
+)
 _LOADED = re.compile(r"loaded request (\S+) from \S+: (\d+) blocks, (\d+) bytes in ([0-9.]+) ms")
 
 
@@ -128,17 +139,16 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['p99']:.1f} | {r['p99_over_p50']:.2f} | {' | '.join(added)} |"
         )
     parts = [r for r in rows if r["target"] == "proxy" and "prefill_p50" in r]
+    names = [n for n in PARTS if any(f"{n}_p50" in r for r in parts)]
     if parts:
-        lines += [
-            "",
-            "| prompt | P leg p50/p99 ms | D leg to first bytes p50/p99 ms |",
-            "|---|---|---|",
-        ]
+        lines += ["", "| prompt | " + " | ".join(f"{PARTS[n]} p50 / p99" for n in names) + " |"]
+        lines.append("|---|" + "---|" * len(names))
         for r in parts:
-            lines.append(
-                f"| {r['kind']} | {r['prefill_p50']:.1f} / {r['prefill_p99']:.1f} | "
-                f"{r.get('decode_first_p50', 0):.1f} / {r.get('decode_first_p99', 0):.1f} |"
-            )
+            cells = [
+                f"{r[f'{n}_p50']:.1f} / {r[f'{n}_p99']:.1f}" if f"{n}_p50" in r else ""
+                for n in names
+            ]
+            lines.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -175,6 +185,9 @@ def start_stack(args: argparse.Namespace, state: Path) -> tuple[Any, Any]:
     for path, text in plan.files.items():
         path.write_text(text)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env["KVPOOL_TRANSFER_TRACE"] = "1"  # D's log: steps between a pull's end and its report
+    if args.idle_wait_ms is not None:  # the transfer connector's, on both instances
+        env["KVPOOL_IDLE_WAIT_MS"] = str(args.idle_wait_ms)
     sup = Supervisor(base_env=env)
     try:
         for stage in plan.stages:
@@ -285,15 +298,20 @@ def hold(args: argparse.Namespace, state: Path) -> int:
     return 0
 
 
-def pull_times(log: Path) -> dict[str, float]:
-    """request id → ms of D's pull, from D's log lines."""
-    out = {}
+def pull_times(log: Path) -> dict[str, dict[str, float]]:
+    """request id → D's pull ms, and (with the trace) the engine steps from the pull's
+    submission to its report and the ms from its end to its report, from D's log."""
+    out: dict[str, dict[str, float]] = {}
     try:
         text = log.read_text(errors="replace")
     except OSError:
         return out
     for m in _LOADED.finditer(text):
-        out[m.group(1)] = float(m.group(4))
+        out.setdefault(m.group(1), {})["pull"] = float(m.group(4))
+    for m in _REPORTED.finditer(text):
+        parts = out.setdefault(m.group(1), {})
+        parts["steps"] = float(m.group(2))
+        parts["pull_to_report"] = float(m.group(3))
     return out
 
 
@@ -308,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-mib", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--cpus", type=int, nargs="*", default=None)
+    p.add_argument(
+        "--idle-wait-ms", type=int, default=None, help="KVPOOL_IDLE_WAIT_MS of both instances"
+    )
     p.add_argument("--vllm-args", default="", help="appended to both vLLM command lines")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument(
@@ -342,9 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             sup.stop_all()
     for s in samples:
-        hit = [ms for rid, ms in pulls.items() if s["request_id"] in rid]
+        hit = [parts for rid, parts in pulls.items() if s["request_id"] in rid]
         if hit:
-            s.setdefault("timing", {})["pull"] = hit[0]
+            s.setdefault("timing", {}).update(hit[0])
     rows = summarize(samples)
     meta = {
         "when": when,

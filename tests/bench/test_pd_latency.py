@@ -4,9 +4,14 @@ stack itself is run by the benchmark, not here (it takes minutes to start on two
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from bench.pd_latency import percentile, server_timing, summarize, table
+from bench.pd_latency import _REPORTED, percentile, server_timing, summarize, table
+from kvpool.connectors.transfer.jobs import HoldJob, TransferJobs
+from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
+from tests.connectors.transfer.helpers import caches, config, free_port, recv_job, wait_results
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -53,3 +58,34 @@ def test_rows_compare_the_proxy_with_each_direct_target_of_the_same_kind() -> No
     text = table(list(rows.values()))
     assert "| repeated | P | 3 | 10.0 |" in text
     assert "(1 failed)" in text
+
+
+@pytest.fixture
+def workers() -> Iterator[list[TransferWorker]]:
+    made: list[TransferWorker] = []
+    yield made
+    for w in made:
+        w.close()
+
+
+def test_d_traces_how_many_steps_a_load_took_to_be_reported(
+    workers: list[TransferWorker], caplog: pytest.LogCaptureFixture
+) -> None:
+    """KVPOOL_TRANSFER_TRACE=1 (which the benchmark sets): the line it reads from D's log."""
+    port = free_port()
+    for role, p_port, env in (
+        ("kv_producer", port, {}),
+        ("kv_consumer", port + 100, {"KVPOOL_TRANSFER_TRACE": "1"}),
+    ):
+        worker = TransferWorker(config(role, p_port), RankInfo(0, 1, 0, 2), env=env)
+        worker.register(caches(2, seed=1)[0])
+        workers.append(worker)
+    p, d = workers
+    p.submit(TransferJobs(holds=[HoldJob("p-t1", (2,))]))
+    d.submit(TransferJobs(recvs=[recv_job("t1", [1], [2], port)]))
+    with caplog.at_level("INFO", logger="vllm.kvpool.transfer"):
+        wait_results(d, want_recv="t1")
+    [line] = [r.getMessage() for r in caplog.records if "reported request t1" in r.getMessage()]
+    match = _REPORTED.search(line)
+    assert match is not None and match.group(1) == "t1", line
+    assert int(match.group(2)) >= 1 and float(match.group(3)) >= 0, line
