@@ -233,7 +233,8 @@ class TransferWorker:
                 _PREFIX,
                 rid,
                 self._steps - submitted,
-                (now - ended) * 1000,
+                # 0: the step took the result before the pull thread stamped its end
+                (now - ended) * 1000 if ended else 0.0,
             )
 
     def _wait_for_news(self, wait_s: float) -> None:
