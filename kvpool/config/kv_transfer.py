@@ -71,6 +71,10 @@ transfer_timeout_ms    extra ``transfer_timeout_ms``, env ``KVPOOL_TRANSFER_TIME
                        name), the node config's ``transfer_timeout_ms``, 10000
 hold_timeout_ms        extra ``hold_timeout_ms``, env ``KVPOOL_HOLD_TIMEOUT_MS``, 120000:
                        how long P keeps a request's blocks for a D that never comes
+idle_wait_ms           extra ``idle_wait_ms``, env ``KVPOOL_IDLE_WAIT_MS``, 10 (0: off): in
+                       an engine step that runs no forward, how long a worker may wait for
+                       a pull in flight (D) or a held request's release (P) to end, so
+                       that the step reports it instead of the engine spinning empty steps
 credential             the node config's ``secret_file``, env ``KVPOOL_SECRET_FILE``,
                        ``KVPOOL_SECRET`` (:func:`connector_credential`): with one, every
                        ``kv_port`` connection opens with the handshake (docs/security.md)
@@ -306,12 +310,14 @@ TRANSFER_EXTRA_KEYS = (
     "connect_timeout_ms",
     "transfer_timeout_ms",
     "hold_timeout_ms",
+    "idle_wait_ms",
     "insecure",
 )
 ENV_INSECURE = "KVPOOL_INSECURE"
 _DEFAULT_CONNECT_MS = 10_000
 _DEFAULT_TRANSFER_MS = 10_000
 _DEFAULT_HOLD_MS = 120_000
+_DEFAULT_IDLE_WAIT_MS = 10
 _DEFAULT_PROTOCOL = "tcp"
 # vLLM fills an unset engine_id with uuid4() and appends "_dp<rank>" under data parallelism.
 _GENERATED_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
@@ -370,6 +376,7 @@ class TransferConfig:
     connect_timeout_ms: int = _DEFAULT_CONNECT_MS
     transfer_timeout_ms: int = _DEFAULT_TRANSFER_MS
     hold_timeout_ms: int = _DEFAULT_HOLD_MS
+    idle_wait_ms: int = _DEFAULT_IDLE_WAIT_MS  # 0: an idle step never waits
     secret_file: str = ""  # the node config's; "": the environment's (connector_credential)
     insecure: bool = False  # a non-loopback P may serve without a credential
 
@@ -464,9 +471,29 @@ class TransferConfig:
             hold_timeout_ms=_timeout_ms(
                 extra, env, "hold_timeout_ms", ("KVPOOL_HOLD_TIMEOUT_MS",), _DEFAULT_HOLD_MS
             ),
+            idle_wait_ms=_idle_wait_ms(extra, env),
             secret_file=node.secret_file if isinstance(node, NodeConfig) else "",
             insecure=_insecure(extra, env),
         )
+
+
+def _idle_wait_ms(extra: Mapping[str, Any], env: Mapping[str, str]) -> int:
+    """Like the timeouts, but 0 is allowed (no wait) and the value is capped: an idle step
+    that waits delays a request that arrives meanwhile by as much."""
+    key, var = "idle_wait_ms", "KVPOOL_IDLE_WAIT_MS"
+    if key in extra:
+        where, raw = f'kv_connector_extra_config["{key}"]', extra[key]
+    elif env.get(var, "") != "":
+        where, raw = var, env[var]
+    else:
+        return _DEFAULT_IDLE_WAIT_MS
+    try:
+        value = int(raw) if not isinstance(raw, bool) else -1
+    except (TypeError, ValueError):
+        value = -1
+    if not 0 <= value <= 1000:
+        raise ConfigError(f"{where} must be 0..1000 milliseconds (0: off), got {raw!r}")
+    return value
 
 
 def _insecure(extra: Mapping[str, Any], env: Mapping[str, str]) -> bool:

@@ -46,6 +46,20 @@ _REPLY = _Step("timed out", "broke off its reply", "disconnect")  # reading a wh
 _STREAM = _Step("timed out mid-stream", "broke off the stream", "stream")  # after the 200
 
 
+@dataclass(frozen=True, slots=True)
+class _Timing:
+    """Where a request's time to first bytes went, for its ``Server-Timing`` header (the
+    W3C header browsers and curl -v show): the P leg, then the D leg up to D's first bytes
+    (the whole reply when not streaming).  This is how a slow hop is split without logs."""
+
+    prefill_s: float
+    decode_started: float  # perf_counter() when the D leg was sent
+
+    def header(self) -> str:
+        decode_ms = (time.perf_counter() - self.decode_started) * 1000
+        return f"prefill;dur={self.prefill_s * 1000:.1f}, decode_first;dur={decode_ms:.1f}"
+
+
 def json_error(
     status: int, message: str, type_: str | None = None, upstream: str | None = None
 ) -> web.Response:
@@ -153,16 +167,18 @@ class Legs:
         payload: dict[str, Any],
         headers: dict[str, str],
         stream: bool,
+        prefill_s: float = 0.0,
     ) -> web.StreamResponse:
         started = time.perf_counter()
         opened = await self._open(self.decode, path, payload, headers, None)
         if isinstance(opened, web.Response):
             return opened
         up, resp = opened
+        timing = _Timing(prefill_s, started)
         try:
             if not stream:
-                return await self._relay_whole(up, resp)
-            return await self._relay_stream(request, up, resp, headers["X-Request-Id"])
+                return await self._relay_whole(up, resp, timing)
+            return await self._relay_stream(request, up, resp, headers["X-Request-Id"], timing)
         finally:
             # closing (not releasing) an unfinished reply drops the connection, which is
             # how vLLM learns that the client is gone and aborts the request
@@ -179,15 +195,24 @@ class Legs:
         except UPSTREAM_ERRORS as exc:
             return self._failure_reply(self.decode, up, exc, _REPLY)
 
-    async def _relay_whole(self, up: Upstream, resp: aiohttp.ClientResponse) -> web.Response:
+    async def _relay_whole(
+        self, up: Upstream, resp: aiohttp.ClientResponse, timing: _Timing
+    ) -> web.Response:
         raw = await self._read(up, resp, whole=True)
         if isinstance(raw, web.Response):
             return raw
         content_type = resp.headers.get("Content-Type", "application/json")
-        return web.Response(body=raw, headers={"Content-Type": content_type})
+        return web.Response(
+            body=raw, headers={"Content-Type": content_type, "Server-Timing": timing.header()}
+        )
 
     async def _relay_stream(
-        self, request: web.Request, up: Upstream, resp: aiohttp.ClientResponse, request_id: str
+        self,
+        request: web.Request,
+        up: Upstream,
+        resp: aiohttp.ClientResponse,
+        request_id: str,
+        timing: _Timing,
     ) -> web.StreamResponse:
         # The 200 goes out with D's first bytes, not before: until then a failure of D can
         # still reach the client as a proper HTTP error instead of an event in a stream.
@@ -199,6 +224,7 @@ class Legs:
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache",
                 "X-Request-Id": request_id,
+                "Server-Timing": timing.header(),
             }
         )
         await out.prepare(request)

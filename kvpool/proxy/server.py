@@ -275,13 +275,15 @@ class ProxyServer:
         key = prefix_key(body, self.config.prefix_chars) if self._use_key else None
 
         assert self._legs is not None
+        started = time.perf_counter()
         kv_or_error = await self._legs.prefill_leg(path, prefill_request(kind, body), headers, key)
         if isinstance(kv_or_error, web.Response):
             return kv_or_error
         payload = decode_request(body, kv_or_error or None)
         return await self._legs.decode_leg(
-            request, path, payload, headers, bool(body.get("stream"))
-        )
+            request, path, payload, headers, bool(body.get("stream")),
+            prefill_s=time.perf_counter() - started,
+        )  # fmt: skip
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         """P and D get the proxy's upstream key when it has one (the client's key is the

@@ -86,12 +86,22 @@ def test_timeouts_from_the_guides_env_names_and_kvpool_twins() -> None:
         ({"env": {"ASCEND_CONNECT_TIMEOUT": "ten"}}, "ASCEND_CONNECT_TIMEOUT"),
         ({"env": {"KVPOOL_TRANSFER_TIMEOUT_MS": "0"}}, "KVPOOL_TRANSFER_TIMEOUT_MS"),
         ({"extra": {"hold_timeout_ms": -5}}, "hold_timeout_ms"),
+        ({"extra": {"idle_wait_ms": -1}}, "idle_wait_ms"),
+        ({"env": {"KVPOOL_IDLE_WAIT_MS": "5000"}}, "KVPOOL_IDLE_WAIT_MS"),
+        ({"env": {"KVPOOL_IDLE_WAIT_MS": "soon"}}, "KVPOOL_IDLE_WAIT_MS"),
         ({"extra": {"kv_host": 5}}, "kv_host"),
     ],
 )
 def test_bad_values_name_the_key(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build(**kwargs)
+
+
+def test_idle_wait_defaults_to_10_ms_and_0_turns_it_off() -> None:
+    assert build().idle_wait_ms == 10
+    assert build(extra={"idle_wait_ms": 0}).idle_wait_ms == 0
+    assert build(env={"KVPOOL_IDLE_WAIT_MS": "3"}).idle_wait_ms == 3
+    assert build(extra={"idle_wait_ms": 7}, env={"KVPOOL_IDLE_WAIT_MS": "3"}).idle_wait_ms == 7
 
 
 def test_kv_host_from_config_or_env() -> None:

@@ -93,6 +93,22 @@ def test_streamed_completion_passes_d_chunks_through_to_done() -> None:
     run(scenario())
 
 
+def test_server_timing_splits_the_hop_into_the_p_leg_and_d_to_first_bytes() -> None:
+    async def scenario() -> None:
+        async with proxy_stack() as stack:
+            for sent in (COMPLETION, {**COMPLETION, "stream": True}):
+                async with stack.session.post(stack.url + "/v1/completions", json=sent) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+                    timing = resp.headers["Server-Timing"]
+                names = [part.split(";")[0].strip() for part in timing.split(",")]
+                assert names == ["prefill", "decode_first"], timing
+                durations = [float(part.split("dur=")[1]) for part in timing.split(",")]
+                assert all(d >= 0 for d in durations), timing
+
+    run(scenario())
+
+
 def test_chat_caps_max_completion_tokens_on_p_and_keeps_it_on_d() -> None:
     async def scenario() -> None:
         async with proxy_stack() as stack:

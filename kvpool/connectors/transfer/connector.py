@@ -62,6 +62,8 @@ class TransferMetadata(KVConnectorMetadata):
     """Scheduler → workers, once per step."""
 
     jobs: TransferJobs = field(default_factory=TransferJobs)
+    # the step runs no forward: the workers may wait (idle_wait_ms) for a transfer to end
+    idle: bool = False
 
 
 def _node_config(env: Mapping[str, str] = os.environ) -> NodeConfig | MooncakeNodeConfig | None:
@@ -158,7 +160,8 @@ class KVPoolTransferConnector(CounterStatsHooks, KVConnectorBase_V1):
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return TransferMetadata(self._sched().build_jobs())
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", 0) == 0
+        return TransferMetadata(self._sched().build_jobs(), idle=idle)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -196,7 +199,9 @@ class KVPoolTransferConnector(CounterStatsHooks, KVConnectorBase_V1):
         return
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        results = self._work().results()
+        metadata = self._connector_metadata
+        idle = isinstance(metadata, TransferMetadata) and metadata.idle
+        results = self._work().results(self._config.idle_wait_ms / 1000 if idle else 0.0)
         return KVConnectorTransferResults(
             finished_sending=results.finished_sending,
             finished_recving=results.finished_recving,

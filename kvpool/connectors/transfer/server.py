@@ -96,6 +96,7 @@ class PullServer:
         self._count(served_pulls=1, served_bytes=nbytes)
         with self._cond:
             freed = self._tracker.mark_done(pull.request_id, pull.dst_rank, nbytes)
+            self._cond.notify_all()  # a step waiting for news reports the release now
         logger.info(
             "%s sent request %s to decode rank %d/%d from prefill rank %d (port %d): "
             "%d blocks, %d bytes%s",
@@ -115,6 +116,7 @@ class PullServer:
         if reason is None:
             with self._cond:
                 self._tracker.mark_done(message.request_id, message.dst_rank)
+                self._cond.notify_all()
         return reason
 
     # -- the rules -----------------------------------------------------------------------

@@ -108,6 +108,11 @@ class SendTracker:
         self.num_expired += len(expired)
         return expired
 
+    @property
+    def has_finished(self) -> bool:
+        """Some request is ready for :meth:`take_finished`."""
+        return bool(self._finished)
+
     def take_finished(self) -> set[str]:
         """Requests whose blocks vLLM may free now (each reported once)."""
         finished, self._finished = self._finished, set()
@@ -143,6 +148,10 @@ class RecvResults:
         self._failed.add(request_id)
         self._failed_blocks.update(block_ids)
         self.num_failed += 1
+
+    @property
+    def has_finished(self) -> bool:
+        return bool(self._finished)
 
     def take(self) -> RecvSnapshot:
         snapshot = RecvSnapshot(self._finished, self._failed, self._failed_blocks)

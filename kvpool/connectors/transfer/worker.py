@@ -103,6 +103,12 @@ class TransferWorker:
         self._load_errors: set[int] = set()
         self._counts: Counter[str] = Counter()  # see stats.COUNTERS
         self._counts_lock = threading.Lock()
+        self._inflight = 0  # D: pulls submitted and not yet reported (under cond)
+        # KVPOOL_TRANSFER_TRACE=1: one line per load saying how many engine steps and ms
+        # passed between its pull ending and the step that told vLLM (the P/D hop's parts)
+        self._trace = env.get("KVPOOL_TRANSFER_TRACE", "") not in ("", "0")
+        self._steps = 0  # results() calls: one per engine step
+        self._trace_marks: dict[str, tuple[int, float]] = {}  # rid -> (step, pull end)
         self._pool = ThreadPoolExecutor(_PULL_THREADS, thread_name_prefix="kvpool-pull")
         self.port = rank_port(config.kv_port, rank.dp_rank, rank.tp_size, rank.tp_rank)
         peer_tp = config.peer.tp_size if config.peer is not None else rank.tp_size
@@ -176,13 +182,29 @@ class TransferWorker:
                         self.config.hold_timeout_ms,
                     )
                 self._cond.notify_all()
+        if jobs.recvs:
+            with self._cond:
+                self._inflight += len(jobs.recvs)
+                if self._trace:
+                    for job in jobs.recvs:
+                        self._trace_marks[job.request_id] = (self._steps, 0.0)
         for job in jobs.recvs:
             self._pool.submit(self._run_recv, job)
         for release in jobs.releases:
             self._pool.submit(self._run_release, release)
 
-    def results(self) -> TransferResults:
-        """Sends whose blocks may be freed, loads finished (ok or not), loads failed."""
+    def results(self, wait_s: float = 0.0) -> TransferResults:
+        """Sends whose blocks may be freed, loads finished (ok or not), loads failed.
+
+        ``wait_s`` > 0 (a step that runs no forward): first wait, at most that long, until
+        there is something to report, or nothing in flight that could end.  vLLM would
+        otherwise step again at once: each empty step is a round trip between the engine
+        and this process (CPU that the pull itself and the other instance need on a small
+        host), and a load that ends just after a step waits for the next one to be seen.
+        """
+        if wait_s > 0:
+            self._wait_for_news(wait_s)
+        self._steps += 1
         with self._cond:
             expired = self._tracker.expire(self._now_ms())
             for rid in expired:
@@ -197,7 +219,37 @@ class TransferWorker:
         with self._recv_lock:
             snap = self._recv.take()
         self._load_errors |= snap.failed_block_ids
+        if self._trace:
+            self._trace_reported(snap.finished)
         return TransferResults(sending, snap.finished, snap.failed)
+
+    def _trace_reported(self, finished: set[str]) -> None:
+        now = time.monotonic()
+        for rid in finished:
+            submitted, ended = self._trace_marks.pop(rid, (self._steps, now))
+            logger.info(
+                "%s reported request %s: %d engine steps after its pull was submitted,"
+                " %.1f ms after the pull ended",
+                _PREFIX,
+                rid,
+                self._steps - submitted,
+                # 0: the step took the result before the pull thread stamped its end
+                (now - ended) * 1000 if ended else 0.0,
+            )
+
+    def _wait_for_news(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while self._inflight > 0 or len(self._tracker) > 0:
+                if self._tracker.has_finished:
+                    return
+                with self._recv_lock:
+                    if self._recv.has_finished:
+                        return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -229,6 +281,17 @@ class TransferWorker:
     # -- D: the puller -----------------------------------------------------------------
 
     def _run_recv(self, job: RecvJob) -> None:
+        try:
+            self._recv_one(job)
+        finally:
+            with self._cond:  # wakes a step waiting in results()
+                self._inflight -= 1
+                if job.request_id in self._trace_marks:
+                    step, _ = self._trace_marks[job.request_id]
+                    self._trace_marks[job.request_id] = (step, time.monotonic())
+                self._cond.notify_all()
+
+    def _recv_one(self, job: RecvJob) -> None:
         started = time.monotonic()
         try:
             nbytes, ports = self._pull(job)

@@ -107,6 +107,40 @@ def test_pull_before_the_hold_arrives_waits_for_it(workers: list[TransferWorker]
     assert p.take_counts()["served_pulls"] == 1
 
 
+# An engine step that runs no forward may wait for a transfer to end (idle_wait_ms), so
+# that the step itself reports it.  The waits below are long upper bounds: each call must
+# come back with the result (or at once, when nothing is in flight), never by the bound.
+LONG_WAIT_S = 60.0
+
+
+def test_an_idle_step_reports_the_load_that_ends_while_it_waits(
+    workers: list[TransferWorker],
+) -> None:
+    port = free_port()
+    p, p_kv = start(workers, config("kv_producer", port), 0, 1, 2, seed=5)
+    d, d_kv = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
+    p.submit(TransferJobs(holds=[HoldJob("p-w1", (3,))]))
+    d.submit(TransferJobs(recvs=[recv_job("w1", [6], [3], port)]))
+    # one call each: D's returns with its finished load, P's with the release of its hold
+    assert d.results(LONG_WAIT_S).finished_recving == {"w1"}
+    assert p.results(LONG_WAIT_S).finished_sending == {"p-w1"}
+    for name in LAYERS:
+        np.testing.assert_array_equal(d_kv[name][6], p_kv[name][3])
+
+
+def test_an_idle_step_with_nothing_in_flight_does_not_wait(workers: list[TransferWorker]) -> None:
+    port = free_port()
+    p, _ = start(workers, config("kv_producer", port), 0, 1, 2, seed=6)
+    d, _ = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
+    done: list[object] = []
+    callers = [threading.Thread(target=lambda w=w: done.append(w.results(3600.0))) for w in (p, d)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(timeout=LONG_WAIT_S)
+    assert len(done) == 2, "results() waited although nothing was in flight"
+
+
 def test_dead_prefill_is_a_failed_and_finished_load(workers: list[TransferWorker]) -> None:
     port = free_port()  # nothing listens there
     d, _ = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
