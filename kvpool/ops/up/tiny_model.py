@@ -271,11 +271,13 @@ def build_tiny_mla_model(
         "qk_rope_head_dim": 64,
         "qk_nope_head_dim": 64,
         "v_head_dim": 64,
-        "n_routed_experts": None,
-        "n_shared_experts": None,
+        # experts are configured (the config class insists) but never used: every layer
+        # is below first_k_dense_replace, so every MLP is dense
+        "n_routed_experts": 2,
+        "n_shared_experts": 1,
         "first_k_dense_replace": layers,
         "moe_layer_freq": 1,
-        "num_experts_per_tok": None,
+        "num_experts_per_tok": 1,
         "vocab_size": spec.vocab_size,
         "max_position_embeddings": spec.max_position,
         "rms_norm_eps": 1e-6,
