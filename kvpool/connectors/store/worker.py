@@ -198,11 +198,13 @@ class StoreWorker:
             return None, True
         reads, writes = self._groups.reads(self._rank), self._groups.writes(self._rank)
         held = sum(slot.count for slot in reads)
-        if held != paged.num_heads:
+        if held != paged.num_heads and len(reads) > 1:
             raise ConfigError(
-                f"[KVPoolStoreConnector] TP rank {self._rank} holds {paged.num_heads} KV heads"
-                f" but the head groups give it {held} ({self._groups}): the model's KV head"
-                " count is not what the connector was told"
+                f"[KVPoolStoreConnector] TP rank {self._rank}'s KV cache shows"
+                f" {paged.num_heads} KV heads per block but the head groups give it {held}"
+                f" ({self._groups}): this KV cache layout cannot be split by head; set"
+                f' kv_connector_extra_config "head_group_size": {held} (one object per rank,'
+                " shared only with instances of the same TP size)"
             )
         return reads, bool(writes)
 

@@ -178,5 +178,9 @@ def test_mla_one_latent_head_is_written_by_rank_0_only_and_read_by_all(
 
 
 def test_a_rank_whose_caches_disagree_with_the_groups_is_refused(pool: EmbeddedEngine) -> None:
-    with pytest.raises(ConfigError, match="holds 2 KV heads but the head groups give it 1"):
-        workers(pool, [full_caches(1, heads=2)], HeadGroups(2, 1, 2), False)
+    with pytest.raises(
+        ConfigError, match=r'shows 1 KV heads per block but .* give it 2.*"head_group_size": 2'
+    ):
+        workers(pool, [full_caches(1, heads=1)], HeadGroups(4, 1, 2), False)
+    # one group per rank moves the page whole, whatever the layout shows
+    workers(pool, [full_caches(1, heads=1)], HeadGroups(4, 2, 2), False)
