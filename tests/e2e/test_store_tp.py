@@ -177,8 +177,11 @@ def test_mla_decode_write_back_at_tp2_is_a_hit_for_a_tp1_prefill(
 ) -> None:
     """The guide's decode write-back (``consumer_is_to_put``) on a DeepSeek-V2-style MLA
     model: every rank holds the one latent head, so rank 0 alone writes it, and a prefill
-    of another TP size reads it.  Dummy weights (vLLM's ``load_format="dummy"``): the
-    answers are dull but deterministic, and compared with a plain computation."""
+    of another TP size reads it.  Dummy weights (vLLM's ``load_format="dummy"``) are drawn
+    per weight shard, so a TP-2 and a TP-1 instance are not the same model and their answers
+    differ: what is checked is that the TP-1 prefill finds and loads every block the TP-2
+    decode wrote, from rank 0 alone, with none failing; its answer is compared with a plain
+    TP-1 computation (weak evidence with near-zero dummy weights, stated in the docs)."""
     model = build_tiny_mla_model(tmp_path / "mla")
     prompt = sample_text(100, seed=23)  # ~100 tokens: six full 16-token MLA blocks
     for name in ("d", "p"):
@@ -206,4 +209,4 @@ def test_mla_decode_write_back_at_tp2_is_a_hit_for_a_tp1_prefill(
     (cached,) = hit["cached"]
     assert cached >= 6 * 16 and s_p["hit_tokens"] == cached
     assert s_p["loaded_blocks"] == cached // 16 and s_p["failed_blocks"] == 0
-    assert hit["tokens"] == plain["tokens"] == cold["tokens"]
+    assert hit["tokens"] == plain["tokens"]

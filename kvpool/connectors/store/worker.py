@@ -142,7 +142,7 @@ class StoreWorker:
     def object_bytes(self) -> int:
         """Bytes of one pool object: a page, or one group of it."""
         assert self.paged is not None
-        if self._whole:
+        if self._reads is None or len(self._reads) == 1:
             return self.paged.page_bytes
         return self._reads[0].count * self.paged.head_bytes * len(self.paged.names)
 
@@ -289,8 +289,8 @@ class StoreWorker:
         return LoadResult(spec.req_id, loaded, frozenset())
 
     def _object_keys(
-        self, keys: Sequence[Sequence[str]], slots: Sequence[GroupSlot | None]
-    ) -> list[str]:
+        self, keys: Sequence[Sequence[str | None]], slots: Sequence[GroupSlot | None]
+    ) -> list[Any]:
         """This rank's object keys block by block (each block's ``slots`` in turn)."""
         columns = [keys[0 if slot is None else slot.group] for slot in slots]
         return [column[i] for i in range(len(columns[0])) for column in columns]
