@@ -36,6 +36,10 @@ lookup_timeout_ms      a scheduler lookup's timeout (2000): the scheduler waits 
                        hung pool must cost little; a timed-out lookup is a miss
 reconnect_interval_ms  after a pool failure, how long lookups miss before reconnecting (5000)
 embedded_capacity      size of the embedded pool (e.g. "1GiB"; default 1GiB)
+head_group_size        KV heads per pool object (default: 1 with a master, so any TP layout
+                       reads what any other wrote; all of them with ``embedded``, one
+                       object per block).  Must divide each rank's heads and be the same
+                       on every instance sharing the pool (another value is a miss)
 =====================  =======================================================================
 
 ``lookup_rpc_port``: in AscendStoreConnector the scheduler asks its worker, which owns the
@@ -140,6 +144,7 @@ STORE_EXTRA_KEYS = (
     "lookup_timeout_ms",
     "reconnect_interval_ms",
     "embedded_capacity",
+    "head_group_size",
 )
 _DEFAULT_POOL_MS = 10_000
 _DEFAULT_LOOKUP_MS = 2_000
@@ -164,6 +169,7 @@ class StoreConfig:
     lookup_timeout_ms: int = _DEFAULT_LOOKUP_MS
     reconnect_interval_ms: int = _DEFAULT_RECONNECT_MS
     embedded_capacity: int = _DEFAULT_EMBEDDED
+    head_group_size: int = 0  # 0: the backend's default (see the table above)
 
     @property
     def saves(self) -> bool:
@@ -277,6 +283,7 @@ def parse_store_config(
         embedded_capacity=parse_size(
             extra.get("embedded_capacity", _DEFAULT_EMBEDDED), key="embedded_capacity"
         ),
+        head_group_size=_int(extra.get("head_group_size", 0), "head_group_size", minimum=0),
     )
 
 

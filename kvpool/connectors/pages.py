@@ -136,6 +136,13 @@ class PagedCaches:
         rows = self._blocks if self._block_tensors is None else self._block_tensors
         return [kv[block] for kv in rows]
 
+    def head_parts(self, block: int, head_start: int, head_count: int) -> list[Any]:
+        """Heads ``head_start:head_start+head_count`` of one block of every layer, in place:
+        the parts of one KV-head group's object (contiguous in each layer's row)."""
+        rows = self._blocks if self._block_tensors is None else self._block_tensors
+        lo, hi = head_start * self.head_bytes, (head_start + head_count) * self.head_bytes
+        return [kv[block][lo:hi] for kv in rows]
+
     def new_pages(self, n: int) -> np.ndarray[Any, Any]:
         """Staging for ``n`` pages: ``[n, layers, layer_page_bytes]`` bytes."""
         return np.empty((n, len(self._blocks), self.layer_page_bytes), dtype=np.uint8)

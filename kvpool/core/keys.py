@@ -12,6 +12,11 @@ Rules:
   BLAKE2b rather than a non-cryptographic hash because a key collision would serve another
   request's KV, and 128 bits of a cryptographic hash make that a non-event even against a
   tenant crafting prompts.
+- One chunk may be stored as several objects, one per KV-head group (the store connector):
+  :func:`group_key` derives group ``g``'s key from the chunk key under its own
+  personalisation, so it never equals a chunk key nor another group's key, and it does not
+  depend on the TP layout of whoever computes it.  (The ``tp_rank``/``tp_size`` fields seed
+  per-rank chains instead: a layout-bound namespace, kept for callers that want one.)
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["KEY_BYTES", "BlockKey", "KeyNamespace", "chunk_keys"]
+__all__ = ["KEY_BYTES", "BlockKey", "KeyNamespace", "chunk_keys", "group_key"]
 
 KEY_BYTES = 16
 _MAX_TOKEN_ID = 2**32 - 1
@@ -116,3 +121,12 @@ def chunk_keys(
         prev = BlockKey(h.digest())
         keys.append(prev)
     return keys
+
+
+def group_key(key: BlockKey, group: int) -> BlockKey:
+    """The key of KV-head group ``group`` of chunk ``key`` (independent of any TP layout)."""
+    if not 0 <= group <= _MAX_TOKEN_ID:
+        raise ValueError(f"group must be in [0, {_MAX_TOKEN_ID}], got {group}")
+    h = hashlib.blake2b(key.digest, digest_size=KEY_BYTES, person=b"kvpool-group-v1")
+    h.update(struct.pack("<I", group))
+    return BlockKey(h.digest())

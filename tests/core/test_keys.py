@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
+from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys, group_key
 
 NS = KeyNamespace(model="tiny-llama", kv_dtype="float32", chunk_size=4)
 
@@ -113,3 +113,14 @@ def test_keys_are_identical_across_processes_with_different_hash_seeds() -> None
     # and the keys are the ones this process computes too
     ns = KeyNamespace("m", "float16", 16, "default", 1, 2, "t")
     assert outputs[0][0] == ",".join(k.hex for k in chunk_keys(list(range(64)), ns))
+
+
+def test_group_keys_are_pinned_values_distinct_from_chunk_keys() -> None:
+    """A group key is a fixed function of (chunk key, group): the value is pinned so that a
+    change to it (which would orphan every stored object) is a deliberate one."""
+    (key,) = chunk_keys([1, 2, 3, 4], NS)
+    assert group_key(key, 0) != key and group_key(key, 0) != group_key(key, 1)
+    assert group_key(key, 1) == group_key(BlockKey(key.digest), 1)
+    assert group_key(BlockKey(bytes(16)), 7).hex == "b2ae3400e563a39fffb644417dd0a6bc"
+    with pytest.raises(ValueError, match="group must be in"):
+        group_key(key, -1)

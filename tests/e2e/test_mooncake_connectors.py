@@ -44,6 +44,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MAX_TOKENS = 12
 BLOCK = 128  # vLLM-CPU's default block size
+# the store connector keeps one object per KV head (head groups): the tiny model has 2
+OBJECTS_PER_BLOCK = 2
 SEGMENT = 64 << 20  # each vLLM process's global_segment_size
 LONG = sample_text(400, seed=9)  # three full blocks and a tail
 OTHER = sample_text(300, seed=10)
@@ -167,7 +169,7 @@ def test_kv_both_on_mooncake_loads_from_the_pool_and_misses_damaged_objects(
                 METRICS_STEP,
                 gen(LONG), STATS, METRICS_STEP,
                 gen(LONG), STATS,
-                call("damage", "corrupt", 1, 1),
+                call("damage", "corrupt", OBJECTS_PER_BLOCK, 1),  # block 1's first head
                 gen(LONG), STATS,
                 gen(LONG), STATS,
                 call("damage", "remove", 0, 1),
@@ -186,7 +188,7 @@ def test_kv_both_on_mooncake_loads_from_the_pool_and_misses_damaged_objects(
     # First run: computed, its three full blocks written to Mooncake under kvpool's keys.
     assert first["tokens"][0] == reference[LONG]
     assert s1["hit_tokens"] == 0 and s1["saved_blocks"] >= 3
-    assert m1["master_key_count"] - keys_before == s1["saved_blocks"]
+    assert m1["master_key_count"] - keys_before == OBJECTS_PER_BLOCK * s1["saved_blocks"]
     # Second run: three blocks come from Mooncake, the output is unchanged.
     assert second["tokens"][0] == reference[LONG]
     assert s2["hit_tokens"] - s1["hit_tokens"] == 3 * BLOCK
@@ -391,9 +393,12 @@ def test_guides_pd_on_mooncake_shares_the_pool_and_survives_the_master(
     # full blocks to Mooncake under kvpool's keys.
     keys_before = pool.keys()
     assert proxy.tokens(PD_PROMPT) == reference[PD_PROMPT]
-    wait_for("P's blocks never reached Mooncake", lambda: pool.keys() >= keys_before + 2)
+    wait_for(
+        "P's blocks never reached Mooncake",
+        lambda: pool.keys() >= keys_before + 2 * OBJECTS_PER_BLOCK,
+    )
     saved = prefill.metric("vllm:kvpool_store_saved_blocks_total")
-    assert saved >= 2 and pool.keys() - keys_before == saved
+    assert saved >= 2 and pool.keys() - keys_before == OBJECTS_PER_BLOCK * saved
 
     # D (another PYTHONHASHSEED) asked directly, with no transfer params: its store child
     # finds what P wrote and loads it asynchronously; the answer is unchanged.

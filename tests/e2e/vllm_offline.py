@@ -16,6 +16,9 @@ SPEC: {"model": dir, "kv_transfer_config": {...} | null, "prefix_caching": bool,
 - {"op": "kill", "pid": int} → SIGKILL that process (the master, mid-run);
 - {"op": "call", "target": "pkg.mod:function", "args": [...]} → what that function returns
   (e.g. tests.e2e.mooncake_steps: damage a Mooncake object, read the master's metrics).
+SPEC's optional "tensor_parallel_size" (1) runs that many TP ranks (worker processes; give
+each a core with VLLM_CPU_OMP_THREADS_BIND, e.g. "0|1").
+SPEC's optional "load_format" ("auto") is vLLM's (``dummy``: random weights, no files).
 SPEC's optional "setup": ["pkg.mod:function", ...] are called before the engine starts.
 """
 
@@ -80,6 +83,8 @@ def main(spec_path: str) -> int:
         enable_prefix_caching=bool(spec.get("prefix_caching", False)),
         disable_log_stats=False,
         seed=0,
+        tensor_parallel_size=int(spec.get("tensor_parallel_size", 1)),
+        load_format=spec.get("load_format", "auto"),
         **kwargs,
     )
     results: list[Any] = []

@@ -43,6 +43,7 @@ from kvpool.config.kv_transfer import (
 )
 from kvpool.config.node import load_any_node_config
 from kvpool.connectors.stats import CounterStatsHooks, register_connector
+from kvpool.connectors.store.groups import HeadGroups
 from kvpool.connectors.store.lookup import LookupClient, LookupServer, channel_path
 from kvpool.connectors.store.plan import StorePlan
 from kvpool.connectors.store.pool import PoolHandle, open_pool
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVPoolStoreConnector", "StoreConnectorMetadata", "namespace_for"]
+__all__ = ["KVPoolStoreConnector", "StoreConnectorMetadata", "head_groups_for", "namespace_for"]
 
 # Under "vllm." so that vLLM's logging setup (format, VLLM_LOGGING_LEVEL) applies to it.
 logger = init_logger("vllm.kvpool.connectors.store")
@@ -84,16 +85,7 @@ def _is_mla(vllm_config: VllmConfig) -> bool:
     return bool(getattr(model, "use_mla", False) or getattr(hf, "kv_lora_rank", None))
 
 
-def namespace_for(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: StoreConfig
-) -> KeyNamespace:
-    """The key namespace: everything besides tokens that makes two pages interchangeable.
-
-    The layout names the device (the CPU kernel orders tokens inside a block its own way),
-    the attention kind, the per-rank KV heads and head sizes and the number of layers.
-    """
-    from vllm.platforms import current_platform
-
+def _spec(kv_cache_config: KVCacheConfig) -> Any:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(
@@ -104,10 +96,51 @@ def namespace_for(
     kind = type(spec).__name__
     if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
         raise ConfigError(f"{CONNECTOR_NAME}: KV cache kind {kind} is not supported")
+    return spec
+
+
+def head_groups_for(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: StoreConfig
+) -> HeadGroups:
+    """How this instance's KV heads split into pool objects (see the groups module).
+
+    MLA keeps one latent "head" that every rank holds whole: one group, written by rank 0.
+    Otherwise the model's KV heads, ``head_group_size`` per object (default: one with a
+    master, so any TP layout can assemble its heads; all of them with the embedded pool,
+    which only one TP-1 instance ever reads)."""
+    spec = _spec(kv_cache_config)
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if type(spec).__name__ == "MLAAttentionSpec":
+        return HeadGroups(1, 1, tp_size)
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    if config.head_group_size:
+        return HeadGroups(total, config.head_group_size, tp_size)
+    if config.backend == "embedded":
+        return HeadGroups.whole(total, tp_size)
+    return HeadGroups(total, 1, tp_size)
+
+
+def namespace_for(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: StoreConfig
+) -> KeyNamespace:
+    """The key namespace: everything besides tokens that makes two pages interchangeable.
+
+    The layout names the device (the CPU kernel orders tokens inside a block its own way),
+    the attention kind, the model's KV heads and how many go in one object, the head sizes
+    and the number of layers — never the TP size or rank: a chunk's key is the same in
+    every TP layout, and each KV-head group is its own object under it.  (Keys written
+    before head groups carried the rank and size: another namespace, so a miss, never
+    wrong bytes.)
+    """
+    from vllm.platforms import current_platform
+
+    spec = _spec(kv_cache_config)
+    groups = head_groups_for(vllm_config, kv_cache_config, config)
+    layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
     layout = (
-        f"{current_platform.device_type}:{kind}:h{spec.num_kv_heads}"
-        f":d{spec.head_size}x{getattr(spec, 'head_size_v', spec.head_size)}"
-        f":L{len(groups[0].layer_names)}"
+        f"{current_platform.device_type}:{type(spec).__name__}:H{groups.num_kv_heads}"
+        f":g{groups.group_size}"
+        f":d{spec.head_size}x{getattr(spec, 'head_size_v', spec.head_size)}:L{layers}"
     )
     served = vllm_config.model_config.served_model_name
     model_id = config.model_id or (served[0] if isinstance(served, list) else served) or ""
@@ -116,8 +149,6 @@ def namespace_for(
         kv_dtype=str(spec.dtype).removeprefix("torch."),
         chunk_size=spec.block_size,
         layout=layout,
-        tp_rank=0,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
         tenant=config.tenant,
     )
 
@@ -153,6 +184,7 @@ class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
             )
         self._config = config
         namespace = namespace_for(vllm_config, kv_cache_config, config)
+        groups = head_groups_for(vllm_config, kv_cache_config, config)
         where = config.master or "in-process"
 
         channel = channel_path(
@@ -187,6 +219,7 @@ class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
                 saves=config.saves,
                 load_async=config.load_async,
                 logger=logger,
+                groups=groups,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -196,6 +229,7 @@ class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
                 pool=handle(pool),
                 loader_pool=handle(pool),
                 logger=logger,
+                groups=groups,
             )
             if config.backend == "embedded":
                 shared = open_pool(config)

@@ -4,11 +4,11 @@ Plain frozen dataclasses (picklable; vLLM ships them to worker processes): one
 :class:`LoadSpec` per request whose pool hit is to be copied into its blocks, one
 :class:`SaveSpec` per request with newly completed blocks to write to the pool.
 
-Keys are given for every tensor-parallel rank (``keys[rank][i]``): each rank holds its own
-share of the KV heads under its own key chain, and the scheduler computed all chains
-anyway to check that every rank's part of a chunk is present.  Block ``block_ids[i]`` is
-the page of chunk ``keys[rank][i]``: one pool object per (chunk, rank) holding the page of
-every layer, so keys map 1:1 to vLLM blocks.
+Keys are given for every KV-head group (``keys[group][i]``, see
+:mod:`~kvpool.connectors.store.groups`): each rank loads and saves the groups of the heads it
+holds, and the scheduler computed them all anyway to check that every group of a chunk is
+present.  Block ``block_ids[i]`` holds chunk ``keys[group][i]``: one pool object per
+(chunk, group) holding that group's heads of every layer of the block.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["LoadSpec", "SaveSpec", "StorePlan"]
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Copy the pool objects ``keys[rank]`` into the engine blocks ``block_ids``.
+    """Copy the pool objects ``keys[group]`` into the engine blocks ``block_ids``.
 
     ``owners[rank]`` is the pin owner under which the scheduler's lookup pinned that rank's
     keys (empty when it pinned nothing): the worker of that rank releases it once its copy
@@ -35,16 +35,14 @@ class LoadSpec:
 
     def __post_init__(self) -> None:
         if any(len(rank_keys) != len(self.block_ids) for rank_keys in self.keys):
-            raise ValueError("LoadSpec: every rank needs one key per block")
-        if self.owners and len(self.owners) != len(self.keys):
-            raise ValueError("LoadSpec: one pin owner per rank, or none")
+            raise ValueError("LoadSpec: every group needs one key per block")
 
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """Write the engine blocks ``block_ids`` to the pool under ``keys[rank]``.
+    """Write the engine blocks ``block_ids`` to the pool under ``keys[group]``.
 
-    ``parents[rank]`` is the key of the chunk before the first one (None at the start of a
+    ``parents[group]`` is the key of the chunk before the first one (None at the start of a
     prompt): the pool uses it to evict a prefix's tail before its head.
     """
 
@@ -55,9 +53,9 @@ class SaveSpec:
 
     def __post_init__(self) -> None:
         if any(len(rank_keys) != len(self.block_ids) for rank_keys in self.keys):
-            raise ValueError("SaveSpec: every rank needs one key per block")
+            raise ValueError("SaveSpec: every group needs one key per block")
         if len(self.parents) != len(self.keys):
-            raise ValueError("SaveSpec: one parent per rank")
+            raise ValueError("SaveSpec: one parent per group")
 
 
 @dataclass(frozen=True, slots=True)

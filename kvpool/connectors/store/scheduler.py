@@ -7,8 +7,11 @@ blocks to load and which to save.
 
 Rules:
 - Keys come from :func:`kvpool.core.keys.chunk_keys` over the request's token ids, one chain
-  per tensor-parallel rank; never from vLLM's block hashes (seeded per process).
-- A chunk is a hit only if every rank's part is present: the hit is the minimum over ranks.
+  whatever the TP layout, and one pool object per chunk and KV-head group
+  (:mod:`~kvpool.connectors.store.groups`); never from vLLM's block hashes (seeded per
+  process).
+- A chunk is a hit only if every group is present (the reader's ranks together need every
+  head): the hit is the minimum over groups.
 - A synchronous hit leaves at least one token to compute (vLLM needs a token to sample
   from); the hit is also capped the same way for async loads, which keeps one rule.
 - A request saves each full block once; blocks the pool already held at lookup time are not
@@ -17,7 +20,8 @@ Rules:
 - Any pool failure during a lookup is a miss: a dead pool slows requests down, never
   fails them.
 - A hit is pinned for its request (owner: :func:`pin_owner`, one per rank, named in the
-  :class:`~kvpool.connectors.store.plan.LoadSpec` so the worker can release it), for the
+  :class:`~kvpool.connectors.store.plan.LoadSpec` so the worker can release it; a rank pins
+  the groups it will load), for the
   pool's lease TTL (``default_kv_lease_ttl``): the probe itself stays lease-free, so
   probing never starves eviction (Mooncake #2187), but what a request is about to load is
   not evicted under it.  A pin ends when the worker has loaded the blocks, at once when
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
+from kvpool.connectors.store.groups import HeadGroups
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
@@ -53,16 +58,19 @@ __all__ = ["StoreScheduler", "pin_owner"]
 _WARN_EVERY_S = 30.0
 
 
-def _present_prefix(pool: PoolEngine, keys: list[list[str]]) -> int:
-    """Leading chunks present for every rank (probing only: no lease is taken)."""
+def _present_prefix(pool: PoolEngine, keys: Sequence[Sequence[str]]) -> int:
+    """Leading chunks present for every group (probing only: no lease is taken)."""
     if len(keys) == 1:
         return pool.prefix_lookup(keys[0])
-    # Several TP ranks: one round trip for all of them instead of one per rank.
-    flags = pool.batch_exists([k for rank_keys in keys for k in rank_keys])
+    # Several groups: one round trip for all of them instead of one per group.
+    try:
+        flags = pool.batch_exists([k for group_keys in keys for k in group_keys])
+    except NotImplementedError:  # the embedded pool's lookup channel: one lookup per group
+        return min(pool.prefix_lookup(group_keys) for group_keys in keys)
     n = len(keys[0])
     found = n
-    for rank in range(len(keys)):
-        row = flags[rank * n : (rank + 1) * n]
+    for group in range(len(keys)):
+        row = flags[group * n : (group + 1) * n]
         found = min(found, row.index(False) if False in row else n)
     return found
 
@@ -92,8 +100,8 @@ class _Request:
     req_id: str
     request: Any  # vLLM's Request: its token ids grow as decode proceeds
     block_ids: list[int] = field(default_factory=list)
-    keys: list[list[BlockKey]] = field(default_factory=list)  # [rank][chunk]
-    namespaces: list[KeyNamespace] | None = None  # per rank; None: not cacheable by tokens
+    keys: list[BlockKey] = field(default_factory=list)  # the chain: one key per full chunk
+    namespace: KeyNamespace | None = None  # None: not cacheable by tokens
     local_tokens: int = 0  # vLLM's own prefix-cache hit at lookup time
     saved_blocks: int = 0  # blocks [0, saved_blocks) are in the pool or being written
     query_tokens: int = 0  # the last lookup's query size, until vLLM admits the request
@@ -118,8 +126,10 @@ class StoreScheduler:
         logger: logging.Logger,
         pin_hits: bool = True,
         pin_scope: str | None = None,
+        groups: HeadGroups | None = None,
     ) -> None:
-        self._ns = [namespace.for_rank(r) for r in range(namespace.tp_size)]
+        self._ns = namespace
+        self._groups = groups or HeadGroups()
         self._bs = namespace.chunk_size
         self._pool = pool
         self._saves = saves
@@ -137,19 +147,14 @@ class StoreScheduler:
     def _state(self, request: Any) -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = _Request(
-                request.request_id,
-                request,
-                keys=[[] for _ in self._ns],
-                namespaces=self._namespaces(request),
-            )
+            state = _Request(request.request_id, request, namespace=self._namespace(request))
             self._requests[request.request_id] = state
         else:
             state.request = request
         return state
 
-    def _namespaces(self, request: Any) -> list[KeyNamespace] | None:
-        """The request's key namespaces, one per rank; None when tokens alone do not decide
+    def _namespace(self, request: Any) -> KeyNamespace | None:
+        """The request's key namespace; None when tokens alone do not decide
         its KV (images or other inputs, prompt embeddings): such a request is never looked up
         nor saved, since a key without those inputs would serve another request's KV."""
         if (
@@ -166,18 +171,25 @@ class StoreScheduler:
             salt.append(f"salt={cache_salt}")
         if not salt:
             return self._ns
-        return [replace(ns, tenant="|".join([ns.tenant, *salt])) for ns in self._ns]
+        return replace(self._ns, tenant="|".join([self._ns.tenant, *salt]))
 
-    def _keys_upto(self, state: _Request, n_blocks: int) -> list[list[BlockKey]]:
-        """Every rank's keys of chunks [0, n_blocks), extending the cached chains."""
-        have = len(state.keys[0])
+    def _keys_upto(self, state: _Request, n_blocks: int) -> list[BlockKey]:
+        """The chain's keys of chunks [0, n_blocks), extending the cached chain."""
+        have = len(state.keys)
         if n_blocks > have:
             tokens = list(state.tokens()[have * self._bs : n_blocks * self._bs])
-            assert state.namespaces is not None
-            for rank, ns in enumerate(state.namespaces):
-                parent = state.keys[rank][-1] if have else None
-                state.keys[rank].extend(chunk_keys(tokens, ns, parent))
-        return [rank_keys[:n_blocks] for rank_keys in state.keys]
+            assert state.namespace is not None
+            parent = state.keys[-1] if have else None
+            state.keys.extend(chunk_keys(tokens, state.namespace, parent))
+        return state.keys[:n_blocks]
+
+    def _rank_keys(self, chain: Sequence[BlockKey]) -> list[list[str]]:
+        """Per rank, the pool keys of the groups it loads for ``chain``, group by group."""
+        groups = self._groups
+        return [
+            [groups.object_key(k, slot.group) for slot in groups.reads(rank) for k in chain]
+            for rank in range(groups.tp_size)
+        ]
 
     # ------------------------------------------------------------------ lookup
 
@@ -187,7 +199,7 @@ class StoreScheduler:
         """(tokens the pool can add beyond vLLM's local hit, whether they load async)."""
         state = self._state(request)
         state.local_tokens = num_computed_tokens
-        if state.namespaces is None:
+        if state.namespace is None:
             return 0, False
         n_tokens = int(request.num_tokens)
         usable_blocks = (n_tokens - 1) // self._bs
@@ -198,9 +210,7 @@ class StoreScheduler:
         keys = self._keys_upto(state, n_tokens // self._bs)
         state.query_tokens = 0
         try:
-            found = self._pool.call(
-                partial(_present_prefix, keys=[[k.hex for k in ks] for ks in keys])
-            )
+            found = self._pool.call(partial(_present_prefix, keys=self._groups.keys(keys)))
         except Exception as exc:  # any pool failure is a miss, never a failed request
             self.counters["lookup_errors"] += 1
             self._warn(f"lookup failed, treating as a miss: {type(exc).__name__}: {exc}")
@@ -219,30 +229,31 @@ class StoreScheduler:
 
     def _owners(self, state: _Request) -> tuple[str, ...]:
         gen = state.pin_generation
-        return tuple(pin_owner(self._scope, state.req_id, r, gen) for r in range(len(self._ns)))
+        ranks = range(self._groups.tp_size)
+        return tuple(pin_owner(self._scope, state.req_id, r, gen) for r in ranks)
 
-    def _pin_hit(self, state: _Request, keys: list[list[BlockKey]], first: int, hit: int) -> int:
-        """Pin chunks [first, hit) of every rank for the request; the hit that stays (shorter
+    def _pin_hit(self, state: _Request, keys: list[BlockKey], first: int, hit: int) -> int:
+        """Pin chunks [first, hit) of every group for the request, each rank's groups under
+        its own owner; the hit that stays (shorter
         when a chunk went away between the probe and the pin)."""
         if not state.pinned:  # a new set of pins (the last one, if any, went to a load)
             state.pinned = True  # from now on something may be pinned: released at the end
             state.pin_generation += 1
-        wanted = [[k.hex for k in rank_keys[first:hit]] for rank_keys in keys]
+        wanted = self._rank_keys(keys[first:hit])
         try:
             counts = self._pool.call(partial(_pin_ranks, keys=wanted, owners=self._owners(state)))
         except Exception as exc:  # an unprotected hit is still a hit
             self.counters["pin_errors"] += 1
             self._warn(f"pin failed, the hit is not protected: {type(exc).__name__}: {exc}")
             return hit
-        self.counters["pinned_blocks"] += sum(counts)
-        if all(n == hit - first for n in counts):
+        # in blocks, like the other counters: a block is pinned once per rank's group
+        self.counters["pinned_blocks"] += sum(counts) // self._groups.reads_per_chunk
+        if all(n == len(w) for n, w in zip(counts, wanted, strict=True)):
             return hit
         # A chunk left between the probe and the pin; the pinned ones cannot leave now, so
         # a second probe gives a hit that stays.
         try:
-            found = self._pool.call(
-                partial(_present_prefix, keys=[[k.hex for k in ks[:hit]] for ks in keys])
-            )
+            found = self._pool.call(partial(_present_prefix, keys=self._groups.keys(keys[:hit])))
         except Exception:
             return first
         return max(first, min(hit, found))
@@ -282,7 +293,7 @@ class StoreScheduler:
         spec = LoadSpec(
             req_id=state.req_id,
             block_ids=tuple(block_ids[first:end]),
-            keys=tuple(tuple(k.hex for k in rank_keys[first:end]) for rank_keys in keys),
+            keys=self._groups.keys(keys[first:end]),
             is_async=self._load_async,
             owners=self._owners(state) if state.pinned else (),
         )
@@ -319,7 +330,7 @@ class StoreScheduler:
         return StorePlan(loads=tuple(loads), saves=tuple(saves))
 
     def _save_spec(self, state: _Request, computed_after_step: int) -> SaveSpec | None:
-        if not self._saves or state.namespaces is None:
+        if not self._saves or state.namespace is None:
             return None
         full = min(
             computed_after_step // self._bs,
@@ -334,8 +345,11 @@ class StoreScheduler:
         return SaveSpec(
             req_id=state.req_id,
             block_ids=tuple(state.block_ids[start:full]),
-            keys=tuple(tuple(k.hex for k in rank_keys[start:full]) for rank_keys in keys),
-            parents=tuple(rank_keys[start - 1].hex if start else None for rank_keys in keys),
+            keys=self._groups.keys(keys[start:full]),
+            parents=tuple(
+                self._groups.object_key(keys[start - 1], g) if start else None
+                for g in range(self._groups.num_groups)
+            ),
         )
 
     def on_load_errors(self, invalid_block_ids: Iterable[int]) -> None:

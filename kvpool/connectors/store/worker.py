@@ -2,7 +2,12 @@
 
 A *page* is one vLLM block of every layer (see :mod:`kvpool.connectors.pages`).  Pages
 move whole and opaque — on CPU the kernel does not keep a block's tokens in position
-order, so nothing here looks inside a block.  One pool object holds one page of one TP rank.
+order, so nothing here looks inside a block.  One pool object holds one KV-head group of a
+page (:mod:`~kvpool.connectors.store.groups`): a rank loads the groups of the heads it holds
+and saves them unless a lower rank holds the same heads; when one group is all of a rank's
+heads (MLA, an embedded pool) an object is the rank's whole page.  Heads are whole inside
+a block (``[heads, block_size, row]``), so a group's part of each layer is contiguous and
+the kernel's token order inside a head is kept as it is.
 
 Rules:
 - A load either fills a block with exactly the bytes that were saved, or reports the block
@@ -18,7 +23,8 @@ Rules:
 - Saves happen in ``wait_for_save``, after the step's forward pass, synchronously: a block
   is never freed or reused while it is being written out.  A failed save only costs a
   future hit.
-- A request's blocks move in batches of up to ``_BATCH`` pages, one engine call per batch
+- A request's blocks move in batches of up to ``_BATCH`` pages (all their groups), one
+  engine call per batch
   (:meth:`~kvpool.engines.PoolEngine.batch_get_into_parts`,
   :meth:`~kvpool.engines.PoolEngine.batch_put_from_parts`) instead of one per block.
 - CPU caches move in place: each page is handed to the engine as its L layer rows
@@ -47,10 +53,17 @@ from typing import Any
 import torch
 
 from kvpool.connectors.pages import PagedCaches, block_pages
+from kvpool.connectors.store.groups import GroupSlot, HeadGroups
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle, is_outage
 from kvpool.engines import MISS, PoolEngine
-from kvpool.errors import ChecksumMismatch, KVPoolError, ObjectNotFound, WriteConflict
+from kvpool.errors import (
+    ChecksumMismatch,
+    ConfigError,
+    KVPoolError,
+    ObjectNotFound,
+    WriteConflict,
+)
 
 __all__ = ["LoadResult", "StoreWorker"]
 
@@ -98,8 +111,10 @@ class StoreWorker:
         pool: PoolHandle,
         loader_pool: PoolHandle,
         logger: logging.Logger,
+        groups: HeadGroups | None = None,
     ) -> None:
         self._rank = tp_rank
+        self._groups = groups  # None: one object per (chunk, rank) page, group 0
         self._pool = pool
         self._loader_pool = loader_pool  # async loads run on their own connection
         self._log = logger
@@ -111,12 +126,39 @@ class StoreWorker:
         self.counters: Counter[str] = Counter()
         self._last_save_warning = -_WARN_EVERY_S
         self._staging = threading.local()  # staged caches: one page batch per thread
+        # this rank's groups (None: no groups, the page is object 0), and whether it saves them
+        self._reads: tuple[GroupSlot, ...] | None = None
+        self._writer = True
 
-    def _pages(self, paged: PagedCaches, block_ids: Sequence[int]) -> tuple[list[list[Any]], Any]:
-        """The parts of the pages of ``block_ids``: the cache's own rows (CPU), or this
-        thread's reused staging pages (device caches; returned too, to scatter or gather)."""
+    def _slots(self, slots: tuple[GroupSlot, ...] | None) -> Sequence[GroupSlot | None]:
+        return (None,) if slots is None else slots
+
+    @property
+    def _whole(self) -> bool:
+        """Whether one object is this rank's whole page (one group, or none)."""
+        return self._reads is None or len(self._reads) == 1
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one pool object: a page, or one group of it."""
+        assert self.paged is not None
+        if self._reads is None or len(self._reads) == 1:
+            return self.paged.page_bytes
+        return self._reads[0].count * self.paged.head_bytes * len(self.paged.names)
+
+    def _pages(
+        self, paged: PagedCaches, block_ids: Sequence[int], slots: Sequence[GroupSlot | None]
+    ) -> tuple[list[list[Any]], Any]:
+        """The parts of the objects of ``block_ids`` (each block's ``slots`` in turn): the
+        cache's own rows (CPU), or this thread's reused staging pages (device caches;
+        returned too, to scatter or gather)."""
+        whole = self._whole
         if not paged.staged:
-            return [paged.block_parts(b) for b in block_ids], None
+            return [
+                paged.block_parts(b) if whole or slot is None
+                else paged.head_parts(b, slot.head_start, slot.count)
+                for b in block_ids for slot in slots
+            ], None  # fmt: skip
         pages = getattr(self._staging, "pages", None)
         if pages is None:
             host = paged.new_pages(_BATCH)
@@ -124,10 +166,21 @@ class StoreWorker:
             # tensors (Mooncake, from 16 MiB) then moves the staging in place
             pages = self._staging.pages = (host, torch.from_numpy(host))
         host, tensor = pages
-        return [[tensor[j]] for j in range(len(block_ids))], host
+        hb = paged.head_bytes
+        layers = range(len(paged.names))
+        return [
+            [tensor[j]] if whole or slot is None
+            else [tensor[j, i, slot.head_start * hb : (slot.head_start + slot.count) * hb]
+                  for i in layers]
+            for j in range(len(block_ids)) for slot in slots
+        ], host  # fmt: skip
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        self.paged = block_pages(kv_caches)
+    def register(
+        self, kv_caches: Mapping[str, torch.Tensor], *, staged: bool | None = None
+    ) -> None:
+        """Take vLLM's caches (``staged``: see :func:`~kvpool.connectors.pages.block_pages`)."""
+        self.paged = block_pages(kv_caches, staged=staged)
+        self._reads, self._writer = self._layout(self.paged)
         # the pool opened with the KV caches (the guide's "every node registers memory":
         # a Mooncake worker's segment is in the pool before its first request)
         if not self._pool.open():
@@ -136,6 +189,24 @@ class StoreWorker:
                 " the first load or save",
                 self._pool.last_error,
             )
+
+    def _layout(self, paged: PagedCaches) -> tuple[tuple[GroupSlot, ...] | None, bool]:
+        """This rank's groups, and whether it saves them (a rank that holds the same heads
+        as a lower one does not).  One group is the whole page: it moves as one part per
+        layer, as without groups."""
+        if self._groups is None:
+            return None, True
+        reads, writes = self._groups.reads(self._rank), self._groups.writes(self._rank)
+        held = sum(slot.count for slot in reads)
+        if held != paged.num_heads and len(reads) > 1:
+            raise ConfigError(
+                f"[KVPoolStoreConnector] TP rank {self._rank}'s KV cache shows"
+                f" {paged.num_heads} KV heads per block but the head groups give it {held}"
+                f" ({self._groups}): this KV cache layout cannot be split by head; set"
+                f' kv_connector_extra_config "head_group_size": {held} (one object per rank,'
+                " shared only with instances of the same TP size)"
+            )
+        return reads, bool(writes)
 
     # ------------------------------------------------------------------ loads
 
@@ -184,23 +255,26 @@ class StoreWorker:
         unpin: Callable[[], None],
     ) -> LoadResult:
         paged = self.paged
-        keys = spec.keys[self._rank]
         if paged is None:
             return LoadResult(spec.req_id, 0, frozenset(spec.block_ids))
+        slots = self._slots(self._reads)
+        keys = self._object_keys(spec.keys, slots)
+        per = len(slots)  # objects per block
         loaded = 0
-        for start in range(0, len(keys), _BATCH):
+        for start in range(0, len(spec.block_ids), _BATCH):
             if cancel is not None and cancel.is_set():
                 # Aborted: vLLM frees the blocks once we report; nobody reads them.
                 return LoadResult(spec.req_id, loaded, frozenset())
-            batch = keys[start : start + _BATCH]
+            batch = keys[start * per : (start + _BATCH) * per]
             block_ids = spec.block_ids[start : start + _BATCH]
-            parts, staging = self._pages(paged, block_ids)
-            good, failure = self._read(handle, batch, parts)
+            parts, staging = self._pages(paged, block_ids, slots)
+            good_objects, failure = self._read(handle, batch, parts)
+            good = good_objects // per  # a block is good when all its groups are
             if staging is not None:
                 paged.scatter(block_ids[:good], staging)
             loaded += good
             if failure is not None:
-                key = batch[good]
+                key = batch[good_objects]
                 self._log.warning(
                     "[KVPoolStoreConnector] load of %s for request %s failed: %s: %s",
                     key,
@@ -214,14 +288,21 @@ class StoreWorker:
                 return LoadResult(spec.req_id, loaded, failed, dropped)
         return LoadResult(spec.req_id, loaded, frozenset())
 
+    def _object_keys(
+        self, keys: Sequence[Sequence[str | None]], slots: Sequence[GroupSlot | None]
+    ) -> list[Any]:
+        """This rank's object keys block by block (each block's ``slots`` in turn)."""
+        columns = [keys[0 if slot is None else slot.group] for slot in slots]
+        return [column[i] for i in range(len(columns[0])) for column in columns]
+
     def _read(
         self, handle: PoolHandle, keys: Sequence[str], parts: Sequence[Sequence[Any]]
     ) -> tuple[int, Exception | None]:
-        """Read ``keys`` into their pages' ``parts``: how many leading pages are good, and
-        why the page after them is not (None when all are).  Pages from there on may hold
-        anything (a read in place): the caller reports them all failed."""
+        """Read ``keys`` into their objects' ``parts``: how many leading objects are good,
+        and why the one after them is not (None when all are).  Objects from there on may
+        hold anything (a read in place): the caller reports their blocks failed."""
         assert self.paged is not None
-        page_bytes = self.paged.page_bytes
+        page_bytes = self.object_bytes
         try:
             sizes = handle.call(partial(_get_into, keys=keys, parts=parts))
         except Exception as exc:
@@ -238,9 +319,7 @@ class StoreWorker:
             if n == MISS:
                 return j, ObjectNotFound(f"{keys[j]}: missing, corrupt or unreachable")
             if n != page_bytes:
-                return j, ChecksumMismatch(
-                    f"object {keys[j]} has {n} bytes, a page has {page_bytes}"
-                )
+                return j, ChecksumMismatch(f"object {keys[j]} has {n} bytes, expected {page_bytes}")
         return len(keys), None
 
     def _drop_unreadable(self, handle: PoolHandle, key: str, exc: Exception) -> bool:
@@ -297,31 +376,41 @@ class StoreWorker:
             self._save_one(spec, paged)
 
     def _save_one(self, spec: SaveSpec, paged: PagedCaches) -> None:
-        keys = spec.keys[self._rank]
-        parent = spec.parents[self._rank]
-        for start in range(0, len(keys), _BATCH):
-            batch = keys[start : start + _BATCH]
+        if not self._writer:
+            return  # a lower rank holds (and saves) the same heads
+        slots = self._slots(self._reads)
+        per = len(slots)
+        keys = self._object_keys(spec.keys, slots)
+        # each group's chunk hangs off the same group's chunk before it
+        parents = self._object_keys(
+            [(p, *ks[:-1]) for p, ks in zip(spec.parents, spec.keys, strict=True)], slots
+        )
+        for start in range(0, len(spec.block_ids), _BATCH):
+            batch = keys[start * per : (start + _BATCH) * per]
             block_ids = spec.block_ids[start : start + _BATCH]
-            parts, staging = self._pages(paged, block_ids)
+            parts, staging = self._pages(paged, block_ids, slots)
             if staging is not None:
                 paged.gather(block_ids, staging)
-            parents = [parent, *batch[:-1]]  # each chunk hangs off the one before it
             try:
                 results = self._pool.call(
-                    partial(_put_from, keys=batch, parts=parts, parents=parents)
+                    partial(
+                        _put_from,
+                        keys=batch,
+                        parts=parts,
+                        parents=parents[start * per : (start + _BATCH) * per],
+                    )
                 )
             except Exception as exc:
                 self._save_failed(spec, batch[0], exc)
                 return
             saved = sum(1 for r in results if r is None)
-            self.counters["saved_blocks"] += saved
-            self.counters["saved_bytes"] += saved * paged.page_bytes
+            self.counters["saved_blocks"] += saved // per
+            self.counters["saved_bytes"] += saved * self.object_bytes
             for key, error in zip(batch, results, strict=True):
                 # Another instance writing the same chunk right now is no failure.
                 if error is not None and not isinstance(error, WriteConflict):
                     self._save_failed(spec, key, error)
                     return  # the rest of the chain hangs off this chunk: stop here
-            parent = batch[-1]
 
     def _save_failed(self, spec: SaveSpec, key: str, exc: BaseException) -> None:
         self.counters["save_errors"] += 1

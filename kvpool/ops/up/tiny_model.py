@@ -29,7 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["PRESETS", "TinyModelSpec", "build_tiny_model", "main", "sample_text"]
+__all__ = [
+    "PRESETS",
+    "TinyModelSpec",
+    "build_tiny_mla_model",
+    "build_tiny_model",
+    "main",
+    "sample_text",
+]
 
 BOS = "<s>"
 EOS = "</s>"
@@ -234,6 +241,60 @@ def build_from_spec(path: str | Path, spec: TinyModelSpec, *, weights: bool = Tr
         from safetensors.numpy import save_file
 
         save_file(_weights(spec), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def build_tiny_mla_model(
+    path: str | Path, *, layers: int = 2, hidden: int = 256, heads: int = 2, seed: int = 0
+) -> Path:
+    """Write a tiny DeepSeek-V2-style MLA model directory (no weights: load it with
+    ``load_format="dummy"``) and return it.
+
+    The latent sizes are the ones vLLM-CPU's MLA decode kernel supports
+    (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = a 576-wide latent per token, blocks of
+    16 tokens); ``q_lora_rank`` is None and every layer is dense (no experts).
+    """
+    spec = TinyModelSpec(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, seed=seed)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "moe_intermediate_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        # experts are configured (the config class insists) but never used: every layer
+        # is below first_k_dense_replace, so every MLP is dense
+        "n_routed_experts": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": layers,
+        "moe_layer_freq": 1,
+        "num_experts_per_tok": 1,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "attention_bias": False,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, indent=2)
+    )
+    _train_tokenizer(spec, out)
     return out
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from kvpool.connectors.store.groups import HeadGroups
 from kvpool.connectors.store.plan import SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.scheduler import StoreScheduler, pin_owner
@@ -39,9 +40,15 @@ def handle(pool: PoolEngine | FakePool) -> PoolHandle:
 
 
 def scheduler(
-    pool: PoolEngine | FakePool, *, load_async: bool = False, pins: bool = True, ns=NS
+    pool: PoolEngine | FakePool,
+    *,
+    load_async: bool = False,
+    pins: bool = True,
+    ns: KeyNamespace = NS,
+    groups: HeadGroups | None = None,
 ) -> StoreScheduler:
     return StoreScheduler(
+        groups=groups,
         namespace=ns,
         pool=handle(pool),
         saves=True,
@@ -53,9 +60,15 @@ def scheduler(
 
 
 def worker(
-    pool: PoolEngine | FakePool, seed: int = 2, rank: int = 0, caches: Caches | None = None
+    pool: PoolEngine | FakePool,
+    seed: int = 2,
+    rank: int = 0,
+    caches: Caches | None = None,
+    groups: HeadGroups | None = None,
 ) -> StoreWorker:
-    w = StoreWorker(tp_rank=rank, pool=handle(pool), loader_pool=handle(pool), logger=LOG)
+    w = StoreWorker(
+        tp_rank=rank, pool=handle(pool), loader_pool=handle(pool), logger=LOG, groups=groups
+    )
     w.register(kv_caches(seed) if caches is None else caches)
     return w
 
@@ -242,19 +255,21 @@ def test_pins_can_be_turned_off_to_measure_them() -> None:
 
 
 def test_each_tp_rank_has_its_own_owner_and_releases_only_its_own() -> None:
-    ns = KeyNamespace("m", "float32", BS, layout="cpu:test", tp_size=2)
+    groups = HeadGroups(num_kv_heads=4, group_size=1, tp_size=2)  # 2 heads per rank
     pool = FakePool()
+    keys = groups.keys(chunk_keys(TOKENS, NS))
     for rank in range(2):
-        keys = [k.hex for k in chunk_keys(TOKENS, ns.for_rank(rank))]
-        w = worker(pool, seed=1, rank=rank)
-        w.save(StorePlan(saves=(SaveSpec("o", (0, 1, 2), (tuple(keys),) * 2, (None, None)),)))
-    sched = scheduler(pool, ns=ns)
+        w = worker(pool, seed=1, rank=rank, groups=groups)
+        w.save(StorePlan(saves=(SaveSpec("o", (0, 1, 2), keys, (None,) * 4),)))
+    assert len(pool.objects) == 12  # 3 chunks x 4 groups, each written once
+    sched = scheduler(pool, groups=groups)
     plan = admit(sched, Req("r", TOKENS), [4, 5, 6, 7])
     (load,) = plan.loads
     assert load.owners == (pin_owner("test", "r", 0), pin_owner("test", "r", 1))
-    worker(pool, rank=1).start_loads(plan)
+    assert sched.counters["pinned_blocks"] == 3  # counted in blocks, not objects
+    worker(pool, rank=1, groups=groups).start_loads(plan)
     assert set(pool.pins) == {load.owners[0]}  # rank 0 has not loaded yet: still pinned
-    worker(pool, rank=0).start_loads(plan)
+    worker(pool, rank=0, groups=groups).start_loads(plan)
     assert pool.pinned() == set()
 
 

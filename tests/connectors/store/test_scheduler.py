@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
+from kvpool.connectors.store.groups import HeadGroups
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.scheduler import StoreScheduler
-from kvpool.core.keys import KeyNamespace, chunk_keys
+from kvpool.core.keys import KeyNamespace, chunk_keys, group_key
 from tests.connectors.store.fake_pool import FakePool
 
 BS = 4
@@ -33,7 +34,12 @@ class Req:
 
 
 def make(
-    pool: FakePool, *, ns: KeyNamespace = NS, saves: bool = True, load_async: bool = False
+    pool: FakePool,
+    *,
+    ns: KeyNamespace = NS,
+    saves: bool = True,
+    load_async: bool = False,
+    groups: HeadGroups | None = None,
 ) -> StoreScheduler:
     handle = PoolHandle(lambda: pool, reconnect_interval_s=60, describe="fake")
     return StoreScheduler(
@@ -42,6 +48,7 @@ def make(
         saves=saves,
         load_async=load_async,
         logger=logging.getLogger("test"),
+        groups=groups,
     )
 
 
@@ -125,21 +132,60 @@ def test_async_flag_and_partial_prefix() -> None:
     assert sched.get_num_new_matched_tokens(Req("c", tokens), 0) == (8, True)
 
 
-def test_every_tp_rank_must_hold_the_chunk() -> None:
-    ns = KeyNamespace("m", "float32", BS, layout="cpu:test", tp_size=2)
+def fill_group(pool: FakePool, tokens: Sequence[int], group: int, upto: int) -> None:
+    for key in chunk_keys(tokens, NS)[:upto]:
+        pool.objects[group_key(key, group).hex] = b"x"
+
+
+def test_every_head_group_must_hold_the_chunk() -> None:
     pool = FakePool()
     tokens = list(range(17))
-    fill(pool, tokens, ns.for_rank(0), upto=4)
-    fill(pool, tokens, ns.for_rank(1), upto=2)
-    sched = make(pool, ns=ns)
+    fill_group(pool, tokens, 0, upto=4)
+    fill_group(pool, tokens, 1, upto=2)
+    groups = HeadGroups(num_kv_heads=2, group_size=1, tp_size=2)
+    sched = make(pool, groups=groups)
     req = Req("d", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (8, False)
     sched.update_state_after_alloc(req, [1, 2, 3, 4, 5], 8)
     (load,) = sched.build_plan(step(new=[("d", [1, 2, 3, 4, 5], 8, 9)])).loads
     assert len(load.keys) == 2 and load.keys[0] != load.keys[1]
-    assert load.keys[1] == tuple(k.hex for k in chunk_keys(tokens, ns.for_rank(1))[:2])
-    # All ranks were probed in one round trip.
+    chain = chunk_keys(tokens, NS)[:2]
+    assert load.keys[1] == tuple(group_key(k, 1).hex for k in chain)
+    # All groups were probed in one round trip.
     assert pool.calls["batch_exists"] == 1 and pool.calls["prefix_lookup"] == 0
+
+
+def test_group_keys_do_not_depend_on_the_readers_tp_size() -> None:
+    """A TP-1 and a TP-2 reader of a 2-head model probe and load the very same objects."""
+    tokens = list(range(17))
+    plans = []
+    for tp in (1, 2):
+        pool = FakePool()
+        fill_group(pool, tokens, 0, upto=4)
+        fill_group(pool, tokens, 1, upto=4)
+        sched = make(pool, groups=HeadGroups(2, 1, tp))
+        req = Req("e", tokens)
+        assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+        sched.update_state_after_alloc(req, [1, 2, 3, 4, 5], 16)
+        (load,) = sched.build_plan(step(new=[("e", [1, 2, 3, 4, 5], 16, 1)])).loads
+        assert len(load.owners) == tp  # one pin owner per rank
+        plans.append(load.keys)
+    assert plans[0] == plans[1]
+
+
+def test_embedded_lookup_channel_probes_group_by_group() -> None:
+    """The embedded pool's lookup channel has no batch_exists: one lookup per group."""
+
+    class NoBatch(FakePool):
+        def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+            raise NotImplementedError("the lookup channel only answers lookups")
+
+    pool = NoBatch()
+    tokens = list(range(17))
+    fill_group(pool, tokens, 0, upto=4)
+    fill_group(pool, tokens, 1, upto=3)
+    sched = make(pool, groups=HeadGroups(2, 1, 1))
+    assert sched.get_num_new_matched_tokens(Req("f", tokens), 0) == (12, False)
 
 
 def test_dead_pool_is_a_miss_and_probing_takes_no_lease() -> None:

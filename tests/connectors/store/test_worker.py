@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from kvpool.connectors.pages import block_pages
+from kvpool.connectors.store.groups import HeadGroups
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.worker import StoreWorker
@@ -22,12 +23,21 @@ def kv_caches(seed: int) -> dict[str, torch.Tensor]:
     return {f"layer.{i}": torch.randn(NUM_BLOCKS, HEADS, BS, HEAD2, generator=g) for i in range(3)}
 
 
-def make(pool: FakePool, caches: dict[str, torch.Tensor], rank: int = 0) -> StoreWorker:
+def make(
+    pool: FakePool,
+    caches: dict[str, torch.Tensor],
+    rank: int = 0,
+    groups: HeadGroups | None = None,
+) -> StoreWorker:
     def handle() -> PoolHandle:
         return PoolHandle(lambda: pool, reconnect_interval_s=60, describe="fake")
 
     worker = StoreWorker(
-        tp_rank=rank, pool=handle(), loader_pool=handle(), logger=logging.getLogger("t")
+        tp_rank=rank,
+        pool=handle(),
+        loader_pool=handle(),
+        logger=logging.getLogger("t"),
+        groups=groups,
     )
     worker.register(caches)
     return worker
@@ -138,9 +148,10 @@ def test_save_stops_at_a_full_pool_but_skips_a_conflict() -> None:
     assert worker.counters["save_errors"] == 1 and pool.calls["batch_put_from_parts"] == 2
 
 
-def test_rank_picks_its_own_keys() -> None:
+def test_rank_picks_the_keys_of_its_own_head_group() -> None:
     pool = FakePool()
-    worker = make(pool, kv_caches(1), rank=1)
+    # 4 heads in groups of 2 over TP 2: rank 1 holds heads 2 and 3, which are group 1
+    worker = make(pool, kv_caches(1), rank=1, groups=HeadGroups(4, 2, 2))
     plan = StorePlan(saves=(SaveSpec("r", (0,), (keys(1, "a"), keys(1, "b")), (None, None)),))
     worker.save(plan)
     assert list(pool.objects) == [keys(1, "b")[0]]
