@@ -18,6 +18,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -52,10 +53,38 @@ RELEASED = "blocks released"  # P's log line when the last D rank has the blocks
 RECOMPUTED = "it will be recomputed"  # D's log line for a failed pull
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1, below the kernel's
+    ephemeral range.
+
+    A port a server binds minutes later (a vLLM instance's ``kv_port`` + rank offsets is
+    bound only once its engines are up) must not come from the ephemeral range: the
+    outgoing connections every process makes meanwhile take ports from it, and one took a
+    prefill's ``kv_port`` ("Address already in use") while its DP engines were starting.
+    """
+    rng = random.Random()
+    high = _ephemeral_low() - count
+    for _ in range(500):
+        base = rng.randrange(15000, high)
+        probes = [socket.socket() for _ in range(count)]
+        try:
+            for i, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {count} consecutive free ports below {high + count} on 127.0.0.1")
 
 
 # The production guide's §5.2 and §5.3 --kv-transfer-config, verbatim.
