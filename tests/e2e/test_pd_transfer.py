@@ -288,7 +288,10 @@ def _wait_healthy(server: Server) -> None:
     )
 
 
-def complete(server: Server, prompt: str, **extra: Any) -> dict[str, Any]:
+def complete(
+    server: Server, prompt: str, *, timeout_s: float = REQUEST_TIMEOUT_S, **extra: Any
+) -> dict[str, Any]:
+    """A greedy completion's whole reply; ``extra`` adds to (or overrides) the body."""
     body = {
         "model": server.model_name,
         "prompt": prompt,
@@ -302,7 +305,7 @@ def complete(server: Server, prompt: str, **extra: Any) -> dict[str, Any]:
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())  # type: ignore[no-any-return]
 
 

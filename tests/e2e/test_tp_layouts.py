@@ -57,6 +57,7 @@ from tests.e2e.test_pd_transfer import (
     GUIDE_PREFILL,
     Server,
     _free_port,
+    complete,
     kvpool_config,
 )
 
@@ -216,24 +217,16 @@ class Stack:
 
 
 def completion(server: Server, prompt: str, **extra: Any) -> dict[str, Any]:
-    """A greedy completion with each token's id and log-probability (top 2)."""
-    body = {
-        "model": server.model_name,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "stream": False,
-        "logprobs": 2,
-        "return_tokens_as_token_ids": True,
+    """A greedy completion's choice, with each token's id and log-probability (top 2)."""
+    reply = complete(
+        server,
+        prompt,
+        timeout_s=REQUEST_TIMEOUT_S,
+        max_tokens=MAX_TOKENS,
+        logprobs=2,
+        return_tokens_as_token_ids=True,
         **extra,
-    }
-    req = urllib.request.Request(
-        f"{server.url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-        reply: dict[str, Any] = json.loads(resp.read())
     choice: dict[str, Any] = reply["choices"][0]
     return choice
 
