@@ -61,6 +61,17 @@ def _unlink_if_same(path: Path, fd: int) -> bool:
     return True
 
 
+def _same_file(fd_a: int, fd_b: int) -> bool:
+    """Whether two open descriptors are the same file (not just the same name)."""
+    if fd_a < 0 or fd_b < 0:
+        return False
+    try:
+        a, b = os.fstat(fd_a), os.fstat(fd_b)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def remove_if_owner_dead(shm_name: str, token: str, directory: Path = SHM_DIR) -> bool:
     """Remove the segment file ``shm_name`` of the host ``token`` names, if that is this
     host and the segment's owner is dead; True if it was removed.
@@ -115,11 +126,24 @@ class ShmConnection(Closing):
             segment.close()
             raise UnknownSegment(f"shared memory {shm_name!r} is gone: {exc}") from None
         with self._lock:
-            old = self._segments.pop(segment_id, None)
-            old_fd = self._owner_fds.pop(segment_id, -1)
-            self._segments[segment_id] = segment
-            self._owner_fds[segment_id] = fd
-        self._release(old, old_fd)
+            current = self._segments.get(segment_id)
+            if current is not None and current.name == segment.name and _same_file(
+                self._owner_fds.get(segment_id, -1), fd
+            ):
+                # Another thread attached the same file first (two copies routed at once):
+                # keep its mapping, which copies may be using now, and drop this one.
+                drop, drop_fd = segment, fd
+            else:
+                drop = self._segments.pop(segment_id, None)
+                drop_fd = self._owner_fds.pop(segment_id, -1)
+                self._segments[segment_id] = segment
+                self._owner_fds[segment_id] = fd
+            # The fd is closed under the lock: check_owner asks it under the same lock, so
+            # a copy never asks a closed (or reused) descriptor.
+            if drop_fd >= 0:
+                os.close(drop_fd)
+        if drop is not None:
+            drop.close()
 
     def name_of(self, segment_id: str) -> str | None:
         """The shared-memory name attached for ``segment_id`` (``None``: not attached)."""
@@ -135,30 +159,30 @@ class ShmConnection(Closing):
         with self._lock:
             segment = self._segments.pop(segment_id, None)
             fd = self._owner_fds.pop(segment_id, -1)
-        self._release(segment, fd)
-
-    @staticmethod
-    def _release(segment: Segment | None, fd: int) -> None:
+            if fd >= 0:
+                os.close(fd)
         if segment is not None:
             segment.close()
-        if fd >= 0:
-            os.close(fd)
 
     def owner_alive(self, segment_id: str) -> bool:
         """Whether the process that owns the attached segment still lives."""
-        fd = self._owner_fds.get(segment_id, -1)
-        return fd >= 0 and owner_alive(fd)
+        with self._lock:
+            fd = self._owner_fds.get(segment_id, -1)
+            return fd >= 0 and owner_alive(fd)
 
     def check_owner(self, segment_id: str) -> None:
         """Raise TransferError (after unmapping and removing the segment) if its owner
         died: what was just copied must not count as stored, nor as read."""
-        fd = self._owner_fds.get(segment_id, -1)
-        if fd < 0 or owner_alive(fd):
-            return
-        segment = self._segments.get(segment_id)
-        if segment is not None:
-            with contextlib.suppress(OSError):
-                _unlink_if_same(segment.path, fd)
+        # Under the lock: another thread's attach or detach closes descriptors under it
+        # too, so this never asks a closed one (EBADF) or one reused for another file.
+        with self._lock:
+            fd = self._owner_fds.get(segment_id, -1)
+            if fd < 0 or owner_alive(fd):
+                return
+            segment = self._segments.get(segment_id)
+            if segment is not None:
+                with contextlib.suppress(OSError):
+                    _unlink_if_same(segment.path, fd)
         self.detach(segment_id)
         raise TransferError(f"the owner of segment {segment_id!r} is gone (its lock is free)")
 
@@ -194,7 +218,7 @@ class ShmConnection(Closing):
             fds = list(self._owner_fds.values())
             self._segments.clear()
             self._owner_fds.clear()
+            for fd in fds:
+                os.close(fd)
         for segment in segments:
             segment.close()
-        for fd in fds:
-            os.close(fd)

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +159,38 @@ def test_only_a_dead_owners_segment_on_this_host_is_removed(segment: Segment) ->
     finally:
         kill(owner)
         (Path("/dev/shm") / name).unlink(missing_ok=True)
+
+
+def test_copies_that_attach_the_same_segment_at_once_all_succeed(segment: Segment) -> None:
+    # Copies routed at once each attach the segment (an AsyncClient's threads do).  A second
+    # attach used to close the descriptor another thread's copy was about to ask about its
+    # owner: the copy failed with EBADF (or asked a reused descriptor: another file).
+    errors: list[BaseException] = []
+
+    def copies(shm: ShmConnection, i: int) -> None:
+        data = bytes([i]) * 4096
+        out = bytearray(4096)
+        try:
+            for _ in range(200):
+                shm.attach("seg0", segment.name, segment.size)
+                shm.write("seg0", i * 4096, data)
+                shm.read_into("seg0", i * 4096, out)
+                assert out == data
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes, as under load
+    try:
+        with ShmConnection() as shm:
+            threads = [threading.Thread(target=copies, args=(shm, i)) for i in range(6)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert not any(thread.is_alive() for thread in threads)
+            assert shm.name_of("seg0") == segment.name
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    assert len(os.listdir(f"/proc/{os.getpid()}/fd")) < 200  # replaced attachments were closed
