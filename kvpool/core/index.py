@@ -112,9 +112,22 @@ class ObjectIndex(IndexLeases):
         self.registry.heartbeat(client_id, now_ms)
 
     def add_segment(
-        self, client_id: str, segment_id: str, capacity: int, tier: Tier = Tier.MEMORY
+        self,
+        client_id: str,
+        segment_id: str,
+        capacity: int,
+        tier: Tier = Tier.MEMORY,
+        *,
+        placeable: bool = True,
     ) -> None:
-        self.registry.add_segment(client_id, segment_id, capacity, tier)
+        """Add a segment; ``placeable=False`` keeps new objects out of it until
+        :meth:`open_segment` (its owner first re-announces what it holds, see ``restore``)."""
+        self.registry.add_segment(client_id, segment_id, capacity, tier, placeable)
+        self._mem_segments = self._ssd_segments = None
+
+    def open_segment(self, segment_id: str) -> None:
+        """New objects may be placed in ``segment_id`` from now on."""
+        self.registry.segment(segment_id).placeable = True
         self._mem_segments = self._ssd_segments = None
 
     def remove_client(self, client_id: str, reason: str = "expired_client") -> list[Event]:

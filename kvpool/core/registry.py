@@ -29,6 +29,10 @@ class Segment:
     client_id: str
     tier: Tier
     space: ExtentAllocator
+    # False while its owner re-announces what the segment already holds: a put placed
+    # there meanwhile could take the extent of an object not announced yet (which the
+    # index would then refuse, and the node drop)
+    placeable: bool = True
 
     @property
     def capacity(self) -> int:
@@ -69,7 +73,9 @@ class Registry:
             raise UnknownClient(f"client {client_id!r} is not registered; register again")
         info.last_seen_ms = now_ms
 
-    def add_segment(self, client_id: str, segment_id: str, capacity: int, tier: Tier) -> Segment:
+    def add_segment(
+        self, client_id: str, segment_id: str, capacity: int, tier: Tier, placeable: bool = True
+    ) -> Segment:
         info = self.clients.get(client_id)
         if info is None:
             raise UnknownClient(f"client {client_id!r} is not registered; register first")
@@ -78,7 +84,7 @@ class Registry:
             if seg.client_id == client_id and seg.capacity == capacity and seg.tier == tier:
                 return seg  # re-adding the same segment is harmless
             raise PoolError(f"segment id {segment_id!r} is already registered")
-        seg = Segment(segment_id, client_id, tier, ExtentAllocator(capacity))
+        seg = Segment(segment_id, client_id, tier, ExtentAllocator(capacity), placeable)
         self.segments[segment_id] = seg
         info.segment_ids.append(segment_id)
         return seg
@@ -104,4 +110,5 @@ class Registry:
         return [self.segments.pop(s) for s in info.segment_ids if s in self.segments]
 
     def tier_segments(self, tier: Tier) -> list[Segment]:
-        return [s for s in self.segments.values() if s.tier is tier]
+        """The segments of ``tier`` that new objects may be placed in."""
+        return [s for s in self.segments.values() if s.tier is tier and s.placeable]

@@ -81,6 +81,9 @@ class AddSegment(msgspec.Struct, frozen=True, tag=True):
     capacity: int
     tier: str = "memory"
     shm_name: str = ""
+    # the owner re-announces objects it holds in this segment (Restore) before any new
+    # put may be placed there; its last Restore says ``done``
+    restoring: bool = False
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -104,6 +107,7 @@ class Restore(msgspec.Struct, frozen=True, tag=True):
     client_id: str
     segment_id: str
     objects: list[tuple[str, int, int, int]]
+    done: bool = False  # the last one: the segment takes new puts from now on
 
 
 class PutStart(msgspec.Struct, frozen=True, tag=True):

@@ -118,7 +118,9 @@ class MasterClients:
         )[0]:
             # others' puts would be placed where nobody can write them
             raise PoolError(f"segment {req.segment_id!r}: {req.client_id} has no data address")
-        self.index.add_segment(req.client_id, req.segment_id, req.capacity, tier)
+        self.index.add_segment(
+            req.client_id, req.segment_id, req.capacity, tier, placeable=not req.restoring
+        )
         address, token = self.client_addresses.get(req.client_id, ("", ""))
         self.endpoints[req.segment_id] = Endpoint(address, req.shm_name, token)
         if req.client_id not in self.local:
@@ -149,7 +151,10 @@ class MasterClients:
                 "a node restores only its own segments"
             )
         restore, seg = self.index.restore, req.segment_id
-        return m.Bools([restore(k, seg, off, n, csum, now) for k, off, n, csum in req.objects])
+        accepted = [restore(k, seg, off, n, csum, now) for k, off, n, csum in req.objects]
+        if req.done and owner is not None:
+            self.index.open_segment(seg)
+        return m.Bools(accepted)
 
     def _report_failure(self, req: m.ReportFailure, now: int) -> Ok:
         seg = self.index.registry.segments.get(req.segment_id)

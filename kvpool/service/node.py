@@ -183,8 +183,16 @@ class NodeService:
         assert isinstance(reply, m.RegisterReply)
         self.heartbeat_s = max(0.05, reply.heartbeat_interval_ms / 1000)
         assert st.segment is not None
+        # with a catalog to re-announce, new puts wait until it is (_restore says done)
         self.master.call(
-            m.AddSegment(self.client_id, st.segment_id, st.segment.size, "memory", st.shm_name)
+            m.AddSegment(
+                self.client_id,
+                st.segment_id,
+                st.segment.size,
+                "memory",
+                st.shm_name,
+                restoring=bool(self.catalog),
+            )
         )
         if st.ssd is not None:
             self.master.call(m.AddSegment(self.client_id, st.ssd_segment_id, st.ssd_limit, "ssd"))
@@ -227,6 +235,9 @@ class NodeService:
             if checksum(st.segment.view(off, size)) == csum
         ]
         accepted = restore_in_batches(intact, self._send_restore(st.segment_id))
+        # done: the segment takes new puts (placed before now, one could have taken the
+        # extent of an object not announced yet, and that object would have been lost)
+        self.master.call(m.Restore(self.client_id, st.segment_id, [], done=True))
         kept = {key for (key, *_), ok in zip(intact, accepted, strict=True) if ok}
         self.catalog = {k: v for k, v in self.catalog.items() if k in kept}
         log.info("re-announced %d of %d objects to the master", len(kept), len(intact))

@@ -125,6 +125,7 @@ class ShmConnection(Closing):
         except OSError as exc:
             segment.close()
             raise UnknownSegment(f"shared memory {shm_name!r} is gone: {exc}") from None
+        drop: Segment | None
         with self._lock:
             current = self._segments.get(segment_id)
             if current is not None and current.name == segment.name and _same_file(

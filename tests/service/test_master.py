@@ -117,3 +117,26 @@ def test_get_metrics_count_every_request_and_show_only_label_sets_used() -> None
     assert 'kvpool_request_seconds_count{op="Unknown"} 2.0' in text
     assert 'kvpool_request_errors_total{code="INTERNAL",op="Unknown"} 2.0' in text
     svc.close()
+
+
+def test_a_node_re_announcing_gets_no_new_put_in_its_segment_until_it_is_done() -> None:
+    # A node dropped (a client's report) and registering again had its segment taking new
+    # puts before it re-announced what it held: a put could take the extent of an object
+    # not yet announced, the index then refused that object, and the node dropped it.
+    svc = MasterService(IndexConfig())
+    assert isinstance(svc.handle(m.Register(NODE, "10.0.0.1:1", "token")), m.RegisterReply)
+    svc.handle(m.Register("c", "", ""))
+    segment = f"{NODE}/mem"
+    assert svc.handle(m.AddSegment(NODE, segment, 1000, "memory", restoring=True)) == Ok()
+    refused = svc.handle(m.PutStart("c", "new", 100))
+    assert isinstance(refused, Error), refused  # the only segment is not placeable yet
+    first = m.Restore(NODE, segment, [("old", 0, 100, 7)])
+    assert svc.handle(first) == m.Bools([True])
+    assert svc.handle(m.Restore(NODE, segment, [("old2", 100, 100, 8)], done=True)) == m.Bools(
+        [True]
+    )
+    put = svc.handle(m.PutStart("c", "new", 100))
+    assert isinstance(put, m.Placement) and put.placed and put.segment_id == segment
+    assert put.offset >= 200  # not over either announced object
+    got = svc.handle(m.Get("c", "old"))
+    assert isinstance(got, m.Placement) and got.placed and got.offset == 0
