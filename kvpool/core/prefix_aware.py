@@ -174,9 +174,9 @@ class PrefixAwarePolicy(Generic[K]):
                 node = nodes[key] = Node(key, p, p.orphan)
                 kids = p.kids
                 if kids is None:
-                    p.kids = {node: None}
+                    p.kids = {key: None}
                 else:
-                    kids[node] = None
+                    kids[key] = None
                 p.children += 1
         if key in self._ghosts or key in self._old_ghosts:
             self._ghosts.discard(key)
@@ -225,13 +225,15 @@ class PrefixAwarePolicy(Generic[K]):
             del self._orphans[key]
         if node.children:
             assert node.kids is not None
-            for kid in node.kids:
+            nodes = self._nodes
+            for kid_key in node.kids:
+                kid = nodes[kid_key]
                 kid.parent = None
                 self._orphan_subtree(kid)
         p = node.parent
         if p is not None:
             assert p.kids is not None
-            del p.kids[node]
+            del p.kids[key]
             p.children -= 1
         if self._ghost_factor:
             ghosts = self._ghosts
@@ -351,7 +353,8 @@ class PrefixAwarePolicy(Generic[K]):
             node.orphan = True
             found.append(node)
             if node.kids:
-                stack.extend(node.kids)
+                nodes = self._nodes
+                stack.extend([nodes[k] for k in node.kids])
         for node in reversed(found):  # children were found after their parents
             if node.where == QUEUED:
                 self._unqueue(node)
