@@ -198,11 +198,13 @@ class PrefixAwarePolicy(Generic[K]):
         where = node.where
         if where == RUN:
             return  # already among the youngest; it is placed when the run ends
-        if where == QUEUED:
+        if where == QUEUED:  # (_unqueue, inline)
             c = node.cls
             self._hits[c] += 1.0
             self._lives[c] += self._clock - node.stamp
-            self._unqueue(node)
+            del self._queues[c][key]
+            if self._heads[c] is node:
+                self._heads[c] = None
         else:
             del self._orphans[key]
         node.where = RUN
@@ -216,9 +218,12 @@ class PrefixAwarePolicy(Generic[K]):
         if node is None:
             return
         where = node.where
-        if where == QUEUED:  # the usual case: an evicted victim
-            self._lives[node.cls] += self._clock - node.stamp
-            self._unqueue(node)
+        if where == QUEUED:  # the usual case: an evicted victim (_unqueue, inline)
+            c = node.cls
+            self._lives[c] += self._clock - node.stamp
+            del self._queues[c][key]
+            if self._heads[c] is node:
+                self._heads[c] = None
         elif where == RUN:
             self._run.remove(node)
         else:
