@@ -24,9 +24,10 @@ Modes:
   ``now_ms`` = the trace timestamp) per hit, ``put_start``/``put_end`` per missing block
   (inline eviction makes room; the request's leased hits cannot be evicted), then
   ``release_owner``.  ``belady`` cannot run inside the index (it needs the future), so
-  its row always comes from ``direct``.  Not the default because it replays at tens of
-  thousands of blocks/s, too slow for the whole table in a minute (docs/benchmarks.md
-  says where the time goes).
+  its row always comes from ``direct``.  Not the default because it is several times
+  slower than ``direct`` for the same hit ratios (about 120-300 thousand blocks per
+  CPU-second on a 2-core VM, against 0.4-2 million; docs/benchmarks.md says where the
+  time goes).
 
 ``belady`` is the offline optimum reference: evict the cached block whose next use is
 farthest in the future (next uses precomputed from the whole trace).  ``vs_belady`` and

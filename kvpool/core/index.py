@@ -179,11 +179,13 @@ class ObjectIndex(IndexLeases):
             )
         seg, extent = placed
         expiry = now_ms + self.config.writer_ttl_ms
-        obj = ObjectRecord(key, _PENDING, seg, extent, parent, writer, expiry)
-        objects[key] = obj
+        loc = Location(seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length)
+        objects[key] = ObjectRecord(
+            key, _PENDING, seg, extent, parent, writer, expiry, _location=loc
+        )
         self._pending += 1
         heapq.heappush(self._writer_heap, (expiry, key, writer))
-        return Reservation(key, obj.location(), expiry), events
+        return Reservation(key, loc, expiry), events
 
     def put_end(self, key: str, writer: str, now_ms: int, checksum: int = 0) -> None:
         """Make a written object visible."""
@@ -195,9 +197,12 @@ class ObjectIndex(IndexLeases):
         obj.state = _READY
         obj.checksum = checksum
         self._pending -= 1
-        self._ready[obj.segment.tier] += 1
-        policy = self._mem_policy if obj.segment.tier is _MEMORY else self._ssd_policy
-        policy.on_insert(key, obj.parent)
+        if obj.segment.tier is _MEMORY:
+            self._ready[0] += 1
+            self._mem_policy.on_insert(key, obj.parent)
+        else:
+            self._ready[1] += 1
+            self._ssd_policy.on_insert(key, obj.parent)
 
     def put_revoke(self, key: str, writer: str) -> None:
         """Abandon a reservation; its space is free again."""
@@ -248,7 +253,7 @@ class ObjectIndex(IndexLeases):
             if not seg.space.take(extent):
                 return False
         self._objects[key] = ObjectRecord(key, State.READY, seg, extent, parent, "", 0, checksum)
-        self._ready[seg.tier] += 1
+        self._ready[seg.tier is _SSD] += 1
         self._policies[seg.tier].on_insert(key, parent)
         return True
 
@@ -306,7 +311,7 @@ class ObjectIndex(IndexLeases):
             return self._pending if tier is None or tier is _MEMORY else 0
         if state is State.DEMOTING:
             return self._demoting if tier is None or tier is _MEMORY else 0
-        return sum(self._ready.values()) if tier is None else self._ready[tier]
+        return sum(self._ready) if tier is None else self._ready[tier is _SSD]
 
     def location_of(self, key: str) -> Location | None:
         obj = self._objects.get(key)
@@ -342,9 +347,9 @@ class ObjectIndex(IndexLeases):
         objects = list(self._objects.values())
         for tier in Tier:
             ready = sum(1 for o in objects if o.state is State.READY and o.segment.tier is tier)
-            assert self._ready[tier] == ready, f"{tier.value}: READY count kept wrong"
+            assert self._ready[tier is _SSD] == ready, f"{tier.value}: READY count kept wrong"
             held = sum(1 for o in objects if o.holds and o.segment.tier is tier)
-            assert self._held[tier] == held, f"{tier.value}: held count kept wrong"
+            assert self._held[tier is _SSD] == held, f"{tier.value}: held count kept wrong"
         assert self._pending == sum(1 for o in objects if o.state is State.PENDING)
         assert self._demoting == sum(1 for o in objects if o.state is State.DEMOTING)
         assert self._hold_entries == sum(len(o.holds) for o in objects)

@@ -36,7 +36,7 @@ __all__ = ["IndexLeases"]
 # lookup on the enum class, and never an enum hash: dict lookups keyed by Tier hash it in
 # Python code).
 _READY = State.READY
-_MEMORY = Tier.MEMORY
+_MEMORY, _SSD = Tier.MEMORY, Tier.SSD
 
 
 class IndexLeases(IndexPlacement):
@@ -116,7 +116,7 @@ class IndexLeases(IndexPlacement):
         before = holds.get(owner)
         if before is None:
             if not holds:
-                self._held[obj.segment.tier] += 1
+                self._held[obj.segment.tier is _SSD] += 1
             self._hold_entries += 1
         elif before > expiry:
             expiry = before
@@ -133,7 +133,7 @@ class IndexLeases(IndexPlacement):
         """One hold entry of ``obj`` was just removed."""
         self._hold_entries -= 1
         if not obj.holds:
-            self._held[obj.segment.tier] -= 1
+            self._held[obj.segment.tier is _SSD] -= 1
 
     def _expire_holds(self, now_ms: int) -> None:
         heap = self._hold_heap

@@ -80,8 +80,10 @@ class IndexPlacement:
         # Counts kept as objects change, so that metrics, the status page and eviction
         # rounds never scan the whole index: at 500,000 objects one scan took 40-250 ms
         # of the master's event loop.  ObjectIndex.check() compares each with a scan.
-        self._ready: dict[Tier, int] = dict.fromkeys(Tier, 0)  # READY objects per tier
-        self._held: dict[Tier, int] = dict.fromkeys(Tier, 0)  # objects with any hold entry
+        # Per tier, as [memory, SSD] lists indexed by ``tier is _SSD`` (a bool is an int):
+        # a dict keyed by Tier hashed the enum in Python code twice per put and eviction.
+        self._ready: list[int] = [0, 0]  # READY objects per tier
+        self._held: list[int] = [0, 0]  # objects with any hold entry
         self._pending = 0  # PENDING objects (all in memory segments)
         self._hold_entries = 0  # (object, owner) holds present, expired or not
         self._deferred: set[str] = set()  # owners whose demotions are copied later
@@ -181,7 +183,8 @@ class IndexPlacement:
 
     def _evictable_count(self, tier: Tier, now_ms: int) -> int:
         self._expire_holds(now_ms)  # then every hold left is unexpired
-        return self._ready[tier] - self._held[tier]
+        t = tier is _SSD
+        return self._ready[t] - self._held[t]
 
     def _allocate(
         self, tier: Tier, size: int, now_ms: int, events: list[Event]
@@ -196,6 +199,11 @@ class IndexPlacement:
             space = only.space
             if space.capacity < size:
                 return None
+            # Victims are dropped here rather than through _evict_one/_evict/_drop: this
+            # loop runs for nearly every put of a full pool, and those layers were half of
+            # its time.  Demotion (offload) still takes _evict.
+            demote = self.config.enable_offload and tier is _MEMORY
+            objects = self._objects
             while True:
                 if space.capacity - space.used >= size:
                     extent = space.allocate(size)
@@ -203,8 +211,29 @@ class IndexPlacement:
                         return only, extent
                 if self._leaving_total and self._room_coming(segments, size):
                     return None
-                if not self._evict_one(policy, now_ms, events):
+                victims = policy.choose_victims(1, self._evictable(now_ms))
+                if not victims:
                     return None
+                victim = objects[victims[0]]
+                if demote:
+                    self._evict(victim, now_ms, events)
+                    continue
+                # _drop of a READY victim (can_evict said so) of this tier's one segment
+                key = victim.key
+                extent = victim.extent
+                del objects[key]
+                self._ready[tier is _SSD] -= 1
+                policy.on_remove(key)
+                if victim.holds:  # expired ones only, or it would not be a victim
+                    self._clear_holds(victim)
+                self.stats.evictions += 1
+                events.append(Dropped(key, tier, "evicted", only.client_id))
+                if extent.length == size and space.used == space.capacity:
+                    # A full segment has no free extent, so releasing this one and
+                    # allocating ``size`` would hand back this very extent: keep it live
+                    # (the usual case: one block out, one of the same size in).
+                    return only, extent
+                space.release(extent)
         if not any(s.capacity >= size for s in segments):
             return None
         while True:
@@ -249,11 +278,11 @@ class IndexPlacement:
                 src = obj.location()
                 self._mem_policy.on_remove(obj.key)
                 obj.segment.space.release(obj.extent)
-                self._ready[_MEMORY] -= 1
-                self._ready[_SSD] += 1
+                self._ready[0] -= 1  # memory -> SSD
+                self._ready[1] += 1
                 if obj.holds:  # only expired ones, or it would not be evicted
-                    self._held[_MEMORY] -= 1
-                    self._held[_SSD] += 1
+                    self._held[0] -= 1
+                    self._held[1] += 1
                 obj.move(seg, extent)
                 self._ssd_policy.on_insert(obj.key, obj.parent)
                 self.stats.demotions += 1
@@ -267,7 +296,7 @@ class IndexPlacement:
     ) -> None:
         """A deferred demotion: DEMOTING, both extents held, its memory bytes leaving."""
         self._mem_policy.on_remove(obj.key)
-        self._ready[_MEMORY] -= 1
+        self._ready[0] -= 1  # memory
         if obj.holds:  # expired ones only (or it would not be a victim): none may read it
             self._clear_holds(obj)
         obj.state = _DEMOTING
@@ -293,7 +322,7 @@ class IndexPlacement:
         obj.move(seg, extent)
         obj.target = None
         obj.state = _READY
-        self._ready[_SSD] += 1
+        self._ready[1] += 1  # SSD
         self._ssd_policy.on_insert(obj.key, obj.parent)
         return True
 
@@ -353,7 +382,7 @@ class IndexPlacement:
         if release_space:
             seg.space.release(obj.extent)
         if obj.state is _READY:
-            self._ready[seg.tier] -= 1
+            self._ready[seg.tier is _SSD] -= 1
             (self._mem_policy if seg.tier is _MEMORY else self._ssd_policy).on_remove(key)
         elif obj.state is _DEMOTING:
             self._end_copy(obj)
@@ -366,7 +395,7 @@ class IndexPlacement:
         return Dropped(key, seg.tier, reason, seg.client_id)
 
     def _clear_holds(self, obj: ObjectRecord) -> None:
-        self._held[obj.segment.tier] -= 1
+        self._held[obj.segment.tier is _SSD] -= 1
         self._hold_entries -= len(obj.holds)
         owner_keys = self._owner_keys
         key = obj.key

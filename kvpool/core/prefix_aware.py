@@ -174,9 +174,9 @@ class PrefixAwarePolicy(Generic[K]):
                 node = nodes[key] = Node(key, p, p.orphan)
                 kids = p.kids
                 if kids is None:
-                    p.kids = {node: None}
+                    p.kids = {key: None}
                 else:
-                    kids[node] = None
+                    kids[key] = None
                 p.children += 1
         if key in self._ghosts or key in self._old_ghosts:
             self._ghosts.discard(key)
@@ -198,11 +198,13 @@ class PrefixAwarePolicy(Generic[K]):
         where = node.where
         if where == RUN:
             return  # already among the youngest; it is placed when the run ends
-        if where == QUEUED:
+        if where == QUEUED:  # (_unqueue, inline)
             c = node.cls
             self._hits[c] += 1.0
             self._lives[c] += self._clock - node.stamp
-            self._unqueue(node)
+            del self._queues[c][key]
+            if self._heads[c] is node:
+                self._heads[c] = None
         else:
             del self._orphans[key]
         node.where = RUN
@@ -216,22 +218,27 @@ class PrefixAwarePolicy(Generic[K]):
         if node is None:
             return
         where = node.where
-        if where == QUEUED:  # the usual case: an evicted victim
-            self._lives[node.cls] += self._clock - node.stamp
-            self._unqueue(node)
+        if where == QUEUED:  # the usual case: an evicted victim (_unqueue, inline)
+            c = node.cls
+            self._lives[c] += self._clock - node.stamp
+            del self._queues[c][key]
+            if self._heads[c] is node:
+                self._heads[c] = None
         elif where == RUN:
             self._run.remove(node)
         else:
             del self._orphans[key]
         if node.children:
             assert node.kids is not None
-            for kid in node.kids:
+            nodes = self._nodes
+            for kid_key in node.kids:
+                kid = nodes[kid_key]
                 kid.parent = None
                 self._orphan_subtree(kid)
         p = node.parent
         if p is not None:
             assert p.kids is not None
-            del p.kids[node]
+            del p.kids[key]
             p.children -= 1
         if self._ghost_factor:
             ghosts = self._ghosts
@@ -351,7 +358,8 @@ class PrefixAwarePolicy(Generic[K]):
             node.orphan = True
             found.append(node)
             if node.kids:
-                stack.extend(node.kids)
+                nodes = self._nodes
+                stack.extend([nodes[k] for k in node.kids])
         for node in reversed(found):  # children were found after their parents
             if node.where == QUEUED:
                 self._unqueue(node)

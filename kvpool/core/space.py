@@ -20,7 +20,7 @@ import msgspec
 __all__ = ["Extent", "ExtentAllocator"]
 
 
-class Extent(msgspec.Struct, frozen=True):
+class Extent(msgspec.Struct, frozen=True, gc=False):
     """``length`` bytes at ``offset``.  A frozen Struct rather than a frozen dataclass:
     one is made per allocation, and it is built in C (see kvpool.core.objects)."""
 

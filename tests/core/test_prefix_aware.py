@@ -241,3 +241,38 @@ def test_fixed_weights_stay_without_adaptation() -> None:
     p: PrefixAwarePolicy[str] = PrefixAwarePolicy(adaptive=False)
     replay(p, read_once_trace(), 30)
     assert p.weights == REUSE_WEIGHTS
+
+
+def test_a_dropped_policy_is_freed_without_the_cycle_collector() -> None:
+    """Nodes are not tracked by the GC, so they must make no cycles: a policy with
+    chains, reads and orphaned subtrees, dropped, leaves no memory behind."""
+    import gc
+    import tracemalloc
+
+    def build() -> PrefixAwarePolicy[str]:
+        p: PrefixAwarePolicy[str] = PrefixAwarePolicy()
+        for c in range(300):
+            parent = None
+            for i in range(10):
+                p.on_insert(f"{c}-{i}", parent)
+                parent = f"{c}-{i}"
+            p.on_access(f"{c}-0")
+        for c in range(0, 300, 3):
+            p.on_remove(f"{c}-4")  # orphans the subtree under it
+        return p
+
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        p = build()
+        held = tracemalloc.get_traced_memory()[0] - base
+        del p
+        left = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+        if enabled:
+            gc.enable()
+    assert held > 100_000 and left < held / 20, (held, left)
