@@ -187,7 +187,7 @@ def table(seconds: dict[str, float], nbytes: int, markdown: bool) -> list[str]:
     rate = {name: nbytes / GiB / s for name, s in seconds.items()}
     rows = [("row", "GiB/s", "ratio", "vs")]
     for name, vs in ROWS:
-        ratio = f"{rate[name] / rate[vs]:.2f}×" if vs else ""
+        ratio = f"{rate[name] / rate[vs]:.3g}×" if vs else ""
         rows.append((name, f"{rate[name]:.3g}", ratio, vs))  # the smoke test's are tiny
     if markdown:
         lines = ["| " + " | ".join(r) + " |" for r in rows]
