@@ -28,7 +28,6 @@ Why it looks like this (CPython on loopback spends its time in syscalls, not cop
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import ssl
 import struct
@@ -38,7 +37,7 @@ from typing import Generic, TypeVar
 
 from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
-from kvpool.transfer.framing import SMALL_PAYLOAD, BadRequest, deadline_after
+from kvpool.transfer.framing import SMALL_PAYLOAD, BadRequest, deadline_after, why_send_failed
 from kvpool.transfer.tls import peer_alert
 
 __all__ = ["MAX_OWED", "STAGE_SIZE", "Channel"]
@@ -141,17 +140,7 @@ class Channel(Generic[S, R]):
             raise self._why_send_failed(exc) from None
 
     def _why_send_failed(self, exc: OSError) -> KVPoolError:
-        """A TLS peer that closed on us usually said why first (an alert such as
-        "certificate required", on TLS 1.3 sent after the handshake): read it."""
-        with contextlib.suppress(OSError):
-            self.sock.settimeout(0.2)
-            try:
-                self.sock.recv(1)
-            except ssl.SSLError as alert:
-                return peer_alert(alert, "sending")
-        if isinstance(exc, ssl.SSLError):
-            return peer_alert(exc, "sending")
-        return TransferError(f"connection failed while sending: {exc}")
+        return why_send_failed(self.sock, exc)
 
     def _send_rest(self, buffers: list[memoryview], sent: int) -> None:
         deadline = deadline_after(self.timeout_s)

@@ -19,13 +19,14 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import time
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvpool.errors import PeerTimeout, ProtocolError, TransferError
+from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
 from kvpool.transfer.tls import peer_alert
 
@@ -117,7 +118,23 @@ def _sendall(sock: socket.socket, data: bytes | memoryview, deadline: float) -> 
     except TimeoutError:
         raise PeerTimeout("timed out sending: the peer stopped reading") from None
     except OSError as exc:
-        raise TransferError(f"connection failed while sending: {exc}") from None
+        raise why_send_failed(sock, exc) from None
+
+
+def why_send_failed(sock: socket.socket, exc: OSError) -> KVPoolError:
+    """The error of a failed send.  A TLS peer that closed on us usually said why first
+    (an alert such as "certificate required", on TLS 1.3 sent after the handshake): read
+    it."""
+    if isinstance(sock, ssl.SSLSocket):
+        with contextlib.suppress(OSError):
+            sock.settimeout(0.2)
+            try:
+                sock.recv(1)
+            except ssl.SSLError as alert:
+                return peer_alert(alert, "sending")
+    if isinstance(exc, ssl.SSLError):
+        return peer_alert(exc, "sending")
+    return TransferError(f"connection failed while sending: {exc}")
 
 
 def send_bytes(sock: socket.socket, data: bytes | memoryview, deadline: float) -> None:

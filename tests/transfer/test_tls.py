@@ -310,3 +310,21 @@ def test_a_quiet_tls_connection_is_dropped_and_the_client_reconnects(
         assert srv.stats.connections == 2
     finally:
         srv.close()
+
+
+def test_a_tls_server_that_hangs_up_on_a_send_is_said_to_want_a_client_certificate() -> None:
+    # On TLS 1.3 a server with tls_ca refuses a client without a certificate after the
+    # handshake; on a loaded host its alert can be lost to the close, and the client's
+    # next send fails with a bare EOF.  That used to read "connection failed while
+    # sending: EOF occurred in violation of protocol", naming no cause.
+    from kvpool.transfer.framing import why_send_failed
+    from kvpool.transfer.tls import peer_alert
+
+    eof = ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:2427)")
+    err = peer_alert(eof, "sending")
+    assert "wants a client certificate" in str(err) and "KVPOOL_TLS_CERT" in str(err)
+    left, right = socket.socketpair()
+    with left, right:
+        assert "wants a client certificate" in str(why_send_failed(left, eof))
+        plain = why_send_failed(left, BrokenPipeError(32, "Broken pipe"))
+        assert "certificate" not in str(plain)  # a plain socket's failure says only itself
