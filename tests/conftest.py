@@ -14,7 +14,10 @@ by rewriting node ids, which pytest 9 no longer reads: its groups are silently i
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import pytest
 
 HEAVY = ("bench", "e2e", "multihost", "soak")  # folders under tests/
 
@@ -34,3 +37,19 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
             return unit_of(nodeid, super()._split_scope(nodeid))
 
     return Scheduling(config, log)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The multi-host scenarios' measured times (tests/multihost's ``record``).  Here, not
+    in tests/multihost/conftest.py: under xdist this process collects nothing, so a
+    folder's conftest is never loaded in it.  Each worker wrote its file under its own
+    basetemp, a folder of this one (one process: the file is in this one)."""
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    timings: dict[str, Any] = {}
+    for pattern in ("multihost-timings.json", "*/multihost-timings.json"):
+        for path in sorted(base.glob(pattern)):
+            timings.update(json.loads(path.read_text()))
+    if timings:
+        terminalreporter.section("multi-host: time to detect and to recover (s)")
+        for scenario, numbers in timings.items():
+            terminalreporter.write_line(f"{scenario}: {json.dumps(numbers)}")

@@ -54,17 +54,3 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> Any:
         print(f"\n[multihost] {scenario}: {json.dumps(numbers)}")
 
     return keep
-
-
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    timings = dict(_TIMINGS)
-    if not timings:
-        # run by xdist's workers: each wrote its file under its own basetemp, a folder
-        # of this (the controller's) one
-        base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
-        for path in sorted(base.glob("*/multihost-timings.json")):
-            timings.update(json.loads(path.read_text()))
-    if timings:
-        terminalreporter.section("multi-host: time to detect and to recover (s)")
-        for scenario, numbers in timings.items():
-            terminalreporter.write_line(f"{scenario}: {json.dumps(numbers)}")
