@@ -46,7 +46,7 @@ from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
 from kvpool.transfer import framing
 from kvpool.transfer.auth import authenticate
-from kvpool.transfer.channel import Channel
+from kvpool.transfer.channel import Channel, reply_spin_us
 from kvpool.transfer.tls import speaks_tls, tls_required, wrap_client
 
 __all__ = ["CLOSE_SETTLE_S", "MasterLink", "TcpMasterLink", "mooncake_answers", "wrong_engine"]
@@ -148,6 +148,7 @@ class TcpMasterLink:
         self._channel: Channel[m.MasterRequest, m.MasterReply] | None = None
         self._lock = threading.Lock()
         self._fresh = False  # the channel has not brought back a kvpool reply yet
+        self.spin_us = reply_spin_us()
 
     def call(
         self, request: m.MasterRequest, meanwhile: Callable[[], object] | None = None
@@ -211,7 +212,12 @@ class TcpMasterLink:
             if self.credential is not None:
                 self._authenticate(sock)
             self._channel = Channel(
-                sock, m.MASTER_REQUEST_CODEC, m.MASTER_REPLY_CODEC, self.timeout_s, _owed_reply
+                sock,
+                m.MASTER_REQUEST_CODEC,
+                m.MASTER_REPLY_CODEC,
+                self.timeout_s,
+                _owed_reply,
+                spin_us=self.spin_us,
             )
             self._fresh = True
         return self._channel

@@ -45,7 +45,7 @@ from kvpool.protocol.data import (
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.transfer import framing
 from kvpool.transfer.auth import authenticate
-from kvpool.transfer.channel import Channel
+from kvpool.transfer.channel import Channel, reply_spin_us
 from kvpool.transfer.tls import wrap_client
 
 __all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
@@ -90,6 +90,7 @@ class SegmentConnection(Closing):
         self._channel: Channel[DataRequest, DataReply] | None = None
         self._lock = threading.Lock()
         self._used = 0.0  # monotonic time of the last exchange
+        self.spin_us = reply_spin_us()
 
     def connect(self) -> None:
         """Open the connection now (otherwise the first call does)."""
@@ -121,7 +122,9 @@ class SegmentConnection(Closing):
                 except BaseException:
                     sock.close()
                     raise
-            self._channel = Channel(sock, DATA_REQUEST_CODEC, DATA_REPLY_CODEC, self.timeout_s)
+            self._channel = Channel(
+                sock, DATA_REQUEST_CODEC, DATA_REPLY_CODEC, self.timeout_s, spin_us=self.spin_us
+            )
         return self._channel
 
     def _exchange(
