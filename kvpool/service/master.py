@@ -333,7 +333,30 @@ class MasterService(MasterClients, NodeCopies):
         return self._placement(req.key, loc, grant.checksum)
 
     def _batch_get(self, req: m.BatchGet, now: int) -> m.Placements:
-        return m.Placements([self._get(m.Get(req.owner, key), now) for key in req.keys])
+        """As ``_get`` per key, with the metrics counted once per batch (two labelled
+        counter increments per key were a third of a 16-key batch's handler time)."""
+        index_get, owner, tenants = self.index.get, req.owner, self.tenants
+        tenanted = bool(tenants.tenants)
+        items: list[m.Placement] = []
+        hits: dict[str, int] = {}
+        for key in req.keys:
+            try:
+                grant = index_get(key, owner, now)
+            except ObjectNotFound:
+                if tenanted:
+                    tenants.miss(key)
+                items.append(m.Placement(False, key))
+                continue
+            if tenanted:
+                tenants.hit(key)
+            loc = grant.location
+            tier = _TIER_NAMES[loc.tier]
+            hits[tier] = hits.get(tier, 0) + 1
+            items.append(self._placement(key, loc, grant.checksum))
+        self.metrics.lookups_of("get").inc(len(req.keys))
+        for tier, count in hits.items():
+            self.metrics.hits_of("get", tier).inc(count)
+        return m.Placements(items)
 
     def _release(self, req: m.Release, now: int) -> Ok:
         for key in req.keys:

@@ -57,8 +57,8 @@ MAX_OWED = 64
 
 
 #: How long a call polls for its reply before sleeping in the kernel (µs); see
-#: :meth:`Channel._spin_for_reply`.  ``KVPOOL_RPC_SPIN_US`` sets it, 0 switches it off.
-DEFAULT_SPIN_US = 50
+#: :meth:`Channel._spin_for`.  ``KVPOOL_RPC_SPIN_US`` sets it, 0 switches it off.
+DEFAULT_SPIN_US = 100
 MAX_SPIN_US = 10_000
 
 
@@ -120,6 +120,7 @@ class Channel(Generic[S, R]):
         self._end = 0
         self.owed = 0  # replies of posted requests not read yet
         self._on_owed_reply = on_owed_reply
+        self._spinning = False  # inside a call: reads poll before they block
         # TLS reads go through the SSL object's buffer, which a non-blocking peek at the
         # socket does not see: no spin there.
         self.spin_ns = 0 if self._tls else spin_us * 1000
@@ -221,6 +222,8 @@ class Channel(Generic[S, R]):
             kept = self._end - self._start
             self._stage[:kept] = self._stage[self._start : self._end]
             self._start, self._end = 0, kept
+        if self._spinning:
+            self._spin_for(need)
         while self._end < need:
             n = self._recv_some(self._stage[self._end :], deadline, what)
             if n == 0:
@@ -253,13 +256,21 @@ class Channel(Generic[S, R]):
             return BadRequest(exc)
         return message, payload_length
 
-    def recv(self, deadline: float | None = None) -> tuple[R, int]:
+    def recv(self, deadline: float | None = None, *, reply: bool = False) -> tuple[R, int]:
         """Receive one frame's message; returns ``(message, payload_length)``.
 
         The caller then consumes exactly ``payload_length`` bytes with
         :meth:`recv_payload_into` or :meth:`discard_payload`.  Any malformed frame
-        raises :class:`~kvpool.errors.ProtocolError`.
+        raises :class:`~kvpool.errors.ProtocolError`.  ``reply``: the frame answers a
+        request just sent, so it is polled for before the read sleeps (``spin_us``), as
+        :meth:`call` does.
         """
+        if reply and self.spin_ns:
+            self._spinning = True
+            try:
+                return self.recv(deadline)
+            finally:
+                self._spinning = False
         got = self._recv_frame(deadline_after(self.timeout_s) if deadline is None else deadline)
         if isinstance(got, BadRequest):
             raise got.error
@@ -338,35 +349,40 @@ class Channel(Generic[S, R]):
             except BaseException:
                 self.owed += 1
                 raise
-        if self.owed:
-            self._settle(deadline)
-        if self.spin_ns and self._end == self._start:
-            self._spin_for_reply()
-        return self.recv(deadline)
+        self._spinning = self.spin_ns > 0
+        try:
+            if self.owed:
+                self._settle(deadline)
+            return self.recv(deadline)
+        finally:
+            self._spinning = False
 
-    def _spin_for_reply(self) -> None:
-        """Poll for the reply's first bytes for up to ``spin_ns`` before blocking.
+    def _spin_for(self, need: int) -> None:
+        """Poll until ``need`` bytes are staged, for up to ``spin_ns`` since the last
+        bytes came, before the blocking read takes over.
 
         A blocking read that sleeps costs a wake-up when the reply lands, and on a VM an
         idle vCPU's wake-up is tens of µs (a halted vCPU waits for an interrupt through
         the hypervisor): most of a small call's round trip.  A reply usually comes
         within the window; a later one is read by the blocking path as before.  Each
         empty poll yields the CPU, so a server on this same core runs at once."""
-        self._start = self._end = 0
-        give_up = time.perf_counter_ns() + self.spin_ns
-        recv_into, stage, yield_cpu = self.sock.recv_into, self._stage, os.sched_yield
-        while True:
+        clock, budget = time.perf_counter_ns, self.spin_ns
+        recv_into, yield_cpu, stage = self.sock.recv_into, os.sched_yield, self._stage
+        give_up = clock() + budget
+        while self._end < need:
             try:
-                n = recv_into(stage, 0, socket.MSG_DONTWAIT)
+                n = recv_into(stage[self._end :], 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                if time.perf_counter_ns() >= give_up:
+                if clock() >= give_up:
                     return
                 yield_cpu()
                 continue
             except OSError:
                 return  # the blocking read that follows reports it
-            self._end = n
-            return
+            if n == 0:
+                return  # closed: the blocking read that follows says so
+            self._end += n
+            give_up = clock() + budget
 
     # -- requests whose reply nobody waits for --------------------------------------
 

@@ -136,7 +136,7 @@ class SegmentConnection(Closing):
             try:
                 deadline = framing.deadline_after(self.timeout_s)
                 channel.send(request, out)
-                reply, length = channel.recv(deadline)
+                reply, length = channel.recv(deadline, reply=True)
                 if length:
                     if into is None or length != len(into):
                         raise ProtocolError(
@@ -224,7 +224,7 @@ class SegmentConnection(Closing):
                     channel.send_parts(SegmentWriteMany(ranges), parts)
                 else:
                     channel.send(SegmentReadMany(ranges))
-                reply, length = channel.recv(deadline)
+                reply, length = channel.recv(deadline, reply=True)
                 expected = 0 if write or isinstance(reply, Error) else sum(len(p) for p in parts)
                 if length != expected or not isinstance(reply, Ok | Error):
                     raise ProtocolError(f"unexpected reply to a ranged transfer: {reply!r}")
@@ -262,7 +262,9 @@ class SegmentConnection(Closing):
                     for i in window:
                         channel.send(requests[i], outs[i])
                     for i in window:
-                        reply, length = channel.recv(framing.deadline_after(self.timeout_s))
+                        reply, length = channel.recv(
+                            framing.deadline_after(self.timeout_s), reply=True
+                        )
                         into = intos[i]
                         expected = 0 if into is None or isinstance(reply, Error) else len(into)
                         if length != expected or not isinstance(reply, Ok | Error):

@@ -84,6 +84,27 @@ def test_dropping_a_whole_owner_keeps_its_ssd_files_and_dropping_an_object_does_
     svc.close()
 
 
+def test_a_batch_get_answers_and_counts_as_its_gets_would() -> None:
+    """BatchGet counts its metrics once per batch: the same totals, placements and
+    leases as one Get per key."""
+    svc = MasterService(IndexConfig())
+    svc.handle(m.Register("n", "127.0.0.1:1", "token"))
+    svc.handle(m.AddSegment("n", "n/mem", 1 << 20, "memory", "shm-n"))
+    for key in ("a", "b"):
+        assert svc.handle(m.PutStart("c", key, 100)).placed  # type: ignore[union-attr]
+        assert svc.handle(m.PutEnd("c", key, 7)) == Ok()
+    reply = svc.handle(m.BatchGet("o", ["a", "gone", "b", "a"]))
+    assert isinstance(reply, m.Placements)
+    assert [p.placed for p in reply.items] == [True, False, True, True]
+    assert reply.items[0] == svc.handle(m.Get("o2", "a"))
+    assert reply.items[1] == m.Placement(False, "gone")
+    text = svc.metrics.exposition().decode()
+    assert 'kvpool_lookups_total{kind="get"} 5.0' in text
+    assert 'kvpool_hits_total{kind="get",tier="memory"} 4.0' in text
+    assert svc.handle(m.ReleaseOwner("o")) == m.Count(2)  # a lease per key, not per ask
+    svc.close()
+
+
 def test_get_metrics_count_every_request_and_show_only_label_sets_used() -> None:
     """The handler caches its metric children; what /metrics says must not change."""
     svc = MasterService(IndexConfig())

@@ -132,3 +132,20 @@ def test_the_spin_comes_from_the_environment_and_bad_values_name_the_variable() 
         with pytest.raises(ConfigError, match="KVPOOL_RPC_SPIN_US") as err:
             reply_spin_us({"KVPOOL_RPC_SPIN_US": bad})
         assert "0 (no spin)" in str(err.value)
+
+
+def test_a_reply_received_on_its_own_is_polled_for_too() -> None:
+    """A data connection sends and receives separately (payloads in between): its
+    ``recv(reply=True)`` polls as a call does; a plain ``recv`` (a server's) does not."""
+    client, server, counted = spinning_pair(MAX_SPIN_US)
+    thread = serve(server, 2)
+    client.send(Msg("a"))
+    assert client.recv(reply=True) == (Msg("re:a"), 0)
+    assert socket.MSG_DONTWAIT in counted.flags
+    counted.flags.clear()
+    client.send(Msg("b"))
+    assert client.recv() == (Msg("re:b"), 0)
+    assert socket.MSG_DONTWAIT not in counted.flags
+    thread.join(5)
+    client.close()
+    server.close()
