@@ -47,11 +47,18 @@ __all__ = [
 
 
 class SegmentWrite(msgspec.Struct, frozen=True, tag=True):
-    """Write the frame's payload (``length`` bytes) at ``offset`` of the segment."""
+    """Write the frame's payload (``length`` bytes) at ``offset`` of the segment.
+
+    ``key`` and ``checksum``, when given, name the object these bytes are: the node
+    notes them for its catalog as the write lands, so the master can acknowledge the
+    put without waiting for the node to confirm a catalog entry (``PutEnd.noted``).
+    A tenant's connection cannot name keys (its tag is ignored)."""
 
     segment_id: str
     offset: int
     length: int
+    key: str = ""
+    checksum: int = 0
 
 
 class SegmentRead(msgspec.Struct, frozen=True, tag=True):

@@ -127,9 +127,14 @@ class BatchPutStart(msgspec.Struct, frozen=True, tag=True):
 
 
 class PutEnd(msgspec.Struct, frozen=True, tag=True):
+    """``noted``: the value went to its node with its key and checksum (a tagged
+    ``SegmentWrite``), so the node already holds the catalog entry and the reply need
+    not wait for the node to confirm it."""
+
     client_id: str
     key: str
     checksum: int
+    noted: bool = False
 
 
 class BatchPutEnd(msgspec.Struct, frozen=True, tag=True):

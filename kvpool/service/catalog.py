@@ -15,6 +15,12 @@ delivers, ``confirm`` (a heartbeat arrived) marks it confirmed, and a put waits 
 ``confirmed(owner) >= seq(owner)`` as of its own add.  Simplest of the designs that are
 correct: the node's own segment cannot tell which key a write was for, and a separate
 master-to-node call per put would be a second channel to keep in order with this one.
+
+A write through the node's data server can tell it, though: a TCP put's ``SegmentWrite``
+carries the key and checksum, the node notes them as the bytes land, and its ``PutEnd``
+says ``noted``; such a put is answered without waiting (the add still goes out, and
+moves the node's note into its catalog).  Shared-memory writes bypass the node's server
+and keep waiting.
 """
 
 from __future__ import annotations

@@ -217,8 +217,13 @@ class Client(Closing):
         if not overlap:
             hash_value()
         try:
-            self._path(placement).write(
-                placement.segment_id, placement.offset, view, shm_name=placement.shm_name
+            noted = self._path(placement).write_noted(
+                placement.segment_id,
+                placement.offset,
+                view,
+                key,
+                digest,
+                shm_name=placement.shm_name,
             )
         except (TransferError, PeerTimeout) as exc:
             self._report(placement, exc)
@@ -227,7 +232,7 @@ class Client(Closing):
         except BaseException:
             self._revoke(key)
             raise
-        self.call(m.PutEnd(self.client_id, key, digest))
+        self.call(m.PutEnd(self.client_id, key, digest, noted))
 
     put = put_from
 
@@ -437,8 +442,7 @@ class Client(Closing):
             dst = writable_byte_view(buffer)
             if len(dst) < placement.size:
                 raise ValueError(
-                    f"{placement.key}: buffer of {len(dst)} bytes is too small for "
-                    f"{placement.size}"
+                    f"{placement.key}: buffer of {len(dst)} bytes is too small for {placement.size}"
                 )
             targets[i] = dst[: placement.size]
             if placement.tier == "ssd":

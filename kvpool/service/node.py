@@ -58,6 +58,9 @@ log = logging.getLogger("kvpool.node")
 
 
 _ID_FILE = ".kvpool-node-id"
+# A noted write whose put never ended is forgotten after this long: far past the
+# master's writer TTL (30 s by default), after which that put can no longer end.
+NOTED_MAX_AGE_S = 300.0
 _VALID_ID = re.compile(r"^node-[A-Za-z0-9._:-]{1,120}$")
 
 
@@ -142,6 +145,15 @@ class NodeService:
             tls=tls.client_context(),
         )
         self.catalog: dict[str, tuple[int, int, int]] = {}  # key -> offset, size, checksum
+        # Tagged writes not in the catalog yet: key -> offset, size, checksum, when.  The
+        # master acknowledges such a put without waiting for our confirmation (PutEnd
+        # noted), so these are announced with the catalog to a master that restarted.
+        # The heartbeat moves one into the catalog when the master's add comes; one
+        # whose put never ended ages out (its bytes may be overwritten by then: every
+        # announced entry is checked against its checksum first).
+        self.noted: dict[str, tuple[int, int, int, float]] = {}
+        self._noted_lock = threading.Lock()
+        self.storage.server.on_write = self._note
         self.heartbeat_s = 1.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -191,7 +203,7 @@ class NodeService:
                 st.segment.size,
                 "memory",
                 st.shm_name,
-                restoring=bool(self.catalog),
+                restoring=bool(self.catalog or self.noted),
             )
         )
         if st.ssd is not None:
@@ -213,7 +225,7 @@ class NodeService:
         accepts the same announcement twice."""
         if self.storage.ssd is not None:
             self.storage.announce_ssd(self._send_restore(self.storage.ssd_segment_id))
-        if self.catalog:
+        if self.catalog or self.noted:
             self._restore()
         self._announce_pending = False
 
@@ -229,9 +241,12 @@ class NodeService:
         """Re-announce intact memory objects to a master that forgot them."""
         st = self.storage
         assert st.segment is not None
+        with self._noted_lock:
+            known = {key: entry[:3] for key, entry in self.noted.items()}
+        known.update(self.catalog)  # the master's add is the last word on a key
         intact = [
             (key, off, size, csum)
-            for key, (off, size, csum) in self.catalog.items()
+            for key, (off, size, csum) in known.items()
             if checksum(st.segment.view(off, size)) == csum
         ]
         accepted = restore_in_batches(intact, self._send_restore(st.segment_id))
@@ -239,8 +254,18 @@ class NodeService:
         # extent of an object not announced yet, and that object would have been lost)
         self.master.call(m.Restore(self.client_id, st.segment_id, [], done=True))
         kept = {key for (key, *_), ok in zip(intact, accepted, strict=True) if ok}
-        self.catalog = {k: v for k, v in self.catalog.items() if k in kept}
+        self.catalog = {k: v for k, v in known.items() if k in kept}
+        with self._noted_lock:
+            for key in known:
+                self.noted.pop(key, None)  # announced: in the catalog now, or refused
         log.info("re-announced %d of %d objects to the master", len(kept), len(intact))
+
+    def _note(self, segment_id: str, key: str, offset: int, size: int, csum: int) -> None:
+        """A tagged write landed in our memory segment (a data-server thread)."""
+        if segment_id != self.storage.segment_id:
+            return
+        with self._noted_lock:
+            self.noted[key] = (offset, size, csum, time.monotonic())
 
     def heartbeat_once(self) -> bool:
         """One heartbeat; True when its reply carried catalog changes (the next
@@ -255,10 +280,18 @@ class NodeService:
             self._register()
             return False
         assert isinstance(reply, m.HeartbeatReply)
-        for key, _segment, offset, size, csum in reply.added:
-            self.catalog[key] = (offset, size, csum)
-        for key in reply.removed:
-            self.catalog.pop(key, None)
+        with self._noted_lock:
+            noted = self.noted
+            for key, _segment, offset, size, csum in reply.added:
+                self.catalog[key] = (offset, size, csum)
+                noted.pop(key, None)
+            for key in reply.removed:
+                self.catalog.pop(key, None)
+                noted.pop(key, None)
+            if noted:
+                too_old = time.monotonic() - NOTED_MAX_AGE_S
+                for key in [k for k, entry in noted.items() if entry[3] < too_old]:
+                    del noted[key]
         if self._announce_pending:
             self._announce()
         return bool(reply.added or reply.removed)

@@ -34,6 +34,19 @@ class InProcessPath:
     def write(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
         return self._memory().write(offset, buffer)
 
+    def write_noted(
+        self,
+        segment_id: str,
+        offset: int,
+        buffer: Any,
+        key: str,
+        checksum: int,
+        *,
+        shm_name: str = "",
+    ) -> bool:
+        self.write(segment_id, offset, buffer)
+        return False  # the master's own storage: the master is its catalog
+
     def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
         return self._memory().read_into(offset, buffer)
 

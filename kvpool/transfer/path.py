@@ -91,6 +91,24 @@ class NodeDataPath(Closing):
             return self.shm.write(segment_id, offset, buffer)
         return self.tcp.write(segment_id, offset, buffer)
 
+    def write_noted(
+        self,
+        segment_id: str,
+        offset: int,
+        buffer: Any,
+        key: str,
+        checksum: int,
+        *,
+        shm_name: str = "",
+    ) -> bool:
+        """As :meth:`write`; over TCP the write carries ``key`` and ``checksum`` for the
+        node's catalog (True).  A shared-memory copy does not pass the node (False)."""
+        if self.route(segment_id, shm_name) == "shm":
+            self.shm.write(segment_id, offset, buffer)
+            return False
+        self.tcp.write(segment_id, offset, buffer, key=key, checksum=checksum)
+        return True
+
     def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
         """Fill ``buffer`` from ``offset``; ``shm_name`` as in :meth:`route`."""
         if self.route(segment_id, shm_name) == "shm":

@@ -154,10 +154,14 @@ class SegmentConnection(Closing):
             raise reply.to_exception()
         return reply
 
-    def write(self, segment_id: str, offset: int, buffer: Any) -> int:
-        """Write ``buffer`` at ``offset`` of the segment; returns the bytes written."""
+    def write(
+        self, segment_id: str, offset: int, buffer: Any, *, key: str = "", checksum: int = 0
+    ) -> int:
+        """Write ``buffer`` at ``offset`` of the segment; returns the bytes written.
+        ``key`` and ``checksum`` tag the write with the object it stores (the node
+        notes it for its catalog; see :class:`SegmentWrite`)."""
         src = byte_view(buffer)
-        self._exchange(SegmentWrite(segment_id, offset, len(src)), src, None)
+        self._exchange(SegmentWrite(segment_id, offset, len(src), key, checksum), src, None)
         return len(src)
 
     def read_into(self, segment_id: str, offset: int, buffer: Any) -> int:

@@ -46,6 +46,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 
 from msgspec import structs
 
@@ -139,6 +140,9 @@ class SegmentServer(Serving):
         self.credential = credential
         self.server_id = server_id
         self._node_key = b""  # this server's node key, for checking tenants' grants
+        # told of every tagged write once its bytes are in: segment id, key, offset,
+        # length, checksum (the node's catalog notes it; see SegmentWrite)
+        self.on_write: Callable[[str, str, int, int, int], None] | None = None
         self.ssd = ssd
         self.port = port
         self.timeout_s = timeout_s
@@ -292,6 +296,9 @@ class SegmentServer(Serving):
             )
         op = "w" if isinstance(request, SegmentWrite) else "r"
         segment_id = self._check(tenant, request.segment_id, op, request.offset, request.length)
+        if isinstance(request, SegmentWrite):
+            # a tenant's keys are the master's to scope: it may not note one here
+            return structs.replace(request, segment_id=segment_id, key="", checksum=0)
         return structs.replace(request, segment_id=segment_id)
 
     def _check(self, tenant: str, granted_id: str, op: str, offset: int, length: int) -> str:
@@ -375,6 +382,14 @@ class SegmentServer(Serving):
                 raise
             channel.recv_payload_into(target)  # straight into the segment's memory
             self.stats.add("bytes_written", request.length)
+            if request.key and self.on_write is not None:
+                self.on_write(
+                    request.segment_id,
+                    request.key,
+                    request.offset,
+                    request.length,
+                    request.checksum,
+                )
             return Ok(), None
         if isinstance(request, SegmentRead):
             source = self._segment(request.segment_id).view(request.offset, request.length)

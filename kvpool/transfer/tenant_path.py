@@ -82,6 +82,19 @@ class TenantDataPath(Closing):
         granted, data_key = _split(segment_id)
         return self._connection(data_key).write(granted, offset, buffer)
 
+    def write_noted(
+        self,
+        segment_id: str,
+        offset: int,
+        buffer: Any,
+        key: str,
+        checksum: int,
+        *,
+        shm_name: str = "",
+    ) -> bool:
+        self.write(segment_id, offset, buffer)
+        return False  # a tenant's keys are the master's to scope: nodes ignore its tags
+
     def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
         granted, data_key = _split(segment_id)
         return self._connection(data_key).read_into(granted, offset, buffer)

@@ -53,6 +53,22 @@ class DataPath(Protocol):
 
     def write(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int: ...
 
+    def write_noted(
+        self,
+        segment_id: str,
+        offset: int,
+        buffer: Any,
+        key: str,
+        checksum: int,
+        *,
+        shm_name: str = "",
+    ) -> bool:
+        """:meth:`write` an object's bytes, and have its owner note ``key`` and
+        ``checksum`` for its catalog as they land where it can (a tagged write through
+        its data server).  True when it did: the master may then acknowledge the put
+        without waiting for the owner to confirm the entry (``PutEnd.noted``)."""
+        ...
+
     def read_into(
         self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = ""
     ) -> int: ...

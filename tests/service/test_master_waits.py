@@ -13,6 +13,7 @@ from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok
 from kvpool.service.copies import Later
 from kvpool.service.master import MasterService
+from kvpool.service.master_tenants import tenant_request
 from kvpool.service.node_links import QUEUE_DEPTH, NodeLinks
 from tests.waiting import wait_until
 
@@ -143,6 +144,26 @@ def test_a_put_into_a_node_is_answered_once_the_node_confirmed_its_catalog_entry
     _, poll = held(svc, m.Heartbeat(NODE))  # its next heartbeat confirms it
     svc.settle()
     assert acked == [Ok()] and poll == []
+
+
+def test_a_noted_put_is_answered_at_once_and_its_entry_still_reaches_the_node() -> None:
+    """The node noted the entry from the tagged write: no confirmation to wait for; the
+    catalog add is still sent (it moves the node's note into its catalog)."""
+    svc, _, _ = service(memory=100)
+    svc.outbox.take(NODE)
+    _, poll = held(svc, m.Heartbeat(NODE))
+    assert svc.handle(m.PutStart("w", "k", 10)).placed  # type: ignore[union-attr]
+    assert svc.submit(m.PutEnd("w", "k", 7, noted=True)) == Ok()  # no heartbeat came back
+    svc.settle()
+    (changes,) = poll
+    assert isinstance(changes, m.HeartbeatReply) and [e[0] for e in changes.added] == ["k"]
+
+
+def test_a_tenants_put_end_is_never_noted() -> None:
+    """A node ignores a tenant's write tags, so a tenant's ``noted`` cannot skip the
+    wait for the node's catalog entry."""
+    scoped = tenant_request("red", m.PutEnd("red", "k", 7, noted=True))
+    assert isinstance(scoped, m.PutEnd) and scoped.key == "@red/k" and not scoped.noted
 
 
 def test_a_put_its_node_never_confirms_is_a_timeout_at_the_deadline() -> None:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.config import load_node_config
 from kvpool.errors import KVPoolError, ObjectNotFound
 from kvpool.protocol import messages as m
 from kvpool.service.client import Client
-from kvpool.service.node import node_id
+from kvpool.service.node import NodeService, node_id
 from kvpool.storage.ssd import files_by_key, header_size, object_path
 from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
 from tests.waiting import wait_until
@@ -157,6 +158,50 @@ def test_restarted_master_gets_objects_re_announced_by_the_node(tmp_path: Path) 
                     assert c.get(key) == value, key
         finally:
             master.stop()
+
+
+def test_a_put_over_tcp_needs_no_heartbeat_and_a_restarted_master_gets_it_back(
+    tmp_path: Path,
+) -> None:
+    """A TCP put's write tells the node its key and checksum, so the master acknowledges
+    it at once: here the node's heartbeat loop never runs, so nothing else could have
+    told the node.  A master that restarts then gets the object re-announced; a noted
+    entry whose bytes no longer match its checksum is not announced."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ("--port", str(port), "--segment_size", "0", "--client_ttl", "60")
+    master = start_master(*flags)
+    config = load_node_config(node_config(tmp_path, master.address, "8MiB"))
+    node = NodeService(config, bind_host="127.0.0.1")
+    try:
+        node.storage.start()
+        node._register()  # registered; its heartbeat loop is not started
+        values = {f"t{i}": os.urandom(20_000) for i in range(20)}
+        with Client(master.address, allow_shm=False, timeout_s=5) as c:
+            for key, value in values.items():
+                c.put(key, value)  # would time out waiting for a confirmation
+            assert c.get("t0") == values["t0"]
+        assert node.catalog == {} and set(node.noted) == set(values)
+        offset, size, csum, when = node.noted["t0"]
+        node.noted["t0"] = (offset, size, csum ^ 1, when)  # as if overwritten since
+        master.kill()
+        master = start_master(*flags)
+
+        def beat() -> bool:  # what the heartbeat loop does: a failed beat is retried
+            with contextlib.suppress(KVPoolError):
+                node.heartbeat_once()  # registers again, then re-announces what it holds
+            return node.registrations == 2 and not node._announce_pending
+
+        wait_until(beat, what="the node registered again and re-announced")
+        with Client(master.address, allow_shm=False, timeout_s=5) as c:
+            for key in values.keys() - {"t0"}:
+                assert c.get(key) == values[key], key
+            assert not c.exists("t0")
+        assert set(node.catalog) == values.keys() - {"t0"} and node.noted == {}
+    finally:
+        node.stop()
+        master.stop()
 
 
 def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:

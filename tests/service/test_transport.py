@@ -36,6 +36,21 @@ class Recording:
             raise TransferError("the wire broke")
         return self.inner.write(segment_id, offset, buffer, shm_name=shm_name)
 
+    def write_noted(
+        self,
+        segment_id: str,
+        offset: int,
+        buffer: Any,
+        key: str,
+        checksum: int,
+        *,
+        shm_name: str = "",
+    ) -> bool:
+        self.calls.append("write")
+        if self.fail_writes:
+            raise TransferError("the wire broke")
+        return self.inner.write_noted(segment_id, offset, buffer, key, checksum, shm_name=shm_name)
+
     def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
         self.calls.append("read_into")
         return self.inner.read_into(segment_id, offset, buffer, shm_name=shm_name)

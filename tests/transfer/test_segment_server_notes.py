@@ -1,0 +1,61 @@
+"""A write tagged with its object's key and checksum is reported to the node
+(``SegmentServer.on_write``) once its bytes are in; a tenant's tag is not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvpool.core.credentials import Credential, make_grant, tenant_data_key
+from kvpool.errors import UnknownSegment
+from kvpool.storage.segment import Segment
+from kvpool.transfer.segment_client import SegmentConnection
+from kvpool.transfer.segment_server import SegmentServer
+
+SECRET = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
+
+Note = tuple[str, str, int, int, int]
+
+
+def test_a_tagged_write_is_noted_after_its_bytes_and_an_untagged_one_is_not(
+    server: SegmentServer, segment: Segment
+) -> None:
+    notes: list[Note] = []
+
+    def note(segment_id: str, key: str, offset: int, size: int, csum: int) -> None:
+        assert segment.read(offset, size) == b"kv" * 50  # the bytes are in first
+        notes.append((segment_id, key, offset, size, csum))
+
+    server.on_write = note
+    host, port = server.address
+    with SegmentConnection(host, port, 5.0) as conn:
+        conn.write("seg0", 4096, b"kv" * 50, key="block-1", checksum=77)
+        conn.write("seg0", 8192, b"kv" * 50)  # no tag: nothing to note
+        with pytest.raises(UnknownSegment):  # a refused write notes nothing either
+            conn.write("nope", 0, b"kv" * 50, key="block-2", checksum=78)
+    assert notes == [("seg0", "block-1", 4096, 100, 77)]
+
+
+def test_a_tenants_tag_is_ignored() -> None:
+    cluster = Credential.parse(SECRET, "test")
+    node_key = cluster.node_key_of("node-a")
+    notes: list[Note] = []
+    with Segment.create(1 << 20) as segment:
+        server = SegmentServer(timeout_s=5.0, credential=cluster, server_id="node-a")
+        server.add_segment("node-a/mem", segment)
+        server.on_write = lambda *note: notes.append(note)
+        server.start()
+        try:
+            host, port = server.address
+            until = time.time_ns() // 1_000_000 + 60_000
+            grant = make_grant(node_key, "red", "node-a/mem", "w", 0, 100, until)
+            red = Credential(tenant="red", data_key=tenant_data_key(node_key, "red"))
+            with SegmentConnection(host, port, 5.0, credential=red, client_id="red") as conn:
+                # a tenant naming a key outside its namespace: the bytes land (its grant
+                # allows them), the key is not noted (the master scopes tenants' keys)
+                conn.write(f"node-a/mem#{grant}", 0, b"r" * 100, key="@blue/x", checksum=1)
+                assert segment.read(0, 100) == b"r" * 100
+        finally:
+            server.close()
+    assert notes == []
