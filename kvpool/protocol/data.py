@@ -81,6 +81,8 @@ class SegmentWriteMany(msgspec.Struct, frozen=True, tag=True):
     know which range was refused asks again per range."""
 
     ranges: list[Range]
+    #: (key, checksum) per range, or none: as :class:`SegmentWrite`'s tag
+    notes: list[tuple[str, int]] = msgspec.field(default_factory=list)
 
 
 class SegmentReadMany(msgspec.Struct, frozen=True, tag=True):

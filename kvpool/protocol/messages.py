@@ -138,9 +138,12 @@ class PutEnd(msgspec.Struct, frozen=True, tag=True):
 
 
 class BatchPutEnd(msgspec.Struct, frozen=True, tag=True):
+    """``noted``: as :class:`PutEnd`'s, for every key of the batch."""
+
     client_id: str
     keys: list[str]
     checksums: list[int]
+    noted: bool = False
 
 
 class PutRevoke(msgspec.Struct, frozen=True, tag=True):

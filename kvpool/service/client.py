@@ -314,7 +314,10 @@ class Client(Closing):
                 )
             elif placement.placed:
                 by_node.setdefault(placement.data_address, []).append(i)
+        if not overlap:
+            hash_values()  # before the writes: each carries its checksum to the node
         written: list[int] = []
+        noted = True  # every value written went where its node noted it
         placed = dict(zip(sent, reply.items, strict=True))
         for indices in by_node.values():
             first = placed[indices[0]]
@@ -322,7 +325,10 @@ class Client(Closing):
             path = self._path(first)
             try:
                 _refresh_routes(path, [placed[i] for i in indices])
-                done = path.write_many(items)
+                done, all_noted = path.write_many_noted(
+                    items, [(keys[i], digests[i]) for i in indices]
+                )
+                noted = noted and all_noted
             except (TransferError, PeerTimeout) as exc:
                 self._report(first, exc)
                 done = [exc] * len(indices)
@@ -337,7 +343,8 @@ class Client(Closing):
                 m.BatchPutEnd(
                     self.client_id,
                     [keys[i] for i in written],
-                    [digests[i] if i in digests else checksum(views[i]) for i in written],
+                    [digests[i] for i in written],
+                    noted,
                 )
             )
             assert isinstance(ended, m.Bools)

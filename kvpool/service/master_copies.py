@@ -67,9 +67,7 @@ class NodeCopies:
             assert isinstance(request, m.Heartbeat)
             if request.client_id in self.outbox:
                 return self._later(self._long_poll(request.client_id), self.heartbeat_interval_ms)
-        elif isinstance(request, m.BatchPutEnd) or (
-            isinstance(request, m.PutEnd) and not request.noted
-        ):
+        elif isinstance(request, (m.PutEnd, m.BatchPutEnd)) and not request.noted:
             # a noted PutEnd's node has the entry already (from the write's tag)
             keys = [request.key] if isinstance(request, m.PutEnd) else request.keys
             need = self._unconfirmed(keys)

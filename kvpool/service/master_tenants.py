@@ -104,7 +104,7 @@ def tenant_request(tenant: str, request: Any) -> Any:
     changes: dict[str, Any] = {}
     if kind is m.ReportCorrupt:  # the segment id came with a grant: the index's own id
         changes["segment_id"] = request.segment_id.partition(GRANT_SEP)[0]
-    if kind is m.PutEnd:  # a node ignores a tenant's write tags: nothing was noted there
+    if kind is m.PutEnd or kind is m.BatchPutEnd:  # a node ignores a tenant's write tags
         changes["noted"] = False
     for name in _ONE.get(kind, ()):
         value = getattr(request, name)

@@ -53,6 +53,11 @@ class InProcessPath:
     def write_many(self, items: Sequence[Item]) -> list[KVPoolError | None]:
         return [self._one(self.write, item) for item in items]
 
+    def write_many_noted(
+        self, items: Sequence[Item], notes: Sequence[tuple[str, int]]
+    ) -> tuple[list[KVPoolError | None], bool]:
+        return self.write_many(items), False
+
     def read_many_into(self, items: Sequence[Item]) -> list[KVPoolError | None]:
         return [self._one(self.read_into, item) for item in items]
 

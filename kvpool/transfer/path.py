@@ -120,12 +120,24 @@ class NodeDataPath(Closing):
         the rest.  One result per item, as :meth:`SegmentConnection.write_many`."""
         return self._many(items, write=True)
 
+    def write_many_noted(
+        self, items: Sequence[tuple[str, int, Any]], notes: Sequence[tuple[str, int]]
+    ) -> tuple[list[KVPoolError | None], bool]:
+        """As :meth:`write_many`, the TCP items tagged with their notes; True when every
+        item went over TCP (a shared-memory copy does not pass the node)."""
+        noted = all(self.route(segment_id) == "tcp" for segment_id, _, _ in items)
+        return self._many(items, write=True, notes=notes), noted
+
     def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
         """Many reads into caller buffers; see :meth:`write_many`."""
         return self._many(items, write=False)
 
     def _many(
-        self, items: Sequence[tuple[str, int, Any]], *, write: bool
+        self,
+        items: Sequence[tuple[str, int, Any]],
+        *,
+        write: bool,
+        notes: Sequence[tuple[str, int]] | None = None,
     ) -> list[KVPoolError | None]:
         results: list[KVPoolError | None] = [None] * len(items)
         over_tcp: list[int] = []
@@ -147,7 +159,11 @@ class NodeDataPath(Closing):
             self.shm.check_owner(segment_id)
         if over_tcp:
             batch = [items[i] for i in over_tcp]
-            done = self.tcp.write_many(batch) if write else self.tcp.read_many_into(batch)
+            if write:
+                tags = [notes[i] for i in over_tcp] if notes else None
+                done = self.tcp.write_many(batch, tags)
+            else:
+                done = self.tcp.read_many_into(batch)
             for i, result in zip(over_tcp, done, strict=True):
                 results[i] = result
         return results

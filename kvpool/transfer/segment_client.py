@@ -173,16 +173,21 @@ class SegmentConnection(Closing):
             raise ProtocolError(f"unexpected reply to a segment read: {reply!r}")
         return len(dst)
 
-    def write_many(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
+    def write_many(
+        self,
+        items: Sequence[tuple[str, int, Any]],
+        notes: Sequence[tuple[str, int]] | None = None,
+    ) -> list[KVPoolError | None]:
         """Pipelined :meth:`write` of ``(segment_id, offset, buffer)`` items.
 
         Requests go out back to back and the replies are read afterwards, so many small
         values cost one round trip per :data:`PIPELINE_DEPTH` items instead of one each.
         Returns one entry per item: ``None`` or the error the node refused it with (the
         other items still happen).  A broken connection raises for the whole batch.
+        ``notes``: each item's ``(key, checksum)`` tag, as :meth:`write`'s.
         """
         views = [byte_view(buffer) for _, _, buffer in items]
-        return self._batch(items, views, write=True)
+        return self._batch(items, views, write=True, notes=notes)
 
     def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
         """Pipelined :meth:`read_into` of ``(segment_id, offset, buffer)`` items; see
@@ -191,7 +196,12 @@ class SegmentConnection(Closing):
         return self._batch(items, views, write=False)
 
     def _batch(
-        self, items: Sequence[tuple[str, int, Any]], views: list[memoryview], *, write: bool
+        self,
+        items: Sequence[tuple[str, int, Any]],
+        views: list[memoryview],
+        *,
+        write: bool,
+        notes: Sequence[tuple[str, int]] | None = None,
     ) -> list[KVPoolError | None]:
         """Windows of up to :data:`PIPELINE_DEPTH` items (and :data:`WINDOW_BYTES`), each
         one ranged request (:class:`SegmentWriteMany` / :class:`SegmentReadMany`): the
@@ -202,22 +212,27 @@ class SegmentConnection(Closing):
         for window in _windows(views):
             chunk = [(items[i][0], items[i][1], len(views[i])) for i in window]
             parts = [views[i] for i in window]
+            tags = [notes[i] for i in window] if notes else []
             if len(window) > 1:
-                refused = self._ranged(chunk, parts, write)
+                refused = self._ranged(chunk, parts, write, tags)
                 if refused is None:
                     results.extend([None] * len(window))
                     continue
                 if refused.code in (Overloaded.code, AuthError.code):
                     self.close()  # the server closes a refused connection
                     return results + [refused.to_exception()] * (len(items) - len(results))
-            done = self._pipeline_items(chunk, parts, write)
+            done = self._pipeline_items(chunk, parts, write, tags)
             results.extend(done)
             if done and isinstance(done[-1], Overloaded):  # nothing after it was served
                 return results + [done[-1]] * (len(items) - len(results))
         return results
 
     def _ranged(
-        self, ranges: list[tuple[str, int, int]], parts: list[memoryview], write: bool
+        self,
+        ranges: list[tuple[str, int, int]],
+        parts: list[memoryview],
+        write: bool,
+        tags: list[tuple[str, int]],
     ) -> Error | None:
         """One ranged exchange; the node's refusal (nothing was moved), or None."""
         with self._lock:
@@ -225,7 +240,7 @@ class SegmentConnection(Closing):
             try:
                 deadline = framing.deadline_after(self.timeout_s)
                 if write:
-                    channel.send_parts(SegmentWriteMany(ranges), parts)
+                    channel.send_parts(SegmentWriteMany(ranges, tags), parts)
                 else:
                     channel.send(SegmentReadMany(ranges))
                 reply, length = channel.recv(deadline, reply=True)
@@ -240,10 +255,18 @@ class SegmentConnection(Closing):
         return reply if isinstance(reply, Error) else None
 
     def _pipeline_items(
-        self, ranges: list[tuple[str, int, int]], parts: list[memoryview], write: bool
+        self,
+        ranges: list[tuple[str, int, int]],
+        parts: list[memoryview],
+        write: bool,
+        tags: list[tuple[str, int]],
     ) -> list[KVPoolError | None]:
         if write:
-            requests: list[DataRequest] = [SegmentWrite(*r) for r in ranges]
+            requests: list[DataRequest] = (
+                [SegmentWrite(*r, *tag) for r, tag in zip(ranges, tags, strict=True)]
+                if tags
+                else [SegmentWrite(*r) for r in ranges]
+            )
             return self._pipeline(requests, parts, [None] * len(parts))
         requests = [SegmentRead(*r) for r in ranges]
         return self._pipeline(requests, [None] * len(parts), parts)

@@ -285,10 +285,12 @@ class SegmentServer(Serving):
         """A tenant's request as served (its segment ids without the grants), or the
         AuthError that refuses it.  A batch is checked range by range, each against its
         own grant, before any byte moves."""
-        if isinstance(request, SegmentReadMany | SegmentWriteMany):
-            op = "w" if isinstance(request, SegmentWriteMany) else "r"
-            ranges = [(self._check(tenant, s, op, o, n), o, n) for s, o, n in request.ranges]
+        if isinstance(request, SegmentReadMany):
+            ranges = [(self._check(tenant, s, "r", o, n), o, n) for s, o, n in request.ranges]
             return structs.replace(request, ranges=ranges)
+        if isinstance(request, SegmentWriteMany):  # its notes go, as a single write's tag
+            ranges = [(self._check(tenant, s, "w", o, n), o, n) for s, o, n in request.ranges]
+            return structs.replace(request, ranges=ranges, notes=[])
         if not isinstance(request, SegmentRead | SegmentWrite):
             raise AuthError(
                 f"tenant {tenant}: {type(request).__name__} is not open to a tenant's "
@@ -422,6 +424,13 @@ class SegmentServer(Serving):
         if payload_length != (total if write else 0):
             channel.discard_payload(payload_length)
             raise ProtocolError(f"{name} of {total} bytes, frame carries {payload_length}")
+        notes = request.notes if isinstance(request, SegmentWriteMany) else []
+        if notes and len(notes) != len(request.ranges):
+            channel.discard_payload(payload_length)
+            raise ProtocolError(
+                f"{name} of {len(request.ranges)} ranges with {len(notes)} notes: one per "
+                "range, or none"
+            )
         if len(request.ranges) > MAX_RANGES or total > DATA_REPLY_CODEC.max_payload:
             # a reply is one sendmsg of its views, and one frame
             channel.discard_payload(payload_length)
@@ -440,6 +449,11 @@ class SegmentServer(Serving):
         for target in views:
             channel.recv_payload_into(target)  # straight into the segments' memory
         self.stats.add("bytes_written", total)
+        if notes and self.on_write is not None:
+            for (segment_id, offset, length), (key, csum) in zip(
+                request.ranges, notes, strict=True
+            ):
+                self.on_write(segment_id, key, offset, length, csum)
         return Ok(), None
 
     def _demote(self, request: SegmentDemote) -> tuple[DataReply, memoryview | None]:

@@ -122,6 +122,11 @@ class TenantDataPath(Closing):
     def write_many(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
         return self._many(items, write=True)
 
+    def write_many_noted(
+        self, items: Sequence[tuple[str, int, Any]], notes: Sequence[tuple[str, int]]
+    ) -> tuple[list[KVPoolError | None], bool]:
+        return self._many(items, write=True), False  # nodes ignore a tenant's tags
+
     def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
         return self._many(items, write=False)
 

@@ -75,6 +75,13 @@ class DataPath(Protocol):
 
     def write_many(self, items: Sequence[Item]) -> list[KVPoolError | None]: ...
 
+    def write_many_noted(
+        self, items: Sequence[Item], notes: Sequence[tuple[str, int]]
+    ) -> tuple[list[KVPoolError | None], bool]:
+        """:meth:`write_many` with each item's ``(key, checksum)`` for the owner's
+        catalog, as :meth:`write_noted`; the bool: every item went where it was noted."""
+        ...
+
     def read_many_into(self, items: Sequence[Item]) -> list[KVPoolError | None]: ...
 
     def ssd_read_into(self, key: str, buffer: Any) -> int: ...

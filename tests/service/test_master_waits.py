@@ -157,6 +157,9 @@ def test_a_noted_put_is_answered_at_once_and_its_entry_still_reaches_the_node() 
     svc.settle()
     (changes,) = poll
     assert isinstance(changes, m.HeartbeatReply) and [e[0] for e in changes.added] == ["k"]
+    reply = svc.handle(m.BatchPutStart("w", ["a", "b"], [10, 10]))
+    assert isinstance(reply, m.Placements) and all(p.placed for p in reply.items)
+    assert svc.submit(m.BatchPutEnd("w", ["a", "b"], [1, 2], noted=True)) == m.Bools([True, True])
 
 
 def test_a_tenants_put_end_is_never_noted() -> None:
@@ -164,6 +167,9 @@ def test_a_tenants_put_end_is_never_noted() -> None:
     wait for the node's catalog entry."""
     scoped = tenant_request("red", m.PutEnd("red", "k", 7, noted=True))
     assert isinstance(scoped, m.PutEnd) and scoped.key == "@red/k" and not scoped.noted
+    batch = tenant_request("red", m.BatchPutEnd("red", ["a", "b"], [1, 2], noted=True))
+    assert isinstance(batch, m.BatchPutEnd) and batch.keys == ["@red/a", "@red/b"]
+    assert not batch.noted
 
 
 def test_a_put_its_node_never_confirms_is_a_timeout_at_the_deadline() -> None:

@@ -181,6 +181,9 @@ def test_a_put_over_tcp_needs_no_heartbeat_and_a_restarted_master_gets_it_back(
         with Client(master.address, allow_shm=False, timeout_s=5) as c:
             for key, value in values.items():
                 c.put(key, value)  # would time out waiting for a confirmation
+            batch = {f"u{i}": os.urandom(3000) for i in range(8)}
+            assert c.batch_put(list(batch), list(batch.values())) == [None] * 8  # as would this
+            values.update(batch)
             assert c.get("t0") == values["t0"]
         assert node.catalog == {} and set(node.noted) == set(values)
         offset, size, csum, when = node.noted["t0"]
@@ -241,7 +244,6 @@ def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
             # the node's link thread deletes it: off the master's loop, soon after
             wait_until(lambda: not files[key].exists(), what="the node deleted the file")
             assert not c.exists(key)
-
 
 
 def ssd_node_config(tmp_path: Path, master: str, ssd: Path) -> Path:

@@ -59,6 +59,12 @@ class Recording:
         self.calls.append("write_many")
         return self.inner.write_many(items)
 
+    def write_many_noted(
+        self, items: Sequence[Item], notes: Sequence[tuple[str, int]]
+    ) -> tuple[list[KVPoolError | None], bool]:
+        self.calls.append("write_many")
+        return self.inner.write_many_noted(items, notes)
+
     def read_many_into(self, items: Sequence[Item]) -> list[KVPoolError | None]:
         self.calls.append("read_many_into")
         return self.inner.read_many_into(items)

@@ -9,6 +9,7 @@ import pytest
 
 from kvpool.core.credentials import Credential, make_grant, tenant_data_key
 from kvpool.errors import UnknownSegment
+from kvpool.protocol.data import Error, SegmentWriteMany
 from kvpool.storage.segment import Segment
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.segment_server import SegmentServer
@@ -37,6 +38,33 @@ def test_a_tagged_write_is_noted_after_its_bytes_and_an_untagged_one_is_not(
     assert notes == [("seg0", "block-1", 4096, 100, 77)]
 
 
+def test_a_batch_notes_each_range_and_refuses_a_wrong_number_of_notes(
+    server: SegmentServer, segment: Segment
+) -> None:
+    notes: list[Note] = []
+    server.on_write = lambda *note: notes.append(note)
+    host, port = server.address
+    with SegmentConnection(host, port, 5.0) as conn:
+        items = [("seg0", 1000 * i, bytes([i]) * 100) for i in range(3)]
+        tags = [(f"b{i}", i) for i in range(3)]
+        assert conn.write_many(items, tags) == [None, None, None]
+        assert notes == [("seg0", f"b{i}", 1000 * i, 100, i) for i in range(3)]
+        notes.clear()
+        # a ranged write whose notes do not match its ranges: refused before a byte
+        # moves, and the connection goes on
+        with conn._lock:
+            channel = conn._connected()
+            channel.send_parts(
+                SegmentWriteMany([("seg0", 5000, 4), ("seg0", 6000, 4)], [("x", 1)]),
+                [memoryview(b"XXXX"), memoryview(b"YYYY")],
+            )
+            reply, _ = channel.recv(reply=True)
+        assert isinstance(reply, Error) and "one per range" in reply.message
+        assert segment.read(5000, 4) != b"XXXX" and notes == []
+        assert conn.write_many(items[:2]) == [None, None]  # untagged: nothing noted
+        assert notes == []
+
+
 def test_a_tenants_tag_is_ignored() -> None:
     cluster = Credential.parse(SECRET, "test")
     node_key = cluster.node_key_of("node-a")
@@ -56,6 +84,12 @@ def test_a_tenants_tag_is_ignored() -> None:
                 # allows them), the key is not noted (the master scopes tenants' keys)
                 conn.write(f"node-a/mem#{grant}", 0, b"r" * 100, key="@blue/x", checksum=1)
                 assert segment.read(0, 100) == b"r" * 100
+                items = [
+                    (f"node-a/mem#{grant}", 0, b"s" * 50),
+                    (f"node-a/mem#{grant}", 50, b"t" * 50),
+                ]
+                assert conn.write_many(items, [("@blue/y", 2), ("z", 3)]) == [None, None]
+                assert segment.read(0, 100) == b"s" * 50 + b"t" * 50
         finally:
             server.close()
     assert notes == []
