@@ -382,8 +382,9 @@ class Client(Closing):
         try:
             if placement.tier == "ssd":
                 path.ssd_read_into(placement.key, target)
+                digest = checksum(target)
             else:
-                path.read_into(
+                digest = path.read_checked(
                     placement.segment_id, placement.offset, target, shm_name=placement.shm_name
                 )
         except ChecksumMismatch as exc:
@@ -401,7 +402,7 @@ class Client(Closing):
             raise
         except KVPoolError as exc:
             raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc
-        if checksum(target) != placement.checksum:
+        if digest != placement.checksum:
             self._report_corrupt(placement)
             log.warning("%s failed its checksum: treated as a miss", placement.key)
             raise ObjectNotFound(f"{placement.key}: checksum mismatch")

@@ -18,9 +18,19 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["checksum"]
+__all__ = ["Hasher", "checksum", "hasher"]
+
+#: a running :func:`checksum`: ``update`` with the bytes in order, then ``intdigest()``
+Hasher = xxhash.xxh3_64
 
 
 def checksum(data: Any) -> int:
     """xxh3-64 of ``data``'s bytes (any C-contiguous buffer: bytes, bytearray, memoryview)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def hasher() -> Hasher:
+    """A running checksum, for bytes that arrive in pieces (a TCP read hashes each piece
+    as it lands while the next is still on the wire); equal to :func:`checksum` of
+    the whole."""
+    return xxhash.xxh3_64()

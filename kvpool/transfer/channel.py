@@ -44,12 +44,23 @@ from kvpool.protocol.codec import HEADER_SIZE, Codec
 from kvpool.transfer.framing import SMALL_PAYLOAD, BadRequest, deadline_after, why_send_failed
 from kvpool.transfer.tls import peer_alert
 
-__all__ = ["DEFAULT_SPIN_US", "MAX_OWED", "MAX_SPIN_US", "STAGE_SIZE", "Channel", "reply_spin_us"]
+__all__ = [
+    "DEFAULT_SPIN_US",
+    "MAX_OWED",
+    "MAX_SPIN_US",
+    "ON_BYTES_MIN",
+    "STAGE_SIZE",
+    "Channel",
+    "reply_spin_us",
+]
 
 S = TypeVar("S")
 R = TypeVar("R")
 
 STAGE_SIZE = 8 * 1024
+# The smallest piece recv_payload_into hands to ``on_bytes``: a call per recv of a few
+# KiB would cost more than the overlap gains.
+ON_BYTES_MIN = 256 * 1024
 _DISCARD_CHUNK = 1 << 20
 # Posted requests whose replies are not read yet.  The bound keeps a caller that only
 # posts from filling both socket buffers (a peer blocked writing replies stops reading).
@@ -303,15 +314,22 @@ class Channel(Generic[S, R]):
                 break
         return self._recv_frame(deadline_after(self.timeout_s))
 
-    def recv_payload_into(self, view: memoryview, deadline: float | None = None) -> None:
+    def recv_payload_into(
+        self,
+        view: memoryview,
+        deadline: float | None = None,
+        on_bytes: Callable[[memoryview], object] | None = None,
+    ) -> None:
         """Fill ``view`` with the next payload bytes: staged ones first, then straight
-        from the socket into ``view``."""
+        from the socket into ``view``.  ``on_bytes`` sees every byte once, in order, in
+        pieces of at least :data:`ON_BYTES_MIN` (the last may be shorter) as they land:
+        work on them (a checksum) overlaps the rest still on the wire."""
         if deadline is None:
             deadline = deadline_after(self.timeout_s)
         staged = min(self._end - self._start, len(view))
         if staged:
             view[:staged] = self._take(staged)
-        received, total = staged, len(view)
+        received, total, seen = staged, len(view), 0
         while received < total:
             n = self._recv_some(view[received:], deadline, "a payload")
             if n == 0:
@@ -319,6 +337,11 @@ class Channel(Generic[S, R]):
                     f"peer closed the connection after {received} of {total} payload bytes"
                 )
             received += n
+            if on_bytes is not None and received - seen >= ON_BYTES_MIN and received < total:
+                on_bytes(view[seen:received])
+                seen = received
+        if on_bytes is not None and seen < total:
+            on_bytes(view[seen:total])
 
     def discard_payload(self, length: int, deadline: float | None = None) -> None:
         """Receive and drop ``length`` payload bytes (e.g. a refused write's)."""

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.errors import KVPoolError, ObjectNotFound, UnknownSegment
+from kvpool.storage.buffers import byte_view
+from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
 from kvpool.transfer.transport import Item
@@ -49,6 +51,10 @@ class InProcessPath:
 
     def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
         return self._memory().read_into(offset, buffer)
+
+    def read_checked(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
+        self.read_into(segment_id, offset, buffer)
+        return checksum(byte_view(buffer))
 
     def write_many(self, items: Sequence[Item]) -> list[KVPoolError | None]:
         return [self._one(self.write, item) for item in items]

@@ -21,6 +21,8 @@ from typing import Any, Literal
 from kvpool.closing import Closing
 from kvpool.core.credentials import Credential
 from kvpool.errors import KVPoolError, PoolError
+from kvpool.storage.buffers import byte_view
+from kvpool.storage.checksum import checksum
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.shm import ShmConnection, host_token
 
@@ -114,6 +116,14 @@ class NodeDataPath(Closing):
         if self.route(segment_id, shm_name) == "shm":
             return self.shm.read_into(segment_id, offset, buffer)
         return self.tcp.read_into(segment_id, offset, buffer)
+
+    def read_checked(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
+        """:meth:`read_into` and the bytes' checksum: over TCP hashed as they arrive, a
+        shared-memory copy hashed after it."""
+        if self.route(segment_id, shm_name) == "shm":
+            self.shm.read_into(segment_id, offset, buffer)
+            return checksum(byte_view(buffer))
+        return self.tcp.read_checked(segment_id, offset, buffer)
 
     def write_many(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
         """Many writes: direct copies where shared memory applies, one TCP pipeline for

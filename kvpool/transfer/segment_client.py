@@ -12,7 +12,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.closing import Closing
@@ -43,6 +43,7 @@ from kvpool.protocol.data import (
     SsdRemove,
 )
 from kvpool.storage.buffers import byte_view, writable_byte_view
+from kvpool.storage.checksum import hasher
 from kvpool.transfer import framing
 from kvpool.transfer.auth import authenticate
 from kvpool.transfer.channel import Channel, reply_spin_us
@@ -128,7 +129,11 @@ class SegmentConnection(Closing):
         return self._channel
 
     def _exchange(
-        self, request: DataRequest, out: memoryview | None, into: memoryview | None
+        self,
+        request: DataRequest,
+        out: memoryview | None,
+        into: memoryview | None,
+        on_bytes: Callable[[memoryview], object] | None = None,
     ) -> DataReply:
         """Send ``request`` (+ ``out``), receive the reply (+ its payload into ``into``)."""
         with self._lock:
@@ -143,7 +148,7 @@ class SegmentConnection(Closing):
                             f"reply carries {length} payload bytes, expected "
                             f"{0 if into is None else len(into)}"
                         )
-                    channel.recv_payload_into(into, deadline)
+                    channel.recv_payload_into(into, deadline, on_bytes)
             except KVPoolError:
                 # The stream may be mid-frame: never reuse it.
                 self._drop()
@@ -172,6 +177,17 @@ class SegmentConnection(Closing):
             self.close()
             raise ProtocolError(f"unexpected reply to a segment read: {reply!r}")
         return len(dst)
+
+    def read_checked(self, segment_id: str, offset: int, buffer: Any) -> int:
+        """:meth:`read_into`, returning the bytes' :func:`~kvpool.storage.checksum.checksum`,
+        computed piece by piece as they arrive (it overlaps the rest of the transfer)."""
+        dst = writable_byte_view(buffer)
+        running = hasher()
+        reply = self._exchange(SegmentRead(segment_id, offset, len(dst)), None, dst, running.update)
+        if not isinstance(reply, Ok) or reply.length != len(dst):
+            self.close()
+            raise ProtocolError(f"unexpected reply to a segment read: {reply!r}")
+        return running.intdigest()  # of no bytes: checksum(b""), as it should be
 
     def write_many(
         self,

@@ -99,6 +99,10 @@ class TenantDataPath(Closing):
         granted, data_key = _split(segment_id)
         return self._connection(data_key).read_into(granted, offset, buffer)
 
+    def read_checked(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
+        granted, data_key = _split(segment_id)
+        return self._connection(data_key).read_checked(granted, offset, buffer)
+
     def _many(self, items: Sequence[tuple[str, int, Any]], write: bool) -> list[KVPoolError | None]:
         results: list[KVPoolError | None] = [None] * len(items)
         batch: list[tuple[str, int, Any]] = []

@@ -73,6 +73,12 @@ class DataPath(Protocol):
         self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = ""
     ) -> int: ...
 
+    def read_checked(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
+        """:meth:`read_into`, returning the bytes' checksum
+        (:func:`kvpool.storage.checksum.checksum`) to compare with the index's: over TCP
+        computed as the bytes arrive, overlapping the rest of the transfer."""
+        ...
+
     def write_many(self, items: Sequence[Item]) -> list[KVPoolError | None]: ...
 
     def write_many_noted(

@@ -55,6 +55,10 @@ class Recording:
         self.calls.append("read_into")
         return self.inner.read_into(segment_id, offset, buffer, shm_name=shm_name)
 
+    def read_checked(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
+        self.calls.append("read_into")
+        return self.inner.read_checked(segment_id, offset, buffer, shm_name=shm_name)
+
     def write_many(self, items: Sequence[Item]) -> list[KVPoolError | None]:
         self.calls.append("write_many")
         return self.inner.write_many(items)

@@ -10,7 +10,7 @@ import pytest
 
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
-from kvpool.transfer.channel import STAGE_SIZE, Channel
+from kvpool.transfer.channel import ON_BYTES_MIN, STAGE_SIZE, Channel
 from kvpool.transfer.framing import BadRequest
 
 
@@ -166,4 +166,25 @@ def test_frames_split_at_arbitrary_points_reassemble() -> None:
         assert buf == payload
     sender.join(30)
     a.close()
+    right.close()
+
+
+@pytest.mark.parametrize("size", [0, 100, STAGE_SIZE * 2, ON_BYTES_MIN * 5 + 17])
+def test_on_bytes_sees_every_payload_byte_once_in_order_in_large_pieces(size: int) -> None:
+    """What a TCP read's checksum is computed from as the bytes land: the whole payload,
+    staged bytes included, in pieces no smaller than ON_BYTES_MIN but the last."""
+    left, right = pair()
+    payload = memoryview(random.Random(size).randbytes(size))
+    sender = threading.Thread(target=left.send, args=(Msg("p"), payload))
+    sender.start()
+    _, length = right.recv()
+    pieces: list[bytes] = []
+    dst = bytearray(length)
+    right.recv_payload_into(memoryview(dst), on_bytes=lambda piece: pieces.append(bytes(piece)))
+    sender.join(10)
+    assert b"".join(pieces) == payload and dst == payload
+    assert all(len(piece) >= ON_BYTES_MIN for piece in pieces[:-1])
+    if size <= ON_BYTES_MIN:
+        assert len(pieces) == (1 if size else 0)
+    left.close()
     right.close()

@@ -1,8 +1,10 @@
 """A write tagged with its object's key and checksum is reported to the node
-(``SegmentServer.on_write``) once its bytes are in; a tenant's tag is not."""
+(``SegmentServer.on_write``) once its bytes are in; a tenant's tag is not.  A checked
+read hands back the checksum of exactly the bytes it read."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from kvpool.core.credentials import Credential, make_grant, tenant_data_key
 from kvpool.errors import UnknownSegment
 from kvpool.protocol.data import Error, SegmentWriteMany
+from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.segment_server import SegmentServer
@@ -93,3 +96,19 @@ def test_a_tenants_tag_is_ignored() -> None:
         finally:
             server.close()
     assert notes == []
+
+
+@pytest.mark.parametrize("size", [0, 1, 300_000, 5 << 20])
+def test_a_checked_read_returns_the_checksum_of_the_bytes_it_read(
+    server: SegmentServer, segment: Segment, size: int
+) -> None:
+    data = bytes(random.Random(size).randbytes(size))
+    segment.write(0, data)
+    into = bytearray(size)
+    host, port = server.address
+    with SegmentConnection(host, port, 5.0) as conn:
+        assert conn.read_checked("seg0", 0, into) == checksum(data)
+        assert into == data
+        if size:  # changed on the node: the digest says so
+            segment.write(0, bytes([data[0] ^ 0xFF]))
+            assert conn.read_checked("seg0", 0, into) != checksum(data)
