@@ -478,7 +478,7 @@ class Client(Closing):
         items = [(placements[i].segment_id, placements[i].offset, targets[i]) for i in indices]
         try:
             _refresh_routes(path, [placements[i] for i in indices])
-            done = path.read_many_into(items)
+            done = path.read_many_checked(items)
         except (TransferError, PeerTimeout) as exc:
             self._report(first, exc)
             return
@@ -487,8 +487,8 @@ class Client(Closing):
         reported = False
         for i, failure in zip(indices, done, strict=True):
             placement = placements[i]
-            if failure is None:
-                if checksum(targets[i]) == placement.checksum:
+            if isinstance(failure, int):  # read; this is the checksum of what came
+                if failure == placement.checksum:
                     sizes[i] = placement.size
                 else:
                     self._report_corrupt(placement)

@@ -67,6 +67,13 @@ class InProcessPath:
     def read_many_into(self, items: Sequence[Item]) -> list[KVPoolError | None]:
         return [self._one(self.read_into, item) for item in items]
 
+    def read_many_checked(self, items: Sequence[Item]) -> list[KVPoolError | int]:
+        done = self.read_many_into(items)
+        return [
+            checksum(byte_view(buffer)) if result is None else result
+            for result, (_, _, buffer) in zip(done, items, strict=True)
+        ]
+
     @staticmethod
     def _one(move: Any, item: Item) -> KVPoolError | None:
         try:

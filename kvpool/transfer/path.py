@@ -16,7 +16,7 @@ from __future__ import annotations
 import ssl
 import threading
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from kvpool.closing import Closing
 from kvpool.core.credentials import Credential
@@ -142,14 +142,21 @@ class NodeDataPath(Closing):
         """Many reads into caller buffers; see :meth:`write_many`."""
         return self._many(items, write=False)
 
+    def read_many_checked(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | int]:
+        """:meth:`read_many_into` with each read item's checksum (over TCP hashed as each
+        value lands, while the rest of the batch arrives)."""
+        return cast("list[KVPoolError | int]", self._many(items, write=False, checked=True))
+
     def _many(
         self,
         items: Sequence[tuple[str, int, Any]],
         *,
         write: bool,
         notes: Sequence[tuple[str, int]] | None = None,
-    ) -> list[KVPoolError | None]:
-        results: list[KVPoolError | None] = [None] * len(items)
+        checked: bool = False,
+    ) -> list[Any]:
+        """One result per item: its error, or None (a checked read: its checksum)."""
+        results: list[KVPoolError | int | None] = [None] * len(items)
         over_tcp: list[int] = []
         copied: set[str] = set()  # segments copied to or from: their owner is asked once
         for i, (segment_id, offset, buffer) in enumerate(items):
@@ -161,6 +168,8 @@ class NodeDataPath(Closing):
                     self.shm.write(segment_id, offset, buffer, check=False)
                 else:
                     self.shm.read_into(segment_id, offset, buffer, check=False)
+                    if checked:
+                        results[i] = checksum(byte_view(buffer))
                 copied.add(segment_id)
             except KVPoolError as exc:
                 results[i] = exc
@@ -169,9 +178,12 @@ class NodeDataPath(Closing):
             self.shm.check_owner(segment_id)
         if over_tcp:
             batch = [items[i] for i in over_tcp]
+            done: Sequence[KVPoolError | int | None]
             if write:
                 tags = [notes[i] for i in over_tcp] if notes else None
                 done = self.tcp.write_many(batch, tags)
+            elif checked:
+                done = self.tcp.read_many_checked(batch)
             else:
                 done = self.tcp.read_many_into(batch)
             for i, result in zip(over_tcp, done, strict=True):

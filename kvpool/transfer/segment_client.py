@@ -43,7 +43,7 @@ from kvpool.protocol.data import (
     SsdRemove,
 )
 from kvpool.storage.buffers import byte_view, writable_byte_view
-from kvpool.storage.checksum import hasher
+from kvpool.storage.checksum import checksum, hasher
 from kvpool.transfer import framing
 from kvpool.transfer.auth import authenticate
 from kvpool.transfer.channel import Channel, reply_spin_us
@@ -211,6 +211,19 @@ class SegmentConnection(Closing):
         views = [writable_byte_view(buffer) for _, _, buffer in items]
         return self._batch(items, views, write=False)
 
+    def read_many_checked(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | int]:
+        """:meth:`read_many_into`, with each read item's checksum in place of ``None``:
+        a value is hashed as soon as it has landed, while the next ones are still on
+        the wire."""
+        views = [writable_byte_view(buffer) for _, _, buffer in items]
+        digests = [0] * len(views)
+
+        def landed(i: int) -> None:
+            digests[i] = checksum(views[i])
+
+        results = self._batch(items, views, write=False, landed=landed)
+        return [digests[i] if r is None else r for i, r in enumerate(results)]
+
     def _batch(
         self,
         items: Sequence[tuple[str, int, Any]],
@@ -218,26 +231,28 @@ class SegmentConnection(Closing):
         *,
         write: bool,
         notes: Sequence[tuple[str, int]] | None = None,
+        landed: Callable[[int], None] | None = None,
     ) -> list[KVPoolError | None]:
         """Windows of up to :data:`PIPELINE_DEPTH` items (and :data:`WINDOW_BYTES`), each
         one ranged request (:class:`SegmentWriteMany` / :class:`SegmentReadMany`): the
         node handles one request per window, not one per value.  A window the node
         refuses as a whole is asked again item by item, so each item gets its own
-        result."""
+        result.  ``landed(i)`` is told as each read item's bytes are all in."""
         results: list[KVPoolError | None] = []
         for window in _windows(views):
             chunk = [(items[i][0], items[i][1], len(views[i])) for i in window]
             parts = [views[i] for i in window]
             tags = [notes[i] for i in window] if notes else []
+            in_window = None if landed is None else (lambda j, w=window: landed(w[j]))
             if len(window) > 1:
-                refused = self._ranged(chunk, parts, write, tags)
+                refused = self._ranged(chunk, parts, write, tags, in_window)
                 if refused is None:
                     results.extend([None] * len(window))
                     continue
                 if refused.code in (Overloaded.code, AuthError.code):
                     self.close()  # the server closes a refused connection
                     return results + [refused.to_exception()] * (len(items) - len(results))
-            done = self._pipeline_items(chunk, parts, write, tags)
+            done = self._pipeline_items(chunk, parts, write, tags, in_window)
             results.extend(done)
             if done and isinstance(done[-1], Overloaded):  # nothing after it was served
                 return results + [done[-1]] * (len(items) - len(results))
@@ -249,6 +264,7 @@ class SegmentConnection(Closing):
         parts: list[memoryview],
         write: bool,
         tags: list[tuple[str, int]],
+        landed: Callable[[int], None] | None = None,
     ) -> Error | None:
         """One ranged exchange; the node's refusal (nothing was moved), or None."""
         with self._lock:
@@ -263,8 +279,10 @@ class SegmentConnection(Closing):
                 expected = 0 if write or isinstance(reply, Error) else sum(len(p) for p in parts)
                 if length != expected or not isinstance(reply, Ok | Error):
                     raise ProtocolError(f"unexpected reply to a ranged transfer: {reply!r}")
-                for part in parts if length else ():
+                for j, part in enumerate(parts if length else ()):
                     channel.recv_payload_into(part)
+                    if landed is not None:
+                        landed(j)  # the rest of the batch keeps arriving meanwhile
             except KVPoolError:
                 self._drop()
                 raise
@@ -276,6 +294,7 @@ class SegmentConnection(Closing):
         parts: list[memoryview],
         write: bool,
         tags: list[tuple[str, int]],
+        landed: Callable[[int], None] | None = None,
     ) -> list[KVPoolError | None]:
         if write:
             requests: list[DataRequest] = (
@@ -285,13 +304,14 @@ class SegmentConnection(Closing):
             )
             return self._pipeline(requests, parts, [None] * len(parts))
         requests = [SegmentRead(*r) for r in ranges]
-        return self._pipeline(requests, [None] * len(parts), parts)
+        return self._pipeline(requests, [None] * len(parts), parts, landed)
 
     def _pipeline(
         self,
         requests: Sequence[DataRequest],
         outs: Sequence[memoryview | None],
         intos: Sequence[memoryview | None],
+        landed: Callable[[int], None] | None = None,
     ) -> list[KVPoolError | None]:
         # No deadlock: one direction of each window is small (write replies, read
         # requests: tens of bytes each), so it always fits in the socket buffers while
@@ -314,6 +334,8 @@ class SegmentConnection(Closing):
                             raise ProtocolError(f"unexpected reply in a pipeline: {reply!r}")
                         if into is not None and length:
                             channel.recv_payload_into(into)
+                            if landed is not None:
+                                landed(i)
                         if isinstance(reply, Error) and reply.code == Overloaded.code:
                             # the connection was refused: nothing after it was served
                             self._drop()

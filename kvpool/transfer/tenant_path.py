@@ -134,6 +134,25 @@ class TenantDataPath(Closing):
     def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
         return self._many(items, write=False)
 
+    def read_many_checked(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | int]:
+        results: list[KVPoolError | int] = [0] * len(items)
+        batch: list[tuple[str, int, Any]] = []
+        where: list[int] = []
+        data_key = ""
+        for i, (segment_id, offset, buffer) in enumerate(items):
+            try:
+                granted, data_key = _split(segment_id)
+            except PoolError as exc:
+                results[i] = exc
+                continue
+            batch.append((granted, offset, buffer))
+            where.append(i)
+        if batch:
+            done = self._connection(data_key).read_many_checked(batch)
+            for i, result in zip(where, done, strict=True):
+                results[i] = result
+        return results
+
     def ssd_read_into(self, key: str, buffer: Any) -> int:
         raise PoolError(f"{key}: a tenant's SSD reads take no grant yet (a miss)")
 

@@ -73,6 +73,10 @@ class Recording:
         self.calls.append("read_many_into")
         return self.inner.read_many_into(items)
 
+    def read_many_checked(self, items: Sequence[Item]) -> list[KVPoolError | int]:
+        self.calls.append("read_many_into")
+        return self.inner.read_many_checked(items)
+
     def ssd_read_into(self, key: str, buffer: Any) -> int:
         self.calls.append("ssd_read_into")
         return self.inner.ssd_read_into(key, buffer)
