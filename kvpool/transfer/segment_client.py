@@ -43,7 +43,7 @@ from kvpool.protocol.data import (
     SsdRemove,
 )
 from kvpool.storage.buffers import byte_view, writable_byte_view
-from kvpool.storage.checksum import checksum, hasher
+from kvpool.storage.checksum import hasher
 from kvpool.transfer import framing
 from kvpool.transfer.auth import authenticate
 from kvpool.transfer.channel import Channel, reply_spin_us
@@ -218,8 +218,8 @@ class SegmentConnection(Closing):
         views = [writable_byte_view(buffer) for _, _, buffer in items]
         digests = [0] * len(views)
 
-        def landed(i: int) -> None:
-            digests[i] = checksum(views[i])
+        def landed(i: int, digest: int) -> None:
+            digests[i] = digest
 
         results = self._batch(items, views, write=False, landed=landed)
         return [digests[i] if r is None else r for i, r in enumerate(results)]
@@ -231,19 +231,20 @@ class SegmentConnection(Closing):
         *,
         write: bool,
         notes: Sequence[tuple[str, int]] | None = None,
-        landed: Callable[[int], None] | None = None,
+        landed: Callable[[int, int], None] | None = None,
     ) -> list[KVPoolError | None]:
         """Windows of up to :data:`PIPELINE_DEPTH` items (and :data:`WINDOW_BYTES`), each
         one ranged request (:class:`SegmentWriteMany` / :class:`SegmentReadMany`): the
         node handles one request per window, not one per value.  A window the node
         refuses as a whole is asked again item by item, so each item gets its own
-        result.  ``landed(i)`` is told as each read item's bytes are all in."""
+        result.  ``landed(i, digest)`` is told each read item's checksum, computed as its
+        bytes arrive (see :func:`_receive_checked`)."""
         results: list[KVPoolError | None] = []
         for window in _windows(views):
             chunk = [(items[i][0], items[i][1], len(views[i])) for i in window]
             parts = [views[i] for i in window]
             tags = [notes[i] for i in window] if notes else []
-            in_window = None if landed is None else (lambda j, w=window: landed(w[j]))
+            in_window = None if landed is None else (lambda j, d, w=window: landed(w[j], d))
             if len(window) > 1:
                 refused = self._ranged(chunk, parts, write, tags, in_window)
                 if refused is None:
@@ -264,7 +265,7 @@ class SegmentConnection(Closing):
         parts: list[memoryview],
         write: bool,
         tags: list[tuple[str, int]],
-        landed: Callable[[int], None] | None = None,
+        landed: Callable[[int, int], None] | None = None,
     ) -> Error | None:
         """One ranged exchange; the node's refusal (nothing was moved), or None."""
         with self._lock:
@@ -280,9 +281,10 @@ class SegmentConnection(Closing):
                 if length != expected or not isinstance(reply, Ok | Error):
                     raise ProtocolError(f"unexpected reply to a ranged transfer: {reply!r}")
                 for j, part in enumerate(parts if length else ()):
-                    channel.recv_payload_into(part)
-                    if landed is not None:
-                        landed(j)  # the rest of the batch keeps arriving meanwhile
+                    if landed is None:
+                        channel.recv_payload_into(part)
+                    else:
+                        landed(j, _receive_checked(channel, part))
             except KVPoolError:
                 self._drop()
                 raise
@@ -294,7 +296,7 @@ class SegmentConnection(Closing):
         parts: list[memoryview],
         write: bool,
         tags: list[tuple[str, int]],
-        landed: Callable[[int], None] | None = None,
+        landed: Callable[[int, int], None] | None = None,
     ) -> list[KVPoolError | None]:
         if write:
             requests: list[DataRequest] = (
@@ -311,7 +313,7 @@ class SegmentConnection(Closing):
         requests: Sequence[DataRequest],
         outs: Sequence[memoryview | None],
         intos: Sequence[memoryview | None],
-        landed: Callable[[int], None] | None = None,
+        landed: Callable[[int, int], None] | None = None,
     ) -> list[KVPoolError | None]:
         # No deadlock: one direction of each window is small (write replies, read
         # requests: tens of bytes each), so it always fits in the socket buffers while
@@ -333,9 +335,10 @@ class SegmentConnection(Closing):
                         if length != expected or not isinstance(reply, Ok | Error):
                             raise ProtocolError(f"unexpected reply in a pipeline: {reply!r}")
                         if into is not None and length:
-                            channel.recv_payload_into(into)
-                            if landed is not None:
-                                landed(i)
+                            if landed is None:
+                                channel.recv_payload_into(into)
+                            else:
+                                landed(i, _receive_checked(channel, into))
                         if isinstance(reply, Error) and reply.code == Overloaded.code:
                             # the connection was refused: nothing after it was served
                             self._drop()
@@ -392,6 +395,14 @@ class SegmentConnection(Closing):
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+def _receive_checked(channel: Channel[DataRequest, DataReply], into: memoryview) -> int:
+    """Receive one value into ``into`` and return its checksum, hashed piece by piece as
+    the bytes land (the rest of the value, and of the batch, arrives meanwhile)."""
+    running = hasher()
+    channel.recv_payload_into(into, on_bytes=running.update)
+    return running.intdigest()
 
 
 def _windows(views: Sequence[memoryview]) -> list[range]:
