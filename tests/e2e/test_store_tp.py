@@ -188,7 +188,13 @@ def test_mla_decode_write_back_at_tp2_is_a_hit_for_a_tp1_prefill(
         (tmp_path / name).mkdir()
 
     def spec(tp: int, role: str, steps: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {**engine_spec(model, master, tp, steps, role, **extra), "load_format": "dummy"}
+        return {
+            **engine_spec(model, master, tp, steps, role, **extra),
+            "load_format": "dummy",
+            # on a CPU with AMX vLLM picks its AMX MLA backend, which takes bf16/fp16
+            # weights only; these engines run float32, so ask for the reference backend
+            "attention_backend": "CPU_MLA",
+        }
 
     stats = {"op": "stats"}
     (cold, s_d), log_d = run_engine(

@@ -74,6 +74,8 @@ def main(spec_path: str) -> int:
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    if spec.get("attention_backend"):
+        kwargs["attention_config"] = {"backend": spec["attention_backend"]}
     llm = LLM(
         model=spec["model"],
         dtype="float32",
