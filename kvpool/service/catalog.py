@@ -42,16 +42,26 @@ class CatalogChanges:
     removed: list[str] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Pending:
+    """An owner's changes not delivered yet, one final word per key: a node applies a
+    reply's adds before its removals, so a key removed and put again (or put and removed)
+    between two heartbeats must be in only one of the two."""
+
+    added: dict[str, CatalogEntry] = field(default_factory=dict)
+    removed: dict[str, None] = field(default_factory=dict)
+
+
 class Outbox:
     """Pending :class:`CatalogChanges`, per storage owner that asked to be kept told."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, CatalogChanges] = {}
+        self._pending: dict[str, _Pending] = {}
         self._marks: dict[str, list[int]] = {}  # owner -> [adds so far, delivered, confirmed]
 
     def watch(self, owner: str) -> None:
         """Start keeping ``owner``'s changes (idempotent)."""
-        self._pending.setdefault(owner, CatalogChanges())
+        self._pending.setdefault(owner, _Pending())
         self._marks.setdefault(owner, [0, 0, 0])
 
     def __contains__(self, owner: object) -> bool:
@@ -61,7 +71,9 @@ class Outbox:
         """``owner`` now holds ``entry`` (ignored for an owner not watched)."""
         changes = self._pending.get(owner)
         if changes is not None:
-            changes.added.append(entry)
+            key = entry[0]
+            changes.removed.pop(key, None)  # put again: the add is the last word
+            changes.added[key] = entry
             self._marks[owner][0] += 1
 
     def seq(self, owner: str) -> int:
@@ -89,17 +101,18 @@ class Outbox:
         """``owner`` no longer holds ``key`` (ignored for an owner not watched)."""
         changes = self._pending.get(owner)
         if changes is not None:
-            changes.removed.append(key)
+            changes.added.pop(key, None)  # an add not delivered yet is void
+            changes.removed[key] = None
 
     def take(self, owner: str) -> CatalogChanges:
         """``owner``'s changes so far, and start afresh (empty for an owner not watched)."""
         changes = self._pending.get(owner)
         if changes is None:
             return CatalogChanges()
-        self._pending[owner] = CatalogChanges()
+        self._pending[owner] = _Pending()
         marks = self._marks[owner]
         marks[1] = marks[0]
-        return changes
+        return CatalogChanges(list(changes.added.values()), list(changes.removed))
 
     def forget_gone(self, alive: Container[str]) -> None:
         """Drop the outboxes of owners no longer in ``alive``."""
