@@ -21,7 +21,7 @@ Rules:
 from __future__ import annotations
 
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.closing import Closing
@@ -103,8 +103,14 @@ class TenantDataPath(Closing):
         granted, data_key = _split(segment_id)
         return self._connection(data_key).read_checked(granted, offset, buffer)
 
-    def _many(self, items: Sequence[tuple[str, int, Any]], write: bool) -> list[KVPoolError | None]:
-        results: list[KVPoolError | None] = [None] * len(items)
+    def _many(
+        self,
+        items: Sequence[tuple[str, int, Any]],
+        move: Callable[[SegmentConnection, list[tuple[str, int, Any]]], Sequence[Any]],
+    ) -> list[Any]:
+        """``move`` of the items on their node's connection, their grants split off; an
+        item whose grant is malformed gets its error instead."""
+        results: list[Any] = [None] * len(items)
         batch: list[tuple[str, int, Any]] = []
         where: list[int] = []
         data_key = ""
@@ -117,41 +123,24 @@ class TenantDataPath(Closing):
             batch.append((granted, offset, buffer))
             where.append(i)
         if batch:
-            conn = self._connection(data_key)  # one node, one tenant: one key
-            done = conn.write_many(batch) if write else conn.read_many_into(batch)
+            done = move(self._connection(data_key), batch)  # one node, one tenant: one key
             for i, result in zip(where, done, strict=True):
                 results[i] = result
         return results
 
     def write_many(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
-        return self._many(items, write=True)
+        return self._many(items, SegmentConnection.write_many)
 
     def write_many_noted(
         self, items: Sequence[tuple[str, int, Any]], notes: Sequence[tuple[str, int]]
     ) -> tuple[list[KVPoolError | None], bool]:
-        return self._many(items, write=True), False  # nodes ignore a tenant's tags
+        return self.write_many(items), False  # nodes ignore a tenant's tags
 
     def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
-        return self._many(items, write=False)
+        return self._many(items, SegmentConnection.read_many_into)
 
     def read_many_checked(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | int]:
-        results: list[KVPoolError | int] = [0] * len(items)
-        batch: list[tuple[str, int, Any]] = []
-        where: list[int] = []
-        data_key = ""
-        for i, (segment_id, offset, buffer) in enumerate(items):
-            try:
-                granted, data_key = _split(segment_id)
-            except PoolError as exc:
-                results[i] = exc
-                continue
-            batch.append((granted, offset, buffer))
-            where.append(i)
-        if batch:
-            done = self._connection(data_key).read_many_checked(batch)
-            for i, result in zip(where, done, strict=True):
-                results[i] = result
-        return results
+        return self._many(items, SegmentConnection.read_many_checked)
 
     def ssd_read_into(self, key: str, buffer: Any) -> int:
         raise PoolError(f"{key}: a tenant's SSD reads take no grant yet (a miss)")
