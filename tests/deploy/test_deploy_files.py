@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import tomllib
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +20,12 @@ from kvpool.cli import build_parser
 from kvpool.config import MasterConfig, load_node_config
 from kvpool.config.values import parse_size
 from kvpool.errors import NoSpace, ObjectNotFound
+from kvpool.ops.render import parse_inventory, render
 from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+INVENTORY = DEPLOY.parent / "examples" / "inventory.toml"
 DASHBOARD = DEPLOY / "grafana" / "kvpool.json"
 COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
 
@@ -106,8 +109,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
         "--ssd_offload_limit=1MB",
     ) as master:
         with Client(master.address, timeout_s=30) as c:
-            keys = [f"dash-{i}" for i in range(60)]
-            for key in keys:  # 3 MB into 1 MB + 1 MB: memory demotes, SSD evicts
+            keys = [f"dash-{i}" for i in range(90)]
+            for key in keys:  # 3 MB into 1 MiB + 1 MiB: memory demotes, SSD evicts
                 c.put(key, key.encode() * 5000)
             for key in [*keys, "absent"]:
                 with contextlib.suppress(ObjectNotFound):
@@ -195,15 +198,24 @@ def test_compose_master_command_has_the_guides_flags() -> None:
     assert args.command == "master" and args.default_kv_lease_ttl == "11000"
 
 
-def test_compose_master_and_nodes_share_the_cluster_secret() -> None:
-    # bound to 0.0.0.0, a master or node without a secret refuses to start (security.md)
-    data = compose()
-    services = data["services"]
+def test_compose_reads_the_secret_and_proxy_key_where_render_writes_them() -> None:
+    # bound to 0.0.0.0, a master or node without a secret refuses to start (security.md),
+    # and a proxy without an API key: every service must read the rendered files, at the
+    # paths the rendered mooncake.json, env.sh and scripts name (one secret path, not two)
+    services = compose()["services"]
+    files = render(parse_inventory(tomllib.loads(INVENTORY.read_text())))
+    rendered_node = json.loads(files["p0/mooncake.json"])
     config = MasterConfig.from_argv([interpolate(w) for w in services["master"]["command"]])
-    assert config.secret_file == "/run/secrets/kvpool" and config.open_metrics
+    assert config.secret_file == rendered_node["secret_file"] == "/workspace/config/secret"
+    assert f"--secret_file {config.secret_file}" in files["master.sh"]
     assert services["node"]["environment"]["KVPOOL_SECRET_FILE"] == config.secret_file
-    assert all(service["secrets"] == ["kvpool"] for service in services.values())
-    assert "kvpool" in data["secrets"]
+    assert f"KVPOOL_SECRET_FILE={config.secret_file}" in files["p0/env.sh"]
+    proxy = services["proxy"]["command"]
+    key_file = proxy[proxy.index("--api-key-file") + 1]
+    assert f"--api-key-file {key_file}" in files["proxy.sh"]
+    for name, service in services.items():  # the rendered folder is mounted everywhere
+        mounts = [*compose()["x-kvpool"]["volumes"], *service.get("volumes", [])]
+        assert any(m.split(":")[1] == "/workspace/config" for m in mounts), name
 
 
 def test_compose_master_has_room_for_its_segment_in_dev_shm() -> None:
