@@ -2,6 +2,7 @@
 own master, the in-process embedded pool, and real Mooncake Store.  No vLLM here.
 
 - :mod:`.base` — the interface and the rules every adapter keeps;
+- :mod:`.parts` — an object's parts as bytes, and a reused staging area;
 - :mod:`.kvpool_master` — :class:`MasterEngine`, over :class:`kvpool.Client`;
 - :mod:`.embedded` — :class:`EmbeddedEngine`, over :class:`kvpool.EmbeddedPool`;
 - :mod:`.mooncake` — :class:`MooncakeEngine`, over real Mooncake Store (the ``mooncake``

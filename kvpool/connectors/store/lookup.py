@@ -352,19 +352,7 @@ class LookupClient(Closing):
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         raise NotImplementedError("the lookup channel only answers lookups")
 
-    def batch_put_from(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[Any],
-        *,
-        parents: Sequence[str | None] | None = None,
-    ) -> list[KVPoolError | None]:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
-    def batch_put_from_parts(
+    def batch_put_parts(
         self,
         keys: Sequence[str],
         parts: Sequence[Sequence[Any]],
@@ -373,9 +361,7 @@ class LookupClient(Closing):
     ) -> list[KVPoolError | None]:
         raise NotImplementedError("the lookup channel only answers lookups")
 
-    def batch_get_into_parts(
-        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
-    ) -> list[int]:
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
         raise NotImplementedError("the lookup channel only answers lookups")
 
     def remove(self, key: str) -> bool:

@@ -25,8 +25,8 @@ Rules:
   future hit.
 - A request's blocks move in batches of up to ``_BATCH`` pages (all their groups), one
   engine call per batch
-  (:meth:`~kvpool.engines.PoolEngine.batch_get_into_parts`,
-  :meth:`~kvpool.engines.PoolEngine.batch_put_from_parts`) instead of one per block.
+  (:meth:`~kvpool.engines.PoolEngine.batch_get_parts`,
+  :meth:`~kvpool.engines.PoolEngine.batch_put_parts`) instead of one per block.
 - CPU caches move in place: each page is handed to the engine as its L layer rows
   (:meth:`~kvpool.connectors.pages.PagedCaches.block_parts`), so an engine that can (Mooncake,
   on a registered cache) moves them with no copy, and one that cannot copies once through
@@ -72,8 +72,8 @@ _BATCH = 16
 _WARN_EVERY_S = 30.0
 
 
-def _get_into(pool: PoolEngine, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
-    return pool.batch_get_into_parts(keys, parts)
+def _get_parts(pool: PoolEngine, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
+    return pool.batch_get_parts(keys, parts)
 
 
 def _remove(pool: PoolEngine, key: str) -> bool:
@@ -84,13 +84,13 @@ def _release(pool: PoolEngine, owner: str) -> int:
     return pool.release(owner)
 
 
-def _put_from(
+def _put_parts(
     pool: PoolEngine,
     keys: Sequence[str],
     parts: Sequence[Sequence[Any]],
     parents: Sequence[str | None],
 ) -> list[KVPoolError | None]:
-    return pool.batch_put_from_parts(keys, parts, parents=parents)
+    return pool.batch_put_parts(keys, parts, parents=parents)
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +304,7 @@ class StoreWorker:
         assert self.paged is not None
         page_bytes = self.object_bytes
         try:
-            sizes = handle.call(partial(_get_into, keys=keys, parts=parts))
+            sizes = handle.call(partial(_get_parts, keys=keys, parts=parts))
         except Exception as exc:
             if is_outage(exc) or len(keys) == 1:
                 return 0, exc
@@ -394,7 +394,7 @@ class StoreWorker:
             try:
                 results = self._pool.call(
                     partial(
-                        _put_from,
+                        _put_parts,
                         keys=batch,
                         parts=parts,
                         parents=parents[start * per : (start + _BATCH) * per],
