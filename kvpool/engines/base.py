@@ -1,10 +1,10 @@
 """The pool-engine seam: what the store connector needs from a pool, and nothing more.
 
 An engine stores opaque byte objects under string keys for many processes at once.  The
-scheduler half probes how much of a request's prefix is stored and pins what it found;
-the worker half writes blocks from KV pages and reads them back.  Every move is a batch
-of objects, each given as its *parts* (one page: one block of every layer; a whole
-buffer is one part).
+scheduler half probes how much of a request's prefix is stored and pins what it found
+(:class:`PoolLookups`); the worker half writes blocks from KV pages and reads them back
+(:class:`PoolEngine`: the lookups, and moves).  Every move is a batch of objects, each
+given as its *parts* (one page: one block of every layer; a whole buffer is one part).
 One adapter per engine (``kvpool``, ``embedded``, ``mooncake``), and one contract suite
 (``tests/engines/``) runs against every adapter.
 """
@@ -16,11 +16,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvpool.errors import KVPoolError
 
-__all__ = ["MISS", "POOL_TTL", "PoolEngine", "check_batch"]
+__all__ = ["MISS", "POOL_TTL", "PoolEngine", "PoolLookups", "check_batch"]
 
 #: :meth:`PoolEngine.batch_get_parts`'s size for a key it could not read
 MISS = -1
-#: :meth:`PoolEngine.pin`'s ``ttl_ms`` for "as long as the pool's lease TTL"
+#: :meth:`PoolLookups.pin`'s ``ttl_ms`` for "as long as the pool's lease TTL"
 #: (``default_kv_lease_ttl``): what a request's lookup pins with
 POOL_TTL = 0
 
@@ -44,8 +44,8 @@ POOL_TTL = 0
 # - An unreachable pool raises TransferError or PeerTimeout; a full pool answers NoSpace
 #   per key.
 @runtime_checkable
-class PoolEngine(Protocol):
-    """A pool as the store connector uses it: probes, pins, and moves of objects in parts."""
+class PoolLookups(Protocol):
+    """What the scheduler half asks of a pool: probes and pins."""
 
     #: which engine answers: ``"kvpool"``, ``"embedded"`` or ``"mooncake"``
     engine: str
@@ -73,6 +73,11 @@ class PoolEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PoolEngine(PoolLookups, Protocol):
+    """A pool as the store connector uses it: the lookups, and moves of objects in parts."""
 
     def batch_put_parts(
         self,

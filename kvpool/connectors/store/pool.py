@@ -22,16 +22,17 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvpool.config.kv_transfer import StoreConfig
 from kvpool.config.node import MooncakeNodeConfig, config_path_from_env, load_any_node_config
-from kvpool.engines import PoolEngine, open_engine
+from kvpool.engines import PoolEngine, PoolLookups, open_engine
 from kvpool.errors import ChecksumMismatch, KVPoolError, PoolError, TransferError
 
 __all__ = ["ENGINE_OF_BACKEND", "EmbeddedPools", "PoolHandle", "is_outage", "open_pool"]
 
 T = TypeVar("T")
+P = TypeVar("P", bound=PoolLookups)
 # A pool that stays down is retried at most this far apart (a hung one costs a timeout per
 # try, paid by whoever asks: the scheduler, for lookups).
 _MAX_WAIT_S = 60.0
@@ -176,12 +177,14 @@ def is_outage(exc: BaseException) -> bool:
     return isinstance(exc, KVPoolError | OSError | EOFError)
 
 
-class PoolHandle:
-    """A lazily opened, self-healing pool connection for one thread of use at a time."""
+class PoolHandle(Generic[P]):
+    """A lazily opened, self-healing pool connection for one thread of use at a time: a
+    :class:`~kvpool.engines.PoolEngine` for the worker, :class:`~kvpool.engines.PoolLookups`
+    (all that the lookup channel answers) for the scheduler."""
 
     def __init__(
         self,
-        opener: Callable[[], PoolEngine],
+        opener: Callable[[], P],
         *,
         reconnect_interval_s: float,
         describe: str,
@@ -191,7 +194,7 @@ class PoolHandle:
         self._interval = reconnect_interval_s
         self._describe = describe
         self._clock = clock
-        self._client: PoolEngine | None = None
+        self._client: P | None = None
         self._down_until = 0.0
         self._failures = 0  # outages in a row: the wait doubles with each, up to _MAX_WAIT_S
         self._last_error = ""
@@ -201,7 +204,7 @@ class PoolHandle:
     def last_error(self) -> str:
         return self._last_error
 
-    def call(self, fn: Callable[[PoolEngine], T]) -> T:
+    def call(self, fn: Callable[[P], T]) -> T:
         """Run ``fn`` on the pool; an outage marks the pool down and re-raises.
 
         Raises TransferError at once (no network wait) while the pool is marked down.

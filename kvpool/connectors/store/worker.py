@@ -108,8 +108,8 @@ class StoreWorker:
         self,
         *,
         tp_rank: int,
-        pool: PoolHandle,
-        loader_pool: PoolHandle,
+        pool: PoolHandle[PoolEngine],
+        loader_pool: PoolHandle[PoolEngine],
         logger: logging.Logger,
         groups: HeadGroups | None = None,
     ) -> None:
@@ -223,7 +223,7 @@ class StoreWorker:
             self._inflight[spec.req_id] = (future, cancel)
 
     def _load(
-        self, spec: LoadSpec, handle: PoolHandle, cancel: threading.Event | None
+        self, spec: LoadSpec, handle: PoolHandle[PoolEngine], cancel: threading.Event | None
     ) -> LoadResult:
         owner = spec.owners[self._rank] if spec.owners else None
         unpinned = False
@@ -239,7 +239,7 @@ class StoreWorker:
         finally:
             unpin()
 
-    def _unpin(self, handle: PoolHandle, owner: str) -> None:
+    def _unpin(self, handle: PoolHandle[PoolEngine], owner: str) -> None:
         """The load's pins have served: let the pool evict those blocks again."""
         try:
             handle.call(partial(_release, owner=owner))
@@ -250,7 +250,7 @@ class StoreWorker:
     def _copy(
         self,
         spec: LoadSpec,
-        handle: PoolHandle,
+        handle: PoolHandle[PoolEngine],
         cancel: threading.Event | None,
         unpin: Callable[[], None],
     ) -> LoadResult:
@@ -296,7 +296,7 @@ class StoreWorker:
         return [column[i] for i in range(len(columns[0])) for column in columns]
 
     def _read(
-        self, handle: PoolHandle, keys: Sequence[str], parts: Sequence[Sequence[Any]]
+        self, handle: PoolHandle[PoolEngine], keys: Sequence[str], parts: Sequence[Sequence[Any]]
     ) -> tuple[int, Exception | None]:
         """Read ``keys`` into their objects' ``parts``: how many leading objects are good,
         and why the one after them is not (None when all are).  Objects from there on may
@@ -322,7 +322,7 @@ class StoreWorker:
                 return j, ChecksumMismatch(f"object {keys[j]} has {n} bytes, expected {page_bytes}")
         return len(keys), None
 
-    def _drop_unreadable(self, handle: PoolHandle, key: str, exc: Exception) -> bool:
+    def _drop_unreadable(self, handle: PoolHandle[PoolEngine], key: str, exc: Exception) -> bool:
         """Remove an object the pool listed but could not deliver intact (corrupt, short,
         or on a dead node), so that the copy vLLM now recomputes replaces it instead of
         failing every later hit.  Best effort: an outage or a reader's lease leaves it."""
