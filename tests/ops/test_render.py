@@ -429,3 +429,25 @@ def test_the_rendered_proxy_command_carries_its_key_and_refuses_to_run_without(
     unkeyed = build_parser().parse_args([a for a in argv if a not in ("--api-key-file", key_file)])
     with pytest.raises(ConfigError, match="API key"):
         _run_proxy(unkeyed)
+
+
+def test_the_rendered_pair_checks_out_from_the_machine_that_rendered_it(tmp_path: Path) -> None:
+    # docs/multihost.md runs doctor on the pair where it was rendered: no node config
+    # there (it is P's and D's), which used to FAIL config.file and the store's settings
+    out = tmp_path / "out"
+    write_rendered(render(parse_inventory(example())), out)
+    options = DoctorOptions(
+        prefill_config=str(out / "p0" / "serve.sh"),
+        decode_config=str(out / "d0" / "serve.sh"),
+        master_cmd=str(out / "master.sh"),
+        separate_hosts=True,
+        probe_keys=False,
+    )
+    checks = run_doctor(options, env={})
+    assert [c for c in checks if c.status is Status.FAIL] == [], format_text(checks)
+    by_name = {c.name: c for c in checks}
+    assert by_name["config.file"].status is Status.SKIP
+    assert by_name["connector.settings[decode]"].status is Status.PASS
+    # on a host, a missing node config is still a failure
+    here = run_doctor(DoctorOptions(prefill_config=options.prefill_config, probe_keys=False), env={})
+    assert {c.name: c for c in here}["config.file"].status is Status.FAIL
