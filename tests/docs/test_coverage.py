@@ -19,9 +19,7 @@ def claimed() -> set[str]:
 
 
 def test_every_command_block_of_the_operator_docs_is_marked_for_a_test() -> None:
-    unmarked = [
-        b.where for b in all_blocks() if b.lang in COMMAND_LANGS and b.marker is None
-    ]
+    unmarked = [b.where for b in all_blocks() if b.lang in COMMAND_LANGS and b.marker is None]
     assert not unmarked, f"command blocks no test runs (add <!-- run: ID -->): {unmarked}"
 
 

@@ -161,7 +161,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 def test_the_page_deploys_the_cluster_and_its_checks_pass(deployment: Deployment) -> None:
     d = deployment
     ops = d.host_dir("ops")
-    (ops / "inventory.toml").write_text(inventory(doc_block("multihost.inventory").text_for(d.values)))
+    page_inventory = doc_block("multihost.inventory").text_for(d.values)
+    (ops / "inventory.toml").write_text(inventory(page_inventory))
     printed = d.run("ops", "multihost.render")
     assert "cluster secret (new)" in printed and "proxy.sh" in printed
     _copy(d)

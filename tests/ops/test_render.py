@@ -449,5 +449,6 @@ def test_the_rendered_pair_checks_out_from_the_machine_that_rendered_it(tmp_path
     assert by_name["config.file"].status is Status.SKIP
     assert by_name["connector.settings[decode]"].status is Status.PASS
     # on a host, a missing node config is still a failure
-    here = run_doctor(DoctorOptions(prefill_config=options.prefill_config, probe_keys=False), env={})
+    alone = DoctorOptions(prefill_config=options.prefill_config, probe_keys=False)
+    here = run_doctor(alone, env={})
     assert {c.name: c for c in here}["config.file"].status is Status.FAIL
