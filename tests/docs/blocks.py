@@ -2,7 +2,7 @@
 
 Every fenced block of commands (``bash``, ``sh``, ``console``) and every config block a
 command reads (``toml``, ``json``, ``yaml``) in :data:`DOCS` carries a marker on the line
-before it, ``<!-- run: ID -->``; a test runs the block with :func:`doc_block` ``("ID")``,
+before it, ``<!-- run: ID -->``; a test runs the block by its ID with :func:`doc_block`,
 so a doc edit that breaks a command fails that test, and ``test_coverage.py`` fails on a
 block no test runs.  Placeholders are written as real example values (10.0.0.1, ...): a
 test swaps them for its own hosts with :meth:`Block.text_for`.
