@@ -31,7 +31,8 @@ fi
 # iproute2 (ip, tc) builds the multi-host suite's network namespaces (tests/multihost).
 # openssl makes the TLS tests' throwaway CA and certificates (kvpool/testing/tls.py).
 missing=()
-for pkg in libibverbs1 ibverbs-providers librdmacm1 libnuma1 iproute2 openssl; do
+# systemd: systemd-analyze verifies deploy/systemd's units (tests/deploy/test_systemd.py).
+for pkg in libibverbs1 ibverbs-providers librdmacm1 libnuma1 iproute2 openssl systemd; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ((${#missing[@]})) && command -v apt-get >/dev/null 2>&1; then
