@@ -97,3 +97,27 @@ def test_the_internal_list_names_only_real_variables() -> None:
     for name in _INTERNAL:  # and the reason above is true: not in an operator doc
         for doc in Path(ROOT / "docs").glob("*.md"):
             assert name not in doc.read_text(encoding="utf-8"), (name, doc.name)
+
+
+_FAMILIES = "config|connector|env|input|keys|master|ports|security|ssd|timeouts"
+_CHECK = re.compile(rf"\b(?:{_FAMILIES})\.[a-z_]+\b")
+_CHECK_LITERAL = re.compile(rf'"((?:{_FAMILIES})\.[a-z_]+)')
+_FILES = {"config.json", "env.sh", "master.sh", "mooncake.json", "node.cred"}  # not checks
+
+
+def doctor_checks() -> set[str]:
+    """Every check name in kvpool/ops/doctor (the names its checks are made with)."""
+    found: set[str] = set()
+    for path in (ROOT / "kvpool" / "ops" / "doctor").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        found |= {m.group(1) for m in _CHECK_LITERAL.finditer(text)}
+    return found - _FILES
+
+
+def test_the_docs_name_every_doctor_check_and_no_other() -> None:
+    text = "".join((ROOT / f"docs/{d}.md").read_text(encoding="utf-8")
+                   for d in ("operations", "mooncake"))  # fmt: skip
+    documented = {m.group(0) for m in _CHECK.finditer(text)} - _FILES
+    checks = doctor_checks()
+    assert checks - documented == set(), "doctor checks the docs do not explain"
+    assert documented - checks == set(), "documented checks doctor does not have"
