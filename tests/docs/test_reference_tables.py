@@ -100,7 +100,8 @@ def test_the_internal_list_names_only_real_variables() -> None:
 
 
 _FAMILIES = "config|connector|env|input|keys|master|ports|security|ssd|timeouts"
-_CHECK = re.compile(rf"\b(?:{_FAMILIES})\.[a-z_]+\b")
+# a check name in prose: not part of a module path (kvpool.config.fabrics) or a file name
+_CHECK = re.compile(rf"(?<![\w./])(?:{_FAMILIES})\.(?!md\b|py\b|sh\b|json\b)[a-z_]+\b")
 _CHECK_LITERAL = re.compile(rf'"((?:{_FAMILIES})\.[a-z_]+)')
 _FILES = {"config.json", "env.sh", "master.sh", "mooncake.json", "node.cred"}  # not checks
 
