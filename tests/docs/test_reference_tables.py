@@ -3,7 +3,9 @@ added in code without its row (or a row left for one removed) fails here."""
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from pathlib import Path
 
 from kvpool.config.kv_transfer import STORE_EXTRA_KEYS, TRANSFER_EXTRA_KEYS
@@ -94,9 +96,9 @@ def test_the_environment_table_lists_every_variable_the_product_reads() -> None:
 
 def test_the_internal_list_names_only_real_variables() -> None:
     assert set(_INTERNAL) <= product_variables()
-    for name in _INTERNAL:  # and the reason above is true: not in an operator doc
-        for doc in Path(ROOT / "docs").glob("*.md"):
-            assert name not in doc.read_text(encoding="utf-8"), (name, doc.name)
+    rows = table_under("docs/configuration.md", "Environment variables")
+    documented = {n for row in rows for n in names(row[0])}
+    assert not set(_INTERNAL) & documented  # the reasons above say they are not settings
 
 
 _FAMILIES = "config|connector|env|input|keys|master|ports|security|ssd|timeouts"
@@ -122,3 +124,74 @@ def test_the_docs_name_every_doctor_check_and_no_other() -> None:
     checks = doctor_checks()
     assert checks - documented == set(), "doctor checks the docs do not explain"
     assert documented - checks == set(), "documented checks doctor does not have"
+
+
+def test_the_error_class_table_is_the_hierarchy() -> None:
+    import kvpool.errors as errors
+
+    rows = table_under("docs/configuration.md", "Errors", line_with="<!-- errors: classes -->")
+    documented = {names(row[0])[0]: names(row[1])[0] for row in rows}
+    classes = {
+        name: getattr(errors, name).code
+        for name in errors.__all__
+        if isinstance(getattr(errors, name), type)
+    }
+    assert documented == classes
+
+
+def _busy_port() -> tuple[socket.socket, int]:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    return listener, listener.getsockname()[1]
+
+
+# how to make each start-up line of configuration.md's table happen, by its first words
+_TRIGGERS: dict[str, list[str]] = {
+    "kvpool master: --port 50088:": ["master", "--port", "{busy}"],
+    "kvpool master: --segment_size 100.0 TiB": ["master", "--port", "0", "--segment_size", "100TB"],
+    "kvpool master: --host 0.0.0.0:": ["master", "--host", "0.0.0.0", "--port", "0"],
+    "kvpool proxy: --host 0.0.0.0:": [
+        "proxy", "--host", "0.0.0.0", "--port", "0", "--prefill", "http://a:1", "--decode",
+        "http://b:2",
+    ],  # fmt: skip
+    "kvpool master: --eviction_ratio:": ["master", "--eviction_ratio", "3"],
+    "kvpool master: --segment_size: unknown": ["master", "--segment_size", "4bananas"],
+    "kvpool node: local_hostnme": ["node", "--config", "{bad_json}"],
+    "kvpool node: KVPOOL_CONFIG_PATH=/x.json": ["node"],
+}
+
+
+def _pattern(line: str) -> re.Pattern[str]:
+    """The doc's line as a pattern: numbers may differ (free space, ports), and ``...``
+    stands for text the doc leaves out."""
+    parts = [_numbers(re.escape(part)) for part in line.split("...")]
+    return re.compile(".*".join(parts) + "$")
+
+
+def _numbers(escaped: str) -> str:
+    return re.sub(r"\d+(?:\\\.\d+)?", r"[\\d.]+", escaped)
+
+
+def test_each_documented_start_up_error_is_the_products_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    rows = table_under("docs/configuration.md", "Errors", line_with="<!-- errors: start-up -->")
+    assert {next(p for p in _TRIGGERS if names(row[0])[0].startswith(p)) for row in rows} == set(
+        _TRIGGERS
+    ), "a documented line without a trigger here, or a trigger without its line"
+    (tmp_path / "bad.json").write_text('{"local_hostnme": "x"}')
+    listener, busy = _busy_port()
+    with listener:
+        for row in rows:
+            line = names(row[0])[0].replace("/tmp/bad.json", str(tmp_path / "bad.json"))
+            prefix = next(p for p in _TRIGGERS if names(row[0])[0].startswith(p))
+            argv = [a.format(busy=busy, bad_json=tmp_path / "bad.json") for a in _TRIGGERS[prefix]]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+            env["KVPOOL_CONFIG_PATH"] = "/x.json"
+            done = subprocess.run([sys.executable, "-m", "kvpool", *argv], env=env,
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+            out = done.stderr.strip()
+            assert done.returncode == 2 and len(out.splitlines()) == 1, (argv, done.stderr)
+            assert _pattern(line.replace("50088", str(busy))).match(out), (line, out)
