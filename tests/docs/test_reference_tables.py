@@ -152,9 +152,16 @@ _TRIGGERS: dict[str, list[str]] = {
     "kvpool master: --segment_size 100.0 TiB": ["master", "--port", "0", "--segment_size", "100TB"],
     "kvpool master: --host 0.0.0.0:": ["master", "--host", "0.0.0.0", "--port", "0"],
     "kvpool proxy: --host 0.0.0.0:": [
-        "proxy", "--host", "0.0.0.0", "--port", "0", "--prefill", "http://a:1", "--decode",
+        "proxy",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--prefill",
+        "http://a:1",
+        "--decode",
         "http://b:2",
-    ],  # fmt: skip
+    ],
     "kvpool master: --eviction_ratio:": ["master", "--eviction_ratio", "3"],
     "kvpool master: --segment_size: unknown": ["master", "--segment_size", "4bananas"],
     "kvpool node: local_hostnme": ["node", "--config", "{bad_json}"],
