@@ -24,7 +24,8 @@ DOCS = (
     "docs/monitoring.md",
     "docs/security.md",
 )
-COMMAND_LANGS = frozenset({"bash", "sh", "console", "shell"})
+# python: a snippet the docs tell a user to run (the README's client) is run like a command
+COMMAND_LANGS = frozenset({"bash", "sh", "console", "shell", "python"})
 CONFIG_LANGS = frozenset({"toml", "json", "yaml"})
 _MARKER = re.compile(r"^<!--\s*run:\s*(\S+)\s*-->\s*$")
 _FENCE = re.compile(r"^```(\w*)\s*$")
@@ -78,10 +79,8 @@ def read_blocks(doc: str) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         before = lines[i - 1] if i else ""
         marker = _MARKER.match(before)
-        blocks.append(
-            Block(doc, i + 1, fence.group(1), "\n".join(lines[i + 1 : end]) + "\n",
-                  marker.group(1) if marker else None)  # fmt: skip
-        )
+        text = "\n".join(lines[i + 1 : end]) + "\n"
+        blocks.append(Block(doc, i + 1, fence.group(1), text, marker.group(1) if marker else None))
         i = end + 1
     return blocks
 

@@ -6,7 +6,7 @@ import re
 
 from tests.docs.blocks import COMMAND_LANGS, CONFIG_LANGS, ROOT, all_blocks
 
-# doc_block("ID") with a literal ID, in any test module
+# a doc_block call with a literal ID, in any test module (written so this line is none)
 _CLAIM = re.compile(r"""doc_block\(\s*["']([^"']+)["']""")
 
 
