@@ -10,8 +10,8 @@ import pytest
 from kvpool.cli import build_parser
 from kvpool.errors import ConfigError
 from kvpool.ops.up.lifecycle import resolve_ports
-from kvpool.ops.up.options import UpOptions, default_state_dir, options_from_args
-from kvpool.ops.up.plan import make_plan
+from kvpool.ops.up.options import PORT_FLAGS, UpOptions, default_state_dir, options_from_args
+from kvpool.ops.up.plan import instance_kv_port, make_plan
 
 
 @pytest.mark.parametrize(
@@ -71,3 +71,12 @@ def test_default_state_dir() -> None:
     assert default_state_dir({"KVPOOL_STATE_DIR": "/s", "XDG_STATE_HOME": "/x"}) == Path("/s")
     assert default_state_dir({"XDG_STATE_HOME": "/x"}) == Path("/x/kvpool/up")
     assert default_state_dir({}) == Path(".kvpool-state")
+
+
+def test_the_kv_port_flags_help_says_instances_are_spaced_by_their_ranks(tmp_path: Path) -> None:
+    # a second TP-2 prefill starts two ports on, not one: `kvpool up --help` must say so
+    opts = UpOptions(state_dir=tmp_path, prefill_instances=2, prefill_tp=2)
+    assert instance_kv_port(opts, "prefill", 1) == opts.prefill_kv_port + 2
+    helps = {flag: text for _, flag, text in PORT_FLAGS}
+    for flag in ("--prefill-kv-port", "--decode-kv-port"):
+        assert "+1 per instance" not in helps[flag] and "ranks" in helps[flag], helps[flag]
