@@ -16,8 +16,9 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("docs/multihost.md",)  # the operator docs held to this so far
-COMMAND_LANGS = frozenset({"bash", "sh", "console", "shell"})
+DOCS = ("README.md", "docs/quickstart.md", "docs/multihost.md")  # converted so far
+# python: a snippet the docs tell a user to run (the README's client) is run like a command
+COMMAND_LANGS = frozenset({"bash", "sh", "console", "shell", "python"})
 CONFIG_LANGS = frozenset({"toml", "json", "yaml"})
 _MARKER = re.compile(r"^<!--\s*run:\s*(\S+)\s*-->\s*$")
 _FENCE = re.compile(r"^```(\w*)\s*$")
