@@ -3,12 +3,10 @@ file mirrors the production guide's §3.2 with commands kvpool itself accepts.""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import tomllib
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.cli import build_parser
 from kvpool.config import MasterConfig, load_node_config
 from kvpool.config.values import parse_size
-from kvpool.errors import NoSpace, ObjectNotFound
 from kvpool.ops.render import parse_inventory, render
 from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
+from tests.deploy.grafana import all_panels, dashboard, exprs
+from tests.deploy.traffic import master_flags, touch_every_counter
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 INVENTORY = DEPLOY.parent / "examples" / "inventory.toml"
-DASHBOARD = DEPLOY / "grafana" / "kvpool.json"
 COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
 
 _METRIC = re.compile(r"\bkvpool_[a-zA-Z0-9_]+")
@@ -36,25 +34,6 @@ _MATCHER = re.compile(r"([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*\"([^\"]*)\"")
 
 
 # ---------------------------------------------------------------------------- grafana
-def dashboard() -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(DASHBOARD.read_text(encoding="utf-8"))
-    return data
-
-
-def all_panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    for panel in panels:
-        yield panel
-        yield from all_panels(panel.get("panels", []))
-
-
-def exprs() -> list[tuple[str, str]]:
-    return [
-        (panel["title"], target["expr"])
-        for panel in all_panels(dashboard()["panels"])
-        for target in panel.get("targets", [])
-    ]
-
-
 def test_dashboard_is_grafana_json() -> None:
     data = dashboard()
     assert data["title"] == "kvpool" and data["uid"]
@@ -99,25 +78,10 @@ def test_dashboard_covers_what_operators_ask() -> None:
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
     """Sample name -> label names, from a real master after traffic that touches every
     counter: puts, hits in both tiers, misses, offloads, SSD evictions, a refused put."""
-    ssd = tmp_path_factory.mktemp("ssd")
     master: PoolProcess
-    with start_master(
-        "--segment_size",
-        "1MB",
-        "--enable_offload=true",
-        f"--ssd_offload_path={ssd}",
-        "--ssd_offload_limit=1MB",
-    ) as master:
+    with start_master(*master_flags(tmp_path_factory.mktemp("ssd"))) as master:
         with Client(master.address, timeout_s=30) as c:
-            keys = [f"dash-{i}" for i in range(90)]
-            for key in keys:  # 3 MB into 1 MiB + 1 MiB: memory demotes, SSD evicts
-                c.put(key, key.encode() * 5000)
-            for key in [*keys, "absent"]:
-                with contextlib.suppress(ObjectNotFound):
-                    c.get(key)
-            c.prefix_lookup(keys, tokens_per_key=16)
-            with pytest.raises(NoSpace):
-                c.put("too-big", b"x" * 3_000_000)
+            touch_every_counter(c)
         with urllib.request.urlopen(f"http://{master.address}/metrics", timeout=10) as resp:
             text = resp.read().decode()
     names: dict[str, set[str]] = {}
