@@ -123,15 +123,12 @@ class ObjectIndex:
         self._demoting = 0  # DEMOTING objects
         self._deferred: set[str] = set()  # owners whose demotions are copied later
         self._stalled: set[str] = set()  # ... and whose copies stopped being answered
-        self._now = 0  # the latest time seen
 
     # ----------------------------------------------------------------- clients, segments
     def register_client(self, client_id: str, now_ms: int, address: str = "") -> bool:
-        self._now = max(self._now, now_ms)
         return self.registry.register(client_id, now_ms, address)
 
     def heartbeat(self, client_id: str, now_ms: int) -> None:
-        self._now = max(self._now, now_ms)
         self.registry.heartbeat(client_id, now_ms)
 
     def add_segment(
@@ -172,8 +169,6 @@ class ObjectIndex:
         key PENDING, :class:`NoRoom` (a NoSpace carrying the events made meanwhile) when
         no room can be made now.
         """
-        if now_ms > self._now:
-            self._now = now_ms
         if size <= 0:
             raise PoolError(f"{key}: an object needs at least one byte, got size {size}")
         objects = self._objects
@@ -214,8 +209,6 @@ class ObjectIndex:
 
     def put_end(self, key: str, writer: str, now_ms: int, checksum: int = 0) -> None:
         """Make a written object visible."""
-        if now_ms > self._now:
-            self._now = now_ms
         obj = self._objects.get(key)
         if obj is None or obj.state is not _PENDING or obj.writer != writer:
             obj = self._pending_of(key, writer)  # raises StaleWrite
@@ -255,7 +248,6 @@ class ObjectIndex:
         an SSD extent only accounts for space and any free one will do (the owner cannot
         know the offsets a previous master handed out).
         """
-        self._now = max(self._now, now_ms)
         seg = self.registry.segment(segment_id)
         known = self._objects.get(key)
         if known is not None:
@@ -301,8 +293,6 @@ class ObjectIndex:
 
     def get(self, key: str, owner: str, now_ms: int) -> ReadGrant:
         """Grant a read lease of ``lease_ttl_ms`` on a READY object."""
-        if now_ms > self._now:
-            self._now = now_ms
         obj = self._objects.get(key)
         if obj is None or obj.state is not _READY:
             raise ObjectNotFound(key)
@@ -312,7 +302,6 @@ class ObjectIndex:
 
     def pin(self, key: str, owner: str, now_ms: int, ttl_ms: int) -> None:
         """Hold an object for ``ttl_ms`` (e.g. until a decode pulled it); owner-released."""
-        self._now = max(self._now, now_ms)
         obj = self._objects.get(key)
         if obj is None or obj.state is not State.READY:
             raise ObjectNotFound(key)
@@ -334,7 +323,6 @@ class ObjectIndex:
 
     # ------------------------------------------------------------------------ removals
     def remove(self, key: str, now_ms: int) -> Event:
-        self._now = max(self._now, now_ms)
         obj = self._objects.get(key)
         if obj is None or obj.state is not State.READY:
             raise ObjectNotFound(key)
@@ -359,7 +347,6 @@ class ObjectIndex:
     # ---------------------------------------------------------------------- time, eviction
     def tick(self, now_ms: int) -> list[Event]:
         """Expire leases, writers and clients, then run watermark eviction rounds."""
-        self._now = max(self._now, now_ms)
         events: list[Event] = []
         self._expire_holds(now_ms)
         self._expire_writers(now_ms, events)
