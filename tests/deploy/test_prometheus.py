@@ -36,13 +36,13 @@ from kvpool.core.credentials import Credential
 from kvpool.net import free_port
 from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
-from tests.deploy.doc_commands import DOCS, bash, fenced_blocks, for_this_master, kvpool_on_path
+from tests.deploy.doc_commands import bash, for_this_master, kvpool_on_path
 from tests.deploy.grafana import dashboard, exprs
 from tests.deploy.traffic import master_flags, touch_every_counter
+from tests.docs.blocks import doc_block
 from tests.service.auth_pool import SECRET, WRONG, secret_file
 from tests.waiting import wait_until
 
-MONITORING = DOCS / "monitoring.md"
 WAIT_S = 60.0  # every wait on Prometheus; scrapes are 1 s apart, the 2-core CI is shared
 SCRAPE_INTERVAL = "1s"
 # Grafana's built-in variables, as a dashboard over the last hour would fill them in
@@ -142,9 +142,10 @@ class Prometheus:
 
 # ------------------------------------------------------------------ the doc's set-up
 def documented(marker: str, lang: str) -> str:
-    """The one ``lang`` block of docs/monitoring.md that holds ``marker``."""
-    (block,) = [b for b in fenced_blocks(MONITORING, lang) if marker in b]
-    return block
+    """docs/monitoring.md's block marked ``<!-- run: marker -->``, of language ``lang``."""
+    block = doc_block(marker)
+    assert block.doc == "docs/monitoring.md" and block.lang == lang, block.where
+    return block.text
 
 
 @dataclass
@@ -159,12 +160,12 @@ class Setup:
     def from_doc(cls, address: str, secret: Path, tmp: Path) -> Setup:
         (command,) = [
             line
-            for line in documented("kvpool.token", "sh").splitlines()
+            for line in documented("monitoring.token", "sh").splitlines()
             if "kvpool secret token" in line
         ]
         doc_file = re.search(r"/\S*kvpool\.token", command)
         assert doc_file, f"{command}: writes no kvpool.token file"
-        scrape = documented("scrape_configs", "yaml")
+        scrape = documented("monitoring.scrape", "yaml")
         assert doc_file[0] in scrape, "the scrape config reads another file than the command writes"
         token_file = tmp / "kvpool.token"
         command = for_this_master(command, address, secret).replace(doc_file[0], str(token_file))

@@ -16,7 +16,14 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/quickstart.md", "docs/multihost.md")  # converted so far
+DOCS = (
+    "README.md",
+    "docs/quickstart.md",
+    "docs/multihost.md",
+    "docs/operations.md",
+    "docs/monitoring.md",
+    "docs/security.md",
+)
 # python: a snippet the docs tell a user to run (the README's client) is run like a command
 COMMAND_LANGS = frozenset({"bash", "sh", "console", "shell", "python"})
 CONFIG_LANGS = frozenset({"toml", "json", "yaml"})
