@@ -75,17 +75,22 @@ def test_dashboard_covers_what_operators_ask() -> None:
 
 
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
-    """Sample name -> label names, from a real master after traffic that touches every
-    counter: puts, hits in both tiers, misses, offloads, SSD evictions, a refused put."""
+def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A real master's /metrics after traffic that touches every counter: puts, hits in
+    both tiers, misses, offloads, SSD evictions, a refused put."""
     master: PoolProcess
     with start_master(*master_flags(tmp_path_factory.mktemp("ssd"))) as master:
         with Client(master.address, timeout_s=30) as c:
             touch_every_counter(c)
         with urllib.request.urlopen(f"http://{master.address}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+            return resp.read().decode()
+
+
+@pytest.fixture(scope="module")
+def scraped(exposition: str) -> dict[str, set[str]]:
+    """Sample name -> label names."""
     names: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             names.setdefault(sample.name, set()).update(sample.labels)
     return names
@@ -106,6 +111,16 @@ def test_dashboard_names_only_metrics_a_master_exports(scraped: dict[str, set[st
                     continue
                 assert label in scraped[name], f"{title}: {name} has no label {label!r}"
     assert len(used) >= 15, sorted(used)
+
+
+def test_the_metrics_reference_is_every_metric_the_master_registers(exposition: str) -> None:
+    # every registered metric has its # TYPE line, with or without samples yet (a labelled
+    # counter before its first event, a tenant's gauges before any tenant)
+    exported = dict(re.findall(r"^# TYPE (kvpool_\w+) (\w+)$", exposition, flags=re.M))
+    exported = {n: kind for n, kind in exported.items() if not n.endswith("_created")}
+    doc = (DEPLOY.parent / "docs" / "monitoring.md").read_text(encoding="utf-8")
+    documented = dict(re.findall(r"^\| `(kvpool_\w+)` \| (\w+) \|", doc, flags=re.M))
+    assert documented == exported
 
 
 def test_monitoring_doc_lists_every_exported_metric(scraped: dict[str, set[str]]) -> None:
