@@ -267,3 +267,19 @@ def test_a_tenant_key_and_its_quota(host: Host) -> None:
     _, metrics = http(f"http://{address}/metrics", token)
     quota = re.search(r'^kvpool_tenant_quota_bytes\{tenant="teamA"\} (\S+)$', metrics, re.M)
     assert quota and float(quota[1]) == 8 * 2**30, metrics
+
+
+# -------------------------------------------------------------------- connectors.md
+def test_the_device_benchmark_refuses_clearly_without_cuda() -> None:
+    (block,) = [b for b in read_blocks("docs/connectors.md") if b.marker == "connectors.device"]
+    (command,) = block.commands()
+    done = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    import torch
+
+    if torch.cuda.is_available():  # a GPU host: the measurement runs
+        assert done.returncode == 0, done.stdout + done.stderr
+        return
+    out = (done.stdout + done.stderr).strip()
+    assert done.returncode == 1 and len(out.splitlines()) == 1, out
+    assert out.startswith("device_pages: no CUDA device here"), out
