@@ -3,10 +3,12 @@
 The README's test command runs pytest with two workers (``-n 2`` in ``pyproject.toml``):
 much of the suite waits on sockets, timeouts and child processes rather than on the CPU.
 Work is handed out a test module at a time (each module's fixtures are made once), except
-that the tests which start many processes or whole stacks -- real vLLM, the multi-host
-namespaces, the soak, the benchmarks' runs -- are one unit, run one after another on one
-worker as they would alone: two of them at once on 2 cores would each take twice as long
-and crowd their bounds.  The other worker takes the rest meanwhile.
+for the tests which start many processes or whole stacks.  Those form two units, each run
+one after another on one worker as they would alone: ``"vllm"`` (the modules that start
+real vLLM instances, the longest unit) and ``"stacks"`` (the rest of the multi-host
+namespaces, the soak, the benchmarks' runs).  The vLLM unit is handed out first and the
+stacks unit last, so the other worker runs the short modules and then the stacks while
+vLLM runs: two vLLM stacks at once on 2 cores would each take twice as long and crowd their bounds.
 
 (``--dist loadgroup`` with ``xdist_group`` marks would say the same, but xdist 3.8 groups
 by rewriting node ids, which pytest 9 no longer reads: its groups are silently ignored.)
@@ -19,14 +21,31 @@ from typing import Any
 
 import pytest
 
-HEAVY = ("bench", "e2e", "multihost", "soak")  # folders under tests/
+# folders under tests/ → their unit of work
+HEAVY = {"e2e": "vllm", "bench": "stacks", "multihost": "stacks", "soak": "stacks"}
+# modules outside tests/e2e that start real vLLM too
+VLLM_MODULES = (
+    "tests/multihost/test_pd.py",
+    "tests/multihost/test_deploy_docs.py",
+    "tests/bench/test_ttft.py",
+)
+FIRST, LAST = "vllm", "stacks"
 
 
 def unit_of(nodeid: str, module_unit: str) -> str:
-    """The unit of work of a test: ``"heavy"`` for a test under one of :data:`HEAVY`,
-    else its module's unit."""
+    """The unit of work of a test: its folder's under :data:`HEAVY`, else its module's."""
+    if nodeid.split("::", 1)[0] in VLLM_MODULES:
+        return FIRST
     parts = nodeid.split("/", 2)
-    return "heavy" if len(parts) == 3 and parts[0] == "tests" and parts[1] in HEAVY else module_unit
+    if len(parts) == 3 and parts[0] == "tests" and parts[1] in HEAVY:
+        return HEAVY[parts[1]]
+    return module_unit
+
+
+def hand_out_order(nodeid: str) -> int:
+    """Where a test's unit goes in the queue: the vLLM unit first, the stacks last."""
+    unit = unit_of(nodeid, "")
+    return 0 if unit == FIRST else 2 if unit == LAST else 1
 
 
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
@@ -35,6 +54,15 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
     class Scheduling(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid, super()._split_scope(nodeid))
+
+        def schedule(self) -> None:
+            # Units are queued in collection order (not by size): every worker collected
+            # the same list, so sorting each one alike keeps them equal.
+            if self.collection is None:
+                self.config.option.loadscopereorder = False
+                for node, collection in self.registered_collections.items():
+                    self.registered_collections[node] = sorted(collection, key=hand_out_order)
+            super().schedule()
 
     return Scheduling(config, log)
 
