@@ -2,40 +2,9 @@
 
 The public API is what ``__all__`` lists; everything else is internal.  ``import kvpool``
 is cheap: the clients (:class:`Client`, :class:`AsyncClient`, :class:`EmbeddedPool`) are
-imported on first use, and nothing here imports vLLM.
-
-Glossary (the words the code and the docs use, each in one sense):
-
-block
-    vLLM's unit of KV cache: the keys and values of ``block_size`` tokens, in every
-    layer.  The connectors move blocks; the pool never sees vLLM's block ids.
-chunk
-    A run of ``block_size`` token ids, the unit that is keyed: each full chunk gets a
-    :class:`BlockKey` chained to the chunk before it (:func:`chunk_keys`); a trailing
-    partial chunk has no key.
-object
-    What the pool stores under one key: the bytes of one chunk's KV on one rank (all its
-    layers), written once and immutable; READY once its put ended, invisible before.
-page
-    One block's bytes in one layer of a KV tensor: the connectors' zero-copy view over
-    vLLM's caches.  An object is its block's pages, back to back.
-segment
-    A region of storage a process contributes to the pool (a shared-memory region, or a
-    node's SSD capacity), registered with the master under a segment id; clients read and
-    write it directly, never through the master.
-tier
-    The kind of storage a segment is: ``memory`` or ``ssd``.  Objects evicted from memory
-    may be demoted to the SSD tier.
-extent
-    A contiguous ``(offset, size)`` range inside a segment: where one object lives.
-lease
-    A time-limited hold that keeps an object in place: a read lease while a get copies
-    the bytes (released when the read ends), a writer's lease on a pending put.  Every
-    lease expires (``default_kv_lease_ttl``), so a dead client holds nothing for long.
-pin
-    A hold a *request* takes on the objects its lookup found, under an owner id, so they
-    are not evicted before it loads them; released when they are loaded, the request
-    ends, or the pin's TTL passes.
+imported on first use, and nothing here imports vLLM.  The words the code and the docs use
+(block, chunk, object, page, segment, tier, extent, lease, pin) are defined, each in one
+sense, in the glossary above ``__all__``.
 """
 
 from __future__ import annotations
@@ -71,6 +40,38 @@ if typing.TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+# Glossary (the words the code and the docs use, each in one sense):
+#
+# block
+#     vLLM's unit of KV cache: the keys and values of ``block_size`` tokens, in every
+#     layer.  The connectors move blocks; the pool never sees vLLM's block ids.
+# chunk
+#     A run of ``block_size`` token ids, the unit that is keyed: each full chunk gets a
+#     :class:`BlockKey` chained to the chunk before it (:func:`chunk_keys`); a trailing
+#     partial chunk has no key.
+# object
+#     What the pool stores under one key: the bytes of one chunk's KV on one rank (all its
+#     layers), written once and immutable; READY once its put ended, invisible before.
+# page
+#     One block's bytes in one layer of a KV tensor: the connectors' zero-copy view over
+#     vLLM's caches.  An object is its block's pages, back to back.
+# segment
+#     A region of storage a process contributes to the pool (a shared-memory region, or a
+#     node's SSD capacity), registered with the master under a segment id; clients read and
+#     write it directly, never through the master.
+# tier
+#     The kind of storage a segment is: ``memory`` or ``ssd``.  Objects evicted from memory
+#     may be demoted to the SSD tier.
+# extent
+#     A contiguous ``(offset, size)`` range inside a segment: where one object lives.
+# lease
+#     A time-limited hold that keeps an object in place: a read lease while a get copies
+#     the bytes (released when the read ends), a writer's lease on a pending put.  Every
+#     lease expires (``default_kv_lease_ttl``), so a dead client holds nothing for long.
+# pin
+#     A hold a *request* takes on the objects its lookup found, under an owner id, so they
+#     are not evicted before it loads them; released when they are loaded, the request
+#     ends, or the pin's TTL passes.
 __all__ = [
     "AsyncClient",
     "AuthError",

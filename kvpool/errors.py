@@ -1,28 +1,9 @@
 """The one error hierarchy of kvpool.
 
-Every error kvpool raises on purpose is a subclass of :class:`KVPoolError`, so a caller
-can catch the whole family with one clause and a narrower branch when it cares::
-
-    KVPoolError
-    ├── ConfigError            bad config file, flag or environment value (names the key)
-    ├── ProtocolError          malformed, oversized or unknown wire frame
-    ├── PoolError              a request the pool understood but could not honour
-    │   ├── NoSpace            no room even after evicting everything evictable
-    │   │   └── QuotaExceeded  the tenant's byte quota, even after evicting its own objects
-    │   ├── ObjectNotFound     no READY object under that key (a miss)
-    │   ├── ObjectBusy         leased or pinned, so it cannot be removed now
-    │   ├── WriteConflict      another writer holds the key PENDING
-    │   ├── StaleWrite         put_end/put_revoke for a reservation that is gone
-    │   ├── UnknownClient      a client id the registry does not know (expired?)
-    │   ├── UnknownSegment     a segment id the registry does not know
-    │   └── Overloaded         a server at its connection or buffer limit: retry later
-    ├── AuthError              no credential, a wrong one, or one that may not do this
-    ├── TransferError          moving bytes failed (peer gone, short read, bad checksum)
-    │   └── ChecksumMismatch   the bytes read are not the bytes written: treat as a miss
-    └── PeerTimeout            a peer did not answer in time (never a hang)
-
-Errors cross the wire as ``(code, message)`` pairs; :func:`error_from_code` turns a
-pair back into the same class on the client side.
+Every error kvpool raises on purpose is a subclass of :class:`KVPoolError` (whose docstring
+draws the tree), so a caller can catch the whole family with one clause and a narrower
+branch when it cares.  Errors cross the wire as ``(code, message)`` pairs;
+:func:`error_from_code` turns a pair back into the same class on the client side.
 """
 
 from __future__ import annotations
@@ -51,7 +32,28 @@ __all__ = [
 
 
 class KVPoolError(Exception):
-    """Base of every error kvpool raises on purpose."""
+    """Base of every error kvpool raises on purpose.
+
+    The whole family::
+
+        KVPoolError
+        ├── ConfigError            bad config file, flag or environment value (names the key)
+        ├── ProtocolError          malformed, oversized or unknown wire frame
+        ├── PoolError              a request the pool understood but could not honour
+        │   ├── NoSpace            no room even after evicting everything evictable
+        │   │   └── QuotaExceeded  the tenant's byte quota, even after evicting its own objects
+        │   ├── ObjectNotFound     no READY object under that key (a miss)
+        │   ├── ObjectBusy         leased or pinned, so it cannot be removed now
+        │   ├── WriteConflict      another writer holds the key PENDING
+        │   ├── StaleWrite         put_end/put_revoke for a reservation that is gone
+        │   ├── UnknownClient      a client id the registry does not know (expired?)
+        │   ├── UnknownSegment     a segment id the registry does not know
+        │   └── Overloaded         a server at its connection or buffer limit: retry later
+        ├── AuthError              no credential, a wrong one, or one that may not do this
+        ├── TransferError          moving bytes failed (peer gone, short read, bad checksum)
+        │   └── ChecksumMismatch   the bytes read are not the bytes written: treat as a miss
+        └── PeerTimeout            a peer did not answer in time (never a hang)
+    """
 
     code = "KVPOOL_ERROR"
 

@@ -1,26 +1,11 @@
 """Typed configuration: the node's ``mooncake.json`` keys, the master's flags, timeouts.
 
-Two layers, as everywhere in kvpool:
-
-- pure parsing — :func:`parse_size`, :func:`parse_host_port`, :func:`parse_node_config`,
-  :meth:`MasterConfig.from_flags`, :func:`parse_timeouts` — take plain values and an
-  environment *mapping*; they never touch the disk or ``os.environ``;
-- the edge — :func:`load_node_config`, :func:`config_path_from_env` — reads the file and
-  the real environment and hands both to the pure layer.
-
-Modules: :mod:`~kvpool.config.values` (sizes, booleans, host:port, timeouts),
-:mod:`~kvpool.config.node` (``mooncake.json``), :mod:`~kvpool.config.master` (master flags),
-:mod:`~kvpool.config.kv_transfer` (the two vLLM connectors' settings) and
-:mod:`~kvpool.config.topology` (the P/D layout and head routing).  None imports vLLM:
-``kvpool doctor`` validates connector settings on hosts without it.
-
-Every mistake is a :class:`~kvpool.errors.ConfigError` whose message names the key (or
-flag, or environment variable) and says how to fix it.  Nothing is silently ignored: an
-unknown key is an error, not a warning.
-
-Precedence: ``KVPOOL_*`` environment variables win over their ``MOONCAKE_*``/``ASCEND_*``
-twins (which exist for drop-in use of Mooncake and vllm-ascend deployments), and the
-environment wins over the file.
+Two layers, as everywhere in kvpool: pure parsing takes plain values and an environment
+*mapping* and never touches the disk or ``os.environ``; the edge (:func:`load_node_config`,
+:func:`config_path_from_env`) reads the file and the real environment and hands both to
+the pure layer.  None of it imports vLLM: ``kvpool doctor`` validates connector settings
+on hosts without it.  Every mistake is a :class:`~kvpool.errors.ConfigError` that names the
+key (or flag, or environment variable) and says how to fix it; nothing is silently ignored.
 """
 
 from __future__ import annotations

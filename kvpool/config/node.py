@@ -5,10 +5,6 @@ there and in docs/mooncake.md): a config as Mooncake and vllm-ascend write it ru
 Mooncake (:class:`MooncakeNodeConfig`, Mooncake's keys and size units, handed to
 ``mooncake.store.MooncakeDistributedStore`` unchanged); every other one, the production
 guide's JSON included, runs on kvpool's engine (:class:`NodeConfig`).
-
-Precedence: ``KVPOOL_*`` environment variables win over their ``MOONCAKE_*``/``ASCEND_*``
-twins (which exist for drop-in use of Mooncake's and vllm-ascend's deployments), and the
-environment wins over the file.  An unknown key is an error, not a warning.
 """
 
 from __future__ import annotations
@@ -396,6 +392,9 @@ def config_path_from_env(env: Mapping[str, str]) -> tuple[str, Path] | None:
     return None if found is None else (found[0], Path(found[1]))
 
 
+# Precedence: ``KVPOOL_*`` environment variables win over their ``MOONCAKE_*``/``ASCEND_*``
+# twins (which exist for drop-in use of Mooncake's and vllm-ascend's deployments), and the
+# environment wins over the file.  An unknown key is an error, not a warning.
 def load_node_config(
     path: str | Path | None = None,
     *,

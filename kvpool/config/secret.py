@@ -1,23 +1,8 @@
 """Where a process finds its credential, and when it may run without one.
 
-Sources, first found wins:
-
-1. a file named by the command (``kvpool master --secret_file PATH``) or the node config
-   (``"secret_file"`` in mooncake.json);
-2. ``KVPOOL_SECRET_FILE``, a file;
-3. ``KVPOOL_SECRET``, the secret itself (for containers; a file is better: the
-   environment of a process is readable by its user's other processes).
-
-A file holds the cluster secret, or one node's credential
-(:meth:`kvpool.core.credentials.Credential.parse`); while a secret is rotated, two lines:
-the new one, then the previous one, both accepted from peers (docs/security.md, "Rolling
-rotation").  A secret file readable or writable
-by every user is refused (``chmod 600 PATH``): a secret anyone on the host can read
-protects nothing.  A secret that is too short or repetitive is refused.
-
-Safe by default (:func:`require_credential`): a server bound to an address other than
-loopback without a credential refuses to start, unless told ``--insecure``; on loopback
-nothing changes, so ``kvpool up`` and a one-host pool need no setup.
+A credential comes from a file named by the command or the node config, then
+``KVPOOL_SECRET_FILE``, then ``KVPOOL_SECRET`` (:func:`load_credential`).  Safe by default
+(:func:`require_credential`): a server bound beyond loopback without one refuses to start.
 """
 
 from __future__ import annotations
@@ -44,6 +29,12 @@ ENV_SECRET_FILE = "KVPOOL_SECRET_FILE"
 ENV_SECRET = "KVPOOL_SECRET"
 
 
+# A file holds the cluster secret, or one node's credential
+# (:meth:`kvpool.core.credentials.Credential.parse`); while a secret is rotated, two lines:
+# the new one, then the previous one, both accepted from peers (docs/security.md, "Rolling
+# rotation").  A secret file readable or writable
+# by every user is refused (``chmod 600 PATH``): a secret anyone on the host can read
+# protects nothing.  A secret that is too short or repetitive is refused.
 def read_secret_file(path: str, key: str) -> Credential:
     """The credential in the file at ``path``; ``key`` names the setting that chose it."""
     try:
@@ -68,6 +59,13 @@ def read_secret_file(path: str, key: str) -> Credential:
     return Credential.parse(text, f"{key} ({path})")
 
 
+# Sources, first found wins:
+#
+# 1. a file named by the command (``kvpool master --secret_file PATH``) or the node config
+#    (``"secret_file"`` in mooncake.json);
+# 2. ``KVPOOL_SECRET_FILE``, a file;
+# 3. ``KVPOOL_SECRET``, the secret itself (for containers; a file is better: the
+#    environment of a process is readable by its user's other processes).
 def load_credential(secret_file: str, env: Mapping[str, str], *, key: str) -> Credential | None:
     """The credential from ``secret_file`` (named by setting ``key``), else the
     environment; None when none is configured anywhere."""
@@ -100,6 +98,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# Safe by default (:func:`require_credential`): a server bound to an address other than
+# loopback without a credential refuses to start, unless told ``--insecure``; on loopback
+# nothing changes, so ``kvpool up`` and a one-host pool need no setup.
 def require_credential(
     host: str, credential: Credential | None, insecure: bool, *, key: str
 ) -> None:

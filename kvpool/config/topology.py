@@ -1,34 +1,11 @@
 """The P/D layout: one side's :class:`Topology`, and which prefill (P) rank sends which KV
 heads to which decode (D) rank (pure: no I/O, no vLLM).
 
-Both connectors and ``kvpool doctor`` read a side's layout from the same
-``{"dp_size": M, "tp_size": N}`` block of ``kv_connector_extra_config`` with
-:func:`parse_topology`, so doctor refuses exactly what the connectors refuse.
-
-With tensor parallelism each rank holds a slice of the model's KV heads.  P and D may
+With tensor parallelism each rank holds a slice of the model's KV heads, and P and D may
 run different TP sizes (the production guide's GLM example: P ``tp 8``, D ``tp 4``), so a
-D rank may need heads from several P ranks, and several D ranks may read from one P rank.
-
-Rules (vLLM's head sharding, which this module must mirror exactly):
-
-- ``tp_size <= num_kv_heads``: the heads split evenly; rank ``r`` holds heads
-  ``[r * n, (r + 1) * n)`` with ``n = num_kv_heads // tp_size``.
-- ``tp_size > num_kv_heads``: heads are replicated; rank ``r`` holds the one head
-  ``r // (tp_size // num_kv_heads)`` (MLA's single latent "head" is the extreme case).
-
-Invariants checked by the tests (hypothesis):
-
-- every head of every D rank is covered by exactly one :class:`HeadSlice`;
-- a slice only reads heads its P rank really holds;
-- :func:`expected_pullers` is the exact inverse of :func:`plan_pulls`, so a P rank knows
-  how many D ranks will come for a request before it may free the blocks.
-
-Ports: each rank of each DP engine gets its own port,
-``kv_port + dp_rank * tp_size + tp_rank`` (:func:`rank_port`), so the guide's
-``kv_port`` 30000/30100 are bases and two ranks never collide.
-
-Primitives: :class:`Topology` / :func:`parse_topology`, :func:`local_heads`,
-:func:`plan_pulls`, :func:`expected_pullers`, :func:`rank_port`.
+D rank may need heads from several P ranks.  Both connectors and ``kvpool doctor`` read a
+side's layout with :func:`parse_topology`, so doctor refuses exactly what the connectors
+refuse.
 """
 
 from __future__ import annotations
@@ -99,6 +76,12 @@ def _check_tp(num_kv_heads: int, tp_size: int) -> None:
         )
 
 
+# Rules (vLLM's head sharding, which this module must mirror exactly):
+#
+# - ``tp_size <= num_kv_heads``: the heads split evenly; rank ``r`` holds heads
+#   ``[r * n, (r + 1) * n)`` with ``n = num_kv_heads // tp_size``.
+# - ``tp_size > num_kv_heads``: heads are replicated; rank ``r`` holds the one head
+#   ``r // (tp_size // num_kv_heads)`` (MLA's single latent "head" is the extreme case).
 def local_heads(num_kv_heads: int, tp_size: int, rank: int) -> range:
     """The global KV-head indices TP rank ``rank`` holds (vLLM's sharding)."""
     _check_tp(num_kv_heads, tp_size)
@@ -119,6 +102,12 @@ def _holders(num_kv_heads: int, src_tp: int, head: int) -> list[int]:
     return list(range(head * replicas, (head + 1) * replicas))
 
 
+# Invariants checked by the tests (hypothesis):
+#
+# - every head of every D rank is covered by exactly one :class:`HeadSlice`;
+# - a slice only reads heads its P rank really holds;
+# - :func:`expected_pullers` is the exact inverse of :func:`plan_pulls`, so a P rank knows
+#   how many D ranks will come for a request before it may free the blocks.
 def plan_pulls(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[HeadSlice]:
     """The slices D rank ``dst_rank`` (of ``dst_tp``) reads from P ranks (of ``src_tp``).
 
@@ -157,6 +146,9 @@ def expected_pullers(num_kv_heads: int, src_tp: int, dst_tp: int, src_rank: int)
     )
 
 
+# Ports: each rank of each DP engine gets its own port,
+# ``kv_port + dp_rank * tp_size + tp_rank`` (:func:`rank_port`), so the guide's
+# ``kv_port`` 30000/30100 are bases and two ranks never collide.
 def rank_port(base_port: int, dp_rank: int, tp_size: int, tp_rank: int) -> int:
     """The port of one rank: ``base + dp_rank * tp_size + tp_rank``."""
     port = base_port + dp_rank * tp_size + tp_rank

@@ -1,39 +1,9 @@
 """Who may speak to the pool: the cluster secret, the keys derived from it, and their rules.
 
-Rules:
-
-- The *cluster secret* is the operator's credential: whoever holds it may be a client,
-  an operator, or any node.  Every other key is derived from it with HMAC-SHA256, so no
-  key is ever sent and none can be turned back into the secret.
-- A *node key* is ``HMAC(secret, "kvpool node " + node_id)``: it lets its holder be that
-  one node (register, heartbeat, serve its data port) and nothing else, so a node's
-  credential cannot be used to join as another node or to read the pool as a client.
-- A *tenant key* is ``HMAC(secret, "kvpool tenant " + name)``: it lets its holder be a
-  client of the master in tenant ``name`` only (its keys live in that tenant's namespace,
-  which the master, not the client, decides), never an operator and never a node.
-- Each port's handshake uses one key, chosen by the role the peer claims
-  (:func:`key_for`): ``client`` (a client of the master's RPC port), ``node`` (a storage
-  node to the master: the node key of the id it claims), ``data`` (a peer of a node's
-  data port: the node key of the node that serves it), ``tenant`` (a tenant's client of
-  the master: the tenant key of the tenant named as its id), ``tenant-data`` (a tenant's
-  client of a node's data port: that node's *tenant data key*, :func:`tenant_data_key`,
-  which the master hands the tenant with each placement on that node).
-- A tenant's data request carries a *grant* (:func:`make_grant`): the master's word,
-  MACed with the serving node's key, that this tenant may do this one operation on this
-  one range until a wall-clock deadline.  A tenant holds no node key, so it cannot make
-  one; the node checks it (:func:`check_grant`) before it serves a byte.
-- The HTTP endpoints take a bearer token derived from the secret
-  (:meth:`Credential.operator_token`): it can be typed into ``curl`` and, seen on the
-  wire, gives HTTP reads only, never the secret.
-
-A secret is checked before it is used (:func:`check_secret`): short or repetitive text is
-refused, because the handshake is only as strong as the secret it proves.
-
-While a secret is rotated a credential holds two: text of two lines is the new
-credential, then the *previous* one (:attr:`Credential.previous`).  Servers accept a peer
-proving either; a handshake uses the first one both sides hold
-(:mod:`kvpool.protocol.auth`), so processes switch one at a time without a refused
-request (docs/security.md, "Rolling rotation").
+Every key is derived from the operator's cluster secret with HMAC-SHA256, so no key is
+ever sent and none can be turned back into the secret; each role a peer claims proves one
+of them (:func:`key_for`).  The rules are beside :class:`Credential`; the handshake that
+proves a key is :mod:`kvpool.protocol.auth`.
 """
 
 from __future__ import annotations
@@ -76,6 +46,8 @@ _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _FIX = "generate one with `openssl rand -hex 32`"
 
 
+# A secret is checked before it is used (:func:`check_secret`): short or repetitive text is
+# refused, because the handshake is only as strong as the secret it proves.
 def check_secret(text: str, key: str) -> bytes:
     """The secret's bytes, or a ConfigError naming ``key`` (where it came from) and the fix."""
     secret = text.strip()
@@ -105,6 +77,37 @@ def _derive(secret: bytes, label: str) -> bytes:
     return hmac.new(secret, label.encode(), hashlib.sha256).digest()
 
 
+# Rules:
+#
+# - The *cluster secret* is the operator's credential: whoever holds it may be a client,
+#   an operator, or any node.  Every other key is derived from it with HMAC-SHA256, so no
+#   key is ever sent and none can be turned back into the secret.
+# - A *node key* is ``HMAC(secret, "kvpool node " + node_id)``: it lets its holder be that
+#   one node (register, heartbeat, serve its data port) and nothing else, so a node's
+#   credential cannot be used to join as another node or to read the pool as a client.
+# - A *tenant key* is ``HMAC(secret, "kvpool tenant " + name)``: it lets its holder be a
+#   client of the master in tenant ``name`` only (its keys live in that tenant's namespace,
+#   which the master, not the client, decides), never an operator and never a node.
+# - Each port's handshake uses one key, chosen by the role the peer claims
+#   (:func:`key_for`): ``client`` (a client of the master's RPC port), ``node`` (a storage
+#   node to the master: the node key of the id it claims), ``data`` (a peer of a node's
+#   data port: the node key of the node that serves it), ``tenant`` (a tenant's client of
+#   the master: the tenant key of the tenant named as its id), ``tenant-data`` (a tenant's
+#   client of a node's data port: that node's *tenant data key*, :func:`tenant_data_key`,
+#   which the master hands the tenant with each placement on that node).
+# - A tenant's data request carries a *grant* (:func:`make_grant`): the master's word,
+#   MACed with the serving node's key, that this tenant may do this one operation on this
+#   one range until a wall-clock deadline.  A tenant holds no node key, so it cannot make
+#   one; the node checks it (:func:`check_grant`) before it serves a byte.
+# - The HTTP endpoints take a bearer token derived from the secret
+#   (:meth:`Credential.operator_token`): it can be typed into ``curl`` and, seen on the
+#   wire, gives HTTP reads only, never the secret.
+#
+# While a secret is rotated a credential holds two: text of two lines is the new
+# credential, then the *previous* one (:attr:`Credential.previous`).  Servers accept a peer
+# proving either; a handshake uses the first one both sides hold
+# (:mod:`kvpool.protocol.auth`), so processes switch one at a time without a refused
+# request (docs/security.md, "Rolling rotation").
 @dataclass(frozen=True, slots=True)
 class Credential:
     """A cluster secret, one node's key (``node_id`` set, ``secret`` empty), or one

@@ -1,39 +1,9 @@
 """Eviction policies: which READY objects of one tier to drop (or demote) first.
 
-Primitives (the :class:`EvictionPolicy` protocol; one policy instance per tier)::
-
-    on_insert(key, parent)        the object became READY in this tier
-    on_access(key)                a read hit (a lease was granted)
-    on_remove(key)                the object left this tier (evicted, removed, demoted)
-    choose_victims(count, can_evict) -> keys, best victim first; removes nothing
-
-    make_eviction_policy(name)    a fresh policy by name (or alias)
-    EVICTION_POLICIES             the policies' own names
-    EVICTION_POLICY_ALIASES       other accepted names, and the policy each one means
-
-A policy is pure: no clock (its only time is the order of the calls it sees), no I/O, no
-randomness.  Unknown keys in ``on_access`` / ``on_remove`` and a repeated ``on_insert`` are
-harmless, so the index never has to ask first.
-
-Invariants of every policy (tested by property tests over random call sequences):
-- ``choose_victims`` returns at most ``count`` distinct keys, each currently inserted (and
-  not removed since) and each with ``can_evict(key)`` True, and it returns
-  ``min(count, evictable keys)`` of them: nothing evictable is ever held back, so a put
-  fails with NoSpace only when nothing is evictable;
-- choosing changes nothing: two calls with no other call between give the same answer;
-- cost: LRU is O(1) per call and per victim; prefix-aware is O(1) per call plus
-  O(reuse classes) per victim, except that blocks passed over for their children (rare)
-  are walked past.
-
-The policies:
-
-``"prefix_aware"`` (kvpool's default; ``"default"`` is an alias, so configs and
-``--eviction_policy default`` written before the name keep working) — for prefix-chained
-KV blocks: orphans first, descendants before ancestors, age weighted by reuse class, and
-a ghost list of evicted keys.  :mod:`kvpool.core.prefix_aware` says why, with the
-measurements.
-
-``"lru"`` — least recently inserted-or-read first: the baseline.
+One :class:`EvictionPolicy` instance per tier; :func:`make_eviction_policy` makes one by
+name.  ``"prefix_aware"`` (kvpool's default; ``"default"`` is an alias, so configs written
+before the name keep working) is :mod:`kvpool.core.prefix_aware`; ``"lru"`` (least
+recently inserted-or-read first) is the baseline.
 """
 
 from __future__ import annotations
@@ -58,8 +28,28 @@ __all__ = [
 K = TypeVar("K", bound=Hashable)
 
 
+# The protocol:
+#
+# on_insert(key, parent)        the object became READY in this tier
+# on_access(key)                a read hit (a lease was granted)
+# on_remove(key)                the object left this tier (evicted, removed, demoted)
+# choose_victims(count, can_evict) -> keys, best victim first; removes nothing
+#
+# A policy is pure: no clock (its only time is the order of the calls it sees), no I/O, no
+# randomness.  Unknown keys in ``on_access`` / ``on_remove`` and a repeated ``on_insert`` are
+# harmless, so the index never has to ask first.
+#
+# Invariants of every policy (tested by property tests over random call sequences):
+# - ``choose_victims`` returns at most ``count`` distinct keys, each currently inserted (and
+#   not removed since) and each with ``can_evict(key)`` True, and it returns
+#   ``min(count, evictable keys)`` of them: nothing evictable is ever held back, so a put
+#   fails with NoSpace only when nothing is evictable;
+# - choosing changes nothing: two calls with no other call between give the same answer;
+# - cost: LRU is O(1) per call and per victim; prefix-aware is O(1) per call plus
+#   O(reuse classes) per victim, except that blocks passed over for their children (rare)
+#   are walked past.
 class EvictionPolicy(Protocol[K]):
-    """The eviction order of one tier; see the module docstring."""
+    """The eviction order of one tier; see the comment above."""
 
     name: str
 

@@ -2,21 +2,8 @@
 
     key(i) = H(key(i-1) | tokens of chunk i)          key(-1) = H(namespace)
 
-Rules:
-- Only full chunks are keyed; a trailing partial chunk has no key.
-- The namespace (model, KV dtype, chunk size, KV layout, TP rank/size, tenant) seeds the
-  chain, so the same tokens under another model or layout never share a key.
-- H is BLAKE2b-128 from the standard library over a fixed little-endian encoding, so keys
-  are identical across processes, machines and PYTHONHASHSEED values.  Python's ``hash``
-  is never used: a per-process hash seed is exactly what made peer projects miss across nodes.
-  BLAKE2b rather than a non-cryptographic hash because a key collision would serve another
-  request's KV, and 128 bits of a cryptographic hash make that a non-event even against a
-  tenant crafting prompts.
-- One chunk may be stored as several objects, one per KV-head group (the store connector):
-  :func:`group_key` derives group ``g``'s key from the chunk key under its own
-  personalisation, so it never equals a chunk key nor another group's key, and it does not
-  depend on the TP layout of whoever computes it.  (The ``tp_rank``/``tp_size`` fields seed
-  per-rank chains instead: a layout-bound namespace, kept for callers that want one.)
+The rules of the chain are beside :func:`chunk_keys`; one chunk's per-KV-head-group keys
+are :func:`group_key`.
 """
 
 from __future__ import annotations
@@ -99,6 +86,16 @@ class KeyNamespace:
         )
 
 
+# Rules:
+# - Only full chunks are keyed; a trailing partial chunk has no key.
+# - The namespace (model, KV dtype, chunk size, KV layout, TP rank/size, tenant) seeds the
+#   chain, so the same tokens under another model or layout never share a key.
+# - H is BLAKE2b-128 from the standard library over a fixed little-endian encoding, so keys
+#   are identical across processes, machines and PYTHONHASHSEED values.  Python's ``hash``
+#   is never used: a per-process hash seed is exactly what made peer projects miss across nodes.
+#   BLAKE2b rather than a non-cryptographic hash because a key collision would serve another
+#   request's KV, and 128 bits of a cryptographic hash make that a non-event even against a
+#   tenant crafting prompts.
 def chunk_keys(
     tokens: Sequence[int], namespace: KeyNamespace, parent: BlockKey | None = None
 ) -> list[BlockKey]:
@@ -123,6 +120,11 @@ def chunk_keys(
     return keys
 
 
+# - One chunk may be stored as several objects, one per KV-head group (the store connector):
+#   :func:`group_key` derives group ``g``'s key from the chunk key under its own
+#   personalisation, so it never equals a chunk key nor another group's key, and it does not
+#   depend on the TP layout of whoever computes it.  (The ``tp_rank``/``tp_size`` fields seed
+#   per-rank chains instead: a layout-bound namespace, kept for callers that want one.)
 def group_key(key: BlockKey, group: int) -> BlockKey:
     """The key of KV-head group ``group`` of chunk ``key`` (independent of any TP layout)."""
     if not 0 <= group <= _MAX_TOKEN_ID:

@@ -1,21 +1,6 @@
 """The values the object index works with: its config, where objects are, what it grants,
 and the effects it returns (events).  Small frozen values, no behaviour beyond trivial
 derivations.
-
-The values made on every put, read and eviction (Location, Reservation, ReadGrant,
-Dropped, Demote) are frozen ``msgspec.Struct`` types rather than frozen dataclasses: a
-frozen dataclass's generated ``__init__`` makes one ``object.__setattr__`` call per field,
-and those constructors were a third of the index's time per block; a Struct is built in C
-(about 0.11 µs against 0.9 µs for a Location here).  They are equal by value, hashable,
-printable, and assignment raises AttributeError.  No encoding happens here: msgspec is
-only the value type.
-
-They and :class:`ObjectRecord` are made with ``gc=False`` (not tracked by the cycle
-collector): none of them can be part of a reference cycle (the values hold strings, ints,
-enum members and each other; a record holds its segment, extent, location and a dict of
-owner -> expiry, none of which refers back to a record), and each put made several, whose
-young-generation collections were ~10% of a put's time.  Keep it so: a field that could
-refer back to a record or value would make a cycle the collector cannot see.
 """
 
 from __future__ import annotations
@@ -72,6 +57,20 @@ class IndexConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
+# The values made on every put, read and eviction (Location, Reservation, ReadGrant,
+# Dropped, Demote) are frozen ``msgspec.Struct`` types rather than frozen dataclasses: a
+# frozen dataclass's generated ``__init__`` makes one ``object.__setattr__`` call per field,
+# and those constructors were a third of the index's time per block; a Struct is built in C
+# (about 0.11 µs against 0.9 µs for a Location here).  They are equal by value, hashable,
+# printable, and assignment raises AttributeError.  No encoding happens here: msgspec is
+# only the value type.
+#
+# They and :class:`ObjectRecord` are made with ``gc=False`` (not tracked by the cycle
+# collector): none of them can be part of a reference cycle (the values hold strings, ints,
+# enum members and each other; a record holds its segment, extent, location and a dict of
+# owner -> expiry, none of which refers back to a record), and each put made several, whose
+# young-generation collections were ~10% of a put's time.  Keep it so: a field that could
+# refer back to a record or value would make a cycle the collector cannot see.
 class Location(msgspec.Struct, frozen=True, gc=False):
     segment_id: str
     client_id: str
@@ -148,7 +147,7 @@ class ObjectRecord(msgspec.Struct, gc=False):
     """One object of the index (mutable: the index changes it in place).  A Struct rather
     than a slotted dataclass: one is made per put, and a Struct is built in C (its empty
     ``holds`` dict included: msgspec copies an empty default per instance).  Not tracked
-    by the GC (see the module docstring)."""
+    by the GC (see the comment above :class:`Location`)."""
 
     key: str
     state: State

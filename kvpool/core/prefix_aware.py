@@ -1,64 +1,9 @@
 """The prefix-aware eviction policy (``"prefix_aware"``, kvpool's default; alias
 ``"default"``): kvpool's policy for prefix-chained KV blocks.  It implements the
-:class:`~kvpool.core.eviction.EvictionPolicy` protocol and keeps its invariants.  Why it
-looks the way it does (measured on the Mooncake conversation trace in docs/benchmarks.md):
-
-1. *A child is worthless without its parent.*  A prefix lookup stops at the first missing
-   block, so evicting a block wastes every cached descendant; LRU does exactly that, since
-   a request touches its chain root first, leaving the root the oldest.  This policy
-   evicts **descendants before ancestors**: a run of calls that walks down one chain (a
-   request reading its prefix, then writing its new blocks) is held apart and placed in
-   the queues deepest-first when the run ends, so a chain is trimmed from its tail.  A
-   block whose cached children are not all chosen before it is passed over.  Invariant:
-   when every key is evictable, each key in an answer comes after all its cached
-   children.  Only when nothing else is evictable is a parent of pinned children offered
-   (an orphan is better than a failed put).  When concurrent requests interleave their
-   calls, runs are cut short and a chain may be placed root-first; the answers stay
-   right (parents are passed over) but a choice then walks past those parents.
-2. *Orphans go first.*  A block that leaves while it still has cached descendants (removed
-   by hand, its client expired) makes its whole subtree unreachable by prefix lookups;
-   the subtree is offered before anything else, deepest first.
-3. *Most blocks are never read again, reuse comes back late, and a never-read block at
-   the end of its chain is the least likely of all to be read.*  In the conversation trace
-   76% of blocks are used once; a block is reused when its conversation returns for
-   another turn, minutes later; the last block of a request (where the next turn's prompt
-   diverges) is almost never reused.  Frequency policies (segmented LRU, LFU) do worse
-   than LRU there because a new block must survive the long gap before it can prove
-   itself.  So instead of segments of fixed size the policy keeps one LRU queue per
-   *reuse class* and evicts the queue head with the largest ``age * weight[class]`` (age
-   counts placed blocks since the block was last touched): classes are a never-read block
-   at the end of its chain (weight 8), any other never-read block (1) and a block read at
-   least once (0.35).  A block lives about ``1 / weight`` times as long as a never-read
-   one whatever the cache size, so the trade-off scales with capacity instead of being a
-   fixed split.
-4. *A block written again after it was evicted was evicted too early.*  The policy
-   remembers the keys of the blocks that left it (ghosts, as in ARC: the last L to 2L
-   keys, L = ``GHOST_FACTOR`` times the most blocks it has held, kept as two generations
-   of sets); a block inserted while its key is remembered counts as read once (its
-   conversation came back after the block had gone), so it joins the read class.  In the
-   trace this is the strongest online signal found: +4.3 % hit ratio at 10,000 blocks,
-   +13 % at 2,000 and 5,000, +2.5 % at 20,000 over the same weights without it.  Cost:
-   up to 2L remembered keys, a set entry each.
-5. *How much longer a read block is worth keeping depends on the trace and the size.*  The
-   weights of the read class and of never-read chain ends follow the trace: the policy
-   counts, per class, the hits on queued blocks and the ages at which its blocks were hit
-   or left (hits per unit of age: the class's hit density), and every tenth of the most
-   blocks held sets each of the two weights to ``weight[1] * density[1] /
-   density[class]`` within its range (read 0.05-1, chain end 1-8), the counts then
-   decaying by 2 %.  Fixed weights tuned on the conversation trace lost to LRU on traces
-   where every block's future is alike (conversations that come back soon: 0.986 x LRU)
-   or where chain ends are read again (a loop over a working set); following the
-   densities, the policy is at or above LRU on all of them, +30 % / +5 % over the fixed
-   weights at 2,000 / 5,000 blocks of the conversation trace and within 0.6 % of them at
-   10,000 / 20,000 (docs/benchmarks.md, "the next policy").  ``adaptive=False`` keeps
-   the weights fixed.
-
-Ideas measured and dropped (docs/benchmarks.md, "Trace replay" sections, has the numbers):
-block depth or chain length as value, more reuse classes, LHD-style sampled hit densities,
-a conversation's turn count carried into its new blocks, random admission; with ghosts, a
-class of their own, longer or shorter lives for a returning conversation's new blocks, an
-exact FIFO of ghosts, fewer or more ghosts; ARC-style steps of the read weight per ghost
-hit, and density windows shorter than the one above.
+:class:`~kvpool.core.eviction.EvictionPolicy` protocol and keeps its invariants: orphans
+first, descendants before ancestors, age weighted by reuse class, and a ghost list of
+evicted keys.  :class:`PrefixAwarePolicy` says why, with the measurements (on the Mooncake
+conversation trace of docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -87,7 +32,7 @@ K = TypeVar("K", bound=Hashable)
 #: other never-read block, a block read at least once.  Life is proportional to 1 / weight.
 REUSE_WEIGHTS: tuple[float, ...] = (8.0, 1.0, 0.35)
 
-#: Re-weighting (5. in the module docstring): the ranges of the chain-end and read weights;
+#: Re-weighting (5. in the class docstring): the ranges of the chain-end and read weights;
 #: every REWEIGH_FACTOR x the most blocks held (>= REWEIGH_MIN) placed blocks, then decay.
 END_WEIGHT_RANGE = (1.0, 8.0)
 READ_WEIGHT_RANGE = (0.05, 1.0)
@@ -96,13 +41,72 @@ REWEIGH_MIN = 500
 REWEIGH_DECAY = 0.98
 
 #: How many evicted keys the policy remembers: between one and two times this multiple of
-#: the most blocks it has held (see 4. in the module docstring).
+#: the most blocks it has held (see 4. in the class docstring).
 GHOST_FACTOR = 1.0
 
 
 class PrefixAwarePolicy(Generic[K]):
     """kvpool's default eviction policy: orphans first, descendants before ancestors, and age
-    weighted by reuse class (see the module docstring)."""
+    weighted by reuse class.  Why it looks the way it does (measured on the Mooncake
+    conversation trace in docs/benchmarks.md):
+
+    1. *A child is worthless without its parent.*  A prefix lookup stops at the first missing
+       block, so evicting a block wastes every cached descendant; LRU does exactly that, since
+       a request touches its chain root first, leaving the root the oldest.  This policy
+       evicts **descendants before ancestors**: a run of calls that walks down one chain (a
+       request reading its prefix, then writing its new blocks) is held apart and placed in
+       the queues deepest-first when the run ends, so a chain is trimmed from its tail.  A
+       block whose cached children are not all chosen before it is passed over.  Invariant:
+       when every key is evictable, each key in an answer comes after all its cached
+       children.  Only when nothing else is evictable is a parent of pinned children offered
+       (an orphan is better than a failed put).  When concurrent requests interleave their
+       calls, runs are cut short and a chain may be placed root-first; the answers stay
+       right (parents are passed over) but a choice then walks past those parents.
+    2. *Orphans go first.*  A block that leaves while it still has cached descendants (removed
+       by hand, its client expired) makes its whole subtree unreachable by prefix lookups;
+       the subtree is offered before anything else, deepest first.
+    3. *Most blocks are never read again, reuse comes back late, and a never-read block at
+       the end of its chain is the least likely of all to be read.*  In the conversation trace
+       76% of blocks are used once; a block is reused when its conversation returns for
+       another turn, minutes later; the last block of a request (where the next turn's prompt
+       diverges) is almost never reused.  Frequency policies (segmented LRU, LFU) do worse
+       than LRU there because a new block must survive the long gap before it can prove
+       itself.  So instead of segments of fixed size the policy keeps one LRU queue per
+       *reuse class* and evicts the queue head with the largest ``age * weight[class]`` (age
+       counts placed blocks since the block was last touched): classes are a never-read block
+       at the end of its chain (weight 8), any other never-read block (1) and a block read at
+       least once (0.35).  A block lives about ``1 / weight`` times as long as a never-read
+       one whatever the cache size, so the trade-off scales with capacity instead of being a
+       fixed split.
+    4. *A block written again after it was evicted was evicted too early.*  The policy
+       remembers the keys of the blocks that left it (ghosts, as in ARC: the last L to 2L
+       keys, L = ``GHOST_FACTOR`` times the most blocks it has held, kept as two generations
+       of sets); a block inserted while its key is remembered counts as read once (its
+       conversation came back after the block had gone), so it joins the read class.  In the
+       trace this is the strongest online signal found: +4.3 % hit ratio at 10,000 blocks,
+       +13 % at 2,000 and 5,000, +2.5 % at 20,000 over the same weights without it.  Cost:
+       up to 2L remembered keys, a set entry each.
+    5. *How much longer a read block is worth keeping depends on the trace and the size.*  The
+       weights of the read class and of never-read chain ends follow the trace: the policy
+       counts, per class, the hits on queued blocks and the ages at which its blocks were hit
+       or left (hits per unit of age: the class's hit density), and every tenth of the most
+       blocks held sets each of the two weights to ``weight[1] * density[1] /
+       density[class]`` within its range (read 0.05-1, chain end 1-8), the counts then
+       decaying by 2 %.  Fixed weights tuned on the conversation trace lost to LRU on traces
+       where every block's future is alike (conversations that come back soon: 0.986 x LRU)
+       or where chain ends are read again (a loop over a working set); following the
+       densities, the policy is at or above LRU on all of them, +30 % / +5 % over the fixed
+       weights at 2,000 / 5,000 blocks of the conversation trace and within 0.6 % of them at
+       10,000 / 20,000 (docs/benchmarks.md, "the next policy").  ``adaptive=False`` keeps
+       the weights fixed.
+
+    Ideas measured and dropped (docs/benchmarks.md, "Trace replay" sections, has the numbers):
+    block depth or chain length as value, more reuse classes, LHD-style sampled hit densities,
+    a conversation's turn count carried into its new blocks, random admission; with ghosts, a
+    class of their own, longer or shorter lives for a returning conversation's new blocks, an
+    exact FIFO of ghosts, fewer or more ghosts; ARC-style steps of the read weight per ghost
+    hit, and density windows shorter than the one above.
+    """
 
     name = "prefix_aware"
 
@@ -126,7 +130,7 @@ class PrefixAwarePolicy(Generic[K]):
         self._most = 0  # the most blocks held at once: the ghost lists' scale
         self._ghost_limit = 0.0  # L = _most * ghost_factor
         self._weights = [float(w) for w in weights]
-        # Hit density per class (5. in the module docstring): reads of queued blocks, and
+        # Hit density per class (5. in the class docstring): reads of queued blocks, and
         # the ages they were read or left at, decayed at each re-weighting.
         self._adaptive = adaptive
         self._hits = [0.0] * len(self._weights)
@@ -323,7 +327,7 @@ class PrefixAwarePolicy(Generic[K]):
         """Set the weights of the never-read chain ends and of the read class to
         ``weight[1] * density[1] / density[class]`` (density: hits per unit of age spent
         in the class), each within its range, then decay the counts, so the weights
-        follow the trace (5. in the module docstring)."""
+        follow the trace (5. in the class docstring)."""
         hits, lives, weights = self._hits, self._lives, self._weights
         densities = [
             # hits at age 0 (read before anything else was placed): density infinite

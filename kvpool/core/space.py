@@ -1,15 +1,4 @@
-"""Extent allocation inside one segment: which byte ranges are free, which are taken.
-
-Invariants (checked by ``check()`` and by the property tests):
-- live extents never overlap, and every extent lies inside [0, capacity);
-- free extents never overlap and are coalesced: no two free extents touch;
-- ``used`` equals the sum of the lengths of live extents, and
-  ``used + sum(free lengths) == capacity``.
-
-Allocation is first-fit by offset, with an exact-size shortcut: KV objects of one model
-all have the same size, so a freed extent of exactly the requested length is reused in
-O(1) instead of scanning the free list.
-"""
+"""Extent allocation inside one segment: which byte ranges are free, which are taken."""
 
 from __future__ import annotations
 
@@ -32,6 +21,15 @@ class Extent(msgspec.Struct, frozen=True, gc=False):
         return self.offset + self.length
 
 
+# Invariants (checked by ``check()`` and by the property tests):
+# - live extents never overlap, and every extent lies inside [0, capacity);
+# - free extents never overlap and are coalesced: no two free extents touch;
+# - ``used`` equals the sum of the lengths of live extents, and
+#   ``used + sum(free lengths) == capacity``.
+#
+# Allocation is first-fit by offset, with an exact-size shortcut: KV objects of one model
+# all have the same size, so a freed extent of exactly the requested length is reused in
+# O(1) instead of scanning the free list.
 class ExtentAllocator:
     """Free-space map of a segment of ``capacity`` bytes."""
 
@@ -132,7 +130,7 @@ class ExtentAllocator:
         return [Extent(o, self._free_len[o]) for o in self._free_offsets]
 
     def check(self) -> None:
-        """Assert the invariants in the module docstring (used by tests)."""
+        """Assert the invariants in the comment above the class (used by tests)."""
         spans = sorted(
             [(o, n, "live") for o, n in self._live.items()]
             + [(o, self._free_len[o], "free") for o in self._free_offsets]

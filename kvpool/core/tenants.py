@@ -1,34 +1,8 @@
 """Tenants: whose namespace a key is in, and each tenant's bytes, objects and quota.
 
-A tenant's keys live in the pool as ``@<tenant>/<key>`` (:func:`scoped`).  The master
-puts every key a tenant's connection sends into that tenant's namespace itself, so the
-client never chooses it: the same key from two tenants is two objects, and no key a
-tenant can send names another tenant's object.  The cluster secret's connections (the
-operator's, and single-tenant pools) see keys as they are: tenant ``""``, and the
-scoped names when they mean a tenant's object.
-
-Primitives (:class:`TenantBook`, one per master)::
-
-    scoped(tenant, key) / unscoped(tenant, key) / tenant_of(key)
-    add(tenant)                     a tenant the book keeps series for (bounded: only
-                                    configured or authenticated tenants)
-    set_quota(tenant, bytes)        0: no quota
-    reserved(key, size) / stored(key) / dropped(key)   an object's life, from the index
-    hit(tenant) / miss(tenant)
-    over_by(tenant, size)           bytes a put of ``size`` would take it over its quota
-    victims(tenant)                 its READY objects, least recently used first
-    evicted(tenant)                 one object dropped to make room inside the tenant
-
-Rules:
-
-- A tenant's quota counts every byte it holds, reserved (being written) and stored, in
-  any tier: an object counts once, from put start until it leaves the index.
-- Room for a tenant's put is made from that tenant's own objects only (least recently
-  stored or read first); what cannot be made so refuses the put (QuotaExceeded).  The
-  pool-wide watermark eviction still runs over everyone, as without tenants: quotas that
-  add up to less than the pool keep one tenant from pushing out another.
-- Pure: no clock, no I/O.  The caller reports each object's life; a key of a tenant the
-  book does not keep is ignored (no unbounded label sets from arbitrary key names).
+A tenant's keys live in the pool as ``@<tenant>/<key>`` (:func:`scoped`); the master, not
+the client, puts every key a tenant's connection sends into that namespace.
+:class:`TenantBook` (one per master) keeps each tenant's usage and enforces its quota.
 """
 
 from __future__ import annotations
@@ -39,6 +13,12 @@ from dataclasses import dataclass, field
 
 __all__ = ["TenantBook", "TenantUsage", "scoped", "tenant_of", "unscoped"]
 
+# A tenant's keys live in the pool as ``@<tenant>/<key>`` (:func:`scoped`).  The master
+# puts every key a tenant's connection sends into that tenant's namespace itself, so the
+# client never chooses it: the same key from two tenants is two objects, and no key a
+# tenant can send names another tenant's object.  The cluster secret's connections (the
+# operator's, and single-tenant pools) see keys as they are: tenant ``""``, and the
+# scoped names when they mean a tenant's object.
 _SCOPE = re.compile(r"^@([A-Za-z0-9][A-Za-z0-9_.-]{0,62})/")
 
 
@@ -76,18 +56,30 @@ class TenantUsage:
     keys: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)
 
 
+# Rules:
+#
+# - A tenant's quota counts every byte it holds, reserved (being written) and stored, in
+#   any tier: an object counts once, from put start until it leaves the index.
+# - Room for a tenant's put is made from that tenant's own objects only (least recently
+#   stored or read first); what cannot be made so refuses the put (QuotaExceeded).  The
+#   pool-wide watermark eviction still runs over everyone, as without tenants: quotas that
+#   add up to less than the pool keep one tenant from pushing out another.
+# - Pure: no clock, no I/O.  The caller reports each object's life; a key of a tenant the
+#   book does not keep is ignored (no unbounded label sets from arbitrary key names).
 class TenantBook:
-    """Every known tenant's usage (see the module docstring)."""
+    """Every known tenant's usage (the rules are in the comment above)."""
 
     def __init__(self) -> None:
         self.tenants: dict[str, TenantUsage] = {}
 
+    # a tenant the book keeps series for (bounded: only configured or authenticated tenants)
     def add(self, tenant: str) -> TenantUsage:
         usage = self.tenants.get(tenant)
         if usage is None:
             usage = self.tenants[tenant] = TenantUsage()
         return usage
 
+    # quota 0: no quota
     def set_quota(self, tenant: str, quota: int) -> None:
         if quota < 0:
             raise ValueError(f"tenant {tenant}: a quota is a number of bytes >= 0, got {quota}")
@@ -97,6 +89,7 @@ class TenantBook:
         tenant = tenant_of(key)
         return self.tenants.get(tenant) if tenant else None
 
+    # reserved / stored / dropped: an object's life, as the index reports it
     def reserved(self, key: str, size: int) -> None:
         usage = self._of(key)
         if usage is None:
@@ -155,6 +148,7 @@ class TenantBook:
             return []
         return [(k, e[0]) for k, e in usage.keys.items() if e[1] and k != key]
 
+    # one object dropped to make room inside the tenant
     def evicted(self, key: str) -> None:
         usage = self._of(key)
         if usage is not None:

@@ -1,16 +1,9 @@
 """Memory Mooncake can move: the Mooncake engine's staging area and the caller's own
 registered memory.
 
-Mooncake Store reads and writes only memory registered with ``register_buffer``.  Two
-kinds serve :class:`~kvpool.engines.mooncake.MooncakeEngine`:
-
-- :class:`Staging` — one area of the engine's own, grown on demand: bytes, NumPy arrays
-  and small tensors are copied through it, and every object's 16-byte header lives here;
-- :class:`Registered` — the caller's memory itself (zero-copy): a CPU tensor whose storage
-  is at least :data:`MIN_REGISTERED` bytes (a vLLM KV cache; its pages are views into it)
-  is registered once, kept alive while the engine lives, and read and written in place.
-  Small or short-lived tensors are not registered: each would stay registered (and, on
-  RDMA, pinned) until the engine closes.
+Mooncake Store reads and writes only memory registered with ``register_buffer``; two
+kinds serve :class:`~kvpool.engines.mooncake.MooncakeEngine`: :class:`Staging` (copied
+through) and :class:`Registered` (zero-copy).
 """
 
 from __future__ import annotations
@@ -27,6 +20,8 @@ MIN_REGISTERED = 16 << 20
 MAX_REGIONS = 512
 
 
+# - :class:`Staging` — one area of the engine's own, grown on demand: bytes, NumPy arrays
+#   and small tensors are copied through it, and every object's 16-byte header lives here;
 class Staging:
     """One registered, growable staging area."""
 
@@ -63,6 +58,11 @@ def _cpu_storage(buffer: Any) -> tuple[int, int, Any] | None:
     return int(storage.data_ptr()), int(storage.nbytes()), storage
 
 
+# - :class:`Registered` — the caller's memory itself (zero-copy): a CPU tensor whose storage
+#   is at least :data:`MIN_REGISTERED` bytes (a vLLM KV cache; its pages are views into it)
+#   is registered once, kept alive while the engine lives, and read and written in place.
+#   Small or short-lived tensors are not registered: each would stay registered (and, on
+#   RDMA, pinned) until the engine closes.
 class Registered:
     """The caller's big CPU tensors, registered in place once each."""
 

@@ -2,21 +2,10 @@
 
 Mooncake's master speaks coro_rpc on its RPC port (``--rpc_port``, 50051) and HTTP only
 on its metrics port (``--metrics_port``, 9003): ``/health`` answers JSON with a ``role``,
-``/metrics`` is Prometheus text named ``master_*``.  The production guide's §8.1 command
-(``curl http://<master>:50088/metrics | grep -E "kv_cache|connected"``) has no answer
-there: ``mooncake_kv_cache_blocks_total`` and ``mooncake_connected_clients`` do not exist
-on real Mooncake.  The §8.1 facts are read from these instead:
-
-=====================  =================================================
-keys                   ``master_key_count``
-active clients         ``master_active_clients``
-allocated / capacity   ``master_allocated_bytes`` / ``master_total_capacity_bytes``
-evictions              ``master_successful_evictions_total`` (keys: ``master_evicted_key_count``)
-allocation failures    ``master_put_start_alloc_failures_total``
-=====================  =================================================
-
-:func:`parse_mooncake_metrics` and :func:`render_mooncake` are pure; only
-:func:`find_mooncake_master` does I/O (bounded GETs).
+``/metrics`` is Prometheus text named ``master_*``, from which the production guide's §8.1
+facts are read (which metric gives which: docs/mooncake.md).  :func:`parse_mooncake_metrics`
+and :func:`render_mooncake` are pure; only :func:`find_mooncake_master` does I/O (bounded
+GETs).
 """
 
 from __future__ import annotations
@@ -83,6 +72,18 @@ def looks_like_mooncake_health(body: str) -> str | None:
     return None
 
 
+# The production guide's §8.1 command (``curl http://<master>:50088/metrics | grep -E
+# "kv_cache|connected"``) has no answer on a real Mooncake master:
+# ``mooncake_kv_cache_blocks_total`` and ``mooncake_connected_clients`` do not exist.  The
+# §8.1 facts are read from these instead:
+#
+# =====================  =================================================
+# keys                   ``master_key_count``
+# active clients         ``master_active_clients``
+# allocated / capacity   ``master_allocated_bytes`` / ``master_total_capacity_bytes``
+# evictions              ``master_successful_evictions_total`` (keys: ``master_evicted_key_count``)
+# allocation failures    ``master_put_start_alloc_failures_total``
+# =====================  =================================================
 def parse_mooncake_metrics(address: str, text: str, role: str = "") -> MooncakeMasterFacts:
     """``/metrics`` of a Mooncake master as facts; ProtocolError when it is not one."""
     values: dict[str, float] = {}

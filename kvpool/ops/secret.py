@@ -1,18 +1,8 @@
 """``kvpool secret``: make a cluster secret, and what operators and nodes derive from it.
 
-- ``kvpool secret new`` prints a fresh secret (256 random bits, hex) to put in a file
-  with mode 600 (``KVPOOL_SECRET_FILE``, ``--secret_file``, the node config's
-  ``secret_file``).
-- ``kvpool secret token`` prints the bearer token of the master's HTTP endpoints
-  (``curl -H "Authorization: Bearer $(kvpool secret token)" http://MASTER/api/status``).
-- ``kvpool secret node-key --node-id ID`` prints node ID's credential: a node given only
-  that can be node ID and nothing else (docs/security.md).
-- ``kvpool secret tenant-key --tenant NAME`` prints tenant NAME's credential: a client
-  given only that works in tenant NAME's namespace and nothing else (docs/security.md,
-  "Tenants and quotas").
-
-The secret is read as every kvpool process reads it: ``--secret-file``, else
-``KVPOOL_SECRET_FILE``, else ``KVPOOL_SECRET``.
+``new`` prints a fresh secret, ``token`` the master's HTTP bearer token, ``node-key`` and
+``tenant-key`` one node's or one tenant's credential (docs/security.md says what each may
+do).
 """
 
 from __future__ import annotations
@@ -38,6 +28,8 @@ class SecretOptions:
     tenant: str = ""
 
 
+# The secret is read as every kvpool process reads it: ``--secret-file``, else
+# ``KVPOOL_SECRET_FILE``, else ``KVPOOL_SECRET``.
 def run(opts: SecretOptions) -> int:
     if opts.action == "new":
         print(secrets.token_hex(32))

@@ -3,12 +3,7 @@
 Each takes its config already validated and hands over to the service that owns the
 event loop (:mod:`kvpool.service` for the pool, :mod:`kvpool.proxy` for the proxy); what
 stays here is what a command does around a server: logging, and reading the node's config
-file.  Start-up errors (a busy port, a small /dev/shm, an unusable SSD path, an unknown
-log level) are ConfigErrors naming the flag and its fix, raised before anything is
-allocated; ``kvpool.cli`` prints them as one line and exits 2.
-
-The services are imported when a command runs, so ``kvpool --help`` and
-``kvpool doctor`` stay light.
+file.
 """
 
 from __future__ import annotations
@@ -40,6 +35,12 @@ def _configure_logging(level: str | None) -> None:
     logging.basicConfig(level=name.upper(), format=_LOG_FORMAT)
 
 
+# Start-up errors (a busy port, a small /dev/shm, an unusable SSD path, an unknown
+# log level) are ConfigErrors naming the flag and its fix, raised before anything is
+# allocated; ``kvpool.cli`` prints them as one line and exits 2.
+#
+# The services are imported when a command runs, so ``kvpool --help`` and
+# ``kvpool doctor`` stay light.
 def run_master(config: MasterConfig, *, log_level: str | None = None) -> int:
     """``kvpool master``: serve the pool's metadata (and its own segment) until a signal."""
     from kvpool.service.master_server import run_master as serve_master

@@ -5,14 +5,8 @@ snapshot: tiers, clients, index stats) and ``/metrics`` (counters the snapshot l
 put failures by reason, evictions per tier).  :func:`parse_snapshot` turns the two answers
 into a :class:`PoolSnapshot` and :func:`render` turns that into rich renderables; both
 are pure, so the picture is unit-tested without a master.  Only :func:`fetch_snapshot`
-and :func:`run` do I/O.
-
-A real ``mooncake_master`` is recognised too (:mod:`kvpool.ops.mooncake_master`): when the
-address answers no kvpool snapshot, status looks for Mooncake's metrics port there (or on
-9003 beside its RPC port) and shows the §8.1 facts from its ``master_*`` metrics.
-
-Every ratio is shown with its denominator ("hit 37.5% (300 of 800 blocks)"): a ratio of
-nothing is printed as such, never as 0 %.
+and :func:`run` do I/O.  A real ``mooncake_master`` is recognised too
+(:mod:`kvpool.ops.mooncake_master`).
 """
 
 from __future__ import annotations
@@ -63,6 +57,8 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------- model
+# Every ratio is shown with its denominator ("hit 37.5% (300 of 800 blocks)"): a ratio of
+# nothing is printed as such, never as 0 %.
 @dataclass(frozen=True, slots=True)
 class Ratio:
     """``hits`` out of ``total`` ``unit`` (e.g. 300 of 800 blocks)."""
@@ -365,6 +361,9 @@ def fetch_snapshot(master: str, timeout_s: float = 5.0) -> PoolSnapshot:
     return parse_snapshot(master, status, metrics)
 
 
+# A real ``mooncake_master`` is recognised too (:mod:`kvpool.ops.mooncake_master`): when the
+# address answers no kvpool snapshot, status looks for Mooncake's metrics port there (or on
+# 9003 beside its RPC port) and shows the §8.1 facts from its ``master_*`` metrics.
 def fetch_any(master: str, timeout_s: float = 5.0) -> PoolSnapshot | MooncakeMasterFacts:
     """kvpool's snapshot, or, when no kvpool master answers there, a Mooncake master's
     facts (its metrics port, or 9003 beside its RPC port); raises kvpool's error then."""

@@ -1,43 +1,10 @@
 """The handshake that opens every authenticated kvpool connection, without sockets.
 
-Mutual challenge–response with HMAC-SHA256 over nonces from both sides::
-
-    client → server   Hello      role, client id, client nonce Nc
-    server → client   Challenge  server id, server nonce Ns, proof_s   (or Refuse)
-    client → server   Proof      proof_c                                (client checked proof_s)
-    server → client   Welcome                                           (or Refuse)
-
-    proof_x = HMAC(K, "kvpool-auth-1 " + x + transcript),  x = "server" | "client"
-    transcript = role, client id, server id, Nc, Ns (each length-prefixed)
-
-Rules:
-
-- K is the key of the claimed role (:func:`kvpool.core.credentials.key_for`); it is
-  never sent.  Both nonces are fresh per connection, so a recorded handshake replays
-  nowhere, and the two proofs carry different labels, so one side's proof is never the
-  other's.
-- The server proves first: a client knows it talks to a holder of the key before it sends
-  anything else (a request, or a value).  Only then does it prove itself.
-- The transcript binds the role and both ids, so a proof made as one node, or to one data
-  port, is no proof for another.
-- Every message is a frame ``KVPA`` | kind (1 byte) | body length (2 bytes, big-endian) |
-  body; the magic differs from the RPC frames' ``KVP1``, so a server tells a handshake
-  from a plain request by the first four bytes.  A refusal carries a one-line reason,
-  which the peer raises as :class:`~kvpool.errors.AuthError`.
-- After Welcome the connection speaks its port's own protocol; frames carry nothing of
-  the handshake, so the data plane pays nothing per frame.
-- During a rotation a side holds two credentials, the new one and the previous one
-  (:meth:`Credential.candidates <kvpool.core.credentials.Credential.candidates>`).  The
-  server proves each: its Challenge carries proof_s under the new key, then, after the
-  server id and a NUL byte, proof_s under the previous key.  The client proves with the
-  first of its own keys (the new one first) that matches one of those, so a client and a
-  server meet on whichever secret they share, in one round trip, with no retry; the
-  server accepts a client proof under either of its keys.  With one credential the
-  Challenge is the same bytes as before rotation existed.
-
-:class:`ClientHandshake` and :class:`ServerHandshake` are the two sides as state
-machines fed with frames; :class:`FrameReader` cuts frames out of received bytes.  The
-socket steps are :mod:`kvpool.transfer.auth` (blocking) and the master's event loop.
+A mutual challenge–response with HMAC-SHA256 over nonces from both sides, the server
+proving first.  :class:`ClientHandshake` and :class:`ServerHandshake` are the two sides as
+state machines fed with frames (the messages and rules are beside them);
+:class:`FrameReader` cuts frames out of received bytes.  The socket steps are
+:mod:`kvpool.transfer.auth` (blocking) and the master's event loop.
 """
 
 from __future__ import annotations
@@ -62,6 +29,12 @@ __all__ = [
     "refusal",
 ]
 
+# - Every message is a frame ``KVPA`` | kind (1 byte) | body length (2 bytes, big-endian) |
+#   body; the magic differs from the RPC frames' ``KVP1``, so a server tells a handshake
+#   from a plain request by the first four bytes.  A refusal carries a one-line reason,
+#   which the peer raises as :class:`~kvpool.errors.AuthError`.
+# - After Welcome the connection speaks its port's own protocol; frames carry nothing of
+#   the handshake, so the data plane pays nothing per frame.
 AUTH_MAGIC = b"KVPA"
 VERSION = 1
 HEADER = struct.Struct("!4sBH")
@@ -148,6 +121,26 @@ class Identity:
     client_id: str
 
 
+# Mutual challenge–response with HMAC-SHA256 over nonces from both sides::
+#
+#     client → server   Hello      role, client id, client nonce Nc
+#     server → client   Challenge  server id, server nonce Ns, proof_s   (or Refuse)
+#     client → server   Proof      proof_c                                (client checked proof_s)
+#     server → client   Welcome                                           (or Refuse)
+#
+#     proof_x = HMAC(K, "kvpool-auth-1 " + x + transcript),  x = "server" | "client"
+#     transcript = role, client id, server id, Nc, Ns (each length-prefixed)
+#
+# Rules:
+#
+# - K is the key of the claimed role (:func:`kvpool.core.credentials.key_for`); it is
+#   never sent.  Both nonces are fresh per connection, so a recorded handshake replays
+#   nowhere, and the two proofs carry different labels, so one side's proof is never the
+#   other's.
+# - The server proves first: a client knows it talks to a holder of the key before it sends
+#   anything else (a request, or a value).  Only then does it prove itself.
+# - The transcript binds the role and both ids, so a proof made as one node, or to one data
+#   port, is no proof for another.
 @dataclass
 class ClientHandshake:
     """The client side: :meth:`hello`, then :meth:`on_challenge` (gives the Proof frame),
@@ -193,6 +186,14 @@ class ClientHandshake:
         _expect(frame, WELCOME, "a welcome")
 
 
+# - During a rotation a side holds two credentials, the new one and the previous one
+#   (:meth:`Credential.candidates <kvpool.core.credentials.Credential.candidates>`).  The
+#   server proves each: its Challenge carries proof_s under the new key, then, after the
+#   server id and a NUL byte, proof_s under the previous key.  The client proves with the
+#   first of its own keys (the new one first) that matches one of those, so a client and a
+#   server meet on whichever secret they share, in one round trip, with no retry; the
+#   server accepts a client proof under either of its keys.  With one credential the
+#   Challenge is the same bytes as before rotation existed.
 @dataclass
 class ServerHandshake:
     """The server side: :meth:`on_hello` gives the Challenge (or a Refuse frame, after

@@ -1,40 +1,11 @@
 """Framing for kvpool's request/response RPC over a byte stream (pure: no sockets).
 
-A frame is a fixed 12-byte header, a msgpack body, and an optional raw payload::
-
-    +--------+----------------+-------------------+----------------+-------------------+
-    | "KVP1" | body length u32 | payload length u32 | body (msgpack) | payload (raw)     |
-    +--------+----------------+-------------------+----------------+-------------------+
-      4 B        4 B, big-endian   4 B, big-endian     body length      payload length
-
-The body is one typed :class:`msgspec.Struct` from a tagged union (``tag=True``), so
-the receiver knows the message type from the body alone.  The payload is *not*
-msgpack: it is the value's bytes, declared in the header so a receiver can
-``recv_into`` it straight into its destination buffer (a segment, a tensor) with no
-intermediate copy.
-
-Invariants:
-
-- The magic doubles as the version marker: a peer speaking another version is
-  rejected on its first frame, never misparsed.
-- Limits are checked on the header, before any body or payload byte is buffered, so an
-  oversized frame costs the receiver 12 bytes of memory.  A receiver whose requests never
-  carry a payload (the master's RPC, the lookup socket, P->D pull requests) sets
-  ``max_payload=0``, so a header announcing one is refused at once instead of buffered.
-- :class:`FrameDecoder` holds at most one partial frame (header + ``max_body`` +
-  ``max_payload``) plus the bytes of one ``feed``: the caller bounds what it feeds, and
-  stops feeding while it cannot write replies (see the master's RPC protocol).
-- Every decoding failure (bad magic, oversized, truncated msgpack, wrong field types,
-  unknown message tag) raises :class:`kvpool.errors.ProtocolError` with a message that
-  says which.
-
-Primitives:
-
-- :class:`Codec` -- encodes a message into header+body bytes; decodes a header or a body.
-- :class:`FrameDecoder` -- incremental, sans-I/O: ``feed(bytes)`` then iterate
-  :class:`Frame` events (payload buffered; for asyncio control-plane traffic).
-- Blocking-socket helpers that receive payloads in place live in
-  :mod:`kvpool.transfer.framing`.
+A frame is a fixed 12-byte header (``"KVP1"``, body length u32, payload length u32, both
+big-endian), a msgpack body (one typed :class:`msgspec.Struct` of a tagged union), and an
+optional raw payload that a receiver can ``recv_into`` straight into its destination
+buffer.  :class:`Codec` encodes and decodes; :class:`FrameDecoder` is the incremental,
+sans-I/O decoder.  Blocking-socket helpers that receive payloads in place live in
+:mod:`kvpool.transfer.framing`.
 """
 
 from __future__ import annotations
@@ -58,6 +29,30 @@ __all__ = [
     "FrameHeader",
 ]
 
+# A frame is a fixed 12-byte header, a msgpack body, and an optional raw payload::
+#
+#     +--------+----------------+-------------------+----------------+-------------------+
+#     | "KVP1" | body length u32 | payload length u32 | body (msgpack) | payload (raw)     |
+#     +--------+----------------+-------------------+----------------+-------------------+
+#       4 B        4 B, big-endian   4 B, big-endian     body length      payload length
+#
+# The body is one typed :class:`msgspec.Struct` from a tagged union (``tag=True``), so
+# the receiver knows the message type from the body alone.  The payload is *not*
+# msgpack: it is the value's bytes, declared in the header so a receiver can
+# ``recv_into`` it straight into its destination buffer (a segment, a tensor) with no
+# intermediate copy.
+#
+# Invariants:
+#
+# - The magic doubles as the version marker: a peer speaking another version is
+#   rejected on its first frame, never misparsed.
+# - Limits are checked on the header, before any body or payload byte is buffered, so an
+#   oversized frame costs the receiver 12 bytes of memory.  A receiver whose requests never
+#   carry a payload (the master's RPC, the lookup socket, P->D pull requests) sets
+#   ``max_payload=0``, so a header announcing one is refused at once instead of buffered.
+# - Every decoding failure (bad magic, oversized, truncated msgpack, wrong field types,
+#   unknown message tag) raises :class:`kvpool.errors.ProtocolError` with a message that
+#   says which.
 MAGIC = b"KVP1"
 _HEADER = struct.Struct("!4sII")
 HEADER_SIZE = _HEADER.size
@@ -160,6 +155,9 @@ class Codec(Generic[M]):
             raise ProtocolError(f"undecodable message body: {exc}") from None
 
 
+# - :class:`FrameDecoder` holds at most one partial frame (header + ``max_body`` +
+#   ``max_payload``) plus the bytes of one ``feed``: the caller bounds what it feeds, and
+#   stops feeding while it cannot write replies (see the master's RPC protocol).
 class FrameDecoder(Generic[M]):
     """Incremental frame decoder: feed stream bytes, take complete frames out.
 

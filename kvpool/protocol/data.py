@@ -1,22 +1,8 @@
 """Data-plane messages: segment reads and writes between a client and a storage node.
 
-Conversation on one connection (strictly request → reply, one at a time)::
-
-    SegmentWrite(segment_id, offset, length) + payload of `length` bytes  →  Ok(length=0)
-    SegmentRead(segment_id, offset, length)                               →  Ok(length) + payload
-    SegmentWriteMany(ranges) + the ranges' bytes back to back             →  Ok(length=0)
-    SegmentReadMany(ranges)                                               →  Ok(total) + payload
-    SegmentInfo(segment_id)                                               →  SegmentInfoReply
-    SsdRead(key, length)                                                  →  Ok(length) + payload
-    any request the node cannot honour                                    →  Error(code, message)
-
-A write's payload is always sent in full, even when the node will refuse it (it learns
-that only after the header), so the stream stays in sync and the refusal is a plain
-:class:`Error` reply.  Errors carry :func:`kvpool.errors.error_code` codes and turn back
-into the same exception class with :meth:`Error.to_exception`.
-
-The master's metadata messages live in :mod:`kvpool.protocol.messages`; ``Ok`` and
-``Error`` here are generic enough to reuse there.
+One connection is strictly request → reply, one at a time.  The master's metadata messages
+live in :mod:`kvpool.protocol.messages`; ``Ok`` and ``Error`` here are generic enough to
+reuse there.
 """
 
 from __future__ import annotations
@@ -46,6 +32,19 @@ __all__ = [
 ]
 
 
+# Conversation on one connection (strictly request → reply, one at a time)::
+#
+#     SegmentWrite(segment_id, offset, length) + payload of `length` bytes  →  Ok(length=0)
+#     SegmentRead(segment_id, offset, length)                               →  Ok(length) + payload
+#     SegmentWriteMany(ranges) + the ranges' bytes back to back             →  Ok(length=0)
+#     SegmentReadMany(ranges)                                               →  Ok(total) + payload
+#     SegmentInfo(segment_id)                                               →  SegmentInfoReply
+#     SsdRead(key, length)                                                  →  Ok(length) + payload
+#     any request the node cannot honour                                    →  Error(code, message)
+#
+# A write's payload is always sent in full, even when the node will refuse it (it learns
+# that only after the header), so the stream stays in sync and the refusal is a plain
+# :class:`Error` reply.
 class SegmentWrite(msgspec.Struct, frozen=True, tag=True):
     """Write the frame's payload (``length`` bytes) at ``offset`` of the segment.
 
@@ -145,6 +144,8 @@ class Ok(msgspec.Struct, frozen=True, tag=True):
     length: int = 0
 
 
+# Errors carry :func:`kvpool.errors.error_code` codes and turn back
+# into the same exception class with :meth:`Error.to_exception`.
 class Error(msgspec.Struct, frozen=True, tag=True):
     """Failure, as an error-hierarchy code and a human-readable message."""
 

@@ -1,31 +1,9 @@
 """The P→D pull when Mooncake's Transfer Engine moves the pages (no sockets here).
 
-The conversation is :mod:`kvpool.protocol.pull`'s (D asks for a request's heads, P admits
-or refuses, ``PullDone`` frees a hold), over the same kind of TCP connection to P's
-``kv_port``; only the pages leave it.  P answers an admitted pull with where the page
-slices lie in its registered KV caches, D reads them with the Transfer Engine straight
-into its own registered caches, then says so::
-
-    D → P   Pull(request_id, block_ids, head_start, head_count, layers, ...)
-    P → D   Pages(endpoint, layer_addrs, block_stride, head_bytes)   or Refused(reason)
-    D → P   Read(nbytes)        every page slice is in D's cache
-    P → D   Done(nbytes)        P counted the pull as served (its blocks may be freed)
-      or
-    D → P   Unread(reason)      D's read failed: nothing was served (D recomputes)
-
-    D → P   PullDone(request_id, dst_rank, ...)
-    P → D   Done(0)  or Refused(reason)
-
-Why D reads rather than P writes: D's KV cache is written only while D's own thread is in
-the engine's (bounded) read call, so once D reports a failed load and vLLM reuses those
-blocks, no late write from P can land in them; P's memory is only ever read, and P frees
-the request's blocks only after D's ``Read``.  It also keeps the roles of the TCP pull: D
-decides what it wants and when it gives up.
-
-The page slice of block ``b``, layer ``i``, heads from ``h`` is at
-``layer_addrs[i] + b * block_stride + h * head_bytes`` in P's memory (P's layout: its
-heads per block may differ from D's under heterogeneous TP), ``head_count * head_bytes``
-long and contiguous.
+The conversation is :mod:`kvpool.protocol.pull`'s, over the same kind of TCP connection to
+P's ``kv_port``; only the pages leave it: P answers an admitted pull with where the page
+slices lie in its registered KV caches (:class:`Pages`), D reads them with the Transfer
+Engine straight into its own registered caches, then says so (:class:`Read`).
 """
 
 from __future__ import annotations
@@ -46,6 +24,26 @@ __all__ = [
 ]
 
 
+# D → P   Pull(request_id, block_ids, head_start, head_count, layers, ...)
+# P → D   Pages(endpoint, layer_addrs, block_stride, head_bytes)   or Refused(reason)
+# D → P   Read(nbytes)        every page slice is in D's cache
+# P → D   Done(nbytes)        P counted the pull as served (its blocks may be freed)
+#   or
+# D → P   Unread(reason)      D's read failed: nothing was served (D recomputes)
+#
+# D → P   PullDone(request_id, dst_rank, ...)
+# P → D   Done(0)  or Refused(reason)
+#
+# Why D reads rather than P writes: D's KV cache is written only while D's own thread is in
+# the engine's (bounded) read call, so once D reports a failed load and vLLM reuses those
+# blocks, no late write from P can land in them; P's memory is only ever read, and P frees
+# the request's blocks only after D's ``Read``.  It also keeps the roles of the TCP pull: D
+# decides what it wants and when it gives up.
+#
+# The page slice of block ``b``, layer ``i``, heads from ``h`` is at
+# ``layer_addrs[i] + b * block_stride + h * head_bytes`` in P's memory (P's layout: its
+# heads per block may differ from D's under heterogeneous TP), ``head_count * head_bytes``
+# long and contiguous.
 class Pages(msgspec.Struct, tag="pages", frozen=True):
     """P admitted the pull: read its page slices from P's registered memory."""
 

@@ -1,20 +1,7 @@
 """The master's metadata messages (control plane).  Bytes never travel here.
 
-Conversation on one connection: strictly request → reply, one at a time.  Every reply is
-the request's own reply type, or :class:`~kvpool.protocol.data.Error`.
-
-    Register / AddSegment / Heartbeat / Restore      a storage owner (node or client) joins
-    PutStart → Placement ; PutEnd ; PutRevoke        two-phase write
-    Get → Placement (with a read lease) ; Release    read
-    Exists / BatchExists / PrefixLookup              probes: never lease
-    Remove ; Pin ; ReleaseOwner                      holds and removal
-    ReportFailure                                    a transfer to a segment failed
-    ReportCorrupt                                    a copy failed its checksum
-    Stats                                            pool at a glance (kvpool status)
-    SetQuota                                         a tenant's byte quota (operator only)
-
-A :class:`Placement` names the segment and how to reach it: the owner's data address for
-TCP and, for clients on the same host (equal ``host_token``), its shared-memory name.
+The segment data plane is :mod:`kvpool.protocol.data`, whose ``Error`` is every request's
+other possible reply.
 """
 
 from __future__ import annotations
@@ -63,6 +50,18 @@ __all__ = [
 ]
 
 
+# Conversation on one connection: strictly request → reply, one at a time.  Every reply is
+# the request's own reply type, or :class:`~kvpool.protocol.data.Error`.
+#
+#     Register / AddSegment / Heartbeat / Restore      a storage owner (node or client) joins
+#     PutStart → Placement ; PutEnd ; PutRevoke        two-phase write
+#     Get → Placement (with a read lease) ; Release    read
+#     Exists / BatchExists / PrefixLookup              probes: never lease
+#     Remove ; Pin ; ReleaseOwner                      holds and removal
+#     ReportFailure                                    a transfer to a segment failed
+#     ReportCorrupt                                    a copy failed its checksum
+#     Stats                                            pool at a glance (kvpool status)
+#     SetQuota                                         a tenant's byte quota (operator only)
 class Register(msgspec.Struct, frozen=True, tag=True):
     client_id: str
     data_address: str = ""  # host:port of the owner's segment data server, if any
@@ -225,6 +224,8 @@ class SetQuota(msgspec.Struct, frozen=True, tag=True):
     quota_bytes: int
 
 
+# A :class:`Placement` names the segment and how to reach it: the owner's data address for
+# TCP and, for clients on the same host (equal ``host_token``), its shared-memory name.
 class Placement(msgspec.Struct, frozen=True, tag=True, rename={"placed": "found"}):
     """Where an object is (a get) or is to be written (a put).
 

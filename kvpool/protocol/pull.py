@@ -1,32 +1,9 @@
 """The P→D pull protocol: typed messages over kvpool's frame codec (no sockets here).
 
 The transfer connector is both ends: a decode (D) rank pulls the KV pages of a request
-from the prefill (P) rank that computed it, from P's ``kv_port``.  Beside the master's
-RPC (:mod:`kvpool.protocol.messages`) and the segment data plane
-(:mod:`kvpool.protocol.data`).
-
-One connection from a D rank to a P rank carries one exchange per request::
-
-    D → P   Pull(request_id, block_ids, head_start, head_count, layers, dst_rank, ...)
-    P → D   Layer(index=0, page_bytes)  + payload: one page slice per block, in block order
-            Layer(index=1, page_bytes)  + payload
-            ...
-            Done(nbytes)
-      or at any point
-    P → D   Refused(reason)              and no more frames for this pull
-
-    D → P   PullDone(request_id, dst_rank)  D needs nothing (full local hit, abort, failure)
-    P → D   Done(0)
-
-``PullDone`` is not the master's ``Release`` (a read lease given back): it tells P that
-this D rank is done with the request's blocks without pulling them, so P may free them
-before ``hold_timeout_ms``.
-
-A *page slice* is ``cache[layer][block_id, head_start : head_start + head_count]``: the
-heads this D rank needs of one whole block.  Blocks travel as opaque pages (the CPU
-kernel does not keep tokens in position order inside a block), and one page slice is
-contiguous in both caches, so it is sent from and received into the KV caches with no
-staging copy.
+from the prefill (P) rank that computed it, from P's ``kv_port``, one exchange per request
+on one connection.  Beside the master's RPC (:mod:`kvpool.protocol.messages`) and the
+segment data plane (:mod:`kvpool.protocol.data`).
 """
 
 from __future__ import annotations
@@ -48,6 +25,18 @@ __all__ = [
 ]
 
 
+# One connection from a D rank to a P rank carries one exchange per request::
+#
+#     D → P   Pull(request_id, block_ids, head_start, head_count, layers, dst_rank, ...)
+#     P → D   Layer(index=0, page_bytes)  + payload: one page slice per block, in block order
+#             Layer(index=1, page_bytes)  + payload
+#             ...
+#             Done(nbytes)
+#       or at any point
+#     P → D   Refused(reason)              and no more frames for this pull
+#
+#     D → P   PullDone(request_id, dst_rank)  D needs nothing (full local hit, abort, failure)
+#     P → D   Done(0)
 class Pull(msgspec.Struct, tag="pull", frozen=True):
     """Send me these heads of these blocks of a request you hold."""
 
@@ -62,6 +51,9 @@ class Pull(msgspec.Struct, tag="pull", frozen=True):
     group: str | None = None  # D's pairing group (engine_id); None when D has none
 
 
+# ``PullDone`` is not the master's ``Release`` (a read lease given back): it tells P that
+# this D rank is done with the request's blocks without pulling them, so P may free them
+# before ``hold_timeout_ms``.
 class PullDone(msgspec.Struct, tag="pull_done", frozen=True):
     """D rank ``dst_rank`` will not pull this request: P may stop holding it for that rank."""
 
@@ -71,6 +63,11 @@ class PullDone(msgspec.Struct, tag="pull_done", frozen=True):
     group: str | None = None
 
 
+# A *page slice* is ``cache[layer][block_id, head_start : head_start + head_count]``: the
+# heads this D rank needs of one whole block.  Blocks travel as opaque pages (the CPU
+# kernel does not keep tokens in position order inside a block), and one page slice is
+# contiguous in both caches, so it is sent from and received into the KV caches with no
+# staging copy.
 class Layer(msgspec.Struct, tag="layer", frozen=True):
     """One layer's page slices follow as the payload, ``page_bytes`` each, in block order."""
 

@@ -4,18 +4,6 @@ The proxy speaks OpenAI's HTTP, so its credential is OpenAI's: ``Authorization: 
 KEY``, as ``vllm serve --api-key`` expects (the cluster secret's handshake is for kvpool's
 own binary ports, which a client of an OpenAI API does not speak).  Pure but for reading a
 key file; the aiohttp side (the 401 reply) is in :mod:`kvpool.proxy.server`.
-
-Sources of the proxy's own keys, first found wins (as the cluster secret's,
-:mod:`kvpool.config.secret`):
-
-1. ``--api-key KEY`` (repeatable) or ``--api-key-file PATH`` (one key a line);
-2. ``KVPOOL_API_KEY_FILE``, a file;
-3. ``KVPOOL_API_KEY``, the key itself.
-
-The key sent on to P and D: ``--upstream-api-key`` / ``--upstream-api-key-file`` /
-``KVPOOL_UPSTREAM_API_KEY_FILE`` / ``KVPOOL_UPSTREAM_API_KEY``, else the proxy's first own
-key (vLLM instances started with the same ``--api-key``), else none: then the client's own
-``Authorization`` header is passed on as it came.
 """
 
 from __future__ import annotations
@@ -120,11 +108,21 @@ def _resolve(
     return ()
 
 
+# Sources of the proxy's own keys, first found wins (as the cluster secret's,
+# :mod:`kvpool.config.secret`):
+#
+# 1. ``--api-key KEY`` (repeatable) or ``--api-key-file PATH`` (one key a line);
+# 2. ``KVPOOL_API_KEY_FILE``, a file;
+# 3. ``KVPOOL_API_KEY``, the key itself.
 def resolve_api_keys(keys: Sequence[str], key_file: str, env: Mapping[str, str]) -> tuple[str, ...]:
     """The proxy's own keys (any of them is accepted); empty when none is configured."""
     return _resolve("--api-key", keys, key_file, env, ENV_API_KEY, ENV_API_KEY_FILE, MIN_KEY_CHARS)
 
 
+# The key sent on to P and D: ``--upstream-api-key`` / ``--upstream-api-key-file`` /
+# ``KVPOOL_UPSTREAM_API_KEY_FILE`` / ``KVPOOL_UPSTREAM_API_KEY``, else the proxy's first own
+# key (vLLM instances started with the same ``--api-key``), else none: then the client's own
+# ``Authorization`` header is passed on as it came.
 def resolve_upstream_key(key: str, key_file: str, env: Mapping[str, str]) -> str | None:
     """The key the proxy sends to P and D when set explicitly; None leaves the default."""
     found = _resolve(

@@ -1,15 +1,4 @@
-"""The OpenAI wire shapes the proxy reads and writes.  Pure: dicts in, dicts/bytes out.
-
-Primitives::
-
-    validate_request(kind, body)        the request's problem as a message, or None
-    prefill_request(kind, body)         the P leg: max_tokens=1, stream=false,
-                                        kv_transfer_params={"do_remote_decode": true}
-    decode_request(body, kv_params)     the D leg: the original request + P's kv_transfer_params
-    error_body(status, message, type)   OpenAI's error JSON
-    upstream_error(status, raw)         the message and type inside an upstream's error reply
-    stream_error_event(message, type)   an SSE event carrying an error after headers are sent
-"""
+"""The OpenAI wire shapes the proxy reads and writes.  Pure: dicts in, dicts/bytes out."""
 
 from __future__ import annotations
 
@@ -79,6 +68,7 @@ def prefill_request(kind: str, body: dict[str, Any]) -> dict[str, Any]:
     return request
 
 
+# The D leg: the original request + P's kv_transfer_params.
 def decode_request(
     body: dict[str, Any], kv_transfer_params: dict[str, Any] | None
 ) -> dict[str, Any]:
@@ -103,6 +93,7 @@ def error_type_for(status: int) -> str:
     return "server_error" if status >= 500 else "invalid_request_error"
 
 
+# OpenAI's error JSON.
 def error_body(status: int, message: str, type_: str | None = None) -> dict[str, Any]:
     return {
         "error": {

@@ -2,28 +2,8 @@
 
 Pure code: no I/O, no clock, no randomness.  The server owns the sockets and tells this
 module what happened (an endpoint failed, a health poll succeeded); this module only keeps
-the state and decides.
-
-Primitives::
-
-    Upstream            one endpoint: url, healthy, in-flight count, last error
-    RoutingPolicy       chooses one endpoint among healthy candidates; by name with
-                        make_routing_policy(name), one of ROUTING_POLICIES
-    UpstreamGroup       the endpoints of one role; pick() / acquire() / release(),
-                        mark_down() / mark_up()
-    RoundRobin          rotate over the healthy endpoints
-    LeastInflight       fewest requests in flight; ties rotate
-    PrefixAffinity      rendezvous hash of the prompt prefix: the same prefix lands on the
-                        same endpoint, and losing one endpoint moves only its own prefixes
-    prefix_key(body, n) the bytes PrefixAffinity hashes: first n chars (or tokens) of the
-                        prompt, or of the chat messages rendered canonically
-
-Rules:
-- Only healthy endpoints are candidates.  An endpoint goes down on a connect failure, a 5xx
-  or a failing health poll, and comes back only when a health poll succeeds.
-- Hashes are ``hashlib`` digests, never ``hash()``: every proxy process, whatever its
-  ``PYTHONHASHSEED``, sends a prefix to the same endpoint.
-- ``acquire`` and ``release`` come in pairs; the in-flight count never goes below zero.
+the state and decides: :class:`UpstreamGroup` holds one role's endpoints, a
+:class:`RoutingPolicy` (:func:`make_routing_policy`) picks among the healthy ones.
 """
 
 from __future__ import annotations
@@ -97,6 +77,8 @@ class LeastInflight:
         return chosen
 
 
+# - Hashes are ``hashlib`` digests, never ``hash()``: every proxy process, whatever its
+#   ``PYTHONHASHSEED``, sends a prefix to the same endpoint.
 def _score(key: bytes, url: str) -> int:
     digest = hashlib.blake2b(key + b"\x00" + url.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
@@ -141,6 +123,9 @@ def make_routing_policy(name: str) -> RoutingPolicy:
         ) from None
 
 
+# - Only healthy endpoints are candidates.  An endpoint goes down on a connect failure, a 5xx
+#   or a failing health poll, and comes back only when a health poll succeeds.
+# - ``acquire`` and ``release`` come in pairs; the in-flight count never goes below zero.
 class UpstreamGroup:
     """The endpoints of one role (prefill or decode) and the policy that picks among them."""
 

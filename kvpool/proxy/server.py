@@ -1,32 +1,12 @@
 """The P/D proxy server: an OpenAI-compatible front for prefill/decode pairs (aiohttp).
 
-One request, two legs (the production guide's §1.1)::
+One request, two legs (the production guide's §1.1; API keys: :mod:`kvpool.proxy.auth`)::
 
     client ─► proxy ─► P   max_tokens=1, stream=false,
                 │          kv_transfer_params={"do_remote_decode": true}
                 │      ◄─  JSON reply with kv_transfer_params (where P left the KV)
                 └────► D   the original request + P's kv_transfer_params
     client ◄───────────    D's answer, streamed through as it comes
-
-Lifecycle (as uvicorn): ``ProxyServer(config)`` has no side effects; ``await start()``
-binds and starts the health checker; ``await stop()`` stops accepting, lets in-flight
-requests finish (up to ``shutdown_timeout_s``) and closes every upstream connection.
-``kvpool up`` can run it in-process this way, or run ``kvpool proxy`` as a subprocess.
-
-API keys (``--api-key``, :mod:`kvpool.proxy.auth`): with one configured, every path but
-``/health`` (and ``/metrics`` with ``--open-metrics``) needs ``Authorization: Bearer KEY``;
-anything else gets a 401 in OpenAI's shape before P or D is called.  P and D get the
-proxy's upstream key instead of the client's.
-
-Failure rules:
-- Nothing has been sent to the client yet → a proper HTTP error in OpenAI's shape: the
-  upstream's own status and message, 502 when an upstream cannot be reached or breaks off,
-  504 on an upstream timeout, 503 when no endpoint of a role is in rotation, 400 for a
-  request the proxy cannot route.
-- A connect failure is retried on another endpoint of the same role (nothing was sent).
-- D fails after its first bytes were passed on → an SSE error event, no ``[DONE]``.
-- The client disconnects → the handler is cancelled and both upstream responses are
-  closed, so vLLM aborts the request.
 """
 
 from __future__ import annotations
@@ -66,6 +46,25 @@ _MAX_BODY_BYTES = 64 * 1024 * 1024
 _OPEN_PATHS = frozenset({"/health"})
 
 
+# Lifecycle (as uvicorn): ``ProxyServer(config)`` has no side effects; ``await start()``
+# binds and starts the health checker; ``await stop()`` stops accepting, lets in-flight
+# requests finish (up to ``shutdown_timeout_s``) and closes every upstream connection.
+# ``kvpool up`` can run it in-process this way, or run ``kvpool proxy`` as a subprocess.
+#
+# API keys (``--api-key``, :mod:`kvpool.proxy.auth`): with one configured, every path but
+# ``/health`` (and ``/metrics`` with ``--open-metrics``) needs ``Authorization: Bearer KEY``;
+# anything else gets a 401 in OpenAI's shape before P or D is called.  P and D get the
+# proxy's upstream key instead of the client's.
+#
+# Failure rules:
+# - Nothing has been sent to the client yet → a proper HTTP error in OpenAI's shape: the
+#   upstream's own status and message, 502 when an upstream cannot be reached or breaks off,
+#   504 on an upstream timeout, 503 when no endpoint of a role is in rotation, 400 for a
+#   request the proxy cannot route.
+# - A connect failure is retried on another endpoint of the same role (nothing was sent).
+# - D fails after its first bytes were passed on → an SSE error event, no ``[DONE]``.
+# - The client disconnects → the handler is cancelled and both upstream responses are
+#   closed, so vLLM aborts the request.
 class ProxyServer:
     """Routes OpenAI requests through one P and one D endpoint each."""
 

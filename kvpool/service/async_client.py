@@ -6,12 +6,6 @@ serving while a read waits on a node.  That is the whole design, on purpose: the
 work is socket and memory I/O that releases the GIL, its rules (leases, checksums, a
 corrupt or unreachable copy is a miss, failed nodes reported) live in one place, and a
 second implementation of them over asyncio streams would have to be kept in step by hand.
-
-Concurrency: the master connection carries one request at a time (the Client serialises
-on it), while data reads and writes of concurrent calls overlap.  Calls run in a private
-thread pool of ``max_workers`` threads so the pool cannot starve the loop's default
-executor.  Cancelling an awaiting task does not interrupt the call already running in
-its thread (it finishes, or fails on its own timeout); the result is dropped.
 """
 
 from __future__ import annotations
@@ -32,6 +26,11 @@ __all__ = ["AsyncClient"]
 _T = TypeVar("_T")
 
 
+# Concurrency: the master connection carries one request at a time (the Client serialises
+# on it), while data reads and writes of concurrent calls overlap.  Calls run in a private
+# thread pool of ``max_workers`` threads so the pool cannot starve the loop's default
+# executor.  Cancelling an awaiting task does not interrupt the call already running in
+# its thread (it finishes, or fails on its own timeout); the result is dropped.
 class AsyncClient:
     """Awaitable put/get/exists/... on a master, or on any Client-like pool.
 

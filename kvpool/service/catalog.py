@@ -4,23 +4,6 @@ A node keeps a catalog of the objects it holds, so it can re-announce them to a 
 that restarted.  The master tells it what changed in the reply to its next heartbeat;
 :class:`Outbox` holds those changes until then.  Storage hosted in the master's own
 process has no outbox: the master is its catalog.
-
-Freshness: a put into a node's segment is acknowledged only once the node has its
-catalog entry, so a master that crashes right after the acknowledgement still gets the
-object re-announced.  The node long-polls (the master holds its heartbeat until there
-is a change, or the heartbeat interval passed) and heartbeats again at once after a
-reply that carried changes: that next heartbeat *confirms* everything the previous
-reply delivered.  Each owner's adds are numbered (``seq``); ``take`` marks what it
-delivers, ``confirm`` (a heartbeat arrived) marks it confirmed, and a put waits until
-``confirmed(owner) >= seq(owner)`` as of its own add.  Simplest of the designs that are
-correct: the node's own segment cannot tell which key a write was for, and a separate
-master-to-node call per put would be a second channel to keep in order with this one.
-
-A write through the node's data server can tell it, though: a TCP put's ``SegmentWrite``
-carries the key and checksum, the node notes them as the bytes land, and its ``PutEnd``
-says ``noted``; such a put is answered without waiting (the add still goes out, and
-moves the node's note into its catalog).  Shared-memory writes bypass the node's server
-and keep waiting.
 """
 
 from __future__ import annotations
@@ -52,6 +35,22 @@ class _Pending:
     removed: dict[str, None] = field(default_factory=dict)
 
 
+# Freshness: a put into a node's segment is acknowledged only once the node has its
+# catalog entry, so a master that crashes right after the acknowledgement still gets the
+# object re-announced.  The node long-polls (the master holds its heartbeat until there
+# is a change, or the heartbeat interval passed) and heartbeats again at once after a
+# reply that carried changes: that next heartbeat *confirms* everything the previous
+# reply delivered.  Each owner's adds are numbered (``seq``); ``take`` marks what it
+# delivers, ``confirm`` (a heartbeat arrived) marks it confirmed, and a put waits until
+# ``confirmed(owner) >= seq(owner)`` as of its own add.  Simplest of the designs that are
+# correct: the node's own segment cannot tell which key a write was for, and a separate
+# master-to-node call per put would be a second channel to keep in order with this one.
+#
+# A write through the node's data server can tell it, though: a TCP put's ``SegmentWrite``
+# carries the key and checksum, the node notes them as the bytes land, and its ``PutEnd``
+# says ``noted``; such a put is answered without waiting (the add still goes out, and
+# moves the node's note into its catalog).  Shared-memory writes bypass the node's server
+# and keep waiting.
 class Outbox:
     """Pending :class:`CatalogChanges`, per storage owner that asked to be kept told."""
 

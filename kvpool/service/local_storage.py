@@ -4,18 +4,6 @@ tier, and the data server that lets clients read and write them directly.
 Used by ``kvpool master`` (its embedded segment, the single-command default) and by
 ``kvpool node``.  The master never carries object bytes: clients reach this data server
 over TCP, or attach the segment's shared memory when they share the host.
-
-What is set up when: the data port is bound first, then the SSD tier is opened, then the
-free space of ``/dev/shm`` is checked against the segment, and only then is the segment
-allocated -- so a busy port, an unusable SSD path or a small ``/dev/shm`` is a one-line
-:class:`~kvpool.errors.ConfigError` naming the setting and its fix, with nothing left
-behind (a failure part-way closes what was set up).  The settings are named as the
-process's own configuration spells them (:class:`SettingNames`).
-
-The SSD tier outlives processes: whoever owns it announces what it holds to the index
-when it (re)joins one -- the master at start-up, a node at each registration -- from
-the files' headers alone (:meth:`LocalStorage.announce_ssd`); what the index refuses is
-deleted so its space does not leak.
 """
 
 from __future__ import annotations
@@ -158,6 +146,17 @@ def _reason(exc: OSError) -> str:
     return os.strerror(exc.errno) if exc.errno else str(exc)
 
 
+# What is set up when: the data port is bound first, then the SSD tier is opened, then the
+# free space of ``/dev/shm`` is checked against the segment, and only then is the segment
+# allocated -- so a busy port, an unusable SSD path or a small ``/dev/shm`` is a one-line
+# :class:`~kvpool.errors.ConfigError` naming the setting and its fix, with nothing left
+# behind (a failure part-way closes what was set up).  The settings are named as the
+# process's own configuration spells them (:class:`SettingNames`).
+#
+# The SSD tier outlives processes: whoever owns it announces what it holds to the index
+# when it (re)joins one -- the master at start-up, a node at each registration -- from
+# the files' headers alone (:meth:`LocalStorage.announce_ssd`); what the index refuses is
+# deleted so its space does not leak.
 class LocalStorage:
     """One memory segment (+ SSD tier) owned by this process, served over TCP and shm."""
 

@@ -1,33 +1,10 @@
 """``kvpool node``: a storage node that contributes a memory segment to the pool.
 
-The node registers with the master, adds its segment, and heartbeats every
-``heartbeat_interval`` the master asks for.  Each heartbeat reply carries the objects
-committed into (and dropped from) the node's segment since the last one, so the node
-keeps a catalog of what its memory holds.  The master holds a heartbeat until it has
-such changes (a long poll) and answers a put into this segment only once the node's next
-heartbeat confirmed them (:mod:`kvpool.service.catalog`): every acknowledged object is in
-the catalog when a master dies.  At each registration -- its first, and
-whenever the master answers a heartbeat with UnknownClient (it restarted, or dropped
-us) -- the node announces what it holds: its memory catalog, every entry re-checked
-against its checksum first, and its SSD tier, whose files carry their checksum in their
-headers (so a warm SSD cache outlives a master restart, and a restart of the node).  What
-the master refuses is dropped here, SSD files deleted, so no space leaks.  Announcements
-go in bounded batches, so a large catalog never builds one huge frame.
-
-Credentials: the config's ``secret_file``, else ``KVPOOL_SECRET_FILE`` /
-``KVPOOL_SECRET``.  With one, the node proves its node key to the master (role ``node``)
-and its data port admits only peers that prove the same key; a node credential
-(``kvpool-node:ID:...``) fixes the node's id to the one it names.  Without one, a node
-whose data port would listen beyond loopback refuses to start unless ``insecure``.
-
-Data never passes through the master: clients write and read the node's segment
-directly over TCP, or through its shared memory when they share the host.
-
-A master that is unreachable is retried every second, at start and in the heartbeat
-loop (it may start later, or restart).  A :class:`~kvpool.errors.ConfigError` is not
-retried: the address is another engine's master (:func:`~kvpool.service.master_link.wrong_engine`),
-which no wait will change, so :func:`run_node` stops with it (the CLI prints its one
-line and exits 2).
+The node registers with the master, adds its segment, and heartbeats; it keeps a catalog
+of what its memory holds, so it can announce it again to a master that restarted (how a
+put waits for that catalog: :mod:`kvpool.service.catalog`).  Data never passes through
+the master: clients write and read the node's segment directly over TCP, or through its
+shared memory when they share the host.
 """
 
 from __future__ import annotations
@@ -86,6 +63,19 @@ def node_id(hostname: str, ssd_path: str = "") -> str:
     return fresh
 
 
+# At each registration -- its first, and whenever the master answers a heartbeat with
+# UnknownClient (it restarted, or dropped us) -- the node announces what it holds: its
+# memory catalog, every entry re-checked against its checksum first, and its SSD tier,
+# whose files carry their checksum in their headers (so a warm SSD cache outlives a master
+# restart, and a restart of the node).  What the master refuses is dropped here, SSD files
+# deleted, so no space leaks.  Announcements go in bounded batches, so a large catalog
+# never builds one huge frame.
+#
+# Credentials: the config's ``secret_file``, else ``KVPOOL_SECRET_FILE`` /
+# ``KVPOOL_SECRET``.  With one, the node proves its node key to the master (role ``node``)
+# and its data port admits only peers that prove the same key; a node credential
+# (``kvpool-node:ID:...``) fixes the node's id to the one it names.  Without one, a node
+# whose data port would listen beyond loopback refuses to start unless ``insecure``.
 class NodeService:
     """A node's storage plus its registration and heartbeat with the master."""
 
@@ -316,6 +306,11 @@ class NodeService:
             wait = 0.0 if changed else max(0.0, self.heartbeat_s - spent)
 
 
+# A master that is unreachable is retried every second, at start and in the heartbeat
+# loop (it may start later, or restart).  A :class:`~kvpool.errors.ConfigError` is not
+# retried: the address is another engine's master
+# (:func:`~kvpool.service.master_link.wrong_engine`), which no wait will change, so
+# :func:`run_node` stops with it (the CLI prints its one line and exits 2).
 def run_node(
     config: NodeConfig, *, bind_host: str = "", data_port: int = 0, insecure: bool = False
 ) -> int:

@@ -4,15 +4,6 @@ Every data-plane API in kvpool accepts "a buffer": ``bytes``, ``bytearray``,
 ``memoryview``, ``mmap``, a NumPy array, or a CPU torch tensor.  This module is the
 one place that turns such an object into a one-dimensional, C-contiguous
 ``memoryview`` of unsigned bytes (format ``"B"``) that aliases the caller's memory.
-
-Rules:
-
-- Never copy: a non-contiguous array or a tensor on another device is rejected with
-  ``ValueError`` rather than silently staged through a temporary.
-- A destination must be writable (``bytes`` is not); ``TypeError`` says so.
-- torch is duck-typed (no import): torch tensors do not export the buffer protocol,
-  so a tensor is viewed as ``uint8`` and exposed through ``Tensor.numpy()``, which
-  shares its storage.
 """
 
 from __future__ import annotations
@@ -27,6 +18,14 @@ except ImportError:  # pragma: no cover - numpy ships with every vLLM install
 __all__ = ["byte_view", "copy_bytes", "writable_byte_view"]
 
 
+# Rules:
+#
+# - Never copy: a non-contiguous array or a tensor on another device is rejected with
+#   ``ValueError`` rather than silently staged through a temporary.
+# - A destination must be writable (``bytes`` is not); ``TypeError`` says so.
+# - torch is duck-typed (no import): torch tensors do not export the buffer protocol,
+#   so a tensor is viewed as ``uint8`` and exposed through ``Tensor.numpy()``, which
+#   shares its storage.
 def _from_tensor(obj: Any) -> memoryview:
     device = getattr(obj, "device", None)
     if getattr(device, "type", "cpu") != "cpu":

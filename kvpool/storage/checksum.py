@@ -4,12 +4,6 @@ One function, so that every place that writes or checks an object agrees: the cl
 computes it on a put (it travels in ``put_end`` and the index keeps it per object),
 readers verify it after every get, a demotion checks it before copying an object to SSD,
 and the SSD tier stores it in each file's header and checks it on every read.
-
-Why xxh3-64: it hashes at memory speed (tens of GB/s, far faster than the copies around
-it, where CRC32 or a cryptographic hash would show in put and get latency), it releases
-nothing and needs no state, and 64 bits fit the index's per-object integer and the wire's
-msgpack ints.  It guards against corruption and torn or overtaken writes, not against an
-adversary: bytes made to collide on purpose are out of its scope.
 """
 
 from __future__ import annotations
@@ -24,6 +18,11 @@ __all__ = ["Hasher", "checksum", "hasher"]
 Hasher = xxhash.xxh3_64
 
 
+# Why xxh3-64: it hashes at memory speed (tens of GB/s, far faster than the copies around
+# it, where CRC32 or a cryptographic hash would show in put and get latency), it releases
+# nothing and needs no state, and 64 bits fit the index's per-object integer and the wire's
+# msgpack ints.  It guards against corruption and torn or overtaken writes, not against an
+# adversary: bytes made to collide on purpose are out of its scope.
 def checksum(data: Any) -> int:
     """xxh3-64 of ``data``'s bytes (any C-contiguous buffer: bytes, bytearray, memoryview)."""
     return xxhash.xxh3_64_intdigest(data)

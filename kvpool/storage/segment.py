@@ -5,26 +5,6 @@ ourselves instead of using :class:`multiprocessing.shared_memory.SharedMemory` b
 on Python 3.11 every ``SharedMemory`` (even an attach) registers with the
 ``resource_tracker``, which then unlinks the block when *any* attaching process exits
 and warns about "leaked" blocks; neither is right for a segment owned by one node.
-
-Rules:
-
-- The creator owns the name: :meth:`Segment.close` on the owner unlinks it; an
-  attached segment only unmaps.  A name that already exists is refused (``O_EXCL``),
-  so two nodes never share a segment by accident.
-- Space is reserved at creation (``posix_fallocate``): a full ``/dev/shm`` is a clear
-  :class:`~kvpool.errors.NoSpace` at start-up, never a SIGBUS on a later write.
-- Every access is bounds-checked; an out-of-range access raises
-  :class:`~kvpool.errors.PoolError` and touches nothing.
-- Files are mode 0600: only processes of the same user can attach.
-- The owner holds an exclusive ``flock`` on its file for as long as it lives; the kernel
-  drops it when the owner dies, however it dies.  So another process tells a live owner
-  from a dead one with one non-blocking ``flock`` (:func:`owner_alive`): a same-host
-  writer asks before it acknowledges bytes written into the segment.
-- Pages are populated up front, in the owner at creation and in every process that
-  attaches (:func:`populate`).  A first write to a page otherwise costs a page fault in
-  *each* process that touches it: a 1 MiB copy into untouched pages took ~9x one into
-  pages written before.  ``posix_fallocate`` already committed the memory; populating
-  adds the page tables (2 MiB per GiB per process) and moves the zeroing to start-up.
 """
 
 from __future__ import annotations
@@ -79,6 +59,11 @@ def _touch(mapping: mmap.mmap, start: int, length: int) -> None:
         bytes(whole[start : start + length : mmap.PAGESIZE])
 
 
+# - Pages are populated up front, in the owner at creation and in every process that
+#   attaches (:func:`populate`).  A first write to a page otherwise costs a page fault in
+#   *each* process that touches it: a 1 MiB copy into untouched pages took ~9x one into
+#   pages written before.  ``posix_fallocate`` already committed the memory; populating
+#   adds the page tables (2 MiB per GiB per process) and moves the zeroing to start-up.
 def populate(mapping: mmap.mmap, *, owner: bool) -> None:
     """Map every page of ``mapping`` now, so later copies do not page-fault.
 
@@ -157,6 +142,10 @@ def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
     return removed
 
 
+# - The owner holds an exclusive ``flock`` on its file for as long as it lives; the kernel
+#   drops it when the owner dies, however it dies.  So another process tells a live owner
+#   from a dead one with one non-blocking ``flock`` (:func:`owner_alive`): a same-host
+#   writer asks before it acknowledges bytes written into the segment.
 def owner_alive(fd: int) -> bool:
     """Whether the owner of the segment file open as ``fd`` still lives (holds its lock).
 
@@ -177,6 +166,16 @@ def _check_name(name: str) -> None:
         raise ValueError(f"invalid segment name {name!r}: use 1-200 of [A-Za-z0-9._-]")
 
 
+# Rules:
+#
+# - The creator owns the name: :meth:`Segment.close` on the owner unlinks it; an
+#   attached segment only unmaps.  A name that already exists is refused (``O_EXCL``),
+#   so two nodes never share a segment by accident.
+# - Space is reserved at creation (``posix_fallocate``): a full ``/dev/shm`` is a clear
+#   :class:`~kvpool.errors.NoSpace` at start-up, never a SIGBUS on a later write.
+# - Every access is bounds-checked; an out-of-range access raises
+#   :class:`~kvpool.errors.PoolError` and touches nothing.
+# - Files are mode 0600: only processes of the same user can attach.
 class Segment(Closing):
     """A fixed-size byte region in shared memory, addressed by ``(offset, length)``.
 

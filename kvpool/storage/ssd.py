@@ -1,35 +1,9 @@
 """The SSD tier: objects as checksummed files under one directory, within a size limit.
 
-Any key is stored: files are named by a hash of the key and keep the key in their
-self-checked header (:mod:`kvpool.storage.ssd_format` has the layout); temporary files
-are in ``<root>/.tmp/``.  The value's checksum in the header is the pool's own end-to-end
-checksum (:func:`kvpool.storage.checksum.checksum`, xxh3-64: the one the index keeps per
-object and readers verify), so a tier left by a previous process can be re-announced to
-the master from its headers alone (:meth:`SsdStore.scan`), original keys included: a
-100 GiB tier costs two small reads per file at start-up (:meth:`SsdStore.open` learns the
-keys, the scan checks what it announces), never a pass over every value.  A flipped bit
-in a header is caught by its CRC (the file is dropped, never announced with a wrong key,
-length or checksum); files of an older format fail the check and are dropped the same
-way: a miss, never wrong data.
-
-Rules:
-
-- A write is atomic: the file is written under ``.tmp`` and renamed into place with
-  ``os.replace``, so a reader sees the old object, the new one, or none -- never half.
-  There is no ``fsync`` (this is a cache): after a power loss a renamed file may hold
-  garbage, which the checksums turn into a miss on its first read (or its scan).
-- A read checks the header (magic, CRC, the key, length against the file size) and the
-  value's xxh3; a missing file is :class:`~kvpool.errors.ObjectNotFound`, a truncated or
-  corrupted one is :class:`~kvpool.errors.ChecksumMismatch` (a miss, and the file is
-  deleted so its space comes back).  Wrong bytes are never returned as a success.
-- The total of all file sizes (headers included) never exceeds ``limit_bytes``; a write
-  that would is refused with :class:`~kvpool.errors.NoSpace`.  A failing disk (ENOSPC,
-  EIO, quota) is also ``NoSpace``, counted, and leaves no file behind.
-- An unusable root (not creatable, not a directory, not writable) is a
-  :class:`~kvpool.errors.ConfigError` from :meth:`SsdStore.open`, at start-up.
-- An object's error is its own: a bad file is a miss of that key only, and no key is
-  refused for its characters.
-- Thread-safe: accounting is under a lock; file I/O runs outside it.
+Any key is stored: files are named by a hash of the key and keep the key and the value's
+end-to-end checksum in their self-checked header (:mod:`kvpool.storage.ssd_format`), so a
+tier left by a previous process can be re-announced to the master from its headers alone
+(:meth:`SsdStore.scan`).  A bad file is a miss, never wrong data.
 """
 
 from __future__ import annotations
@@ -109,6 +83,36 @@ class SsdScan:
         return sum(size for _, size, _ in self.entries)
 
 
+# Any key is stored: files are named by a hash of the key and keep the key in their
+# self-checked header (:mod:`kvpool.storage.ssd_format` has the layout); temporary files
+# are in ``<root>/.tmp/``.  The value's checksum in the header is the pool's own end-to-end
+# checksum (:func:`kvpool.storage.checksum.checksum`, xxh3-64: the one the index keeps per
+# object and readers verify), so a tier left by a previous process can be re-announced to
+# the master from its headers alone (:meth:`SsdStore.scan`), original keys included: a
+# 100 GiB tier costs two small reads per file at start-up (:meth:`SsdStore.open` learns the
+# keys, the scan checks what it announces), never a pass over every value.  A flipped bit
+# in a header is caught by its CRC (the file is dropped, never announced with a wrong key,
+# length or checksum); files of an older format fail the check and are dropped the same
+# way: a miss, never wrong data.
+#
+# Rules:
+#
+# - A write is atomic: the file is written under ``.tmp`` and renamed into place with
+#   ``os.replace``, so a reader sees the old object, the new one, or none -- never half.
+#   There is no ``fsync`` (this is a cache): after a power loss a renamed file may hold
+#   garbage, which the checksums turn into a miss on its first read (or its scan).
+# - A read checks the header (magic, CRC, the key, length against the file size) and the
+#   value's xxh3; a missing file is :class:`~kvpool.errors.ObjectNotFound`, a truncated or
+#   corrupted one is :class:`~kvpool.errors.ChecksumMismatch` (a miss, and the file is
+#   deleted so its space comes back).  Wrong bytes are never returned as a success.
+# - The total of all file sizes (headers included) never exceeds ``limit_bytes``; a write
+#   that would is refused with :class:`~kvpool.errors.NoSpace`.  A failing disk (ENOSPC,
+#   EIO, quota) is also ``NoSpace``, counted, and leaves no file behind.
+# - An unusable root (not creatable, not a directory, not writable) is a
+#   :class:`~kvpool.errors.ConfigError` from :meth:`SsdStore.open`, at start-up.
+# - An object's error is its own: a bad file is a miss of that key only, and no key is
+#   refused for its characters.
+# - Thread-safe: accounting is under a lock; file I/O runs outside it.
 class SsdStore:
     """Size-capped, checksummed object files.  Build with :meth:`open`."""
 

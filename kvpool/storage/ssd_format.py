@@ -1,22 +1,11 @@
 """The on-disk format of one SSD-tier object: its file name and its self-checked header.
 
-Any key a client may put is stored (``a/b``, ``model@tp:0``, unicode, ``..``, 10,000
-characters): the file is named by a hash of the key, never by the key, and the key itself
-is kept in the file's header, so a restarted process gives back the original keys from
-its files alone.  Layout under the tier's root::
+Any key is stored: the file is named by a hash of the key and keeps the key in its header::
 
     <root>/<name[:2]>/<name>        name = hex BLAKE2b-128 of the key's UTF-8 bytes
 
-(the two-character fan-out keeps directories small).  Each file::
-
     "KVS3" | key length u32 | value length u64 | xxh3_64(value) u64
            | crc32(the 24 bytes before, then the key) u32 | key (UTF-8) | value
-
-The header checks itself (its CRC covers the fields and the key), so a flipped bit in a
-length, a checksum or the key is caught before anything is trusted.  Files of any other
-format (``KVS2`` files were named by their key and kept no key; ``KVS1`` kept only a CRC32
-of the value) fail the check and are dropped once by the tier's scan: a miss, never wrong
-data.
 """
 
 from __future__ import annotations
@@ -41,6 +30,17 @@ __all__ = [
     "read_header",
 ]
 
+# Any key a client may put is stored (``a/b``, ``model@tp:0``, unicode, ``..``, 10,000
+# characters): the file is named by a hash of the key, never by the key, and the key itself
+# is kept in the file's header, so a restarted process gives back the original keys from
+# its files alone.
+# (The two-character fan-out of the layout keeps directories small.)
+#
+# The header checks itself (its CRC covers the fields and the key), so a flipped bit in a
+# length, a checksum or the key is caught before anything is trusted.  Files of any other
+# format (``KVS2`` files were named by their key and kept no key; ``KVS1`` kept only a CRC32
+# of the value) fail the check and are dropped once by the tier's scan: a miss, never wrong
+# data.
 _FIELDS = struct.Struct("!4sIQQ")  # magic, key length, value length, xxh3_64 of the value
 _CRC = struct.Struct("!I")  # crc32 of the fields and the key: the header checks itself
 FIXED_HEADER_SIZE = _FIELDS.size + _CRC.size

@@ -5,28 +5,6 @@ does what the plain functions in :mod:`kvpool.transfer.framing` do, with fewer s
 per exchange, and is what :mod:`kvpool.transfer.segment_server` uses (any synchronous RPC client
 can use :meth:`Channel.call` as is).  The socket belongs to the channel afterwards:
 do not mix it with the functions in ``framing`` (they use Python-level timeouts).
-
-Why it looks like this (CPython on loopback spends its time in syscalls, not copies):
-
-- The socket stays in blocking mode and timeouts are the kernel's ``SO_RCVTIMEO`` /
-  ``SO_SNDTIMEO``: no ``poll()`` before every ``recv`` as Python's own socket timeout
-  would do.  A deadline per exchange is checked after every call; a silent peer is
-  :class:`~kvpool.errors.PeerTimeout` after ``timeout_s``, and a peer trickling bytes
-  is cut off within twice that.  A closed or reset connection is
-  :class:`~kvpool.errors.TransferError`.
-- A frame is sent with one ``sendmsg`` gathering header, body and payload.
-- Header and body are read through a small staging buffer, usually in one ``recv``;
-  whatever payload bytes came along with them (at most :data:`STAGE_SIZE`) are copied
-  out of it, and the rest of the payload is ``recv_into`` the caller's buffer directly.
-- A request whose answer the caller does not need (a lease release) can be *posted*:
-  sent at once, its reply read later, just before the next :meth:`Channel.call`'s reply
-  or by :meth:`Channel.settle`.  That takes a round trip off the caller's path and
-  relies on one thing of the peer: it answers a connection's requests in order, one
-  reply each (the master and the storage nodes do).  The count of replies owed lives
-  in the channel, so it is forgotten with it.
-- A call polls for its reply for a few tens of µs before it sleeps (``spin_us``,
-  :func:`reply_spin_us`): on a VM the wake-up of a sleeping reader is most of a small
-  call's round trip.
 """
 
 from __future__ import annotations
@@ -99,6 +77,27 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
 
 
+# Why it looks like this (CPython on loopback spends its time in syscalls, not copies):
+#
+# - The socket stays in blocking mode and timeouts are the kernel's ``SO_RCVTIMEO`` /
+#   ``SO_SNDTIMEO``: no ``poll()`` before every ``recv`` as Python's own socket timeout
+#   would do.  A deadline per exchange is checked after every call; a silent peer is
+#   :class:`~kvpool.errors.PeerTimeout` after ``timeout_s``, and a peer trickling bytes
+#   is cut off within twice that.  A closed or reset connection is
+#   :class:`~kvpool.errors.TransferError`.
+# - A frame is sent with one ``sendmsg`` gathering header, body and payload.
+# - Header and body are read through a small staging buffer, usually in one ``recv``;
+#   whatever payload bytes came along with them (at most :data:`STAGE_SIZE`) are copied
+#   out of it, and the rest of the payload is ``recv_into`` the caller's buffer directly.
+# - A request whose answer the caller does not need (a lease release) can be *posted*:
+#   sent at once, its reply read later, just before the next :meth:`Channel.call`'s reply
+#   or by :meth:`Channel.settle`.  That takes a round trip off the caller's path and
+#   relies on one thing of the peer: it answers a connection's requests in order, one
+#   reply each (the master and the storage nodes do).  The count of replies owed lives
+#   in the channel, so it is forgotten with it.
+# - A call polls for its reply for a few tens of µs before it sleeps (``spin_us``,
+#   :func:`reply_spin_us`): on a VM the wake-up of a sleeping reader is most of a small
+#   call's round trip.
 class Channel(Generic[S, R]):
     """One end of a framed connection: sends ``S`` messages, receives ``R`` messages.
 
@@ -410,7 +409,7 @@ class Channel(Generic[S, R]):
     # -- requests whose reply nobody waits for --------------------------------------
 
     def post(self, message: S) -> None:
-        """Send a request without waiting for its reply; see the module docstring."""
+        """Send a request without waiting for its reply; see the comment above the class."""
         if self.owed >= MAX_OWED:
             self.settle()
         self.send(message)

@@ -6,15 +6,6 @@ master's client use them).  :class:`kvpool.transfer.channel.Channel` does the sa
 fewer syscalls per exchange (kernel timeouts, one ``sendmsg`` per frame, header and body
 in one ``recv``) and is what the segment data path uses; prefer it for hot request/reply
 loops (a small round trip is ~15 µs shorter on the reference VM).
-
-Rules:
-
-- Every wait is bounded by an absolute ``deadline`` (``time.monotonic()`` seconds):
-  running out raises :class:`~kvpool.errors.PeerTimeout`; a closed or reset connection
-  raises :class:`~kvpool.errors.TransferError`.  Nothing here waits forever except
-  :func:`recv_request` with ``idle_timeout=None``, which a server uses between requests.
-- Payloads are received with ``recv_into`` straight into the caller's buffer and sent
-  with ``sendall`` of the caller's memoryview: no intermediate copy in Python.
 """
 
 from __future__ import annotations
@@ -53,6 +44,14 @@ SMALL_PAYLOAD = 16 * 1024
 _DISCARD_CHUNK = 1 << 20
 
 
+# Rules:
+#
+# - Every wait is bounded by an absolute ``deadline`` (``time.monotonic()`` seconds):
+#   running out raises :class:`~kvpool.errors.PeerTimeout`; a closed or reset connection
+#   raises :class:`~kvpool.errors.TransferError`.  Nothing here waits forever except
+#   :func:`recv_request` with ``idle_timeout=None``, which a server uses between requests.
+# - Payloads are received with ``recv_into`` straight into the caller's buffer and sent
+#   with ``sendall`` of the caller's memoryview: no intermediate copy in Python.
 def deadline_after(timeout_s: float) -> float:
     """The absolute deadline ``timeout_s`` seconds from now."""
     return time.monotonic() + timeout_s

@@ -6,17 +6,6 @@ service: a peer is named ``host:rpc_port``), registers memory regions once, and 
 byte ranges of a peer's registered memory into its own with
 ``batch_transfer_sync_read``.  The fabric is the engine's ``protocol``: ``rdma`` on RDMA
 NICs (``device_name``), or the engine's own ``tcp``.
-
-The engine's listeners bind every interface: tests run it only inside a private network
-namespace (:mod:`kvpool.testing.mooncake`).  ``mooncake`` is imported only in
-:meth:`EngineMover.start`, so kvpool imports without the extra.
-
-Bounds: a sync read returns when every slice arrived, failed, or the engine's own timeout
-passed, ``MC_TRANSFER_TIMEOUT`` seconds (at least 5) plus one second per GiB; the engine
-reads the variable when it is constructed, so :meth:`EngineMover.start` sets it from the
-caller's timeout unless the environment already does.  A peer that is gone fails at once
-(its handshake port refuses), and a range outside the peer's registered memory is
-refused by the peer.
 """
 
 from __future__ import annotations
@@ -40,6 +29,16 @@ _MIN_ENGINE_TIMEOUT_S = 5  # the engine takes no less
 MAX_BATCH = 1024
 
 
+# The engine's listeners bind every interface: tests run it only inside a private network
+# namespace (:mod:`kvpool.testing.mooncake`).  ``mooncake`` is imported only in
+# :meth:`EngineMover.start`, so kvpool imports without the extra.
+#
+# Bounds: a sync read returns when every slice arrived, failed, or the engine's own timeout
+# passed, ``MC_TRANSFER_TIMEOUT`` seconds (at least 5) plus one second per GiB; the engine
+# reads the variable when it is constructed, so :meth:`EngineMover.start` sets it from the
+# caller's timeout unless the environment already does.  A peer that is gone fails at once
+# (its handshake port refuses), and a range outside the peer's registered memory is
+# refused by the peer.
 class EngineMover(Closing):
     """One started Transfer Engine and the memory it registered."""
 

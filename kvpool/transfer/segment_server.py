@@ -6,35 +6,6 @@ segments a node holds.  One thread per connection with blocking sockets
 the fastest way to move large buffers, because ``recv_into`` / ``sendall`` run whole
 multi-megabyte transfers with the GIL released, where an event loop would wake per chunk.
 
-- A write's payload is received with ``recv_into`` straight into the segment's memory;
-  a read is sent with ``sendall`` of a view of the segment.  No copy in Python.
-- A refused write (unknown segment, out of range) still drains its payload, then
-  replies :class:`~kvpool.protocol.data.Error`; the connection stays usable.
-- A frame whose body does not decode (unknown tag) gets an ``Error`` reply and the
-  connection goes on; a bad header (magic, oversized) gets an ``Error`` and the
-  connection is closed.  Either way only that connection is affected.
-- Once a request has started, every wait is bounded by ``timeout_s`` (see
-  :class:`~kvpool.transfer.channel.Channel`); a client that vanishes mid-payload only ends
-  its own connection thread.
-- What a peer can make the server hold is bounded.  Per connection: a thread, an 8 KiB
-  stage, one request body (the codec's 4 MiB limit), a 1 MiB scratch buffer to drain a
-  refused write; payloads go straight into segments and are never buffered.  In total:
-  at most ``max_connections`` connections (one more gets an ``Overloaded`` error and is
-  closed), and SSD reads -- the one buffer that scales with an object -- share
-  ``ssd_read_budget`` bytes (a read that finds no room in ``timeout_s`` is ``Overloaded``;
-  the connection goes on).  A connection quiet for ``idle_timeout_s`` between requests is
-  closed (noticed within ``timeout_s`` after: the kernel's receive timeout is the clock),
-  so idle peers do not keep threads forever; clients reconnect on their next request.
-- With a ``credential``, a connection's first exchange is the handshake of
-  :mod:`kvpool.protocol.auth` in role ``data``, proving the key of the node that serves
-  (``server_id``); a peer that skips it or fails it gets an
-  :class:`~kvpool.errors.AuthError` reply and is closed, and nothing else is read from it.
-- A tenant's connection (role ``tenant-data``, the tenant's data key) may only read or
-  write, and each request must carry the master's grant for exactly that tenant,
-  operation and range, unexpired (:func:`kvpool.core.credentials.check_grant`: one HMAC
-  per request, none per frame).  A request without one gets an ``AuthError`` reply
-  naming it, the payload of a refused write is drained, and the connection goes on.
-
 :class:`~kvpool.transfer.segment_client.SegmentConnection` is the client side.
 """
 
@@ -113,6 +84,36 @@ SSD_READ_BUDGET = 256 << 20
 MAX_RANGES = 512
 
 
+# Rules:
+#
+# - A write's payload is received with ``recv_into`` straight into the segment's memory;
+#   a read is sent with ``sendall`` of a view of the segment.  No copy in Python.
+# - A refused write (unknown segment, out of range) still drains its payload, then
+#   replies :class:`~kvpool.protocol.data.Error`; the connection stays usable.
+# - A frame whose body does not decode (unknown tag) gets an ``Error`` reply and the
+#   connection goes on; a bad header (magic, oversized) gets an ``Error`` and the
+#   connection is closed.  Either way only that connection is affected.
+# - Once a request has started, every wait is bounded by ``timeout_s`` (see
+#   :class:`~kvpool.transfer.channel.Channel`); a client that vanishes mid-payload only ends
+#   its own connection thread.
+# - What a peer can make the server hold is bounded.  Per connection: a thread, an 8 KiB
+#   stage, one request body (the codec's 4 MiB limit), a 1 MiB scratch buffer to drain a
+#   refused write; payloads go straight into segments and are never buffered.  In total:
+#   at most ``max_connections`` connections (one more gets an ``Overloaded`` error and is
+#   closed), and SSD reads -- the one buffer that scales with an object -- share
+#   ``ssd_read_budget`` bytes (a read that finds no room in ``timeout_s`` is ``Overloaded``;
+#   the connection goes on).  A connection quiet for ``idle_timeout_s`` between requests is
+#   closed (noticed within ``timeout_s`` after: the kernel's receive timeout is the clock),
+#   so idle peers do not keep threads forever; clients reconnect on their next request.
+# - With a ``credential``, a connection's first exchange is the handshake of
+#   :mod:`kvpool.protocol.auth` in role ``data``, proving the key of the node that serves
+#   (``server_id``); a peer that skips it or fails it gets an
+#   :class:`~kvpool.errors.AuthError` reply and is closed, and nothing else is read from it.
+# - A tenant's connection (role ``tenant-data``, the tenant's data key) may only read or
+#   write, and each request must carry the master's grant for exactly that tenant,
+#   operation and range, unexpired (:func:`kvpool.core.credentials.check_grant`: one HMAC
+#   per request, none per frame).  A request without one gets an ``AuthError`` reply
+#   naming it, the payload of a refused write is drained, and the connection goes on.
 class SegmentServer(Serving):
     """Serves reads and writes of registered segments over TCP.
 

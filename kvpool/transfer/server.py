@@ -5,23 +5,6 @@ Both of kvpool's blocking TCP servers are this shape: the segment data server
 (the P→D connector's ``kv_port``).  Threads rather than an event loop because their work is
 ``recv_into``/``sendall`` of multi-megabyte buffers, which CPython runs with the GIL
 released; an event loop would wake per chunk.
-
-Rules:
-
-- ``handle(conn)`` runs in the connection's own thread and owns the conversation; the
-  server closes ``conn`` when it returns or raises (an exception ends that connection
-  only, and is logged).
-- Between requests a handler should look at :attr:`ThreadedServer.stopping`; it need not
-  poll, because :meth:`ThreadedServer.close` shuts every open connection down, which
-  wakes a thread blocked in ``recv``.
-- :meth:`ThreadedServer.close` waits at most ``timeout_s`` for the accept thread and
-  again per connection thread: a stuck handler cannot hold up a shutdown for longer.
-- At most ``max_connections`` are served at once (each holds a thread and its buffers).
-  One more is refused: ``refuse(conn)`` says why in the protocol's own words, then the
-  close lingers (our side stops writing, and what the peer still sends is read and
-  dropped for at most :data:`LINGER_S`), because closing a socket with unread bytes
-  resets it and the peer would never read the refusal.  At most
-  :data:`MAX_LINGERING` refusals linger at once; past that they are closed at once.
 """
 
 from __future__ import annotations
@@ -62,6 +45,22 @@ MAX_LINGERING = 16
 _LINGER_READ = 1 << 16
 
 
+# Rules:
+#
+# - ``handle(conn)`` runs in the connection's own thread and owns the conversation; the
+#   server closes ``conn`` when it returns or raises (an exception ends that connection
+#   only, and is logged).
+# - Between requests a handler should look at :attr:`ThreadedServer.stopping`; it need not
+#   poll, because :meth:`ThreadedServer.close` shuts every open connection down, which
+#   wakes a thread blocked in ``recv``.
+# - :meth:`ThreadedServer.close` waits at most ``timeout_s`` for the accept thread and
+#   again per connection thread: a stuck handler cannot hold up a shutdown for longer.
+# - At most ``max_connections`` are served at once (each holds a thread and its buffers).
+#   One more is refused: ``refuse(conn)`` says why in the protocol's own words, then the
+#   close lingers (our side stops writing, and what the peer still sends is read and
+#   dropped for at most :data:`LINGER_S`), because closing a socket with unread bytes
+#   resets it and the peer would never read the refusal.  At most
+#   :data:`MAX_LINGERING` refusals linger at once; past that they are closed at once.
 class ThreadedServer(Serving):
     """Accepts TCP connections on ``(host, port)`` and serves each with ``handle`` in a
     thread of its own."""

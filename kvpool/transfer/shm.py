@@ -7,14 +7,6 @@ releases the GIL for large copies.  No socket, no kernel copy, no node thread.
 :class:`ShmConnection` has the same ``write`` / ``read_into`` calls as
 :class:`~kvpool.transfer.segment_server.SegmentConnection`, so callers do not care which one
 they hold.  :func:`host_token` says whether two processes can share memory at all.
-
-A segment's owner can die while its memory stays mapped here (SIGKILL leaves the file in
-``/dev/shm``, and every copy into it still "works").  So each copy ends by asking whether
-the owner still holds its lock (:func:`~kvpool.storage.segment.owner_alive`, one system
-call): bytes written into a dead owner's segment are never acknowledged, and bytes read
-from it are not served.  The connection then unmaps the segment, removes its file (its
-owner will never do it) and raises :class:`~kvpool.errors.TransferError`, which the
-client reports like any failed transfer.
 """
 
 from __future__ import annotations
@@ -97,6 +89,13 @@ def remove_if_owner_dead(shm_name: str, token: str, directory: Path = SHM_DIR) -
         os.close(fd)
 
 
+# A segment's owner can die while its memory stays mapped here (SIGKILL leaves the file in
+# ``/dev/shm``, and every copy into it still "works").  So each copy ends by asking whether
+# the owner still holds its lock (:func:`~kvpool.storage.segment.owner_alive`, one system
+# call): bytes written into a dead owner's segment are never acknowledged, and bytes read
+# from it are not served.  The connection then unmaps the segment, removes its file (its
+# owner will never do it) and raises :class:`~kvpool.errors.TransferError`, which the
+# client reports like any failed transfer.
 class ShmConnection(Closing):
     """Reads and writes of segments attached on this host, by segment id."""
 

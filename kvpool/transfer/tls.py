@@ -5,11 +5,6 @@ untrusted certificate or a wrong host name is an :class:`~kvpool.errors.AuthErro
 says which setting to fix; a silent or dead peer a :class:`~kvpool.errors.PeerTimeout`.
 The kvpool handshake (:mod:`kvpool.transfer.auth`) then runs inside the TLS channel: TLS
 hides the bytes, the HMAC handshake still proves the cluster secret.
-
-A server with TLS first peeks at the connection's first byte: a TLS ClientHello starts
-with 0x16 (a handshake record).  Anything else is a client without TLS, which gets
-``refuse_plain(head)`` in plain text (its protocol's own error reply, so it reads a
-clear "this port requires TLS" instead of a reset) and is closed.
 """
 
 from __future__ import annotations
@@ -68,6 +63,10 @@ def wrap_client(
     return tls
 
 
+# A server with TLS first peeks at the connection's first byte: a TLS ClientHello starts
+# with 0x16 (a handshake record).  Anything else is a client without TLS, which gets
+# ``refuse_plain(head)`` in plain text (its protocol's own error reply, so it reads a
+# clear "this port requires TLS" instead of a reset) and is closed.
 def accept_tls(
     conn: socket.socket,
     context: ssl.SSLContext,

@@ -3,13 +3,9 @@ checklist (§9) as one command.
 
     DoctorOptions ──gather (I/O)──▶ Gathered facts ──diagnose (pure)──▶ [Check] ──▶ report
 
-- :mod:`.options` — what the operator asked for;
-- :mod:`.gather` and :mod:`.probes` — the only modules that read files, sockets, the
-  environment or start subprocesses; every probe is bounded by a timeout;
-- :mod:`.facts` — what was found, as plain values;
-- :mod:`.diagnose` and the ``checks_*`` modules — pure: facts in, :class:`~.checks.Check`
-  results out (the tests drive them with broken setups);
-- :mod:`.report` — text or JSON, and the exit status.
+Only :mod:`.gather` and :mod:`.probes` read files, sockets, the environment or start
+subprocesses, every probe bounded by a timeout; :mod:`.diagnose` and the ``checks_*``
+modules are pure (the tests drive them with broken setups).
 """
 
 from __future__ import annotations

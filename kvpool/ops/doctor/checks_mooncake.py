@@ -2,15 +2,9 @@
 
 The production guide's §8.1 grep (``kv_cache|connected`` on port 50088) has no answer on
 real Mooncake; its facts come from the master's ``master_*`` metrics on the metrics port
-(:mod:`kvpool.ops.mooncake_master`).  Allocation failures are judged with Mooncake
-#2187 in mind: ``is_exist`` renews leases, so a flood of lookups can keep every object
-leased and starve eviction; the fix is a shorter ``--default_kv_lease_ttl``.
-
-A node's Mooncake ``mooncake.json`` (``P2PHANDSHAKE`` metadata, ``local_buffer_size``, ...)
-is checked as the Mooncake config it is (:func:`check_mooncake_config`): its values, and
-with ``protocol`` ``rdma`` its ``device_name`` against the host's RDMA devices
-(``/sys/class/infiniband``, read by the gatherer).  And on the Mooncake engine doctor says
-plainly that the pool has no credentials of its own (:func:`check_mooncake_security`).
+(:mod:`kvpool.ops.mooncake_master`).  A node's Mooncake ``mooncake.json`` is checked as
+the Mooncake config it is, and doctor says plainly that the pool has no credentials of its
+own.
 """
 
 from __future__ import annotations
@@ -33,6 +27,10 @@ MOONCAKE_RPC_PORT = 50051
 _MIB = 1 << 20
 
 
+# A node's Mooncake ``mooncake.json`` (``P2PHANDSHAKE`` metadata, ``local_buffer_size``, ...)
+# is checked as the Mooncake config it is (:func:`check_mooncake_config`): its values, and
+# with ``protocol`` ``rdma`` its ``device_name`` against the host's RDMA devices
+# (``/sys/class/infiniband``, read by the gatherer).
 def check_mooncake_config(
     source: str, config: MooncakeNodeConfig, rdma_devices: Sequence[str] | None
 ) -> list[Check]:
@@ -109,6 +107,9 @@ def check_mooncake_security() -> Check:
     )
 
 
+# Allocation failures are judged with Mooncake
+# #2187 in mind: ``is_exist`` renews leases, so a flood of lookups can keep every object
+# leased and starve eviction; the fix is a shorter ``--default_kv_lease_ttl``.
 def check_mooncake_master(address: str, facts: MooncakeMasterFacts) -> list[Check]:
     """A Mooncake master answered at (or beside) ``address``: the §8.1 facts."""
     m = facts.metrics_address

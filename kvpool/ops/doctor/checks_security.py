@@ -1,17 +1,5 @@
 """Doctor's checks of the pool's credentials on kvpool's engine (pure: facts in, checks out).
 
-- ``security.secret_file[<source>]``: each secret file this host's processes would read
-  (the node config's ``secret_file``, ``KVPOOL_SECRET_FILE``, the master's
-  ``--secret_file`` when the master runs here) exists, is readable by its owner only
-  (600 or 400), and holds a valid secret or node credential — what
-  :mod:`kvpool.config.secret` would refuse at start-up is a FAIL here first;
-- ``security.master_auth``: the master accepts this host's credential (the handshake of
-  :mod:`kvpool.transfer.auth`, run by the gatherer), or says why not: different secrets,
-  a master without one, a host without one;
-- ``security.node_bind`` / ``security.master_bind``: a node or master bound beyond
-  loopback without a credential refuses to start (FAIL, with the fix); a master told
-  ``--insecure`` serves an open pool (WARN).
-
 On Mooncake, :func:`kvpool.ops.doctor.checks_mooncake.check_mooncake_security` speaks
 instead: it has no credentials to check.
 """
@@ -64,6 +52,11 @@ class MasterAuthFacts:
     required: bool | None = None
 
 
+# - ``security.secret_file[<source>]``: each secret file this host's processes would read
+#   (the node config's ``secret_file``, ``KVPOOL_SECRET_FILE``, the master's
+#   ``--secret_file`` when the master runs here) exists, is readable by its owner only
+#   (600 or 400), and holds a valid secret or node credential — what
+#   :mod:`kvpool.config.secret` would refuse at start-up is a FAIL here first;
 def check_secret_file(facts: SecretFileFacts) -> Check:
     name = f"security.secret_file[{facts.source}]"
     p = facts.path
@@ -86,6 +79,9 @@ def check_secret_file(facts: SecretFileFacts) -> Check:
     return pass_(name, f"{p} holds {facts.holds}, mode {facts.mode:03o}")
 
 
+# - ``security.master_auth``: the master accepts this host's credential (the handshake of
+#   :mod:`kvpool.transfer.auth`, run by the gatherer), or says why not: different secrets,
+#   a master without one, a host without one;
 def check_master_auth(facts: MasterAuthFacts | None) -> Check | None:
     """None when neither the master nor this host has a secret (a loopback pool; the
     bind checks speak for one beyond loopback)."""
@@ -122,6 +118,9 @@ def check_master_auth(facts: MasterAuthFacts | None) -> Check | None:
     return fail(name, f"the handshake with {where} failed: {text}", "see the message")
 
 
+# - ``security.node_bind`` / ``security.master_bind``: a node or master bound beyond
+#   loopback without a credential refuses to start (FAIL, with the fix); a master told
+#   ``--insecure`` serves an open pool (WARN).
 def check_node_bind(node: NodeConfig | None, has_credential: bool) -> Check | None:
     """A node beyond loopback needs a credential (kvpool node refuses to start without)."""
     if node is None:

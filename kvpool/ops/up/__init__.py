@@ -4,15 +4,8 @@ Mooncake.
 
     UpOptions ──make_plan (pure)──▶ UpPlan ──lifecycle: startup, serve, shutdown──▶ exit status
 
-- :mod:`.options` — what was asked for, and how the command's flags become it;
-- :mod:`.plan` — every process, file and port of the stack, as data (no I/O);
-- :mod:`.instances` — each vLLM instance's cores and ``--kv-transfer-config`` (pure);
-- :mod:`.mooncake` — what differs with ``--engine mooncake`` (the wheel's
-  ``mooncake_master``, a Mooncake ``mooncake.json``; pure);
-- :mod:`.supervisor` — starts, health-checks and stops process groups, leaving nothing;
-- :mod:`.lifecycle` — the edge: ports, files, signals, the console, the main loop;
-- :mod:`.tiny_model` — the small Llama built locally when no ``--model`` is given
-  (imported only when needed: ``python -m kvpool.ops.up.tiny_model`` runs it alone).
+:mod:`.tiny_model` is imported only when needed (``python -m kvpool.ops.up.tiny_model``
+runs it alone).
 """
 
 from __future__ import annotations

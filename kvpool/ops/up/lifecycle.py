@@ -1,19 +1,6 @@
 """``kvpool up``'s edge: files, ports, the tiny model, signals, the console, the main loop.
 
-Startup → serve → shutdown, uvicorn style:
-
-- startup: with ``--engine mooncake``, find the wheel's ``mooncake_master`` (a missing
-  wheel is one line with the install command) and say that Mooncake's ports listen on
-  every interface; refuse a state directory another live ``kvpool up`` holds, check every port is
-  free (a clear error naming the flag instead of a child dying later), write
-  ``mooncake.json`` (and the chat template), build the tiny model unless ``--model``, then
-  start the plan's stages in order, each one healthy before the next;
-- serve: print the endpoints and commands, then watch: a vLLM instance that dies is
-  reported and the rest keeps serving (the proxy takes it out of rotation); the master or
-  the proxy dying ends the stack;
-- shutdown (Ctrl-C, SIGTERM, SIGHUP, a failed start): every process group is stopped,
-  proxy first, master last, SIGTERM then SIGKILL, and ``up.json`` is removed.
-
+Startup → serve → shutdown, uvicorn style (each step is written above :func:`run`).
 ``<state>/up.json`` says what runs (pids, URLs, logs) while ``kvpool up`` is alive.
 """
 
@@ -209,6 +196,17 @@ def _handle_signals(flag: _StopFlag) -> Iterator[None]:
             signal.signal(s, handler)
 
 
+# - startup: with ``--engine mooncake``, find the wheel's ``mooncake_master`` (a missing
+#   wheel is one line with the install command) and say that Mooncake's ports listen on
+#   every interface; refuse a state directory another live ``kvpool up`` holds, check every port is
+#   free (a clear error naming the flag instead of a child dying later), write
+#   ``mooncake.json`` (and the chat template), build the tiny model unless ``--model``, then
+#   start the plan's stages in order, each one healthy before the next;
+# - serve: print the endpoints and commands, then watch: a vLLM instance that dies is
+#   reported and the rest keeps serving (the proxy takes it out of rotation); the master or
+#   the proxy dying ends the stack;
+# - shutdown (Ctrl-C, SIGTERM, SIGHUP, a failed start): every process group is stopped,
+#   proxy first, master last, SIGTERM then SIGKILL, and ``up.json`` is removed.
 def run(opts: UpOptions, *, console: Console | None = None) -> int:
     """``kvpool up``: bring the stack up, serve until a signal, stop everything.
 

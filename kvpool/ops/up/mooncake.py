@@ -3,19 +3,7 @@
 On Mooncake the pool is two things kvpool's master is one of: the C++ ``mooncake_master``
 (metadata, leases, eviction; no memory of its own) and Mooncake Store inside every vLLM
 process, each contributing ``global_segment_size`` of memory and talking to its peers
-through Mooncake's Transfer Engine.  So the stack is:
-
-- the wheel's ``mooncake_master`` with the production guide's flags (§3: lease 11000 ms,
-  eviction at 90 % taking 10 %, client_ttl 120 s), bound to the stack's host; its HTTP
-  side (``/health``, ``/metrics``) is the metrics port, its RPC port has no HTTP;
-- one Mooncake ``mooncake.json`` for the P and D instances (Mooncake's keys:
-  ``P2PHANDSHAKE``, ``master_server_address``, ...), which the store connector's
-  ``backend: "mooncake"`` reads as a Mooncake config and so runs on Mooncake Store;
-- the same MultiConnector, transfer connector and proxy as on kvpool's engine.
-
-Mooncake's Transfer Engine listens on every interface, whatever the host given: the P and
-D instances' store ports are reachable from any network the machine is on (see
-:data:`EVERY_INTERFACE`).
+through Mooncake's Transfer Engine.
 """
 
 from __future__ import annotations
@@ -34,6 +22,15 @@ __all__ = [
 ]
 
 #: the production guide's §3 master flags, as mooncake_master spells them
+# So the stack is:
+#
+# - the wheel's ``mooncake_master`` with the production guide's flags (§3: lease 11000 ms,
+#   eviction at 90 % taking 10 %, client_ttl 120 s), bound to the stack's host; its HTTP
+#   side (``/health``, ``/metrics``) is the metrics port, its RPC port has no HTTP;
+# - one Mooncake ``mooncake.json`` for the P and D instances (Mooncake's keys:
+#   ``P2PHANDSHAKE``, ``master_server_address``, ...), which the store connector's
+#   ``backend: "mooncake"`` reads as a Mooncake config and so runs on Mooncake Store;
+# - the same MultiConnector, transfer connector and proxy as on kvpool's engine.
 GUIDE_FLAGS = (
     "--eviction_high_watermark_ratio=0.9",
     "--eviction_ratio=0.1",
@@ -41,6 +38,9 @@ GUIDE_FLAGS = (
     "--client_ttl=120",
 )
 
+# Mooncake's Transfer Engine listens on every interface, whatever the host given: the P and
+# D instances' store ports are reachable from any network the machine is on (see
+# :data:`EVERY_INTERFACE`).
 #: said before anything starts, and in the docs
 EVERY_INTERFACE = (
     "Mooncake's Transfer Engine ports (in the prefill and decode instances) listen on every"

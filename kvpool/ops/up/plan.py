@@ -1,17 +1,5 @@
 """``kvpool up``: the plan of the whole P/D stack on one machine, as plain data.
 
-What ``kvpool up`` starts, in order (the production guide's §3.2 Compose file and §5 commands, on
-host):
-
-1. ``kvpool master`` with its own memory segment and an SSD tier under the state
-   directory (``--enable_offload=true``); with ``--engine mooncake`` the wheel's
-   ``mooncake_master`` instead (:mod:`kvpool.ops.up.mooncake`);
-2. the prefill and decode vLLM instances (``python -m vllm.entrypoints.openai.api_server``,
-   started together), each with vLLM's MultiConnector holding kvpool's transfer connector
-   and store connector, ``kv_load_failure_policy: recompute`` at the top level (the
-   production guide's §5.2/§5.3 JSON), the master found through ``KVPOOL_CONFIG_PATH``;
-3. ``kvpool proxy`` in front of them.
-
 :func:`make_plan` is pure: options in, commands, environments, ports, health URLs and the
 files to write out.  Nothing here starts a process, touches the disk or reads the clock;
 :mod:`kvpool.ops.up.supervisor` supervises the processes and
@@ -156,6 +144,17 @@ def _check_port_clashes(opts: UpOptions) -> None:
         owners[use.port] = use.owner
 
 
+# What ``kvpool up`` starts, in order (the production guide's §3.2 Compose file and §5 commands, on
+# host):
+#
+# 1. ``kvpool master`` with its own memory segment and an SSD tier under the state
+#    directory (``--enable_offload=true``); with ``--engine mooncake`` the wheel's
+#    ``mooncake_master`` instead (:mod:`kvpool.ops.up.mooncake`);
+# 2. the prefill and decode vLLM instances (``python -m vllm.entrypoints.openai.api_server``,
+#    started together), each with vLLM's MultiConnector holding kvpool's transfer connector
+#    and store connector, ``kv_load_failure_policy: recompute`` at the top level (the
+#    production guide's §5.2/§5.3 JSON), the master found through ``KVPOOL_CONFIG_PATH``;
+# 3. ``kvpool proxy`` in front of them.
 def make_plan(opts: UpOptions) -> UpPlan:
     """The whole stack as data (pure)."""
     _check_port_clashes(opts)

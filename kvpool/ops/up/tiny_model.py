@@ -1,18 +1,8 @@
 """Build a tiny Llama model directory locally: ``kvpool up``'s model when no ``--model`` is
 given, and the model of the tests and benchmarks that run real vLLM.
 
-Nothing needs to be downloaded from a model hub: the model is made here.
-
-- ``config.json``: a Llama config (by default hidden 128, 2 layers, 2 heads of dim 64 — the
-  CPU attention kernel supports head dim 64);
-- ``model.safetensors``: random weights from a seeded generator (or none at all with
-  ``weights=False``, for vLLM's ``load_format="dummy"``);
-- ``tokenizer.json`` + ``tokenizer_config.json``: a byte-level BPE tokenizer trained in well
-  under a second on a seeded synthetic corpus with the ``tokenizers`` library;
-- ``generation_config.json``.
-
-The same arguments always give byte-identical files, so two processes (or two test runs)
-that build the model from the same random seed serve the same model.
+Nothing needs to be downloaded from a model hub: the model is made here, and the same
+arguments always give byte-identical files.
 
     python -m kvpool.ops.up.tiny_model PATH [--preset tiny|bench] [--seed N]
 """
@@ -188,6 +178,18 @@ def _train_tokenizer(spec: TinyModelSpec, path: Path) -> None:
     )
 
 
+# The files:
+#
+# - ``config.json``: a Llama config (by default hidden 128, 2 layers, 2 heads of dim 64 — the
+#   CPU attention kernel supports head dim 64);
+# - ``model.safetensors``: random weights from a seeded generator (or none at all with
+#   ``weights=False``, for vLLM's ``load_format="dummy"``);
+# - ``tokenizer.json`` + ``tokenizer_config.json``: a byte-level BPE tokenizer trained in well
+#   under a second on a seeded synthetic corpus with the ``tokenizers`` library;
+# - ``generation_config.json``.
+#
+# The same arguments always give byte-identical files, so two processes (or two test runs)
+# that build the model from the same random seed serve the same model.
 def build_tiny_model(
     path: str | Path,
     *,
