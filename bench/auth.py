@@ -33,6 +33,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
 from kvpool.net import split_address
 from kvpool.storage.segment import Segment
@@ -103,7 +104,9 @@ def _data_rows(rounds: int) -> list[tuple[str, float, float]]:
         buf = bytearray(4096)
 
         def first_read(address: tuple[str, int], credential: Credential | None) -> None:
-            with SegmentConnection(*address, credential=credential, client_id="b") as conn:
+            with SegmentConnection(
+                *address, PeerSettings(credential=credential, client_id="b")
+            ) as conn:
                 conn.read_into("seg", 0, buf)
 
         first_plain, first_auth = _medians_us(
@@ -111,7 +114,7 @@ def _data_rows(rounds: int) -> list[tuple[str, float, float]]:
         )
         with (
             SegmentConnection(*plain) as p,
-            SegmentConnection(*secured, credential=SECRET, client_id="b") as s,
+            SegmentConnection(*secured, PeerSettings(credential=SECRET, client_id="b")) as s,
         ):
             read_plain, read_auth = _medians_us(
                 lambda: p.read_into("seg", 0, buf), lambda: s.read_into("seg", 0, buf), rounds * 5

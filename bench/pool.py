@@ -52,6 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.baselines import memcpy, raw_tcp
+from kvpool.config.peer import PeerSettings
 from kvpool.core.index import IndexConfig
 from kvpool.errors import KVPoolError
 from kvpool.protocol import messages as m
@@ -128,7 +129,7 @@ def tcp_segment_write(size: int, *, populate: bool) -> float:
     with Segment.create(total, populate=populate) as owner:
         server = SegmentServer(timeout_s=30.0)
         server.add_segment("s", owner)
-        conn = SegmentConnection(*server.start(), 30.0)
+        conn = SegmentConnection(*server.start(), PeerSettings(30.0))
         try:
             conn.write("s", 0, b"x")  # connected before the timing
             offsets = range(0, total - size + 1, size)

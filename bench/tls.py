@@ -24,6 +24,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from kvpool.config.peer import PeerSettings
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
 from kvpool.storage.segment import Segment
@@ -68,7 +69,7 @@ def _throughput_rows(
     plain: tuple[str, int], secure: tuple[str, int], ctx: ssl.SSLContext, rounds: int
 ) -> list[tuple[str, float, float, float]]:
     rows = []
-    with SegmentConnection(*plain) as p, SegmentConnection(*secure, tls=ctx) as t:
+    with SegmentConnection(*plain) as p, SegmentConnection(*secure, PeerSettings(tls=ctx)) as t:
         for size in SIZES:
             data = memoryview(os.urandom(size))
             into = bytearray(size)
@@ -96,7 +97,7 @@ def _connect_rows(
     buf = bytearray(4096)
 
     def first_read(address: tuple[str, int], **kw: object) -> None:
-        with SegmentConnection(*address, client_id="b", **kw) as conn:  # type: ignore[arg-type]
+        with SegmentConnection(*address, PeerSettings(client_id="b", **kw)) as conn:  # type: ignore[arg-type]
             conn.read_into("seg", 0, buf)
 
     plain, secure, both = addresses

@@ -53,6 +53,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.baselines import recv_exactly
+from kvpool.config.peer import PeerSettings
 from kvpool.storage.segment import Segment
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.segment_server import SegmentServer
@@ -249,7 +250,7 @@ def raw_tcp_cases(stack: ExitStack, port: int, size: int) -> list[Case]:
 def segment_tcp_cases(stack: ExitStack, port: int, size: int) -> list[Case]:
     value = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
     into = np.empty_like(value)
-    conn = stack.enter_context(SegmentConnection("127.0.0.1", port, timeout_s=30))
+    conn = stack.enter_context(SegmentConnection("127.0.0.1", port, PeerSettings(30)))
     # Pipelined batches of 16 values (one round trip per batch), as a batch_put would.
     writes: list[tuple[str, int, Any]] = [("bench", 0, value)] * 16
     reads: list[tuple[str, int, Any]] = [("bench", 0, into)] * 16
@@ -283,7 +284,7 @@ def _client_worker(
     with ExitStack() as stack:
         data: SegmentConnection | ShmConnection
         if path == "tcp":
-            data = stack.enter_context(SegmentConnection("127.0.0.1", target, timeout_s=30))
+            data = stack.enter_context(SegmentConnection("127.0.0.1", target, PeerSettings(30)))
         else:
             data = stack.enter_context(ShmConnection())
             data.attach("bench", target)

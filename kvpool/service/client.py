@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.closing import Closing
+from kvpool.config.peer import PeerSettings
 from kvpool.config.secret import load_credential
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
@@ -70,6 +71,7 @@ from kvpool.protocol.data import Error
 from kvpool.service.master_link import CLOSE_SETTLE_S, MasterLink, TcpMasterLink
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.storage.checksum import checksum
+from kvpool.transfer.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
 from kvpool.transfer.tenant_path import TenantTransport
 from kvpool.transfer.transport import DataPath, Transport, transport_named
 
@@ -114,42 +116,30 @@ class Client(Closing):
         tls: TLSConfig | ssl.SSLContext | None = None,
     ) -> None:
         self.master = master
-        self.timeout_s = timeout_s
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.allow_shm = allow_shm
         if isinstance(credential, str):
             credential = Credential.parse(credential, "credential")
         elif credential is None and link is None:
             credential = load_credential("", os.environ, key="secret_file")
-        self.credential = credential
         if tls is None and link is None:
             tls = TLSConfig.from_env()
         if isinstance(tls, TLSConfig):
             tls = tls.client_context()
-        self.tls = tls
+        #: how every connection of this client is dialled: the master's and each node's
+        self.peer = PeerSettings(timeout_s, credential, self.client_id, tls)
         if transport is None:
             transport = "shm" if allow_shm else "tcp"
         self.transport: Transport
         if credential is not None and credential.is_tenant and isinstance(transport, str):
             # a tenant's bytes move with the master's grants, over TCP only
-            self.transport = TenantTransport(timeout_s, credential, tls)
+            self.transport = TenantTransport(self.peer)
         elif isinstance(transport, str):
-            self.transport = transport_named(
-                transport, timeout_s, credential=credential, client_id=self.client_id, tls=tls
-            )
+            self.transport = transport_named(transport, self.peer)
         else:
             self.transport = transport
         self.link: MasterLink = (
-            link
-            if link is not None
-            else TcpMasterLink(
-                master,
-                timeout_s,
-                credential=credential,
-                role=role,
-                client_id=self.client_id,
-                tls=tls,
-            )
+            link if link is not None else TcpMasterLink(master, self.peer, role=role)
         )
         self._paths: dict[str, DataPath] = {}  # data address -> open data path
         self._paths_lock = threading.Lock()
@@ -216,15 +206,11 @@ class Client(Closing):
             return  # already stored: same key, same content
         if not overlap:
             hash_value()
+        p = placement
+        write = WriteOp(p.segment_id, p.offset, view, shm_name=p.shm_name, key=key, checksum=digest)
         try:
-            noted = self._path(placement).write_noted(
-                placement.segment_id,
-                placement.offset,
-                view,
-                key,
-                digest,
-                shm_name=placement.shm_name,
-            )
+            # a noted write's result is the checksum its owner noted (None: not noted)
+            noted = sole_result(self._path(placement).run([write])) is not None
         except (TransferError, PeerTimeout) as exc:
             self._report(placement, exc)
             self._revoke(key)
@@ -321,23 +307,31 @@ class Client(Closing):
         placed = dict(zip(sent, reply.items, strict=True))
         for indices in by_node.values():
             first = placed[indices[0]]
-            items = [(placed[i].segment_id, placed[i].offset, views[i]) for i in indices]
             path = self._path(first)
-            try:
-                _refresh_routes(path, [placed[i] for i in indices])
-                done, all_noted = path.write_many_noted(
-                    items, [(keys[i], digests[i]) for i in indices]
+            writes = [
+                WriteOp(
+                    placed[i].segment_id,
+                    placed[i].offset,
+                    views[i],
+                    shm_name=placed[i].shm_name,
+                    key=keys[i],
+                    checksum=digests[i],
                 )
-                noted = noted and all_noted
+                for i in indices
+            ]
+            done: Sequence[OpResult]
+            try:
+                done = path.run(writes)
             except (TransferError, PeerTimeout) as exc:
                 self._report(first, exc)
                 done = [exc] * len(indices)
-            for i, failure in zip(indices, done, strict=True):
-                if failure is None:
-                    written.append(i)
-                else:
-                    results[i] = failure
+            for i, outcome in zip(indices, done, strict=True):
+                if isinstance(outcome, KVPoolError):
+                    results[i] = outcome
                     self._revoke(keys[i])
+                else:
+                    written.append(i)
+                    noted = noted and outcome is not None  # its node noted it
         if written:
             ended = self.call(
                 m.BatchPutEnd(
@@ -379,14 +373,16 @@ class Client(Closing):
             raise ValueError(f"buffer of {len(dst)} bytes is too small for {size}")
         target = dst[:size]
         path = self._path(placement)
+        p = placement
+        op: DataOp = (
+            SsdReadOp(p.key, target)
+            if p.tier == "ssd"
+            else ReadOp(p.segment_id, p.offset, target, shm_name=p.shm_name, checked=True)
+        )
         try:
-            if placement.tier == "ssd":
-                path.ssd_read_into(placement.key, target)
+            digest = sole_result(path.run([op]))
+            if digest is None:  # an SSD read: hashed once it is in
                 digest = checksum(target)
-            else:
-                digest = path.read_checked(
-                    placement.segment_id, placement.offset, target, shm_name=placement.shm_name
-                )
         except ChecksumMismatch as exc:
             # the node answered: its copy is corrupt, the node itself is fine (reporting a
             # failure would drop every object it holds): only that copy goes
@@ -475,10 +471,18 @@ class Client(Closing):
         verdicts per value as :meth:`_read` (a miss, never wrong bytes)."""
         first = placements[indices[0]]
         path = self._path(first)
-        items = [(placements[i].segment_id, placements[i].offset, targets[i]) for i in indices]
+        reads: list[DataOp] = [
+            ReadOp(
+                placements[i].segment_id,
+                placements[i].offset,
+                targets[i],
+                shm_name=placements[i].shm_name,
+                checked=True,
+            )
+            for i in indices
+        ]
         try:
-            _refresh_routes(path, [placements[i] for i in indices])
-            done = path.read_many_checked(items)
+            done = path.run(reads)
         except (TransferError, PeerTimeout) as exc:
             self._report(first, exc)
             return
@@ -560,17 +564,3 @@ class Client(Closing):
             self._paths.clear()
         for path in paths:
             path.close()
-
-
-def _refresh_routes(path: DataPath, placements: Sequence[m.Placement]) -> None:
-    """Let a path that caches a route per segment check it against the placements'
-    shared-memory names before a batch (a node restarted under the same segment id has a
-    new name), as a single transfer's ``shm_name`` does; a batch's items carry none."""
-    route = getattr(path, "route", None)
-    if route is None:
-        return
-    seen: set[tuple[str, str]] = set()
-    for p in placements:
-        if p.shm_name and (p.segment_id, p.shm_name) not in seen:
-            seen.add((p.segment_id, p.shm_name))
-            route(p.segment_id, p.shm_name)

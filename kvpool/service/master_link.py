@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import logging
 import socket
-import ssl
 import struct
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from kvpool.core.credentials import Credential
+from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.errors import (
     AuthError,
     ConfigError,
@@ -123,28 +122,20 @@ def _owed_reply(reply: m.MasterReply) -> None:
 
 class TcpMasterLink:
     """One TCP connection to ``kvpool master`` at ``address``; thread-safe (calls are
-    serialised on the connection).  With a ``credential``, each new connection opens
-    with the handshake, as ``role`` (``client``, or ``node`` for a storage node) and
-    ``client_id``; a refusal raises :class:`~kvpool.errors.AuthError`."""
+    serialised on the connection).  ``peer``: its timeout, TLS context, and the
+    credential each new connection opens with in the handshake, as ``role``
+    (``client``, or ``node`` for a storage node) and ``peer.client_id``; a refusal
+    raises :class:`~kvpool.errors.AuthError`."""
 
     pipelined = True
 
     def __init__(
-        self,
-        address: str,
-        timeout_s: float = 10.0,
-        *,
-        credential: Credential | None = None,
-        role: str = "client",
-        client_id: str = "",
-        tls: ssl.SSLContext | None = None,
+        self, address: str, peer: PeerSettings = PLAIN_PEER, *, role: str = "client"
     ) -> None:
-        self.tls = tls  # verifies the master's certificate (None: plain TCP)
-        self.credential = credential
+        self.peer = peer
         self.role = role
-        self.client_id = client_id
         self.address = address
-        self.timeout_s = timeout_s
+        self.timeout_s = peer.timeout_s
         self._channel: Channel[m.MasterRequest, m.MasterReply] | None = None
         self._lock = threading.Lock()
         self._fresh = False  # the channel has not brought back a kvpool reply yet
@@ -206,10 +197,10 @@ class TcpMasterLink:
             except OSError as exc:
                 raise TransferError(f"cannot reach the master at {self.address}: {exc}") from None
             framing.tune_socket(sock)
-            if self.tls is not None:
+            if self.peer.tls is not None:
                 where = f"the master at {self.address}"
-                sock = wrap_client(sock, self.tls, host, self.timeout_s, where)
-            if self.credential is not None:
+                sock = wrap_client(sock, self.peer.tls, host, self.timeout_s, where)
+            if self.peer.credential is not None:
                 self._authenticate(sock)
             self._channel = Channel(
                 sock,
@@ -224,14 +215,15 @@ class TcpMasterLink:
 
     def _authenticate(self, sock: socket.socket) -> None:
         where = f"the master at {self.address}"
-        assert self.credential is not None
-        role, client_id = self.role, self.client_id
-        if self.credential.is_tenant and role == "client":
+        credential = self.peer.credential
+        assert credential is not None
+        role, client_id = self.role, self.peer.client_id
+        if credential.is_tenant and role == "client":
             # a tenant's credential proves its tenant, named as the handshake's id: the
             # master puts this connection's keys in that tenant's namespace
-            role, client_id = "tenant", self.credential.tenant
+            role, client_id = "tenant", credential.tenant
         try:
-            authenticate(sock, self.credential, role, client_id, self.timeout_s, where)
+            authenticate(sock, credential, role, client_id, self.timeout_s, where)
         except AuthError as exc:
             sock.close()
             if exc.__cause__ is not None and mooncake_answers(self.address, 2.0):
@@ -245,7 +237,7 @@ class TcpMasterLink:
 
     def _tls_expected(self) -> bool:
         """A plain client closed on at once: does the master speak TLS?"""
-        if self.tls is not None:
+        if self.peer.tls is not None:
             return False
         host, port = split_address(self.address)
         return speaks_tls(host, port, min(self.timeout_s, 2.0))

@@ -416,14 +416,13 @@ class MasterServer:
         require_credential(cfg.host, self.credential, cfg.insecure, key="--host")
         for tenant, quota in parse_tenant_quotas(cfg.tenant_quota).items():
             self.service.tenants.set_quota(tenant, quota)
-        self.service.node_links.credential = self.credential
         # TLS (off unless --tls_* are set): files checked before anything binds
         self.tls = cfg.tls.server_context()
         # dialling nodes (copies, demotions) verifies them with --tls_ca, else KVPOOL_TLS_CA
         dial = cfg.tls
         if not dial.ca and os.environ.get(ENV_CA):
             dial = dataclasses.replace(dial, ca=os.environ[ENV_CA])
-        self.service.node_links.tls = dial.client_context()
+        self.service.node_links.secure(self.credential, dial.client_context())
         listener = _listen(cfg.host, cfg.port)
         try:
             await self._start_on(listener)

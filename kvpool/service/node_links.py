@@ -18,6 +18,7 @@ and its objects are dropped rather than waited for.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import ssl
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.closing import Closing
+from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
 from kvpool.core.index import Demote
 from kvpool.errors import KVPoolError
@@ -46,22 +48,9 @@ _Job = Callable[[SegmentConnection], None]
 class _NodeWorker:
     """One node's connection, served by one thread from a bounded queue."""
 
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float,
-        credential: Credential | None,
-        tls: ssl.SSLContext | None = None,
-    ) -> None:
+    def __init__(self, address: str, peer: PeerSettings) -> None:
         host, _, port = address.rpartition(":")  # as the node wrote it: host:port
-        self.conn = SegmentConnection(
-            host,
-            int(port),
-            timeout_s=timeout_s,
-            credential=credential,
-            client_id="master",
-            tls=tls,
-        )
+        self.conn = SegmentConnection(host, int(port), peer)
         self.jobs: queue.Queue[_Job | None] = queue.Queue(QUEUE_DEPTH)
         self.thread = threading.Thread(
             target=self._run, name=f"kvpool-node-link-{address}", daemon=True
@@ -98,19 +87,24 @@ class NodeLinks(Closing):
     """Work for nodes' data servers, by data address, off the caller's thread."""
 
     def __init__(self, timeout_s: float = 10.0) -> None:
-        self.timeout_s = timeout_s
-        #: proved to each node's data port (the master holds the cluster secret)
-        self.credential: Credential | None = None
-        #: verifies each node's data port when the pool runs TLS (None: plain TCP)
-        self.tls: ssl.SSLContext | None = None
+        #: how each node's data port is dialled: as "master", with the cluster secret
+        #: and the pool's TLS context once the server has set them (:meth:`secure`)
+        self.peer = PeerSettings(timeout_s, client_id="master")
         self._workers: dict[str, _NodeWorker] = {}
+
+    @property
+    def timeout_s(self) -> float:
+        return self.peer.timeout_s
+
+    def secure(self, credential: Credential | None, tls: ssl.SSLContext | None) -> None:
+        """Prove ``credential`` to each node's data port (the master holds the cluster
+        secret) and verify it with ``tls`` (None: plain TCP); before the first link."""
+        self.peer = dataclasses.replace(self.peer, credential=credential, tls=tls)
 
     def _worker(self, address: str) -> _NodeWorker:
         worker = self._workers.get(address)
         if worker is None:
-            worker = self._workers[address] = _NodeWorker(
-                address, self.timeout_s, self.credential, self.tls
-            )
+            worker = self._workers[address] = _NodeWorker(address, self.peer)
         return worker
 
     def demote(self, address: str, event: Demote, done: DemoteDone) -> None:

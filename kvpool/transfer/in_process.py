@@ -9,14 +9,13 @@ every address leads to the same data path.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from kvpool.errors import KVPoolError, ObjectNotFound, UnknownSegment
 from kvpool.storage.buffers import byte_view
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer.transport import Item
+from kvpool.transfer.data_ops import DataOp, OpResult, ReadOp, WriteOp
 
 __all__ = ["InProcessPath", "InProcessTransport"]
 
@@ -28,64 +27,34 @@ class InProcessPath:
         self.segment = segment
         self.ssd = ssd
 
+    def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
+        """The ops (:mod:`kvpool.transfer.data_ops`), each a plain copy.  Nothing here
+        can fail a whole list: each op's error is its result.  No write is noted (the
+        master's own storage: the master is its catalog)."""
+        results: list[OpResult] = []
+        for op in ops:
+            try:
+                results.append(self._one(op))
+            except KVPoolError as exc:
+                results.append(exc)
+        return results
+
+    def _one(self, op: DataOp) -> OpResult:
+        if isinstance(op, WriteOp):
+            self._memory().write(op.offset, op.buffer)
+            return None
+        if isinstance(op, ReadOp):
+            self._memory().read_into(op.offset, op.buffer)
+            return checksum(byte_view(op.buffer)) if op.checked else None
+        if self.ssd is None:
+            raise ObjectNotFound(f"{op.key}: no SSD tier")
+        self.ssd.read_into(op.key, op.buffer)
+        return None
+
     def _memory(self) -> Segment:
         if self.segment is None:
             raise UnknownSegment("this pool has no memory segment")
         return self.segment
-
-    def write(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        return self._memory().write(offset, buffer)
-
-    def write_noted(
-        self,
-        segment_id: str,
-        offset: int,
-        buffer: Any,
-        key: str,
-        checksum: int,
-        *,
-        shm_name: str = "",
-    ) -> bool:
-        self.write(segment_id, offset, buffer)
-        return False  # the master's own storage: the master is its catalog
-
-    def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        return self._memory().read_into(offset, buffer)
-
-    def read_checked(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        self.read_into(segment_id, offset, buffer)
-        return checksum(byte_view(buffer))
-
-    def write_many(self, items: Sequence[Item]) -> list[KVPoolError | None]:
-        return [self._one(self.write, item) for item in items]
-
-    def write_many_noted(
-        self, items: Sequence[Item], notes: Sequence[tuple[str, int]]
-    ) -> tuple[list[KVPoolError | None], bool]:
-        return self.write_many(items), False
-
-    def read_many_into(self, items: Sequence[Item]) -> list[KVPoolError | None]:
-        return [self._one(self.read_into, item) for item in items]
-
-    def read_many_checked(self, items: Sequence[Item]) -> list[KVPoolError | int]:
-        done = self.read_many_into(items)
-        return [
-            checksum(byte_view(buffer)) if result is None else result
-            for result, (_, _, buffer) in zip(done, items, strict=True)
-        ]
-
-    @staticmethod
-    def _one(move: Any, item: Item) -> KVPoolError | None:
-        try:
-            move(*item)
-        except KVPoolError as exc:
-            return exc
-        return None
-
-    def ssd_read_into(self, key: str, buffer: Any) -> int:
-        if self.ssd is None:
-            raise ObjectNotFound(f"{key}: no SSD tier")
-        return self.ssd.read_into(key, buffer)
 
     def close(self) -> None:
         pass  # the storage belongs to its owner, not to the path

@@ -4,7 +4,11 @@
 transports to one node: on first use of a segment it asks the node (``SegmentInfo``) for
 the segment's shared-memory name and host token; when the token equals this process's
 :func:`~kvpool.transfer.shm.host_token` and the segment attaches, every later access
-is a direct copy, else it goes over TCP.  The choice is made once per segment.
+is a direct copy, else it goes over TCP.  The choice is made once per segment, and
+checked against each op's ``shm_name`` (a node restarted under the same segment id has a
+new one).  An op list is split by route: the shared-memory ops are copied here, the rest
+go to the node's :class:`~kvpool.transfer.segment_client.SegmentConnection` as one list
+(one pipelined batch per kind).
 
 A direct copy into a segment whose owner died raises
 :class:`~kvpool.errors.TransferError`, as a TCP transfer to a dead node does (see
@@ -13,16 +17,16 @@ A direct copy into a segment whose owner died raises
 
 from __future__ import annotations
 
-import ssl
 import threading
 from collections.abc import Sequence
-from typing import Any, Literal, cast
+from typing import Literal
 
 from kvpool.closing import Closing
-from kvpool.core.credentials import Credential
+from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.errors import KVPoolError, PoolError
 from kvpool.storage.buffers import byte_view
 from kvpool.storage.checksum import checksum
+from kvpool.transfer.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp
 from kvpool.transfer.segment_client import SegmentConnection
 from kvpool.transfer.shm import ShmConnection, host_token
 
@@ -35,19 +39,9 @@ class NodeDataPath(Closing):
     """Reads and writes of one node's segments by the fastest path available."""
 
     def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        timeout_s: float = 10.0,
-        allow_shm: bool = True,
-        credential: Credential | None = None,
-        client_id: str = "",
-        tls: ssl.SSLContext | None = None,
+        self, host: str, port: int, peer: PeerSettings = PLAIN_PEER, *, allow_shm: bool = True
     ) -> None:
-        self.tcp = SegmentConnection(
-            host, port, timeout_s, credential=credential, client_id=client_id, tls=tls
-        )
+        self.tcp = SegmentConnection(host, port, peer)
         self.shm = ShmConnection()
         self.allow_shm = allow_shm
         self._routes: dict[str, Route] = {}
@@ -87,113 +81,50 @@ class NodeDataPath(Closing):
             self._routes.pop(segment_id, None)
         self.shm.detach(segment_id)
 
-    def write(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        """Write ``buffer`` at ``offset``; ``shm_name`` as in :meth:`route`."""
-        if self.route(segment_id, shm_name) == "shm":
-            return self.shm.write(segment_id, offset, buffer)
-        return self.tcp.write(segment_id, offset, buffer)
-
-    def write_noted(
-        self,
-        segment_id: str,
-        offset: int,
-        buffer: Any,
-        key: str,
-        checksum: int,
-        *,
-        shm_name: str = "",
-    ) -> bool:
-        """As :meth:`write`; over TCP the write carries ``key`` and ``checksum`` for the
-        node's catalog (True).  A shared-memory copy does not pass the node (False)."""
-        if self.route(segment_id, shm_name) == "shm":
-            self.shm.write(segment_id, offset, buffer)
-            return False
-        self.tcp.write(segment_id, offset, buffer, key=key, checksum=checksum)
-        return True
-
-    def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        """Fill ``buffer`` from ``offset``; ``shm_name`` as in :meth:`route`."""
-        if self.route(segment_id, shm_name) == "shm":
-            return self.shm.read_into(segment_id, offset, buffer)
-        return self.tcp.read_into(segment_id, offset, buffer)
-
-    def read_checked(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        """:meth:`read_into` and the bytes' checksum: over TCP hashed as they arrive, a
-        shared-memory copy hashed after it."""
-        if self.route(segment_id, shm_name) == "shm":
-            self.shm.read_into(segment_id, offset, buffer)
-            return checksum(byte_view(buffer))
-        return self.tcp.read_checked(segment_id, offset, buffer)
-
-    def write_many(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
-        """Many writes: direct copies where shared memory applies, one TCP pipeline for
-        the rest.  One result per item, as :meth:`SegmentConnection.write_many`."""
-        return self._many(items, write=True)
-
-    def write_many_noted(
-        self, items: Sequence[tuple[str, int, Any]], notes: Sequence[tuple[str, int]]
-    ) -> tuple[list[KVPoolError | None], bool]:
-        """As :meth:`write_many`, the TCP items tagged with their notes; True when every
-        item went over TCP (a shared-memory copy does not pass the node)."""
-        noted = all(self.route(segment_id) == "tcp" for segment_id, _, _ in items)
-        return self._many(items, write=True, notes=notes), noted
-
-    def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
-        """Many reads into caller buffers; see :meth:`write_many`."""
-        return self._many(items, write=False)
-
-    def read_many_checked(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | int]:
-        """:meth:`read_many_into` with each read item's checksum (over TCP hashed as each
-        value lands, while the rest of the batch arrives)."""
-        return cast("list[KVPoolError | int]", self._many(items, write=False, checked=True))
-
-    def _many(
-        self,
-        items: Sequence[tuple[str, int, Any]],
-        *,
-        write: bool,
-        notes: Sequence[tuple[str, int]] | None = None,
-        checked: bool = False,
-    ) -> list[Any]:
-        """One result per item: its error, or None (a checked read: its checksum)."""
-        results: list[KVPoolError | int | None] = [None] * len(items)
+    def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
+        """The ops (:mod:`kvpool.transfer.data_ops`): direct copies where shared memory
+        applies, one list over TCP for the rest (SSD reads always: the node's files are
+        not mapped here).  A copy does not pass the node, so a noted write copied is
+        stored, not noted (None); a checked read copied is hashed after the copy."""
+        results: list[OpResult] = [None] * len(ops)
         over_tcp: list[int] = []
         copied: set[str] = set()  # segments copied to or from: their owner is asked once
-        for i, (segment_id, offset, buffer) in enumerate(items):
-            if self.route(segment_id) != "shm":
+        routes: dict[tuple[str, str], Route] = {}  # this list's routes, each decided once
+        for i, op in enumerate(ops):
+            if isinstance(op, SsdReadOp) or self._route(op, routes) != "shm":
                 over_tcp.append(i)
                 continue
             try:
-                if write:
-                    self.shm.write(segment_id, offset, buffer, check=False)
-                else:
-                    self.shm.read_into(segment_id, offset, buffer, check=False)
-                    if checked:
-                        results[i] = checksum(byte_view(buffer))
-                copied.add(segment_id)
+                results[i] = self._copy(op)
             except KVPoolError as exc:
                 results[i] = exc
-        for segment_id in copied:
-            # a dead owner fails the whole batch to it, as a dead node does over TCP
-            self.shm.check_owner(segment_id)
-        if over_tcp:
-            batch = [items[i] for i in over_tcp]
-            done: Sequence[KVPoolError | int | None]
-            if write:
-                tags = [notes[i] for i in over_tcp] if notes else None
-                done = self.tcp.write_many(batch, tags)
-            elif checked:
-                done = self.tcp.read_many_checked(batch)
             else:
-                done = self.tcp.read_many_into(batch)
+                copied.add(op.segment_id)
+        for segment_id in copied:
+            # a dead owner fails the whole list to it, as a dead node does over TCP
+            self.shm.check_owner(segment_id)
+        if len(over_tcp) == len(ops):
+            return self.tcp.run(ops)
+        if over_tcp:
+            done = self.tcp.run([ops[i] for i in over_tcp])
             for i, result in zip(over_tcp, done, strict=True):
                 results[i] = result
         return results
 
-    def ssd_read_into(self, key: str, buffer: Any) -> int:
-        """An object of the node's SSD tier into ``buffer`` (always over TCP: the files
-        are the node's, not mapped here)."""
-        return self.tcp.ssd_read_into(key, buffer)
+    def _route(self, op: WriteOp | ReadOp, routes: dict[tuple[str, str], Route]) -> Route:
+        place = (op.segment_id, op.shm_name)
+        known = routes.get(place)
+        if known is None:
+            known = routes[place] = self.route(op.segment_id, op.shm_name)
+        return known
+
+    def _copy(self, op: WriteOp | ReadOp) -> int | None:
+        """One op by shared memory; its owner is checked by the caller, once a segment."""
+        if isinstance(op, WriteOp):
+            self.shm.write(op.segment_id, op.offset, op.buffer, check=False)
+            return None
+        self.shm.read_into(op.segment_id, op.offset, op.buffer, check=False)
+        return checksum(byte_view(op.buffer)) if op.checked else None
 
     def close(self) -> None:
         self.tcp.close()

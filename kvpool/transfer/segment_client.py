@@ -1,22 +1,23 @@
 """The blocking TCP client of a segment data server.
 
 :class:`SegmentConnection` writes and reads caller buffers (bytes-like, NumPy, CPU
-tensor) at ``(segment_id, offset)`` of a node's segments, one request at a time or
-pipelined (:meth:`SegmentConnection.write_many`, :meth:`SegmentConnection.read_many_into`).
-Replies' payloads are received straight into the caller's buffer.
+tensor) at ``(segment_id, offset)`` of a node's segments, and objects of its SSD tier:
+a list of data-path operations at once (:meth:`SegmentConnection.run`, see
+:mod:`kvpool.transfer.data_ops`; many go pipelined, in ranged requests), or one call per
+shape (``write``, ``read_into``, ``write_many``, ...).  Replies' payloads are received
+straight into the caller's buffer.
 """
 
 from __future__ import annotations
 
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.closing import Closing
-from kvpool.core.credentials import Credential
+from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.errors import (
     AuthError,
     KVPoolError,
@@ -47,6 +48,7 @@ from kvpool.storage.checksum import hasher
 from kvpool.transfer import framing
 from kvpool.transfer.auth import authenticate
 from kvpool.transfer.channel import Channel, reply_spin_us
+from kvpool.transfer.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
 from kvpool.transfer.tls import wrap_client
 
 __all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
@@ -65,29 +67,18 @@ class SegmentConnection(Closing):
 
     Connects on first use (and again after a failed exchange).  Calls are serialised;
     use one connection per thread for parallel transfers.  Every call finishes within
-    ``timeout_s`` or raises :class:`~kvpool.errors.PeerTimeout`; a dead peer raises
+    ``peer.timeout_s`` or raises :class:`~kvpool.errors.PeerTimeout`; a dead peer raises
     :class:`~kvpool.errors.TransferError`; a refusal by the server raises the error it
-    reported (e.g. :class:`~kvpool.errors.UnknownSegment`).  With a ``credential``, each
-    new connection first proves it (role ``data``, as ``client_id``) and checks the
-    node's proof: a refusal raises :class:`~kvpool.errors.AuthError`.
+    reported (e.g. :class:`~kvpool.errors.UnknownSegment`), except in :meth:`run`, where
+    it is that op's result.  With ``peer.credential``, each new connection first proves
+    it (role ``data``, as ``peer.client_id``) and checks the node's proof: a refusal
+    raises :class:`~kvpool.errors.AuthError`.
     """
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        timeout_s: float = 10.0,
-        *,
-        credential: Credential | None = None,
-        client_id: str = "",
-        tls: ssl.SSLContext | None = None,
-    ) -> None:
-        self.tls = tls
-        self.credential = credential
-        self.client_id = client_id
+    def __init__(self, host: str, port: int, peer: PeerSettings = PLAIN_PEER) -> None:
+        self.peer = peer
         self.host = host
         self.port = port
-        self.timeout_s = timeout_s
         self._channel: Channel[DataRequest, DataReply] | None = None
         self._lock = threading.Lock()
         self._used = 0.0  # monotonic time of the last exchange
@@ -105,26 +96,25 @@ class SegmentConnection(Closing):
             self._drop()  # quiet too long: the server let go of it
         self._used = now
         if self._channel is None:
+            peer, timeout_s = self.peer, self.peer.timeout_s
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
+                sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
             except TimeoutError:
                 raise PeerTimeout(f"connecting to {self.host}:{self.port} timed out") from None
             except OSError as exc:
                 raise TransferError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
             framing.tune_socket(sock)
             where = f"data server {self.host}:{self.port}"
-            if self.tls is not None:
-                sock = wrap_client(sock, self.tls, self.host, self.timeout_s, where)
-            if self.credential is not None:
+            if peer.tls is not None:
+                sock = wrap_client(sock, peer.tls, self.host, timeout_s, where)
+            if peer.credential is not None:
                 try:
-                    authenticate(
-                        sock, self.credential, "data", self.client_id, self.timeout_s, where
-                    )
+                    authenticate(sock, peer.credential, "data", peer.client_id, timeout_s, where)
                 except BaseException:
                     sock.close()
                     raise
             self._channel = Channel(
-                sock, DATA_REQUEST_CODEC, DATA_REPLY_CODEC, self.timeout_s, spin_us=self.spin_us
+                sock, DATA_REQUEST_CODEC, DATA_REPLY_CODEC, timeout_s, spin_us=self.spin_us
             )
         return self._channel
 
@@ -135,11 +125,12 @@ class SegmentConnection(Closing):
         into: memoryview | None,
         on_bytes: Callable[[memoryview], object] | None = None,
     ) -> DataReply:
-        """Send ``request`` (+ ``out``), receive the reply (+ its payload into ``into``)."""
+        """Send ``request`` (+ ``out``), receive the reply (+ its payload into ``into``).
+        The node's refusal is returned (an :class:`Error`), a broken exchange raised."""
         with self._lock:
             channel = self._connected()
             try:
-                deadline = framing.deadline_after(self.timeout_s)
+                deadline = framing.deadline_after(self.peer.timeout_s)
                 channel.send(request, out)
                 reply, length = channel.recv(deadline, reply=True)
                 if length:
@@ -153,11 +144,100 @@ class SegmentConnection(Closing):
                 # The stream may be mid-frame: never reuse it.
                 self._drop()
                 raise
+        if isinstance(reply, Error) and reply.code in (Overloaded.code, AuthError.code):
+            self.close()  # refused (at its limit, or unauthenticated): the server closes
+        return reply
+
+    def _call(self, request: DataRequest) -> DataReply:
+        """:meth:`_exchange` without payloads, the node's refusal raised."""
+        reply = self._exchange(request, None, None)
         if isinstance(reply, Error):
-            if reply.code in (Overloaded.code, AuthError.code):
-                self.close()  # refused (at its limit, or unauthenticated): the server closes
             raise reply.to_exception()
         return reply
+
+    def _moved(self, reply: DataReply, length: int, what: str) -> None:
+        """Check a read's reply: Ok with ``length`` bytes, or the stream is not trusted."""
+        if not isinstance(reply, Ok) or reply.length != length:
+            self.close()
+            raise ProtocolError(f"unexpected reply to {what}: {reply!r}")
+
+    # -- the data path's operations (kvpool.transfer.data_ops) ---------------------
+
+    def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
+        """The ops over this connection, with the results and raises of
+        :mod:`kvpool.transfer.data_ops`.  One op is one request; the writes of a list
+        (noted ones apart), its reads and its checked reads each go as one pipelined
+        batch (:meth:`_batch`); an SSD read is one request each."""
+        if len(ops) == 1:
+            return [self._one(ops[0])]
+        results: list[OpResult] = [None] * len(ops)
+        writes: dict[bool, tuple[list[int], list[WriteOp]]] = {}  # by noted
+        reads: dict[bool, tuple[list[int], list[ReadOp]]] = {}  # by checked
+        for i, op in enumerate(ops):
+            if isinstance(op, WriteOp):
+                at, write_group = writes.setdefault(bool(op.key), ([], []))
+                at.append(i)
+                write_group.append(op)
+            elif isinstance(op, ReadOp):
+                at, read_group = reads.setdefault(op.checked, ([], []))
+                at.append(i)
+                read_group.append(op)
+            else:
+                results[i] = self._one(op)
+        for noted, (where, write_ops) in writes.items():
+            _scatter(results, where, self._writes(write_ops, noted))
+        for checked, (where, read_ops) in reads.items():
+            _scatter(results, where, self._reads(read_ops, checked))
+        return results
+
+    def _one(self, op: DataOp) -> OpResult:
+        """One op, one request: the node's refusal is the result."""
+        if isinstance(op, WriteOp):
+            src = byte_view(op.buffer)
+            request = SegmentWrite(op.segment_id, op.offset, len(src), op.key, op.checksum)
+            reply = self._exchange(request, src, None)
+            if isinstance(reply, Error):
+                return reply.to_exception()
+            return op.checksum if op.key else None  # a tagged write is noted as it lands
+        dst = writable_byte_view(op.buffer)
+        if isinstance(op, SsdReadOp):
+            reply = self._exchange(SsdRead(op.key, len(dst)), None, dst)
+            if isinstance(reply, Error):
+                return reply.to_exception()
+            self._moved(reply, len(dst), "an SSD read")
+            return None
+        running = hasher() if op.checked else None
+        on_bytes = None if running is None else running.update
+        reply = self._exchange(SegmentRead(op.segment_id, op.offset, len(dst)), None, dst, on_bytes)
+        if isinstance(reply, Error):
+            return reply.to_exception()
+        self._moved(reply, len(dst), "a segment read")
+        # hashed piece by piece as the bytes arrived (of no bytes: checksum(b""))
+        return None if running is None else running.intdigest()
+
+    def _writes(self, ops: Sequence[WriteOp], noted: bool) -> list[OpResult]:
+        """Writes as one batch; noted ones carry their tags, and their checksums back."""
+        views = [byte_view(op.buffer) for op in ops]
+        notes = [(op.key, op.checksum) for op in ops] if noted else None
+        done = self._batch(ops, views, write=True, notes=notes)
+        if not noted:
+            return list(done)
+        return [op.checksum if r is None else r for op, r in zip(ops, done, strict=True)]
+
+    def _reads(self, ops: Sequence[ReadOp], checked: bool) -> list[OpResult]:
+        """Reads as one batch; checked ones hashed as each value lands."""
+        views = [writable_byte_view(op.buffer) for op in ops]
+        if not checked:
+            return list(self._batch(ops, views, write=False))
+        digests = [0] * len(views)
+
+        def landed(i: int, digest: int) -> None:
+            digests[i] = digest
+
+        results = self._batch(ops, views, write=False, landed=landed)
+        return [digests[i] if r is None else r for i, r in enumerate(results)]
+
+    # -- the same, one call per shape (tests, benchmarks, the node's own tools) ------
 
     def write(
         self, segment_id: str, offset: int, buffer: Any, *, key: str = "", checksum: int = 0
@@ -165,29 +245,20 @@ class SegmentConnection(Closing):
         """Write ``buffer`` at ``offset`` of the segment; returns the bytes written.
         ``key`` and ``checksum`` tag the write with the object it stores (the node
         notes it for its catalog; see :class:`SegmentWrite`)."""
-        src = byte_view(buffer)
-        self._exchange(SegmentWrite(segment_id, offset, len(src), key, checksum), src, None)
-        return len(src)
+        sole_result([self._one(WriteOp(segment_id, offset, buffer, key=key, checksum=checksum))])
+        return len(byte_view(buffer))
 
     def read_into(self, segment_id: str, offset: int, buffer: Any) -> int:
         """Fill ``buffer`` from ``offset`` of the segment; returns the bytes read."""
-        dst = writable_byte_view(buffer)
-        reply = self._exchange(SegmentRead(segment_id, offset, len(dst)), None, dst)
-        if not isinstance(reply, Ok) or reply.length != len(dst):
-            self.close()
-            raise ProtocolError(f"unexpected reply to a segment read: {reply!r}")
-        return len(dst)
+        sole_result([self._one(ReadOp(segment_id, offset, buffer))])
+        return len(writable_byte_view(buffer))
 
     def read_checked(self, segment_id: str, offset: int, buffer: Any) -> int:
         """:meth:`read_into`, returning the bytes' :func:`~kvpool.storage.checksum.checksum`,
         computed piece by piece as they arrive (it overlaps the rest of the transfer)."""
-        dst = writable_byte_view(buffer)
-        running = hasher()
-        reply = self._exchange(SegmentRead(segment_id, offset, len(dst)), None, dst, running.update)
-        if not isinstance(reply, Ok) or reply.length != len(dst):
-            self.close()
-            raise ProtocolError(f"unexpected reply to a segment read: {reply!r}")
-        return running.intdigest()  # of no bytes: checksum(b""), as it should be
+        digest = sole_result([self._one(ReadOp(segment_id, offset, buffer, checked=True))])
+        assert isinstance(digest, int)
+        return digest
 
     def write_many(
         self,
@@ -202,31 +273,25 @@ class SegmentConnection(Closing):
         other items still happen).  A broken connection raises for the whole batch.
         ``notes``: each item's ``(key, checksum)`` tag, as :meth:`write`'s.
         """
-        views = [byte_view(buffer) for _, _, buffer in items]
-        return self._batch(items, views, write=True, notes=notes)
+        ops = [WriteOp(*item) for item in items]
+        return self._batch(ops, [byte_view(op.buffer) for op in ops], write=True, notes=notes)
 
     def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
         """Pipelined :meth:`read_into` of ``(segment_id, offset, buffer)`` items; see
         :meth:`write_many` for the results."""
         views = [writable_byte_view(buffer) for _, _, buffer in items]
-        return self._batch(items, views, write=False)
+        return self._batch([ReadOp(s, o, b) for s, o, b in items], views, write=False)
 
     def read_many_checked(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | int]:
         """:meth:`read_many_into`, with each read item's checksum in place of ``None``:
         a value is hashed as soon as it has landed, while the next ones are still on
         the wire."""
-        views = [writable_byte_view(buffer) for _, _, buffer in items]
-        digests = [0] * len(views)
-
-        def landed(i: int, digest: int) -> None:
-            digests[i] = digest
-
-        results = self._batch(items, views, write=False, landed=landed)
-        return [digests[i] if r is None else r for i, r in enumerate(results)]
+        ops = [ReadOp(s, o, b, checked=True) for s, o, b in items]
+        return self._reads(ops, checked=True)  # type: ignore[return-value]
 
     def _batch(
         self,
-        items: Sequence[tuple[str, int, Any]],
+        ops: Sequence[WriteOp] | Sequence[ReadOp],
         views: list[memoryview],
         *,
         write: bool,
@@ -237,11 +302,12 @@ class SegmentConnection(Closing):
         one ranged request (:class:`SegmentWriteMany` / :class:`SegmentReadMany`): the
         node handles one request per window, not one per value.  A window the node
         refuses as a whole is asked again item by item, so each item gets its own
-        result.  ``landed(i, digest)`` is told each read item's checksum, computed as its
-        bytes arrive (see :func:`_receive_checked`)."""
+        result.  ``notes``: each write's ``(key, checksum)`` tag.  ``landed(i, digest)``
+        is told each read item's checksum, computed as its bytes arrive (see
+        :func:`_receive_checked`)."""
         results: list[KVPoolError | None] = []
         for window in _windows(views):
-            chunk = [(items[i][0], items[i][1], len(views[i])) for i in window]
+            chunk = [(ops[i].segment_id, ops[i].offset, len(views[i])) for i in window]
             parts = [views[i] for i in window]
             tags = [notes[i] for i in window] if notes else []
             in_window = None if landed is None else (lambda j, d, w=window: landed(w[j], d))
@@ -252,11 +318,11 @@ class SegmentConnection(Closing):
                     continue
                 if refused.code in (Overloaded.code, AuthError.code):
                     self.close()  # the server closes a refused connection
-                    return results + [refused.to_exception()] * (len(items) - len(results))
+                    return results + [refused.to_exception()] * (len(ops) - len(results))
             done = self._pipeline_items(chunk, parts, write, tags, in_window)
             results.extend(done)
             if done and isinstance(done[-1], Overloaded):  # nothing after it was served
-                return results + [done[-1]] * (len(items) - len(results))
+                return results + [done[-1]] * (len(ops) - len(results))
         return results
 
     def _ranged(
@@ -271,7 +337,7 @@ class SegmentConnection(Closing):
         with self._lock:
             channel = self._connected()
             try:
-                deadline = framing.deadline_after(self.timeout_s)
+                deadline = framing.deadline_after(self.peer.timeout_s)
                 if write:
                     channel.send_parts(SegmentWriteMany(ranges, tags), parts)
                 else:
@@ -328,7 +394,7 @@ class SegmentConnection(Closing):
                         channel.send(requests[i], outs[i])
                     for i in window:
                         reply, length = channel.recv(
-                            framing.deadline_after(self.timeout_s), reply=True
+                            framing.deadline_after(self.peer.timeout_s), reply=True
                         )
                         into = intos[i]
                         expected = 0 if into is None or isinstance(reply, Error) else len(into)
@@ -358,30 +424,26 @@ class SegmentConnection(Closing):
 
     def ssd_read_into(self, key: str, buffer: Any) -> int:
         """Fill ``buffer`` (exactly the object's size) from the node's SSD tier."""
-        dst = writable_byte_view(buffer)
-        reply = self._exchange(SsdRead(key, len(dst)), None, dst)
-        if not isinstance(reply, Ok) or reply.length != len(dst):
-            self.close()
-            raise ProtocolError(f"unexpected reply to an SSD read: {reply!r}")
-        return len(dst)
+        sole_result([self._one(SsdReadOp(key, buffer))])
+        return len(writable_byte_view(buffer))
 
     def demote(self, segment_id: str, offset: int, length: int, key: str, checksum: int) -> None:
         """Ask the node to copy an object of its segment into its SSD tier."""
-        reply = self._exchange(SegmentDemote(segment_id, offset, length, key, checksum), None, None)
+        reply = self._call(SegmentDemote(segment_id, offset, length, key, checksum))
         if not isinstance(reply, Ok):
             self.close()
             raise ProtocolError(f"unexpected reply to a demotion: {reply!r}")
 
     def ssd_remove(self, keys: list[str]) -> None:
         """Delete objects from the node's SSD tier."""
-        reply = self._exchange(SsdRemove(keys), None, None)
+        reply = self._call(SsdRemove(keys))
         if not isinstance(reply, Ok):
             self.close()
             raise ProtocolError(f"unexpected reply to an SSD removal: {reply!r}")
 
     def info(self, segment_id: str) -> SegmentInfoReply:
         """The segment's size, shared-memory name and host token."""
-        reply = self._exchange(SegmentInfo(segment_id), None, None)
+        reply = self._call(SegmentInfo(segment_id))
         if not isinstance(reply, SegmentInfoReply):
             self.close()
             raise ProtocolError(f"unexpected reply to SegmentInfo: {reply!r}")
@@ -395,6 +457,12 @@ class SegmentConnection(Closing):
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+def _scatter(results: list[OpResult], where: list[int], done: list[OpResult]) -> None:
+    """Put a group's results back at its ops' places in the list."""
+    for i, result in zip(where, done, strict=True):
+        results[i] = result
 
 
 def _receive_checked(channel: Channel[DataRequest, DataReply], into: memoryview) -> int:

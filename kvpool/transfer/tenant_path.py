@@ -20,14 +20,17 @@ Rules:
 
 from __future__ import annotations
 
-import ssl
-from collections.abc import Callable, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import Sequence
+
+from msgspec import structs
 
 from kvpool.closing import Closing
+from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
-from kvpool.errors import KVPoolError, PoolError
+from kvpool.errors import PoolError
 from kvpool.net import split_address
+from kvpool.transfer.data_ops import DataOp, OpResult, SsdReadOp, WriteOp
 from kvpool.transfer.segment_client import SegmentConnection
 
 __all__ = ["TenantDataPath", "TenantTransport"]
@@ -47,14 +50,14 @@ def _split(segment_id: str) -> tuple[str, str]:
 
 
 class TenantDataPath(Closing):
-    """Reads and writes of one node's segments for one tenant, over TCP with grants."""
+    """Reads and writes of one node's segments for one tenant, over TCP with grants.
 
-    def __init__(
-        self, host: str, port: int, tenant: str, timeout_s: float, tls: ssl.SSLContext | None
-    ) -> None:
+    ``peer`` is the tenant client's: its timeout and TLS context; each connection's
+    credential is the data key of the node's latest placement, proved as the tenant."""
+
+    def __init__(self, host: str, port: int, tenant: str, peer: PeerSettings) -> None:
         self.host, self.port, self.tenant = host, port, tenant
-        self.timeout_s = timeout_s
-        self.tls = tls
+        self.peer = peer
         self._conn: SegmentConnection | None = None
         self._key = ""
 
@@ -67,83 +70,39 @@ class TenantDataPath(Closing):
             except ValueError:
                 raise PoolError("a placement's data key is not hex: a broken reply") from None
             credential = Credential(tenant=self.tenant, data_key=key)
-            self._conn = SegmentConnection(
-                self.host,
-                self.port,
-                self.timeout_s,
-                credential=credential,
-                client_id=self.tenant,
-                tls=self.tls,
-            )
+            peer = dataclasses.replace(self.peer, credential=credential, client_id=self.tenant)
+            self._conn = SegmentConnection(self.host, self.port, peer)
             self._key = data_key
         return self._conn
 
-    def write(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        granted, data_key = _split(segment_id)
-        return self._connection(data_key).write(granted, offset, buffer)
-
-    def write_noted(
-        self,
-        segment_id: str,
-        offset: int,
-        buffer: Any,
-        key: str,
-        checksum: int,
-        *,
-        shm_name: str = "",
-    ) -> bool:
-        self.write(segment_id, offset, buffer)
-        return False  # a tenant's keys are the master's to scope: nodes ignore its tags
-
-    def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        granted, data_key = _split(segment_id)
-        return self._connection(data_key).read_into(granted, offset, buffer)
-
-    def read_checked(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        granted, data_key = _split(segment_id)
-        return self._connection(data_key).read_checked(granted, offset, buffer)
-
-    def _many(
-        self,
-        items: Sequence[tuple[str, int, Any]],
-        move: Callable[[SegmentConnection, list[tuple[str, int, Any]]], Sequence[Any]],
-    ) -> list[Any]:
-        """``move`` of the items on their node's connection, their grants split off; an
-        item whose grant is malformed gets its error instead."""
-        results: list[Any] = [None] * len(items)
-        batch: list[tuple[str, int, Any]] = []
+    def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
+        """The ops (:mod:`kvpool.transfer.data_ops`) on the node's connection, their
+        grants split off.  An op whose grant is malformed, and an SSD read, get their
+        error instead; no write is noted (a tenant's keys are the master's to scope:
+        nodes ignore its tags, so none is sent)."""
+        results: list[OpResult] = [None] * len(ops)
+        granted_ops: list[DataOp] = []
         where: list[int] = []
         data_key = ""
-        for i, (segment_id, offset, buffer) in enumerate(items):
+        for i, op in enumerate(ops):
+            if isinstance(op, SsdReadOp):
+                results[i] = PoolError(f"{op.key}: a tenant's SSD reads take no grant yet (a miss)")
+                continue
             try:
-                granted, data_key = _split(segment_id)
+                granted, data_key = _split(op.segment_id)
             except PoolError as exc:
                 results[i] = exc
                 continue
-            batch.append((granted, offset, buffer))
+            if isinstance(op, WriteOp):
+                granted_ops.append(structs.replace(op, segment_id=granted, key="", checksum=0))
+            else:
+                granted_ops.append(structs.replace(op, segment_id=granted))
             where.append(i)
-        if batch:
-            done = move(self._connection(data_key), batch)  # one node, one tenant: one key
+        if granted_ops:
+            done = self._connection(data_key).run(granted_ops)  # one node, one tenant: one key
             for i, result in zip(where, done, strict=True):
                 results[i] = result
         return results
-
-    def write_many(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
-        return self._many(items, SegmentConnection.write_many)
-
-    def write_many_noted(
-        self, items: Sequence[tuple[str, int, Any]], notes: Sequence[tuple[str, int]]
-    ) -> tuple[list[KVPoolError | None], bool]:
-        return self.write_many(items), False  # nodes ignore a tenant's tags
-
-    def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
-        return self._many(items, SegmentConnection.read_many_into)
-
-    def read_many_checked(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | int]:
-        return self._many(items, SegmentConnection.read_many_checked)
-
-    def ssd_read_into(self, key: str, buffer: Any) -> int:
-        raise PoolError(f"{key}: a tenant's SSD reads take no grant yet (a miss)")
 
     def close(self) -> None:
         if self._conn is not None:
@@ -152,17 +111,16 @@ class TenantDataPath(Closing):
 
 
 class TenantTransport:
-    """Opens :class:`TenantDataPath`\\ s for the tenant of ``credential``."""
+    """Opens :class:`TenantDataPath`\\ s for the tenant of ``peer.credential``."""
 
     name = "tenant"
 
-    def __init__(
-        self, timeout_s: float, credential: Credential, tls: ssl.SSLContext | None = None
-    ) -> None:
-        self.timeout_s = timeout_s
-        self.tenant = credential.tenant
-        self.tls = tls
+    def __init__(self, peer: PeerSettings) -> None:
+        if peer.credential is None or not peer.credential.is_tenant:
+            raise ValueError("a tenant transport needs a tenant's credential")
+        self.peer = peer
+        self.tenant = peer.credential.tenant
 
     def connect(self, address: str) -> TenantDataPath:
         host, port = split_address(address)
-        return TenantDataPath(host, port, self.tenant, self.timeout_s, self.tls)
+        return TenantDataPath(host, port, self.tenant, self.peer)

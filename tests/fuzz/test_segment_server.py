@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpool.config.peer import PeerSettings
 from kvpool.protocol.codec import DEFAULT_MAX_PAYLOAD
 from kvpool.protocol.data import DATA_REPLY_CODEC, DATA_REQUEST_CODEC, Error, SegmentWrite
 from kvpool.storage.checksum import checksum
@@ -77,7 +78,7 @@ def assert_server_serves(server: SegmentServer, failures: Failures, place: Path)
     probe = next(_probes)
     value = os.urandom(4096)
     offset = (probe * 4096) % (SEGMENT - 4096)
-    with SegmentConnection(*server.address, timeout_s=10) as conn:
+    with SegmentConnection(*server.address, PeerSettings(10)) as conn:
         conn.write("seg0", offset, value)
         assert conn.read("seg0", offset, len(value)) == value
         key = f"probe-{probe}"

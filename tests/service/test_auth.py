@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
 from kvpool.errors import AuthError
 from kvpool.net import http_get, split_address
@@ -110,20 +111,22 @@ def test_a_nodes_data_port_gives_nothing_without_a_credential(pool: SecuredPool)
     assert isinstance(reply, Error) and reply.code == AuthError.code
     assert header.payload_length == 0 and len(data) < 1024
     with (
-        SegmentConnection(host, port, timeout_s=5) as conn,
+        SegmentConnection(host, port, PeerSettings(5)) as conn,
         pytest.raises(AuthError, match="requires a credential"),
     ):
         conn.read_into(segment, 0, bytearray(64))
     wrong = Credential.parse(WRONG, "k")
     with (
-        SegmentConnection(host, port, 5, credential=wrong, client_id="c") as conn,
+        SegmentConnection(host, port, PeerSettings(5, credential=wrong, client_id="c")) as conn,
         pytest.raises(AuthError, match="did not prove the cluster secret"),
     ):
         conn.read_into(segment, 0, bytearray(64))
     # a node credential of another node is no key to this node's data port
     other = Credential.parse(Credential.parse(SECRET, "k").node_credential("node-x"), "k")
     with (
-        SegmentConnection(host, port, 5, credential=other, client_id="node-x") as conn,
+        SegmentConnection(
+            host, port, PeerSettings(5, credential=other, client_id="node-x")
+        ) as conn,
         pytest.raises(AuthError, match="cannot act for"),
     ):
         conn.read_into(segment, 0, bytearray(64))
@@ -143,11 +146,11 @@ def test_with_the_secret_every_port_serves_and_refusals_cost_no_one_else(
                 pytest.raises(AuthError),
             ):
                 bad.exists("k-right")
-            with SegmentConnection(host, port, timeout_s=5) as raw, pytest.raises(AuthError):
+            with SegmentConnection(host, port, PeerSettings(5)) as raw, pytest.raises(AuthError):
                 raw.read_into(_segment_id(pool), 0, bytearray(8))
             assert c.get("k-right") == value
         assert c.get("victim") == b"the user's prompt, as KV" * 100
-    with SegmentConnection(host, port, 5, credential=right, client_id="c") as conn:
+    with SegmentConnection(host, port, PeerSettings(5, credential=right, client_id="c")) as conn:
         assert conn.read_into(_segment_id(pool), 0, bytearray(64)) == 64
 
 

@@ -164,7 +164,7 @@ def test_a_failed_put_revokes_its_reservation_without_waiting(
     def failing_write(*args: object, **kwargs: object) -> int:
         raise ValueError("the caller's buffer went away")
 
-    monkeypatch.setattr(path, "write_noted", failing_write)
+    monkeypatch.setattr(path, "run", failing_write)
     with pytest.raises(ValueError):
         client.put("r", b"first")
     monkeypatch.undo()

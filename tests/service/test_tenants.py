@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
 from kvpool.errors import AuthError, ObjectNotFound, QuotaExceeded, StaleWrite
 from kvpool.net import http_get
@@ -233,7 +234,9 @@ def test_a_tenants_data_port_requests_need_the_masters_grant(pool: SecuredPool) 
     red_data = Credential(tenant="red", data_key=bytes.fromhex(red_key))
     blue_data = Credential(tenant="blue", data_key=bytes.fromhex(blue_key))
     offset, size = red_placement.offset, red_placement.size
-    with SegmentConnection(host, port, 5, credential=red_data, client_id="red") as conn:
+    with SegmentConnection(
+        host, port, PeerSettings(5, credential=red_data, client_id="red")
+    ) as conn:
         # with its grant: exactly its range
         assert conn.read(f"{segment}#{red_grant}", offset, size) == b"R" * 4096
         refusals = (
@@ -253,20 +256,24 @@ def test_a_tenants_data_port_requests_need_the_masters_grant(pool: SecuredPool) 
             conn.info(segment)
     # blue, with its own data key, cannot use red's grant either
     with (
-        SegmentConnection(host, port, 5, credential=blue_data, client_id="blue") as conn,
+        SegmentConnection(
+            host, port, PeerSettings(5, credential=blue_data, client_id="blue")
+        ) as conn,
         pytest.raises(AuthError, match="did not make"),
     ):
         conn.read(f"{segment}#{red_grant}", offset, size)
     # a tenant's data key is that tenant's: claiming another tenant with it fails
     forged = Credential(tenant="red", data_key=bytes.fromhex(blue_key))
     with (
-        SegmentConnection(host, port, 5, credential=forged, client_id="red") as conn,
+        SegmentConnection(host, port, PeerSettings(5, credential=forged, client_id="red")) as conn,
         pytest.raises(AuthError, match="did not prove"),
     ):
         conn.read(f"{segment}#{red_grant}", offset, size)
     # and a tenant's own credential is no key to a data port at all
     with (
-        SegmentConnection(host, port, 5, credential=Credential.parse(RED, "k")) as conn,
+        SegmentConnection(
+            host, port, PeerSettings(5, credential=Credential.parse(RED, "k"))
+        ) as conn,
         pytest.raises(AuthError, match="cannot act as node"),
     ):
         conn.read(segment, offset, size)

@@ -4,82 +4,44 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import pytest
 
-from kvpool.errors import ConfigError, KVPoolError, TransferError
+from kvpool.config.peer import PeerSettings
+from kvpool.errors import ConfigError, TransferError
 from kvpool.service.client import Client
 from kvpool.service.embedded import EmbeddedPool, InProcessMaster
 from kvpool.testing.processes import PoolProcess
+from kvpool.transfer.data_ops import DataOp, OpResult, ReadOp, SsdReadOp
 from kvpool.transfer.in_process import InProcessTransport
 from kvpool.transfer.transport import (
     DataPath,
-    Item,
     SharedMemoryTransport,
     TcpTransport,
     transport_named,
 )
 
 
+def _kind(op: DataOp) -> str:
+    if isinstance(op, SsdReadOp):
+        return "ssd read"
+    return "read" if isinstance(op, ReadOp) else "write"
+
+
 class Recording:
-    """A data path that counts what the client asks of it, and can be told to fail."""
+    """A data path that records what the client asks of it, and can be told to fail."""
 
     def __init__(self, inner: DataPath) -> None:
         self.inner = inner
         self.calls: list[str] = []
         self.fail_writes = False
 
-    def write(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        self.calls.append("write")
-        if self.fail_writes:
+    def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
+        kinds = {_kind(op) for op in ops}
+        self.calls.append(" ".join(sorted(kinds)) + (f" x{len(ops)}" if len(ops) > 1 else ""))
+        if self.fail_writes and "write" in kinds:
             raise TransferError("the wire broke")
-        return self.inner.write(segment_id, offset, buffer, shm_name=shm_name)
-
-    def write_noted(
-        self,
-        segment_id: str,
-        offset: int,
-        buffer: Any,
-        key: str,
-        checksum: int,
-        *,
-        shm_name: str = "",
-    ) -> bool:
-        self.calls.append("write")
-        if self.fail_writes:
-            raise TransferError("the wire broke")
-        return self.inner.write_noted(segment_id, offset, buffer, key, checksum, shm_name=shm_name)
-
-    def read_into(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        self.calls.append("read_into")
-        return self.inner.read_into(segment_id, offset, buffer, shm_name=shm_name)
-
-    def read_checked(self, segment_id: str, offset: int, buffer: Any, *, shm_name: str = "") -> int:
-        self.calls.append("read_into")
-        return self.inner.read_checked(segment_id, offset, buffer, shm_name=shm_name)
-
-    def write_many(self, items: Sequence[Item]) -> list[KVPoolError | None]:
-        self.calls.append("write_many")
-        return self.inner.write_many(items)
-
-    def write_many_noted(
-        self, items: Sequence[Item], notes: Sequence[tuple[str, int]]
-    ) -> tuple[list[KVPoolError | None], bool]:
-        self.calls.append("write_many")
-        return self.inner.write_many_noted(items, notes)
-
-    def read_many_into(self, items: Sequence[Item]) -> list[KVPoolError | None]:
-        self.calls.append("read_many_into")
-        return self.inner.read_many_into(items)
-
-    def read_many_checked(self, items: Sequence[Item]) -> list[KVPoolError | int]:
-        self.calls.append("read_many_into")
-        return self.inner.read_many_checked(items)
-
-    def ssd_read_into(self, key: str, buffer: Any) -> int:
-        self.calls.append("ssd_read_into")
-        return self.inner.ssd_read_into(key, buffer)
+        return self.inner.run(ops)
 
     def close(self) -> None:
         self.calls.append("close")
@@ -104,7 +66,7 @@ def test_transports_are_chosen_by_name_or_by_allow_shm() -> None:
     assert not isinstance(Client(transport="tcp").transport, SharedMemoryTransport)
     assert isinstance(Client().transport, SharedMemoryTransport)
     assert Client(allow_shm=False).transport.name == "tcp"
-    assert transport_named("shm", 3.0).timeout_s == 3.0
+    assert transport_named("shm", PeerSettings(3.0)).peer.timeout_s == 3.0
     with pytest.raises(ConfigError, match="'rdma' is not one of shm, tcp"):
         Client(transport="rdma")
 
@@ -118,20 +80,21 @@ def test_a_tcp_only_client_never_maps_a_segment(master: PoolProcess) -> None:
 
 
 def test_every_byte_goes_through_the_clients_transport(master: PoolProcess) -> None:
-    transport = RecordingTransport(TcpTransport(5.0))
+    transport = RecordingTransport(TcpTransport(PeerSettings(5.0)))
     with Client(master.address, transport=transport, timeout_s=5) as c:
         c.put("one", b"1" * 1000)
         assert c.get("one") == b"1" * 1000
         assert c.batch_put(["a", "b"], [b"a" * 10, b"b" * 20]) == [None, None]
         assert c.batch_get_into(["a", "b"], [bytearray(10), bytearray(20)]) == [10, 20]
         (path,) = transport.paths  # one data path per storage owner, kept open
-    assert path.calls == ["write", "read_into", "write_many", "read_many_into", "close"]
+    # one call per transfer, and one per owner for a batch
+    assert path.calls == ["write", "read", "write x2", "read x2", "close"]
 
 
 def test_a_failed_transfer_reopens_the_path_and_frees_the_reservation(
     master: PoolProcess,
 ) -> None:
-    transport = RecordingTransport(TcpTransport(5.0))
+    transport = RecordingTransport(TcpTransport(PeerSettings(5.0)))
     with Client(master.address, transport=transport, timeout_s=5) as c:
         c.put("warm", b"x")
         transport.paths[0].fail_writes = True

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvpool.config.peer import PeerSettings
 from kvpool.errors import (
     ChecksumMismatch,
     ObjectNotFound,
@@ -45,7 +46,7 @@ from .conftest import SEGMENT_SIZE
 
 def connect(server: SegmentServer, timeout_s: float = 5.0) -> SegmentConnection:
     host, port = server.address
-    return SegmentConnection(host, port, timeout_s)
+    return SegmentConnection(host, port, PeerSettings(timeout_s))
 
 
 def raw_socket(server: SegmentServer) -> socket.socket:
@@ -176,7 +177,7 @@ def test_peer_that_never_answers_is_a_peer_timeout() -> None:
     # A listening socket nobody accepts on: connect succeeds (kernel backlog), no reply.
     with socket.create_server(("127.0.0.1", 0)) as silent:
         host, port = silent.getsockname()[:2]
-        conn = SegmentConnection(host, port, timeout_s=0.3)
+        conn = SegmentConnection(host, port, PeerSettings(0.3))
         start = time.monotonic()
         with pytest.raises(PeerTimeout):
             conn.read("seg0", 0, 10)
@@ -197,7 +198,7 @@ def test_peer_dying_mid_reply_is_a_transfer_error() -> None:
         thread = threading.Thread(target=half_reply)
         thread.start()
         with (
-            SegmentConnection(host, port, timeout_s=5) as conn,
+            SegmentConnection(host, port, PeerSettings(5)) as conn,
             pytest.raises(TransferError, match="10 of 100"),
         ):
             conn.read("seg0", 0, 100)
@@ -208,14 +209,14 @@ def test_unreachable_server_is_a_transfer_error() -> None:
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]
     with pytest.raises(TransferError, match="cannot connect"):
-        SegmentConnection("127.0.0.1", port, 2).read("seg0", 0, 1)
+        SegmentConnection("127.0.0.1", port, PeerSettings(2)).read("seg0", 0, 1)
 
 
 def test_connection_reconnects_after_the_server_restarts(segment: Segment) -> None:
     srv = SegmentServer()
     srv.add_segment("seg0", segment)
     host, port = srv.start()
-    conn = SegmentConnection(host, port, 5)
+    conn = SegmentConnection(host, port, PeerSettings(5))
     conn.write("seg0", 0, b"one")
     srv.close()
     with pytest.raises(TransferError):
@@ -270,7 +271,7 @@ def test_protocol_error_from_a_garbled_reply_drops_the_connection() -> None:
 
         thread = threading.Thread(target=garbage)
         thread.start()
-        conn = SegmentConnection(host, port, timeout_s=5)
+        conn = SegmentConnection(host, port, PeerSettings(5))
         with pytest.raises(ProtocolError, match="magic"):
             conn.read("seg0", 0, 4)
         assert conn._channel is None  # never reused mid-frame

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential, make_grant, tenant_data_key
 from kvpool.errors import UnknownSegment
 from kvpool.protocol.data import Error, SegmentWriteMany
@@ -33,7 +34,7 @@ def test_a_tagged_write_is_noted_after_its_bytes_and_an_untagged_one_is_not(
 
     server.on_write = note
     host, port = server.address
-    with SegmentConnection(host, port, 5.0) as conn:
+    with SegmentConnection(host, port, PeerSettings(5.0)) as conn:
         conn.write("seg0", 4096, b"kv" * 50, key="block-1", checksum=77)
         conn.write("seg0", 8192, b"kv" * 50)  # no tag: nothing to note
         with pytest.raises(UnknownSegment):  # a refused write notes nothing either
@@ -47,7 +48,7 @@ def test_a_batch_notes_each_range_and_refuses_a_wrong_number_of_notes(
     notes: list[Note] = []
     server.on_write = lambda *note: notes.append(note)
     host, port = server.address
-    with SegmentConnection(host, port, 5.0) as conn:
+    with SegmentConnection(host, port, PeerSettings(5.0)) as conn:
         items = [("seg0", 1000 * i, bytes([i]) * 100) for i in range(3)]
         tags = [(f"b{i}", i) for i in range(3)]
         assert conn.write_many(items, tags) == [None, None, None]
@@ -82,7 +83,9 @@ def test_a_tenants_tag_is_ignored() -> None:
             until = time.time_ns() // 1_000_000 + 60_000
             grant = make_grant(node_key, "red", "node-a/mem", "w", 0, 100, until)
             red = Credential(tenant="red", data_key=tenant_data_key(node_key, "red"))
-            with SegmentConnection(host, port, 5.0, credential=red, client_id="red") as conn:
+            with SegmentConnection(
+                host, port, PeerSettings(5.0, credential=red, client_id="red")
+            ) as conn:
                 # a tenant naming a key outside its namespace: the bytes land (its grant
                 # allows them), the key is not noted (the master scopes tenants' keys)
                 conn.write(f"node-a/mem#{grant}", 0, b"r" * 100, key="@blue/x", checksum=1)
@@ -106,7 +109,7 @@ def test_a_checked_read_returns_the_checksum_of_the_bytes_it_read(
     segment.write(0, data)
     into = bytearray(size)
     host, port = server.address
-    with SegmentConnection(host, port, 5.0) as conn:
+    with SegmentConnection(host, port, PeerSettings(5.0)) as conn:
         assert conn.read_checked("seg0", 0, into) == checksum(data)
         assert into == data
         if size:  # changed on the node: the digest says so
@@ -123,7 +126,7 @@ def test_a_checked_batch_returns_each_values_checksum_or_its_error(
     intos = [bytearray(len(v)) for v in values]
     items = [("seg0", 100_000 * i, into) for i, into in enumerate(intos)]
     host, port = server.address
-    with SegmentConnection(host, port, 5.0) as conn:
+    with SegmentConnection(host, port, PeerSettings(5.0)) as conn:
         assert conn.read_many_checked(items) == [checksum(v) for v in values]  # one request
         assert intos == values
         # an unknown segment refuses the ranged request; asked again per item, the others

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvpool.config.peer import PeerSettings
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
 from kvpool.errors import AuthError, ConfigError, PeerTimeout
@@ -65,7 +66,7 @@ def server(material: Material, segment: Segment) -> Iterator[SegmentServer]:
 
 
 def _connect(server: SegmentServer, tls: ssl.SSLContext | None, **kw: object) -> SegmentConnection:
-    return SegmentConnection(*server.address, 5.0, tls=tls, **kw)  # type: ignore[arg-type]
+    return SegmentConnection(*server.address, PeerSettings(5.0, tls=tls, **kw))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("size", [1, 64 << 10, 16 << 20])
@@ -190,7 +191,7 @@ def test_the_wire_carries_no_plaintext(server: SegmentServer, material: Material
     acceptor = threading.Thread(target=accept, daemon=True)
     acceptor.start()
     port = relay.getsockname()[1]
-    with SegmentConnection("127.0.0.1", port, 5.0, tls=_client(material)) as conn:
+    with SegmentConnection("127.0.0.1", port, PeerSettings(5.0, tls=_client(material))) as conn:
         conn.write("seg0", 100, KNOWN)
         assert conn.read("seg0", 100, len(KNOWN)) == KNOWN
     acceptor.join(10)
@@ -282,7 +283,9 @@ def test_a_tls_peer_that_stops_answering_is_a_timeout_not_a_hang(material: Mater
     start = time.monotonic()
     try:
         with (
-            SegmentConnection(*listener.getsockname(), 1.0, tls=_client(material)) as conn,
+            SegmentConnection(
+                *listener.getsockname(), PeerSettings(1.0, tls=_client(material))
+            ) as conn,
             pytest.raises(PeerTimeout),
         ):
             conn.read("seg0", 0, 5)
