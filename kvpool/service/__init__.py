@@ -4,7 +4,8 @@ The master:
 
 - :mod:`kvpool.service.master` -- its request handler (the one place where requests meet
   the index and errors become replies); :mod:`~kvpool.service.master_clients` its
-  handlers of the storage owners (registration, segments, heartbeats, re-announcements).
+  storage owners (registration, segments, heartbeats, re-announcements);
+  :mod:`~kvpool.service.master_tenants` tenancy, a layer over it for tenants' connections.
 - :mod:`kvpool.service.master_server` -- ``kvpool master``: the asyncio server, one port
   for the binary RPC and for HTTP; :mod:`~kvpool.service.http` and
   :mod:`~kvpool.service.status_page` are its HTTP side, :mod:`~kvpool.service.metrics`

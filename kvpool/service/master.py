@@ -2,18 +2,10 @@
 
 This is the one place where wire requests meet the index and where errors become
 replies.  It is synchronous and runs on the server's event loop thread only: the index
-is never touched concurrently.  Demotions in the master's own storage are copied before
-the reply leaves, so a freed extent is never handed out while its bytes are still being
-copied.  Work on a node (its demotions, SSD deletions) never runs here: it goes to the
-node's link thread, the object stays DEMOTING until the node reports back, and a put
-that waits for that room is answered later (:mod:`kvpool.service.copies`).
-
-Its two base classes hold two groups of its handlers and what they keep:
-:class:`~kvpool.service.master_clients.MasterClients` the storage owners (registration,
-segments and their endpoints, heartbeats, re-announcements, failed transfers), and
-:class:`~kvpool.service.master_copies.NodeCopies` what it waits on nodes for (their
-copies in flight, their catalogs, the replies held meanwhile).  Here: the entry point,
-the effects of the index's events, puts, reads, probes and pins, and the snapshot.
+is never touched concurrently.  :class:`MasterService` owns two groups of handlers and
+what they keep, :class:`~kvpool.service.master_clients.MasterClients` (the storage
+owners) and :class:`~kvpool.service.master_copies.NodeCopies` (what it waits on nodes
+for); here are the entry points, the index's effects, puts, reads, probes and pins.
 """
 
 from __future__ import annotations
@@ -47,22 +39,26 @@ from kvpool.errors import (
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok, error_reply
 from kvpool.service.catalog import Outbox
-from kvpool.service.copies import Copies, Later
+from kvpool.service.copies import Later
 from kvpool.service.local_storage import LocalStorage
 from kvpool.service.master_clients import Endpoint, MasterClients
-from kvpool.service.master_copies import NodeCopies
-from kvpool.service.master_tenants import make_tenant_room
+from kvpool.service.master_copies import Handler, NodeCopies
 from kvpool.service.metrics import MasterMetrics
-from kvpool.service.node_links import NodeLinks
 from kvpool.service.snapshot import pool_snapshot
 
-__all__ = ["Endpoint", "Later", "MasterService", "monotonic_ms"]
+__all__ = ["Endpoint", "Later", "MasterService", "PutKey", "monotonic_ms"]
 
 log = logging.getLogger("kvpool.master")
 
 # handler, op name (metric label), that op's latency histogram child
 _Route = tuple[Callable[[Any, int], Any], str, Any]
 _TIER_NAMES = {tier: tier.value for tier in Tier}  # an Enum .value is a descriptor call
+
+#: One key's reservation: ``(client_id, key, size, parent, now, may_wait)`` -> its
+#: placement, or None where it waits for room (:meth:`MasterService.put_key`, or a
+#: layer's over it).
+PutKey = Callable[[str, str, int, str | None, int, bool], m.Placement | None]
+_PutHandler = Callable[[Any, int], m.Placement | m.Placements | None]
 
 
 # Drops of a whole storage owner.  Its SSD files are left alone: they outlive the
@@ -75,7 +71,7 @@ def monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-class MasterService(MasterClients, NodeCopies):
+class MasterService:
     """Handles :mod:`kvpool.protocol.messages` requests against one ObjectIndex."""
 
     def __init__(
@@ -90,30 +86,41 @@ class MasterService(MasterClients, NodeCopies):
         self.metrics = metrics or MasterMetrics()
         self.clock = clock
         self.heartbeat_interval_ms = heartbeat_interval_ms
-        self.endpoints: dict[str, Endpoint] = {}  # segment_id -> endpoint
-        self.client_addresses: dict[str, tuple[str, str]] = {}  # id -> (data addr, token)
-        self.local: dict[str, LocalStorage] = {}  # storage hosted in this very process
-        self.node_links = NodeLinks()  # demotions and SSD deletions on remote nodes
-        self.copies = Copies(self.node_links, int(self.node_links.timeout_s * 1000))
-        self.room_wait_ms = 1000  # how long a put may wait for room a copy makes
-        self.catalog_wait_ms = 2 * heartbeat_interval_ms + 2000  # ... for its node's catalog
-        self.laters: list[Later] = []  # replies the server holds, resolved by settle()
-        self.may_wait = False  # the put being handled may be answered later
-        self.waits = False  # ... and it does (master_copies.py has the rest)
-        self.recent_errors: deque[str] = deque(maxlen=20)
         # per remote storage owner: catalog changes not yet sent with a heartbeat reply
         self.outbox = Outbox()
+        self.clients = MasterClients(self.index, self.outbox, self._apply, heartbeat_interval_ms)
+        self.node_copies = NodeCopies(
+            self.index,
+            self.outbox,
+            self.metrics,
+            clock,
+            self._apply,
+            self.clients.address_of,
+            heartbeat_interval_ms,
+        )
+        # the same objects, one attribute load away on the hot paths
+        self._endpoints = self.clients.endpoints
+        self._local = self.clients.local
+        self._copies = self.node_copies.copies
+        self.recent_errors: deque[str] = deque(maxlen=20)
         self.started_ms = clock()
         self.rpc_connections = 0  # open client connections (kept by the server)
         self.config_view: dict[str, Any] = {}  # the flags it runs with, for doctor and status
-        self.tenants = TenantBook()  # per-tenant quotas and usage (empty: no tenants)
+        # per-tenant quotas (the operator's SetQuota) and usage (kept by the tenant
+        # layer, kvpool.service.master_tenants, for /metrics); empty: no tenants
+        self.tenants = TenantBook()
+        #: called with the key of each object the index drops (a layer's accounting)
+        self.drop_watchers: list[Callable[[str], None]] = []
+        clients = self.clients
+        self._put = self.puts(self.put_key, may_wait=False)
+        self._put_or_wait = self.puts(self.put_key, may_wait=True)
         self._handlers: dict[type, Callable[[Any, int], Any]] = {
-            m.Register: self._register,
-            m.AddSegment: self._add_segment,
-            m.Heartbeat: self._heartbeat,
-            m.Restore: self._restore,
-            m.PutStart: self._put_start,
-            m.BatchPutStart: self._batch_put_start,
+            m.Register: clients.register,
+            m.AddSegment: clients.add_segment,
+            m.Heartbeat: clients.heartbeat,
+            m.Restore: clients.restore,
+            m.PutStart: self._put,
+            m.BatchPutStart: self._put,
             m.PutEnd: self._put_end,
             m.BatchPutEnd: self._batch_put_end,
             m.PutRevoke: self._put_revoke,
@@ -126,7 +133,7 @@ class MasterService(MasterClients, NodeCopies):
             m.BatchExists: self._batch_exists,
             m.PrefixLookup: self._prefix_lookup,
             m.Remove: self._remove,
-            m.ReportFailure: self._report_failure,
+            m.ReportFailure: clients.report_failure,
             m.ReportCorrupt: self._report_corrupt,
             m.Stats: self._stats,
             m.SetQuota: self._set_quota,
@@ -134,29 +141,54 @@ class MasterService(MasterClients, NodeCopies):
         self._routes: dict[type, _Route] = {}  # filled by _route
 
     # ----------------------------------------------------------------------------- entry
-    def handle(self, request: m.MasterRequest) -> m.MasterReply:
-        """One request in, one reply out; never raises."""
+    def handle(
+        self, request: m.MasterRequest, handler: Callable[[Any, int], Any] | None = None
+    ) -> m.MasterReply:
+        """One request in, one reply out; never raises.  ``handler``: a layer's in place
+        of this service's own (its reply passes through, None included), with the same
+        error replies and metrics."""
         route = self._routes.get(type(request))
         if route is None:
             route = self._route(type(request))
-        handler, op, latency = route
-        if self.copies.has_reports():
-            self._settle_copies()
+        own, op, latency = route
+        if self._copies.has_reports():
+            self.node_copies.settle_copies()
         started = time.perf_counter()
+        reply: m.MasterReply  # None from a layer's put that waits (see try_put)
         try:
-            reply: m.MasterReply = handler(request, self.clock())
-        except KVPoolError as exc:
+            reply = (handler or own)(request, self.clock())
+        except Exception as exc:  # a bug must cost one reply, not the master
+            reply = self._failed(op, exc)
+        latency.observe(time.perf_counter() - started)
+        return reply
+
+    def try_put(self, request: m.PutStart | m.BatchPutStart) -> m.MasterReply | None:
+        """As :meth:`handle`, but None where the put must wait for room a node's copy in
+        flight is making (:meth:`submit` holds it)."""
+        reply: m.MasterReply | None = self.handle(request, self._put_or_wait)
+        return reply
+
+    def submit(self, request: m.MasterRequest, via: Handler | None = None) -> m.MasterReply | Later:
+        """As :meth:`handle`, but some replies wait (:meth:`NodeCopies.submit
+        <kvpool.service.master_copies.NodeCopies.submit>`); ``via``: a layer over this
+        service that answers it (a tenant's)."""
+        return self.node_copies.submit(request, via or self)
+
+    def settle(self, expire: bool = False) -> None:
+        """Apply what nodes reported, and answer the held replies that can be."""
+        self.node_copies.settle(expire)
+
+    def _failed(self, op: str, exc: Exception) -> Error:
+        """The error reply of ``exc``, counted (called in its ``except`` clause)."""
+        if isinstance(exc, KVPoolError):
             self.metrics.errors.labels(op=op, code=exc.code).inc()
             if not isinstance(exc, ObjectNotFound):
                 self.recent_errors.append(f"{op}: {exc.code}: {exc}")
-            reply = error_reply(exc)
-        except Exception as exc:  # a bug must cost one reply, not the master
+        else:
             log.exception("internal error handling %s", op)
             self.metrics.errors.labels(op=op, code="INTERNAL").inc()
             self.recent_errors.append(f"{op}: INTERNAL: {exc}")
-            reply = error_reply(exc)
-        latency.observe(time.perf_counter() - started)
-        return reply
+        return error_reply(exc)
 
     @property
     def request_types(self) -> frozenset[type]:
@@ -178,44 +210,48 @@ class MasterService(MasterClients, NodeCopies):
     def _unhandled(self, request: Any, now: int) -> m.MasterReply:
         raise KeyError(type(request))  # a bug: an INTERNAL error reply, as for any other
 
+    def attach_local(self, storage: LocalStorage) -> None:
+        """Register storage hosted in the master's own process (the embedded segment)."""
+        self.clients.attach_local(storage, self.clock())
+
     def tick(self) -> None:
         """Expire leases, writers and clients; run watermark eviction.  Called periodically."""
         now = self.clock()
-        for client_id in self.local:
+        for client_id in self._local:
             self.index.heartbeat(client_id, now)  # in-process owners are alive by definition
         self._apply(self.index.tick(now))
-        if len(self.endpoints) != len(self.index.registry.segments):
-            self._forget_segments()  # clients expired
-        self.settle(expire=True)
+        if len(self._endpoints) != len(self.index.registry.segments):
+            self.clients.forget_segments()  # clients expired
+        self.node_copies.settle(expire=True)
 
     def close(self) -> None:
-        self.node_links.close()
+        self.node_copies.links.close()
 
     # ---------------------------------------------------------------------------- effects
-    def apply_events(self, events: list[Event]) -> None:
-        """Carry out the index's effects (for the handlers of the modules beside this)."""
-        self._apply(events)
-
     def _apply(self, events: list[Event]) -> None:
+        """Demotions in the master's own storage are copied before the reply leaves, so
+        a freed extent is never handed out while its bytes are still being copied.  A
+        node's (and its SSD deletions) go to its link thread: the object stays DEMOTING
+        until the node reports back (:class:`NodeCopies`)."""
         ssd_gone: dict[str, list[str]] = {}  # remote owner -> SSD keys to delete there
         for event in events:
             if isinstance(event, Demote):
                 if event.in_flight:
-                    self._remote_demote(event)
+                    self.node_copies.demote(event)
                     continue
-                owner = self.local.get(event.src.client_id)  # copies at once
+                owner = self._local.get(event.src.client_id)  # copies at once
                 if owner is None or not owner.demote(event):
                     self.index.demote_failed(event.key)
                     self.metrics.demote_failures.inc()
                 else:
                     self.metrics.offloads.inc()
             elif isinstance(event, Dropped):
-                if self.tenants.tenants:
-                    self.tenants.dropped(event.key)
+                for watch in self.drop_watchers:
+                    watch(event.key)
                 self.metrics.dropped.labels(reason=event.reason, tier=event.tier.value).inc()
                 if event.reason == "evicted":
                     self.metrics.evictions.labels(tier=event.tier.value).inc()
-                owner = self.local.get(event.client_id)
+                owner = self._local.get(event.client_id)
                 if owner is not None and event.tier is Tier.SSD:
                     owner.forget_ssd(event.key)
                 elif event.client_id in self.outbox:
@@ -223,10 +259,10 @@ class MasterService(MasterClients, NodeCopies):
                     if event.tier is Tier.SSD and event.reason not in _OWNER_GONE:
                         ssd_gone.setdefault(event.client_id, []).append(event.key)
         for client_id, keys in ssd_gone.items():
-            self._remote_ssd_remove(client_id, keys)
+            self.node_copies.ssd_remove(client_id, keys)
 
     def _placement(self, key: str, loc: Location, checksum: int = 0) -> m.Placement:
-        ep = self.endpoints.get(loc.segment_id)
+        ep = self._endpoints.get(loc.segment_id)
         if ep is None:
             raise UnknownSegment(f"segment {loc.segment_id} has no endpoint")
         return m.Placement(
@@ -243,19 +279,29 @@ class MasterService(MasterClients, NodeCopies):
         )
 
     # ----------------------------------------------------------------------------- writes
-    def _put_start(self, req: m.PutStart, now: int) -> m.Placement:
-        tenanted = bool(self.tenants.tenants) and req.key.startswith("@")
-        if tenanted and self.index.state_of(req.key) is None:
-            make_tenant_room(self, req.key, req.size, now)
+    def puts(self, put_key: PutKey, *, may_wait: bool) -> _PutHandler:
+        """The handler of ``PutStart`` and ``BatchPutStart`` that reserves each key with
+        ``put_key`` (this service's own, or a layer's over it)."""
+
+        def put(req: m.PutStart | m.BatchPutStart, now: int) -> m.Placement | m.Placements | None:
+            if isinstance(req, m.PutStart):
+                return put_key(req.client_id, req.key, req.size, req.parent, now, may_wait)
+            return self._put_keys(req, now, put_key, may_wait)
+
+        return put
+
+    def put_key(
+        self, client_id: str, key: str, size: int, parent: str | None, now: int, may_wait: bool
+    ) -> m.Placement | None:
+        """Reserve ``size`` bytes for ``key``: its placement (not placed: the key is
+        stored already, a harmless duplicate), or None where ``may_wait`` and only the
+        room a node's copy in flight is making would fit it."""
         try:
-            reservation, events = self.index.put_start(
-                req.key, req.size, req.client_id, now, req.parent
-            )
+            reservation, events = self.index.put_start(key, size, client_id, now, parent)
         except NoRoom as exc:
             self._apply(exc.events)
-            if exc.coming and self.may_wait:
-                self.waits = True  # submit() answers it later
-                return m.Placement(False, req.key)  # never sent
+            if exc.coming and may_wait:
+                return None
             self.metrics.put_failures.labels(reason="no_space").inc()
             raise
         except NoSpace:
@@ -266,38 +312,39 @@ class MasterService(MasterClients, NodeCopies):
             raise
         self._apply(events)
         if reservation is None:
-            return m.Placement(False, req.key)
-        if tenanted:
-            self.tenants.reserved(req.key, req.size)
-        return self._placement(req.key, reservation.location)
+            return m.Placement(False, key)
+        return self._placement(key, reservation.location)
 
-    def _batch_put_start(self, req: m.BatchPutStart, now: int) -> m.Placements:
+    def _put_keys(
+        self, req: m.BatchPutStart, now: int, put_key: PutKey, may_wait: bool
+    ) -> m.Placements | None:
+        """Each key's placement, or the error that refused that key alone; None where a
+        key waits for room: so does the batch (all of it is tried again)."""
         parents = req.parents or [None] * len(req.keys)
         if not len(req.keys) == len(req.sizes) == len(parents):
             raise PoolError("keys, sizes and parents differ in length")
         items: list[m.Placement] = []
         for key, size, parent in zip(req.keys, req.sizes, parents, strict=True):
-            reply = self.handle(m.PutStart(req.client_id, key, size, parent))
-            if self.waits:  # this key waits for room: so does the batch (all of it is
-                return m.Placements(items)  # tried again; never sent)
-            if isinstance(reply, Error):
-                items.append(m.Placement(False, key, error=reply.code))
-            else:
-                assert isinstance(reply, m.Placement)
-                items.append(reply)
+            try:
+                placement = put_key(req.client_id, key, size, parent, now, may_wait)
+            except Exception as exc:  # counted as the PutStart it is
+                items.append(m.Placement(False, key, error=self._failed("PutStart", exc).code))
+                continue
+            if placement is None:
+                return None
+            items.append(placement)
         return m.Placements(items)
 
     def _put_end(self, req: m.PutEnd, now: int) -> Ok:
-        self.index.put_end(req.key, req.client_id, now, req.checksum)
-        self.metrics.puts.inc()
-        if self.tenants.tenants:
-            self.tenants.stored(req.key)
-        loc = self.index.location_of(req.key)
-        if loc is not None:
-            self.outbox.add(
-                loc.client_id, (req.key, loc.segment_id, loc.offset, loc.size, req.checksum)
-            )
+        self._end_key(req.client_id, req.key, req.checksum, now)
         return Ok()
+
+    def _end_key(self, client_id: str, key: str, checksum: int, now: int) -> None:
+        self.index.put_end(key, client_id, now, checksum)
+        self.metrics.puts.inc()
+        loc = self.index.location_of(key)
+        if loc is not None:
+            self.outbox.add(loc.client_id, (key, loc.segment_id, loc.offset, loc.size, checksum))
 
     def _batch_put_end(self, req: m.BatchPutEnd, now: int) -> m.Bools:
         if len(req.keys) != len(req.checksums):
@@ -305,7 +352,7 @@ class MasterService(MasterClients, NodeCopies):
         ok = []
         for key, checksum in zip(req.keys, req.checksums, strict=True):
             try:
-                self._put_end(m.PutEnd(req.client_id, key, checksum), now)
+                self._end_key(req.client_id, key, checksum, now)
                 ok.append(True)
             except KVPoolError:
                 ok.append(False)
@@ -313,8 +360,6 @@ class MasterService(MasterClients, NodeCopies):
 
     def _put_revoke(self, req: m.PutRevoke, now: int) -> Ok:
         self.index.put_revoke(req.key, req.client_id)
-        if self.tenants.tenants:
-            self.tenants.dropped(req.key)
         return Ok()
 
     # ------------------------------------------------------------------------------ reads
@@ -323,11 +368,7 @@ class MasterService(MasterClients, NodeCopies):
         try:
             grant = self.index.get(req.key, req.owner, now)
         except ObjectNotFound:
-            if self.tenants.tenants:
-                self.tenants.miss(req.key)
             return m.Placement(False, req.key)
-        if self.tenants.tenants:
-            self.tenants.hit(req.key)
         loc = grant.location
         self.metrics.hits_of("get", _TIER_NAMES[loc.tier]).inc()
         return self._placement(req.key, loc, grant.checksum)
@@ -335,20 +376,15 @@ class MasterService(MasterClients, NodeCopies):
     def _batch_get(self, req: m.BatchGet, now: int) -> m.Placements:
         """As ``_get`` per key, with the metrics counted once per batch (two labelled
         counter increments per key were a third of a 16-key batch's handler time)."""
-        index_get, owner, tenants = self.index.get, req.owner, self.tenants
-        tenanted = bool(tenants.tenants)
+        index_get, owner = self.index.get, req.owner
         items: list[m.Placement] = []
         hits: dict[str, int] = {}
         for key in req.keys:
             try:
                 grant = index_get(key, owner, now)
             except ObjectNotFound:
-                if tenanted:
-                    tenants.miss(key)
                 items.append(m.Placement(False, key))
                 continue
-            if tenanted:
-                tenants.hit(key)
             loc = grant.location
             tier = _TIER_NAMES[loc.tier]
             hits[tier] = hits.get(tier, 0) + 1
@@ -399,8 +435,12 @@ class MasterService(MasterClients, NodeCopies):
         return m.Count(n)
 
     def _remove(self, req: m.Remove, now: int) -> Ok:
-        self._apply([self.index.remove(req.key, now)])
+        self.remove(req.key, now)
         return Ok()
+
+    def remove(self, key: str, now: int) -> None:
+        """Drop a READY object nobody holds; ObjectNotFound, ObjectBusy otherwise."""
+        self._apply([self.index.remove(key, now)])
 
     def _report_corrupt(self, req: m.ReportCorrupt, now: int) -> Ok:
         dropped = self.index.drop_corrupt(req.key, req.segment_id, req.offset, req.checksum)
@@ -413,7 +453,7 @@ class MasterService(MasterClients, NodeCopies):
         return m.StatsReply(self.snapshot())
 
     def _set_quota(self, req: m.SetQuota, now: int) -> m.Count:
-        # who may send it is the server's rule (master_tenants.py): the operator only
+        # who may send it is the tenant layer's rule (master_tenants.py): the operator only
         try:
             check_tenant_name(req.tenant, "tenant")
             self.tenants.set_quota(req.tenant, req.quota_bytes)

@@ -1,25 +1,12 @@
-"""Who contributes storage to the master's pool (:class:`MasterClients`, a base of
-:class:`~kvpool.service.master.MasterService`): clients registering, their heartbeats, the
-segments they add and how clients reach those segments' bytes (:class:`Endpoint`), their
-re-announcements after a restart, and dropping an owner a transfer to it failed for.
-
-Rules: a known id registering again is a new run of that storage owner (a node restarted
-with the same SSD directory, or retrying a start that failed part-way): what its previous
-run held is dropped at once, and it re-announces its SSD objects (``Restore``; what the
-index refuses there, the owner deletes itself).  Storage hosted in the master's own
-process (``attach_local``) is alive by definition, copies its demotions at once, and is
-never dropped on a reader's report; a remote owner copies on its own time
-(``defer_copies``) and gets its catalog changes with its heartbeat replies.  An endpoint
-is forgotten once its segment is no longer registered (by the next tick at the latest),
-and the /dev/shm segment of a dropped owner of this host that died is removed then.
-"""
+"""Who contributes storage to the master's pool: :class:`MasterClients`, the storage
+owners' registrations, heartbeats, segments (and the :class:`Endpoint` clients reach
+each one's bytes at), re-announcements, and the owners dropped for a failed transfer."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvpool.core.index import Event, ObjectIndex
 from kvpool.core.registry import Tier
@@ -45,27 +32,40 @@ class Endpoint:
 
 
 class MasterClients:
-    """Registration, segments, heartbeats and re-announcements (see the module docstring)."""
+    """The master's storage owners and their segments' endpoints.
 
-    if TYPE_CHECKING:  # provided by MasterService
-        index: ObjectIndex
-        clock: Callable[[], int]
-        heartbeat_interval_ms: int
-        endpoints: dict[str, Endpoint]
-        client_addresses: dict[str, tuple[str, str]]
-        local: dict[str, LocalStorage]
-        outbox: Outbox
+    Storage hosted in the master's own process (:meth:`attach_local`) is alive by
+    definition, copies its demotions at once, and is never dropped on a reader's report;
+    a remote owner copies on its own time (``defer_copies``) and gets its catalog
+    changes with its heartbeat replies (``outbox``).
+    """
 
-        def _apply(self, events: list[Event]) -> None: ...
+    def __init__(
+        self,
+        index: ObjectIndex,
+        outbox: Outbox,
+        apply: Callable[[list[Event]], None],
+        heartbeat_interval_ms: int,
+    ) -> None:
+        self.index = index
+        self.outbox = outbox
+        self.apply = apply  # carries out the index's effects (the master's)
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.endpoints: dict[str, Endpoint] = {}  # segment_id -> endpoint
+        self.addresses: dict[str, tuple[str, str]] = {}  # client id -> (data addr, token)
+        self.local: dict[str, LocalStorage] = {}  # storage hosted in this very process
 
-    def attach_local(self, storage: LocalStorage) -> None:
+    def address_of(self, client_id: str) -> str:
+        """The data address of a storage owner ("" : none known)."""
+        return self.addresses.get(client_id, ("", ""))[0]
+
+    def attach_local(self, storage: LocalStorage, now: int) -> None:
         """Register storage hosted in the master's own process (the embedded segment)."""
-        now = self.clock()
         # local first: it copies its demotions at once, and the master is its catalog
         self.local[storage.client_id] = storage
-        self._register(m.Register(storage.client_id, storage.data_address, storage.host_token), now)
+        self.register(m.Register(storage.client_id, storage.data_address, storage.host_token), now)
         if storage.segment is not None:
-            self._add_segment(
+            self.add_segment(
                 m.AddSegment(
                     storage.client_id,
                     storage.segment_id,
@@ -76,7 +76,7 @@ class MasterClients:
                 now,
             )
         if storage.ssd is not None:
-            self._add_segment(
+            self.add_segment(
                 m.AddSegment(storage.client_id, storage.ssd_segment_id, storage.ssd_limit, "ssd"),
                 now,
             )
@@ -88,40 +88,39 @@ class MasterClients:
 
         def restore(batch: list[tuple[str, int, int, int]]) -> list[bool]:
             req = m.Restore(storage.client_id, storage.ssd_segment_id, batch)
-            return self._restore(req, now).values
+            return self.restore(req, now).values
 
         storage.announce_ssd(restore)
 
-    def _register(self, req: m.Register, now: int) -> m.RegisterReply:
+    def register(self, req: m.Register, now: int) -> m.RegisterReply:
         if req.client_id in self.index.registry.clients and req.client_id not in self.local:
             # Only a new run of a storage owner registers a known id (a node restarted
             # with the same SSD directory, or retrying a start that failed part-way):
-            # what the old run held is gone from memory, and it re-announces its SSD.
+            # what the old run held is gone from memory, and it re-announces its SSD
+            # (``Restore``; what the index refuses there, the owner deletes itself).
             log.info("client %s registered again: dropping its previous run", req.client_id)
-            self._apply(self.index.remove_client(req.client_id, reason="restarted"))
-            self._forget_segments()
+            self.apply(self.index.remove_client(req.client_id, reason="restarted"))
+            self.forget_segments()
         new = self.index.register_client(req.client_id, now, req.data_address)
-        self.client_addresses[req.client_id] = (req.data_address, req.host_token)
+        self.addresses[req.client_id] = (req.data_address, req.host_token)
         if new:
             log.info("client %s registered (data %s)", req.client_id, req.data_address or "-")
         return m.RegisterReply(new, self.index.config.client_ttl_ms, self.heartbeat_interval_ms)
 
-    def _add_segment(self, req: m.AddSegment, now: int) -> Ok:
+    def add_segment(self, req: m.AddSegment, now: int) -> Ok:
         try:
             tier = Tier(req.tier)
         except ValueError:
             raise PoolError(f"segment {req.segment_id!r}: unknown tier {req.tier!r}") from None
         if req.capacity <= 0:
             raise PoolError(f"segment {req.segment_id!r}: capacity must be positive")
-        if req.client_id not in self.local and not self.client_addresses.get(
-            req.client_id, ("", "")
-        )[0]:
+        if req.client_id not in self.local and not self.address_of(req.client_id):
             # others' puts would be placed where nobody can write them
             raise PoolError(f"segment {req.segment_id!r}: {req.client_id} has no data address")
         self.index.add_segment(
             req.client_id, req.segment_id, req.capacity, tier, placeable=not req.restoring
         )
-        address, token = self.client_addresses.get(req.client_id, ("", ""))
+        address, token = self.addresses.get(req.client_id, ("", ""))
         self.endpoints[req.segment_id] = Endpoint(address, req.shm_name, token)
         if req.client_id not in self.local:
             self.outbox.watch(req.client_id)
@@ -135,13 +134,13 @@ class MasterClients:
         )
         return Ok()
 
-    def _heartbeat(self, req: m.Heartbeat, now: int) -> m.HeartbeatReply:
+    def heartbeat(self, req: m.Heartbeat, now: int) -> m.HeartbeatReply:
         self.index.heartbeat(req.client_id, now)
         self.outbox.confirm(req.client_id)  # it applied the last reply's changes
         changes = self.outbox.take(req.client_id)
         return m.HeartbeatReply(changes.added, changes.removed)
 
-    def _restore(self, req: m.Restore, now: int) -> m.Bools:
+    def restore(self, req: m.Restore, now: int) -> m.Bools:
         owner = self.index.registry.segments.get(req.segment_id)
         if owner is not None and owner.client_id != req.client_id:
             # only a segment's owner says what it holds: anyone else would map keys onto
@@ -156,19 +155,20 @@ class MasterClients:
             self.index.open_segment(seg)
         return m.Bools(accepted)
 
-    def _report_failure(self, req: m.ReportFailure, now: int) -> Ok:
+    def report_failure(self, req: m.ReportFailure, now: int) -> Ok:
         seg = self.index.registry.segments.get(req.segment_id)
-        if seg is not None and seg.client_id not in self.local:
+        if seg is not None and seg.client_id not in self.local:  # local: alive by definition
             log.warning("dropping client %s: %s", seg.client_id, req.reason)
-            self._apply(self.index.remove_client(seg.client_id, reason="transfer_failed"))
-            self._forget_segments()
+            self.apply(self.index.remove_client(seg.client_id, reason="transfer_failed"))
+            self.forget_segments()
         return Ok()
 
-    def _forget_segments(self) -> None:
+    def forget_segments(self) -> None:
+        """Forget the endpoints of segments no longer registered (the next tick at the
+        latest), and the /dev/shm segment a dropped owner of this host left if it died."""
         for segment_id in list(self.endpoints):
             if segment_id not in self.index.registry.segments:
                 ep = self.endpoints.pop(segment_id)
-                # a dropped owner of this host that died left its segment in /dev/shm
                 if ep.shm_name and remove_if_owner_dead(ep.shm_name, ep.host_token):
                     log.info("removed %s: its owner is gone", ep.shm_name)
         self.outbox.forget_gone(self.index.registry.clients)

@@ -1,20 +1,11 @@
-"""What the master waits on nodes for, without waiting in its loop (:class:`NodeCopies`, a
-base of :class:`~kvpool.service.master.MasterService`): nodes' copies (starting them,
-applying what they report, the puts that wait for the room they make; the why is in
-:mod:`kvpool.service.copies`), and nodes' catalogs (a put into a node's segment is
-answered once the node has its catalog entry, see :mod:`kvpool.service.catalog`).
-
-Rules: the index is touched on the master's thread only (reports queue up until
-``settle``, which the server runs when one arrives, and ``handle`` before each request);
-a copy not reported within ``copies.deadline_ms`` is abandoned; a held put is answered
-when a copy ended and it then fits, or at ``room_wait_ms``, after abandoning the copies
-older than that, so that it finds the room (or a NoSpace that says why).
-"""
+"""What the master waits on nodes for without waiting in its loop: :class:`NodeCopies`,
+the nodes' copies in flight (their why: :mod:`kvpool.service.copies`), their catalogs
+(:mod:`kvpool.service.catalog`), and the replies held for either meanwhile."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvpool.core.index import Demote, Event, ObjectIndex
 from kvpool.errors import PeerTimeout
@@ -25,44 +16,63 @@ from kvpool.service.copies import Copies, Later
 from kvpool.service.metrics import MasterMetrics
 from kvpool.service.node_links import NodeLinks
 
-__all__ = ["NodeCopies"]
+__all__ = ["Handler", "NodeCopies"]
+
+
+class Handler(Protocol):
+    """What answers the requests :meth:`NodeCopies.submit` may hold: the master, or a
+    layer over it (a tenant's)."""
+
+    def handle(self, request: m.MasterRequest) -> m.MasterReply: ...
+
+    def try_put(self, request: m.PutStart | m.BatchPutStart) -> m.MasterReply | None: ...
 
 
 class NodeCopies:
-    """Copies in flight on nodes, and replies held for them (see the module docstring)."""
+    """Copies in flight on nodes, and the replies held for them or for a node's catalog.
 
-    _settling = False  # settle() is running (a delivery may call it again)
-    _settle_again = False
+    The index is touched on the master's thread only: reports queue up until ``settle``
+    (which the server runs when one arrives) or :meth:`settle_copies` (which the master
+    runs before each request).
+    """
 
-    if TYPE_CHECKING:  # provided by MasterService
-        index: ObjectIndex
-        metrics: MasterMetrics
-        outbox: Outbox
-        copies: Copies
-        clock: Callable[[], int]
-        client_addresses: dict[str, tuple[str, str]]
-        room_wait_ms: int
-        catalog_wait_ms: int
-        heartbeat_interval_ms: int
-        laters: list[Later]
-        may_wait: bool
-        waits: bool
+    def __init__(
+        self,
+        index: ObjectIndex,
+        outbox: Outbox,
+        metrics: MasterMetrics,
+        clock: Callable[[], int],
+        apply: Callable[[list[Event]], None],
+        address_of: Callable[[str], str],
+        heartbeat_interval_ms: int,
+    ) -> None:
+        self.index = index
+        self.outbox = outbox
+        self.metrics = metrics
+        self.clock = clock
+        self.apply = apply  # carries out the index's effects (the master's)
+        self.address_of = address_of  # a storage owner's data address ("" : none)
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.links = NodeLinks()  # demotions and SSD deletions on remote nodes
+        # a copy not reported within the deadline is abandoned
+        self.copies = Copies(self.links, int(self.links.timeout_s * 1000))
+        self.room_wait_ms = 1000  # how long a put may wait for room a copy makes
+        self.catalog_wait_ms = 2 * heartbeat_interval_ms + 2000  # ... for its node's catalog
+        self.laters: list[Later] = []  # replies the server holds, resolved by settle()
+        self._settling = False  # settle() is running (a delivery may call it again)
+        self._settle_again = False
 
-        node_links: NodeLinks
-
-        def handle(self, request: m.MasterRequest) -> m.MasterReply: ...
-        def _apply(self, events: list[Event]) -> None: ...
-
-    def submit(self, request: m.MasterRequest) -> m.MasterReply | Later:
-        """As ``handle``, but some replies wait (the server holds them; :meth:`settle`
-        answers them): a put that only a node's copy in flight can make room for; a put
-        into a node's segment until the node has its catalog entry; and a node's
-        heartbeat until there is a change for it (a long poll).  ``handle`` alone never
-        waits: the room a copy would make is NoSpace at once."""
+    def submit(self, request: m.MasterRequest, via: Handler) -> m.MasterReply | Later:
+        """``via.handle(request)``, but some replies wait (the server holds them;
+        :meth:`settle` answers them): a put that only a node's copy in flight can make
+        room for; a put into a node's segment until the node has its catalog entry; and
+        a node's heartbeat until there is a change for it (a long poll).  ``handle``
+        alone never waits: the room a copy would make is NoSpace at once."""
         kind = type(request)
         if kind is m.PutStart or kind is m.BatchPutStart:
-            return self._submit_put(request)
-        reply = self.handle(request)
+            assert isinstance(request, (m.PutStart, m.BatchPutStart))
+            return self._submit_put(request, via)
+        reply = via.handle(request)
         if isinstance(reply, m.HeartbeatReply) and not (reply.added or reply.removed):
             assert isinstance(request, m.Heartbeat)
             if request.client_id in self.outbox:
@@ -118,8 +128,13 @@ class NodeCopies:
 
         return retry
 
-    def _submit_put(self, request: m.MasterRequest) -> m.MasterReply | Later:
-        reply = self._try_put(request)
+    def _submit_put(
+        self, request: m.PutStart | m.BatchPutStart, via: Handler
+    ) -> m.MasterReply | Later:
+        """A held put is answered when a copy ended and it then fits, or at
+        ``room_wait_ms``, after abandoning the copies older than that, so that it finds
+        the room (or a NoSpace that says why)."""
+        reply = via.try_put(request)
         if reply is not None:
             return reply
         seen = self.copies.reported
@@ -128,30 +143,20 @@ class NodeCopies:
             nonlocal seen
             if final:  # the nodes that did not answer in time lose their copies
                 self._abandon(self.copies.overdue(self.clock(), self.room_wait_ms))
-                return self.handle(request)
+                return via.handle(request)
             if self.copies.reported == seen:
                 return None  # no copy ended since the last try
             seen = self.copies.reported
-            return self._try_put(request)
+            return via.try_put(request)
 
         return self._later(retry, self.room_wait_ms)
-
-    def _try_put(self, request: m.MasterRequest) -> m.MasterReply | None:
-        """The put's reply, or None when it waits for room a copy in flight makes."""
-        self.may_wait, self.waits = True, False
-        try:
-            reply = self.handle(request)
-        finally:
-            self.may_wait = False
-        waits, self.waits = self.waits, False
-        return None if waits else reply
 
     def settle(self, expire: bool = False) -> None:
         """Apply what nodes reported, and answer the held replies that can be.
         ``expire`` (the periodic tick): abandon the copies past their deadline first."""
         if expire and len(self.copies):
             self._abandon(self.copies.overdue(self.clock()))
-        self._settle_copies()
+        self.settle_copies()
         if self._settling:  # a delivery served more requests: the outer pass goes again
             self._settle_again = True
             return
@@ -171,7 +176,7 @@ class NodeCopies:
         finally:
             self._settling = False
 
-    def _settle_copies(self) -> bool:
+    def settle_copies(self) -> bool:
         """Apply the nodes' copy reports; True when any arrived."""
         reports = self.copies.take_reports()
         for event, ok, in_flight in reports:
@@ -196,15 +201,18 @@ class NodeCopies:
             if dropped is not None:
                 self.index.stall_copies(event.src.client_id, True)  # until it answers
                 self.metrics.demote_failures.inc()
-                self._apply([dropped])
+                self.apply([dropped])
 
-    def _remote_ssd_remove(self, client_id: str, keys: list[str]) -> None:
-        address = self.client_addresses.get(client_id, ("", ""))[0]
+    def ssd_remove(self, client_id: str, keys: list[str]) -> None:
+        """Delete a remote owner's SSD copies of ``keys`` (on its link thread)."""
+        address = self.address_of(client_id)
         if address:
-            self.node_links.ssd_remove(address, client_id, keys)
+            self.links.ssd_remove(address, client_id, keys)
 
-    def _remote_demote(self, event: Demote) -> None:
-        address = self.client_addresses.get(event.src.client_id, ("", ""))[0]
+    def demote(self, event: Demote) -> None:
+        """Start a remote owner's copy of a demoted object; the object stays DEMOTING
+        until it reports back (or is abandoned)."""
+        address = self.address_of(event.src.client_id)
         if address:
             self.copies.start(address, event, self.clock())
         else:

@@ -1,14 +1,7 @@
 """``kvpool master``: one TCP port for the binary RPC and for HTTP (/metrics, /health,
 the status page), as the production guide's §8.1 check
-``curl http://<master>:50088/metrics`` expects.
-
-Each connection's first four bytes decide: ``KVP1`` (the frame magic) is an RPC
-connection, ``KVPA`` a handshake that leads to one (:mod:`kvpool.service.master_auth`),
-anything else is handed to aiohttp's HTTP protocol with the bytes already read.  With a
-credential (``--secret_file``, ``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), an RPC
-connection must open with the handshake and HTTP requests need the operator's bearer
-token; without one, a non-loopback ``--host`` refuses to start unless ``--insecure``.
-Startup → serve → graceful shutdown, uvicorn style.
+``curl http://<master>:50088/metrics`` expects (which protocol a connection speaks:
+:class:`_Sniffer`).  Startup → serve → graceful shutdown, uvicorn style.
 """
 
 from __future__ import annotations
@@ -33,7 +26,6 @@ from kvpool.core.credentials import Credential
 from kvpool.core.index import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
-from kvpool.protocol import messages as m
 from kvpool.protocol.auth import AUTH_MAGIC, Identity
 from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
 from kvpool.protocol.data import error_reply
@@ -42,14 +34,7 @@ from kvpool.service.http import build_app
 from kvpool.service.local_storage import MASTER_SETTINGS, LocalStorage
 from kvpool.service.master import Later, MasterService
 from kvpool.service.master_auth import AuthProtocol, Owners, no_secret_refusal, plain_refusal
-from kvpool.service.master_tenants import (
-    Grants,
-    grant_op,
-    parse_tenant_quotas,
-    tenant_reply,
-    tenant_request,
-    tenant_stats,
-)
+from kvpool.service.master_tenants import TenantMaster, parse_tenant_quotas
 
 __all__ = ["RPC_BUFFER_LIMIT", "RPC_REQUEST_CODEC", "MasterServer", "RpcBuffers", "run_master"]
 
@@ -102,14 +87,15 @@ class _RpcProtocol(asyncio.Protocol):
         frame_timeout_s: float = RPC_FRAME_TIMEOUT_S,
         identity: Identity | None = None,
         owners: Owners | None = None,
-        grants: Grants | None = None,
+        tenancy: TenantMaster | None = None,
     ) -> None:
         self.identity = identity  # who the handshake proved (None: no credential here)
-        # a tenant's connection: its keys in that tenant's namespace ("" : as they are)
+        # a tenant's connection: served by the tenant layer, in that tenant's namespace
         tenant = identity is not None and identity.role == "tenant"
         self.tenant = identity.client_id if identity is not None and tenant else ""
-        self.grants = grants
-        self._held_op = ""  # the grant op of the reply held back (a tenant's put)
+        if tenant and tenancy is None:
+            raise ValueError(f"tenant {self.tenant}'s connection needs the tenant layer")
+        self.tenancy = tenancy if tenant else None
         self.owners = owners
         self.service = service
         self.buffers = buffers
@@ -185,37 +171,26 @@ class _RpcProtocol(asyncio.Protocol):
                     self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(exc)))
                     continue
                 if frame is None:
-                    if self.service.laters:  # what this connection did may answer them
-                        self.service.settle()
+                    if self.service.node_copies.laters:  # what this connection did may
+                        self.service.settle()  # answer them
                     break
                 served += 1
                 message = frame.message
-                op = ""
-                if self.tenant:
-                    op = grant_op(message)
-                    message = tenant_request(self.tenant, message)
-                    if isinstance(message, KVPoolError):  # refused; the link stays open
-                        self.transport.write(MASTER_REPLY_CODEC.encode(error_reply(message)))
-                        continue
-                    if isinstance(message, m.Stats):
-                        stats = tenant_stats(self.service, self.tenant)
-                        self.transport.write(MASTER_REPLY_CODEC.encode(stats))
-                        continue
-                elif self.owners is not None:
-                    refused = self.owners.check(self, self.identity, message)
-                    if refused is not None:
-                        self._refuse(refused)
-                        return
-                reply = self.service.submit(message)
+                if self.tenancy is not None:
+                    reply = self.tenancy.submit(self.tenant, message)
+                else:
+                    if self.owners is not None:
+                        refused = self.owners.check(self, self.identity, message)
+                        if refused is not None:
+                            self._refuse(refused)
+                            return
+                    reply = self.service.submit(message)
                 if isinstance(reply, Later):
-                    self._held_op = op
                     self.waiting = reply
                     reply.deliver = self._deliver
                     self.transport.pause_reading()
                     self.service.settle()  # e.g. a node's held heartbeat can go now
                     break
-                if self.tenant and self.grants is not None:
-                    reply = tenant_reply(self.tenant, reply, op, self.grants)
                 self.transport.write(MASTER_REPLY_CODEC.encode(reply))
         except ProtocolError as exc:
             # A bad header: the stream cannot be resynchronised.  Say why and close.
@@ -291,8 +266,6 @@ class _RpcProtocol(asyncio.Protocol):
         assert self.transport is not None
         if self._closed or self.transport.is_closing():
             return
-        if self.tenant and self.grants is not None:
-            reply = tenant_reply(self.tenant, reply, self._held_op, self.grants)
         self.transport.write(MASTER_REPLY_CODEC.encode(reply))
         if not self._paused:
             self.transport.resume_reading()
@@ -307,7 +280,15 @@ class _RpcProtocol(asyncio.Protocol):
 
 
 class _Sniffer(asyncio.Protocol):
-    """Reads the first bytes of a connection, then hands it to RPC or HTTP."""
+    """Reads the first bytes of a connection, then hands it to RPC or HTTP.
+
+    Its first four bytes decide: ``KVP1`` (the frame magic) is an RPC connection,
+    ``KVPA`` a handshake that leads to one (:mod:`kvpool.service.master_auth`), anything
+    else is handed to aiohttp's HTTP protocol with the bytes already read.  With a
+    credential (``--secret_file``, ``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), an RPC
+    connection must open with the handshake and HTTP requests need the operator's bearer
+    token; without one, a non-loopback ``--host`` refuses to start unless ``--insecure``.
+    """
 
     def __init__(self, server: MasterServer) -> None:
         self.server = server
@@ -369,6 +350,7 @@ class MasterServer:
             )
         )
         self.service.config_view = dataclasses.asdict(config)
+        self.tenancy = TenantMaster.over(self.service, credential)
         self.rpc_buffers = RpcBuffers()
         self.rpc_frame_timeout_s = RPC_FRAME_TIMEOUT_S
         self.storage: LocalStorage | None = None
@@ -379,15 +361,15 @@ class MasterServer:
 
     def rpc_admitted(self, transport: asyncio.Transport, identity: Identity, rest: bytes) -> None:
         """A handshake succeeded: the connection is RPC from now on, as ``identity``."""
-        if identity.role == "tenant":  # proved: its series on /metrics from now on
-            self.service.tenants.add(identity.client_id)
+        if identity.role == "tenant":
+            self.tenancy.admit(identity.client_id)
         proto = _RpcProtocol(
             self.service,
             self.rpc_buffers,
             self.rpc_frame_timeout_s,
             identity,
             self.owners,
-            Grants(self.service, self.credential),
+            self.tenancy,
         )
         transport.set_protocol(proto)
         proto.connection_made(transport)
@@ -416,13 +398,14 @@ class MasterServer:
         require_credential(cfg.host, self.credential, cfg.insecure, key="--host")
         for tenant, quota in parse_tenant_quotas(cfg.tenant_quota).items():
             self.service.tenants.set_quota(tenant, quota)
+        self.tenancy.credential = self.credential  # the grants' key
         # TLS (off unless --tls_* are set): files checked before anything binds
         self.tls = cfg.tls.server_context()
         # dialling nodes (copies, demotions) verifies them with --tls_ca, else KVPOOL_TLS_CA
         dial = cfg.tls
         if not dial.ca and os.environ.get(ENV_CA):
             dial = dataclasses.replace(dial, ca=os.environ[ENV_CA])
-        self.service.node_links.secure(self.credential, dial.client_context())
+        self.service.node_copies.links.secure(self.credential, dial.client_context())
         listener = _listen(cfg.host, cfg.port)
         try:
             await self._start_on(listener)
@@ -478,7 +461,8 @@ class MasterServer:
         )
         self.port = self._server.sockets[0].getsockname()[1]
         # a node's copy reported (on its link thread): settle on the loop, at once
-        self.service.copies.wakeup = lambda: loop.call_soon_threadsafe(self.service.settle)
+        copies = self.service.node_copies.copies
+        copies.wakeup = lambda: loop.call_soon_threadsafe(self.service.settle)
         self._tick_task = asyncio.create_task(self._tick_loop())
 
     async def _tick_loop(self) -> None:

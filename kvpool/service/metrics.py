@@ -168,7 +168,7 @@ class MasterMetrics:
         self.tenants.book = master.tenants
         idx = master.index
         self.blocks.set(idx.count())
-        self.connected.set(master.rpc_connections + len(master.local))
+        self.connected.set(master.rpc_connections + len(master.clients.local))
         self.registered.set(len(idx.registry.clients))
         for tier in Tier:
             capacity, used = idx.usage(tier)
@@ -176,7 +176,7 @@ class MasterMetrics:
             self.tier_used.labels(tier=tier.value).set(used)
             self.tier_objects.labels(tier=tier.value).set(idx.count(tier))
         self.active_leases.set(idx.active_leases(master.clock()))
-        tiers = [o.ssd.stats for o in master.local.values() if o.ssd is not None]
+        tiers = [o.ssd.stats for o in master.clients.local.values() if o.ssd is not None]
         self.ssd_corruptions.set(sum(stats.corruptions for stats in tiers))
         self.ssd_bad_files.set(sum(stats.bad_headers for stats in tiers))
 

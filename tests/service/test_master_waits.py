@@ -42,7 +42,7 @@ def service(memory: int = 30) -> tuple[MasterService, Clock, FakeLinks]:
     clock = Clock()
     svc = MasterService(IndexConfig(enable_offload=True, policy="lru"), clock=clock)
     links = FakeLinks()
-    svc.copies.links = links  # type: ignore[assignment]
+    svc.node_copies.copies.links = links  # type: ignore[assignment]
     svc.handle(m.Register(NODE, "127.0.0.1:1", "t"))
     svc.handle(m.AddSegment(NODE, f"{NODE}/mem", memory, "memory", "shm"))
     svc.handle(m.AddSegment(NODE, f"{NODE}/ssd", 1000, "ssd"))
@@ -87,7 +87,7 @@ def test_a_put_behind_a_copy_the_node_never_reports_gets_the_room_at_its_deadlin
     svc, clock, links = service()
     fill(svc)
     _, sent = held(svc, m.PutStart("w", "d", 10))
-    clock.now += svc.room_wait_ms
+    clock.now += svc.node_copies.room_wait_ms
     svc.settle()
     (reply,) = sent
     assert isinstance(reply, m.Placement) and reply.placed
@@ -176,7 +176,7 @@ def test_a_put_its_node_never_confirms_is_a_timeout_at_the_deadline() -> None:
     svc, clock, _ = service(memory=100)
     assert svc.handle(m.PutStart("w", "k", 10)).placed  # type: ignore[union-attr]
     _, acked = held(svc, m.PutEnd("w", "k", 7))
-    clock.now += svc.catalog_wait_ms
+    clock.now += svc.node_copies.catalog_wait_ms
     svc.settle()
     (reply,) = acked
     assert isinstance(reply, Error) and reply.code == "TIMEOUT"
