@@ -5,8 +5,8 @@ vLLM process in a namespace of its own, next to its own master:
 
     argv = _netns.command([python, "bench/ttft.py", "--child", spec], workdir)
 
-:func:`command` wraps ``argv`` in ``unshare --net --pid --fork --kill-child`` around this
-module.  Inside, this module brings ``lo`` up, starts ``mooncake_master`` on 127.0.0.1
+:func:`command` wraps ``argv`` in ``unshare --net --pid --mount-proc --fork --kill-child``
+around this module.  Inside, this module brings ``lo`` up, starts ``mooncake_master`` on 127.0.0.1
 (:class:`kvpool.testing.mooncake.MooncakeMaster`, which refuses to start outside a
 private namespace), writes a Mooncake ``mooncake.json`` naming it (``MOONCAKE_CONFIG_PATH``,
 read alike by kvpool's Mooncake engine and by vLLM's ``MooncakeStoreConnector``), runs
@@ -55,7 +55,11 @@ def mooncake_json(segment: int) -> dict[str, object]:
 def command(argv: list[str], workdir: Path, *, segment: int = 1 << 30) -> list[str]:
     """``argv`` as a command that runs it in a fresh namespace beside its own master."""
     return [
-        "unshare", "--net", "--pid", "--fork", "--kill-child",
+        # --mount-proc: a /proc of this PID namespace.  Without it /proc is the host's, so
+        # /proc/<our pid> is another process or none: vLLM's CPU worker reads
+        # /proc/{getpid()}/status for its memory affinity and died with FileNotFoundError
+        # whenever the host had no process of that low PID (which depended on what ran before)
+        "unshare", "--net", "--pid", "--mount-proc", "--fork", "--kill-child",
         sys.executable, str(Path(__file__).resolve()),
         "--workdir", str(workdir), "--segment", str(segment), "--", *argv,
     ]  # fmt: skip

@@ -140,7 +140,7 @@ def measure(
                 save = SaveSpec("w", source, groups.keys(chain), (None,) * groups.num_groups)
                 for w in workers:
                     w.save(StorePlan(saves=(save,)))
-                objects_written = engine.keys["batch_put_from_parts"]
+                objects_written = engine.keys["batch_put_parts"]
                 sched = StoreScheduler(
                     namespace=ns, pool=handle(), saves=False, load_async=False, logger=LOG,
                     groups=groups, pin_scope="bench",
@@ -160,8 +160,8 @@ def measure(
 
                 engine.calls.clear(), engine.keys.clear()
                 load()
-                load_calls = engine.calls["batch_get_into_parts"]
-                load_objects = engine.keys["batch_get_into_parts"]
+                load_calls = engine.calls["batch_get_parts"]
+                load_objects = engine.keys["batch_get_parts"]
                 times = []
                 for _ in range(rounds):
                     t0 = time.perf_counter()

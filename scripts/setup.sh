@@ -27,11 +27,13 @@ fi
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 # Mooncake's wheel loads libibverbs, librdmacm, libnuma and libcurl even over TCP (the
-# Mooncake engine's tests and mooncake_master fail without them; the Dockerfile lists the same).  Debian's packages, as for chromium;
+# Mooncake engine's tests and mooncake_master fail without them; the Dockerfile installs
+# the same).  Debian's packages, as for chromium;
 # iproute2 (ip, tc) builds the multi-host suite's network namespaces (tests/multihost).
 # openssl makes the TLS tests' throwaway CA and certificates (kvpool/testing/tls.py).
 missing=()
-for pkg in libibverbs1 ibverbs-providers librdmacm1 libnuma1 libcurl4 iproute2 openssl; do
+# systemd: systemd-analyze verifies deploy/systemd's units (tests/deploy/test_systemd.py).
+for pkg in libibverbs1 ibverbs-providers librdmacm1 libnuma1 libcurl4 iproute2 openssl systemd; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ((${#missing[@]})) && command -v apt-get >/dev/null 2>&1; then
@@ -44,5 +46,25 @@ fi
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
         || echo "warning: could not install chromium; the status page test will fail" >&2
+fi
+# The scrape config of docs/monitoring.md and the Grafana dashboard's queries are tested
+# against a real Prometheus (tests/deploy/test_prometheus.py), which the test starts itself
+# on a free loopback port with its own config and storage.  Debian's package also brings a
+# prometheus service on :9090: stopped and disabled here, so none runs beside the tests
+# (--no-install-recommends: nor prometheus-node-exporter's on :9100).  A prometheus that
+# was there before is left as it is.
+if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    if { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq --no-install-recommends prometheus; }; then
+        if [[ -d /run/systemd/system ]]; then
+            systemctl disable --now prometheus >/dev/null 2>&1 || true
+        else  # no systemd: its init script may have started it
+            invoke-rc.d prometheus stop >/dev/null 2>&1 || true
+            update-rc.d prometheus disable >/dev/null 2>&1 || true
+            deb-systemd-helper disable prometheus.service >/dev/null 2>&1 || true
+        fi
+    else
+        echo "warning: could not install prometheus; the Prometheus test will fail" >&2
+    fi
 fi
 echo "kvpool installed in .venv ($(.venv/bin/kvpool --version))"

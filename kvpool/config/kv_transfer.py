@@ -1,90 +1,11 @@
 """The two connectors' settings, as vLLM's ``--kv-transfer-config`` gives them (pure, no vLLM).
 
-vLLM hands each connector its ``kv_role``, ``kv_port``, ``engine_id`` and
-``kv_connector_extra_config``; :func:`parse_store_config` and
-:meth:`TransferConfig.from_values` validate them once, with the environment passed in as
-a mapping (tests need no monkeypatching) and the node config (``mooncake.json``) as a
-value or a loader.  ``kvpool doctor`` runs the same functions, so it refuses exactly what
-the connectors would refuse at vLLM start-up.  The peer layout and head routing are
-:mod:`kvpool.config.topology`.
-
-Unknown keys in either connector's ``kv_connector_extra_config`` are errors that list the
-known ones (a typo must not silently fall back to a default).
-
-``KVPoolStoreConnector`` (the prefix pool, vllm-ascend's AscendStoreConnector, §6), keys of
-its ``kv_connector_extra_config``:
-
-=====================  =======================================================================
-key                    meaning (default)
-=====================  =======================================================================
-backend                ``mooncake`` or ``kvpool``: the shared pool through its master
-                       (the guide's default, ``mooncake``); ``embedded``: an in-process pool
-                       with no master, for one node with tensor_parallel_size 1
-master                 the master as host:port; default: ``metadata_server`` of the node
-                       config named by ``KVPOOL_CONFIG_PATH`` / ``MOONCAKE_CONFIG_PATH``
-load_async             load hits in the background without stalling the engine (false)
-consumer_is_to_put     a ``kv_consumer`` also writes the KV it computes (false); allowed
-                       only where the decode side's KV layout equals the prefill side's
-lookup_rpc_port        accepted as vllm-ascend takes it (0..65535) and validated; see below
-prefill                optional ``{"tp_size": N, "dp_size": M}`` of the prefill side, so that
-                       ``consumer_is_to_put`` can check the layouts really match
-model_id               the model's name in block keys (default: vLLM's served model name)
-tenant                 isolates one tenant's keys from another's ("")
-pool_timeout_ms        every load's and save's pool call timeout (env KVPOOL_TRANSFER_TIMEOUT /
-                       ASCEND_TRANSFER_TIMEOUT, else 10000)
-lookup_timeout_ms      a scheduler lookup's timeout (2000): the scheduler waits for it, so a
-                       hung pool must cost little; a timed-out lookup is a miss
-reconnect_interval_ms  after a pool failure, how long lookups miss before reconnecting (5000)
-embedded_capacity      size of the embedded pool (e.g. "1GiB"; default 1GiB)
-head_group_size        KV heads per pool object (default: 1 with a master, so any TP layout
-                       reads what any other wrote; all of them with ``embedded``, one
-                       object per block).  Must divide each rank's heads and be the same
-                       on every instance sharing the pool (another value is a miss)
-=====================  =======================================================================
-
-``lookup_rpc_port``: in AscendStoreConnector the scheduler asks its worker, which owns the
-store client, whether a prefix is cached.  With a master, kvpool's scheduler half holds
-its own client and asks the master directly (``prefix_lookup`` takes no lease), so no
-channel is needed.  With ``backend: embedded`` the pool lives in the worker process and
-the scheduler asks it over a Unix socket named after the instance and this value (see the
-store connector's lookup module), so two instances on one host never collide, whatever
-the value; ``0`` is the usual choice.
-
-``KVPoolTransferConnector`` (direct P→D transfer, MooncakeConnectorV1's part, §5); where
-each setting comes from (first match wins):
-
-=====================  ========================================================================
-setting                sources
-=====================  ========================================================================
-role                   ``kv_role``: ``kv_producer`` (P), ``kv_consumer`` (D), ``kv_both``
-kv_port                ``kv_port`` (the guide's P 30000 / D 30100); a base, see ``rank_port``
-engine_id              ``engine_id``; pairs a P with its D (see :func:`pairing_group`)
-peer                   ``kv_connector_extra_config["decode"]`` on P, ``["prefill"]`` on D
-kv_host                extra ``kv_host``, env ``KVPOOL_KV_HOST``, ``local_hostname`` of the
-                       node config (``KVPOOL_CONFIG_PATH`` / ``MOONCAKE_CONFIG_PATH``), env
-                       ``VLLM_HOST_IP``, ``127.0.0.1``: the address P listens on and tells D
-                       to pull from
-protocol               the node config's ``protocol`` (``tcp``) and ``transport`` (``kvpool``
-                       for tcp, ``transfer_engine`` for rdma): which transport moves the
-                       pages (see ``kvpool.connectors.transfer.transport``)
-connect_timeout_ms     extra ``connect_timeout_ms``, env ``KVPOOL_CONNECT_TIMEOUT_MS``,
-                       ``KVPOOL_CONNECT_TIMEOUT``, ``ASCEND_CONNECT_TIMEOUT`` (vllm-ascend's
-                       name), the node config's ``connect_timeout_ms``, 10000
-transfer_timeout_ms    extra ``transfer_timeout_ms``, env ``KVPOOL_TRANSFER_TIMEOUT_MS``,
-                       ``KVPOOL_TRANSFER_TIMEOUT``, ``ASCEND_TRANSFER_TIMEOUT`` (vllm-ascend's
-                       name), the node config's ``transfer_timeout_ms``, 10000
-hold_timeout_ms        extra ``hold_timeout_ms``, env ``KVPOOL_HOLD_TIMEOUT_MS``, 120000:
-                       how long P keeps a request's blocks for a D that never comes
-idle_wait_ms           extra ``idle_wait_ms``, env ``KVPOOL_IDLE_WAIT_MS``, 10 (0: off): in
-                       an engine step that runs no forward, how long a worker may wait for
-                       a pull in flight (D) or a held request's release (P) to end, so
-                       that the step reports it instead of the engine spinning empty steps
-credential             the node config's ``secret_file``, env ``KVPOOL_SECRET_FILE``,
-                       ``KVPOOL_SECRET`` (:func:`connector_credential`): with one, every
-                       ``kv_port`` connection opens with the handshake (docs/security.md)
-insecure               extra ``insecure``, env ``KVPOOL_INSECURE`` (false): let a P whose
-                       ``kv_host`` is not loopback serve without a credential
-=====================  ========================================================================
+:func:`parse_store_config` and :meth:`TransferConfig.from_values` validate each
+connector's ``kv_role``, ``kv_port``, ``engine_id`` and ``kv_connector_extra_config`` once,
+with the environment passed in as a mapping and the node config as a value or a loader;
+``kvpool doctor`` runs the same functions, so it refuses exactly what the connectors would
+refuse at vLLM start-up.  An unknown key is an error listing the known ones.  Every key,
+its default and where else it may come from: docs/connectors.md, "Settings reference".
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from kvpool.errors import ConfigError
 __all__ = [
     "MASTER_FLAGS",
     "MOONCAKE_MASTER_DEFAULTS",
+    "MOONCAKE_MASTER_FIELDS",
     "Flag",
     "MasterCommand",
     "MasterConfig",
@@ -330,6 +331,8 @@ _MOONCAKE_SHARED = (
     "client_ttl",
 )
 _MOONCAKE_ALIASES = {"rpc_port": "port", "rpc_address": "host"}
+#: MasterConfig fields a mooncake_master line can carry (host as --rpc_address)
+MOONCAKE_MASTER_FIELDS = frozenset((*_MOONCAKE_SHARED, "host"))
 # the rest of mooncake_master's flags (0.3.13's --helpfull, master.cpp and gflags' own):
 # valid in its command line, nothing kvpool's checks read
 _MOONCAKE_OTHER_NAMES = """

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_OFFLOAD_LIMIT",
     "DEFAULT_SEGMENT_SIZE",
     "OFFLOAD_LIMIT_VARS",
+    "SIZE_CONVENTION",
     "TRANSFER_TIMEOUT_VARS",
     "Timeouts",
     "env_lookup",
@@ -64,33 +65,31 @@ TRANSFER_TIMEOUT_VARS = (
 
 # --------------------------------------------------------------------------- sizes
 
+# Mooncake's convention (mooncake_config.py's _parse_segment_size, and vllm-ascend's
+# _parse_global_segment_size): KB, MB, GB, TB and their one-letter forms are powers of
+# 1024, so a mooncake.json copied from the production guide or a Mooncake deployment means
+# the same bytes here.  The IEC spellings (KiB, ...) mean the same; Mooncake does not read
+# them, so what kvpool writes for Mooncake is plain bytes.
 _UNITS: dict[str, int] = {
     "": 1,
     "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "pb": 1000**5,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-    "pib": 1024**5,
+    **{
+        letter + suffix: 1024**power
+        for power, letter in enumerate("kmgtp", start=1)
+        for suffix in ("", "b", "ib")
+    },
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+#: what docs, render and doctor say of the units
+SIZE_CONVENTION = "sizes as Mooncake reads them: KB, MB, GB, TB = 1024, 1024², 1024³, 1024⁴ bytes"
 
 
 def parse_size(value: object, *, key: str) -> int:
-    """Bytes from ``4GB`` (10^9 each), ``512MiB`` (2^20 each), ``1.5 GiB`` or plain bytes.
-
-    Decimal units (kB, MB, GB, TB, PB) are powers of 1000 and binary units (KiB, MiB, GiB,
-    TiB, PiB) powers of 1024, as in SI/IEC; unit letters are case-insensitive.  A bare
-    ``4G`` is refused because it is ambiguous.
-    """
+    """Bytes from ``4GB`` (4 × 2^30, as Mooncake reads it), ``512MiB``, ``1.5 GB``, ``4G``
+    or plain bytes; unit letters are case-insensitive (:data:`SIZE_CONVENTION`)."""
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ConfigError(
-            f"{key}: expected a size such as 4GB, 512MiB or a number of bytes, got {value!r}"
+            f"{key}: expected a size such as 4GB, 512MB or a number of bytes, got {value!r}"
         )
     if isinstance(value, int):
         if value < 0:
@@ -99,15 +98,13 @@ def parse_size(value: object, *, key: str) -> int:
     match = _SIZE_RE.match(value)
     if match is None:
         raise ConfigError(
-            f"{key}: cannot read {value!r} as a size; write e.g. 4GB, 512MiB, 1.5GiB or 1073741824"
+            f"{key}: cannot read {value!r} as a size; write e.g. 4GB, 512MB, 1.5GB or 1073741824"
         )
     number, unit = match.group(1), match.group(2).lower()
     if unit not in _UNITS:
-        hint = f" (write {number}{unit.upper()}B for 10^n or {number}{unit.upper()}iB for 2^n)"
-        ambiguous = unit in ("k", "m", "g", "t", "p")
         raise ConfigError(
-            f"{key}: unknown size unit {match.group(2)!r} in {value!r}"
-            + (hint if ambiguous else "; use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB")
+            f"{key}: unknown size unit {match.group(2)!r} in {value!r}; use B, KB, MB, GB or TB"
+            " (powers of 1024, as Mooncake reads them)"
         )
     try:
         exact = Decimal(number) * _UNITS[unit]

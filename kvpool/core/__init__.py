@@ -10,12 +10,12 @@ Modules, from the bottom up:
     prefix_aware  kvpool's default eviction policy for prefix-chained blocks, and why
     objects       the values the index works with: config, records, locations, grants,
                   effects (Demote, Dropped), counters
-    placement     where an object goes: allocation, inline eviction, demotion, watermark
-                  rounds (IndexPlacement, the lowest base class of ObjectIndex)
-    leases        reads and holds: probes, read leases, pins, their release and expiry
-                  (IndexLeases, the base class of ObjectIndex)
-    index         the object index: its life cycle (two-phase puts, restore, removals,
-                  ticks) and invariants
+    placement     each tier's segments, the room in them and the room copies in flight
+                  will free (Placement, owned by the index)
+    leases        read leases and pins: their owners, expiry and counts (Holds, owned by
+                  the index)
+    index         the object index (ObjectIndex): its life cycle (two-phase puts, reads,
+                  restore, removals, eviction, demotion, ticks) and invariants
 
 The words (block, chunk, object, page, segment, tier) are defined once, in the glossary of
 :mod:`kvpool`'s docstring.

@@ -1,54 +1,23 @@
-"""The object index: where every object lives, who may read it, and what to evict.
+"""The object index: every object of the pool, where it lives, and its life cycle.
 
-Object life cycle::
-
-    put_start ──> PENDING ──put_end──> READY ──evict / remove / client expiry──> gone
-                     │                   │  └─drop_corrupt (a read failed its checksum)──> gone
-                     │                   │
-                     └─put_revoke / writer lease expiry──> gone (space reclaimed)
-                                         └─(offload) demote: memory extent -> SSD extent
-                                           (a node's copy: READY ─> DEMOTING ─done─> READY
-                                            on SSD; abandoned or failed ─> gone)
-
-Invariants (tested per transition and by property tests over random operation sequences):
-- a PENDING object is invisible: ``exists``, ``prefix_lookup`` and ``get`` see READY only;
-- every object holds exactly one live extent in a registered segment, and a segment's used
-  bytes equal the sum of its objects' sizes (``check()`` asserts this);
-- an object with an unexpired read lease or pin is never evicted, demoted or removed;
-- a DEMOTING object is invisible and holds its memory and its SSD extent until its copy
-  is reported done (then it is READY on SSD) or abandoned (then it is gone);
-- probes (``exists``, ``prefix_lookup``) never take or renew a lease;
-- after an eviction round a tier is at or below its high watermark, unless every object
-  left in it is leased, pinned or pending;
-- a put that needs space evicts inline; it fails with NoSpace only when nothing evictable
-  is left that would make room;
-- a copy a reader found corrupt leaves at once, leases or not (its bytes are wrong for
-  everyone, and a reader overtaken by a later use of the extent fails its own checksum):
-  lookups stop counting it and the next put of the key stores it again;
-- an object has at least one byte: an empty value is refused (PoolError), never stored.
-
-Demotion (``enable_offload``): evicting a memory object whose owner also contributes an SSD
-segment moves it there instead of dropping it.  The move is logical at once (the object's
-location is the SSD extent and the memory extent is free) and the index returns a
-:class:`Demote` effect that the caller must carry out, copying the bytes, before it hands
-out any later reservation; if the copy fails the caller reports ``demote_failed`` and the
-object is dropped.  Readers verify checksums end to end, so a copy that was overtaken is a
-miss, never wrong bytes.  An owner whose copies are deferred (``defer_copies``: a node,
-which copies while the master serves others) gets ``in_flight`` Demote effects instead:
-the object is DEMOTING until ``demote_done`` or ``demote_abandoned`` (see placement).
-
-Time is a parameter (``now_ms``); the index never reads a clock.  Its two base classes
-hold the rest: :mod:`kvpool.core.leases` answers readers (probes, read leases, pins and
-their expiry), and :mod:`kvpool.core.placement`, under it, holds the state and makes room
-(allocation, inline eviction, demotion, watermark rounds).  This module is the life cycle:
-writes, restores, removals, ticks, and the checks of the invariants above.
+:class:`ObjectIndex` takes two-phase puts, reads under leases and pins, removals, client
+expiry and eviction (inline for a put, in watermark rounds on ``tick``), and returns
+their effects (:class:`Dropped`, :class:`Demote`) as values; its class docstring draws
+the life cycle and lists the invariants ``check()`` asserts.  It owns a
+:class:`~kvpool.core.leases.Holds` (leases and pins) and a
+:class:`~kvpool.core.placement.Placement` (each tier's segments and the room in them).
+Time is a parameter (``now_ms``); the index never reads a clock.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from kvpool.core.leases import IndexLeases
+from kvpool.core.eviction import EvictionPolicy, make_eviction_policy
+from kvpool.core.leases import Holds
 from kvpool.core.objects import (
     Demote,
     Dropped,
@@ -62,7 +31,8 @@ from kvpool.core.objects import (
     Reservation,
     State,
 )
-from kvpool.core.registry import Tier
+from kvpool.core.placement import Placement
+from kvpool.core.registry import Registry, Segment, Tier
 from kvpool.core.space import Extent
 from kvpool.errors import (
     ObjectBusy,
@@ -93,22 +63,72 @@ _READY, _PENDING, _DEMOTING = State.READY, State.PENDING, State.DEMOTING
 _MEMORY, _SSD = Tier.MEMORY, Tier.SSD
 
 
-class ObjectIndex(IndexLeases):
-    """All objects of the pool, their placement, leases, pins and eviction order (reads
-    and holds are :class:`~kvpool.core.leases.IndexLeases`; how room is made, and what
-    leaves for it, is :class:`~kvpool.core.placement.IndexPlacement`)."""
+class ObjectIndex:
+    """All objects of the pool: their placement, leases, pins and eviction order.
+
+    Object life cycle::
+
+        put_start ──> PENDING ──put_end──> READY ──evict / remove / client expiry──> gone
+                         │                   │  └─drop_corrupt (a read failed its checksum)──> gone
+                         │                   │
+                         └─put_revoke / writer lease expiry──> gone (space reclaimed)
+                                             └─(offload) demote: memory extent -> SSD extent
+                                               (a node's copy: READY ─> DEMOTING ─done─> READY
+                                                on SSD; abandoned or failed ─> gone)
+
+    Invariants (tested per transition and by property tests over random operation
+    sequences; ``check()`` asserts those that a scan can see):
+
+    - a PENDING object is invisible: ``exists``, ``prefix_lookup`` and ``get`` see READY
+      only;
+    - every object holds exactly one live extent in a registered segment, and a segment's
+      used bytes equal the sum of its objects' sizes;
+    - an object with an unexpired read lease or pin is never evicted, demoted or removed;
+    - a DEMOTING object is invisible and holds its memory and its SSD extent until its
+      copy is reported done (then it is READY on SSD) or abandoned (then it is gone);
+    - probes (``exists``, ``prefix_lookup``) never take or renew a lease;
+    - after an eviction round a tier is at or below its high watermark, unless every
+      object left in it is leased, pinned or pending;
+    - a put that needs space evicts inline; it fails with NoSpace only when nothing
+      evictable is left that would make room;
+    - a copy a reader found corrupt leaves at once, leases or not (its bytes are wrong for
+      everyone, and a reader overtaken by a later use of the extent fails its own
+      checksum): lookups stop counting it and the next put of the key stores it again;
+    - an object has at least one byte: an empty value is refused (PoolError), never
+      stored.
+    """
 
     def __init__(self, config: IndexConfig | None = None) -> None:
-        super().__init__(config)
+        self.config = config or IndexConfig()
+        self.registry = Registry(self.config.client_ttl_ms)
+        self.stats = IndexStats()
+        self._objects: dict[str, ObjectRecord] = {}
+        self._holds = Holds()
+        self._placement = Placement(self.registry)
+        self._policies: dict[Tier, EvictionPolicy[Any]] = {
+            t: make_eviction_policy(self.config.policy) for t in Tier
+        }
+        self._mem_policy = self._policies[_MEMORY]
+        self._ssd_policy = self._policies[_SSD]
         self._writer_heap: list[tuple[int, str, str]] = []  # (expiry, key, writer), lazy
+        self._evictable_at = 0
+        self._evictable_fn: Callable[[str], bool] | None = None
+        # Counts kept as objects change, so that metrics, the status page and eviction
+        # rounds never scan the whole index: at 500,000 objects one scan took 40-250 ms
+        # of the master's event loop.  check() compares each with a scan.
+        # Per tier, as [memory, SSD] lists indexed by ``tier is _SSD`` (a bool is an int):
+        # a dict keyed by Tier hashed the enum in Python code twice per put and eviction.
+        self._ready: list[int] = [0, 0]  # READY objects per tier
+        self._pending = 0  # PENDING objects (all in memory segments)
+        self._demoting = 0  # DEMOTING objects
+        self._deferred: set[str] = set()  # owners whose demotions are copied later
+        self._stalled: set[str] = set()  # ... and whose copies stopped being answered
 
     # ----------------------------------------------------------------- clients, segments
     def register_client(self, client_id: str, now_ms: int, address: str = "") -> bool:
-        self._now = max(self._now, now_ms)
         return self.registry.register(client_id, now_ms, address)
 
     def heartbeat(self, client_id: str, now_ms: int) -> None:
-        self._now = max(self._now, now_ms)
         self.registry.heartbeat(client_id, now_ms)
 
     def add_segment(
@@ -123,17 +143,17 @@ class ObjectIndex(IndexLeases):
         """Add a segment; ``placeable=False`` keeps new objects out of it until
         :meth:`open_segment` (its owner first re-announces what it holds, see ``restore``)."""
         self.registry.add_segment(client_id, segment_id, capacity, tier, placeable)
-        self._mem_segments = self._ssd_segments = None
+        self._placement.segments_changed()
 
     def open_segment(self, segment_id: str) -> None:
         """New objects may be placed in ``segment_id`` from now on."""
         self.registry.segment(segment_id).placeable = True
-        self._mem_segments = self._ssd_segments = None
+        self._placement.segments_changed()
 
     def remove_client(self, client_id: str, reason: str = "expired_client") -> list[Event]:
         """Drop a client, its segments and every object in them at once."""
         segments = {s.segment_id for s in self.registry.drop(client_id)}
-        self._mem_segments = self._ssd_segments = None
+        self._placement.segments_changed()
         gone = [o for o in self._objects.values() if o.segment.segment_id in segments]
         return [self._drop(o, reason, release_space=False) for o in gone]
 
@@ -149,8 +169,6 @@ class ObjectIndex(IndexLeases):
         key PENDING, :class:`NoRoom` (a NoSpace carrying the events made meanwhile) when
         no room can be made now.
         """
-        if now_ms > self._now:
-            self._now = now_ms
         if size <= 0:
             raise PoolError(f"{key}: an object needs at least one byte, got size {size}")
         objects = self._objects
@@ -165,7 +183,9 @@ class ObjectIndex(IndexLeases):
         placed = self._allocate(_MEMORY, size, now_ms, events)
         if placed is None:
             self.stats.put_failures_no_space += 1
-            if self._leaving_total and self._room_coming(self._segments(_MEMORY), size):
+            placement = self._placement
+            memory = placement.segments(_MEMORY)
+            if placement.leaving_total and placement.room_coming(memory, size):
                 raise NoRoom(
                     f"no room for {size} bytes yet: objects are being copied to their "
                     "node's SSD tier to make it",
@@ -189,8 +209,6 @@ class ObjectIndex(IndexLeases):
 
     def put_end(self, key: str, writer: str, now_ms: int, checksum: int = 0) -> None:
         """Make a written object visible."""
-        if now_ms > self._now:
-            self._now = now_ms
         obj = self._objects.get(key)
         if obj is None or obj.state is not _PENDING or obj.writer != writer:
             obj = self._pending_of(key, writer)  # raises StaleWrite
@@ -230,7 +248,6 @@ class ObjectIndex(IndexLeases):
         an SSD extent only accounts for space and any free one will do (the owner cannot
         know the offsets a previous master handed out).
         """
-        self._now = max(self._now, now_ms)
         seg = self.registry.segment(segment_id)
         known = self._objects.get(key)
         if known is not None:
@@ -257,9 +274,55 @@ class ObjectIndex(IndexLeases):
         self._policies[seg.tier].on_insert(key, parent)
         return True
 
+    # ------------------------------------------------------------------------------ reads
+    def exists(self, key: str) -> bool:
+        """Probe without a lease (probes renewing leases blocked eviction in peer projects)."""
+        obj = self._objects.get(key)
+        return obj is not None and obj.state is State.READY
+
+    def prefix_lookup(self, keys: Sequence[str]) -> int:
+        """How many leading keys are READY; takes no lease."""
+        objects = self._objects
+        n = 0
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or obj.state is not _READY:
+                break
+            n += 1
+        return n
+
+    def get(self, key: str, owner: str, now_ms: int) -> ReadGrant:
+        """Grant a read lease of ``lease_ttl_ms`` on a READY object."""
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not _READY:
+            raise ObjectNotFound(key)
+        expiry = self._holds.hold(obj, owner, now_ms + self.config.lease_ttl_ms)
+        (self._mem_policy if obj.segment.tier is _MEMORY else self._ssd_policy).on_access(key)
+        return ReadGrant(key, obj.location(), obj.checksum, expiry)
+
+    def pin(self, key: str, owner: str, now_ms: int, ttl_ms: int) -> None:
+        """Hold an object for ``ttl_ms`` (e.g. until a decode pulled it); owner-released."""
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not State.READY:
+            raise ObjectNotFound(key)
+        self._holds.hold(obj, owner, now_ms + ttl_ms)
+
+    def release(self, key: str, owner: str) -> None:
+        """``owner``'s lease or pin of ``key`` ends."""
+        self._holds.release(key, owner)
+
+    def release_owner(self, owner: str) -> int:
+        """Drop every lease and pin of ``owner`` (an aborted or finished request)."""
+        return self._holds.release_owner(owner)
+
+    def active_leases(self, now_ms: int) -> int:
+        """Unexpired leases and pins.  Expired ones are released first, as the next tick
+        would do, so the kept count is exact."""
+        self._expire_holds(now_ms)
+        return self._holds.entries
+
     # ------------------------------------------------------------------------ removals
     def remove(self, key: str, now_ms: int) -> Event:
-        self._now = max(self._now, now_ms)
         obj = self._objects.get(key)
         if obj is None or obj.state is not State.READY:
             raise ObjectNotFound(key)
@@ -281,10 +344,9 @@ class ObjectIndex(IndexLeases):
             return None
         return self._drop(obj, "corrupt")
 
-    # -------------------------------------------------------------------------- time, eviction
+    # ---------------------------------------------------------------------- time, eviction
     def tick(self, now_ms: int) -> list[Event]:
         """Expire leases, writers and clients, then run watermark eviction rounds."""
-        self._now = max(self._now, now_ms)
         events: list[Event] = []
         self._expire_holds(now_ms)
         self._expire_writers(now_ms, events)
@@ -293,6 +355,88 @@ class ObjectIndex(IndexLeases):
         for tier in Tier:
             events.extend(self.eviction_round(tier, now_ms))
         return events
+
+    def eviction_round(self, tier: Tier, now_ms: int) -> list[Event]:
+        """If the tier is at or above its high watermark, evict ``eviction_ratio`` of its
+        evictable objects, and more if needed to get back under the watermark.
+
+        Memory bytes of copies in flight count as gone (or a round would demote
+        everything while they copy).  Afterwards the tier is under its watermark unless
+        everything left in it is leased, pinned or pending."""
+        placement = self._placement
+        capacity, used = placement.usage(tier)
+        limit = self.config.high_watermark * capacity
+        if capacity == 0 or used - placement.leaving_of(tier) < limit:
+            return []
+        policy = self._policies[tier]
+        evictable = self._evictable_count(tier, now_ms)
+        want = max(1, math.ceil(self.config.eviction_ratio * evictable))
+        events: list[Event] = []
+        evicted = 0
+        while True:
+            victims = policy.choose_victims(max(want - evicted, 16), self._evictable(now_ms))
+            if not victims:
+                break
+            for key in victims:
+                self._evict(self._objects[key], now_ms, events)
+                evicted += 1
+                if (
+                    evicted >= want
+                    and placement.usage(tier)[1] - placement.leaving_of(tier) < limit
+                ):
+                    return events
+        return events
+
+    def usage(self, tier: Tier) -> tuple[int, int]:
+        """(capacity, used) bytes over every segment of a tier."""
+        return self._placement.usage(tier)
+
+    # ------------------------------------------------------------- demotion, copies in flight
+    def defer_copies(self, owner: str) -> None:
+        """``owner`` (a node) copies its demotions while the index serves others.
+
+        Its demoted objects are DEMOTING, invisible, and hold both their memory extent and
+        their SSD extent until the caller reports the copy :meth:`demote_done` or
+        :meth:`demote_abandoned`, so the memory is never reused under a copy and the SSD
+        copy is never read before it exists.  Their memory bytes are *leaving*: an
+        eviction round counts them as gone, and a put that only they would make room for
+        stops evicting and fails with ``NoRoom(coming=True)``, for the caller to retry when
+        they are done, instead of demoting the whole tier for one object."""
+        self._deferred.add(owner)
+
+    def stall_copies(self, owner: str, stalled: bool) -> None:
+        """``owner`` stopped answering copies (its victims are dropped, not demoted), or
+        answered again."""
+        if stalled:
+            self._stalled.add(owner)
+        else:
+            self._stalled.discard(owner)
+
+    def demote_done(self, event: Demote) -> bool:
+        """The owner copied an ``in_flight`` demotion: READY on SSD, its memory extent
+        free.  False when the object is no longer that copy's (abandoned, dropped)."""
+        obj = self._copying(event)
+        if obj is None or obj.target is None:
+            return False
+        seg, extent = obj.target
+        self._end_copy(obj)
+        obj.segment.space.release(obj.extent)
+        obj.move(seg, extent)
+        obj.target = None
+        obj.state = _READY
+        self._ready[1] += 1  # SSD
+        self._ssd_policy.on_insert(obj.key, obj.parent)
+        return True
+
+    def demote_abandoned(self, event: Demote) -> Dropped | None:
+        """An ``in_flight`` copy failed, or its owner did not answer in time: the object
+        is gone, both extents free (a late copy is refused by the owner's checksum check
+        if the memory was rewritten meanwhile).  None when it was no longer that copy's."""
+        obj = self._copying(event)
+        if obj is None:
+            return None
+        self.stats.demote_failures += 1
+        return self._drop(obj, "demote_failed")
 
     def demote_failed(self, key: str) -> None:
         """The copy of a Demote effect failed: the object is gone."""
@@ -322,7 +466,8 @@ class ObjectIndex(IndexLeases):
         return obj.state if obj is not None else None
 
     def check(self) -> None:
-        """Assert the module's invariants (used by tests)."""
+        """Assert the class's invariants that a scan can see, and every kept count (used
+        by tests)."""
         per_segment: dict[str, int] = {}
         extents: dict[str, set[tuple[int, int]]] = {}  # segment -> objects' extents
         leaving: dict[str, int] = {}
@@ -337,7 +482,7 @@ class ObjectIndex(IndexLeases):
                 assert self.registry.segments.get(seg.segment_id) is seg, f"{obj.key}: dead"
                 per_segment[seg.segment_id] = per_segment.get(seg.segment_id, 0) + ext.length
                 extents.setdefault(seg.segment_id, set()).add((ext.offset, ext.length))
-        assert leaving == self._leaving and sum(leaving.values()) == self._leaving_total
+        self._placement.check(leaving)
         for seg in self.registry.segments.values():
             seg.space.check()
             assert seg.space.used == per_segment.get(seg.segment_id, 0), seg.segment_id
@@ -348,14 +493,12 @@ class ObjectIndex(IndexLeases):
         for tier in Tier:
             ready = sum(1 for o in objects if o.state is State.READY and o.segment.tier is tier)
             assert self._ready[tier is _SSD] == ready, f"{tier.value}: READY count kept wrong"
-            held = sum(1 for o in objects if o.holds and o.segment.tier is tier)
-            assert self._held[tier is _SSD] == held, f"{tier.value}: held count kept wrong"
         assert self._pending == sum(1 for o in objects if o.state is State.PENDING)
         assert self._demoting == sum(1 for o in objects if o.state is State.DEMOTING)
-        assert self._hold_entries == sum(len(o.holds) for o in objects)
         assert not any(o.holds for o in objects if o.state is State.PENDING)
+        self._holds.check(self._objects)
 
-    # --------------------------------------------------------------------------- internals
+    # ------------------------------------------------------------------ internals: writes
     def _pending_of(self, key: str, writer: str) -> ObjectRecord:
         obj = self._objects.get(key)
         if obj is None or obj.state is not State.PENDING or obj.writer != writer:
@@ -375,3 +518,205 @@ class ObjectIndex(IndexLeases):
             ):
                 self.stats.revoked_writes += 1
                 events.append(self._drop(obj, "writer_expired"))
+
+    def _expire_holds(self, now_ms: int) -> None:
+        self.stats.expired_leases += self._holds.expire(now_ms)
+
+    # ---------------------------------------------------------------- internals: eviction
+    def _evictable(self, now_ms: int) -> Callable[[str], bool]:
+        """The ``can_evict`` a policy is given: only READY objects without an unexpired
+        lease or pin are victims.  Kept for the last ``now_ms`` asked: the puts of one
+        request share their time."""
+        if now_ms == self._evictable_at and self._evictable_fn is not None:
+            return self._evictable_fn
+        objects = self._objects
+
+        def can_evict(key: str) -> bool:
+            obj = objects.get(key)
+            return (
+                obj is not None and obj.state is _READY and (not obj.holds or not obj.held(now_ms))
+            )
+
+        self._evictable_at, self._evictable_fn = now_ms, can_evict
+        return can_evict
+
+    def _evictable_in(self, seg: Segment, now_ms: int) -> Callable[[str], bool]:
+        can_evict = self._evictable(now_ms)
+        return lambda k: can_evict(k) and self._objects[k].segment is seg
+
+    def _evictable_count(self, tier: Tier, now_ms: int) -> int:
+        self._expire_holds(now_ms)  # then every hold left is unexpired
+        return self._ready[tier is _SSD] - self._holds.held_objects(tier)
+
+    def _allocate(
+        self, tier: Tier, size: int, now_ms: int, events: list[Event]
+    ) -> tuple[Segment, Extent] | None:
+        """Find room in ``tier``, evicting inline (best victims first) while that helps:
+        a put fails only when nothing evictable is left that would make room, or when
+        copies in flight will make it (then evicting more would only demote more)."""
+        placement = self._placement
+        segments = placement.segments(tier)
+        policy = self._mem_policy if tier is _MEMORY else self._ssd_policy
+        # One victim at a time: KV objects are mostly of one size, so one eviction
+        # usually makes exactly the room needed (and asking for more costs checks).
+        if len(segments) == 1:  # the usual case: no search over segments (~30% of a put)
+            only = segments[0]
+            space = only.space
+            if space.capacity < size:
+                return None
+            # Victims are dropped here rather than through _evict_one/_evict/_drop: this
+            # loop runs for nearly every put of a full pool, and those layers were half of
+            # its time.  Demotion (offload) still takes _evict.
+            demote = self.config.enable_offload and tier is _MEMORY
+            objects = self._objects
+            while True:
+                if space.capacity - space.used >= size:
+                    extent = space.allocate(size)
+                    if extent is not None:
+                        return only, extent
+                if placement.leaving_total and placement.room_coming(segments, size):
+                    return None
+                victims = policy.choose_victims(1, self._evictable(now_ms))
+                if not victims:
+                    return None
+                victim = objects[victims[0]]
+                if demote:
+                    self._evict(victim, now_ms, events)
+                    continue
+                # _drop of a READY victim (can_evict said so) of this tier's one segment
+                key = victim.key
+                extent = victim.extent
+                del objects[key]
+                self._ready[tier is _SSD] -= 1
+                policy.on_remove(key)
+                if victim.holds:  # expired ones only, or it would not be a victim
+                    self._holds.clear(victim)
+                self.stats.evictions += 1
+                events.append(Dropped(key, tier, "evicted", only.client_id))
+                if extent.length == size and space.used == space.capacity:
+                    # A full segment has no free extent, so releasing this one and
+                    # allocating ``size`` would hand back this very extent: keep it live
+                    # (the usual case: one block out, one of the same size in).
+                    return only, extent
+                space.release(extent)
+        if not any(s.capacity >= size for s in segments):
+            return None
+        while True:
+            placed = placement.fit(segments, size)
+            if placed is not None:
+                return placed
+            if placement.leaving_total and placement.room_coming(segments, size):
+                return None
+            if not self._evict_one(policy, now_ms, events):
+                return None
+
+    def _evict_one(self, policy: EvictionPolicy[Any], now_ms: int, events: list[Event]) -> bool:
+        """Evict (or demote) the policy's best victim; False when nothing is evictable."""
+        victims = policy.choose_victims(1, self._evictable(now_ms))
+        if not victims:
+            return False
+        self._evict(self._objects[victims[0]], now_ms, events)
+        return True
+
+    def _evict(self, obj: ObjectRecord, now_ms: int, events: list[Event]) -> None:
+        """Drop a victim, or demote it (``enable_offload``) when its owner also contributes
+        an SSD segment with room.
+
+        A demotion is logical at once: the object's location is the SSD extent, its memory
+        extent is free, and the :class:`Demote` effect is the caller's to carry out,
+        copying the bytes, before it hands out any later reservation; if the copy fails the
+        caller reports ``demote_failed`` and the object is dropped.  Readers verify
+        checksums end to end, so a copy that was overtaken is a miss, never wrong bytes.
+        An owner whose copies are deferred (:meth:`defer_copies`) gets an ``in_flight``
+        Demote instead, and the object is DEMOTING until the copy is reported."""
+        if obj.segment.tier is _MEMORY and self.config.enable_offload:
+            owner = obj.segment.client_id
+            stalled = owner in self._stalled
+            dst = None if stalled else self._ssd_room(obj, now_ms, events)
+            if dst is not None and owner in self._deferred:
+                self._start_copy(obj, dst, events)
+                return
+            if dst is not None:
+                seg, extent = dst
+                src = obj.location()
+                self._mem_policy.on_remove(obj.key)
+                obj.segment.space.release(obj.extent)
+                self._ready[0] -= 1  # memory -> SSD
+                self._ready[1] += 1
+                self._holds.moved_to_ssd(obj)  # only expired ones, or it would not be evicted
+                obj.move(seg, extent)
+                self._ssd_policy.on_insert(obj.key, obj.parent)
+                self.stats.demotions += 1
+                events.append(Demote(obj.key, src, obj.location(), obj.checksum))
+                return
+        self.stats.evictions += 1
+        events.append(self._drop(obj, "evicted"))
+
+    def _ssd_room(
+        self, obj: ObjectRecord, now_ms: int, events: list[Event]
+    ) -> tuple[Segment, Extent] | None:
+        """An SSD extent on the same client as ``obj`` (it copies the bytes locally)."""
+        owner = obj.segment.client_id
+        for seg in self._placement.owner_segments(_SSD, owner):
+            while True:
+                extent = seg.space.allocate(obj.extent.length)
+                if extent is not None:
+                    return seg, extent
+                victims = self._ssd_policy.choose_victims(4, self._evictable_in(seg, now_ms))
+                if not victims:
+                    break
+                for key in victims:
+                    self.stats.evictions += 1
+                    events.append(self._drop(self._objects[key], "evicted"))
+        return None
+
+    def _start_copy(
+        self, obj: ObjectRecord, dst: tuple[Segment, Extent], events: list[Event]
+    ) -> None:
+        """A deferred demotion: DEMOTING, both extents held, its memory bytes leaving."""
+        self._mem_policy.on_remove(obj.key)
+        self._ready[0] -= 1  # memory
+        if obj.holds:  # expired ones only (or it would not be a victim): none may read it
+            self._holds.clear(obj)
+        obj.state = _DEMOTING
+        obj.target = dst
+        self._placement.leave(obj.segment.segment_id, obj.extent.length)
+        self._demoting += 1
+        self.stats.demotions += 1
+        seg, extent = dst
+        dst_loc = Location(seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length)
+        events.append(Demote(obj.key, obj.location(), dst_loc, obj.checksum, True))
+
+    def _copying(self, event: Demote) -> ObjectRecord | None:
+        obj = self._objects.get(event.key)
+        if obj is None or obj.state is not _DEMOTING or obj.target is None:
+            return None
+        seg, extent = obj.target
+        if seg.segment_id != event.dst.segment_id or extent.offset != event.dst.offset:
+            return None
+        return obj
+
+    def _end_copy(self, obj: ObjectRecord) -> None:
+        """The copy of a DEMOTING object is over, done or not: its bytes left."""
+        self._placement.left(obj.segment.segment_id, obj.extent.length)
+        self._demoting -= 1
+
+    def _drop(self, obj: ObjectRecord, reason: str, release_space: bool = True) -> Dropped:
+        """An object leaves: its space, its counts, its policy entry and its holds."""
+        key = obj.key
+        seg = obj.segment
+        del self._objects[key]
+        if release_space:
+            seg.space.release(obj.extent)
+        if obj.state is _READY:
+            self._ready[seg.tier is _SSD] -= 1
+            (self._mem_policy if seg.tier is _MEMORY else self._ssd_policy).on_remove(key)
+        elif obj.state is _DEMOTING:
+            self._end_copy(obj)
+            if release_space and obj.target is not None:
+                obj.target[0].space.release(obj.target[1])
+        else:
+            self._pending -= 1
+        if obj.holds:
+            self._holds.clear(obj)
+        return Dropped(key, seg.tier, reason, seg.client_id)

@@ -1,7 +1,9 @@
 """Pool engines behind one interface (:class:`~kvpool.engines.base.PoolEngine`): kvpool's
 own master, the in-process embedded pool, and real Mooncake Store.  No vLLM here.
 
-- :mod:`.base` — the interface and the rules every adapter keeps;
+- :mod:`.base` — the interface (:class:`PoolEngine`, and :class:`PoolLookups`: the part
+  the scheduler half asks) and the rules every adapter keeps;
+- :mod:`.parts` — an object's parts as bytes, and a reused staging area;
 - :mod:`.kvpool_master` — :class:`MasterEngine`, over :class:`kvpool.Client`;
 - :mod:`.embedded` — :class:`EmbeddedEngine`, over :class:`kvpool.EmbeddedPool`;
 - :mod:`.mooncake` — :class:`MooncakeEngine`, over real Mooncake Store (the ``mooncake``
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvpool.engines.base import MISS, POOL_TTL, PoolEngine
+from kvpool.engines.base import MISS, POOL_TTL, PoolEngine, PoolLookups
 from kvpool.engines.embedded import EmbeddedEngine
 from kvpool.engines.kvpool_master import MasterEngine
 from kvpool.engines.mooncake import MooncakeEngine
@@ -30,6 +32,7 @@ __all__ = [
     "MasterEngine",
     "MooncakeEngine",
     "PoolEngine",
+    "PoolLookups",
     "open_engine",
 ]
 

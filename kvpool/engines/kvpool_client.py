@@ -1,68 +1,39 @@
-"""The adapter over kvpool's client API, shared by the two engines that speak it.
+"""The adapter over kvpool's client, shared by the two engines that speak it.
 
-:class:`kvpool.Client` (kvpool's master) and :class:`kvpool.EmbeddedPool` (in-process)
-have the same public methods, so one adapter maps :class:`~kvpool.engines.base.PoolEngine`
-onto them; :mod:`.kvpool_master` and :mod:`.embedded` only name the engine and build the
-client.  Only the clients' public methods are used.
-
-Multi-part moves (a page as one piece per layer) are base's default: gathered into or
-scattered from one reused staging page, since the clients move one buffer per object
-(their get already reads straight into it, and checks the checksum there before the
-scatter: a corrupt object writes nothing into the parts).
-
-A batch put is one ``batch_put``: two metadata round trips whatever its length, each
-key's parent carried along (kvpool's eviction policy trims a prefix from its tail).
+:class:`kvpool.EmbeddedPool` (in-process) is a :class:`kvpool.Client` (kvpool's master),
+so one adapter maps :class:`~kvpool.engines.base.PoolEngine` onto the client's public
+methods; :mod:`.kvpool_master` and :mod:`.embedded` only name the engine and build the
+client.  The client moves one buffer per object: an object of several parts is joined in
+(put) or read into (get) one reused staging slot, and a get's checksum is checked there
+before the scatter, so a corrupt object writes nothing into the parts.  A batch put is
+one ``batch_put``: two metadata round trips whatever its length, each key's parent
+carried along (kvpool's eviction policy trims a prefix from its tail).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from kvpool.engines.base import StagedParts, check_batch
+from kvpool.engines.base import MISS, check_batch
+from kvpool.engines.parts import StagingPages, part_views
 from kvpool.errors import KVPoolError
+from kvpool.storage.buffers import copy_bytes
 
-__all__ = ["ClientAPI", "ClientEngine"]
+if TYPE_CHECKING:
+    from kvpool.service.client import Client
 
-
-class ClientAPI(Protocol):
-    """The public methods of kvpool's clients that the adapter uses."""
-
-    def batch_put(
-        self,
-        keys: Sequence[str],
-        values: Sequence[Any],
-        *,
-        parents: Sequence[str | None] | None = None,
-    ) -> list[KVPoolError | None]: ...
-
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]: ...
-
-    def batch_exists(self, keys: Sequence[str]) -> list[bool]: ...
-
-    def prefix_lookup(self, keys: Sequence[str], tokens_per_key: int = 0) -> int: ...
-
-    def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int: ...
-
-    def release_owner(self, owner: str) -> int: ...
-
-    def remove(self, key: str) -> bool: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
+__all__ = ["ClientEngine"]
 
 
-class ClientEngine(StagedParts):
-    """A :class:`~kvpool.engines.base.PoolEngine` over a kvpool client.
-
-    Multi-part moves go through one reused staging page (:class:`StagedParts`): the
-    client reads into and writes from one buffer per object."""
+class ClientEngine:
+    """A :class:`~kvpool.engines.base.PoolEngine` over a kvpool client."""
 
     engine = "kvpool"
 
-    def __init__(self, client: ClientAPI) -> None:
+    def __init__(self, client: Client) -> None:
         self.client = client
+        self._staging = StagingPages()
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.client.batch_exists(keys) if keys else []
@@ -70,22 +41,50 @@ class ClientEngine(StagedParts):
     def prefix_lookup(self, keys: Sequence[str]) -> int:
         return self.client.prefix_lookup(keys) if keys else 0
 
-    def batch_put_from(
+    def batch_put_parts(
         self,
         keys: Sequence[str],
-        buffers: Sequence[Any],
+        parts: Sequence[Sequence[Any]],
         *,
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
-        check_batch(keys, buffers, parents)
+        check_batch(keys, parts, parents)
         if not keys:
             return []
-        return self.client.batch_put(keys, buffers, parents=parents)
+        views = [part_views(p, writable=False) for p in parts]
+        # an object of one part is sent from where it is; the others are joined first
+        slots = iter(self._staging.slots([_size(vs) for vs in views if len(vs) != 1]))
+        objects = [vs[0] if len(vs) == 1 else _join(vs, next(slots)) for vs in views]
+        return self.client.batch_put(keys, objects, parents=parents)
 
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        check_batch(keys, buffers)
-        # The client answers -1 for a miss, a corrupt copy and an unreachable node alike.
-        return self.client.batch_get_into(keys, buffers) if keys else []
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
+        """Each object read into a staging slot of its parts' total size plus one byte (so
+        that a larger object is not taken for one of the right size), then scattered into
+        its parts if it is exactly their size.  A miss writes nothing into the parts."""
+        check_batch(keys, parts)
+        if not keys:
+            return []
+        views = [part_views(p, writable=True) for p in parts]
+        sizes = [_size(vs) for vs in views]
+        slots = self._staging.slots([n + 1 for n in sizes])
+        try:
+            got = self.client.batch_get_into(keys, slots)
+        except ValueError:
+            # the client fails a whole batch on an object larger than its buffer: read
+            # one by one, and such an object is a miss of its own
+            got = [self._get_one(k, s) for k, s in zip(keys, slots, strict=True)]
+        out = []
+        for vs, slot, n, size in zip(views, slots, got, sizes, strict=True):
+            if n == size:
+                _scatter(slot, vs)
+            out.append(size if n == size else MISS)
+        return out
+
+    def _get_one(self, key: str, slot: memoryview) -> int:
+        try:
+            return self.client.batch_get_into([key], [slot])[0]
+        except ValueError:
+            return MISS
 
     def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
         return self.client.pin(keys, owner, ttl_ms) if keys else 0
@@ -101,3 +100,24 @@ class ClientEngine(StagedParts):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _size(views: Sequence[memoryview]) -> int:
+    return sum(len(v) for v in views)
+
+
+def _join(views: Sequence[memoryview], slot: memoryview) -> memoryview:
+    """``views`` copied end to end into ``slot`` (of their total size)."""
+    at = 0
+    for v in views:
+        copy_bytes(slot[at : at + len(v)], v)
+        at += len(v)
+    return slot
+
+
+def _scatter(slot: memoryview, views: Sequence[memoryview]) -> None:
+    """The front of ``slot`` copied into ``views``, end to end."""
+    at = 0
+    for v in views:
+        copy_bytes(v, slot[at : at + len(v)])
+        at += len(v)

@@ -15,14 +15,13 @@ How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
   therefore kvpool's own: Mooncake's other clients see the header.
 - *Buffers.*  Mooncake moves bytes only to and from memory registered with
   ``register_buffer`` (:mod:`.mooncake_buffers`).  Pages of a big CPU tensor (a vLLM KV
-  cache) are registered in place once and moved zero-copy, each object as two parts
-  (its header from the staging area, the page itself), as vllm-ascend's Mooncake backend
-  does with ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``; other
-  buffers are copied through one registered staging area.  One call per batch.  A page
-  given as parts (:meth:`batch_put_from_parts`, one block of every layer) is 1 + L
-  pieces, each layer's block where it is (:mod:`.mooncake_parts`).  A get in place lands
-  before its checksum is known: a miss leaves those parts unspecified, and the store
-  connector reports the block failed (vLLM recomputes it).
+  cache) are registered in place once and moved zero-copy: an object is 1 + L pieces,
+  its header from the staging area, then each part (one layer's block) where it is
+  (:mod:`.mooncake_parts`), as vllm-ascend's Mooncake backend does with
+  ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``; other parts are
+  copied through one registered staging area.  One call per batch.  A get in place
+  lands before its checksum is known: a miss leaves those parts unspecified, and the
+  store connector reports the block failed (vLLM recomputes it).
 - *Errors.*  Mooncake answers integer codes; :func:`put_error` maps them (-200 no handle
   → :class:`~kvpool.errors.NoSpace`, -704 → a miss, ...).
 - *Eviction.*  Mooncake evicts in a background thread, not inside the put: a put into a
@@ -46,7 +45,6 @@ How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
 
 from __future__ import annotations
 
-import itertools
 import socket
 import threading
 import time
@@ -56,20 +54,16 @@ from typing import Any
 from kvpool.config.node import MooncakeNodeConfig
 from kvpool.engines.base import MISS, check_batch
 from kvpool.engines.mooncake_buffers import Registered, Staging
-from kvpool.engines.mooncake_parts import HEADER, HEADER_SIZE, MAGIC, Layout, pack_header
+from kvpool.engines.mooncake_parts import HEADER_SIZE, Layout
 from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
 from kvpool.net import http_get, split_address
-from kvpool.storage.buffers import writable_byte_view
-from kvpool.storage.checksum import checksum
 
 __all__ = [
     "HEADER_SIZE",
     "INSTALL_HINT",
     "MOONCAKE_CODES",
     "MooncakeEngine",
-    "pack_header",
     "put_error",
-    "unpack_payload",
 ]
 
 INSTALL_HINT = (
@@ -94,15 +88,6 @@ _NOT_FOUND = -704
 _HAS_LEASE = -706
 
 _FIRST_CHUNK = 4  # prefix_lookup's first probe: most lookups end within a few RPCs
-
-
-def unpack_payload(stored: memoryview) -> memoryview | None:
-    """The payload of a stored object, or None when it is not an intact kvpool object."""
-    if len(stored) < HEADER_SIZE:
-        return None
-    magic, digest = HEADER.unpack_from(stored)
-    payload = stored[HEADER_SIZE:]
-    return payload if magic == MAGIC and checksum(payload) == digest else None
 
 
 def put_error(code: int, key: str) -> KVPoolError | None:
@@ -231,21 +216,7 @@ class MooncakeEngine:
         return found
 
     # ---------------------------------------------------------------------- puts
-    def batch_put_from(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[Any],
-        *,
-        parents: Sequence[str | None] | None = None,
-    ) -> list[KVPoolError | None]:
-        # Mooncake has no chains: parents are accepted and unused.
-        check_batch(keys, buffers, parents)
-        if not keys:
-            return []
-        with self._lock:
-            return self._put(list(keys), [[b] for b in buffers])
-
-    def batch_put_from_parts(
+    def batch_put_parts(
         self,
         keys: Sequence[str],
         parts: Sequence[Sequence[Any]],
@@ -288,28 +259,7 @@ class MooncakeEngine:
         return [put_error(codes[first[k]], k) for k in keys]
 
     # ---------------------------------------------------------------------- gets
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        check_batch(keys, buffers)
-        if not keys:
-            return []
-        views = [writable_byte_view(b) for b in buffers]
-        with self._lock:
-            self._open()
-            assert self._registered is not None
-            out = [MISS] * len(keys)
-            registered = self._registered
-            in_place = [registered.address(b, len(v)) for b, v in zip(buffers, views, strict=True)]
-            direct = [i for i, a in enumerate(in_place) if a is not None]
-            # a copy that is not exactly the buffer's size cannot land in place; those,
-            # and every other buffer, go through the staging area
-            staged = [i for i in range(len(keys)) if in_place[i] is None]
-            staged += self._get_in_place(keys, views, in_place, direct, out)
-            self._get_staged(keys, views, sorted(staged), out)
-            return out
-
-    def batch_get_into_parts(
-        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
-    ) -> list[int]:
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
         """Each object read into its parts: registered parts in place (bytes land there
         before the checksum is known: a miss leaves them unspecified, as the seam allows),
         the others through the staging area, copied out only once the object checked good."""
@@ -334,59 +284,6 @@ class MooncakeEngine:
                 out[i] = plan.payload
                 self.moved["get_in_place" if plan.in_place else "get_staged"] += 1
             return out
-
-    def _get_in_place(
-        self,
-        keys: Sequence[str],
-        views: list[memoryview],
-        in_place: list[int | None],
-        todo: list[int],
-        out: list[int],
-    ) -> list[int]:
-        """Read ``todo`` straight into the caller's registered buffers; the indexes to
-        try again through the staging area."""
-        if not todo:
-            return []
-        assert self._staging is not None
-        area, base = self._staging.region(HEADER_SIZE * len(todo))
-        got = self._store.batch_get_into_multi_buffers(
-            [keys[i] for i in todo],
-            [[base + HEADER_SIZE * j, in_place[i]] for j, i in enumerate(todo)],
-            [[HEADER_SIZE, len(views[i])] for i in todo],
-        )
-        retry: list[int] = []
-        for j, (i, n) in enumerate(zip(todo, got, strict=True)):
-            if n == _NOT_FOUND:
-                continue
-            if n != HEADER_SIZE + len(views[i]):
-                retry.append(i)  # another size (or a failed transfer): staged
-                continue
-            magic, digest = HEADER.unpack_from(area, HEADER_SIZE * j)
-            if magic == MAGIC and checksum(views[i]) == digest:
-                out[i] = len(views[i])
-                self.moved["get_in_place"] += 1
-        return retry
-
-    def _get_staged(
-        self, keys: Sequence[str], views: list[memoryview], todo: list[int], out: list[int]
-    ) -> None:
-        if not todo:
-            return
-        assert self._staging is not None
-        sizes = [HEADER_SIZE + len(views[i]) for i in todo]
-        area, base = self._staging.region(sum(sizes))
-        offsets = [0, *itertools.accumulate(sizes)][:-1]
-        got = self._store.batch_get_into(
-            [keys[i] for i in todo], [base + o for o in offsets], sizes
-        )
-        for i, offset, n in zip(todo, offsets, got, strict=True):
-            # a negative code (missing, too big for the buffer, transfer failed) and a
-            # damaged copy are all misses
-            payload = unpack_payload(area[offset : offset + n]) if n > 0 else None
-            if payload is not None:
-                views[i][: len(payload)] = payload
-                out[i] = len(payload)
-                self.moved["get_staged"] += 1
 
     # ------------------------------------------------------------ pins (none here)
     def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:

@@ -27,11 +27,20 @@ from typing import Any
 
 import xxhash
 
-from kvpool.engines.base import row_view
 from kvpool.engines.mooncake_buffers import Registered
+from kvpool.engines.parts import row_view
 from kvpool.storage.buffers import byte_view, copy_bytes, writable_byte_view
 
-__all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "Layout", "Plan", "pack_header", "parts_checksum"]
+__all__ = [
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "Layout",
+    "Plan",
+    "pack_header",
+    "parts_checksum",
+    "unpack_payload",
+]
 
 MAGIC = b"KVPM"
 HEADER = struct.Struct("<4s4xQ")  # magic, reserved, xxh3-64 of the payload
@@ -50,6 +59,16 @@ def parts_checksum(views: Sequence[Any]) -> int:
 def pack_header(payload: Any) -> bytes:
     """The 16 bytes stored in front of ``payload`` (one buffer)."""
     return HEADER.pack(MAGIC, parts_checksum([payload]))
+
+
+def unpack_payload(stored: memoryview) -> memoryview | None:
+    """The payload of a stored object (header and payload in one buffer), or None when it
+    is not an intact kvpool object."""
+    if len(stored) < HEADER_SIZE:
+        return None
+    magic, digest = HEADER.unpack_from(stored)
+    payload = stored[HEADER_SIZE:]
+    return payload if magic == MAGIC and parts_checksum([payload]) == digest else None
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Demotions in flight on nodes, and the replies that wait for the room they make.
 
 A node copies a demoted object to its SSD tier on its own time (the index keeps the
-object DEMOTING meanwhile, see :mod:`kvpool.core.placement`).  :class:`Copies` sends the
+object DEMOTING meanwhile, see ``ObjectIndex.defer_copies``).  :class:`Copies` sends the
 copy through :class:`~kvpool.service.node_links.NodeLinks`, and collects the outcomes
 the link threads report into a thread-safe queue; the master applies them on its own
 thread (``take_reports``), so the index is still touched by one thread only.  A copy not

@@ -2,52 +2,28 @@
 
 Mooncake's listeners (the Transfer Engine's RPC and data ports, the store's segment
 server) bind every interface, so no Mooncake process may run in the machine's own
-network namespace.  This module gives tests one way in:
-
-- :class:`Namespace` starts a helper process under ``unshare -n`` (a new, empty network
-  namespace with only ``lo``, brought up), and runs calls there over a pipe (pipes cross
-  namespaces, sockets do not): ``run("pkg.mod:func", ...)`` calls a function,
-  ``new(...)`` keeps the object it returns under a handle, ``call(handle, method, ...)``
-  calls a method of it, and :class:`Ref` passes a kept object as an argument.  Results
-  and exceptions (kvpool's errors included) come back pickled.  Other processes join the
-  namespace through :meth:`Namespace.popen` / :meth:`Namespace.command` (``nsenter`` into
-  the helper's namespace: vLLM, ``vllm serve``, ``kvpool proxy`` beside a real master);
-  :func:`http_json` run there is how the test reaches their HTTP ports.  Closing the
-  namespace kills what :meth:`~Namespace.popen` started (each its process group) and
-  ends the helper (by its PID), and with them the namespace.
-- :class:`MooncakeMaster` starts the wheel's ``mooncake_master`` with the guide's flags on
-  127.0.0.1 and waits (bounded) until its metrics port answers.  It refuses to start
-  outside a private namespace (:func:`private_netns`).
-
-The test process itself never opens a Mooncake socket: the engine under test lives in
-the helper, and the test talks to it through the pipe.  Without the wheel, everything
-here raises :class:`MooncakeMissing` naming the install commands: CI installs the extra,
-so a missing wheel is a failure, not a skip.
+network namespace.  The test process never opens a Mooncake socket: what it tests lives
+in a :class:`Namespace`'s helper and is driven over its pipe, beside a
+:class:`MooncakeMaster` there.  Without the wheel, everything here raises
+:class:`MooncakeMissing` naming the install commands: CI installs the extra, so a missing
+wheel is a failure, not a skip.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import json
-import multiprocessing.connection as mpc
 import os
-import signal
 import subprocess
-import sys
-import tempfile
 import time
-import traceback
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvpool.closing import Closing
-from kvpool.errors import PeerTimeout
 from kvpool.net import http_get
+from kvpool.testing.agent import Agent, Ref, kill_group
 
 __all__ = [
     "INSTALL",
@@ -108,7 +84,9 @@ def private_netns() -> bool:
 
 # ------------------------------------------------------------------------- the master
 class MooncakeMaster:
-    """``mooncake_master`` on 127.0.0.1 (RPC ``rpc_port``, metrics ``metrics_port``)."""
+    """The wheel's ``mooncake_master`` with the given flags on 127.0.0.1 (RPC
+    ``rpc_port``, metrics ``metrics_port``), up once its metrics port answers (bounded).
+    It refuses to start outside a private namespace (:func:`private_netns`)."""
 
     def __init__(
         self,
@@ -163,73 +141,50 @@ class MooncakeMaster:
 
 
 # ---------------------------------------------------------------------- the namespace
-@dataclass(frozen=True)
-class Ref:
-    """An object kept in the namespace, passed as an argument."""
-
-    handle: int
-
-
 class Namespace(Closing):
-    """A helper process in its own network namespace, and calls run there."""
+    """A helper process under ``unshare -n`` (a new network namespace with only ``lo``,
+    brought up), and calls run there (:class:`~kvpool.testing.agent.Agent`: ``run``,
+    ``new``, ``call``, :class:`Ref`).  Other processes join the namespace through
+    :meth:`popen` / :meth:`command` (vLLM, ``vllm serve``, ``kvpool proxy`` beside a real
+    master); :func:`http_json` run there is how the test reaches their HTTP ports.
+    Closing it kills what :meth:`popen` started (each its process group) and ends the
+    helper (by its PID), and with them the namespace."""
 
     def __init__(self, *, timeout_s: float = 120.0) -> None:
         mooncake_binary()  # fail here, with the install hint, not in the helper
-        self.timeout_s = timeout_s
-        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in close()
-            prefix="kvpool-mooncake-", suffix=".log"
-        )
-        ours, theirs = mpc.Pipe()
-        code = "import sys; from kvpool.testing.mooncake import _serve; _serve(int(sys.argv[1]))"
         try:
-            self.proc = subprocess.Popen(
-                ["unshare", "-n", sys.executable, "-c", code, str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                env={**os.environ, _HOST_NETNS_VAR: str(_netns())},
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
+            self._agent = Agent.start(
+                ["unshare", "-n"],
+                name="the namespace helper",
+                log_prefix="kvpool-mooncake-",
+                timeout_s=timeout_s,
+                env={_HOST_NETNS_VAR: str(_netns())},
+                setup=f"{__name__}:_enter",
             )
         except FileNotFoundError:
             raise MooncakeMissing("unshare (util-linux) is not installed") from None
-        finally:
-            theirs.close()
-        self._conn = ours
         self._started: list[subprocess.Popen[bytes]] = []
-        try:
-            self.run("os:getpid")  # the helper is up and in its namespace
-        except BaseException:
-            self.close()
-            raise
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        """The helper, whose network namespace this is."""
+        return self._agent.proc
 
     @property
     def log(self) -> str:
         """What the helper and Mooncake wrote (glog lines), for failure messages."""
-        return Path(self._log.name).read_text(errors="replace")[-8000:]
-
-    def _ask(self, *message: Any) -> Any:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the namespace helper exited ({self.proc.returncode}):\n{self.log}")
-        self._conn.send(message)
-        if not self._conn.poll(self.timeout_s):
-            raise PeerTimeout(f"no answer from the namespace in {self.timeout_s} s:\n{self.log}")
-        try:
-            ok, value = self._conn.recv()
-        except (EOFError, OSError):
-            raise RuntimeError(f"the namespace helper died:\n{self.log}") from None
-        if not ok:
-            raise value
-        return value
+        return self._agent.log
 
     def run(self, target: str, *args: Any, **kwargs: Any) -> Any:
         """``module:function(*args, **kwargs)`` called in the namespace."""
-        return self._ask("run", target, args, kwargs)
+        return self._agent.run(target, *args, **kwargs)
 
     def new(self, target: str, *args: Any, **kwargs: Any) -> Ref:
         """Like :meth:`run`, and keep the result there: a :class:`Ref` to it."""
-        return Ref(self._ask("new", target, args, kwargs))
+        return self._agent.new(target, *args, **kwargs)
 
     def call(self, ref: Ref, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._ask("call", ref.handle, (method, *args), kwargs)
+        return self._agent.call(ref, method, *args, **kwargs)
 
     def command(self, *argv: str) -> list[str]:
         """``argv`` as a command line that runs inside this namespace: ``nsenter`` joins
@@ -239,37 +194,22 @@ class Namespace(Closing):
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         """Start ``argv`` inside the namespace in a session of its own; :meth:`close`
         kills its process group if it is still there (a test that failed halfway)."""
-        self._ask("run", "os:getpid", (), {})  # the namespace is still there
+        self.run("os:getpid")  # the namespace is still there
         proc = subprocess.Popen(self.command(*argv), start_new_session=True, **kwargs)
         self._started.append(proc)
         return proc
 
     def close(self) -> None:
-        if self._conn.closed:
-            return
         for proc in reversed(self._started):
             kill_group(proc)
-        if self.proc.poll() is None:
-            try:
-                self._conn.send(("stop", None, (), {}))
-                self.proc.wait(20)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(10)
-        self._conn.close()
-        self._log.close()
+        self._started.clear()
+        self._agent.close()
 
 
-def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
-    """SIGTERM ``proc``'s process group (a session of its own), then SIGKILL whatever of
-    the group is left (vLLM's engine processes may outlive the API server)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(grace_s)
+def _enter() -> None:
+    """The helper's first step: bring ``lo`` up, and be sure the namespace is private."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    assert private_netns(), "the helper is not in a private network namespace"
 
 
 def http_json(url: str, body: Any = None, timeout_s: float = 120.0) -> tuple[int | None, Any]:
@@ -289,56 +229,3 @@ def http_json(url: str, body: Any = None, timeout_s: float = 120.0) -> tuple[int
         return status, json.loads(raw)
     except ValueError:
         return status, raw.decode("utf-8", "replace")
-
-
-def _resolve(target: str) -> Any:
-    module, _, name = target.partition(":")
-    value: Any = importlib.import_module(module)
-    for part in name.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _serve(fd: int) -> None:
-    """The helper's loop: bring ``lo`` up, then answer calls until "stop" (or EOF)."""
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    assert private_netns(), "the helper is not in a private network namespace"
-    conn = mpc.Connection(fd)
-    kept: dict[int, Any] = {}
-
-    def deref(value: Any) -> Any:
-        return kept[value.handle] if isinstance(value, Ref) else value
-
-    while True:
-        try:
-            op, what, args, kwargs = conn.recv()
-        except EOFError:
-            op = "stop"
-        if op == "stop":
-            break
-        try:
-            args = tuple(deref(a) for a in args)
-            kwargs = {k: deref(v) for k, v in kwargs.items()}
-            if op == "call":
-                method, *rest = args
-                result = getattr(kept[what], method)(*rest, **kwargs)
-            else:
-                result = _resolve(what)(*args, **kwargs)
-                if op == "new":
-                    kept[len(kept) + 1] = result
-                    result = len(kept)
-            conn.send((True, result))
-        except BaseException as exc:  # the caller gets it, with the helper's traceback
-            traceback.print_exc()
-            try:
-                conn.send((False, exc))
-            except Exception:
-                conn.send((False, RuntimeError(f"{type(exc).__name__}: {exc}")))
-    for value in reversed(list(kept.values())):
-        close = getattr(value, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception:
-                traceback.print_exc()
-    conn.close()

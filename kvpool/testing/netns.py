@@ -1,58 +1,30 @@
 """Several test hosts on one machine: named network namespaces on a private bridge.
 
 A :class:`Topology` makes one network namespace per host (``kvp-<run>-<host>``) and one
-more for a Linux bridge that joins them, each host by a veth pair: the host's end is its
-``eth0`` with a test address in a random ``10.200-250.x.0/24`` (parallel runs do not
-clash), the other end a port of the bridge.  ``lo`` is up everywhere.  Nothing touches
-the machine's own namespace: a process there cannot reach these addresses, so the test
-talks to its hosts through processes it starts inside them -- :meth:`Topology.popen`
-for servers (each in a session of its own), :meth:`Topology.agent` for a Python helper
-that runs calls there over a pipe (pipes cross namespaces, sockets do not).
-
-Faults, each undone by its twin:
-
-- :meth:`~Topology.cut` / :meth:`~Topology.restore`: the host's bridge port goes down
-  (a pulled cable: both ends lose carrier, every packet to and from the host is lost).
-- :meth:`~Topology.partition` / :meth:`~Topology.heal`: ``a`` and ``b`` stop reaching
-  each other while both still reach everyone else (routes to a neighbour that does not
-  exist, so packets vanish as in a real partition: connects time out, they are not
-  refused).
-- :meth:`~Topology.impair` / :meth:`~Topology.unimpair`: loss and delay on a host's link
-  with ``tc netem`` -- only where the kernel has it (:func:`netem_missing` says why
-  not); :meth:`~Topology.throttle` shapes the link with ``tbf`` (a slow link with a short
-  queue: packets queue, then drop), which kernels without netem usually still have.
-
-:meth:`Topology.close` (``with``) kills what was started, by process group, and deletes
-every namespace; :func:`remove_namespaces` deletes whatever a crashed run left under its
-prefix (a session finalizer calls it).  Everything needs root and iproute2 (``ip``,
-``tc``).
+more for a Linux bridge that joins them, each host by a veth pair (its ``eth0``, with an
+address in a random ``10.200-250.x.0/24``, so parallel runs do not clash).  Nothing
+touches the machine's own namespace, so the test talks to its hosts only through
+processes it starts there: servers, and :class:`~kvpool.testing.agent.Agent` helpers.
+Faults (a cut cable, a partition, a lossy or slow link) are each undone by their twin.
+Everything needs root and iproute2 (``ip``, ``tc``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import multiprocessing.connection as mpc
 import os
 import random
 import subprocess
-import sys
-import tempfile
-import traceback
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvpool.closing import Closing
-from kvpool.errors import PeerTimeout
-from kvpool.testing.mooncake import kill_group
+from kvpool.testing.agent import Agent, kill_group
 
 __all__ = [
     "PREFIX",
-    "Agent",
-    "AgentRef",
     "Topology",
     "netem_missing",
     "remove_namespaces",
@@ -120,7 +92,11 @@ class _Host:
 
 
 class Topology(Closing):
-    """Hosts on one bridge, each in its own network namespace (see the module's doc)."""
+    """Hosts on one bridge, each in its own network namespace (see the module's doc):
+    ``lo`` is up everywhere; the host's end of its veth pair is its ``eth0``, the other
+    end a port of the bridge.  Reach a host through :meth:`popen` (servers, each in a
+    session of its own) or :meth:`agent` (calls run there over a pipe: pipes cross
+    namespaces, sockets do not)."""
 
     def __init__(self, hosts: Sequence[str], *, prefix: str | None = None) -> None:
         if len(set(hosts)) != len(hosts) or not hosts or len(hosts) > 200:
@@ -178,14 +154,23 @@ class Topology(Closing):
     def agent(
         self, host: str, *, timeout_s: float = 60.0, env: dict[str, str] | None = None
     ) -> Agent:
-        """A Python helper on ``host`` that runs calls there (:class:`Agent`)."""
-        agent = Agent(self, host, timeout_s=timeout_s, env=env)
+        """A Python helper on ``host`` that runs calls there (:class:`Agent`), in a
+        session of its own; :meth:`close` stops it."""
+        agent = Agent.start(
+            self.command(host),
+            name=f"the agent on {host}",
+            log_prefix=f"kvpool-agent-{host}-",
+            timeout_s=timeout_s,
+            env=env or {},
+            own_session=True,
+        )
         self._agents.append(agent)
         return agent
 
     # ---------------------------------------------------------------------------- faults
     def cut(self, host: str) -> None:
-        """Pull ``host``'s cable: its bridge port goes down."""
+        """Pull ``host``'s cable: its bridge port goes down (both ends lose carrier, every
+        packet to and from the host is lost)."""
         _ip("-n", self.bridge_ns, "link", "set", self.hosts[host].port, "down")
         self._cut.add(host)
 
@@ -229,7 +214,8 @@ class Topology(Closing):
 
     def throttle(self, host: str, *, rate_kbit: int, queue_bytes: int) -> None:
         """Shape ``host``'s link both ways to ``rate_kbit`` with a queue of
-        ``queue_bytes``: what does not fit waits, then is dropped (``tc tbf``)."""
+        ``queue_bytes``: what does not fit waits, then is dropped (``tc tbf``, which kernels
+        without netem usually still have)."""
         for netns, dev in self._both_ends(host):
             self._tc(netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                      f"{rate_kbit}kbit", "burst", "16kb", "limit", str(queue_bytes))  # fmt: skip
@@ -241,6 +227,8 @@ class Topology(Closing):
 
     # -------------------------------------------------------------------------- teardown
     def close(self) -> None:
+        """Stop the agents, kill what :meth:`popen` started (by process group), and delete
+        every namespace."""
         for agent in reversed(self._agents):
             agent.close()
         self._agents.clear()
@@ -250,138 +238,3 @@ class Topology(Closing):
         for name in reversed(self._made):
             _ip("netns", "del", name, check=False)
         self._made.clear()
-
-
-# ---------------------------------------------------------------------------- the agent
-@dataclass(frozen=True)
-class AgentRef:
-    """An object kept in an agent, passed back to it as an argument."""
-
-    handle: int
-
-
-class Agent(Closing):
-    """A Python process on one host that runs calls there: ``run("pkg.mod:func", ...)``
-    calls a function, ``new(...)`` keeps what it returns (an :class:`AgentRef`),
-    ``call(ref, method, ...)`` calls a method of it.  Results and exceptions come back
-    pickled; every answer is awaited at most ``timeout_s``."""
-
-    def __init__(
-        self, topology: Topology, host: str, *, timeout_s: float, env: dict[str, str] | None
-    ) -> None:
-        self.host = host
-        self.timeout_s = timeout_s
-        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in close()
-            prefix=f"kvpool-agent-{host}-", suffix=".log"
-        )
-        ours, theirs = mpc.Pipe()
-        code = "import sys; from kvpool.testing.netns import _serve; _serve(int(sys.argv[1]))"
-        try:
-            argv = topology.command(host, sys.executable, "-c", code, str(theirs.fileno()))
-            self.proc = subprocess.Popen(
-                argv,
-                pass_fds=[theirs.fileno()],
-                env={**os.environ, **(env or {})},
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            theirs.close()
-        self._conn = ours
-        try:
-            self.run("os:getpid")
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def log(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")[-8000:]
-
-    def _ask(self, *message: Any) -> Any:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"the agent on {self.host} exited ({self.proc.returncode}):\n{self.log}"
-            )
-        self._conn.send(message)
-        if not self._conn.poll(self.timeout_s):
-            raise PeerTimeout(f"no answer from the agent on {self.host} in {self.timeout_s} s")
-        try:
-            ok, value = self._conn.recv()
-        except (EOFError, OSError):
-            raise RuntimeError(f"the agent on {self.host} died:\n{self.log}") from None
-        if not ok:
-            raise value
-        return value
-
-    def run(self, target: str, *args: Any, **kwargs: Any) -> Any:
-        return self._ask("run", target, args, kwargs)
-
-    def new(self, target: str, *args: Any, **kwargs: Any) -> AgentRef:
-        return AgentRef(self._ask("new", target, args, kwargs))
-
-    def call(self, ref: AgentRef, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._ask("call", ref.handle, (method, *args), kwargs)
-
-    def close(self) -> None:
-        if self._conn.closed:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self._conn.send(("stop", None, (), {}))
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                kill_group(self.proc, grace_s=5.0)
-        self._conn.close()
-        self._log.close()
-
-
-def _resolve(target: str) -> Any:
-    module, _, name = target.partition(":")
-    value: Any = importlib.import_module(module)
-    for part in name.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _serve(fd: int) -> None:
-    """The agent's loop: answer calls until "stop" (or EOF), then close what it kept."""
-    conn = mpc.Connection(fd)
-    kept: dict[int, Any] = {}
-
-    def deref(value: Any) -> Any:
-        return kept[value.handle] if isinstance(value, AgentRef) else value
-
-    while True:
-        try:
-            op, what, args, kwargs = conn.recv()
-        except EOFError:
-            break
-        if op == "stop":
-            break
-        try:
-            args = tuple(deref(a) for a in args)
-            kwargs = {k: deref(v) for k, v in kwargs.items()}
-            if op == "call":
-                method, *rest = args
-                result = getattr(kept[what], method)(*rest, **kwargs)
-            else:
-                result = _resolve(what)(*args, **kwargs)
-                if op == "new":
-                    kept[len(kept) + 1] = result
-                    result = len(kept)
-            conn.send((True, result))
-        except BaseException as exc:  # the caller gets it
-            traceback.print_exc()
-            try:
-                conn.send((False, exc))
-            except Exception:
-                conn.send((False, RuntimeError(f"{type(exc).__name__}: {exc}")))
-    for value in reversed(list(kept.values())):
-        close = getattr(value, "close", None)
-        if callable(close):
-            with contextlib.suppress(Exception):
-                close()
-    conn.close()

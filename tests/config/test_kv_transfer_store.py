@@ -74,7 +74,7 @@ def test_missing_master_names_the_fix() -> None:
         ("kv_both", {"load_async": "yes please"}, "load_async: expected true or false"),
         ("kv_both", {"lokup_rpc_port": 0}, "lokup_rpc_port: unknown key.*known keys"),
         ("kv_both", {"prefill": {"tp": 8}}, r"prefill\.tp: unknown key"),
-        ("kv_both", {"embedded_capacity": "4G"}, "embedded_capacity"),
+        ("kv_both", {"embedded_capacity": "4 bananas"}, "embedded_capacity"),
         ("kv_sender", {}, "kv_role"),
     ],
 )

@@ -159,11 +159,11 @@ def test_missing_required_keys_are_named() -> None:
 
 def test_env_offload_limit_kvpool_twin_wins_over_mooncake_and_the_file() -> None:
     data = {**GUIDE_NODE, "ssd_offload_limit": "3TB"}
-    assert parse_node_config(data).ssd_offload_limit == 3 * 10**12
+    assert parse_node_config(data).ssd_offload_limit == 3 * 2**40  # Mooncake's TB
     env = {"MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": "1073741824000"}
     assert parse_node_config(data, env=env).ssd_offload_limit == 1073741824000
     env["KVPOOL_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES"] = "1TB"
-    assert parse_node_config(data, env=env).ssd_offload_limit == 10**12
+    assert parse_node_config(data, env=env).ssd_offload_limit == 2**40
     with pytest.raises(ConfigError, match="KVPOOL_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES"):
         parse_node_config(data, env={"KVPOOL_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": "huge"})
 

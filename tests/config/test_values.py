@@ -17,25 +17,26 @@ from kvpool.errors import ConfigError
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("4GB", 4 * 10**9),
+        ("4GB", 4 * 2**30),  # Mooncake's GB: a mooncake.json copied from it means the same
+        ("4G", 4 * 2**30),
         ("512MiB", 512 * 2**20),
         ("1.5 GiB", 3 * 2**29),
+        ("1.5 GB", 3 * 2**29),
         ("1073741824000", 1073741824000),
         (1073741824000, 1073741824000),
         ("2TiB", 2 * 2**40),
-        ("2tb", 2 * 10**12),
-        ("0.5kB", 500),
+        ("2tb", 2 * 2**40),
+        ("0.5kB", 512),
         (" 7 B ", 7),
     ],
 )
-def test_parse_size_accepts_decimal_binary_and_plain_bytes(text: object, expected: int) -> None:
+def test_parse_size_reads_units_as_mooncake_does(text: object, expected: int) -> None:
     assert parse_size(text, key="global_segment_size") == expected
 
 
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
-        ("4G", "4GB"),  # ambiguous: the message offers 4GB and 4GiB
         ("4 bananas", "unknown size unit"),
         ("-4GB", "cannot read"),
         ("1.5", "whole number"),
@@ -90,3 +91,24 @@ def test_the_bool_parser_refuses_anything_else_naming_the_key(value: object) -> 
     with pytest.raises(ConfigError, match="enable_ssd_offload: expected true or false"):
         parse_bool_value(value, key="enable_ssd_offload")
     assert parse_bool_value(True, key="k") is True and parse_bool_value(False, key="k") is False
+
+
+def mooncake_size(text: str) -> int:
+    """Mooncake's own parser (the wheel's mooncake_config.py, installed by the mooncake
+    extra), the reference for what a mooncake.json's sizes mean."""
+    from mooncake.mooncake_config import _parse_segment_size
+
+    return int(_parse_segment_size(text))
+
+
+@pytest.mark.parametrize(
+    "text", ["64GB", "4gb", "512MB", "1.5GB", "2TB", "3355443200", "16MB", "4G", "8k", "7b"]
+)
+def test_a_mooncake_size_means_the_same_bytes_to_kvpool_and_to_mooncake(text: str) -> None:
+    assert parse_size(text, key="global_segment_size") == mooncake_size(text)
+
+
+@given(st.integers(min_value=1, max_value=2**44))
+def test_a_size_kvpool_writes_for_mooncake_reads_back_the_same(n: int) -> None:
+    # what render writes into a Mooncake mooncake.json: plain bytes
+    assert mooncake_size(str(n)) == parse_size(str(n), key="k") == n

@@ -252,10 +252,10 @@ def staged_mooncake_round_trip(engine: Any) -> dict[str, Any]:
     equal = all(torch.equal(dst[n][list(targets)], src[n][:20]) for n in src)
     assert loader.paged is not None
     staging = loader.paged.new_pages(1)
-    assert engine.batch_get_into(keys[:1], [page_view(staging[0])]) == [loader.paged.page_bytes]
+    assert engine.batch_get_parts(keys[:1], [[page_view(staging[0])]]) == [loader.paged.page_bytes]
     device = torch.empty(1 << 24, dtype=torch.uint8, device="meta")
     try:
-        engine.batch_put_from(["on-device"], [device])
+        engine.batch_put_parts(["on-device"], [[device]])
         refused = ""
     except ValueError as exc:
         refused = str(exc)

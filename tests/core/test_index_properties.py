@@ -46,7 +46,8 @@ class IndexMachine(RuleBasedStateMachine):
             self.idx.add_segment(node, f"{node}/mem", 64)
             if offload:
                 self.idx.add_segment(node, f"{node}/ssd", 48, Tier.SSD)
-        if deferred:  # n1 is a node whose copies are in flight until reported
+        self.deferred = deferred  # n1 is a node whose copies are in flight until reported
+        if deferred:
             self.idx.defer_copies("n1")
         self.leased: dict[str, int] = {}  # key -> latest lease expiry granted in the test
         self.copies: list[Demote] = []  # in-flight copies not reported yet
@@ -59,7 +60,7 @@ class IndexMachine(RuleBasedStateMachine):
                 self.leased.pop(e.key, None)
             if isinstance(e, Demote):
                 assert self.leased.get(e.key, -1) <= self.now, f"demoted leased {e.key}"
-                assert e.in_flight == (e.src.client_id == "n1" and "n1" in self.idx._deferred)
+                assert e.in_flight == (e.src.client_id == "n1" and self.deferred)
                 if e.in_flight:
                     self.copies.append(e)
                     assert not self.idx.exists(e.key)  # invisible while it copies
@@ -72,7 +73,7 @@ class IndexMachine(RuleBasedStateMachine):
         self._observe(self.idx.tick(self.now))
         for tier in Tier:
             capacity, used = self.idx.usage(tier)
-            used -= self.idx._leaving_of(tier)  # copies in flight count as gone
+            used -= self.idx._placement.leaving_of(tier)  # copies in flight count as gone
             if capacity and used >= self.idx.config.high_watermark * capacity:
                 # still over: then nothing evictable may be left in the tier
                 assert self.idx._evictable_count(tier, self.now) == 0

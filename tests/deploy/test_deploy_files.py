@@ -3,11 +3,10 @@ file mirrors the production guide's §3.2 with commands kvpool itself accepts.""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
+import tomllib
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.cli import build_parser
 from kvpool.config import MasterConfig, load_node_config
 from kvpool.config.values import parse_size
-from kvpool.errors import NoSpace, ObjectNotFound
+from kvpool.ops.render import parse_inventory, render
 from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
+from tests.deploy.grafana import all_panels, dashboard, exprs
+from tests.deploy.traffic import master_flags, touch_every_counter
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-DASHBOARD = DEPLOY / "grafana" / "kvpool.json"
+INVENTORY = DEPLOY.parent / "examples" / "inventory.toml"
 COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
 
 _METRIC = re.compile(r"\bkvpool_[a-zA-Z0-9_]+")
@@ -33,25 +34,6 @@ _MATCHER = re.compile(r"([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*\"([^\"]*)\"")
 
 
 # ---------------------------------------------------------------------------- grafana
-def dashboard() -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(DASHBOARD.read_text(encoding="utf-8"))
-    return data
-
-
-def all_panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    for panel in panels:
-        yield panel
-        yield from all_panels(panel.get("panels", []))
-
-
-def exprs() -> list[tuple[str, str]]:
-    return [
-        (panel["title"], target["expr"])
-        for panel in all_panels(dashboard()["panels"])
-        for target in panel.get("targets", [])
-    ]
-
-
 def test_dashboard_is_grafana_json() -> None:
     data = dashboard()
     assert data["title"] == "kvpool" and data["uid"]
@@ -96,25 +78,10 @@ def test_dashboard_covers_what_operators_ask() -> None:
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
     """Sample name -> label names, from a real master after traffic that touches every
     counter: puts, hits in both tiers, misses, offloads, SSD evictions, a refused put."""
-    ssd = tmp_path_factory.mktemp("ssd")
     master: PoolProcess
-    with start_master(
-        "--segment_size",
-        "1MB",
-        "--enable_offload=true",
-        f"--ssd_offload_path={ssd}",
-        "--ssd_offload_limit=1MB",
-    ) as master:
+    with start_master(*master_flags(tmp_path_factory.mktemp("ssd"))) as master:
         with Client(master.address, timeout_s=30) as c:
-            keys = [f"dash-{i}" for i in range(60)]
-            for key in keys:  # 3 MB into 1 MB + 1 MB: memory demotes, SSD evicts
-                c.put(key, key.encode() * 5000)
-            for key in [*keys, "absent"]:
-                with contextlib.suppress(ObjectNotFound):
-                    c.get(key)
-            c.prefix_lookup(keys, tokens_per_key=16)
-            with pytest.raises(NoSpace):
-                c.put("too-big", b"x" * 3_000_000)
+            touch_every_counter(c)
         with urllib.request.urlopen(f"http://{master.address}/metrics", timeout=10) as resp:
             text = resp.read().decode()
     names: dict[str, set[str]] = {}
@@ -203,15 +170,24 @@ def test_compose_master_command_has_the_guides_flags() -> None:
     assert args.command == "master" and args.default_kv_lease_ttl == "11000"
 
 
-def test_compose_master_and_nodes_share_the_cluster_secret() -> None:
-    # bound to 0.0.0.0, a master or node without a secret refuses to start (security.md)
-    data = compose()
-    services = data["services"]
+def test_compose_reads_the_secret_and_proxy_key_where_render_writes_them() -> None:
+    # bound to 0.0.0.0, a master or node without a secret refuses to start (security.md),
+    # and a proxy without an API key: every service must read the rendered files, at the
+    # paths the rendered mooncake.json, env.sh and scripts name (one secret path, not two)
+    services = compose()["services"]
+    files = render(parse_inventory(tomllib.loads(INVENTORY.read_text())))
+    rendered_node = json.loads(files["p0/mooncake.json"])
     config = MasterConfig.from_argv(argv(services["master"]))
-    assert config.secret_file == "/run/secrets/kvpool" and config.open_metrics
+    assert config.secret_file == rendered_node["secret_file"] == "/workspace/config/secret"
+    assert f"--secret_file {config.secret_file}" in files["master.sh"]
     assert services["node"]["environment"]["KVPOOL_SECRET_FILE"] == config.secret_file
-    assert all(service["secrets"] == ["kvpool"] for service in services.values())
-    assert "kvpool" in data["secrets"]
+    assert f"KVPOOL_SECRET_FILE={config.secret_file}" in files["p0/env.sh"]
+    proxy = services["proxy"]["command"]
+    key_file = proxy[proxy.index("--api-key-file") + 1]
+    assert f"--api-key-file {key_file}" in files["proxy.sh"]
+    for name, service in services.items():  # the rendered folder is mounted everywhere
+        mounts = [*compose()["x-kvpool"]["volumes"], *service.get("volumes", [])]
+        assert any(m.split(":")[1] == "/workspace/config" for m in mounts), name
 
 
 def test_compose_master_has_room_for_its_segment_in_dev_shm() -> None:

@@ -18,6 +18,7 @@ from kvpool.engines import EmbeddedEngine
 from kvpool.errors import KVPoolError
 from kvpool.protocol import messages as m
 from kvpool.service.embedded import EmbeddedPool
+from kvpool.storage.buffers import writable_byte_view
 
 __all__ = ["DamagingPool", "corrupt_in_place", "make_embedded"]
 
@@ -65,25 +66,26 @@ class DamagingPool:
                 raise ValueError(mode)
         return {"damaged": len(keys), "stored": len(self.stored)}
 
-    def batch_put_from(
+    def batch_put_parts(
         self,
         keys: Sequence[str],
-        buffers: Sequence[Any],
+        parts: Sequence[Sequence[Any]],
         *,
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
-        results = self._engine.batch_put_from(keys, buffers, parents=parents)
+        results = self._engine.batch_put_parts(keys, parts, parents=parents)
         for key, error in zip(keys, results, strict=True):
             if error is None and key not in self.stored:
                 self.stored.append(key)
         return results
 
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        sizes = self._engine.batch_get_into(keys, buffers)
-        for key, buffer, n in zip(keys, buffers, sizes, strict=True):
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
+        sizes = self._engine.batch_get_parts(keys, parts)
+        for key, ps, n in zip(keys, parts, sizes, strict=True):
             if key in self.zeroed and n > 0:
-                view = memoryview(buffer).cast("B")
-                view[:n] = bytes(n)
+                for part in ps:
+                    view = writable_byte_view(part)
+                    view[:] = bytes(len(view))
         return sizes
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:

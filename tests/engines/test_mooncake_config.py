@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.config.node import node_engine, parse_mooncake_config, parse_node_config
-from kvpool.engines.mooncake import HEADER_SIZE, pack_header, put_error, unpack_payload
+from kvpool.engines.mooncake import put_error
+from kvpool.engines.mooncake_parts import HEADER_SIZE, pack_header, unpack_payload
 from kvpool.errors import ConfigError, NoSpace, TransferError
 from kvpool.ops.status import default_master
 from kvpool.testing.mooncake import Namespace

@@ -34,13 +34,13 @@ def engine() -> Iterator[NamespacedEngine]:
 def test_a_flood_of_lookups_past_a_hole_leaves_room_for_puts(engine: NamespacedEngine) -> None:
     prefix = [f"block-{i}" for i in range(ROOM + 1)]  # blocks 0..4 of one request
     stored = [prefix[0], *prefix[2:]]  # block 1 was evicted: a hole
-    assert engine.batch_put_from(stored, [bytes(OBJECT)] * ROOM) == [None] * ROOM
+    assert engine.batch_put_parts(stored, [[bytes(OBJECT)]] * ROOM) == [None] * ROOM
     for _ in range(50):  # the same request, again and again
         assert engine.prefix_lookup(prefix) == 1
     # block 0 and the blocks probed with the hole are leased; the last one is not, so
     # the pool can still make room
     for i in range(3):
-        assert engine.batch_put_from([f"new-{i}"], [bytes(OBJECT)]) == [None]
+        assert engine.batch_put_parts([f"new-{i}"], [[bytes(OBJECT)]]) == [None]
     assert engine.batch_exists([prefix[0]]) == [True]  # the prefix in use stayed
 
 
@@ -49,9 +49,9 @@ def test_probing_every_key_at_once_would_starve_the_pool(engine: NamespacedEngin
     # (Mooncake #2187): every stored block is leased, and puts fail for the whole lease
     prefix = [f"block-{i}" for i in range(ROOM + 1)]
     stored = [prefix[0], *prefix[2:]]
-    assert engine.batch_put_from(stored, [bytes(OBJECT)] * ROOM) == [None] * ROOM
+    assert engine.batch_put_parts(stored, [[bytes(OBJECT)]] * ROOM) == [None] * ROOM
     assert engine.batch_exists(prefix) == [True, False, True, True, True]
-    [refused] = engine.batch_put_from(["new"], [bytes(OBJECT)])
+    [refused] = engine.batch_put_parts(["new"], [[bytes(OBJECT)]])
     assert type(refused).__name__ == "NoSpace"
 
 
@@ -62,9 +62,9 @@ def test_a_lost_master_is_misses_and_an_unhealthy_pool() -> None:
         master = ns.new("kvpool.testing.mooncake:MooncakeMaster")
         config = mooncake_json("127.0.0.1:50051", ROOM * OBJECT)
         engine = NamespacedEngine(ns, ns.new("tests.engines.mooncake_host:open_engine", config))
-        assert engine.batch_put_from(["kept"], [b"v" * 1000]) == [None]
+        assert engine.batch_put_parts(["kept"], [[b"v" * 1000]]) == [None]
         ns.call(master, "kill")
         assert engine.batch_exists(["kept"]) == [False]  # Mooncake answers "not found"
-        assert engine.batch_get_into(["kept"], [bytearray(1000)]) == [-1]
+        assert engine.batch_get_parts(["kept"], [[bytearray(1000)]]) == [-1]
         with pytest.raises(TransferError, match="no Mooncake master answers"):
             engine.health()

@@ -34,7 +34,7 @@ def ns() -> Iterator[Namespace]:
             ns.new("tests.engines.mooncake_host:open_engine", mooncake_json(RPC, SEGMENT)),
         )
         keys = [f"status-{i}" for i in range(6)]
-        assert engine.batch_put_from(keys, [bytes(OBJECT)] * len(keys)) == [None] * 6
+        assert engine.batch_put_parts(keys, [[bytes(OBJECT)]] * len(keys)) == [None] * 6
         yield ns
 
 

@@ -28,7 +28,8 @@ def test_kv_cache_pages_move_in_place() -> None:
     assert r["put"] == [None] * 4
     assert r["got"] == [PAGE] * 4 and r["equal"]
     assert r["regions"] == 1  # the cache's storage, registered once
-    assert r["wide"] == [PAGE] and r["wide_equal"]  # another size: through the staging area
+    assert r["loose"] == [PAGE] and r["loose_equal"]  # outside the cache: staged
+    assert r["wide"] == [-1]  # room for two pages: another size, a miss
     assert r["damaged"] == [-1]  # a damaged copy read in place is a miss
     assert r["moved"] == {"put_in_place": 4, "put_staged": 0, "get_in_place": 4, "get_staged": 1}
 
@@ -58,19 +59,19 @@ def parts_in_place(engine: MooncakeEngine) -> dict[str, Any]:
         return [r[block] for r in rows]
 
     keys = [f"parts-{i}" for i in range(4)]
-    put = engine.batch_put_from_parts(keys, [page(i) for i in range(4)])
-    got = engine.batch_get_into_parts(keys, [page(10 + i) for i in range(4)])
+    put = engine.batch_put_parts(keys, [page(i) for i in range(4)])
+    got = engine.batch_get_parts(keys, [page(10 + i) for i in range(4)])
     equal = all(torch.equal(r[i], r[10 + i]) for r in rows for i in range(4))
     moved = dict(engine.moved)
     # a part outside registered memory goes through the staging area, the rest in place
     loose = bytearray(LAYER_PAGE)
-    mixed = engine.batch_get_into_parts(keys[:1], [[rows[0][20], loose]])
+    mixed = engine.batch_get_parts(keys[:1], [[rows[0][20], loose]])
     mixed_equal = (
         torch.equal(rows[0][20], rows[0][0]) and bytes(loose) == rows[1][0].numpy().tobytes()
     )
     corrupt(engine, keys[1])
-    damaged = engine.batch_get_into_parts(keys[1:2], [page(30)])
-    other_size = engine.batch_get_into_parts(keys[2:3], [page(40)[:1]])  # half a page
+    damaged = engine.batch_get_parts(keys[1:2], [page(30)])
+    other_size = engine.batch_get_parts(keys[2:3], [page(40)[:1]])  # half a page
     whole = bytearray(2 * LAYER_PAGE)  # a page stored in parts reads back as one buffer
     assert engine._registered is not None
     return {
@@ -82,7 +83,7 @@ def parts_in_place(engine: MooncakeEngine) -> dict[str, Any]:
         "mixed_equal": mixed_equal,
         "damaged": damaged,
         "other_size": other_size,
-        "whole": engine.batch_get_into(keys[3:], [whole]),
+        "whole": engine.batch_get_parts(keys[3:], [[whole]]),
         "whole_equal": bytes(whole) == b"".join(r[3].numpy().tobytes() for r in rows),
         "regions": len(engine._registered),
         "moved_after": dict(engine.moved),

@@ -1,5 +1,5 @@
 """What the tests run on the client host, inside its namespace (through an
-:class:`~kvpool.testing.netns.Agent`): a kvpool.Client, reads that check their own bytes,
+:class:`~kvpool.testing.agent.Agent`): a kvpool.Client, reads that check their own bytes,
 and a traffic loop that records every operation.
 
 Values are derived from their key (:func:`value_of`), so a read is checked where it

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpool.testing.netns import Agent, AgentRef, Topology
+from kvpool.testing.agent import Agent, Ref
+from kvpool.testing.netns import Topology
 
 REPO = Path(__file__).resolve().parents[2]
 MASTER_PORT = 50051
@@ -113,7 +114,7 @@ class Cluster:
     master: HostProcess
     nodes: dict[str, HostProcess]
     agent: Agent
-    client: AgentRef
+    client: Ref
     log_dir: Path
     node_addresses: dict[str, str] = field(default_factory=dict)  # host -> data address
 
@@ -125,7 +126,7 @@ class Cluster:
         """``tests.multihost.client_side.<func>(client, *args)`` on the client host."""
         return self.agent.run(f"tests.multihost.client_side:{func}", self.client, *args)
 
-    def new_client(self) -> AgentRef:
+    def new_client(self) -> Ref:
         return self.agent.new(
             "tests.multihost.client_side:open_client", self.master_address, CLIENT_TIMEOUT_S
         )

@@ -1,8 +1,9 @@
-"""kvpool.testing.netns itself: hosts reach each other, faults do what they say, and
-nothing is left behind, even when the test fails halfway."""
+"""kvpool.testing.netns itself: hosts reach each other, faults do what they say, an agent
+runs calls on its host, and nothing is left behind, even when the test fails halfway."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
@@ -53,6 +54,20 @@ def test_hosts_reach_each_other_and_faults_are_undone() -> None:
         assert _reach(topo, "a", "c") == "TimeoutError"
         topo.restore("c")
         assert _reach(topo, "a", "c") == "ok"
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_runs_calls_on_its_host_and_stops_with_the_topology() -> None:
+    with Topology(["a"]) as topo:
+        agent = topo.agent("a", timeout_s=30)
+        ours = os.readlink("/proc/self/ns/net")
+        assert agent.run("os:readlink", "/proc/self/ns/net") != ours  # on host a
+        kept = agent.new("builtins:list")
+        agent.call(kept, "append", 7)
+        assert agent.run("builtins:sorted", kept) == [7]  # a Ref stands for what it kept
+        with pytest.raises(ValueError, match="invalid literal"):
+            agent.run("builtins:int", "seven")  # the helper's exception, as it was
+    assert agent.proc.poll() is not None  # stopped when the topology closed
 
 
 @pytest.mark.timeout(60)

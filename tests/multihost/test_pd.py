@@ -2,14 +2,12 @@
 own, the master on another, the production guide's connector JSON on P and D.
 
 Answers through the proxy equal a plain vLLM's (greedy), and D's log shows the KV came from
-P's host.  Then an asymmetric partition: D cannot reach P, the proxy still reaches both;
-D's pull times out within its connect timeout, D recomputes, the answer is still right.
-And the master's host cut off while requests flow, with both instances' store connector
-(the prefix pool) active: every request is still answered equal to plain vLLM, each
-within a bound derived from the store's timeouts, and after the link returns P's store
-serves hits from the pool again.
-The proxy listens on a 10.x address, so it needs an API key: clients send it as a Bearer
-header, and the proxy sends it on to P and D, started with the same ``--api-key``.
+P's host.  Then an asymmetric partition (D cannot reach P, the proxy reaches both): D's pull
+times out within its connect timeout, D recomputes, the answer is still right.  And the
+master's host cut off while requests flow, with both store connectors active: every answer
+still equals plain vLLM's, each within a bound from the store's timeouts, and once the link
+is back P's store serves hits from the pool again.  The proxy listens on a 10.x address, so
+clients and the proxy send an API key as a Bearer header (P and D take ``--api-key``).
 """
 
 from __future__ import annotations
@@ -30,7 +28,8 @@ from typing import Any
 import pytest
 
 from kvpool.ops.up.tiny_model import build_tiny_model, sample_text
-from kvpool.testing.netns import Agent, Topology
+from kvpool.testing.agent import Agent
+from kvpool.testing.netns import Topology
 from tests.e2e.conftest import vllm_env
 from tests.e2e.test_pd_transfer import _REFERENCE, GUIDE_DECODE, GUIDE_PREFILL, kvpool_config
 from tests.multihost.pool import MASTER_PORT, REPO, HostProcess, cluster_env, start_kvpool

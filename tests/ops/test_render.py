@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.config import Topology, load_node_config
+from kvpool.config import MasterConfig, Topology, load_node_config
 from kvpool.config.node import node_engine, parse_mooncake_config
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
@@ -36,6 +36,8 @@ def test_the_example_inventory_renders_the_guides_configs() -> None:
     files = render(parse_inventory(example()))
     assert set(files) == {
         "master.sh", "README.md", "secret",  # 10.x hosts: the cluster runs on a secret
+        "p0/master.sh",  # beside p0's files: doctor --master-cmd master.sh runs there
+        "proxy.sh", "proxy.key",  # beyond loopback the proxy needs an API key
         *(f"{h}/{f}" for h in ("p0", "d0") for f in (
             "mooncake.json", "kv-transfer-config.json", "env.sh", "node.sh", "serve.sh",
             "secret",
@@ -76,7 +78,7 @@ def test_rendered_node_configs_load_with_the_real_loader(tmp_path: Path) -> None
     write_rendered(render(parse_inventory(example())), tmp_path)
     node = load_node_config(tmp_path / "p0" / "mooncake.json", env={})
     assert node.ssd_offload_limit == 1000 * 2**30
-    assert node.global_segment_size == 64 * 10**9
+    assert node.global_segment_size == 64 * 2**30  # Mooncake's GB
     assert os.access(tmp_path / "master.sh", os.X_OK)
 
 
@@ -107,6 +109,11 @@ def _broken(**changes: Any) -> dict[str, Any]:
         (_broken(host1_address="10.0.0.1", host1_kv_port=30010), "overlap"),
         (_broken(host1_address="10.0.0.1", host1_http_port=8100), "http_port"),
         (_broken(host1_name="p0"), "share a name"),
+        (_broken(master={"secret_file": "/s"}), "master.secret_file: remove it"),
+        (_broken(master={"insecure": True}), "master.insecure: remove it"),
+        (_broken(master={"segmnt_size": "1GB"}), "--segmnt_size: unknown master flag"),
+        (_broken(protocol="infiniband"), "protocol: unknown 'infiniband'"),
+        (_broken(protocol="rdma"), "device_name: protocol rdma needs"),
     ],
 )
 def test_inventory_mistakes_are_errors_naming_the_key(data: dict[str, Any], fragment: str) -> None:
@@ -216,6 +223,9 @@ def test_engine_mooncake_renders_mooncakes_master_and_configs() -> None:
     files = render(inv)
     assert set(files) == {
         "master.sh",
+        "p0/master.sh",
+        "proxy.sh",
+        "proxy.key",  # the proxy is kvpool's on both engines
         "README.md",  # no secret: Mooncake has no credentials
         *(
             f"{h}/{f}"
@@ -338,3 +348,107 @@ def test_the_render_command_takes_engine_mooncake(tmp_path: Path) -> None:
     assert "every interface" in done.stdout
     assert "mooncake_master" in (out / "master.sh").read_text()
     assert not (out / "p0" / "node.sh").exists()
+
+
+def test_every_master_key_of_the_inventory_reaches_master_sh() -> None:
+    # [master] keys beyond the guide's §3 flags used to be parsed and dropped
+    data = _broken(
+        master={
+            "eviction_ratio": 0.2,
+            "segment_size": "8GB",
+            "eviction_policy": "lru",
+            "open_metrics": True,
+            "tenant_quota": "teamA=1GB",
+            "ssd_offload_path": "/mnt/nvme/master_ssd",
+        }
+    )
+    argv = shlex.split(render(parse_inventory(data))["master.sh"].splitlines()[-1])
+    config = MasterConfig.from_argv(argv[1:])  # `exec kvpool master ...`
+    assert argv[:3] == ["exec", "kvpool", "master"]
+    assert config.eviction_ratio == 0.2 and config.segment_size == 8 << 30
+    assert config.eviction_policy == "lru" and config.open_metrics
+    assert config.tenant_quota == "teamA=1GB"
+    assert config.ssd_offload_path == "/mnt/nvme/master_ssd"
+
+
+def test_on_mooncake_a_master_key_mooncake_lacks_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"master\.eviction_policy: mooncake_master has no"):
+        parse_inventory(_broken(master={"eviction_policy": "lru"}), engine="mooncake")
+
+
+def test_rdma_renders_on_a_machine_without_infiniband_and_the_host_refuses_it(
+    tmp_path: Path,
+) -> None:
+    # the machine that renders (an operator's box) never has the NIC: the host checks it
+    data = _broken(protocol="rdma", device_name="ibp8s0f0")
+    out = tmp_path / "out"
+    write_rendered(render(parse_inventory(data)), out)
+    node = json.loads((out / "d0" / "mooncake.json").read_text())
+    assert (node["protocol"], node["device_name"]) == ("rdma", "ibp8s0f0")
+    with pytest.raises(ConfigError) as err:  # this host: no /sys/class/infiniband device
+        load_node_config(out / "d0" / "mooncake.json", env={})
+    assert "rdma" in str(err.value) and "tcp" in str(err.value)  # the fix is named
+
+
+def test_mooncake_configs_carry_sizes_as_plain_bytes_mooncake_reads() -> None:
+    from mooncake.mooncake_config import _parse_segment_size
+
+    data = _broken(global_segment_size="64GiB", local_buffer_size="512MiB")
+    files = render(parse_inventory(data, engine="mooncake"))
+    node = json.loads(files["d0/mooncake.json"])
+    assert (
+        node["global_segment_size"]
+        == 64 << 30
+        == _parse_segment_size(str(node["global_segment_size"]))
+    )
+    assert node["local_buffer_size"] == 512 << 20
+
+
+def test_the_rendered_proxy_command_carries_its_key_and_refuses_to_run_without(
+    tmp_path: Path,
+) -> None:
+    # the proxy bound beyond loopback exits 2 without an API key: the documented command
+    # used to crash-loop; render now writes proxy.sh with proxy.key
+    from kvpool.cli import _run_proxy, build_parser
+    from kvpool.proxy.auth import resolve_api_keys
+
+    out = tmp_path / "out"
+    write_rendered(render(parse_inventory(example())), out)
+    argv = shlex.split((out / "proxy.sh").read_text().splitlines()[-1])[2:]  # exec kvpool
+    assert argv[:3] == ["proxy", "--host", "0.0.0.0"]
+    assert argv[argv.index("--prefill") + 1] == "http://10.0.0.1:8100"
+    assert argv[argv.index("--decode") + 1] == "http://10.0.0.2:8200"
+    key_file = argv[argv.index("--api-key-file") + 1]
+    assert key_file == "/workspace/config/proxy.key"
+    assert (out / "proxy.key").stat().st_mode & 0o777 == 0o600
+    key = (out / "proxy.key").read_text().strip()
+    here = [a if a != key_file else str(out / "proxy.key") for a in argv]
+    assert resolve_api_keys([], str(out / "proxy.key"), {}) == (key,)
+    args = build_parser().parse_args(here)
+    assert args.api_key_file == str(out / "proxy.key")
+    unkeyed = build_parser().parse_args([a for a in argv if a not in ("--api-key-file", key_file)])
+    with pytest.raises(ConfigError, match="API key"):
+        _run_proxy(unkeyed)
+
+
+def test_the_rendered_pair_checks_out_from_the_machine_that_rendered_it(tmp_path: Path) -> None:
+    # docs/multihost.md runs doctor on the pair where it was rendered: no node config
+    # there (it is P's and D's), which used to FAIL config.file and the store's settings
+    out = tmp_path / "out"
+    write_rendered(render(parse_inventory(example())), out)
+    options = DoctorOptions(
+        prefill_config=str(out / "p0" / "serve.sh"),
+        decode_config=str(out / "d0" / "serve.sh"),
+        master_cmd=str(out / "master.sh"),
+        separate_hosts=True,
+        probe_keys=False,
+    )
+    checks = run_doctor(options, env={})
+    assert [c for c in checks if c.status is Status.FAIL] == [], format_text(checks)
+    by_name = {c.name: c for c in checks}
+    assert by_name["config.file"].status is Status.SKIP
+    assert by_name["connector.settings[decode]"].status is Status.PASS
+    # on a host, a missing node config is still a failure
+    alone = DoctorOptions(prefill_config=options.prefill_config, probe_keys=False)
+    here = run_doctor(alone, env={})
+    assert {c.name: c for c in here}["config.file"].status is Status.FAIL

@@ -209,7 +209,7 @@ def test_status_of_a_real_master(pool: PoolProcess) -> None:
     assert "50.0% (4 of 8 gets)" in text
     assert "50.0% (4 of 8 blocks)" in text
     assert "master/mem" in text  # the master's own segment, with its heartbeat
-    assert "segment_size=1000000" in text  # the flags it runs with
+    assert "segment_size=1048576" in text  # the flags it runs with
     assert "evictions" in text and "(memory " in text
 
     snap = fetch_snapshot(pool.address)
@@ -217,7 +217,7 @@ def test_status_of_a_real_master(pool: PoolProcess) -> None:
     assert snap.get_hits == Ratio(4, 8, "gets")
     assert sum(snap.evictions.values()) > 0
     mem = next(t for t in snap.tiers if t.name == "memory")
-    assert mem.capacity == 1_000_000 and 0 < mem.used <= mem.capacity
+    assert mem.capacity == 1 << 20 and 0 < mem.used <= mem.capacity
     assert mem.objects == snap.objects < 30
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -54,7 +54,7 @@ from kvpool.connectors.store.stats import (
 )
 from kvpool.connectors.store.worker import StoreWorker
 from kvpool.core.keys import KeyNamespace
-from kvpool.engines import PoolEngine
+from kvpool.engines import PoolEngine, PoolLookups
 from kvpool.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -67,6 +67,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KVPoolStoreConnector", "StoreConnectorMetadata", "head_groups_for", "namespace_for"]
+
+_P = TypeVar("_P", bound=PoolLookups)  # what a handle opens: lookups or a whole engine
 
 # Under "vllm." so that vLLM's logging setup (format, VLLM_LOGGING_LEVEL) applies to it.
 logger = init_logger("vllm.kvpool.connectors.store")
@@ -194,7 +196,7 @@ class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
             lookup_rpc_port=config.lookup_rpc_port,
         )
 
-        def handle(opener: Callable[[], PoolEngine]) -> PoolHandle:
+        def handle(opener: Callable[[], _P]) -> PoolHandle[_P]:
             return PoolHandle(
                 opener,
                 reconnect_interval_s=config.reconnect_interval_ms / 1000,
@@ -204,7 +206,7 @@ class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
         def pool() -> PoolEngine:
             return open_pool(config)
 
-        def lookups() -> PoolEngine:
+        def lookups() -> PoolLookups:
             if config.backend == "embedded":  # the pool lives in the worker: ask it there
                 return LookupClient(channel, timeout_s=config.lookup_timeout_ms / 1000)
             return open_pool(config, timeout_ms=config.lookup_timeout_ms, lookups=True)

@@ -54,7 +54,7 @@ from typing import Any
 import msgspec
 
 from kvpool.closing import Closing
-from kvpool.engines import PoolEngine
+from kvpool.engines import PoolLookups
 from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
 from kvpool.transfer import framing
@@ -161,7 +161,7 @@ def _peer_uid(conn: socket.socket) -> int:
     return int(_UCRED.unpack(creds)[1])
 
 
-def _answer(pool: PoolEngine, request: Lookup | PinKeys | ReleasePins) -> int:
+def _answer(pool: PoolLookups, request: Lookup | PinKeys | ReleasePins) -> int:
     if isinstance(request, Lookup):
         return pool.prefix_lookup(request.keys)
     if isinstance(request, PinKeys):
@@ -176,7 +176,7 @@ class LookupServer:
     def __init__(
         self,
         path: str,
-        pool: PoolEngine,
+        pool: PoolLookups,
         logger: logging.Logger,
         *,
         max_connections: int = MAX_CONNECTIONS,
@@ -308,8 +308,9 @@ class LookupServer:
 
 
 class LookupClient(Closing):
-    """The scheduler's view of the embedded pool over the channel: ``prefix_lookup``,
-    ``pin`` and ``release``."""
+    """The scheduler's view of the embedded pool over the channel: a
+    :class:`~kvpool.engines.PoolLookups` that answers ``prefix_lookup``, ``pin`` and
+    ``release``."""
 
     engine = "embedded"
 
@@ -348,37 +349,8 @@ class LookupClient(Closing):
             raise TransferError(f"{type(request).__name__} failed in the worker: {reply.message}")
         return reply.count
 
-    # The rest of PoolEngine: the scheduler half only looks up and pins.
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
-    def batch_put_from(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[Any],
-        *,
-        parents: Sequence[str | None] | None = None,
-    ) -> list[KVPoolError | None]:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
-    def batch_put_from_parts(
-        self,
-        keys: Sequence[str],
-        parts: Sequence[Sequence[Any]],
-        *,
-        parents: Sequence[str | None] | None = None,
-    ) -> list[KVPoolError | None]:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
-    def batch_get_into_parts(
-        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
-    ) -> list[int]:
-        raise NotImplementedError("the lookup channel only answers lookups")
-
-    def remove(self, key: str) -> bool:
+        """Not carried by the channel: the scheduler looks up group by group instead."""
         raise NotImplementedError("the lookup channel only answers lookups")
 
     def health(self) -> dict[str, Any]:

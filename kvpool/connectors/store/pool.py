@@ -22,17 +22,17 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvpool.config.kv_transfer import StoreConfig
 from kvpool.config.node import MooncakeNodeConfig, config_path_from_env, load_any_node_config
-from kvpool.engines import PoolEngine, open_engine
-from kvpool.engines.base import StagingPages, get_into_parts, put_from_parts
+from kvpool.engines import PoolEngine, PoolLookups, open_engine
 from kvpool.errors import ChecksumMismatch, KVPoolError, PoolError, TransferError
 
 __all__ = ["ENGINE_OF_BACKEND", "EmbeddedPools", "PoolHandle", "is_outage", "open_pool"]
 
 T = TypeVar("T")
+P = TypeVar("P", bound=PoolLookups)
 # A pool that stays down is retried at most this far apart (a hung one costs a timeout per
 # try, paid by whoever asks: the scheduler, for lookups).
 _MAX_WAIT_S = 60.0
@@ -43,17 +43,14 @@ ENGINE_OF_BACKEND = {"mooncake": "kvpool", "kvpool": "kvpool", "embedded": "embe
 
 
 class _Serialized:
-    """Calls one shared engine under one lock (the embedded pool is shared by the scheduler
-    half, the worker half and the worker's loader thread of one process).
-
-    An engine installed without the multi-part methods (a wrapper written before them)
-    gets base's default: its whole-buffer calls through a staging page."""
+    """One user's view of a shared engine: each call under the engine's one lock (the
+    embedded pool is shared by the scheduler half, the worker half and the worker's loader
+    thread of one process), and a ``close`` that leaves the engine open for the others."""
 
     def __init__(self, pool: PoolEngine, lock: threading.Lock) -> None:
         self._pool = pool
         self._lock = lock
         self.engine = pool.engine
-        self._staging = StagingPages()
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
@@ -63,21 +60,7 @@ class _Serialized:
         with self._lock:
             return self._pool.prefix_lookup(keys)
 
-    def batch_put_from(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[Any],
-        *,
-        parents: Sequence[str | None] | None = None,
-    ) -> list[KVPoolError | None]:
-        with self._lock:
-            return self._pool.batch_put_from(keys, buffers, parents=parents)
-
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        with self._lock:
-            return self._pool.batch_get_into(keys, buffers)
-
-    def batch_put_from_parts(
+    def batch_put_parts(
         self,
         keys: Sequence[str],
         parts: Sequence[Sequence[Any]],
@@ -85,17 +68,11 @@ class _Serialized:
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
         with self._lock:
-            if hasattr(type(self._pool), "batch_put_from_parts"):
-                return self._pool.batch_put_from_parts(keys, parts, parents=parents)
-            return put_from_parts(self._pool, keys, parts, self._staging, parents=parents)
+            return self._pool.batch_put_parts(keys, parts, parents=parents)
 
-    def batch_get_into_parts(
-        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
-    ) -> list[int]:
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
         with self._lock:
-            if hasattr(type(self._pool), "batch_get_into_parts"):
-                return self._pool.batch_get_into_parts(keys, parts)
-            return get_into_parts(self._pool, keys, parts, self._staging)
+            return self._pool.batch_get_parts(keys, parts)
 
     def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
         with self._lock:
@@ -200,12 +177,14 @@ def is_outage(exc: BaseException) -> bool:
     return isinstance(exc, KVPoolError | OSError | EOFError)
 
 
-class PoolHandle:
-    """A lazily opened, self-healing pool connection for one thread of use at a time."""
+class PoolHandle(Generic[P]):
+    """A lazily opened, self-healing pool connection for one thread of use at a time: a
+    :class:`~kvpool.engines.PoolEngine` for the worker, :class:`~kvpool.engines.PoolLookups`
+    (all that the lookup channel answers) for the scheduler."""
 
     def __init__(
         self,
-        opener: Callable[[], PoolEngine],
+        opener: Callable[[], P],
         *,
         reconnect_interval_s: float,
         describe: str,
@@ -215,7 +194,7 @@ class PoolHandle:
         self._interval = reconnect_interval_s
         self._describe = describe
         self._clock = clock
-        self._client: PoolEngine | None = None
+        self._client: P | None = None
         self._down_until = 0.0
         self._failures = 0  # outages in a row: the wait doubles with each, up to _MAX_WAIT_S
         self._last_error = ""
@@ -225,7 +204,7 @@ class PoolHandle:
     def last_error(self) -> str:
         return self._last_error
 
-    def call(self, fn: Callable[[PoolEngine], T]) -> T:
+    def call(self, fn: Callable[[P], T]) -> T:
         """Run ``fn`` on the pool; an outage marks the pool down and re-raises.
 
         Raises TransferError at once (no network wait) while the pool is marked down.

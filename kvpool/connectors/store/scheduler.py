@@ -51,14 +51,14 @@ from kvpool.connectors.store.groups import HeadGroups
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
-from kvpool.engines import POOL_TTL, PoolEngine
+from kvpool.engines import POOL_TTL, PoolLookups
 
 __all__ = ["StoreScheduler", "pin_owner"]
 
 _WARN_EVERY_S = 30.0
 
 
-def _present_prefix(pool: PoolEngine, keys: Sequence[Sequence[str]]) -> int:
+def _present_prefix(pool: PoolLookups, keys: Sequence[Sequence[str]]) -> int:
     """Leading chunks present for every group (probing only: no lease is taken)."""
     if len(keys) == 1:
         return pool.prefix_lookup(keys[0])
@@ -83,13 +83,13 @@ def pin_owner(scope: str, req_id: str, rank: int, generation: int = 1) -> str:
     return f"kvpool-req/{scope}/{req_id}/{generation}/{rank}"
 
 
-def _pin_ranks(pool: PoolEngine, keys: list[list[str]], owners: Sequence[str]) -> list[int]:
+def _pin_ranks(pool: PoolLookups, keys: list[list[str]], owners: Sequence[str]) -> list[int]:
     """Pin each rank's keys under its owner: how many each rank's pin holds."""
     pairs = zip(keys, owners, strict=True)
     return [pool.pin(rank_keys, owner, POOL_TTL) for rank_keys, owner in pairs]
 
 
-def _release_ranks(pool: PoolEngine, owners: Sequence[str]) -> int:
+def _release_ranks(pool: PoolLookups, owners: Sequence[str]) -> int:
     return sum(pool.release(owner) for owner in owners)
 
 
@@ -120,7 +120,7 @@ class StoreScheduler:
         self,
         *,
         namespace: KeyNamespace,
-        pool: PoolHandle,
+        pool: PoolHandle[PoolLookups],
         saves: bool,
         load_async: bool,
         logger: logging.Logger,

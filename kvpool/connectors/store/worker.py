@@ -25,8 +25,8 @@ Rules:
   future hit.
 - A request's blocks move in batches of up to ``_BATCH`` pages (all their groups), one
   engine call per batch
-  (:meth:`~kvpool.engines.PoolEngine.batch_get_into_parts`,
-  :meth:`~kvpool.engines.PoolEngine.batch_put_from_parts`) instead of one per block.
+  (:meth:`~kvpool.engines.PoolEngine.batch_get_parts`,
+  :meth:`~kvpool.engines.PoolEngine.batch_put_parts`) instead of one per block.
 - CPU caches move in place: each page is handed to the engine as its L layer rows
   (:meth:`~kvpool.connectors.pages.PagedCaches.block_parts`), so an engine that can (Mooncake,
   on a registered cache) moves them with no copy, and one that cannot copies once through
@@ -72,8 +72,8 @@ _BATCH = 16
 _WARN_EVERY_S = 30.0
 
 
-def _get_into(pool: PoolEngine, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
-    return pool.batch_get_into_parts(keys, parts)
+def _get_parts(pool: PoolEngine, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
+    return pool.batch_get_parts(keys, parts)
 
 
 def _remove(pool: PoolEngine, key: str) -> bool:
@@ -84,13 +84,13 @@ def _release(pool: PoolEngine, owner: str) -> int:
     return pool.release(owner)
 
 
-def _put_from(
+def _put_parts(
     pool: PoolEngine,
     keys: Sequence[str],
     parts: Sequence[Sequence[Any]],
     parents: Sequence[str | None],
 ) -> list[KVPoolError | None]:
-    return pool.batch_put_from_parts(keys, parts, parents=parents)
+    return pool.batch_put_parts(keys, parts, parents=parents)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +108,8 @@ class StoreWorker:
         self,
         *,
         tp_rank: int,
-        pool: PoolHandle,
-        loader_pool: PoolHandle,
+        pool: PoolHandle[PoolEngine],
+        loader_pool: PoolHandle[PoolEngine],
         logger: logging.Logger,
         groups: HeadGroups | None = None,
     ) -> None:
@@ -223,7 +223,7 @@ class StoreWorker:
             self._inflight[spec.req_id] = (future, cancel)
 
     def _load(
-        self, spec: LoadSpec, handle: PoolHandle, cancel: threading.Event | None
+        self, spec: LoadSpec, handle: PoolHandle[PoolEngine], cancel: threading.Event | None
     ) -> LoadResult:
         owner = spec.owners[self._rank] if spec.owners else None
         unpinned = False
@@ -239,7 +239,7 @@ class StoreWorker:
         finally:
             unpin()
 
-    def _unpin(self, handle: PoolHandle, owner: str) -> None:
+    def _unpin(self, handle: PoolHandle[PoolEngine], owner: str) -> None:
         """The load's pins have served: let the pool evict those blocks again."""
         try:
             handle.call(partial(_release, owner=owner))
@@ -250,7 +250,7 @@ class StoreWorker:
     def _copy(
         self,
         spec: LoadSpec,
-        handle: PoolHandle,
+        handle: PoolHandle[PoolEngine],
         cancel: threading.Event | None,
         unpin: Callable[[], None],
     ) -> LoadResult:
@@ -296,7 +296,7 @@ class StoreWorker:
         return [column[i] for i in range(len(columns[0])) for column in columns]
 
     def _read(
-        self, handle: PoolHandle, keys: Sequence[str], parts: Sequence[Sequence[Any]]
+        self, handle: PoolHandle[PoolEngine], keys: Sequence[str], parts: Sequence[Sequence[Any]]
     ) -> tuple[int, Exception | None]:
         """Read ``keys`` into their objects' ``parts``: how many leading objects are good,
         and why the one after them is not (None when all are).  Objects from there on may
@@ -304,7 +304,7 @@ class StoreWorker:
         assert self.paged is not None
         page_bytes = self.object_bytes
         try:
-            sizes = handle.call(partial(_get_into, keys=keys, parts=parts))
+            sizes = handle.call(partial(_get_parts, keys=keys, parts=parts))
         except Exception as exc:
             if is_outage(exc) or len(keys) == 1:
                 return 0, exc
@@ -322,7 +322,7 @@ class StoreWorker:
                 return j, ChecksumMismatch(f"object {keys[j]} has {n} bytes, expected {page_bytes}")
         return len(keys), None
 
-    def _drop_unreadable(self, handle: PoolHandle, key: str, exc: Exception) -> bool:
+    def _drop_unreadable(self, handle: PoolHandle[PoolEngine], key: str, exc: Exception) -> bool:
         """Remove an object the pool listed but could not deliver intact (corrupt, short,
         or on a dead node), so that the copy vLLM now recomputes replaces it instead of
         failing every later hit.  Best effort: an outage or a reader's lease leaves it."""
@@ -394,7 +394,7 @@ class StoreWorker:
             try:
                 results = self._pool.call(
                     partial(
-                        _put_from,
+                        _put_parts,
                         keys=batch,
                         parts=parts,
                         parents=parents[start * per : (start + _BATCH) * per],

@@ -2,13 +2,12 @@
 
 Chosen by the node config (``kvpool.config.fabrics``): ``protocol: rdma`` runs on it, and
 ``"transport": "transfer_engine"`` puts ``tcp`` on it too (the engine's own TCP).  The
-pull conversation stays kvpool's (:mod:`kvpool.protocol.engine_pull`) on a small TCP
-control connection to P's ``kv_port``: admission, refusals, ``PullDone`` and every
-deadline work as in :mod:`.tcp`.  Only the page bytes move differently: both sides
-register their KV caches with the engine once (:meth:`EngineTransport.register`, one
-region per layer tensor), P answers an admitted pull with where its page slices lie, and
-D reads them with batch reads straight into its own cache, then tells P.  Why D reads
-rather than P writes is in :mod:`kvpool.protocol.engine_pull`.
+pull conversation is kvpool's (:mod:`kvpool.protocol.engine_pull`) on the ``kv_port``
+connection of :mod:`.kv_port`; only the page bytes move otherwise: both sides register
+their KV caches with the engine once (:meth:`EngineTransport.register`, one region per
+layer tensor), P answers an admitted pull with where its page slices lie, and D reads
+them with batch reads straight into its own cache, then tells P.  Why D reads rather than
+P writes is in :mod:`kvpool.protocol.engine_pull`.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ import numpy as np
 from kvpool.closing import Closing
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
 from kvpool.connectors.pages import PagedCaches
-from kvpool.connectors.transfer.auth import admit_decode, open_to_prefill
-from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
+from kvpool.connectors.transfer.kv_port import PullListener, dial
+from kvpool.connectors.transfer.transport import PullHandler
 from kvpool.core.credentials import Credential
 from kvpool.errors import KVPoolError, ProtocolError, TransferError
 from kvpool.protocol.engine_pull import (
@@ -35,23 +34,13 @@ from kvpool.protocol.engine_pull import (
     Unread,
 )
 from kvpool.protocol.pull import Done, Pull, PullDone, Refused
-from kvpool.transfer.framing import (
-    BadRequest,
-    deadline_after,
-    recv_frame,
-    recv_request,
-    send_frame,
-    tune_socket,
-)
+from kvpool.transfer.framing import recv_frame, send_frame
 from kvpool.transfer.mooncake_engine import EngineMover
-from kvpool.transfer.server import ThreadedServer
 
 __all__ = ["EngineLink", "EngineTransport"]
 
 logger = logging.getLogger("vllm.kvpool.transfer")
 _PREFIX = f"[{TRANSFER_CONNECTOR}]"
-_ACCEPT_POLL_S = 0.5  # how often the accept loop looks at the stop flag
-_IDLE_S = 60.0  # a decode connection idle this long between requests is closed
 
 
 def _address(view: memoryview) -> int:
@@ -76,7 +65,6 @@ class EngineTransport:
         # the engine's own data ports take none
         self._credential = credential
         self._client_id = client_id
-        self.refused_auth = 0  # decode connections refused for their credential
         self.name = f"{protocol} (Mooncake Transfer Engine)"
         self._hostname = hostname
         self._protocol = protocol
@@ -85,7 +73,18 @@ class EngineTransport:
         self._caches: PagedCaches | None = None
         self._mover: EngineMover | None = None
         self._bases: dict[str, int] = {}  # layer -> address of its block 0, head 0
-        self._server: ThreadedServer | None = None
+        self._listener = PullListener(
+            requests=ENGINE_REQUEST_CODEC,
+            replies=ENGINE_REPLY_CODEC,
+            timeout_s=transfer_timeout_s,
+            credential=credential,
+            move=self._lend_pages,
+        )
+
+    @property
+    def refused_auth(self) -> int:
+        """Decode connections refused for their credential."""
+        return self._listener.refused_auth
 
     def register(self, caches: PagedCaches) -> None:
         """Start the engine and register each layer's cache tensor with it, once."""
@@ -104,8 +103,7 @@ class EngineTransport:
         )
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.close(timeout_s=2 * _ACCEPT_POLL_S)
+        self._listener.close()
         if self._mover is not None:
             self._mover.close()
 
@@ -114,23 +112,7 @@ class EngineTransport:
     def connect(self, host: str, port: int, timeout_s: float) -> EngineLink:
         if self._caches is None or self._mover is None:
             raise TransferError("KV caches are not registered yet")
-        if timeout_s <= 0:
-            raise PeerUnreachable(f"no time left to connect to {host}:{port}")
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout_s)
-        except TimeoutError:
-            raise PeerUnreachable(f"connecting to prefill {host}:{port} timed out") from None
-        except OSError as exc:
-            raise PeerUnreachable(f"cannot connect to prefill {host}:{port}: {exc}") from None
-        tune_socket(sock)
-        if self._credential is not None:
-            try:
-                open_to_prefill(
-                    sock, self._credential, self._client_id, timeout_s, f"{host}:{port}"
-                )
-            except BaseException:
-                sock.close()
-                raise
+        sock = dial(host, port, timeout_s, self._credential, self._client_id)
         return EngineLink(sock, self._caches, self._mover, self._bases)
 
     # -- P ---------------------------------------------------------------------------
@@ -138,63 +120,13 @@ class EngineTransport:
     def serve(self, host: str, port: int, handler: PullHandler) -> None:
         if self._caches is None:
             raise TransferError("KV caches are not registered yet")
-        server = ThreadedServer(
-            host,
-            port,
-            lambda conn: self._serve(conn, handler),
-            name="kvpool-kv",
-            backlog=None,
-            accept_poll_s=_ACCEPT_POLL_S,
-        )
-        server.start()
-        self._server = server
+        self._listener.start(host, port, handler)
 
-    def _serve(self, conn: socket.socket, handler: PullHandler) -> None:
-        assert self._server is not None
-        tune_socket(conn)
-        if self._credential is not None and not self._admitted(conn):
-            return
-        while not self._server.stopping:
-            try:
-                got = recv_request(
-                    conn, ENGINE_REQUEST_CODEC, self._timeout_s, idle_timeout=_IDLE_S
-                )
-                if got is None:
-                    return
-                deadline = deadline_after(self._timeout_s)
-                if isinstance(got, BadRequest):  # another version? say so, keep serving
-                    _reply(conn, Refused(f"bad request: {got.error}"), deadline)
-                    continue
-                message, _ = got
-                if isinstance(message, Pull):
-                    self._serve_pull(conn, message, handler, deadline)
-                elif isinstance(message, PullDone):
-                    reason = handler.done(message)
-                    _reply(conn, Refused(reason) if reason else Done(0), deadline)
-                else:
-                    _reply(conn, Refused(f"{type(message).__name__} without a pull"), deadline)
-            except KVPoolError as exc:
-                logger.warning("%s dropping a decode connection: %s", _PREFIX, exc)
-                return
-
-    def _admitted(self, conn: socket.socket) -> bool:
-        assert self._server is not None and self._credential is not None
-        where = f"{self._server.host}:{self._server.port}"
-        refused = admit_decode(conn, self._credential, where, self._timeout_s, ENGINE_REPLY_CODEC)
-        if refused is not None:
-            self.refused_auth += 1
-            logger.warning("%s refused a decode connection: %s", _PREFIX, refused)
-        return refused is None
-
-    def _serve_pull(
-        self, conn: socket.socket, pull: Pull, handler: PullHandler, deadline: float
-    ) -> None:
+    def _lend_pages(self, conn: socket.socket, pull: Pull, deadline: float) -> int | None:
+        """P's side of an admitted pull: say where the page slices lie, then wait for D
+        to have read them with its engine (``None``: it could not)."""
         caches, mover = self._caches, self._mover
         assert caches is not None and mover is not None
-        reason = handler.admit(pull, deadline)
-        if reason is not None:
-            _reply(conn, Refused(reason), deadline)
-            return
         pages = Pages(
             endpoint=mover.endpoint,
             layer_addrs=[self._bases[name] for name in pull.layers],
@@ -213,12 +145,10 @@ class EngineTransport:
                 pull.request_id,
                 answer.reason,
             )
-            return
+            return None
         if not isinstance(answer, Read):
             raise ProtocolError(f"expected the decode's Read, got {answer!r}")
-        total = pull.head_count * caches.head_bytes * len(pull.block_ids) * len(pull.layers)
-        _reply(conn, Done(total), deadline)
-        handler.served(pull, total)
+        return pull.head_count * caches.head_bytes * len(pull.block_ids) * len(pull.layers)
 
 
 class EngineLink(Closing):
@@ -313,7 +243,3 @@ class EngineLink(Closing):
     def done(self, message: PullDone, deadline: float) -> None:
         send_frame(self._sock, ENGINE_REQUEST_CODEC, message, None, deadline)
         recv_frame(self._sock, ENGINE_REPLY_CODEC, deadline)
-
-
-def _reply(conn: socket.socket, reply: Done | Refused, deadline: float) -> None:
-    send_frame(conn, ENGINE_REPLY_CODEC, reply, None, deadline)

@@ -50,6 +50,10 @@ def _transfer(
     )
 
 
+class NodeElsewhere(Exception):
+    """The node config lives on the P and D hosts, not where a pair is checked from."""
+
+
 def check_settings(
     side: Side,
     env: Mapping[str, str],
@@ -60,6 +64,7 @@ def check_settings(
     name = f"connector.settings[{side.side}]"
     problems: list[str] = []
     checked: list[str] = []
+    elsewhere = False
     for entry in side.config.entries:
         if entry.name not in KVPOOL_CONNECTORS:
             continue
@@ -70,6 +75,8 @@ def check_settings(
                 parse_store_config(entry.role, entry.extra, env=env, load_node=load_node)
         except ConfigError as exc:
             problems.append(f"{entry.name}: {exc}")
+        except NodeElsewhere:
+            elsewhere = True
         checked.append(entry.name)
     if not checked:
         return None
@@ -79,7 +86,8 @@ def check_settings(
             "the connector would refuse to start: " + "; ".join(problems),
             "fix the key named above in kv_connector_extra_config (docs/configuration.md)",
         )
-    return pass_(name, f"{' and '.join(checked)} accept their settings")
+    where = " (the master's address is read on each host: run doctor there)" if elsewhere else ""
+    return pass_(name, f"{' and '.join(checked)} accept their settings{where}")
 
 
 def check_kv_host(side: Side, env: Mapping[str, str], node: NodeConfig | None) -> Check | None:
@@ -122,13 +130,18 @@ def settings_checks(
     node: NodeConfig | None,
     node_error: str | None,
     mooncake: MooncakeNodeConfig | None = None,
+    *,
+    remote_pair: bool = False,
 ) -> list[Check]:
     """``mooncake``: the node's Mooncake config, if that is what it has; the store
     connector reads its master from it (``backend: "mooncake"``), the transfer connector
-    does not read it at all."""
+    does not read it at all.  ``remote_pair``: both sides run on other hosts, so a missing
+    node config here is not theirs."""
 
     def load_node() -> NodeConfig | MooncakeNodeConfig:
         if node is None and mooncake is None:
+            if remote_pair and node_error is None:
+                raise NodeElsewhere
             raise ConfigError(node_error or "no node config (KVPOOL_CONFIG_PATH unset)")
         return node or mooncake  # type: ignore[return-value]
 

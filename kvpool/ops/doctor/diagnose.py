@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from kvpool.config import MasterConfig, NodeConfig, Timeouts
 from kvpool.config.master import MOONCAKE_MASTER_DEFAULTS
-from kvpool.ops.doctor.checks import Check
+from kvpool.ops.doctor.checks import Check, skip
 from kvpool.ops.doctor.checks_connector import Side, connector_checks
 from kvpool.ops.doctor.checks_host import (
     check_peer_reachable,
@@ -101,7 +101,15 @@ def diagnose(g: Gathered) -> list[Check]:
     node = g.config_file.node if g.config_file else None
     either = node or (g.config_file.mooncake if g.config_file else None)
     engine = _engine(g)
-    if g.config_file is not None:
+    # --separate-hosts with both sides given: the pair is checked from another machine (the
+    # one that rendered it), whose lack of a node config says nothing about P's or D's
+    remote_pair = bool(g.sides) and not g.local_sides
+    if g.config_file is not None and remote_pair and g.config_file.source is None:
+        checks.append(
+            skip("config.file", "no node config here: the pair runs on other hosts; run"
+                 " doctor on each of them for its own")
+        )  # fmt: skip
+    elif g.config_file is not None:
         checks += check_config_file(g.config_file)
     checks.append(check_local_hostname(either, g.hostname_error))
     checks.append(check_master_address(either, g.master_arg))
@@ -123,7 +131,7 @@ def diagnose(g: Gathered) -> list[Check]:
     checks += connector_checks(g.sides, g.model, same_host=same_host)
     node_error = g.config_file.error if g.config_file else None
     mooncake = g.config_file.mooncake if g.config_file else None
-    checks += settings_checks(g.sides, g.env, node, node_error, mooncake)
+    checks += settings_checks(g.sides, g.env, node, node_error, mooncake, remote_pair=remote_pair)
     checks.append(check_ssd(node, g.ssd, g.master_config))
     timeouts = _effective_timeouts(g)
     if timeouts is not None:

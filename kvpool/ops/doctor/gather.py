@@ -304,8 +304,10 @@ def _gather_ports(g: Gathered, options: DoctorOptions) -> None:
         if side.side not in g.local_sides:
             continue
         ranks = side.own_topology.ranks if side.own_topology else 1
-        if side.config.transfer is not None:
-            port = side.config.transfer.port("kv_port")
+        # only a producer listens on kv_port (D pulls from P's and opens none of its own)
+        transfer = side.config.transfer
+        if transfer is not None and transfer.role in ("kv_producer", "kv_both"):
+            port = transfer.port("kv_port")
             if isinstance(port, int) and 0 < port < 65536:
                 label = f"{side.side} kv_port"
                 g.ports.append(_port_facts(label, port, ranks, options.live))

@@ -29,11 +29,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpool.config import load_node_config, served_protocols
+from kvpool.config import load_node_config
 from kvpool.config.secret import read_secret_file
+from kvpool.config.values import SIZE_CONVENTION
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor.checks_connector import model_info
-from kvpool.ops.render.credentials import CLUSTER_SECRET
+from kvpool.ops.render.credentials import CLUSTER_SECRET, PROXY_KEY
 from kvpool.ops.render.files import render, write_rendered
 from kvpool.ops.render.inventory import (
     ENGINES,
@@ -99,19 +100,30 @@ def _kept_secret(options: RenderOptions) -> str | None:
     return credential.secret.decode()
 
 
+def _kept_proxy_key(options: RenderOptions) -> str | None:
+    """The proxy key an earlier render wrote: kept as the secret is (clients hold it)."""
+    path = Path(options.out) / PROXY_KEY
+    if options.new_secret or not path.exists():
+        return None
+    return path.read_text(encoding="utf-8").strip() or None
+
+
 def run(options: RenderOptions) -> int:
     """``kvpool config render``: write every host's files, print what was written (never
     a secret).  A bad inventory is a ConfigError naming the key (nothing is written)."""
     inv = parse_inventory(load_inventory(options.inventory), engine=options.engine)
-    # Mooncake's Transfer Engine serves its own protocols (rdma, ...); kvpool's must be here
-    if inv.engine == "kvpool" and inv.protocol not in served_protocols():
-        raise ConfigError(f'protocol: {inv.protocol!r} cannot be served here; set protocol = "tcp"')
     _check_model(inv)
     kept = _kept_secret(options) if inv.credentials else None
-    written = write_rendered(render(inv, kept), options.out)
+    written = write_rendered(render(inv, kept, _kept_proxy_key(options)), options.out)
     for path in written:
         print(path)
     print(f"master: {inv.master.address} (run master.sh on {inv.role('prefill')[0].name})")
+    print(f"sizes: {SIZE_CONVENTION}")
+    if inv.protocol != "tcp":
+        print(
+            f"protocol {inv.protocol} ({inv.device_name}): each host's node config is checked"
+            " for the NIC where it runs; run `kvpool doctor` on every host"
+        )
     if inv.credentials:
         how = "kept from the last render" if kept else "new"
         print(

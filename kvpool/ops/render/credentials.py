@@ -27,6 +27,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvpool.config.secret import is_loopback
 from kvpool.core.credentials import Credential
 
 if TYPE_CHECKING:
@@ -35,10 +36,12 @@ if TYPE_CHECKING:
 __all__ = [
     "CLUSTER_SECRET",
     "NODE_CREDENTIAL",
+    "PROXY_KEY",
     "SECRET_NAMES",
     "env_lines",
     "host_secret_path",
     "master_flags",
+    "proxy_key_flags",
     "readme",
     "secret_files",
     "write_private",
@@ -46,8 +49,9 @@ __all__ = [
 
 CLUSTER_SECRET = "secret"
 NODE_CREDENTIAL = "node.cred"
+PROXY_KEY = "proxy.key"  # the API key clients of `kvpool proxy` send (OpenAI's Bearer)
 #: file names written with mode 600
-SECRET_NAMES = frozenset({CLUSTER_SECRET, NODE_CREDENTIAL})
+SECRET_NAMES = frozenset({CLUSTER_SECRET, NODE_CREDENTIAL, PROXY_KEY})
 
 
 def _on_host(inv: Inventory, name: str) -> str:
@@ -78,6 +82,15 @@ def master_flags(inv: Inventory) -> list[str]:
     if inv.credentials:
         return ["--secret_file", _on_host(inv, CLUSTER_SECRET)]
     return ["--insecure"] if inv.open_beyond_loopback else []
+
+
+def proxy_key_flags(inv: Inventory) -> list[str]:
+    """The proxy's key: a proxy that other hosts reach refuses to start without one (or
+    ``--insecure``), so render gives it ``proxy.key`` beside its ``proxy.sh``."""
+    if inv.open_beyond_loopback:
+        return ["--insecure"]
+    reachable = any(not is_loopback(h.address) for h in inv.hosts)
+    return ["--api-key-file", _on_host(inv, PROXY_KEY)] if reachable else []
 
 
 def env_lines(inv: Inventory, host: Host) -> str:

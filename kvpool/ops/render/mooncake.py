@@ -52,8 +52,9 @@ def node_json(inv: Inventory, host: Host) -> dict[str, Any]:
     node: dict[str, Any] = {
         "local_hostname": host.address,
         "metadata_server": "P2PHANDSHAKE",
-        "global_segment_size": inv.global_segment_size,
-        "local_buffer_size": inv.local_buffer_size,
+        # plain bytes: Mooncake reads no IEC units (GiB), and bytes mean one thing to all
+        "global_segment_size": parse_size(inv.global_segment_size, key="global_segment_size"),
+        "local_buffer_size": parse_size(inv.local_buffer_size, key="local_buffer_size"),
         "protocol": inv.protocol,
         "master_server_address": inv.master.address,
     }

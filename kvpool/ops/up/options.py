@@ -28,6 +28,11 @@ _MiB = 1 << 20
 #: the pool engines ``kvpool up`` runs: kvpool's own master, or the wheel's mooncake_master
 ENGINES = ("kvpool", "mooncake")
 
+_KV_PORT_HELP = (
+    "first {role} instance's kv_port; its ranks take the next ports (dp x tp in all), and"
+    " each further instance starts after the ranks of the one before"
+)
+
 # (field, flag, what listens there): every port ``kvpool up`` takes; 0 means any free port.
 PORT_FLAGS = (
     ("master_port", "--master-port", "the master's RPC port (kvpool's: RPC + HTTP)"),
@@ -39,8 +44,9 @@ PORT_FLAGS = (
     ("proxy_port", "--proxy-port", "the proxy's port"),
     ("prefill_port", "--prefill-port", "first prefill instance's HTTP port (+1 per instance)"),
     ("decode_port", "--decode-port", "first decode instance's HTTP port (+1 per instance)"),
-    ("prefill_kv_port", "--prefill-kv-port", "first prefill instance's kv_port (+1 per instance)"),
-    ("decode_kv_port", "--decode-kv-port", "first decode instance's kv_port (+1 per instance)"),
+    # an instance's ranks listen on kv_port + rank, so the next instance starts after them
+    ("prefill_kv_port", "--prefill-kv-port", _KV_PORT_HELP.format(role="prefill")),
+    ("decode_kv_port", "--decode-kv-port", _KV_PORT_HELP.format(role="decode")),
 )
 
 
@@ -60,7 +66,7 @@ class UpOptions:
     proxy_port: int = 8000
     prefill_port: int = 8100  # instance i listens on prefill_port + i
     decode_port: int = 8200
-    prefill_kv_port: int = 30000  # the production guide's kv_port values, + i per instance
+    prefill_kv_port: int = 30000  # the production guide's kv_port values; see _KV_PORT_HELP
     decode_kv_port: int = 30100
     prefill_instances: int = 1
     decode_instances: int = 1

@@ -41,83 +41,49 @@ class FakePool:
         if self.down:
             raise PeerTimeout("fake pool is down")
 
-    def batch_put_from(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[Any],
-        *,
-        parents: Sequence[str | None] | None = None,
-    ) -> list[KVPoolError | None]:
-        self._check("batch_put_from")
-        return self._store(keys, buffers, parents)
-
-    def _store(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[Any],
-        parents: Sequence[str | None] | None,
-    ) -> list[KVPoolError | None]:
-        results: list[KVPoolError | None] = []
-        for i, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
-            if key in self.conflict:
-                results.append(WriteConflict(key))
-                continue
-            if key not in self.objects:  # a duplicate put is a no-op
-                self.objects[key] = bytes(memoryview(buffer).cast("B"))
-                self.parents[key] = None if parents is None else parents[i]
-            results.append(None)
-        return results
-
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        self._check("batch_get_into")
-        sizes = []
-        self.leases += 1
-        try:
-            for key, buffer in zip(keys, buffers, strict=True):
-                if key not in self.objects or key in self.corrupt:
-                    sizes.append(MISS)
-                    continue
-                data = self.objects[key]
-                view = memoryview(buffer).cast("B")
-                view[: len(data)] = data
-                sizes.append(len(data))
-        finally:
-            self.leases -= 1
-        return sizes
-
-    def batch_put_from_parts(
+    def batch_put_parts(
         self,
         keys: Sequence[str],
         parts: Sequence[Sequence[Any]],
         *,
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
-        self._check("batch_put_from_parts")
-        joined = [b"".join(bytes(byte_view(p)) for p in ps) for ps in parts]
-        return self._store(keys, joined, parents)
+        self._check("batch_put_parts")
+        results: list[KVPoolError | None] = []
+        for i, (key, ps) in enumerate(zip(keys, parts, strict=True)):
+            if key in self.conflict:
+                results.append(WriteConflict(key))
+                continue
+            if key not in self.objects:  # a duplicate put is a no-op
+                self.objects[key] = b"".join(bytes(byte_view(p)) for p in ps)
+                self.parents[key] = None if parents is None else parents[i]
+            results.append(None)
+        return results
 
-    def batch_get_into_parts(
-        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
-    ) -> list[int]:
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
         """As an engine that reads in place (Mooncake on a registered cache): the bytes
         land in the parts before the read is known good, so a corrupt or wrong-sized
         object leaves garbage there (0xEE) and answers MISS."""
-        self._check("batch_get_into_parts")
+        self._check("batch_get_parts")
         sizes = []
-        for key, ps in zip(keys, parts, strict=True):
-            views = [writable_byte_view(p) for p in ps]
-            total = sum(len(v) for v in views)
-            data = self.objects.get(key)
-            if data is None:
-                sizes.append(MISS)
-                continue
-            bad = key in self.corrupt or len(data) != total
-            stream = b"\xee" * total if bad else data
-            at = 0
-            for view in views:
-                view[:] = stream[at : at + len(view)]
-                at += len(view)
-            sizes.append(MISS if bad else total)
+        self.leases += 1
+        try:
+            for key, ps in zip(keys, parts, strict=True):
+                views = [writable_byte_view(p) for p in ps]
+                total = sum(len(v) for v in views)
+                data = self.objects.get(key)
+                if data is None:
+                    sizes.append(MISS)
+                    continue
+                bad = key in self.corrupt or len(data) != total
+                stream = b"\xee" * total if bad else data
+                at = 0
+                for view in views:
+                    view[:] = stream[at : at + len(view)]
+                    at += len(view)
+                sizes.append(MISS if bad else total)
+        finally:
+            self.leases -= 1
         return sizes
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:

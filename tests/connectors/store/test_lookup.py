@@ -18,6 +18,7 @@ from kvpool.connectors.store.lookup import (
     LookupServer,
     channel_path,
 )
+from kvpool.engines import PoolEngine, PoolLookups
 from kvpool.errors import TransferError
 from kvpool.protocol.codec import Codec
 from kvpool.transfer import framing
@@ -100,6 +101,8 @@ def test_the_channel_speaks_kvpools_frames(tmp_path: Path) -> None:
             assert hung_up
         client = LookupClient(path, timeout_s=5)
         assert client.prefix_lookup(["a"]) == 1 and client.engine == "embedded"
+        # the scheduler half's part of a pool, and only that: it moves nothing
+        assert isinstance(client, PoolLookups) and not isinstance(client, PoolEngine)
         client.close()
     finally:
         server.close()

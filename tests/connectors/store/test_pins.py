@@ -300,7 +300,7 @@ def embedded(pages: int, clock: Clock) -> Iterator[EmbeddedEngine]:
 
 def fill_with_others(engine: EmbeddedEngine, n: int, tag: str) -> list[KVPoolError | None]:
     keys = [f"{tag}-{i:04d}" for i in range(n)]
-    return engine.batch_put_from(keys, [bytes(PAGE)] * n)
+    return engine.batch_put_parts(keys, [[bytes(PAGE)]] * n)
 
 
 def test_pinned_blocks_survive_a_fill_that_would_evict_them() -> None:

@@ -44,7 +44,7 @@ def test_outage_fails_fast_then_reconnects() -> None:
 def test_a_miss_is_an_answer_not_an_outage() -> None:
     pool = FakePool()
     handle = PoolHandle(lambda: pool, reconnect_interval_s=5, describe="test")
-    assert handle.call(lambda p: p.batch_get_into(["nope"], [bytearray(4)])) == [MISS]
+    assert handle.call(lambda p: p.batch_get_parts(["nope"], [[bytearray(4)]])) == [MISS]
 
     def raise_miss(p: PoolEngine) -> None:
         raise ObjectNotFound("nope")
@@ -83,8 +83,8 @@ def test_embedded_pools_are_shared_per_process() -> None:
     try:
         a = EmbeddedPools.get("t1", factory)
         b = EmbeddedPools.get("t1", factory)
-        assert a.batch_put_from(["k"], [b"abc"]) == [None]
-        assert b.batch_get_into(["k"], [bytearray(3)]) == [3] and len(made) == 1
+        assert a.batch_put_parts(["k"], [[b"abc"]]) == [None]
+        assert b.batch_get_parts(["k"], [[bytearray(3)]]) == [3] and len(made) == 1
         b.close()  # one user closing does not close the shared pool
         assert not made[0].closed
         with pytest.raises(ValueError, match="already exists"):

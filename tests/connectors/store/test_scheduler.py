@@ -198,7 +198,7 @@ def test_dead_pool_is_a_miss_and_probing_takes_no_lease() -> None:
     calls = pool.calls["prefix_lookup"]
     assert sched.get_num_new_matched_tokens(Req("f", range(50)), 0) == (0, False)
     assert pool.calls["prefix_lookup"] == calls
-    assert pool.leases == 0 and pool.calls["get_into"] == 0
+    assert pool.leases == 0 and pool.calls["batch_get_parts"] == 0
 
 
 def test_consumer_without_put_saves_nothing() -> None:

@@ -145,7 +145,7 @@ def test_save_stops_at_a_full_pool_but_skips_a_conflict() -> None:
     pool.down = True
     worker.save(save_plan((3, 4), keys(2, "z")))
     # one engine call per save, and none after the one the dead pool refused
-    assert worker.counters["save_errors"] == 1 and pool.calls["batch_put_from_parts"] == 2
+    assert worker.counters["save_errors"] == 1 and pool.calls["batch_put_parts"] == 2
 
 
 def test_rank_picks_the_keys_of_its_own_head_group() -> None:
@@ -161,11 +161,12 @@ def test_a_request_moves_in_one_engine_call_per_batch() -> None:
     pool = FakePool()
     src, dst = kv_caches(1), kv_caches(2)
     make(pool, src).save(save_plan(tuple(range(12)), keys(12)))
-    assert pool.calls["batch_put_from_parts"] == 1 and pool.calls["batch_put_from"] == 0
+    assert pool.calls["batch_put_parts"] == 1 and set(pool.calls) == {"health", "batch_put_parts"}
     assert list(pool.parents.values()) == [None, *keys(12)[:-1]]  # the chain is kept
     worker = make(pool, dst)
     worker.start_loads(load_plan(tuple(range(12)), keys(12)))
-    assert pool.calls["batch_get_into_parts"] == 1 and pool.calls["batch_get_into"] == 0
+    assert pool.calls["batch_get_parts"] == 1
+    assert set(pool.calls) == {"health", "batch_put_parts", "batch_get_parts"}
     assert worker.take_invalid_block_ids() == set()
     assert all(torch.equal(src[n], dst[n]) for n in src)
 
@@ -173,14 +174,12 @@ def test_a_request_moves_in_one_engine_call_per_batch() -> None:
 class OversizedPool(FakePool):
     """Reads a too-large object the way kvpool's client does: the batch raises."""
 
-    def batch_get_into_parts(
-        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
-    ) -> list[int]:
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
         for key, ps in zip(keys, parts, strict=True):
             if len(self.objects.get(key, b"")) > sum(p.numel() * p.element_size() for p in ps):
-                self.calls["batch_get_into_parts"] += 1
+                self.calls["batch_get_parts"] += 1
                 raise ValueError(f"buffer too small for {key}")
-        return super().batch_get_into_parts(keys, parts)
+        return super().batch_get_parts(keys, parts)
 
 
 def test_an_object_larger_than_a_page_fails_its_own_block_and_is_dropped() -> None:
@@ -202,7 +201,7 @@ class PartsRecorder(FakePool):
         super().__init__()
         self.seen: list[list[Any]] = []
 
-    def batch_put_from_parts(
+    def batch_put_parts(
         self,
         keys: Sequence[str],
         parts: Sequence[Sequence[Any]],
@@ -210,13 +209,11 @@ class PartsRecorder(FakePool):
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
         self.seen.extend(list(p) for p in parts)
-        return super().batch_put_from_parts(keys, parts, parents=parents)
+        return super().batch_put_parts(keys, parts, parents=parents)
 
-    def batch_get_into_parts(
-        self, keys: Sequence[str], parts: Sequence[Sequence[Any]]
-    ) -> list[int]:
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
         self.seen.extend(list(p) for p in parts)
-        return super().batch_get_into_parts(keys, parts)
+        return super().batch_get_parts(keys, parts)
 
 
 def test_cpu_pages_are_handed_over_in_place_one_part_per_layer() -> None:

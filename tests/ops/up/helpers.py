@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
+SETUP = "scripts/setup.sh"
+
+
+def up_argv(command: str) -> list[str]:
+    """A docs' ``kvpool up`` command line as argv, to run from the repository root.  Of
+    ``scripts/setup.sh && COMMAND`` it is COMMAND: the suite runs after scripts/setup.sh
+    (``.ci/run``), and running it again from a test would reinstall the environment the
+    test runs in."""
+    before, _, after = command.rpartition("&&")
+    assert before.strip() in ("", SETUP), command
+    argv = shlex.split(after, comments=True)
+    assert argv[1:2] == ["up"], command
+    return argv
 
 
 def gone(pid: int) -> bool:

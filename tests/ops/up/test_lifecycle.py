@@ -10,13 +10,15 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
 
 from kvpool.ops.up.lifecycle import STATE_FILE, run
 from kvpool.ops.up.options import UpOptions
-from tests.ops.up.helpers import REPO, gone
+from tests.docs.blocks import doc_block
+from tests.ops.up.helpers import REPO, gone, up_argv
 from tests.waiting import wait_until
 
 
@@ -47,10 +49,12 @@ def test_run_prints_the_failing_process_log_and_leaves_nothing(tmp_path: Path) -
 
 # --------------------------------------------------------------------------- kvpool up --no-vllm
 
+PYTHON_UP = (sys.executable, "-m", "kvpool", "up")
 
-def start_up(*flags: str) -> subprocess.Popen[str]:
+
+def start_up(*flags: str, command: Sequence[str] = PYTHON_UP) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvpool", "up", *flags],
+        [*command, *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -76,7 +80,10 @@ def read_state(state: Path, pid: int, timeout_s: float = 60.0) -> dict[str, obje
 
 def test_up_no_vllm_serves_the_guides_metrics_and_stops_clean(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    up = start_up("--no-vllm", "--state-dir", str(state), "--master-port", "0")
+    # docs/quickstart.md's command, plus the test's own state directory and any free port
+    # for the master (the default 50088 may be taken in CI)
+    (command,) = doc_block("quickstart.no-vllm").commands()
+    up = start_up("--state-dir", str(state), "--master-port", "0", command=up_argv(command))
     try:
         info = read_state(state, up.pid)
         master = info["master"]
@@ -114,6 +121,9 @@ def test_up_no_vllm_serves_the_guides_metrics_and_stops_clean(tmp_path: Path) ->
             up.communicate(timeout=10)
     assert up.returncode == 0, out
     assert "kvpool up: ready" in out and "master     stopped" in out
+    # what the page says it prints: the metrics curl, and the node config for your vLLM
+    assert f'curl -s {master}/metrics | grep -E "kv_cache|connected"' in out, out
+    assert f"export KVPOOL_CONFIG_PATH={state / 'mooncake.json'}" in out, out
     assert gone(master_pid)
     assert not (state / STATE_FILE).exists()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
@@ -10,8 +11,10 @@ import pytest
 from kvpool.cli import build_parser
 from kvpool.errors import ConfigError
 from kvpool.ops.up.lifecycle import resolve_ports
-from kvpool.ops.up.options import UpOptions, default_state_dir, options_from_args
-from kvpool.ops.up.plan import make_plan
+from kvpool.ops.up.options import PORT_FLAGS, UpOptions, default_state_dir, options_from_args
+from kvpool.ops.up.plan import UpPlan, instance_kv_port, make_plan
+from tests.docs.blocks import doc_block
+from tests.ops.up.helpers import up_argv
 
 
 @pytest.mark.parametrize(
@@ -47,7 +50,7 @@ def test_cli_flags_become_options(tmp_path: Path) -> None:
     assert [p for p in ports if getattr(opts, p) == 0] == ["master_port"]  # any free port
     assert (opts.segment_size, opts.ssd_limit, opts.kv_cache_bytes) == (
         512 << 20,
-        2_000_000_000,
+        2 << 30,  # Mooncake's GB
         32 << 20,
     )
     assert opts.cpus == (0, 1, 3) and opts.decode_instances == 2 and opts.proxy_port == 9001
@@ -71,3 +74,43 @@ def test_default_state_dir() -> None:
     assert default_state_dir({"KVPOOL_STATE_DIR": "/s", "XDG_STATE_HOME": "/x"}) == Path("/s")
     assert default_state_dir({"XDG_STATE_HOME": "/x"}) == Path("/x/kvpool/up")
     assert default_state_dir({}) == Path(".kvpool-state")
+
+
+def _planned(command: str) -> UpPlan:
+    args = build_parser().parse_args(up_argv(command)[1:])
+    return make_plan(options_from_args(args, {"KVPOOL_STATE_DIR": "/state"}, (0, 1), "py"))
+
+
+def test_the_quick_starts_example_lines_parse_and_plan_as_the_page_says() -> None:
+    """docs/quickstart.md's two example lines through kvpool's own parser and make_plan:
+    everything ``kvpool up`` does before it starts a process.  (The processes are
+    tests/e2e/test_up_stack.py's; a 0.5B model and four cores are not this machine's.)"""
+    real, layouts = map(_planned, doc_block("quickstart.options").commands())
+    # a real model: its own name and chat template, the room the line gives it
+    (prefill,) = real.by_role("prefill")
+    argv = list(prefill.argv)
+    assert argv[argv.index("--model") + 1] == "/models/Qwen2.5-0.5B-Instruct"
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(2 << 30)
+    assert argv[argv.index("--max-model-len") + 1] == "8192"
+    assert "--chat-template" not in argv and real.model_name == "Qwen2.5-0.5B-Instruct"
+    # layouts: a TP-2 prefill and two decodes on cores 0-3, one core per rank; each
+    # decode's --kv-transfer-config carries the prefill's layout (the peer's)
+    specs = [*layouts.by_role("prefill"), *layouts.by_role("decode")]
+    assert [s.name for s in specs] == ["prefill-0", "decode-0", "decode-1"]
+    assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == ["0|1", "2", "3"]
+    p_argv = list(specs[0].argv)
+    assert p_argv[p_argv.index("--tensor-parallel-size") + 1] == "2"
+    for decode in specs[1:]:
+        d_argv = list(decode.argv)
+        config = json.loads(d_argv[d_argv.index("--kv-transfer-config") + 1])
+        transfer = config["kv_connector_extra_config"]["connectors"][0]
+        assert transfer["kv_connector_extra_config"]["prefill"] == {"dp_size": 1, "tp_size": 2}
+
+
+def test_the_kv_port_flags_help_says_instances_are_spaced_by_their_ranks(tmp_path: Path) -> None:
+    # a second TP-2 prefill starts two ports on, not one: `kvpool up --help` must say so
+    opts = UpOptions(state_dir=tmp_path, prefill_instances=2, prefill_tp=2)
+    assert instance_kv_port(opts, "prefill", 1) == opts.prefill_kv_port + 2
+    helps = {flag: text for _, flag, text in PORT_FLAGS}
+    for flag in ("--prefill-kv-port", "--decode-kv-port"):
+        assert "+1 per instance" not in helps[flag] and "ranks" in helps[flag], helps[flag]

@@ -1,0 +1,163 @@
+"""A prefill's ``kv_port`` as every transport runs it: all of a pull but how pages move.
+
+P (:class:`PullListener`): a thread accepts on the rank's port; each decode connection
+gets a thread that opens with the credential handshake (:mod:`.auth`), then answers
+requests until the decode closes, idles :data:`IDLE_S`, breaks the stream or P stops.
+The :class:`~.transport.PullHandler` admits or refuses each pull; the transport's own
+:data:`MovePages` moves an admitted one's pages, and ``Done`` follows what it moved.
+D (:func:`dial`): one connection to a P rank, bounded, handshake included.  Both
+transports' codecs carry ``Pull``, ``PullDone``, ``Done`` and ``Refused``; anything else
+a request codec carries is answered ``Refused`` outside a pull.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
+from kvpool.connectors.transfer.auth import admit_decode, open_to_prefill
+from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
+from kvpool.core.credentials import Credential
+from kvpool.errors import KVPoolError
+from kvpool.protocol.codec import Codec
+from kvpool.protocol.pull import Done, Pull, PullDone, Refused
+from kvpool.transfer.framing import (
+    BadRequest,
+    deadline_after,
+    recv_request,
+    send_frame,
+    tune_socket,
+)
+from kvpool.transfer.server import ThreadedServer
+
+__all__ = ["ACCEPT_POLL_S", "IDLE_S", "MovePages", "PullListener", "dial"]
+
+logger = logging.getLogger("vllm.kvpool.transfer")
+_PREFIX = f"[{TRANSFER_CONNECTOR}]"
+#: how often the accept loop looks at the stop flag
+ACCEPT_POLL_S = 0.5
+#: a decode connection idle this long between requests is closed
+IDLE_S = 60.0
+
+#: A transport's own part of an admitted pull: move its pages over ``conn`` before
+#: ``deadline``; the bytes moved, or ``None`` when D could not take them (then P sends no
+#: ``Done`` and the pull is not served).  Raises KVPoolError when the stream broke.
+MovePages = Callable[[socket.socket, Pull, float], int | None]
+
+
+class PullListener:
+    """Accepts decode connections on a P rank's ``kv_port`` and answers their requests."""
+
+    def __init__(
+        self,
+        *,
+        requests: Codec[Any],
+        replies: Codec[Any],
+        timeout_s: float,
+        credential: Credential | None,
+        move: MovePages,
+    ) -> None:
+        self._requests = requests
+        self._replies = replies
+        self._timeout_s = timeout_s
+        self._credential = credential
+        self._move = move
+        self.refused_auth = 0  # decode connections refused for their credential
+        self._server: ThreadedServer | None = None
+
+    def start(self, host: str, port: int, handler: PullHandler) -> None:
+        """Listen on ``host:port``; ``OSError`` when it cannot."""
+        server = ThreadedServer(
+            host,
+            port,
+            lambda conn: self._serve(conn, handler),
+            name="kvpool-kv",
+            backlog=None,
+            accept_poll_s=ACCEPT_POLL_S,
+        )
+        server.start()
+        self._server = server
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close(timeout_s=2 * ACCEPT_POLL_S)
+
+    def _serve(self, conn: socket.socket, handler: PullHandler) -> None:
+        # the server closes conn when this returns; its close() wakes a blocked recv
+        assert self._server is not None
+        tune_socket(conn)
+        if self._credential is not None and not self._admitted(conn):
+            return
+        while not self._server.stopping:
+            try:
+                got = recv_request(conn, self._requests, self._timeout_s, idle_timeout=IDLE_S)
+                if got is None:
+                    return
+                deadline = deadline_after(self._timeout_s)
+                if isinstance(got, BadRequest):  # another version? say so, keep serving
+                    self._reply(conn, Refused(f"bad request: {got.error}"), deadline)
+                    continue
+                message, _ = got
+                if isinstance(message, Pull):
+                    self._serve_pull(conn, message, handler, deadline)
+                elif isinstance(message, PullDone):
+                    reason = handler.done(message)
+                    self._reply(conn, Refused(reason) if reason else Done(0), deadline)
+                else:
+                    name = type(message).__name__
+                    self._reply(conn, Refused(f"{name} without a pull"), deadline)
+            except KVPoolError as exc:
+                logger.warning("%s dropping a decode connection: %s", _PREFIX, exc)
+                return
+
+    def _admitted(self, conn: socket.socket) -> bool:
+        assert self._server is not None and self._credential is not None
+        where = f"{self._server.host}:{self._server.port}"
+        refused = admit_decode(conn, self._credential, where, self._timeout_s, self._replies)
+        if refused is not None:
+            self.refused_auth += 1
+            logger.warning("%s refused a decode connection: %s", _PREFIX, refused)
+        return refused is None
+
+    def _serve_pull(
+        self, conn: socket.socket, pull: Pull, handler: PullHandler, deadline: float
+    ) -> None:
+        reason = handler.admit(pull, deadline)
+        if reason is not None:
+            self._reply(conn, Refused(reason), deadline)
+            return
+        total = self._move(conn, pull, deadline)
+        if total is None:
+            return
+        self._reply(conn, Done(total), deadline)
+        handler.served(pull, total)
+
+    def _reply(self, conn: socket.socket, reply: Done | Refused, deadline: float) -> None:
+        send_frame(conn, self._replies, reply, None, deadline)
+
+
+def dial(
+    host: str, port: int, timeout_s: float, credential: Credential | None, client_id: str
+) -> socket.socket:
+    """D's connection to the P rank on ``host:port``, bounded by ``timeout_s``, with the
+    handshake when there is a ``credential``; :class:`PeerUnreachable` when nothing
+    answers."""
+    if timeout_s <= 0:
+        raise PeerUnreachable(f"no time left to connect to {host}:{port}")
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except TimeoutError:
+        raise PeerUnreachable(f"connecting to prefill {host}:{port} timed out") from None
+    except OSError as exc:
+        raise PeerUnreachable(f"cannot connect to prefill {host}:{port}: {exc}") from None
+    tune_socket(sock)
+    if credential is not None:
+        try:
+            open_to_prefill(sock, credential, client_id, timeout_s, f"{host}:{port}")
+        except BaseException:
+            sock.close()
+            raise
+    return sock
