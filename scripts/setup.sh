@@ -26,13 +26,14 @@ fi
 # torch ("operator torchvision::nms does not exist") and nothing here needs them.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-# Mooncake's wheel loads libibverbs, librdmacm and libnuma even over TCP (the Mooncake
-# engine's tests and mooncake_master fail without them).  Debian's packages, as for chromium;
+# Mooncake's wheel loads libibverbs, librdmacm, libnuma and libcurl even over TCP (the
+# Mooncake engine's tests and mooncake_master fail without them; the Dockerfile installs
+# the same).  Debian's packages, as for chromium;
 # iproute2 (ip, tc) builds the multi-host suite's network namespaces (tests/multihost).
 # openssl makes the TLS tests' throwaway CA and certificates (kvpool/testing/tls.py).
 missing=()
 # systemd: systemd-analyze verifies deploy/systemd's units (tests/deploy/test_systemd.py).
-for pkg in libibverbs1 ibverbs-providers librdmacm1 libnuma1 iproute2 openssl systemd; do
+for pkg in libibverbs1 ibverbs-providers librdmacm1 libnuma1 libcurl4 iproute2 openssl systemd; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ((${#missing[@]})) && command -v apt-get >/dev/null 2>&1; then

@@ -1,7 +1,8 @@
 """Start kvpool processes for tests and benchmarks: real processes on 127.0.0.1.
 
-``PoolProcess`` starts ``python -m kvpool <command> ... --port 0``, waits (bounded) for
-the line announcing the bound address, and stops the process by its own PID only.
+``PoolProcess`` starts ``python -m kvpool <command> ... --port 0`` (or another program that
+runs kvpool: an installed ``kvpool``, ``podman run IMAGE``), waits (bounded) for the line
+announcing the bound address, and stops the process by its own PID only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool.closing import Closing
@@ -40,12 +42,15 @@ class PoolProcess(Closing):
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 30.0,
         log_path: Path | None = None,
+        program: Sequence[str] = (),
     ) -> None:
+        """``program`` is what runs ``kvpool``'s arguments (default: this interpreter's
+        ``python -m kvpool``); it gets SIGTERM to stop, so it must pass the signal on."""
         self.argv = argv
         full_env = dict(os.environ, **(env or {}))
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool", *argv],
+            [*(program or (sys.executable, "-m", "kvpool")), *argv],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

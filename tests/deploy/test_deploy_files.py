@@ -151,6 +151,11 @@ def interpolate(word: str) -> str:
     return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", word)
 
 
+def argv(service: dict[str, Any]) -> list[str]:
+    """The command line a service runs: its entrypoint, then its command."""
+    return [interpolate(w) for w in [*service["entrypoint"], *service["command"]]]
+
+
 def test_compose_mirrors_the_guides_compose_file() -> None:
     services = compose()["services"]
     assert set(services) == {"master", "node", "proxy"}
@@ -159,21 +164,24 @@ def test_compose_mirrors_the_guides_compose_file() -> None:
         assert service["restart"] == "unless-stopped", name
         assert service["profiles"] == [name], name
         assert "kvpool" in service["image"], name
-        assert service["command"][:2] == ["kvpool", name], name
+        # the entrypoint is set, so any image with kvpool installed runs it (a vLLM image's
+        # own entrypoint is `vllm serve`)
+        assert service["entrypoint"] == ["kvpool"], name
+        assert argv(service)[:2] == ["kvpool", name], name
         assert all(isinstance(word, str) for word in service["command"]), name
     assert services["node"]["environment"]["KVPOOL_CONFIG_PATH"].endswith("mooncake.json")
 
 
 def test_compose_master_command_has_the_guides_flags() -> None:
-    argv = [interpolate(w) for w in compose()["services"]["master"]["command"]]
-    config = MasterConfig.from_argv(argv)
+    words = argv(compose()["services"]["master"])
+    config = MasterConfig.from_argv(words)
     assert config.port == 50088
     assert config.eviction_high_watermark_ratio == 0.9
     assert config.eviction_ratio == 0.1
     assert config.default_kv_lease_ttl == 11000
     assert config.host == "0.0.0.0"  # reachable from the other hosts
     # and kvpool's own parser takes the same words
-    args = build_parser().parse_args(argv[1:])
+    args = build_parser().parse_args(words[1:])
     assert args.command == "master" and args.default_kv_lease_ttl == "11000"
 
 
@@ -184,7 +192,7 @@ def test_compose_reads_the_secret_and_proxy_key_where_render_writes_them() -> No
     services = compose()["services"]
     files = render(parse_inventory(tomllib.loads(INVENTORY.read_text())))
     rendered_node = json.loads(files["p0/mooncake.json"])
-    config = MasterConfig.from_argv([interpolate(w) for w in services["master"]["command"]])
+    config = MasterConfig.from_argv(argv(services["master"]))
     assert config.secret_file == rendered_node["secret_file"] == "/workspace/config/secret"
     assert f"--secret_file {config.secret_file}" in files["master.sh"]
     assert services["node"]["environment"]["KVPOOL_SECRET_FILE"] == config.secret_file
@@ -201,7 +209,7 @@ def test_compose_master_has_room_for_its_segment_in_dev_shm() -> None:
     # Docker's default /dev/shm is 64 MiB: the master's segment needs the host's (ipc:
     # host, as the node has) or a shm_size that holds it, or it refuses to start.
     master = compose()["services"]["master"]
-    config = MasterConfig.from_argv([interpolate(w) for w in master["command"]])
+    config = MasterConfig.from_argv(argv(master))
     assert config.segment_size > 64 << 20
     if master.get("ipc") != "host":
         assert "shm_size" in master, "the master needs ipc: host or a shm_size"
@@ -211,9 +219,9 @@ def test_compose_master_has_room_for_its_segment_in_dev_shm() -> None:
 def test_compose_node_and_proxy_commands_parse() -> None:
     services = compose()["services"]
     parser = build_parser()
-    node = parser.parse_args([interpolate(w) for w in services["node"]["command"][1:]])
+    node = parser.parse_args(argv(services["node"])[1:])
     assert node.command == "node" and node.data_port == 0
-    proxy = parser.parse_args([interpolate(w) for w in services["proxy"]["command"][1:]])
+    proxy = parser.parse_args(argv(services["proxy"])[1:])
     assert proxy.command == "proxy" and proxy.port == 8000
     assert proxy.prefill and proxy.decode
 
