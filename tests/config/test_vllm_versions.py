@@ -37,17 +37,39 @@ def test_an_unsupported_vllm_is_one_line_naming_both_versions() -> None:
     check_vllm_version("0.32.0")
 
 
-def test_importing_a_connector_under_an_unsupported_vllm_fails_before_vllm(
-    tmp_path: Path,
-) -> None:
-    # a vllm distribution's metadata ahead of the real one on the path: what
-    # importlib.metadata (and so the connectors) see as the installed vLLM
+def _old_vllm(tmp_path: Path) -> str:
+    """A PYTHONPATH with a vllm 0.29.0 distribution's metadata ahead of the real one: what
+    importlib.metadata (and so kvpool) sees as the installed vLLM."""
     info = tmp_path / "vllm-0.29.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.29.0\n")
+    return f"{tmp_path}:{ROOT}"
+
+
+def test_kvpool_up_under_an_unsupported_vllm_is_one_line_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("vllm")  # without vLLM, up says that instead
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool", "up", "--state-dir", str(tmp_path / "state")],
+        env={"PYTHONPATH": _old_vllm(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().startswith("kvpool up: vLLM 0.29.0 is installed;"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "state").exists()
+
+
+def test_importing_a_connector_under_an_unsupported_vllm_fails_before_vllm(
+    tmp_path: Path,
+) -> None:
     done = subprocess.run(
         [sys.executable, "-c", "import kvpool.connectors.store.connector"],
-        env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": _old_vllm(tmp_path), "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         timeout=120,
