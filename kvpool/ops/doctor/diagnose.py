@@ -16,6 +16,7 @@ from kvpool.ops.doctor.checks_host import (
     check_ports,
     check_ssd,
     check_timeouts,
+    check_vllm_version,
 )
 from kvpool.ops.doctor.checks_mooncake import check_mooncake_security
 from kvpool.ops.doctor.checks_node import (
@@ -123,6 +124,8 @@ def diagnose(g: Gathered) -> list[Check]:
         checks += _security_checks(g, node)
     guide_names = any(e.is_guide_name for s in g.sides for e in s.config.entries)
     checks.append(check_hashseed(g.env, guide_connectors=guide_names))
+    vllm = check_vllm_version(g.vllm_version)
+    checks += [vllm] if vllm is not None else []
     checks += check_key_agreement(g.key_probe)
     mine = g.key_probe.get("this process")
     if isinstance(mine, list):

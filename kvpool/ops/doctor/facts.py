@@ -51,3 +51,5 @@ class Gathered:
     #: the environment alone holds one (KVPOOL_SECRET_FILE / KVPOOL_SECRET)
     env_credential: bool = False
     master_auth: MasterAuthFacts | None = None
+    #: the installed vLLM's version (None: no vLLM on this host)
+    vllm_version: str | None = None

@@ -30,6 +30,7 @@ from kvpool.config.secret import (
     load_credential,
     operator_headers,
 )
+from kvpool.config.vllm_versions import installed_vllm_version
 from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor import probes
@@ -166,6 +167,7 @@ def _port_facts(label: str, start: int, count: int, live: bool) -> PortFacts:
 def gather(options: DoctorOptions, env: Mapping[str, str] | None = None) -> Gathered:
     """Read every input and probe the outside world (the edge)."""
     g = Gathered(env=dict(os.environ) if env is None else env, live=options.live)
+    g.vllm_version = installed_vllm_version()
     _gather_sides(g, options)
     node = _node_config(g, options)
     _gather_node(g, node)

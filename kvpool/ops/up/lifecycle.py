@@ -20,6 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
+from kvpool.config.vllm_versions import check_vllm_version, installed_vllm_version
 from kvpool.errors import ConfigError
 from kvpool.net import free_port, port_free
 from kvpool.ops.up.mooncake import EVERY_INTERFACE
@@ -141,6 +142,8 @@ def _check_vllm(plan: UpPlan) -> None:
             "vLLM is not installed in this environment; run scripts/setup.sh (without"
             " --no-vllm), or start the pool alone with kvpool up --no-vllm"
         )
+    # the connectors would refuse it inside vLLM's engine; say it here, before any start
+    check_vllm_version(installed_vllm_version())
 
 
 def _prepare(plan: UpPlan, console: Console) -> None:

