@@ -27,8 +27,10 @@ def build_wheel(out: Path) -> Path:
         else:
             shutil.copy2(ROOT / name, src / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-        + ["--disable-pip-version-check", "--wheel-dir", str(out), str(src)],
+        [
+            *(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"),
+            *("--disable-pip-version-check", "--wheel-dir", str(out), str(src)),
+        ],
         check=True,
         timeout=120,
     )
