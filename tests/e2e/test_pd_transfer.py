@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.connectors.vllm_compat import HIT_SOURCE_P2P
 from kvpool.ops.up.tiny_model import sample_text
 from tests.e2e.conftest import Master, start_master
 
@@ -471,7 +472,8 @@ def test_pd_outputs_equal_a_plain_instance(pd: PDPair, reference: dict[str, str]
         assert len(params["remote_block_ids"]) >= 1
         # D really loaded through the connector, and P freed the blocks after the pull
         assert pd.decode.log_text().count(LOADED) == loads_before + 1
-        assert p2p_tokens(pd.decode) > p2p_before  # vLLM admitted the prompt as remote KV
+        if HIT_SOURCE_P2P is not None:  # vLLM >= 0.32 counts hits per source (vllm_compat)
+            assert p2p_tokens(pd.decode) > p2p_before  # vLLM admitted the prompt as remote KV
         deadline = time.monotonic() + 30
         while pd.prefill.log_text().count(RELEASED) == frees_before:
             assert time.monotonic() < deadline, "prefill never released the blocks"
