@@ -239,12 +239,14 @@ def test_a_tenants_data_port_requests_need_the_masters_grant(pool: SecuredPool) 
     ) as conn:
         # with its grant: exactly its range
         assert conn.read(f"{segment}#{red_grant}", offset, size) == b"R" * 4096
+        # the grant with its last character changed (to a different one, always)
+        tampered = red_grant[:-1] + ("1" if red_grant.endswith("0") else "0")
         refusals = (
             (f"{segment}", offset, size, "without a grant"),  # a raw read, no grant
             (f"{segment}#{red_grant}", offset + size, size, "outside its grant"),
             (f"{segment}#{red_grant}", 0, 16 << 20, "outside its grant"),
             (f"{segment}#{blue_grant}", blue_placement.offset, 64, "did not make"),
-            (f"{segment}#{red_grant[:-1]}0", offset, size, "did not make"),
+            (f"{segment}#{tampered}", offset, size, "did not make"),
         )
         for segment_id, at, length, why in refusals:
             with pytest.raises(AuthError, match=why):
