@@ -40,8 +40,8 @@ def _cfg(transport: str, role: str, port: int, secret_file: str) -> TransferConf
         engine_id="group-a",
         peer=Topology(1, 1),
         transport=transport,
-        connect_timeout_ms=2000,
-        transfer_timeout_ms=3000,
+        connect_timeout_ms=10000,
+        transfer_timeout_ms=10000,
         hold_timeout_ms=60000,
         secret_file=secret_file,
     )

@@ -18,7 +18,7 @@ LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 NUM_BLOCKS = 8
 BLOCK = 4
 ROW = 16  # bytes of one token row of one head (k and v)
-POLL_S = 15.0  # upper bound for a result to show up; a correct run takes milliseconds
+POLL_S = 60.0  # bound for a result to show up (a loaded CI machine); a correct run takes ms
 
 
 def free_port(span: int = 1) -> int:
