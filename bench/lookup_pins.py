@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kvpool.client.client import Client
 from kvpool.connectors.store.plan import StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.scheduler import StoreScheduler
@@ -47,7 +48,6 @@ from kvpool.connectors.store.worker import StoreWorker
 from kvpool.core.keys import KeyNamespace
 from kvpool.engines import MasterEngine, PoolEngine
 from kvpool.errors import NoSpace
-from kvpool.service.client import Client
 from kvpool.testing.processes import start_master
 
 LOG = logging.getLogger("bench.lookup_pins")

@@ -52,12 +52,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.baselines import memcpy, raw_tcp
+from kvpool.client.client import Client
 from kvpool.config.peer import PeerSettings
 from kvpool.core.index import IndexConfig
 from kvpool.errors import KVPoolError
+from kvpool.master.service import MasterService
 from kvpool.protocol import messages as m
-from kvpool.service.client import Client
-from kvpool.service.master import MasterService
 from kvpool.storage.segment import Segment
 from kvpool.testing.processes import PoolProcess
 from kvpool.transfer.segment_client import SegmentConnection

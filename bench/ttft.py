@@ -287,7 +287,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _ssd_objects(address: str) -> int:
-    from kvpool.service.client import Client
+    from kvpool.client.client import Client
 
     with Client(address, timeout_s=10) as client:
         return int(client.stats()["tiers"]["ssd"]["objects"])

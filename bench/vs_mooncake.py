@@ -5,7 +5,7 @@ Mooncake binds every interface, so the bench makes one namespace
 (:class:`kvpool.testing.mooncake.Namespace`: ``unshare -n``, only ``lo``) and runs all of
 it there: kvpool's master (hosting no memory) and a ``kvpool node`` contributing the
 pool's memory; ``mooncake_master`` and a store process contributing
-``global_segment_size``; and the clients — kvpool's :class:`~kvpool.service.client.Client`
+``global_segment_size``; and the clients — kvpool's :class:`~kvpool.client.client.Client`
 over its TCP transport (as a separate host would) and a ``MooncakeDistributedStore``
 holding no memory, its buffers registered (``put_from`` / ``get_into`` /
 ``batch_put_from`` / ``batch_get_into``).  Both go over the same loopback.

@@ -3,7 +3,7 @@ keep, remove, exists, batch_exists of numpy buffers).
 
 - :class:`KvpoolSide`: ``kvpool master --segment_size 0`` (it hosts no memory) and a
   ``kvpool node`` contributing the pool's memory, so every byte crosses a process
-  boundary; the client is kvpool's :class:`~kvpool.service.client.Client` on its TCP
+  boundary; the client is kvpool's :class:`~kvpool.client.client.Client` on its TCP
   transport, as a separate host would use it.
 - :class:`MooncakeSide`: ``mooncake_master``, a store process contributing
   ``global_segment_size``, and a client store contributing nothing, whose buffers are
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.client.client import Client
 from kvpool.errors import KVPoolError
-from kvpool.service.client import Client
 from kvpool.testing.mooncake import MooncakeMaster
 from kvpool.testing.processes import PoolProcess, start_master, start_node
 

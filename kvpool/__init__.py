@@ -33,10 +33,10 @@ from kvpool.errors import (
 )
 
 if typing.TYPE_CHECKING:
+    from kvpool.client.async_client import AsyncClient
+    from kvpool.client.client import Client
     from kvpool.config.tls import TLSConfig
-    from kvpool.service.async_client import AsyncClient
-    from kvpool.service.client import Client
-    from kvpool.service.embedded import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
 __version__ = "0.1.0"
 
@@ -103,9 +103,9 @@ __all__ = [
 # Imported on first use: the client brings numpy, msgspec and xxhash, the embedded pool
 # the master and prometheus_client, and a connector or a CLI command may need neither.
 _LAZY = {
-    "AsyncClient": "kvpool.service.async_client",
-    "Client": "kvpool.service.client",
-    "EmbeddedPool": "kvpool.service.embedded",
+    "AsyncClient": "kvpool.client.async_client",
+    "Client": "kvpool.client.client",
+    "EmbeddedPool": "kvpool.embedded",
     "TLSConfig": "kvpool.config.tls",
 }
 

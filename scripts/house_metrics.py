@@ -84,8 +84,8 @@ class _Files:
 def put_get_files() -> dict[str, tuple[int, int]]:
     """{transport: (files of a put, files of a get)} with the master in this process."""
     from kvpool.config.master import MasterConfig
-    from kvpool.service.client import Client
-    from kvpool.service.master_server import MasterServer
+    from kvpool.client.client import Client
+    from kvpool.master.server import MasterServer
 
     files = _Files()
     files.install()  # threads started from now on are seen too (the master's, the data's)

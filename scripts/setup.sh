@@ -54,7 +54,7 @@ if ((${#missing[@]})) && command -v apt-get >/dev/null 2>&1; then
         || echo "warning: could not install ${missing[*]}; the Mooncake tests will fail" >&2
 fi
 
-# The status page is tested in a real headless browser (tests/service/test_status_page.py).
+# The status page is tested in a real headless browser (tests/master/test_status_page.py).
 # Debian's chromium; skipped where there is no apt, and a failed install does not fail setup.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \

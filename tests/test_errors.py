@@ -10,10 +10,10 @@ import pytest
 
 import kvpool.errors as errors
 from kvpool.core.index import IndexConfig
+from kvpool.master.service import MasterService
 from kvpool.protocol import messages as m
 from kvpool.protocol.codec import HEADER_SIZE, Codec
 from kvpool.protocol.data import DATA_REPLY_CODEC, Error, error_reply
-from kvpool.service.master import MasterService
 
 TREE = [
     cls

@@ -39,7 +39,7 @@ RULES = _table()
 
 
 def _part(module: str) -> str:
-    """``kvpool.service.client`` → ``service``; the package's own ``__init__`` is ``kvpool``."""
+    """``kvpool.client.client`` → ``client``; the package's own ``__init__`` is ``kvpool``."""
     pieces = module.split(".")
     if len(pieces) == 1:
         return "kvpool"

@@ -56,9 +56,9 @@ def test_every_exported_name_exists_and_nothing_else_is_public() -> None:
 
 
 def test_the_clients_are_the_service_classes() -> None:
-    from kvpool.service.async_client import AsyncClient
-    from kvpool.service.client import Client
-    from kvpool.service.embedded import EmbeddedPool
+    from kvpool.client.async_client import AsyncClient
+    from kvpool.client.client import Client
+    from kvpool.embedded import EmbeddedPool
 
     assert kvpool.Client is Client
     assert kvpool.AsyncClient is AsyncClient
@@ -89,7 +89,7 @@ def test_import_kvpool_is_light() -> None:
     code = (
         "import sys, kvpool\n"
         "heavy = [m for m in ('vllm', 'torch', 'numpy', 'prometheus_client', 'aiohttp',"
-        " 'kvpool.service.client') if m in sys.modules]\n"
+        " 'kvpool.client.client') if m in sys.modules]\n"
         "print(heavy)\n"
     )
     out = subprocess.run(

@@ -19,6 +19,6 @@ class EmbeddedEngine(ClientEngine):
     @classmethod
     def create(cls, capacity: int) -> EmbeddedEngine:
         """A new, empty pool of ``capacity`` bytes of memory."""
-        from kvpool.service.embedded import EmbeddedPool
+        from kvpool.embedded import EmbeddedPool
 
         return cls(EmbeddedPool(segment_size=capacity))

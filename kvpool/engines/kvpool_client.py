@@ -21,7 +21,7 @@ from kvpool.errors import KVPoolError
 from kvpool.storage.buffers import copy_bytes
 
 if TYPE_CHECKING:
-    from kvpool.service.client import Client
+    from kvpool.client.client import Client
 
 __all__ = ["ClientEngine"]
 

@@ -39,8 +39,8 @@ class MasterEngine(ClientEngine):
     def connect(cls, master: str, *, timeout_s: float) -> MasterEngine:
         """An engine for the master at ``host:port``; connects on first use, and every
         call waits at most ``timeout_s``."""
+        from kvpool.client.client import Client
         from kvpool.config.secret import read_secret_file
-        from kvpool.service.client import Client
 
         path = _node_config_secret_file()
         credential = read_secret_file(path, "secret_file") if path else None

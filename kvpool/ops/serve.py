@@ -1,7 +1,7 @@
 """The long-running commands: ``kvpool master``, ``kvpool node`` and ``kvpool proxy``.
 
 Each takes its config already validated and hands over to the service that owns the
-event loop (:mod:`kvpool.service` for the pool, :mod:`kvpool.proxy` for the proxy); what
+event loop (:mod:`kvpool.master` for the pool, :mod:`kvpool.proxy` for the proxy); what
 stays here is what a command does around a server: logging, and reading the node's config
 file.
 """
@@ -43,7 +43,7 @@ def _configure_logging(level: str | None) -> None:
 # ``kvpool doctor`` stay light.
 def run_master(config: MasterConfig, *, log_level: str | None = None) -> int:
     """``kvpool master``: serve the pool's metadata (and its own segment) until a signal."""
-    from kvpool.service.master_server import run_master as serve_master
+    from kvpool.master.server import run_master as serve_master
 
     _configure_logging(log_level)
     return serve_master(config)
@@ -65,8 +65,8 @@ def run_node(options: NodeOptions) -> int:
     node config is a ConfigError naming the key."""
     from kvpool.config import load_node_config
     from kvpool.errors import ConfigError
+    from kvpool.node.node import run_node as serve_node
     from kvpool.ops.mooncake_master import mooncake_at
-    from kvpool.service.node import run_node as serve_node
 
     _configure_logging(options.log_level)
     config = load_node_config(options.config)

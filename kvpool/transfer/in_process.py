@@ -1,6 +1,6 @@
 """The in-process transport: a client and the storage it reads and writes share a process.
 
-The embedded pool (:class:`~kvpool.service.embedded.EmbeddedPool`) holds one memory
+The embedded pool (:class:`~kvpool.embedded.EmbeddedPool`) holds one memory
 segment and an optional SSD tier in its own process; every transfer is a plain memory
 copy (or a file read), and nothing listens on a socket.  There is one storage owner, so
 every address leads to the same data path.

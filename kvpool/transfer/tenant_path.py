@@ -3,7 +3,7 @@ master's grant.
 
 A tenant holds no node key, so it cannot open a node's data port the way a holder of
 the cluster secret does.  The master hands it, inside each memory placement's segment
-id, ``<segment id>#<grant>#<data key>`` (:mod:`kvpool.service.master_tenants`): the
+id, ``<segment id>#<grant>#<data key>`` (:mod:`kvpool.master.tenancy`): the
 grant for exactly that range and operation, and the tenant's key to that node's data
 port.  This path opens the connection with the data key (handshake role
 ``tenant-data``) and sends each request's segment id with its grant, never the key;

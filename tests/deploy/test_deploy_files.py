@@ -15,10 +15,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.cli import build_parser
+from kvpool.client.client import Client
 from kvpool.config import MasterConfig, load_node_config
 from kvpool.config.values import parse_size
 from kvpool.ops.render import parse_inventory, render
-from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
 from tests.deploy.grafana import all_panels, dashboard, exprs
 from tests.deploy.traffic import master_flags, touch_every_counter

@@ -126,7 +126,7 @@ def test_dockerfile_copies_what_the_wheel_is_made_of() -> None:
         assert (ROOT / source).exists(), source
         assert not ignored(source, patterns), f"{source} is left out by .dockerignore"
     assert ignored(".venv", patterns) and ignored("kvpool/__pycache__/x.pyc", patterns)
-    assert not ignored("kvpool/service/static/status.html", patterns)
+    assert not ignored("kvpool/master/static/status.html", patterns)
 
 
 def test_dockerfile_extras_are_the_wheels() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from kvpool.testing.processes import PoolProcess, start_master
 from tests.deploy.doc_commands import DOCS, ROOT, bash, for_this_master, kvpool_on_path, shell_lines
-from tests.service.auth_pool import secret_file
+from tests.master.auth_pool import secret_file
 
 GREP = 'grep -E "kv_cache|connected"'
 # every file that shows the check for a master with a secret, README to Compose

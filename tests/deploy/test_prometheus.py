@@ -32,15 +32,15 @@ from typing import Any, BinaryIO
 import pytest
 import yaml
 
+from kvpool.client.client import Client
 from kvpool.core.credentials import Credential
 from kvpool.net import free_port
-from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
 from tests.deploy.doc_commands import bash, for_this_master, kvpool_on_path
 from tests.deploy.grafana import dashboard, exprs
 from tests.deploy.traffic import master_flags, touch_every_counter
 from tests.docs.blocks import doc_block
-from tests.service.auth_pool import SECRET, WRONG, secret_file
+from tests.master.auth_pool import SECRET, WRONG, secret_file
 from tests.waiting import wait_until
 
 WAIT_S = 60.0  # every wait on Prometheus; scrapes are 1 s apart, the 2-core CI is shared

@@ -33,7 +33,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def package_files() -> set[str]:
-    """Every file of the package as the wheel names it (kvpool/service/static/status.html)."""
+    """Every file of the package as the wheel names it (kvpool/master/static/status.html)."""
     return {
         path.relative_to(ROOT).as_posix()
         for path in PACKAGE.rglob("*")
@@ -55,7 +55,7 @@ def test_wheel_holds_every_file_of_the_package(wheel: Path) -> None:
         names = set(zf.namelist())
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         scripts = zf.read(entry_points).decode()
-    assert "kvpool/service/static/status.html" in names
+    assert "kvpool/master/static/status.html" in names
     assert sorted(package_files() - names) == []
     assert re.search(r"^kvpool = kvpool\.cli:main$", scripts, flags=re.MULTILINE), scripts
 

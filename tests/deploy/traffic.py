@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.client.client import Client
 from kvpool.errors import NoSpace, ObjectNotFound
-from kvpool.service.client import Client
 
 
 def master_flags(ssd: Path) -> list[str]:

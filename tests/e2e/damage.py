@@ -1,6 +1,6 @@
 """A pool wrapper for e2e tests: records what the connector stores and damages it on demand.
 
-It wraps the real in-process pool (:class:`~kvpool.service.embedded.EmbeddedPool`, as the
+It wraps the real in-process pool (:class:`~kvpool.embedded.EmbeddedPool`, as the
 embedded engine does):
 "remove" deletes objects from it (a missing block); "corrupt" overwrites the first bytes
 of the stored object inside the pool's memory segment, so that the pool's own checksum
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.embedded import EmbeddedPool
 from kvpool.engines import EmbeddedEngine
 from kvpool.errors import KVPoolError
 from kvpool.protocol import messages as m
-from kvpool.service.embedded import EmbeddedPool
 from kvpool.storage.buffers import writable_byte_view
 
 __all__ = ["DamagingPool", "corrupt_in_place", "make_embedded"]

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from kvpool.client.client import Client
 from kvpool.ops.up.tiny_model import sample_text
-from kvpool.service.client import Client
 from tests.e2e.conftest import Master, RunOffline, free_port, start_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

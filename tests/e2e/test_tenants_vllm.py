@@ -19,7 +19,7 @@ from kvpool.core.credentials import Credential
 from kvpool.testing.processes import start_master
 from tests.e2e.conftest import RunOffline
 from tests.e2e.test_store_connector import LONG, STATS, gen, store_config
-from tests.service.auth_pool import SECRET, secret_file
+from tests.master.auth_pool import SECRET, secret_file
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

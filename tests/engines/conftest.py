@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvpool.client.client import Client
 from kvpool.core.index import IndexConfig
+from kvpool.embedded import EmbeddedPool
 from kvpool.engines import EmbeddedEngine, MasterEngine, PoolEngine
 from kvpool.net import free_port
 from kvpool.protocol import messages as m
-from kvpool.service.client import Client
-from kvpool.service.embedded import EmbeddedPool
 from kvpool.storage.segment import Segment
 from kvpool.testing.mooncake import Namespace
 from kvpool.testing.processes import start_master

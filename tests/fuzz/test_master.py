@@ -17,12 +17,12 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from kvpool.client.client import Client
 from kvpool.errors import ProtocolError
 from kvpool.net import http_get
 from kvpool.protocol import messages as m
 from kvpool.protocol.codec import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, HEADER_SIZE
 from kvpool.protocol.data import Error
-from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
 from tests.fuzz.frames import FUZZ_SOCKET, header, mutated_frames, typed_bodies
 from tests.fuzz.peer import decode_replies, is_rpc, send_and_close, send_and_read

@@ -10,7 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-# What the master's /metrics shows (names from kvpool.service.metrics).
+# What the master's /metrics shows (names from kvpool.master.metrics).
 METRICS = (
     "# TYPE kvpool_kv_cache_blocks_total gauge\nkvpool_kv_cache_blocks_total 12345\n"
     "# TYPE kvpool_connected_clients gauge\nkvpool_connected_clients 8\n"

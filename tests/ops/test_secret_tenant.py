@@ -8,7 +8,7 @@ import pytest
 
 from kvpool.cli import main
 from kvpool.core.credentials import Credential
-from tests.service.auth_pool import SECRET, secret_file
+from tests.master.auth_pool import SECRET, secret_file
 
 
 def test_tenant_key_prints_the_tenants_credential(

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.client.client import Client
 from kvpool.config import MasterConfig
-from kvpool.service.client import Client
 from kvpool.storage.segment import SHM_DIR
 from kvpool.testing.processes import start_master
 

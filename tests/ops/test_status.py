@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from kvpool.client.client import Client
 from kvpool.errors import ObjectNotFound, ProtocolError, TransferError
 from kvpool.ops.status import (
     PoolSnapshot,
@@ -30,7 +31,6 @@ from kvpool.ops.status import (
     render,
     run,
 )
-from kvpool.service.client import Client
 from kvpool.testing.processes import PoolProcess, start_master
 
 STATUS: dict[str, Any] = {

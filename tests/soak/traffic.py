@@ -28,8 +28,8 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvpool.client.client import Client
 from kvpool.errors import KVPoolError, ObjectNotFound
-from kvpool.service.client import Client
 
 __all__ = ["Result", "main", "value_of"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvpool.service.client import Client
+from kvpool.client.client import Client
 from kvpool.storage.ssd import files_by_key
 from kvpool.testing.processes import start_master
 

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kvpool.client.master_link import mooncake_answers
 from kvpool.config.secret import operator_headers, read_secret_file
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
@@ -28,7 +29,6 @@ from kvpool.ops.doctor.checks_host import SsdFacts
 from kvpool.ops.doctor.checks_node import MasterFacts
 from kvpool.ops.doctor.checks_security import MasterAuthFacts, SecretFileFacts
 from kvpool.ops.mooncake_master import find_mooncake_master, looks_like_mooncake_health
-from kvpool.service.master_link import mooncake_answers
 from kvpool.transfer.auth import authenticate
 from kvpool.transfer.tls import wrap_client
 
@@ -250,8 +250,8 @@ def cross_node_probe(
     Writes one small object into the pool; a duplicate put is a no-op by the pool's rules.
     """
     try:
+        from kvpool.client.client import Client
         from kvpool.errors import KVPoolError, ObjectNotFound
-        from kvpool.service.client import Client
     except ImportError as exc:  # the service layer is not installed here
         return None, False, f"no pool client ({exc})"
     mine = {"host": host, "version": version, "keys": local_probe_keys()}

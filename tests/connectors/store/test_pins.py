@@ -21,9 +21,9 @@ from kvpool.connectors.store.scheduler import StoreScheduler, pin_owner
 from kvpool.connectors.store.worker import StoreWorker
 from kvpool.core.index import IndexConfig
 from kvpool.core.keys import KeyNamespace, chunk_keys
+from kvpool.embedded import EmbeddedPool
 from kvpool.engines import EmbeddedEngine, PoolEngine
 from kvpool.errors import KVPoolError, NoSpace, ObjectBusy
-from kvpool.service.embedded import EmbeddedPool
 from tests.connectors.store.fake_pool import FakePool
 from tests.connectors.store.test_scheduler import Req, step
 from tests.connectors.store.test_worker import BS, kv_caches

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.client.client import Client
 from kvpool.net import http_get
 from kvpool.ops.doctor import DoctorOptions, format_text, probes, run_doctor
 from kvpool.ops.doctor.checks import Status
 from kvpool.ops.render import parse_inventory, render, write_rendered
-from kvpool.service.client import Client
 from tests.ops.helpers import MLA_MODEL, free_port_range
 
 

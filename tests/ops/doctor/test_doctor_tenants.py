@@ -12,7 +12,7 @@ from kvpool.ops.doctor.checks import Status
 from kvpool.ops.doctor.checks_security import check_master_auth, check_secret_file
 from kvpool.ops.doctor.probes import master_auth_probe, secret_file_facts
 from kvpool.testing.processes import start_master
-from tests.service.auth_pool import SECRET, secret_file
+from tests.master.auth_pool import SECRET, secret_file
 
 RED = Credential.parse(SECRET, "k").tenant_credential("red")
 

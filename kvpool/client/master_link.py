@@ -1,0 +1,248 @@
+"""The client's way to its master's request handler: over TCP, or in this process.
+
+A :class:`MasterLink` carries :mod:`kvpool.protocol.messages` requests and brings back
+their replies (an :class:`~kvpool.protocol.data.Error` reply is returned, not raised:
+the client turns it into its class).  A failure of the link itself raises
+:class:`~kvpool.errors.TransferError` or :class:`~kvpool.errors.PeerTimeout`.
+
+- :class:`TcpMasterLink` -- one connection to ``kvpool master``, opened on first use and
+  again after a failure.  It *pipelines*: :meth:`~MasterLink.post` sends a request whose
+  answer nobody waits for, and its reply is read just before the next call's own, and
+  :meth:`~MasterLink.call` runs the caller's ``meanwhile`` while the master works.
+- The embedded pool's link runs the handler in-process
+  (:class:`~kvpool.embedded.InProcessMaster`); it does not pipeline.
+
+The other engine's master.  A real ``mooncake_master``'s RPC port speaks coro_rpc: it
+closes a kvpool frame without a byte, and retrying that is forever.  So when the first
+exchange on a fresh connection ends without a kvpool reply (closed, or bytes that are no
+kvpool frame), :func:`mooncake_answers` asks the port one cheap question in coro_rpc (a
+call of a function no server registers: any coro_rpc server answers it with its own
+header, whatever its metrics port) and, if it was answered, the call raises a
+:class:`~kvpool.errors.ConfigError` that names what answered (:func:`wrong_engine`).
+Probing only after a failure keeps a kvpool master's path free of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from kvpool.config.peer import PLAIN_PEER, PeerSettings
+from kvpool.errors import (
+    AuthError,
+    ConfigError,
+    KVPoolError,
+    PeerTimeout,
+    ProtocolError,
+    TransferError,
+)
+from kvpool.net import split_address
+from kvpool.protocol import messages as m
+from kvpool.protocol.data import Error
+from kvpool.transfer import framing
+from kvpool.transfer.auth import authenticate
+from kvpool.transfer.channel import Channel, reply_spin_us
+from kvpool.transfer.tls import speaks_tls, tls_required, wrap_client
+
+__all__ = ["CLOSE_SETTLE_S", "MasterLink", "TcpMasterLink", "mooncake_answers", "wrong_engine"]
+
+log = logging.getLogger("kvpool.client")
+
+#: how long a closing link waits for the replies it is owed
+CLOSE_SETTLE_S = 1.0
+
+# coro_rpc (yalantinglibs, what mooncake_master serves on --rpc_port): a request header is
+# magic 21, version, serialize type, message type, then seq, function id, body length and
+# attachment length (u32 little-endian); a reply header starts with the same magic.
+_CORO_MAGIC = 21
+_CORO_PROBE = struct.pack("<BBBBIIII", _CORO_MAGIC, 0, 0, 0, 1, 0xDEADBEEF, 0, 0)
+_CORO_REPLY_HEADER = 16
+
+
+def mooncake_answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``address`` answers in coro_rpc, as a Mooncake master's RPC port does (it
+    replies "the rpc function not registered" to the probe).  One bounded exchange."""
+    host, port = split_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(_CORO_PROBE)
+            head = b""
+            while len(head) < _CORO_REPLY_HEADER:
+                chunk = sock.recv(_CORO_REPLY_HEADER - len(head))
+                if not chunk:
+                    break
+                head += chunk
+    except OSError:  # timeouts included: nothing that answers coro_rpc
+        return False
+    return len(head) == _CORO_REPLY_HEADER and head[0] == _CORO_MAGIC
+
+
+def wrong_engine(address: str) -> ConfigError:
+    """The error of a kvpool client whose master address is a Mooncake master."""
+    return ConfigError(
+        f"{address} is a Mooncake master (mooncake_master's RPC port: it answers Mooncake's"
+        " coro_rpc, not kvpool's protocol); point kvpool at a kvpool master (`kvpool master`),"
+        " or use backend mooncake with a Mooncake mooncake.json"
+        f' ("master_server_address": "{address}", "metadata_server": "P2PHANDSHAKE";'
+        " docs/mooncake.md)"
+    )
+
+
+class MasterLink(Protocol):
+    """Carries one client's requests to a master's handler, in order."""
+
+    #: whether :meth:`post` returns before the master answered and :meth:`call` can
+    #: overlap the caller's work with the round trip
+    pipelined: bool
+
+    def call(
+        self, request: m.MasterRequest, meanwhile: Callable[[], object] | None = None
+    ) -> m.MasterReply:
+        """One round trip; ``meanwhile`` (if any) runs while the master handles it."""
+        ...
+
+    def post(self, request: m.MasterRequest) -> None:
+        """Send a request whose answer nobody needs; never raises (what it undoes
+        expires on the master anyway)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _owed_reply(reply: m.MasterReply) -> None:
+    """The reply to a posted request: only an error is worth a word, and not a loud one
+    (a release of a lease that already expired is no one's problem)."""
+    if isinstance(reply, Error):
+        log.debug("a request sent without waiting failed: %s: %s", reply.code, reply.message)
+
+
+class TcpMasterLink:
+    """One TCP connection to ``kvpool master`` at ``address``; thread-safe (calls are
+    serialised on the connection).  ``peer``: its timeout, TLS context, and the
+    credential each new connection opens with in the handshake, as ``role``
+    (``client``, or ``node`` for a storage node) and ``peer.client_id``; a refusal
+    raises :class:`~kvpool.errors.AuthError`."""
+
+    pipelined = True
+
+    def __init__(
+        self, address: str, peer: PeerSettings = PLAIN_PEER, *, role: str = "client"
+    ) -> None:
+        self.peer = peer
+        self.role = role
+        self.address = address
+        self.timeout_s = peer.timeout_s
+        self._channel: Channel[m.MasterRequest, m.MasterReply] | None = None
+        self._lock = threading.Lock()
+        self._fresh = False  # the channel has not brought back a kvpool reply yet
+        self.spin_us = reply_spin_us()
+
+    def call(
+        self, request: m.MasterRequest, meanwhile: Callable[[], object] | None = None
+    ) -> m.MasterReply:
+        with self._lock:
+            channel = self._connected()
+            try:
+                reply, payload = channel.call(request, meanwhile=meanwhile)
+                if payload:
+                    channel.discard_payload(payload)
+            except (TransferError, ProtocolError) as exc:
+                fresh = self._fresh
+                self._drop()
+                # PeerTimeout is neither: a silent peer is no sign of another protocol
+                if fresh and mooncake_answers(self.address, min(self.timeout_s, 2.0)):
+                    raise wrong_engine(self.address) from exc
+                if fresh and self._tls_expected():
+                    raise tls_required(f"the master at {self.address}") from exc
+                raise
+            except KVPoolError:
+                self._drop()
+                raise
+            self._fresh = False
+            if isinstance(reply, Error) and reply.code == AuthError.code:
+                self._drop()  # a refusal: the master closes this connection after it
+        return reply
+
+    def post(self, request: m.MasterRequest) -> None:
+        with self._lock:
+            try:
+                self._connected().post(request)
+            except KVPoolError as exc:
+                self._drop()
+                log.debug("%s not sent: %s", type(request).__name__, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                # Read the owed replies first: closing a socket with unread bytes resets
+                # the connection, and a reset can discard a release the master has not
+                # read yet.  Bounded, so a hung master does not hold up the close.
+                try:
+                    self._channel.settle(min(self.timeout_s, CLOSE_SETTLE_S))
+                except KVPoolError as exc:
+                    log.debug("replies owed at close not read: %s", exc)
+            self._drop()
+
+    def _connected(self) -> Channel[m.MasterRequest, m.MasterReply]:
+        if self._channel is None:
+            host, port = split_address(self.address)
+            try:
+                sock = socket.create_connection((host, port), timeout=self.timeout_s)
+            except TimeoutError:
+                raise PeerTimeout(f"connecting to the master at {self.address} timed out") from None
+            except OSError as exc:
+                raise TransferError(f"cannot reach the master at {self.address}: {exc}") from None
+            framing.tune_socket(sock)
+            if self.peer.tls is not None:
+                where = f"the master at {self.address}"
+                sock = wrap_client(sock, self.peer.tls, host, self.timeout_s, where)
+            if self.peer.credential is not None:
+                self._authenticate(sock)
+            self._channel = Channel(
+                sock,
+                m.MASTER_REQUEST_CODEC,
+                m.MASTER_REPLY_CODEC,
+                self.timeout_s,
+                _owed_reply,
+                spin_us=self.spin_us,
+            )
+            self._fresh = True
+        return self._channel
+
+    def _authenticate(self, sock: socket.socket) -> None:
+        where = f"the master at {self.address}"
+        credential = self.peer.credential
+        assert credential is not None
+        role, client_id = self.role, self.peer.client_id
+        if credential.is_tenant and role == "client":
+            # a tenant's credential proves its tenant, named as the handshake's id: the
+            # master puts this connection's keys in that tenant's namespace
+            role, client_id = "tenant", credential.tenant
+        try:
+            authenticate(sock, credential, role, client_id, self.timeout_s, where)
+        except AuthError as exc:
+            sock.close()
+            if exc.__cause__ is not None and mooncake_answers(self.address, 2.0):
+                raise wrong_engine(self.address) from exc
+            if exc.__cause__ is not None and self._tls_expected():
+                raise tls_required(f"the master at {self.address}") from exc
+            raise
+        except BaseException:
+            sock.close()
+            raise
+
+    def _tls_expected(self) -> bool:
+        """A plain client closed on at once: does the master speak TLS?"""
+        if self.peer.tls is not None:
+            return False
+        host, port = split_address(self.address)
+        return speaks_tls(host, port, min(self.timeout_s, 2.0))
+
+    def _drop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None

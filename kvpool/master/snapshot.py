@@ -1,0 +1,60 @@
+"""The pool at a glance: what ``kvpool status``, ``kvpool doctor`` and the status page show.
+
+A plain JSON-able dict built from the master's index, metrics and settings; its keys are
+a contract with those readers (``tests/master/test_status_page.py`` and the ops tests
+read them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvpool.core.index import State
+from kvpool.core.registry import Tier
+from kvpool.master.metrics import counter_total
+
+if TYPE_CHECKING:
+    from kvpool.master.service import MasterService
+
+__all__ = ["pool_snapshot"]
+
+
+def pool_snapshot(service: MasterService) -> dict[str, Any]:
+    """The pool at a glance, JSON-able."""
+    now = service.clock()
+    idx = service.index
+    tiers = {}
+    for tier in Tier:
+        capacity, used = idx.usage(tier)
+        tiers[tier.value] = {"capacity": capacity, "used": used, "objects": idx.count(tier)}
+    clients = [
+        {
+            "client_id": c.client_id,
+            "address": c.address,
+            "last_heartbeat_ms_ago": now - c.last_seen_ms,
+            "segments": list(c.segment_ids),
+        }
+        for c in idx.registry.clients.values()
+    ]
+    return {
+        "uptime_s": (now - service.started_ms) / 1000,
+        "tiers": tiers,
+        "objects": len(idx),
+        "pending": idx.count(state=State.PENDING),
+        "clients": clients,
+        "active_leases": idx.active_leases(now),
+        "rpc_connections": service.rpc_connections,
+        "stats": {
+            "evictions": idx.stats.evictions,
+            # what kvpool_offloads_total / kvpool_offload_failures_total say: completed
+            # copies, and failures (the index's own count also has attempts in flight)
+            "offloads": counter_total(service.metrics.offloads),
+            "demote_failures": counter_total(service.metrics.demote_failures),
+            "put_failures_no_space": idx.stats.put_failures_no_space,
+            "expired_leases": idx.stats.expired_leases,
+            "revoked_writes": idx.stats.revoked_writes,
+        },
+        "lookups": service.metrics.lookup_counts(),
+        "recent_errors": list(service.recent_errors),
+        "config": service.config_view,
+    }

@@ -1,0 +1,308 @@
+"""Tenancy, a layer over the master: :class:`TenantMaster` serves a tenant connection's
+requests in that tenant's namespace, keeps its quota and usage, and gives its replies
+back with keys as it sent them and grants for its bytes.
+
+A connection that proved a tenant key (handshake role ``tenant``, its id the tenant's
+name) is that tenant's.  The cluster secret's connections never pass through here (no
+copy, no rewrite): the operator's and single-tenant pools' path is the master's own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from msgspec import structs
+
+from kvpool.config.values import parse_size
+from kvpool.core.credentials import Credential, check_tenant_name, make_grant, tenant_data_key
+from kvpool.core.tenants import TenantBook, scoped, tenant_of, unscoped
+from kvpool.errors import AuthError, ConfigError, KVPoolError, PoolError, QuotaExceeded
+from kvpool.master.copies import Later
+from kvpool.master.service import MasterService
+from kvpool.protocol import messages as m
+from kvpool.protocol.data import Ok, error_reply
+
+__all__ = [
+    "GRANT_SEP",
+    "TenantMaster",
+    "grant_op",
+    "parse_tenant_quotas",
+    "tenant_request",
+]
+
+#: between a segment id and the grant a tenant's placement carries with it
+GRANT_SEP = "#"
+
+#: what only the cluster secret may send
+OPERATOR_REQUESTS = (m.SetQuota, m.ReportFailure)
+#: a storage owner's own requests: never a tenant's
+OWNER_REQUESTS = (m.Register, m.AddSegment, m.Heartbeat, m.Restore)
+
+# per request type: its fields that hold one key or id, and those that hold lists of them
+_ONE: dict[type, tuple[str, ...]] = {
+    m.PutStart: ("client_id", "key", "parent"),
+    m.PutEnd: ("client_id", "key"),
+    m.PutRevoke: ("client_id", "key"),
+    m.Get: ("owner", "key"),
+    m.ReleaseOwner: ("owner",),
+    m.Exists: ("key",),
+    m.Remove: ("key",),
+    m.ReportCorrupt: ("key",),
+    m.BatchPutStart: ("client_id",),
+    m.BatchPutEnd: ("client_id",),
+    m.BatchGet: ("owner",),
+    m.Release: ("owner",),
+    m.Pin: ("owner",),
+}
+_MANY: dict[type, tuple[str, ...]] = {
+    m.BatchPutStart: ("keys", "parents"),
+    m.BatchPutEnd: ("keys",),
+    m.BatchGet: ("keys",),
+    m.Release: ("keys",),
+    m.Pin: ("keys",),
+    m.BatchExists: ("keys",),
+    m.PrefixLookup: ("keys",),
+}
+
+
+def tenant_request(tenant: str, request: Any) -> Any:
+    """``request`` as the master must see it from ``tenant``'s connection, or the
+    AuthError that refuses it.
+
+    Every key it sends, every parent key, and every writer and lease-owner id, is put
+    into the tenant's namespace (:func:`kvpool.core.tenants.scoped`): the client cannot
+    name another tenant's object, writer or lease, so it cannot read, overwrite, remove,
+    probe, pin, release or revoke one.  Operator requests (``SetQuota``; ``ReportFailure``,
+    which drops a whole storage owner) and a node's own requests are refused; the
+    connection stays open (a tenant client's report of a failed transfer is
+    fire-and-forget: it must not cost it its link).
+    """
+    kind = type(request)
+    if kind in OPERATOR_REQUESTS:
+        return AuthError(
+            f"tenant {tenant}'s credential may not send {kind.__name__}: an operator "
+            "action needs the cluster secret"
+        )
+    if kind is m.Stats:
+        return request  # answered with the tenant's own usage, never the pool's snapshot
+    if kind in OWNER_REQUESTS:
+        return AuthError(f"tenant {tenant}'s credential may not send {kind.__name__}")
+    changes: dict[str, Any] = {}
+    if kind is m.ReportCorrupt:  # the segment id came with a grant: the index's own id
+        changes["segment_id"] = request.segment_id.partition(GRANT_SEP)[0]
+    if kind is m.PutEnd or kind is m.BatchPutEnd:  # a node ignores a tenant's write tags
+        changes["noted"] = False
+    for name in _ONE.get(kind, ()):
+        value = getattr(request, name)
+        if value is not None:
+            changes[name] = scoped(tenant, value)
+    for name in _MANY.get(kind, ()):
+        changes[name] = [None if v is None else scoped(tenant, v) for v in getattr(request, name)]
+    if not changes:  # a request type with no key and no id: a bug to fix here, not a hole
+        return AuthError(f"tenant {tenant}: {kind.__name__} is not open to tenants")
+    return structs.replace(request, **changes)
+
+
+def grant_op(request: Any) -> str:
+    """The operation a request's placements are for."""
+    kind = type(request)
+    if kind is m.PutStart or kind is m.BatchPutStart:
+        return "w"
+    if kind is m.Get or kind is m.BatchGet:
+        return "r"
+    return ""
+
+
+class TenantMaster:
+    """The tenants' side of one master (see the module docstring).
+
+    It answers the master's :class:`~kvpool.master.node_copies.Handler` for the
+    tenants' (scoped) requests: their puts make room inside the tenant first, and what
+    the master answers is counted in the tenant's usage (:meth:`_account`).  Objects
+    that leave the index otherwise (evicted, expired, removed) reach it through the
+    master's ``drop_watchers``, which :meth:`over` installs it in.
+    """
+
+    def __init__(self, service: MasterService, credential: Credential | None) -> None:
+        self.service = service
+        self.book = service.tenants
+        self.credential = credential  # the cluster secret: makes the grants (None: none)
+        self._put = service.puts(self._put_key, may_wait=False)
+        self._put_or_wait = service.puts(self._put_key, may_wait=True)
+
+    @classmethod
+    def over(cls, service: MasterService, credential: Credential | None) -> TenantMaster:
+        """The tenant layer over ``service``, installed for the drops it must count."""
+        layer = cls(service, credential)
+        service.drop_watchers.append(layer.book.dropped)
+        return layer
+
+    def admit(self, tenant: str) -> None:
+        """A connection proved ``tenant``'s key: its series on /metrics from now on."""
+        self.book.add(tenant)
+
+    def submit(self, tenant: str, request: m.MasterRequest) -> m.MasterReply | Later:
+        """One request from ``tenant``'s connection: its reply, or a :class:`Later` the
+        server holds (a put, as for anyone), whose reply is mapped back too."""
+        op = grant_op(request)
+        inside = tenant_request(tenant, request)
+        if isinstance(inside, KVPoolError):  # refused; the link stays open
+            return error_reply(inside)
+        if isinstance(inside, m.Stats):
+            return self.stats(tenant)
+        reply = self.service.submit(inside, via=self)
+        if isinstance(reply, Later):
+            retry = reply.retry
+
+            def mapped(final: bool) -> m.MasterReply | None:
+                out = retry(final)
+                return None if out is None else self.reply(tenant, out, op)
+
+            reply.retry = mapped
+            return reply
+        return self.reply(tenant, reply, op)
+
+    # ------------------------------------------------------- the master's Handler, scoped
+    def handle(self, request: m.MasterRequest) -> m.MasterReply:
+        if isinstance(request, (m.PutStart, m.BatchPutStart)):
+            return self.service.handle(request, self._put)
+        reply = self.service.handle(request)
+        self._account(request, reply)
+        return reply
+
+    def try_put(self, request: m.PutStart | m.BatchPutStart) -> m.MasterReply | None:
+        reply: m.MasterReply | None = self.service.handle(request, self._put_or_wait)
+        return reply
+
+    def _put_key(
+        self, client_id: str, key: str, size: int, parent: str | None, now: int, may_wait: bool
+    ) -> m.Placement | None:
+        """The master's ``put_key``, within the tenant's quota."""
+        if self.service.index.state_of(key) is None:  # a new object: it takes room
+            self._make_room(key, size, now)
+        placement = self.service.put_key(client_id, key, size, parent, now, may_wait)
+        if placement is not None and placement.placed:
+            self.book.reserved(key, size)
+        return placement
+
+    def _make_room(self, key: str, size: int, now: int) -> None:
+        """Bring ``key``'s tenant under its quota for a put of ``size``, evicting its own
+        least recently used objects (never another tenant's), or raise QuotaExceeded.
+        The pool-wide watermark eviction still runs over everyone, as without tenants."""
+        book = self.book
+        need = book.over_by(key, size)
+        if not need:
+            return
+        for victim, victim_size in book.victims(key):  # bounded: the tenant's own objects
+            try:
+                self.service.remove(victim, now)
+            except PoolError:  # leased, pinned, or not READY: not evictable now
+                continue
+            book.evicted(victim)
+            need -= victim_size
+            if need <= 0:
+                return
+        book.refused(key)
+        self.service.metrics.put_failures.labels(reason="quota_exceeded").inc()
+        tenant = tenant_of(key)
+        usage = book.tenants[tenant]
+        raise QuotaExceeded(
+            f"{unscoped(tenant, key)}: tenant {tenant} holds {usage.bytes} bytes of its "
+            f"{usage.quota}-byte quota and none of its own objects is evictable for {size} "
+            "more; raise its quota (SetQuota, --tenant_quota) or store less"
+        )
+
+    def _account(self, request: m.MasterRequest, reply: m.MasterReply) -> None:
+        """Count what the master answered in the tenant's usage: reads that found the
+        object or not, objects made visible, writes revoked (an error reply: nothing)."""
+        book = self.book
+        if isinstance(reply, m.Placement):  # a Get's
+            _count_read(book, reply)
+        elif isinstance(reply, m.Placements):  # a BatchGet's
+            for placement in reply.items:
+                _count_read(book, placement)
+        elif isinstance(reply, Ok):
+            if isinstance(request, m.PutEnd):
+                book.stored(request.key)
+            elif isinstance(request, m.PutRevoke):
+                book.dropped(request.key)
+        elif isinstance(reply, m.Bools) and isinstance(request, m.BatchPutEnd):
+            for key, ok in zip(request.keys, reply.values, strict=True):
+                if ok:
+                    book.stored(key)
+
+    # ------------------------------------------------------------------ replies, unscoped
+    def reply(self, tenant: str, reply: m.MasterReply, op: str) -> m.MasterReply:
+        """``reply`` with keys as ``tenant`` sent them, and each memory placement's
+        segment id carrying the grant of ``op`` (``r``, ``w``) and the tenant's key to
+        the owner's data port: ``<segment id>#<grant>#<data key>``.  A tenant's data
+        path (:mod:`kvpool.transfer.tenant_path`) takes them apart; everything between
+        passes the segment id through unchanged."""
+        if isinstance(reply, m.Placement):
+            return self._granted(tenant, reply, op)
+        if isinstance(reply, m.Placements):
+            return m.Placements([self._granted(tenant, p, op) for p in reply.items])
+        return reply
+
+    def _granted(self, tenant: str, p: m.Placement, op: str) -> m.Placement:
+        """A tenant holds no node key, so it reads and writes bytes only with a grant:
+        one for exactly this range and operation, until the lease (read) or the writer's
+        reservation (write) would have expired, MACed with the owner's node key.  No
+        shared-memory name: a segment mapped into its process would bypass every grant.
+        Its objects on the SSD tier are misses for it (an SSD read by key takes no grant
+        yet)."""
+        key = unscoped(tenant, p.key)
+        index = self.service.index
+        segment = index.registry.segments.get(p.segment_id)
+        if not p.placed or p.tier != "memory" or segment is None or self.credential is None:
+            return structs.replace(p, key=key, shm_name="", host_token="")
+        ttl_ms = index.config.writer_ttl_ms if op == "w" else index.config.lease_ttl_ms
+        until = time.time_ns() // 1_000_000 + ttl_ms
+        node_key = self.credential.node_key_of(segment.client_id)
+        grant = make_grant(node_key, tenant, p.segment_id, op, p.offset, p.size, until)
+        data_key = tenant_data_key(node_key, tenant).hex()
+        return structs.replace(
+            p,
+            key=key,
+            segment_id=f"{p.segment_id}{GRANT_SEP}{grant}{GRANT_SEP}{data_key}",
+            shm_name="",  # a tenant's bytes go through the data port, where grants are checked
+            host_token="",
+        )
+
+    def stats(self, tenant: str) -> m.StatsReply:
+        """What a tenant may know of the pool (``Stats``): its own usage.  The pool's
+        clients, segments and objects are the operator's."""
+        usage = self.book.add(tenant)
+        return m.StatsReply(
+            {
+                "tenant": tenant,
+                "bytes": usage.bytes,
+                "objects": usage.objects,
+                "quota_bytes": usage.quota,
+                "hits": usage.hits,
+                "misses": usage.misses,
+                "evictions": usage.evictions,
+            }
+        )
+
+
+def _count_read(book: TenantBook, placement: m.Placement) -> None:
+    if placement.placed:
+        book.hit(placement.key)
+    else:
+        book.miss(placement.key)
+
+
+def parse_tenant_quotas(text: str, key: str = "--tenant_quota") -> dict[str, int]:
+    """``NAME=SIZE[,NAME=SIZE...]`` (sizes as ``1GB``, ``512MiB`` or bytes)."""
+    quotas: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, size = item.partition("=")
+        if not sep:
+            raise ConfigError(
+                f"{key}: {item!r} is not NAME=SIZE (e.g. --tenant_quota teamA=8GB,teamB=2GB)"
+            )
+        check_tenant_name(name.strip(), key)
+        quotas[name.strip()] = parse_size(size.strip(), key=f"{key} ({name.strip()})")
+    return quotas
