@@ -35,12 +35,12 @@ from pathlib import Path
 
 from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
+from kvpool.datapath.auth import authenticate
+from kvpool.datapath.segment_client import SegmentConnection
+from kvpool.datapath.segment_server import SegmentServer
 from kvpool.net import split_address
 from kvpool.storage.segment import Segment
 from kvpool.testing.processes import start_master
-from kvpool.transfer.auth import authenticate
-from kvpool.transfer.segment_client import SegmentConnection
-from kvpool.transfer.segment_server import SegmentServer
 
 SECRET = Credential.parse(os.urandom(32).hex(), "bench")
 

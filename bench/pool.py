@@ -55,13 +55,13 @@ from bench.baselines import memcpy, raw_tcp
 from kvpool.client.client import Client
 from kvpool.config.peer import PeerSettings
 from kvpool.core.index import IndexConfig
+from kvpool.datapath.segment_client import SegmentConnection
+from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import KVPoolError
 from kvpool.master.service import MasterService
 from kvpool.protocol import messages as m
 from kvpool.storage.segment import Segment
 from kvpool.testing.processes import PoolProcess
-from kvpool.transfer.segment_client import SegmentConnection
-from kvpool.transfer.segment_server import SegmentServer
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 # values per batch row, and the largest size with batch rows (the pinned batch keys of

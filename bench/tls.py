@@ -27,10 +27,10 @@ from pathlib import Path
 from kvpool.config.peer import PeerSettings
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
+from kvpool.datapath.segment_client import SegmentConnection
+from kvpool.datapath.segment_server import SegmentServer
 from kvpool.storage.segment import Segment
 from kvpool.testing.tls import CertAuthority
-from kvpool.transfer.segment_client import SegmentConnection
-from kvpool.transfer.segment_server import SegmentServer
 
 SIZES = (64 << 10, 1 << 20, 16 << 20)
 SECRET = Credential.parse(os.urandom(32).hex(), "bench")

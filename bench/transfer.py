@@ -54,10 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.baselines import recv_exactly
 from kvpool.config.peer import PeerSettings
+from kvpool.datapath.segment_client import SegmentConnection
+from kvpool.datapath.segment_server import SegmentServer
+from kvpool.datapath.shm import ShmConnection, host_token
 from kvpool.storage.segment import Segment
-from kvpool.transfer.segment_client import SegmentConnection
-from kvpool.transfer.segment_server import SegmentServer
-from kvpool.transfer.shm import ShmConnection, host_token
 
 GiB = 1 << 30
 _CMD = struct.Struct("!cQQ")  # raw peer command: op, value size, count

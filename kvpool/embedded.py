@@ -3,7 +3,7 @@
 For a single node (the store connector's ``backend: embedded``) and for tests.  It *is*
 a Client, built with two in-process seams instead of sockets: its link to the master
 (:class:`InProcessMaster`) runs the master's request handler in this process behind a
-lock, and its transport (:class:`~kvpool.transfer.in_process.InProcessTransport`) copies
+lock, and its transport (:class:`~kvpool.datapath.in_process.InProcessTransport`) copies
 bytes straight into and out of a local memory segment (and SSD tier, when given).
 Nothing listens on a socket.
 """
@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 from kvpool.client.client import Client
 from kvpool.core.index import IndexConfig
+from kvpool.datapath.in_process import InProcessTransport
 from kvpool.errors import KVPoolError
 from kvpool.master.service import MasterService, monotonic_ms
 from kvpool.node.storage import LocalStorage
 from kvpool.protocol import messages as m
-from kvpool.transfer.in_process import InProcessTransport
 
 __all__ = ["TICK_INTERVAL_MS", "EmbeddedPool", "InProcessMaster"]
 

@@ -1,7 +1,7 @@
 """``kvpool.Client``: the synchronous pool client.
 
 Put path: ``PutStart`` (the master reserves space) → the bytes go straight to the owning
-node's segment through the client's transport (:mod:`kvpool.transfer.transport`: shared
+node's segment through the client's transport (:mod:`kvpool.datapath.transport`: shared
 memory on the same host, TCP otherwise) → ``PutEnd`` with the xxh3 checksum makes the
 object visible.  Get path: ``Get`` (grants a read lease) →
 direct read → checksum verified → ``Release``.
@@ -19,7 +19,7 @@ A read that fails in any way — missing, corrupt, node unreachable — is a mis
 is reported to the master, which drops its objects at once, and a copy that failed its
 checksum is reported too, so the master drops that copy and the next put stores the key
 again.  A put is acknowledged only once its bytes are in a segment whose owner is alive:
-the same-host path checks the owner's lock after copying (:mod:`kvpool.transfer.shm`).
+the same-host path checks the owner's lock after copying (:mod:`kvpool.datapath.shm`).
 
 Values have at least one byte: an empty one is refused here, before any round trip,
 with :class:`~kvpool.errors.PoolError` (Mooncake refuses them too).
@@ -33,7 +33,7 @@ none.  With one, every connection -- to the master and to each node's data port 
 with the handshake of :mod:`kvpool.protocol.auth`; without one, none does (a pool on
 loopback with no secret).  A tenant's credential (``kvpool-tenant:...``) makes this a
 client of that tenant only: the master keeps its keys in the tenant's namespace, and its
-bytes move over TCP with the master's grants (:mod:`kvpool.transfer.tenant_path`).
+bytes move over TCP with the master's grants (:mod:`kvpool.datapath.tenant_path`).
 
 Thread-safe: metadata calls are serialised on one connection; data paths are per node.
 """
@@ -56,6 +56,9 @@ from kvpool.config.peer import PeerSettings
 from kvpool.config.secret import load_credential
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
+from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
+from kvpool.datapath.tenant_path import TenantTransport
+from kvpool.datapath.transport import DataPath, Transport, transport_named
 from kvpool.errors import (
     ChecksumMismatch,
     KVPoolError,
@@ -71,9 +74,6 @@ from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.storage.checksum import checksum
-from kvpool.transfer.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
-from kvpool.transfer.tenant_path import TenantTransport
-from kvpool.transfer.transport import DataPath, Transport, transport_named
 
 __all__ = ["CLOSE_SETTLE_S", "OVERLAP_CHECKSUM_MAX", "Client"]
 
@@ -93,7 +93,7 @@ class Client(Closing):
     """A connection to a kvpool master and direct data paths to its nodes.
 
     ``transport`` chooses how bytes reach the segments: a
-    :class:`~kvpool.transfer.transport.Transport`, or its name in config (``"shm"``:
+    :class:`~kvpool.datapath.transport.Transport`, or its name in config (``"shm"``:
     shared memory on this host and TCP for the rest; ``"tcp"``: TCP only).  Without it,
     ``allow_shm`` picks between those two.  ``link`` replaces the TCP connection to the
     master (the embedded pool's in-process handler); ``master`` is then only a label.

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from kvpool.core.index import Event, ObjectIndex
 from kvpool.core.registry import Tier
+from kvpool.datapath.shm import remove_if_owner_dead
 from kvpool.errors import PoolError
 from kvpool.node.catalog import Outbox
 from kvpool.node.storage import LocalStorage
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Ok
-from kvpool.transfer.shm import remove_if_owner_dead
 
 __all__ = ["Endpoint", "MasterClients"]
 

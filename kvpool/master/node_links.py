@@ -7,7 +7,7 @@ tier) and the deletion of SSD files the index dropped.
 None of it runs on the master's event loop: one slow or stopped node must not stop the
 master serving everyone else (a demotion waited for inside the loop froze ``/health``
 and every client for 10 s per object).  Each node gets one worker thread, with its own
-blocking :class:`~kvpool.transfer.segment_client.SegmentConnection` and a bounded queue;
+blocking :class:`~kvpool.datapath.segment_client.SegmentConnection` and a bounded queue;
 every call on it ends within ``timeout_s``.  A demotion's outcome comes back through the
 ``done`` callback, on the worker's thread (the master hands it to its loop); a job that
 finds the queue full fails at once, and one that waited longer than ``timeout_s`` behind
@@ -30,8 +30,8 @@ from kvpool.closing import Closing
 from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
 from kvpool.core.index import Demote
+from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import KVPoolError
-from kvpool.transfer.segment_client import SegmentConnection
 
 __all__ = ["NodeLinks"]
 

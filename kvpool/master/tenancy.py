@@ -237,7 +237,7 @@ class TenantMaster:
         """``reply`` with keys as ``tenant`` sent them, and each memory placement's
         segment id carrying the grant of ``op`` (``r``, ``w``) and the tenant's key to
         the owner's data port: ``<segment id>#<grant>#<data key>``.  A tenant's data
-        path (:mod:`kvpool.transfer.tenant_path`) takes them apart; everything between
+        path (:mod:`kvpool.datapath.tenant_path`) takes them apart; everything between
         passes the segment id through unchanged."""
         if isinstance(reply, m.Placement):
             return self._granted(tenant, reply, op)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 from kvpool.core.credentials import Credential
 from kvpool.core.index import Demote
+from kvpool.datapath.segment_server import SegmentServer
+from kvpool.datapath.shm import host_token
 from kvpool.errors import ChecksumMismatch, ConfigError, KVPoolError, NoSpace, ProtocolError
 from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer.segment_server import SegmentServer
-from kvpool.transfer.shm import host_token
 
 __all__ = [
     "MASTER_SETTINGS",

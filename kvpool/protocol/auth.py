@@ -4,7 +4,7 @@ A mutual challenge–response with HMAC-SHA256 over nonces from both sides, the 
 proving first.  :class:`ClientHandshake` and :class:`ServerHandshake` are the two sides as
 state machines fed with frames (the messages and rules are beside them);
 :class:`FrameReader` cuts frames out of received bytes.  The socket steps are
-:mod:`kvpool.transfer.auth` (blocking) and the master's event loop.
+:mod:`kvpool.datapath.auth` (blocking) and the master's event loop.
 """
 
 from __future__ import annotations

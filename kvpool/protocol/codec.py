@@ -5,7 +5,7 @@ big-endian), a msgpack body (one typed :class:`msgspec.Struct` of a tagged union
 optional raw payload that a receiver can ``recv_into`` straight into its destination
 buffer.  :class:`Codec` encodes and decodes; :class:`FrameDecoder` is the incremental,
 sans-I/O decoder.  Blocking-socket helpers that receive payloads in place live in
-:mod:`kvpool.transfer.framing`.
+:mod:`kvpool.datapath.framing`.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class SegmentInfo(msgspec.Struct, frozen=True, tag=True):
 class SegmentInfoReply(msgspec.Struct, frozen=True, tag=True):
     """Where a segment lives: its shared-memory name and the host it is on.
 
-    ``host_token`` identifies the host (see :func:`kvpool.transfer.shm.host_token`); a
+    ``host_token`` identifies the host (see :func:`kvpool.datapath.shm.host_token`); a
     client whose own token matches can attach ``shm_name`` and copy directly.
     """
 

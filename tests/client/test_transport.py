@@ -9,17 +9,17 @@ import pytest
 
 from kvpool.client.client import Client
 from kvpool.config.peer import PeerSettings
-from kvpool.embedded import EmbeddedPool, InProcessMaster
-from kvpool.errors import ConfigError, TransferError
-from kvpool.testing.processes import PoolProcess
-from kvpool.transfer.data_ops import DataOp, OpResult, ReadOp, SsdReadOp
-from kvpool.transfer.in_process import InProcessTransport
-from kvpool.transfer.transport import (
+from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp
+from kvpool.datapath.in_process import InProcessTransport
+from kvpool.datapath.transport import (
     DataPath,
     SharedMemoryTransport,
     TcpTransport,
     transport_named,
 )
+from kvpool.embedded import EmbeddedPool, InProcessMaster
+from kvpool.errors import ConfigError, TransferError
+from kvpool.testing.processes import PoolProcess
 
 
 def _kind(op: DataOp) -> str:

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from kvpool.connectors.transfer.jobs import HoldJob, TransferJobs
 from kvpool.connectors.transfer.tcp import TcpTransport
 from kvpool.connectors.transfer.worker import TransferWorker
+from kvpool.datapath.framing import deadline_after
 from kvpool.protocol.pull import PULL_REPLY_CODEC, PULL_REQUEST_CODEC, Pull, PullDone
-from kvpool.transfer.framing import deadline_after
 from tests.connectors.transfer.helpers import BLOCK, LAYERS, ROW, caches, config, free_port, start
 from tests.fuzz.frames import FUZZ_SOCKET, mutated_frames
 from tests.fuzz.peer import Failures, decode_replies, send_and_close, send_and_read
@@ -47,7 +47,7 @@ _requests = itertools.count()
 
 @pytest.fixture(scope="module")
 def failures() -> Iterator[Failures]:
-    with Failures.of("kvpool.transfer") as handler:
+    with Failures.of("kvpool.datapath") as handler:
         yield handler
 
 

@@ -19,14 +19,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.config.peer import PeerSettings
+from kvpool.datapath.segment_client import SegmentConnection
+from kvpool.datapath.segment_server import SegmentServer
+from kvpool.datapath.shm import host_token
 from kvpool.protocol.codec import DEFAULT_MAX_PAYLOAD
 from kvpool.protocol.data import DATA_REPLY_CODEC, DATA_REQUEST_CODEC, Error, SegmentWrite
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer.segment_client import SegmentConnection
-from kvpool.transfer.segment_server import SegmentServer
-from kvpool.transfer.shm import host_token
 from tests.fuzz.frames import FUZZ_SOCKET, header, mutated_frames
 from tests.fuzz.peer import Failures, decode_replies, send_and_close, send_and_read
 from tests.fuzz.wires import WIRES
@@ -49,7 +49,7 @@ def place(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def failures() -> Iterator[Failures]:
-    with Failures.of("kvpool.transfer") as handler:
+    with Failures.of("kvpool.datapath") as handler:
         yield handler
 
 

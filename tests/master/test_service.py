@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from kvpool.core.index import IndexConfig
+from kvpool.datapath.segment_server import SegmentServer
 from kvpool.master.service import MasterService
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer.segment_server import SegmentServer
 from tests.waiting import wait_until
 
 NODE = "node-h-1234abcd"

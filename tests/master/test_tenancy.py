@@ -223,8 +223,8 @@ def _granted(pool: SecuredPool, credential: str, key: str, value: bytes) -> m.Pl
 
 
 def test_a_tenants_data_port_requests_need_the_masters_grant(pool: SecuredPool) -> None:
+    from kvpool.datapath.segment_client import SegmentConnection
     from kvpool.net import split_address
-    from kvpool.transfer.segment_client import SegmentConnection
 
     red_placement = _granted(pool, RED, "red-secret", b"R" * 4096)
     blue_placement = _granted(pool, BLUE, "blue-own", b"B" * 4096)

@@ -54,10 +54,10 @@ from typing import Any
 import msgspec
 
 from kvpool.closing import Closing
+from kvpool.datapath import framing
 from kvpool.engines import PoolLookups
 from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
-from kvpool.transfer import framing
 
 __all__ = [
     "LOOKUP_CODEC",

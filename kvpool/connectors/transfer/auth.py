@@ -26,10 +26,10 @@ import socket
 from kvpool.config.kv_transfer import ENV_INSECURE, TRANSFER_CONNECTOR, TransferConfig
 from kvpool.config.secret import ENV_SECRET_FILE, is_loopback
 from kvpool.core.credentials import Credential
+from kvpool.datapath.auth import admit, authenticate
 from kvpool.errors import AuthError, ConfigError, PeerTimeout, TransferError
 from kvpool.protocol.codec import Codec
 from kvpool.protocol.pull import Refused
-from kvpool.transfer.auth import admit, authenticate
 
 __all__ = ["ROLE", "admit_decode", "open_to_prefill", "require_pull_credential"]
 

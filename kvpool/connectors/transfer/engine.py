@@ -25,6 +25,8 @@ from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.transfer.kv_port import PullListener, dial
 from kvpool.connectors.transfer.transport import PullHandler
 from kvpool.core.credentials import Credential
+from kvpool.datapath.framing import recv_frame, send_frame
+from kvpool.datapath.mooncake_engine import EngineMover
 from kvpool.errors import KVPoolError, ProtocolError, TransferError
 from kvpool.protocol.engine_pull import (
     ENGINE_REPLY_CODEC,
@@ -34,8 +36,6 @@ from kvpool.protocol.engine_pull import (
     Unread,
 )
 from kvpool.protocol.pull import Done, Pull, PullDone, Refused
-from kvpool.transfer.framing import recv_frame, send_frame
-from kvpool.transfer.mooncake_engine import EngineMover
 
 __all__ = ["EngineLink", "EngineTransport"]
 

@@ -21,17 +21,17 @@ from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
 from kvpool.connectors.transfer.auth import admit_decode, open_to_prefill
 from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
 from kvpool.core.credentials import Credential
-from kvpool.errors import KVPoolError
-from kvpool.protocol.codec import Codec
-from kvpool.protocol.pull import Done, Pull, PullDone, Refused
-from kvpool.transfer.framing import (
+from kvpool.datapath.framing import (
     BadRequest,
     deadline_after,
     recv_request,
     send_frame,
     tune_socket,
 )
-from kvpool.transfer.server import ThreadedServer
+from kvpool.datapath.server import ThreadedServer
+from kvpool.errors import KVPoolError
+from kvpool.protocol.codec import Codec
+from kvpool.protocol.pull import Done, Pull, PullDone, Refused
 
 __all__ = ["ACCEPT_POLL_S", "IDLE_S", "MovePages", "PullListener", "dial"]
 

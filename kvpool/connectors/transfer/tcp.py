@@ -20,6 +20,7 @@ from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.transfer.kv_port import PullListener, dial
 from kvpool.connectors.transfer.transport import PullHandler
 from kvpool.core.credentials import Credential
+from kvpool.datapath.framing import recv_exactly_into, recv_frame, send_frame
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.pull import (
     PULL_REPLY_CODEC,
@@ -30,7 +31,6 @@ from kvpool.protocol.pull import (
     PullDone,
     Refused,
 )
-from kvpool.transfer.framing import recv_exactly_into, recv_frame, send_frame
 
 __all__ = ["TcpLink", "TcpTransport"]
 

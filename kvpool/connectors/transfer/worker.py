@@ -49,9 +49,9 @@ from kvpool.connectors.transfer.transport import (
     PeerUnreachable,
     make_transport,
 )
+from kvpool.datapath.framing import deadline_after
 from kvpool.errors import ConfigError, KVPoolError, TransferError
 from kvpool.protocol.pull import Pull, PullDone
-from kvpool.transfer.framing import deadline_after
 
 __all__ = ["RankInfo", "TransferResults", "TransferWorker"]
 

@@ -80,7 +80,7 @@ def check_secret_file(facts: SecretFileFacts) -> Check:
 
 
 # - ``security.master_auth``: the master accepts this host's credential (the handshake of
-#   :mod:`kvpool.transfer.auth`, run by the gatherer), or says why not: different secrets,
+#   :mod:`kvpool.datapath.auth`, run by the gatherer), or says why not: different secrets,
 #   a master without one, a host without one;
 def check_master_auth(facts: MasterAuthFacts | None) -> Check | None:
     """None when neither the master nor this host has a secret (a loopback pool; the

@@ -23,14 +23,14 @@ from kvpool.config.secret import operator_headers, read_secret_file
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
 from kvpool.core.keys import KeyNamespace, chunk_keys
+from kvpool.datapath.auth import authenticate
+from kvpool.datapath.tls import wrap_client
 from kvpool.errors import AuthError, ConfigError, KVPoolError
 from kvpool.net import http_get, master_scheme, split_address
 from kvpool.ops.doctor.checks_host import SsdFacts
 from kvpool.ops.doctor.checks_node import MasterFacts
 from kvpool.ops.doctor.checks_security import MasterAuthFacts, SecretFileFacts
 from kvpool.ops.mooncake_master import find_mooncake_master, looks_like_mooncake_health
-from kvpool.transfer.auth import authenticate
-from kvpool.transfer.tls import wrap_client
 
 __all__ = [
     "CROSS_NODE_KEY",

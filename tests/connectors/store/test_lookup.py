@@ -18,10 +18,10 @@ from kvpool.connectors.store.lookup import (
     LookupServer,
     channel_path,
 )
+from kvpool.datapath import framing
 from kvpool.engines import PoolEngine, PoolLookups
 from kvpool.errors import TransferError
 from kvpool.protocol.codec import Codec
-from kvpool.transfer import framing
 from tests.connectors.store.fake_pool import FakePool
 
 LOG = logging.getLogger("test")

@@ -27,8 +27,8 @@ from kvpool.connectors.store.lookup import (
     LookupServer,
     channel_path,
 )
+from kvpool.datapath import framing
 from kvpool.errors import ConfigError, TransferError
-from kvpool.transfer import framing
 from tests.connectors.store.fake_pool import FakePool
 from tests.waiting import wait_until
 

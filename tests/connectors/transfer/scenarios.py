@@ -21,10 +21,10 @@ from kvpool.config.kv_transfer import TransferConfig
 from kvpool.connectors.transfer.jobs import HoldJob, ReleaseJob, TransferJobs
 from kvpool.connectors.transfer.transport import make_transport
 from kvpool.connectors.transfer.worker import TransferWorker
+from kvpool.datapath.framing import BadRequest
 from kvpool.errors import KVPoolError
 from kvpool.protocol.engine_pull import Unread
 from kvpool.protocol.pull import Pull
-from kvpool.transfer.framing import BadRequest
 from tests.connectors.transfer.helpers import (
     BLOCK,
     LAYERS,
@@ -235,9 +235,9 @@ def engine_gone(transport: str) -> dict[str, Any]:
     """P admits the pull but its Transfer Engine is gone: D's read fails at once, D tells
     P (Unread), and the worker frees P's hold with a PullDone.  P here is a stand-in
     speaking the engine pull's control conversation."""
+    from kvpool.datapath.framing import recv_request, send_frame
     from kvpool.protocol.engine_pull import ENGINE_REPLY_CODEC, ENGINE_REQUEST_CODEC, Pages
     from kvpool.protocol.pull import Done
-    from kvpool.transfer.framing import recv_request, send_frame
 
     port, gone = free_port(), free_port()
     server = socket.create_server(("127.0.0.1", port))

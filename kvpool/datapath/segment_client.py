@@ -3,7 +3,7 @@
 :class:`SegmentConnection` writes and reads caller buffers (bytes-like, NumPy, CPU
 tensor) at ``(segment_id, offset)`` of a node's segments, and objects of its SSD tier:
 a list of data-path operations at once (:meth:`SegmentConnection.run`, see
-:mod:`kvpool.transfer.data_ops`; many go pipelined, in ranged requests), or one call per
+:mod:`kvpool.datapath.data_ops`; many go pipelined, in ranged requests), or one call per
 shape (``write``, ``read_into``, ``write_many``, ...).  Replies' payloads are received
 straight into the caller's buffer.
 """
@@ -18,6 +18,11 @@ from typing import Any
 
 from kvpool.closing import Closing
 from kvpool.config.peer import PLAIN_PEER, PeerSettings
+from kvpool.datapath import framing
+from kvpool.datapath.auth import authenticate
+from kvpool.datapath.channel import Channel, reply_spin_us
+from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
+from kvpool.datapath.tls import wrap_client
 from kvpool.errors import (
     AuthError,
     KVPoolError,
@@ -45,11 +50,6 @@ from kvpool.protocol.data import (
 )
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.storage.checksum import hasher
-from kvpool.transfer import framing
-from kvpool.transfer.auth import authenticate
-from kvpool.transfer.channel import Channel, reply_spin_us
-from kvpool.transfer.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
-from kvpool.transfer.tls import wrap_client
 
 __all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
 
@@ -161,11 +161,11 @@ class SegmentConnection(Closing):
             self.close()
             raise ProtocolError(f"unexpected reply to {what}: {reply!r}")
 
-    # -- the data path's operations (kvpool.transfer.data_ops) ---------------------
+    # -- the data path's operations (kvpool.datapath.data_ops) ---------------------
 
     def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
         """The ops over this connection, with the results and raises of
-        :mod:`kvpool.transfer.data_ops`.  One op is one request; the writes of a list
+        :mod:`kvpool.datapath.data_ops`.  One op is one request; the writes of a list
         (noted ones apart), its reads and its checked reads each go as one pipelined
         batch (:meth:`_batch`); an SSD read is one request each."""
         if len(ops) == 1:

@@ -7,7 +7,7 @@ id, ``<segment id>#<grant>#<data key>`` (:mod:`kvpool.master.tenancy`): the
 grant for exactly that range and operation, and the tenant's key to that node's data
 port.  This path opens the connection with the data key (handshake role
 ``tenant-data``) and sends each request's segment id with its grant, never the key;
-the node checks the grant before it serves a byte (:mod:`kvpool.transfer.segment_server`).
+the node checks the grant before it serves a byte (:mod:`kvpool.datapath.segment_server`).
 
 Rules:
 
@@ -28,10 +28,10 @@ from msgspec import structs
 from kvpool.closing import Closing
 from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
+from kvpool.datapath.data_ops import DataOp, OpResult, SsdReadOp, WriteOp
+from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import PoolError
 from kvpool.net import split_address
-from kvpool.transfer.data_ops import DataOp, OpResult, SsdReadOp, WriteOp
-from kvpool.transfer.segment_client import SegmentConnection
 
 __all__ = ["TenantDataPath", "TenantTransport"]
 
@@ -76,7 +76,7 @@ class TenantDataPath(Closing):
         return self._conn
 
     def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
-        """The ops (:mod:`kvpool.transfer.data_ops`) on the node's connection, their
+        """The ops (:mod:`kvpool.datapath.data_ops`) on the node's connection, their
         grants split off.  An op whose grant is malformed, and an SSD read, get their
         error instead; no write is noted (a tenant's keys are the master's to scope:
         nodes ignore its tags, so none is sent)."""

@@ -2,7 +2,7 @@
 
 The codec (:mod:`kvpool.protocol.codec`) is pure; these functions are its plainest
 blocking-socket edge, for any socket and any codec (the P->D transfer worker and the
-master's client use them).  :class:`kvpool.transfer.channel.Channel` does the same with
+master's client use them).  :class:`kvpool.datapath.channel.Channel` does the same with
 fewer syscalls per exchange (kernel timeouts, one ``sendmsg`` per frame, header and body
 in one ``recv``) and is what the segment data path uses; prefer it for hot request/reply
 loops (a small round trip is ~15 µs shorter on the reference VM).
@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import TypeVar
 
+from kvpool.datapath.tls import peer_alert
 from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
-from kvpool.transfer.tls import peer_alert
 
 __all__ = [
     "SMALL_PAYLOAD",

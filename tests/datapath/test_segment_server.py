@@ -13,6 +13,9 @@ import pytest
 import xxhash
 
 from kvpool.config.peer import PeerSettings
+from kvpool.datapath import framing
+from kvpool.datapath.segment_client import PIPELINE_DEPTH, SegmentConnection
+from kvpool.datapath.segment_server import DATA_IDLE_TIMEOUT_S, MAX_RANGES, SegmentServer
 from kvpool.errors import (
     ChecksumMismatch,
     ObjectNotFound,
@@ -36,9 +39,6 @@ from kvpool.protocol.data import (
 )
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore, object_path
-from kvpool.transfer import framing
-from kvpool.transfer.segment_client import PIPELINE_DEPTH, SegmentConnection
-from kvpool.transfer.segment_server import DATA_IDLE_TIMEOUT_S, MAX_RANGES, SegmentServer
 from tests.waiting import wait_until
 
 from .conftest import SEGMENT_SIZE

@@ -18,11 +18,11 @@ import pytest
 from kvpool.config.peer import PeerSettings
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
+from kvpool.datapath.segment_client import SegmentConnection
+from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import AuthError, ConfigError, PeerTimeout
 from kvpool.protocol.data import DATA_REQUEST_CODEC, SegmentRead
 from kvpool.storage.segment import Segment
-from kvpool.transfer.segment_client import SegmentConnection
-from kvpool.transfer.segment_server import SegmentServer
 from tests.tls_material import Material, make_material
 
 SECRET = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
@@ -320,8 +320,8 @@ def test_a_tls_server_that_hangs_up_on_a_send_is_said_to_want_a_client_certifica
     # handshake; on a loaded host its alert can be lost to the close, and the client's
     # next send fails with a bare EOF.  That used to read "connection failed while
     # sending: EOF occurred in violation of protocol", naming no cause.
-    from kvpool.transfer.framing import why_send_failed
-    from kvpool.transfer.tls import peer_alert
+    from kvpool.datapath.framing import why_send_failed
+    from kvpool.datapath.tls import peer_alert
 
     eof = ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:2427)")
     err = peer_alert(eof, "sending")

@@ -1,8 +1,8 @@
 """A framed connection end with few syscalls: the fast path for segment transfers.
 
 :class:`Channel` wraps one blocking socket with a send codec and a receive codec.  It
-does what the plain functions in :mod:`kvpool.transfer.framing` do, with fewer syscalls
-per exchange, and is what :mod:`kvpool.transfer.segment_server` uses (any synchronous RPC client
+does what the plain functions in :mod:`kvpool.datapath.framing` do, with fewer syscalls
+per exchange, and is what :mod:`kvpool.datapath.segment_server` uses (any synchronous RPC client
 can use :meth:`Channel.call` as is).  The socket belongs to the channel afterwards:
 do not mix it with the functions in ``framing`` (they use Python-level timeouts).
 """
@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, TypeVar
 
+from kvpool.datapath.framing import SMALL_PAYLOAD, BadRequest, deadline_after, why_send_failed
+from kvpool.datapath.tls import peer_alert
 from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
-from kvpool.transfer.framing import SMALL_PAYLOAD, BadRequest, deadline_after, why_send_failed
-from kvpool.transfer.tls import peer_alert
 
 __all__ = [
     "DEFAULT_SPIN_US",

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvpool.datapath.shm import ShmConnection, host_token, remove_if_owner_dead
 from kvpool.errors import PoolError, TransferError, UnknownSegment
 from kvpool.storage.segment import Segment
-from kvpool.transfer.shm import ShmConnection, host_token, remove_if_owner_dead
 
 _OWNER = (
     "import sys; from kvpool.storage.segment import Segment\n"
@@ -68,7 +68,7 @@ def test_bounds_unknown_segment_and_wrong_size_are_refused(segment: Segment) -> 
 
 def test_another_process_writes_through_shm_and_the_owner_sees_it(segment: Segment) -> None:
     code = (
-        "import sys; from kvpool.transfer.shm import ShmConnection\n"
+        "import sys; from kvpool.datapath.shm import ShmConnection\n"
         "with ShmConnection() as shm:\n"
         "    shm.attach('s', sys.argv[1])\n"
         "    shm.write('s', 10, b'written-by-child')\n"
@@ -80,7 +80,7 @@ def test_another_process_writes_through_shm_and_the_owner_sees_it(segment: Segme
 
 
 def test_host_token_is_stable_and_shared_by_processes_on_this_host() -> None:
-    code = "from kvpool.transfer.shm import host_token; print(host_token())"
+    code = "from kvpool.datapath.shm import host_token; print(host_token())"
     child = subprocess.run(
         [sys.executable, "-c", code], check=True, timeout=60, capture_output=True, text=True
     )

@@ -9,9 +9,9 @@ import threading
 import msgspec
 import pytest
 
+from kvpool.datapath.channel import DEFAULT_SPIN_US, MAX_SPIN_US, Channel, reply_spin_us
 from kvpool.errors import ConfigError, TransferError
 from kvpool.protocol.codec import Codec
-from kvpool.transfer.channel import DEFAULT_SPIN_US, MAX_SPIN_US, Channel, reply_spin_us
 
 
 class Msg(msgspec.Struct, tag=True):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, WriteOp
 from kvpool.errors import KVPoolError, ObjectNotFound, UnknownSegment
 from kvpool.storage.buffers import byte_view
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer.data_ops import DataOp, OpResult, ReadOp, WriteOp
 
 __all__ = ["InProcessPath", "InProcessTransport"]
 
@@ -28,7 +28,7 @@ class InProcessPath:
         self.ssd = ssd
 
     def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
-        """The ops (:mod:`kvpool.transfer.data_ops`), each a plain copy.  Nothing here
+        """The ops (:mod:`kvpool.datapath.data_ops`), each a plain copy.  Nothing here
         can fail a whole list: each op's error is its result.  No write is noted (the
         master's own storage: the master is its catalog)."""
         results: list[OpResult] = []

@@ -1,6 +1,6 @@
 """What a client asks of a data path: a list of small frozen operations.
 
-A data path (:class:`~kvpool.transfer.transport.DataPath`) has one call,
+A data path (:class:`~kvpool.datapath.transport.DataPath`) has one call,
 ``run(ops) -> results``, for a single transfer and a batch alike.  The operations:
 
 - :class:`WriteOp` -- ``buffer`` to ``(segment_id, offset)``; with ``key`` (and its

@@ -11,12 +11,12 @@ import pytest
 
 from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential, make_grant, tenant_data_key
+from kvpool.datapath.segment_client import SegmentConnection
+from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import UnknownSegment
 from kvpool.protocol.data import Error, SegmentWriteMany
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
-from kvpool.transfer.segment_client import SegmentConnection
-from kvpool.transfer.segment_server import SegmentServer
 
 SECRET = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
 

@@ -13,6 +13,8 @@ import contextlib
 import socket
 
 from kvpool.core.credentials import Credential
+from kvpool.datapath.framing import deadline_after, recv_exactly_into
+from kvpool.datapath.framing import send_bytes as _send
 from kvpool.errors import AuthError, KVPoolError, ProtocolError, TransferError
 from kvpool.protocol.auth import (
     AUTH_MAGIC,
@@ -23,8 +25,6 @@ from kvpool.protocol.auth import (
     ServerHandshake,
     refusal,
 )
-from kvpool.transfer.framing import deadline_after, recv_exactly_into
-from kvpool.transfer.framing import send_bytes as _send
 
 __all__ = ["admit", "authenticate"]
 
@@ -62,7 +62,7 @@ def authenticate(
     all (it may be another protocol's server)."""
     deadline = deadline_after(timeout_s)
     if credential.data_key and role == "data":
-        # a tenant's key to one node's data port (kvpool.transfer.tenant_path)
+        # a tenant's key to one node's data port (kvpool.datapath.tenant_path)
         role, client_id = "tenant-data", credential.tenant
     side = ClientHandshake(credential, role, client_id)
     reader = FrameReader()

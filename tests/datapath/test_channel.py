@@ -8,10 +8,10 @@ import time
 import msgspec
 import pytest
 
+from kvpool.datapath.channel import ON_BYTES_MIN, STAGE_SIZE, Channel
+from kvpool.datapath.framing import BadRequest
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
-from kvpool.transfer.channel import ON_BYTES_MIN, STAGE_SIZE, Channel
-from kvpool.transfer.framing import BadRequest
 
 
 class Msg(msgspec.Struct, tag=True):

@@ -1,18 +1,18 @@
 """Pick the data path per segment: shared memory on the same host, TCP otherwise.
 
-:class:`NodeDataPath` is the :class:`~kvpool.transfer.transport.DataPath` of the network
+:class:`NodeDataPath` is the :class:`~kvpool.datapath.transport.DataPath` of the network
 transports to one node: on first use of a segment it asks the node (``SegmentInfo``) for
 the segment's shared-memory name and host token; when the token equals this process's
-:func:`~kvpool.transfer.shm.host_token` and the segment attaches, every later access
+:func:`~kvpool.datapath.shm.host_token` and the segment attaches, every later access
 is a direct copy, else it goes over TCP.  The choice is made once per segment, and
 checked against each op's ``shm_name`` (a node restarted under the same segment id has a
 new one).  An op list is split by route: the shared-memory ops are copied here, the rest
-go to the node's :class:`~kvpool.transfer.segment_client.SegmentConnection` as one list
+go to the node's :class:`~kvpool.datapath.segment_client.SegmentConnection` as one list
 (one pipelined batch per kind).
 
 A direct copy into a segment whose owner died raises
 :class:`~kvpool.errors.TransferError`, as a TCP transfer to a dead node does (see
-:mod:`kvpool.transfer.shm`), so the client reports it the same way.
+:mod:`kvpool.datapath.shm`), so the client reports it the same way.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import Literal
 
 from kvpool.closing import Closing
 from kvpool.config.peer import PLAIN_PEER, PeerSettings
+from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp
+from kvpool.datapath.segment_client import SegmentConnection
+from kvpool.datapath.shm import ShmConnection, host_token
 from kvpool.errors import KVPoolError, PoolError
 from kvpool.storage.buffers import byte_view
 from kvpool.storage.checksum import checksum
-from kvpool.transfer.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp
-from kvpool.transfer.segment_client import SegmentConnection
-from kvpool.transfer.shm import ShmConnection, host_token
 
 __all__ = ["NodeDataPath", "Route"]
 
@@ -82,7 +82,7 @@ class NodeDataPath(Closing):
         self.shm.detach(segment_id)
 
     def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
-        """The ops (:mod:`kvpool.transfer.data_ops`): direct copies where shared memory
+        """The ops (:mod:`kvpool.datapath.data_ops`): direct copies where shared memory
         applies, one list over TCP for the rest (SSD reads always: the node's files are
         not mapped here).  A copy does not pass the node, so a noted write copied is
         stored, not noted (None); a checked read copied is hashed after the copy."""

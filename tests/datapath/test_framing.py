@@ -6,9 +6,9 @@ import threading
 import msgspec
 import pytest
 
+from kvpool.datapath import framing
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
-from kvpool.transfer import framing
 
 
 class Hello(msgspec.Struct, tag=True):

@@ -5,7 +5,7 @@ A client on the node's host attaches the segment by name (see
 releases the GIL for large copies.  No socket, no kernel copy, no node thread.
 
 :class:`ShmConnection` has the same ``write`` / ``read_into`` calls as
-:class:`~kvpool.transfer.segment_server.SegmentConnection`, so callers do not care which one
+:class:`~kvpool.datapath.segment_server.SegmentConnection`, so callers do not care which one
 they hold.  :func:`host_token` says whether two processes can share memory at all.
 """
 

@@ -4,9 +4,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvpool.datapath.segment_server import SegmentServer
+from kvpool.datapath.shm import host_token
 from kvpool.storage.segment import Segment
-from kvpool.transfer.segment_server import SegmentServer
-from kvpool.transfer.shm import host_token
 
 SEGMENT_SIZE = 32 << 20
 

@@ -10,10 +10,10 @@ import time
 import msgspec
 import pytest
 
+from kvpool.datapath.channel import MAX_OWED, Channel
+from kvpool.datapath.framing import BadRequest
 from kvpool.errors import PeerTimeout, TransferError
 from kvpool.protocol.codec import Codec
-from kvpool.transfer.channel import MAX_OWED, Channel
-from kvpool.transfer.framing import BadRequest
 
 
 class Msg(msgspec.Struct, tag=True):

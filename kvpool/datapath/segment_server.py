@@ -2,11 +2,11 @@
 
 :class:`SegmentServer` serves :mod:`kvpool.protocol.data` requests against the
 segments a node holds.  One thread per connection with blocking sockets
-(:class:`~kvpool.transfer.server.ThreadedServer`): in CPython
+(:class:`~kvpool.datapath.server.ThreadedServer`): in CPython
 the fastest way to move large buffers, because ``recv_into`` / ``sendall`` run whole
 multi-megabyte transfers with the GIL released, where an event loop would wake per chunk.
 
-:class:`~kvpool.transfer.segment_client.SegmentConnection` is the client side.
+:class:`~kvpool.datapath.segment_client.SegmentConnection` is the client side.
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ from msgspec import structs
 
 from kvpool.closing import Serving
 from kvpool.core.credentials import Credential, check_grant
+from kvpool.datapath import framing
+from kvpool.datapath.auth import admit
+from kvpool.datapath.budget import ByteBudget
+from kvpool.datapath.channel import Channel
+from kvpool.datapath.framing import BadRequest
+from kvpool.datapath.server import ServerStats, ThreadedServer, keepalive
 from kvpool.errors import (
     AuthError,
     ChecksumMismatch,
@@ -54,12 +60,6 @@ from kvpool.protocol.data import (
 )
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
-from kvpool.transfer import framing
-from kvpool.transfer.auth import admit
-from kvpool.transfer.budget import ByteBudget
-from kvpool.transfer.channel import Channel
-from kvpool.transfer.framing import BadRequest
-from kvpool.transfer.server import ServerStats, ThreadedServer, keepalive
 
 __all__ = [
     "DATA_IDLE_TIMEOUT_S",
@@ -94,7 +94,7 @@ MAX_RANGES = 512
 #   connection goes on; a bad header (magic, oversized) gets an ``Error`` and the
 #   connection is closed.  Either way only that connection is affected.
 # - Once a request has started, every wait is bounded by ``timeout_s`` (see
-#   :class:`~kvpool.transfer.channel.Channel`); a client that vanishes mid-payload only ends
+#   :class:`~kvpool.datapath.channel.Channel`); a client that vanishes mid-payload only ends
 #   its own connection thread.
 # - What a peer can make the server hold is bounded.  Per connection: a thread, an 8 KiB
 #   stage, one request body (the codec's 4 MiB limit), a 1 MiB scratch buffer to drain a
@@ -118,7 +118,7 @@ class SegmentServer(Serving):
     """Serves reads and writes of registered segments over TCP.
 
     ``host_token`` and each segment's shared-memory name are advertised through
-    ``SegmentInfo`` so same-host clients can bypass TCP (see :mod:`kvpool.transfer.path`).
+    ``SegmentInfo`` so same-host clients can bypass TCP (see :mod:`kvpool.datapath.path`).
     """
 
     def __init__(

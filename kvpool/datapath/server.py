@@ -1,7 +1,7 @@
 """One listening socket, one thread per connection, and a stop that is bounded.
 
 Both of kvpool's blocking TCP servers are this shape: the segment data server
-(:class:`~kvpool.transfer.segment_server.SegmentServer`) and the prefill's pull server
+(:class:`~kvpool.datapath.segment_server.SegmentServer`) and the prefill's pull server
 (the P→D connector's ``kv_port``).  Threads rather than an event loop because their work is
 ``recv_into``/``sendall`` of multi-megabyte buffers, which CPython runs with the GIL
 released; an event loop would wake per chunk.
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpool.closing import Serving
+from kvpool.datapath.tls import accept_tls
 from kvpool.errors import AuthError, PeerTimeout, TransferError
-from kvpool.transfer.tls import accept_tls
 
 __all__ = [
     "ACCEPT_POLL_S",

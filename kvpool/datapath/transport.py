@@ -2,7 +2,7 @@
 
 A :class:`Transport` opens a :class:`DataPath` to one storage owner (a node, or the
 master's own segment) by its data address; a data path runs lists of operations
-(:mod:`kvpool.transfer.data_ops`: writes and reads between caller buffers and
+(:mod:`kvpool.datapath.data_ops`: writes and reads between caller buffers and
 ``(segment_id, offset)`` of that owner's segments, reads of its SSD tier) with one call,
 ``run(ops)``, for a single transfer and a batch alike.  The client holds one data path
 per owner, drops it when a transfer fails, and opens it again on next use.  The
@@ -11,7 +11,7 @@ transports:
 - :class:`SharedMemoryTransport` (``"shm"``, the default): segments on this host are
   attached and copied into directly; every other segment is reached over TCP.
 - :class:`TcpTransport` (``"tcp"``): every byte over kvpool's TCP data plane.
-- :class:`~kvpool.transfer.in_process.InProcessTransport`: this process's own storage,
+- :class:`~kvpool.datapath.in_process.InProcessTransport`: this process's own storage,
   plain memory copies (the embedded pool).
 
 Another fabric (Mooncake's Transfer Engine, RDMA) is one more class with ``connect``.
@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvpool.config.peer import PLAIN_PEER, PeerSettings
+from kvpool.datapath.data_ops import DataOp, OpResult
+from kvpool.datapath.path import NodeDataPath
 from kvpool.errors import ConfigError
 from kvpool.net import split_address
-from kvpool.transfer.data_ops import DataOp, OpResult
-from kvpool.transfer.path import NodeDataPath
 
 __all__ = [
     "TRANSPORTS",
@@ -44,7 +44,7 @@ class DataPath(Protocol):
 
     def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
         """Move the ops' bytes: one result per op, a failure of the whole list raised
-        (the rules: :mod:`kvpool.transfer.data_ops`).  Each path keeps its fast way:
+        (the rules: :mod:`kvpool.datapath.data_ops`).  Each path keeps its fast way:
         over TCP a list's writes (or reads) go in pipelined ranged requests, a checked
         read is hashed as its bytes land and a noted write carries its tag; shared
         memory is copied into directly."""

@@ -4,7 +4,7 @@ import socket
 import threading
 import time
 
-from kvpool.transfer.server import ThreadedServer
+from kvpool.datapath.server import ThreadedServer
 from tests.waiting import wait_until
 
 

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 from kvpool.config.peer import PeerSettings
+from kvpool.datapath.data_ops import DataOp, ReadOp, SsdReadOp, WriteOp, sole_result
+from kvpool.datapath.path import NodeDataPath
+from kvpool.datapath.segment_server import SegmentServer
+from kvpool.datapath.shm import host_token
 from kvpool.errors import ObjectNotFound, UnknownSegment
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
-from kvpool.transfer.data_ops import DataOp, ReadOp, SsdReadOp, WriteOp, sole_result
-from kvpool.transfer.path import NodeDataPath
-from kvpool.transfer.segment_server import SegmentServer
-from kvpool.transfer.shm import host_token
 
 
 def test_same_host_segments_go_through_shared_memory(

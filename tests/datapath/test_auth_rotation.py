@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from kvpool.core.credentials import Credential
+from kvpool.datapath.auth import admit, authenticate
 from kvpool.errors import AuthError, KVPoolError
 from kvpool.protocol.auth import Identity
-from kvpool.transfer.auth import admit, authenticate
 from tests.protocol.test_auth_rotation import NEW, OLD, OTHER
 
 
