@@ -84,8 +84,10 @@ class ObjectIndex:
     - every object holds exactly one live extent in a registered segment, and a segment's
       used bytes equal the sum of its objects' sizes;
     - an object with an unexpired read lease or pin is never evicted, demoted or removed;
-    - a DEMOTING object is invisible and holds its memory and its SSD extent until its
-      copy is reported done (then it is READY on SSD) or abandoned (then it is gone);
+    - a DEMOTING object holds its memory and its SSD extent until its copy is reported
+      done (then it is READY on SSD) or abandoned (then it is gone); probes see it, and a
+      read or pin of it takes it back: READY in memory, the copy's report then ignored
+      (the pool never answers "not found" for bytes it still holds);
     - probes (``exists``, ``prefix_lookup``) never take or renew a lease;
     - after an eviction round a tier is at or below its high watermark, unless every
       object left in it is leased, pinned or pending;
@@ -278,34 +280,38 @@ class ObjectIndex:
     def exists(self, key: str) -> bool:
         """Probe without a lease (probes renewing leases blocked eviction in peer projects)."""
         obj = self._objects.get(key)
-        return obj is not None and obj.state is State.READY
+        return obj is not None and obj.state is not _PENDING
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:
-        """How many leading keys are READY; takes no lease."""
+        """How many leading keys are stored (READY, or DEMOTING); takes no lease."""
         objects = self._objects
         n = 0
         for key in keys:
             obj = objects.get(key)
-            if obj is None or obj.state is not _READY:
+            if obj is None or obj.state is _PENDING:
                 break
             n += 1
         return n
 
     def get(self, key: str, owner: str, now_ms: int) -> ReadGrant:
-        """Grant a read lease of ``lease_ttl_ms`` on a READY object."""
-        obj = self._objects.get(key)
-        if obj is None or obj.state is not _READY:
-            raise ObjectNotFound(key)
+        """Grant a read lease of ``lease_ttl_ms`` on a stored object."""
+        obj = self._stored(key)
         expiry = self._holds.hold(obj, owner, now_ms + self.config.lease_ttl_ms)
         (self._mem_policy if obj.segment.tier is _MEMORY else self._ssd_policy).on_access(key)
         return ReadGrant(key, obj.location(), obj.checksum, expiry)
 
     def pin(self, key: str, owner: str, now_ms: int, ttl_ms: int) -> None:
         """Hold an object for ``ttl_ms`` (e.g. until a decode pulled it); owner-released."""
+        self._holds.hold(self._stored(key), owner, now_ms + ttl_ms)
+
+    def _stored(self, key: str) -> ObjectRecord:
+        """The READY record of ``key`` for a read or pin; a copy in flight is taken back."""
         obj = self._objects.get(key)
-        if obj is None or obj.state is not State.READY:
+        if obj is None or obj.state is _PENDING:
             raise ObjectNotFound(key)
-        self._holds.hold(obj, owner, now_ms + ttl_ms)
+        if obj.state is _DEMOTING:
+            self._take_back(obj)
+        return obj
 
     def release(self, key: str, owner: str) -> None:
         """``owner``'s lease or pin of ``key`` ends."""
@@ -324,7 +330,7 @@ class ObjectIndex:
     # ------------------------------------------------------------------------ removals
     def remove(self, key: str, now_ms: int) -> Event:
         obj = self._objects.get(key)
-        if obj is None or obj.state is not State.READY:
+        if obj is None or obj.state is _PENDING:
             raise ObjectNotFound(key)
         if obj.held(now_ms):
             raise ObjectBusy(f"{key} is leased or pinned")
@@ -695,6 +701,20 @@ class ObjectIndex:
         if seg.segment_id != event.dst.segment_id or extent.offset != event.dst.offset:
             return None
         return obj
+
+    def _take_back(self, obj: ObjectRecord) -> None:
+        """A DEMOTING object is wanted again: READY in memory, its SSD extent free.  Its
+        memory was never reused under the copy, so its bytes are still there; the copy's
+        report finds the object no longer copying (``_copying``) and changes nothing."""
+        assert obj.target is not None
+        self._end_copy(obj)
+        seg, extent = obj.target
+        seg.space.release(extent)
+        obj.target = None
+        obj.state = _READY
+        self._ready[0] += 1  # memory
+        self._mem_policy.on_insert(obj.key, obj.parent)
+        self.stats.copies_taken_back += 1
 
     def _end_copy(self, obj: ObjectRecord) -> None:
         """The copy of a DEMOTING object is over, done or not: its bytes left."""

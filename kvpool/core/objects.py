@@ -138,6 +138,7 @@ class IndexStats:
     evictions: int = 0
     demotions: int = 0
     demote_failures: int = 0
+    copies_taken_back: int = 0  # copies in flight abandoned because a reader wanted them
     expired_leases: int = 0
     revoked_writes: int = 0
     put_failures_no_space: int = 0

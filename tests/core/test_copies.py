@@ -1,5 +1,5 @@
 """Demotions a node copies while the index serves others (``defer_copies``): the object is
-DEMOTING, invisible, and holds both extents until the copy is done or abandoned."""
+DEMOTING, still readable, and holds both extents until the copy is done or abandoned."""
 
 from __future__ import annotations
 
@@ -38,11 +38,11 @@ def fill(idx: ObjectIndex) -> list[Demote]:
     return copies
 
 
-def test_a_copy_in_flight_is_invisible_and_keeps_its_memory() -> None:
+def test_a_copy_in_flight_is_visible_and_keeps_its_memory() -> None:
     idx = make()
     fill(idx)
     assert idx.state_of("a") is State.DEMOTING
-    assert not idx.exists("a") and idx.prefix_lookup(["a", "b"]) == 0
+    assert idx.exists("a") and idx.prefix_lookup(["a", "b"]) == 2  # its bytes are held
     assert idx.usage(Tier.MEMORY) == (30, 30)  # not reused under the copy
     assert idx.usage(Tier.SSD) == (30, 10)  # its SSD extent is reserved
     assert idx.count(state=State.DEMOTING) == 1
@@ -139,4 +139,31 @@ def test_an_owner_that_copies_at_once_still_demotes_logically() -> None:
     res, events = idx.put_start("d", 10, "w", 1)
     assert res is not None and isinstance(events[0], Demote) and not events[0].in_flight
     assert idx.exists("a")
+    idx.check()
+
+
+def test_a_read_of_a_copy_in_flight_takes_it_back_into_memory() -> None:
+    idx = make()
+    (copy,) = fill(idx)
+    grant = idx.get("a", "r", 2)  # not a miss: the memory copy is still there
+    assert grant.location == copy.src and grant.checksum == 7
+    assert idx.state_of("a") is State.READY and idx.count(state=State.DEMOTING) == 0
+    assert idx.usage(Tier.SSD) == (30, 0)  # the copy's SSD extent is free again
+    assert not idx.demote_done(copy) and idx.demote_abandoned(copy) is None  # ignored
+    assert idx.get("a", "r", 3).location == copy.src
+    idx.check()
+
+
+def test_a_pin_or_remove_of_a_copy_in_flight_is_not_a_miss() -> None:
+    idx = make()
+    (copy,) = fill(idx)
+    idx.pin("a", "p", 2, 100)
+    assert idx.state_of("a") is State.READY and idx.location_of("a") == copy.src
+    idx.release("a", "p")
+    idx.check()
+    idx = make()
+    (copy,) = fill(idx)
+    assert idx.remove("a", 2) == Dropped("a", Tier.MEMORY, "removed", "node")
+    assert idx.usage(Tier.MEMORY) == (30, 20) and idx.usage(Tier.SSD) == (30, 0)
+    assert not idx.demote_done(copy)
     idx.check()

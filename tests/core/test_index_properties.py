@@ -63,7 +63,7 @@ class IndexMachine(RuleBasedStateMachine):
                 assert e.in_flight == (e.src.client_id == "n1" and self.deferred)
                 if e.in_flight:
                     self.copies.append(e)
-                    assert not self.idx.exists(e.key)  # invisible while it copies
+                    assert self.idx.exists(e.key)  # its bytes are still held: visible
 
     @rule(dt=st.integers(0, 40))
     def advance(self, dt: int) -> None:
@@ -106,12 +106,16 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(key=KEYS, owner=OWNERS)
     def get(self, key: str, owner: str) -> None:
         visible = self.idx.exists(key)
+        was = self.idx.state_of(key)
         try:
             grant = self.idx.get(key, owner, self.now)
         except KVPoolError:
-            assert not visible
+            assert not visible and was in (None, State.PENDING)  # never a miss for bytes held
             return
         assert visible
+        if was is State.DEMOTING:  # taken back from its copy: read where its bytes are
+            assert self.idx.state_of(key) is State.READY
+            assert grant.location.tier is Tier.MEMORY
         self.leased[key] = max(self.leased.get(key, 0), grant.lease_expiry_ms)
 
     @rule(owner=OWNERS)
@@ -188,9 +192,9 @@ class IndexMachine(RuleBasedStateMachine):
             return
         self.idx.check()
         for key in [f"k{i}" for i in range(12)]:
-            if self.idx.state_of(key) in (State.PENDING, State.DEMOTING):
-                assert not self.idx.exists(key)
-                assert self.idx.prefix_lookup([key]) == 0
+            state = self.idx.state_of(key)
+            assert self.idx.exists(key) == (state in (State.READY, State.DEMOTING))
+            assert self.idx.prefix_lookup([key]) == int(self.idx.exists(key))
 
 
 TestIndexMachine = IndexMachine.TestCase
