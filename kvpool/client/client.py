@@ -375,7 +375,7 @@ class Client(Closing):
         path = self._path(placement)
         p = placement
         op: DataOp = (
-            SsdReadOp(p.key, target)
+            SsdReadOp(p.key, target, p.segment_id)
             if p.tier == "ssd"
             else ReadOp(p.segment_id, p.offset, target, shm_name=p.shm_name, checked=True)
         )

@@ -291,8 +291,15 @@ def tenant_data_key(node_key: bytes, tenant: str) -> bytes:
     return hmac.new(node_key, f"kvpool tenant-data {tenant}".encode(), hashlib.sha256).digest()
 
 
-#: the operations a grant may allow: r(ead) and w(rite) of a memory range
-GRANT_OPS = ("r", "w")
+#: the operations a grant may allow: r(ead) and w(rite) of a memory range, and s(sd
+#: read) of one object from a node's SSD tier (its subject: :func:`ssd_subject`)
+GRANT_OPS = ("r", "w", "s")
+
+
+def ssd_subject(key: str) -> str:
+    """What an SSD read's grant is for in place of a segment id: the object, found by its
+    (scoped) key, since the SSD tier keeps one file per key."""
+    return f"ssd:{key}"
 
 
 def _grant_mac(

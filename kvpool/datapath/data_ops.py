@@ -58,10 +58,12 @@ class ReadOp(msgspec.Struct, frozen=True):
 
 
 class SsdReadOp(msgspec.Struct, frozen=True):
-    """Fill ``buffer`` (exactly the object's size) from the owner's SSD tier."""
+    """Fill ``buffer`` (exactly the object's size) from the owner's SSD tier
+    (``segment_id``: the placement's, which carries a tenant's grant)."""
 
     key: str
     buffer: Any
+    segment_id: str = ""
 
 
 DataOp = WriteOp | ReadOp | SsdReadOp

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from msgspec import structs
 
 from kvpool.closing import Serving
-from kvpool.core.credentials import Credential, check_grant
+from kvpool.core.credentials import Credential, check_grant, ssd_subject
 from kvpool.datapath import framing
 from kvpool.datapath.auth import admit
 from kvpool.datapath.budget import ByteBudget
@@ -110,10 +110,11 @@ MAX_RANGES = 512
 #   (``server_id``); a peer that skips it or fails it gets an
 #   :class:`~kvpool.errors.AuthError` reply and is closed, and nothing else is read from it.
 # - A tenant's connection (role ``tenant-data``, the tenant's data key) may only read or
-#   write, and each request must carry the master's grant for exactly that tenant,
-#   operation and range, unexpired (:func:`kvpool.core.credentials.check_grant`: one HMAC
-#   per request, none per frame).  A request without one gets an ``AuthError`` reply
-#   naming it, the payload of a refused write is drained, and the connection goes on.
+#   write ranges and read SSD objects by key, and each request must carry the master's
+#   grant for exactly that tenant, operation and range (or key), unexpired
+#   (:func:`kvpool.core.credentials.check_grant`: one HMAC per request, none per frame).
+#   A request without one gets an ``AuthError`` reply naming it, the payload of a
+#   refused write is drained, and the connection goes on.
 class SegmentServer(Serving):
     """Serves reads and writes of registered segments over TCP.
 
@@ -292,6 +293,12 @@ class SegmentServer(Serving):
         if isinstance(request, SegmentWriteMany):  # its notes go, as a single write's tag
             ranges = [(self._check(tenant, s, "w", o, n), o, n) for s, o, n in request.ranges]
             return structs.replace(request, ranges=ranges, notes=[])
+        if isinstance(request, SsdRead):  # by key: ``@tenant/key#grant``
+            key, sep, grant = request.key.rpartition("#")
+            if not sep:
+                grant = ""
+            self._check(tenant, f"{ssd_subject(key)}#{grant}", "s", 0, request.length)
+            return structs.replace(request, key=key)
         if not isinstance(request, SegmentRead | SegmentWrite):
             raise AuthError(
                 f"tenant {tenant}: {type(request).__name__} is not open to a tenant's "

@@ -13,9 +13,11 @@ Rules:
 
 - Never shared memory: a segment mapped into a tenant's process would bypass every
   grant (the master gives a tenant no shared-memory name either).
-- A segment id without a grant (an SSD placement, a pool without tenants) is refused
-  here, as a plain :class:`~kvpool.errors.PoolError`: a miss for the caller, which
-  reports nothing (the object is fine).
+- A segment id without a grant (a pool without tenants) is refused here, as a plain
+  :class:`~kvpool.errors.PoolError`: a miss for the caller, which reports nothing (the
+  object is fine).
+- An SSD read is by key: it sends the key as stored (``@tenant/key``) with the grant
+  for that key after a ``#``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from msgspec import structs
 from kvpool.closing import Closing
 from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
+from kvpool.core.tenants import scoped
 from kvpool.datapath.data_ops import DataOp, OpResult, SsdReadOp, WriteOp
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import PoolError
@@ -77,23 +80,24 @@ class TenantDataPath(Closing):
 
     def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
         """The ops (:mod:`kvpool.datapath.data_ops`) on the node's connection, their
-        grants split off.  An op whose grant is malformed, and an SSD read, get their
-        error instead; no write is noted (a tenant's keys are the master's to scope:
-        nodes ignore its tags, so none is sent)."""
+        grants split off.  An op whose grant is malformed gets its error instead; no
+        write is noted (a tenant's keys are the master's to scope: nodes ignore its tags,
+        so none is sent)."""
         results: list[OpResult] = [None] * len(ops)
         granted_ops: list[DataOp] = []
         where: list[int] = []
         data_key = ""
         for i, op in enumerate(ops):
-            if isinstance(op, SsdReadOp):
-                results[i] = PoolError(f"{op.key}: a tenant's SSD reads take no grant yet (a miss)")
-                continue
             try:
                 granted, data_key = _split(op.segment_id)
             except PoolError as exc:
                 results[i] = exc
                 continue
-            if isinstance(op, WriteOp):
+            if isinstance(op, SsdReadOp):  # by key, as stored: the grant rides with it
+                grant = granted.partition(_SEP)[2]
+                key = f"{scoped(self.tenant, op.key)}{_SEP}{grant}"
+                granted_ops.append(SsdReadOp(key, op.buffer))
+            elif isinstance(op, WriteOp):
                 granted_ops.append(structs.replace(op, segment_id=granted, key="", checksum=0))
             else:
                 granted_ops.append(structs.replace(op, segment_id=granted))

@@ -15,7 +15,13 @@ from typing import Any
 from msgspec import structs
 
 from kvpool.config.values import parse_size
-from kvpool.core.credentials import Credential, check_tenant_name, make_grant, tenant_data_key
+from kvpool.core.credentials import (
+    Credential,
+    check_tenant_name,
+    make_grant,
+    ssd_subject,
+    tenant_data_key,
+)
 from kvpool.core.tenants import TenantBook, scoped, tenant_of, unscoped
 from kvpool.errors import AuthError, ConfigError, KVPoolError, PoolError, QuotaExceeded
 from kvpool.master.copies import Later
@@ -250,17 +256,22 @@ class TenantMaster:
         one for exactly this range and operation, until the lease (read) or the writer's
         reservation (write) would have expired, MACed with the owner's node key.  No
         shared-memory name: a segment mapped into its process would bypass every grant.
-        Its objects on the SSD tier are misses for it (an SSD read by key takes no grant
-        yet)."""
+        An object on the SSD tier is read by key: its grant is for that one key
+        (:func:`~kvpool.core.credentials.ssd_subject`)."""
         key = unscoped(tenant, p.key)
         index = self.service.index
         segment = index.registry.segments.get(p.segment_id)
-        if not p.placed or p.tier != "memory" or segment is None or self.credential is None:
+        if not p.placed or segment is None or self.credential is None:
             return structs.replace(p, key=key, shm_name="", host_token="")
         ttl_ms = index.config.writer_ttl_ms if op == "w" else index.config.lease_ttl_ms
         until = time.time_ns() // 1_000_000 + ttl_ms
         node_key = self.credential.node_key_of(segment.client_id)
-        grant = make_grant(node_key, tenant, p.segment_id, op, p.offset, p.size, until)
+        if p.tier == "memory":
+            grant = make_grant(node_key, tenant, p.segment_id, op, p.offset, p.size, until)
+        elif op == "r":
+            grant = make_grant(node_key, tenant, ssd_subject(p.key), "s", 0, p.size, until)
+        else:  # puts go to memory: an SSD placement is only ever read
+            return structs.replace(p, key=key, shm_name="", host_token="")
         data_key = tenant_data_key(node_key, tenant).hex()
         return structs.replace(
             p,

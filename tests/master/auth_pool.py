@@ -32,13 +32,17 @@ class SecuredPool:
 
 
 @contextmanager
-def secured_pool(directory: Path, *master_flags: str) -> Iterator[SecuredPool]:
+def secured_pool(
+    directory: Path, *master_flags: str, node_size: str = "16MiB", **node_keys: object
+) -> Iterator[SecuredPool]:
     """A master with no segment of its own (objects land on the node) and one node,
-    both with the cluster secret in a file."""
+    both with the cluster secret in a file (``node_keys``: more of the node's config)."""
     path = secret_file(directory)
     with (
         start_master("--segment_size", "0", "--secret_file", str(path), *master_flags) as master,
-        start_node(node_config(directory, master.address, secret_file=str(path))) as node,
+        start_node(
+            node_config(directory, master.address, node_size, secret_file=str(path), **node_keys)
+        ) as node,
     ):
         with Client(master.address, credential=SECRET, timeout_s=5) as c:
             wait_until(lambda: c.stats()["tiers"]["memory"]["capacity"] > 0)

@@ -5,14 +5,16 @@ tenant, per-tenant series on /metrics."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvpool.client.client import Client
 from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
+from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import AuthError, ObjectNotFound, QuotaExceeded, StaleWrite
-from kvpool.net import http_get
+from kvpool.net import http_get, split_address
 from kvpool.protocol import messages as m
 from tests.master.auth_pool import SECRET, SecuredPool, secured_pool
 
@@ -281,3 +283,51 @@ def test_a_tenants_data_port_requests_need_the_masters_grant(pool: SecuredPool) 
         conn.read(segment, offset, size)
     with _client(pool, RED) as red:  # red's object is as it was
         assert red.get("red-secret") == b"R" * 4096
+
+
+def test_a_tenants_objects_on_the_ssd_tier_read_back_with_their_grant(tmp_path: Path) -> None:
+    # 1 MiB of node memory: most of red's 40 objects go to the node's SSD tier, and red
+    # reads them there by key, with the master's grant for exactly that key.
+    with (
+        secured_pool(
+            tmp_path,
+            "--enable_offload=true",
+            node_size="1MiB",
+            enable_ssd_offload=True,
+            ssd_offload_path=str(tmp_path / "ssd"),
+            ssd_offload_limit="16MiB",
+        ) as pool,
+        _client(pool, RED) as red,
+        _client(pool, BLUE) as blue,
+    ):
+        values = {f"s{i:02d}": bytes([i]) * (64 * 1024) for i in range(40)}
+        for key, value in values.items():
+            red.put(key, value)
+        reply = red.call(m.BatchGet("tiers", list(values)))
+        assert isinstance(reply, m.Placements)
+        red.call(m.ReleaseOwner("tiers"))
+        on_ssd = [p for p in reply.items if p.placed and p.tier == "ssd"]
+        assert len(on_ssd) > 20, "1 MiB of memory holds at most 16 of them"
+        assert all(p.segment_id.count("#") == 2 for p in on_ssd)  # each with its grant
+        assert red.batch_get(list(values)) == list(values.values())
+        assert [red.get(key) for key in values] == list(values.values())
+        assert blue.batch_get(list(values)) == [None] * len(values)  # red's, not blue's
+        # on the data port: the grant is for one key and one tenant
+        p = on_ssd[0]
+        host, port = split_address(p.data_address)
+        _, grant, data_key = p.segment_id.split("#")
+        red_data = Credential(tenant="red", data_key=bytes.fromhex(data_key))
+        with SegmentConnection(
+            host, port, PeerSettings(5, credential=red_data, client_id="red")
+        ) as conn:
+            buf = bytearray(p.size)
+            conn.ssd_read_into(f"@red/{p.key}#{grant}", buf)
+            assert bytes(buf) == values[p.key]
+            other = next(q.key for q in on_ssd[1:])
+            for key, why in (
+                (f"@red/{other}#{grant}", "did not make"),  # another key, this grant
+                (f"@red/{other}", "without a grant"),
+                (f"@blue/{p.key}#{grant}", "did not make"),
+            ):
+                with pytest.raises(AuthError, match=why):
+                    conn.ssd_read_into(key, bytearray(p.size))
