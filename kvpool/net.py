@@ -16,13 +16,14 @@ import socket
 import ssl
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
     "HttpReply",
     "free_port",
+    "free_port_runs",
     "http_get",
     "https_context",
     "master_scheme",
@@ -57,6 +58,45 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def free_port_runs(host: str, lengths: Sequence[int], tries: int = 64) -> list[int]:
+    """For each length ``n``, the first of ``n`` consecutive ports free on ``host``, no
+    two runs overlapping: every port tried stays bound until all runs are found, so a
+    run is never handed out twice (a vLLM instance's ranks listen on kv_port + rank)."""
+    held: list[socket.socket] = []
+
+    def bind(port: int) -> int | None:
+        probe = socket.socket()
+        try:
+            probe.bind((host, port))
+        except OSError:
+            probe.close()
+            return None
+        held.append(probe)
+        return int(probe.getsockname()[1])
+
+    try:
+        bases: list[int] = []
+        for n in lengths:
+            bases.append(_free_run(bind, n, tries))
+            if bases[-1] < 0:
+                raise OSError(f"no {n} consecutive free ports on {host} in {tries} tries")
+        return bases
+    finally:
+        for probe in held:
+            probe.close()
+
+
+def _free_run(bind: Callable[[int], int | None], n: int, tries: int) -> int:
+    """The first port of ``n`` that ``bind`` could take, consecutive; -1 if none."""
+    for _ in range(tries):
+        base = bind(0)
+        if base is None:  # the kernel has no free port left to pick
+            return -1
+        if all(p <= 65535 and bind(p) is not None for p in range(base + 1, base + n)):
+            return base
+    return -1
 
 
 def free_port(host: str = "127.0.0.1") -> int:

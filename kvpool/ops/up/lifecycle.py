@@ -22,7 +22,7 @@ from rich.console import Console
 
 from kvpool.config.vllm_versions import check_vllm_version, installed_vllm_version
 from kvpool.errors import ConfigError
-from kvpool.net import free_port, port_free
+from kvpool.net import free_port_runs, port_free
 from kvpool.ops.up.mooncake import EVERY_INTERFACE
 from kvpool.ops.up.options import PORT_FLAGS, UpOptions
 from kvpool.ops.up.plan import UpPlan, make_plan, planned_ports, ready_text
@@ -41,12 +41,30 @@ def usable_cpus() -> tuple[int, ...]:
         return tuple(range(os.cpu_count() or 1))
 
 
+def _run_length(opts: UpOptions, name: str) -> int:
+    """How many consecutive ports the flag ``name`` stands for: one per instance (HTTP),
+    one per rank of every instance (kv ports)."""
+    for role in ("prefill", "decode"):
+        instances = getattr(opts, f"{role}_instances")
+        if name == f"{role}_port":
+            return instances
+        if name == f"{role}_kv_port":
+            return instances * opts.layout(role).ranks
+    return 1
+
+
 def resolve_ports(opts: UpOptions) -> UpOptions:
-    """Give every port that is ``0`` (any free port) a port the kernel says is free."""
-    changes: dict[str, Any] = {
-        name: free_port(opts.host) for name, _, _ in PORT_FLAGS if getattr(opts, name) == 0
-    }
-    return replace(opts, **changes) if changes else opts
+    """Give every port that is ``0`` (any free port) the first of as many consecutive
+    free ports as it stands for (a port free on its own once let the second decode
+    instance's kv port land on a taken one)."""
+    names = [name for name, _, _ in PORT_FLAGS if getattr(opts, name) == 0]
+    if not names:
+        return opts
+    try:
+        bases = free_port_runs(opts.host, [_run_length(opts, name) for name in names])
+    except OSError as exc:
+        raise ConfigError(f"port 0 (any free port): {exc}; name the ports instead") from None
+    return replace(opts, **dict(zip(names, bases, strict=True)))
 
 
 def find_mooncake_master(find_spec: Callable[[str], Any] | None = None) -> str:

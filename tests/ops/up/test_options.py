@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,8 @@ from kvpool.cli import build_parser
 from kvpool.errors import ConfigError
 from kvpool.ops.up.lifecycle import resolve_ports
 from kvpool.ops.up.options import PORT_FLAGS, UpOptions, default_state_dir, options_from_args
-from kvpool.ops.up.plan import UpPlan, instance_kv_port, make_plan
+from kvpool.ops.up.plan import UpPlan, instance_kv_port, make_plan, planned_ports
+from kvpool.testing.netns import run_prefix
 from tests.docs.blocks import doc_block
 from tests.ops.up.helpers import up_argv
 
@@ -114,3 +117,61 @@ def test_the_kv_port_flags_help_says_instances_are_spaced_by_their_ranks(tmp_pat
     helps = {flag: text for _, flag, text in PORT_FLAGS}
     for flag in ("--prefill-kv-port", "--decode-kv-port"):
         assert "+1 per instance" not in helps[flag] and "ranks" in helps[flag], helps[flag]
+
+
+def _up_options(*flags: str) -> UpOptions:
+    return options_from_args(build_parser().parse_args(["up", *flags]), {}, (0,), "py")
+
+
+def test_port_0_gives_each_flag_a_free_run_as_long_as_its_instances_and_ranks() -> None:
+    opts = _up_options(
+        *[arg for _, flag, _ in PORT_FLAGS if flag != "--metrics-port" for arg in (flag, "0")],
+        *("--decode-instances", "2", "--prefill-instances", "2", "--decode-tp", "2"),
+    )
+    resolved = resolve_ports(opts)
+    ports = [use.port for use in planned_ports(resolved)]
+    assert len(ports) == len(set(ports)) == 1 + 1 + 2 + 2 + 2 + 4  # master, proxy, P, D
+    for port in ports:  # every one really free, the second instance's kv ports included
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+_NO_RUN = """
+import socket, sys
+from kvpool.cli import build_parser
+from kvpool.errors import ConfigError
+from kvpool.ops.up.lifecycle import resolve_ports
+from kvpool.ops.up.options import options_from_args
+held = socket.socket(); held.bind(("127.0.0.1", 40001)); held.listen()
+args = build_parser().parse_args(["up", "--decode-kv-port", "0", "--decode-instances", "2"])
+try:
+    print("resolved", resolve_ports(options_from_args(args, {}, (0,), "py")).decode_kv_port)
+except ConfigError as exc:
+    print("refused", exc)
+"""
+
+
+def test_port_0_with_no_free_run_is_refused_in_one_line() -> None:
+    # In a namespace of its own whose kernel hands out ports 40000-40001 only, with 40001
+    # taken: a free 40000 alone would put the second decode instance on a taken port.
+    ns = f"{run_prefix()}ports"
+    subprocess.run(["ip", "netns", "add", ns], check=True, timeout=30)
+    try:
+        inside = ["ip", "netns", "exec", ns]
+        subprocess.run([*inside, "ip", "link", "set", "lo", "up"], check=True, timeout=30)
+        subprocess.run(
+            [*inside, "sysctl", "-qw", "net.ipv4.ip_local_port_range=40000 40001"],
+            check=True,
+            timeout=30,
+        )
+        done = subprocess.run(
+            [*inside, sys.executable, "-c", _NO_RUN],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).resolve().parents[3],
+        )
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith("refused port 0 (any free port): no 2 consecutive")
