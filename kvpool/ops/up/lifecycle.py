@@ -292,7 +292,7 @@ def _start_and_serve(
 
 def _print_ready(plan: UpPlan, console: Console) -> None:
     console.print("[bold green]kvpool up: ready[/] (Ctrl-C stops everything)")
-    for label, text in ready_text(plan):
+    for label, text in ready_text(plan, os.environ):
         console.print(f"  {label + ':':<15}", end="")
         console.print(text, markup=False, highlight=False, soft_wrap=True)
 

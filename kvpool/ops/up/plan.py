@@ -19,6 +19,7 @@ from kvpool.errors import ConfigError
 from kvpool.ops.up import mooncake
 from kvpool.ops.up.instances import cpu_sets, kv_transfer_config, rank_binds
 from kvpool.ops.up.options import PORT_FLAGS, UpOptions
+from kvpool.proxy.auth import ENV_API_KEY, ENV_API_KEY_FILE
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -337,16 +338,30 @@ def _proxy_spec(opts: UpOptions, processes: Sequence[ProcessSpec], logs: Path) -
     )
 
 
-def _curl_json(url: str, body: Mapping[str, Any], *, stream: bool = False) -> str:
+def _curl_json(url: str, body: Mapping[str, Any], auth: str, *, stream: bool = False) -> str:
     flags = "-sN" if stream else "-s"
     payload = shlex.quote(json.dumps(body))
-    return f"curl {flags} {url} -H 'Content-Type: application/json' -d {payload}"
+    return f"curl {flags} {url}{auth} -H 'Content-Type: application/json' -d {payload}"
 
 
-def ready_text(plan: UpPlan) -> list[tuple[str, str]]:
+def _auth_header(env: Mapping[str, str]) -> str:
+    """The proxy's key as the pasted curl finds it, where the proxy inherits one from the
+    environment (its first key, as the proxy reads the file); never the key itself."""
+    if env.get(ENV_API_KEY_FILE):
+        path = shlex.quote(env[ENV_API_KEY_FILE])
+        first = f"$(grep -m1 -Ev '^[[:space:]]*(#|$)' {path} | tr -d '[:space:]')"
+        return f' -H "Authorization: Bearer {first}"'
+    if env.get(ENV_API_KEY):
+        return f' -H "Authorization: Bearer ${ENV_API_KEY}"'
+    return ""
+
+
+def ready_text(plan: UpPlan, env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
     """(label, text) lines printed once the stack is healthy: endpoints, then commands
-    to paste.  Commands are single lines so a terminal copy keeps them whole."""
+    to paste.  Commands are single lines so a terminal copy keeps them whole; ``env``
+    is the one the proxy inherits (its API key)."""
     opts = plan.options
+    auth = _auth_header(env or {})
     if opts.engine == "mooncake":
         lines: list[tuple[str, str]] = [
             (
@@ -384,11 +399,8 @@ def ready_text(plan: UpPlan) -> list[tuple[str, str]]:
             "temperature": 0,
             "stream": True,
         }
-        lines.append(("completion", _curl_json(plan.proxy_url + "/v1/completions", completion)))
-        lines.append(
-            (
-                "streamed chat",
-                _curl_json(plan.proxy_url + "/v1/chat/completions", chat, stream=True),
-            )
-        )
+        url = plan.proxy_url
+        lines.append(("completion", _curl_json(url + "/v1/completions", completion, auth)))
+        chat_curl = _curl_json(url + "/v1/chat/completions", chat, auth, stream=True)
+        lines.append(("streamed chat", chat_curl))
     return lines

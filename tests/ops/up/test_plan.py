@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from kvpool.cli import build_parser
 from kvpool.config import MasterConfig, parse_node_config
@@ -198,3 +202,29 @@ def test_ready_text_curls_are_one_pasteable_line(tmp_path: Path) -> None:
         body = json.loads(argv[argv.index("-d") + 1])
         assert body["model"] == "tiny-llama"
         assert body.get("stream", False) is stream
+
+
+@pytest.mark.parametrize("source", ["KVPOOL_API_KEY_FILE", "KVPOOL_API_KEY"])
+def test_ready_text_curls_carry_the_proxys_key_when_one_is_set(tmp_path: Path, source: str) -> None:
+    # The proxy inherits the key from kvpool up's environment: the pasted curl must send
+    # it (read where it is kept, never printed), or it gets 401.
+    key = "k" * 32
+    keys = tmp_path / "proxy.key"
+    keys.write_text(f"# the proxy's keys\n\n  {key}\n{'x' * 32}\n")
+    keys.chmod(0o600)
+    env = {source: str(keys) if source.endswith("_FILE") else key}
+    plan = make_plan(UpOptions(state_dir=tmp_path, proxy_port=9000, python="py"))
+    labels = dict(ready_text(plan, env))
+    assert "Authorization" not in dict(ready_text(plan))["completion"]  # none set: none sent
+    for label in ("completion", "streamed chat"):
+        assert key not in labels[label]
+        # the line as a shell runs it, with curl swapped for a printer of its arguments
+        done = subprocess.run(
+            ["bash", "-c", "curl() { printf '%s\\n' \"$@\"; }; " + labels[label]],
+            capture_output=True,
+            text=True,
+            env={"PATH": os.environ["PATH"], **env},
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"Authorization: Bearer {key}" in done.stdout.splitlines()
