@@ -45,11 +45,11 @@ def _run_length(opts: UpOptions, name: str) -> int:
     """How many consecutive ports the flag ``name`` stands for: one per instance (HTTP),
     one per rank of every instance (kv ports)."""
     for role in ("prefill", "decode"):
-        instances = getattr(opts, f"{role}_instances")
+        instances = int(getattr(opts, f"{role}_instances"))
         if name == f"{role}_port":
             return instances
         if name == f"{role}_kv_port":
-            return instances * opts.layout(role).ranks
+            return instances * int(opts.layout(role).ranks)
     return 1
 
 
@@ -64,7 +64,8 @@ def resolve_ports(opts: UpOptions) -> UpOptions:
         bases = free_port_runs(opts.host, [_run_length(opts, name) for name in names])
     except OSError as exc:
         raise ConfigError(f"port 0 (any free port): {exc}; name the ports instead") from None
-    return replace(opts, **dict(zip(names, bases, strict=True)))
+    ports: dict[str, Any] = dict(zip(names, bases, strict=True))
+    return replace(opts, **ports)
 
 
 def find_mooncake_master(find_spec: Callable[[str], Any] | None = None) -> str:
