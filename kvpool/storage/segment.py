@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,9 @@ def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
     A node killed with SIGKILL never runs :meth:`Segment.close`, so its segment would
     hold memory until reboot.  A node calls this at start-up.  Only names made by
     :meth:`Segment.create` without an explicit name (``kvpool-<pid>-<hex>``) are
-    considered, and only when no process with that pid exists.
+    considered.  The owner's ``flock`` says whether it lives, not the pid in the name: a
+    process in another PID namespace names its segment by a pid that means another
+    process (or none) here.
     """
     removed: list[str] = []
     try:
@@ -133,13 +136,34 @@ def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
         return removed
     for entry in entries:
         match = _DEFAULT_NAME.match(entry.name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and _abandoned(entry, int(match.group(1))):
             try:
                 entry.unlink()
             except OSError:
                 continue
             removed.append(entry.name)
     return removed
+
+
+def _abandoned(path: Path, pid: int) -> bool:
+    """No process holds the segment's lock, and it is not one being created right now
+    (between ``open`` and ``flock`` in :meth:`Segment.create`: its pid lives and the
+    file is new)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if owner_alive(fd):
+            return False
+        if not _pid_alive(pid):
+            return True
+        return time.time() - os.fstat(fd).st_mtime > _CREATE_GRACE_S
+    finally:
+        os.close(fd)
+
+
+_CREATE_GRACE_S = 5.0
 
 
 # - The owner holds an exclusive ``flock`` on its file for as long as it lives; the kernel

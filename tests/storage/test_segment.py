@@ -3,6 +3,7 @@ from __future__ import annotations
 import errno
 import logging
 import mmap
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -234,3 +235,35 @@ def test_a_failed_populate_at_creation_leaves_no_segment_behind(
     with pytest.raises(NoSpace):
         Segment.create(SIZE, "kvpool-populate-test", directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dead_segment_named_by_a_pid_that_lives_here_is_removed(tmp_path: Path) -> None:
+    # A process in another PID namespace (bench/_netns.py's rows) names its segment by
+    # its pid there: here that pid may be another, live process.  Its lock says it died.
+    code = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from kvpool.storage.segment import Segment\n"
+        "s = Segment.create(4096, f'kvpool-{os.getppid()}-0123456789ab',"
+        " directory=Path(sys.argv[1]))\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], timeout=60)
+    name = f"kvpool-{os.getpid()}-0123456789ab"  # our pid: alive
+    path = tmp_path / name
+    assert path.exists()
+    os.utime(path, (path.stat().st_atime, path.stat().st_mtime - 60))  # not being created
+    live = Segment.create(4096, directory=tmp_path)  # our pid too, lock held
+    try:
+        assert remove_stale_segments(tmp_path) == [name]
+        assert live.path.exists()
+    finally:
+        live.close()
+
+
+def test_a_segment_being_created_is_not_taken_for_a_dead_one(tmp_path: Path) -> None:
+    # between open() and flock() in Segment.create: no lock yet, but its creator lives
+    name = f"kvpool-{os.getpid()}-aaaaaaaaaaaa"
+    (tmp_path / name).write_bytes(b"")
+    assert remove_stale_segments(tmp_path) == []
+    assert (tmp_path / name).exists()
