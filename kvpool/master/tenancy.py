@@ -200,7 +200,10 @@ class TenantMaster:
         need = book.over_by(key, size)
         if not need:
             return
-        for victim, victim_size in book.victims(key):  # bounded: the tenant's own objects
+        victims = book.victims(key)  # bounded: the tenant's own objects
+        if sum(victim_size for _, victim_size in victims) < need:
+            victims = []  # cannot fit even with all of them gone: evict nothing, refuse
+        for victim, victim_size in victims:
             try:
                 self.service.remove(victim, now)
             except PoolError:  # leased, pinned, or not READY: not evictable now

@@ -156,6 +156,16 @@ def test_a_quota_evicts_inside_the_tenant_first_then_refuses(pool: SecuredPool) 
         op.call(m.SetQuota("small", QUOTA))
 
 
+def test_a_put_no_eviction_could_fit_evicts_nothing(pool: SecuredPool) -> None:
+    # a put larger than all the tenant holds could free is refused before anything goes
+    with _client(pool, CLUSTER.tenant_credential("tiny")) as t, _client(pool, SECRET) as op:
+        op.call(m.SetQuota("tiny", 2000))
+        _put(t, "t0", 1500)
+        with pytest.raises(QuotaExceeded):
+            t.call(m.PutStart(t.client_id, "t1", 2500))
+        assert t.exists("t0")
+
+
 def test_per_tenant_series_on_metrics(pool: SecuredPool) -> None:
     with _client(pool, CLUSTER.tenant_credential("green")) as green:
         _put(green, "g0", 700)
