@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_up(sub)
     _add_secret(sub)
+    _add_quota(sub)
     return parser
 
 
@@ -446,6 +447,41 @@ def _run_secret(args: argparse.Namespace) -> int:
 
     opts = secret.SecretOptions(args.action, args.secret_file, args.node_id, args.tenant)
     return secret.run(opts)
+
+
+def _add_quota(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "quota",
+        help="set a tenant's byte quota on a running master, or show every tenant's",
+        description="set TENANT SIZE: the tenant may hold at most SIZE (8GB, 512MiB; 0: no "
+        "quota), sent with the cluster secret.  show [TENANT]: each tenant's quota, bytes "
+        "held, objects, hits, misses, evictions and refused puts, from the master's "
+        "/metrics.  The secret is read from --secret-file, else KVPOOL_SECRET_FILE, else "
+        "KVPOOL_SECRET.",
+    )
+    p.add_argument("action", choices=["set", "show"])
+    p.add_argument("tenant", nargs="?", default="", metavar="TENANT")
+    p.add_argument("size", nargs="?", default="", metavar="SIZE")
+    p.add_argument(
+        "--master",
+        metavar="HOST:PORT",
+        help="the master (default: the node config's metadata_server, else"
+        f" 127.0.0.1:{DEFAULT_MASTER_PORT})",
+    )
+    add_flag(p, "secret_file", default="", help="file with the cluster secret")
+    p.add_argument("--json", action="store_true", help="machine-readable output (one line each)")
+    p.set_defaults(run=_run_quota, command_name=p.prog)
+
+
+def _run_quota(args: argparse.Namespace) -> int:
+    from kvpool.ops import quota
+
+    if args.action == "show" and args.size:
+        raise ConfigError("kvpool quota show takes at most a TENANT (set takes TENANT SIZE)")
+    options = quota.QuotaOptions(
+        args.action, args.tenant, args.size, args.master, args.secret_file, args.json
+    )
+    return quota.run(options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

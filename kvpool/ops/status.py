@@ -330,9 +330,12 @@ def render(snapshot: PoolSnapshot, rate: Rates | None = None) -> RenderableType:
 
 
 # --------------------------------------------------------------------------------- I/O
-def _get(url: str, timeout_s: float) -> bytes:
-    """The body of a 2xx answer; anything else is the typed error the CLI reports."""
-    reply = http_get(url, timeout_s, max_bytes=64 << 20, headers=operator_headers(os.environ))
+def _get(url: str, timeout_s: float, headers: Mapping[str, str] | None = None) -> bytes:
+    """The body of a 2xx answer; anything else is the typed error the CLI reports.
+    ``headers``: the operator's (default: from the environment's secret)."""
+    if headers is None:
+        headers = operator_headers(os.environ)
+    reply = http_get(url, timeout_s, max_bytes=64 << 20, headers=dict(headers))
     if reply.ok:
         return reply.body
     if reply.status == 401:

@@ -267,6 +267,15 @@ def test_a_tenant_key_and_its_quota(host: Host) -> None:
     _, metrics = http(f"http://{address}/metrics", token)
     quota = re.search(r'^kvpool_tenant_quota_bytes\{tenant="teamA"\} (\S+)$', metrics, re.M)
     assert quota and float(quota[1]) == 8 * 2**30, metrics
+    set_b, show = commands("security.quota")
+    assert (
+        ok(host.run(set_b, **host.at(address))).strip() == "tenant teamB: quota 4.0 GiB, holds 0 B"
+    )
+    rows = {
+        line.split()[0]: line.split()[1:3]
+        for line in ok(host.run(show, **host.at(address))).splitlines()
+    }
+    assert rows["teamA"] == ["8.0", "GiB"] and rows["teamB"] == ["4.0", "GiB"], rows
 
 
 # -------------------------------------------------------------------- connectors.md
