@@ -14,6 +14,7 @@ import pytest
 
 from kvpool.testing.mooncake import Namespace
 from tests.engines.mooncake_host import NamespacedEngine, mooncake_json
+from tests.waiting import wait_until
 
 OBJECT = 4 << 20
 ROOM = 4  # objects the pool holds (18 MiB: 4 objects and their headers, not 5)
@@ -37,10 +38,16 @@ def test_a_flood_of_lookups_past_a_hole_leaves_room_for_puts(engine: NamespacedE
     assert engine.batch_put_parts(stored, [[bytes(OBJECT)]] * ROOM) == [None] * ROOM
     for _ in range(50):  # the same request, again and again
         assert engine.prefix_lookup(prefix) == 1
-    # block 0 and the blocks probed with the hole are leased; the last one is not, so
-    # the pool can still make room
+    # block 0 is leased; the blocks behind the hole are not, so the pool can still make
+    # room.  Mooncake evicts in a background thread: a put may find the room a moment
+    # after the one before it made some (bounded wait; a leased pool never gets there)
     for i in range(3):
-        assert engine.batch_put_parts([f"new-{i}"], [[bytes(OBJECT)]]) == [None]
+        wait_until(
+            lambda i=i: engine.batch_put_parts([f"new-{i}"], [[bytes(OBJECT)]]) == [None],
+            timeout_s=20,
+            interval_s=0.2,
+            what=f"room for new-{i}",
+        )
     assert engine.batch_exists([prefix[0]]) == [True]  # the prefix in use stayed
 
 
