@@ -26,7 +26,7 @@ from kvpool.protocol.auth import (
     refusal,
 )
 
-__all__ = ["admit", "authenticate"]
+__all__ = ["Admission", "admit", "admit_with", "authenticate"]
 
 _SHORT_READ = 4096
 
@@ -86,6 +86,70 @@ def authenticate(
     return side.server_id
 
 
+class Admission:
+    """The server's side of one connection's handshake, fed bytes as they arrive: the
+    waiting room (:mod:`kvpool.datapath.waiting_room`) runs it on a non-blocking socket,
+    :func:`admit` on a blocking one.  :meth:`need` is how many bytes to read next, exactly
+    (never a byte of the port's own protocol that follows); :meth:`feed` takes them and
+    gives what to send back.  It ends with :attr:`identity` (proved) or :attr:`failure`
+    (an AuthError; its refusal was the last bytes :meth:`feed` gave)."""
+
+    def __init__(
+        self,
+        credential: Credential,
+        server_id: str,
+        roles: tuple[str, ...],
+        refuse_plain: bytes,
+    ) -> None:
+        self._side = ServerHandshake(credential, server_id, roles)
+        self._reader = FrameReader()
+        self._refuse_plain = refuse_plain
+        self._magic = bytearray()  # the first bytes, until they are the handshake's or not
+        self._proving = False  # the Challenge sent: the next frame is the proof
+        self.identity: Identity | None = None
+        self.failure: AuthError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.identity is not None or self.failure is not None
+
+    def need(self) -> int:
+        if len(self._magic) < len(AUTH_MAGIC):
+            return len(AUTH_MAGIC) - len(self._magic)
+        have = len(self._reader.buffer)
+        if have < HEADER.size:
+            return HEADER.size - have
+        return max(1, HEADER.size + int(HEADER.unpack_from(self._reader.buffer)[2]) - have)
+
+    def feed(self, data: bytes) -> bytes:
+        if len(self._magic) < len(AUTH_MAGIC):
+            self._magic += data
+            if len(self._magic) < len(AUTH_MAGIC):
+                return b""
+            if bytes(self._magic) != AUTH_MAGIC:
+                self.failure = AuthError("a peer without a credential (no handshake) was refused")
+                return self._refuse_plain
+            data = bytes(self._magic)
+        self._reader.feed(data)
+        try:
+            frame = self._reader.next_frame()
+            if frame is None:
+                return b""
+            if not self._proving:
+                self._proving = True
+                reply = self._side.on_hello(frame)
+                if self._side.failure is not None:
+                    self.failure = AuthError(str(self._side.failure))
+                return reply
+            reply, self.identity = self._side.on_proof(frame)
+            if self.identity is None:
+                self.failure = AuthError(str(self._side.failure))
+            return reply
+        except ProtocolError as exc:
+            self.failure = AuthError(f"a broken handshake was refused: {exc}")
+            return refusal(f"a broken handshake: {exc}")
+
+
 def admit(
     sock: socket.socket,
     credential: Credential,
@@ -98,31 +162,27 @@ def admit(
     a handshake is sent ``refuse_plain`` (its protocol's own error reply, so a client
     without a credential reads a clear AuthError) and refused.  Raises AuthError (sent
     to the peer already) or PeerTimeout/TransferError; the caller closes ``sock``."""
+    return admit_with(sock, Admission(credential, server_id, roles, refuse_plain), timeout_s)
+
+
+def admit_with(sock: socket.socket, admission: Admission, timeout_s: float) -> Identity:
+    """:func:`admit` with an :class:`Admission` made beforehand (blocking)."""
     deadline = deadline_after(timeout_s)
-    head = bytearray(len(AUTH_MAGIC))
-    recv_exactly_into(sock, memoryview(head), deadline, "the handshake")
-    if bytes(head) != AUTH_MAGIC:
-        with contextlib.suppress(KVPoolError):
-            _send(sock, refuse_plain, deadline)
-        _linger(sock)
-        raise AuthError("a peer without a credential (no handshake) was refused")
-    side = ServerHandshake(credential, server_id, roles)
-    reader = FrameReader()
-    reader.feed(bytes(head))
-    try:
-        _send(sock, side.on_hello(_recv_frame(sock, reader, deadline)), deadline)
-        if side.failure is not None:
-            raise side.failure
-        reply, identity = side.on_proof(_recv_frame(sock, reader, deadline))
-        _send(sock, reply, deadline)
-    except ProtocolError as exc:
-        with contextlib.suppress(KVPoolError):
-            _send(sock, refusal(f"a broken handshake: {exc}"), deadline)
-        raise AuthError(f"a broken handshake was refused: {exc}") from None
-    if identity is None:
-        assert side.failure is not None
-        raise side.failure
-    return identity
+    while not admission.done:
+        chunk = bytearray(admission.need())
+        recv_exactly_into(sock, memoryview(chunk), deadline, "the handshake")
+        reply = admission.feed(bytes(chunk))
+        if reply:
+            if admission.failure is not None:
+                with contextlib.suppress(KVPoolError):
+                    _send(sock, reply, deadline)
+                _linger(sock)
+                raise admission.failure
+            _send(sock, reply, deadline)
+    if admission.failure is not None:
+        raise admission.failure
+    assert admission.identity is not None
+    return admission.identity
 
 
 def _linger(sock: socket.socket) -> None:
