@@ -24,7 +24,7 @@ from msgspec import structs
 from kvpool.closing import Serving
 from kvpool.core.credentials import Credential, check_grant, ssd_subject
 from kvpool.datapath import framing
-from kvpool.datapath.auth import admit
+from kvpool.datapath.auth import Admission
 from kvpool.datapath.budget import ByteBudget
 from kvpool.datapath.channel import Channel
 from kvpool.datapath.framing import BadRequest
@@ -165,6 +165,8 @@ class SegmentServer(Serving):
             tls=tls,
             refuse_plain=self._refuse_plain,
             tls_timeout_s=timeout_s,
+            admission=self._admission if credential is not None else None,
+            on_refused=self._refused_auth,
         )
 
     # -- segments ---------------------------------------------------------------
@@ -235,17 +237,14 @@ class SegmentServer(Serving):
             return refusal(str(error))
         return DATA_REPLY_CODEC.encode(error_reply(error))
 
-    def _serve_connection(self, conn: socket.socket) -> None:
-        """One client's conversation, in its own thread (the server closes ``conn``)."""
+    def _serve_connection(self, conn: socket.socket, identity: Identity | None) -> None:
+        """One client's conversation, in its own thread (the server closes ``conn``);
+        with a credential, the waiting room has run the handshake (``identity``)."""
         framing.tune_socket(conn)
         keepalive(conn)
         tenant = ""
-        if self.credential is not None:
-            identity = self._admitted(conn)
-            if identity is None:
-                return
-            if identity.role == "tenant-data":
-                tenant = identity.client_id
+        if identity is not None and identity.role == "tenant-data":
+            tenant = identity.client_id
         channel: Channel[DataReply, DataRequest] = Channel(
             conn, DATA_REPLY_CODEC, DATA_REQUEST_CODEC, self.timeout_s
         )
@@ -262,26 +261,21 @@ class SegmentServer(Serving):
             self.stats.add("dropped_connections")
             log.info("data connection ended: %s", exc)
 
-    def _admitted(self, conn: socket.socket) -> Identity | None:
-        """The handshake; None (said to the peer and logged) when it failed."""
+    def _admission(self) -> Admission:
+        """A fresh connection's handshake, as the waiting room runs it."""
         assert self.credential is not None
         plain = AuthError(
             f"data server {self.host}:{self.port} requires a credential: set "
             "KVPOOL_SECRET_FILE (or KVPOOL_SECRET) to this cluster's secret"
         )
-        try:
-            return admit(
-                conn,
-                self.credential,
-                self.server_id,
-                ("data", "tenant-data"),
-                self.timeout_s,
-                DATA_REPLY_CODEC.encode(error_reply(plain)),
-            )
-        except (AuthError, TransferError, PeerTimeout) as exc:
-            self.stats.add("refused_auth")
-            log.warning("data connection refused: %s", exc)
-            return None
+        refuse_plain = DATA_REPLY_CODEC.encode(error_reply(plain))
+        return Admission(self.credential, self.server_id, ("data", "tenant-data"), refuse_plain)
+
+    def _refused_auth(self, reason: str) -> None:
+        self.stats.add("refused_auth")
+        n = self.stats.refused_auth
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
+            log.warning("data connection refused (%d so far): %s", n, reason)
 
     def _granted(self, tenant: str, request: DataRequest) -> DataRequest:
         """A tenant's request as served (its segment ids without the grants), or the

@@ -1,10 +1,12 @@
-"""One listening socket, one thread per connection, and a stop that is bounded.
+"""One listening socket, one thread per admitted connection, and a stop that is bounded.
 
 Both of kvpool's blocking TCP servers are this shape: the segment data server
 (:class:`~kvpool.datapath.segment_server.SegmentServer`) and the prefill's pull server
 (the P→D connector's ``kv_port``).  Threads rather than an event loop because their work is
 ``recv_into``/``sendall`` of multi-megabyte buffers, which CPython runs with the GIL
-released; an event loop would wake per chunk.
+released; an event loop would wake per chunk.  Until a connection is admitted (its
+handshake done, or its first bytes in) it waits threadless in a
+:class:`~kvpool.datapath.waiting_room.WaitingRoom`.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpool.closing import Serving
+from kvpool.datapath.auth import Admission, admit_with
 from kvpool.datapath.tls import accept_tls
+from kvpool.datapath.waiting_room import HANDSHAKE_S, WaitingRoom
 from kvpool.errors import AuthError, PeerTimeout, TransferError
+from kvpool.protocol.auth import Identity
 
 __all__ = [
     "ACCEPT_POLL_S",
@@ -47,9 +52,11 @@ _LINGER_READ = 1 << 16
 
 # Rules:
 #
-# - ``handle(conn)`` runs in the connection's own thread and owns the conversation; the
-#   server closes ``conn`` when it returns or raises (an exception ends that connection
-#   only, and is logged).
+# - ``handle(conn, identity)`` runs in the connection's own thread and owns the
+#   conversation after the handshake (``identity``: the peer ``admission`` proved, None on
+#   a port without one); the server closes ``conn`` when it returns or raises (an
+#   exception ends that connection only, and is logged).  A peer that fails or does not
+#   finish the handshake in ``handshake_s`` never reaches it: ``on_refused`` is told why.
 # - Between requests a handler should look at :attr:`ThreadedServer.stopping`; it need not
 #   poll, because :meth:`ThreadedServer.close` shuts every open connection down, which
 #   wakes a thread blocked in ``recv``.
@@ -69,7 +76,7 @@ class ThreadedServer(Serving):
         self,
         host: str,
         port: int,
-        handle: Callable[[socket.socket], None],
+        handle: Callable[[socket.socket, Identity | None], None],
         *,
         name: str = "kvpool-server",
         backlog: int | None = 128,
@@ -80,6 +87,9 @@ class ThreadedServer(Serving):
         tls: ssl.SSLContext | None = None,
         refuse_plain: Callable[[bytes], bytes] | None = None,
         tls_timeout_s: float = 10.0,
+        admission: Callable[[], Admission] | None = None,
+        on_refused: Callable[[str], None] | None = None,
+        handshake_s: float = HANDSHAKE_S,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
@@ -105,6 +115,17 @@ class ThreadedServer(Serving):
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._admission = admission
+        self._on_refused = on_refused or (lambda _reason: None)
+        self._handshake_s = handshake_s
+        # with TLS the handshakes run in the connections' threads, after the TLS one
+        self.waiting_room = WaitingRoom(
+            name,
+            self._admitted,
+            make_admission=admission if tls is None else None,
+            refused=self._on_refused,
+            handshake_s=handshake_s,
+        )
 
     @property
     def address(self) -> tuple[str, int]:
@@ -118,9 +139,14 @@ class ThreadedServer(Serving):
 
     @property
     def connections(self) -> int:
-        """Connections open now."""
+        """Connections served now (admitted, each in its thread)."""
         with self._lock:
             return len(self._conns)
+
+    @property
+    def waiting(self) -> int:
+        """Connections accepted and not yet admitted (no thread)."""
+        return self.waiting_room.waiting
 
     def bind(self) -> tuple[str, int]:
         """Bind and listen (once), without accepting yet: a start-up that allocates
@@ -137,6 +163,7 @@ class ThreadedServer(Serving):
         """Bind (unless :meth:`bind` did), listen and start accepting; returns the bound
         address."""
         self.bind()
+        self.waiting_room.start()
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"{self.name}-accept:{self.port}", daemon=True
         )
@@ -150,6 +177,7 @@ class ThreadedServer(Serving):
             self._accept_thread.join(timeout_s)
         if self._listener is not None:
             self._listener.close()
+        self.waiting_room.close(timeout_s)
         with self._lock:
             conns = list(self._conns.items())
         for conn, _ in conns:
@@ -162,32 +190,41 @@ class ThreadedServer(Serving):
         assert self._listener is not None
         while not self._stopping.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError:
                 if self._stopping.is_set():
                     return
                 raise
-            thread = threading.Thread(
-                target=self._serve, args=(conn,), name=f"{self.name}-conn", daemon=True
-            )
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns[conn] = thread
-            if full:
-                self._refuse_connection(conn)
-                continue
-            if self._on_connection is not None:
-                self._on_connection()
-            thread.start()
+            self.waiting_room.add(conn, str(peer[0]) if isinstance(peer, tuple) else "")
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _admitted(self, conn: socket.socket, identity: Identity | None) -> None:
+        """From the waiting room: a proved peer (or, without a handshake, a readable one)
+        gets its thread, or the refusal when every slot is taken."""
+        thread = threading.Thread(
+            target=self._serve, args=(conn, identity), name=f"{self.name}-conn", daemon=True
+        )
+        with self._lock:
+            full = len(self._conns) >= self.max_connections
+            if not full:
+                self._conns[conn] = thread
+        if full:
+            self._refuse_connection(conn)
+            return
+        if self._on_connection is not None:
+            self._on_connection()
+        thread.start()
+
+    def _serve(self, conn: socket.socket, identity: Identity | None) -> None:
         try:
             if self._tls is not None:
                 conn = self._start_tls(conn)
-            self._handle(conn)
+                if self._admission is not None:
+                    identity = self._handshake(conn)
+                    if identity is None:
+                        return
+            self._handle(conn, identity)
         except (AuthError, PeerTimeout, TransferError) as exc:  # the TLS step's refusals
             self.tls_refused += 1
             log.info("%s: connection refused: %s", self.name, exc)
@@ -197,6 +234,15 @@ class ThreadedServer(Serving):
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+
+    def _handshake(self, conn: socket.socket) -> Identity | None:
+        """The credential handshake inside TLS, in this connection's thread."""
+        assert self._admission is not None
+        try:
+            return admit_with(conn, self._admission(), self._handshake_s)
+        except (AuthError, PeerTimeout, TransferError) as exc:
+            self._on_refused(str(exc))
+            return None
 
     def _start_tls(self, conn: socket.socket) -> socket.socket:
         """Run the TLS handshake; the TLS socket replaces ``conn`` among the open

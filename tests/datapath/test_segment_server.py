@@ -374,7 +374,9 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout(segment: Segment) -
         srv.add_segment("seg0", segment)
         with raw_socket(srv) as sock:
             sock.settimeout(10)
-            wait_until(lambda: srv.connections == 1, what="the connection was accepted")
+            # it waits for its first request without a thread, then is closed (after
+            # the waiting room's HANDSHAKE_S: the idle timeout counts after a request)
+            wait_until(lambda: srv._server.waiting == 1, what="the connection was accepted")
             assert sock.recv(1) == b""  # closed by the server, not by us
             wait_until(lambda: srv.connections == 0, what="its thread ended")
         assert_still_serves(srv)
@@ -415,6 +417,9 @@ def test_a_raw_peer_over_the_cap_reads_the_refusal_before_the_close(segment: Seg
     with SegmentServer(timeout_s=5.0, max_connections=1) as srv:
         srv.add_segment("seg0", segment)
         with raw_socket(srv) as first:
+            first.sendall(DATA_REQUEST_CODEC.encode(SegmentRead("seg0", 0, 4)))
+            assert read_reply(first)[1] == 4  # served: it holds the one slot
+            assert first.recv(4, socket.MSG_WAITALL)
             wait_until(lambda: srv.connections == 1)
             with raw_socket(srv) as sock:
                 sock.sendall(DATA_REQUEST_CODEC.encode(SegmentRead("seg0", 0, 4)))

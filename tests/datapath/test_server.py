@@ -8,7 +8,7 @@ from kvpool.datapath.server import ThreadedServer
 from tests.waiting import wait_until
 
 
-def echo(conn: socket.socket) -> None:
+def echo(conn: socket.socket, _identity: object = None) -> None:
     while data := conn.recv(1024):
         conn.sendall(data)
 
@@ -30,6 +30,9 @@ def test_close_wakes_handlers_blocked_in_recv_and_is_bounded() -> None:
     server = ThreadedServer("127.0.0.1", 0, echo, name="test-blocked")
     server.start()
     conns = [socket.create_connection(server.address, timeout=5) for _ in range(3)]
+    for conn in conns:  # a connection reaches its handler with its first bytes
+        conn.sendall(b"x")
+        assert conn.recv(1) == b"x"
     wait_until(lambda: server.connections == 3, what="three connections open")
     started = time.monotonic()
     server.close(timeout_s=5)
@@ -43,7 +46,7 @@ def test_close_wakes_handlers_blocked_in_recv_and_is_bounded() -> None:
 def test_a_failing_handler_ends_only_its_own_connection() -> None:
     calls = threading.Semaphore(0)
 
-    def handle(conn: socket.socket) -> None:
+    def handle(conn: socket.socket, _identity: object) -> None:
         calls.release()
         if conn.recv(1) == b"!":
             raise RuntimeError("handler bug")

@@ -26,12 +26,12 @@ import socket
 from kvpool.config.kv_transfer import ENV_INSECURE, TRANSFER_CONNECTOR, TransferConfig
 from kvpool.config.secret import ENV_SECRET_FILE, is_loopback
 from kvpool.core.credentials import Credential
-from kvpool.datapath.auth import admit, authenticate
-from kvpool.errors import AuthError, ConfigError, PeerTimeout, TransferError
+from kvpool.datapath.auth import Admission, authenticate
+from kvpool.errors import ConfigError
 from kvpool.protocol.codec import Codec
 from kvpool.protocol.pull import Refused
 
-__all__ = ["ROLE", "admit_decode", "open_to_prefill", "require_pull_credential"]
+__all__ = ["ROLE", "decode_admission", "open_to_prefill", "require_pull_credential"]
 
 #: the handshake role a decode claims: the cluster's client key (a node's own credential
 #: cannot pull KV)
@@ -54,24 +54,18 @@ def require_pull_credential(config: TransferConfig, credential: Credential | Non
     )
 
 
-def admit_decode(
-    conn: socket.socket,
+def decode_admission(
     credential: Credential,
     server_id: str,
-    timeout_s: float,
     reply_codec: Codec,  # type: ignore[type-arg]
-) -> str | None:
-    """The handshake on a fresh ``kv_port`` connection: None when the decode proved the
-    credential, else why it was refused (already said to it; the caller closes)."""
+) -> Admission:
+    """The handshake a fresh ``kv_port`` connection must pass: the decode proves the
+    credential, or is refused in the port's own words."""
     plain = Refused(
         f"AuthError: prefill {server_id} requires a credential: set {ENV_SECRET_FILE} (or "
         '"secret_file" in the node config) to this cluster\'s secret'
     )
-    try:
-        admit(conn, credential, server_id, (ROLE,), timeout_s, reply_codec.encode(plain))
-    except (AuthError, TransferError, PeerTimeout) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    return Admission(credential, server_id, (ROLE,), reply_codec.encode(plain))
 
 
 def open_to_prefill(

@@ -18,9 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
-from kvpool.connectors.transfer.auth import admit_decode, open_to_prefill
+from kvpool.connectors.transfer.auth import decode_admission, open_to_prefill
 from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
 from kvpool.core.credentials import Credential
+from kvpool.datapath.auth import Admission
 from kvpool.datapath.framing import (
     BadRequest,
     deadline_after,
@@ -73,10 +74,12 @@ class PullListener:
         server = ThreadedServer(
             host,
             port,
-            lambda conn: self._serve(conn, handler),
+            lambda conn, _identity: self._serve(conn, handler),
             name="kvpool-kv",
             backlog=None,
             accept_poll_s=ACCEPT_POLL_S,
+            admission=self._admission if self._credential is not None else None,
+            on_refused=self._refused,
         )
         server.start()
         self._server = server
@@ -88,9 +91,7 @@ class PullListener:
     def _serve(self, conn: socket.socket, handler: PullHandler) -> None:
         # the server closes conn when this returns; its close() wakes a blocked recv
         assert self._server is not None
-        tune_socket(conn)
-        if self._credential is not None and not self._admitted(conn):
-            return
+        tune_socket(conn)  # with a credential, the waiting room has run the handshake
         while not self._server.stopping:
             try:
                 got = recv_request(conn, self._requests, self._timeout_s, idle_timeout=IDLE_S)
@@ -113,14 +114,16 @@ class PullListener:
                 logger.warning("%s dropping a decode connection: %s", _PREFIX, exc)
                 return
 
-    def _admitted(self, conn: socket.socket) -> bool:
+    def _admission(self) -> Admission:
         assert self._server is not None and self._credential is not None
         where = f"{self._server.host}:{self._server.port}"
-        refused = admit_decode(conn, self._credential, where, self._timeout_s, self._replies)
-        if refused is not None:
-            self.refused_auth += 1
-            logger.warning("%s refused a decode connection: %s", _PREFIX, refused)
-        return refused is None
+        return decode_admission(self._credential, where, self._replies)
+
+    def _refused(self, reason: str) -> None:
+        self.refused_auth += 1
+        n = self.refused_auth
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
+            logger.warning("%s refused a decode connection (%d so far): %s", _PREFIX, n, reason)
 
     def _serve_pull(
         self, conn: socket.socket, pull: Pull, handler: PullHandler, deadline: float
