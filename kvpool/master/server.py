@@ -7,6 +7,7 @@ the status page), as the production guide's §8.1 check
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -55,6 +56,12 @@ RPC_FRAME_TIMEOUT_S = 30.0
 RPC_LINGER_S = 2.0
 # a peer that opens a connection and never finishes TLS is dropped after this
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
+#: a new connection's first bytes must arrive this long after it opened, or it is closed
+SNIFF_TIMEOUT_S = 5.0
+#: connections not yet admitted (sniffed, or in the handshake) at once; one more closes
+#: the one that has waited longest, which a real client never is: it proves itself in a
+#: round trip, so what waits longest is what a flood left idle
+MAX_PRE_AUTH = 4096
 
 
 class RpcBuffers:
@@ -295,9 +302,21 @@ class _Sniffer(asyncio.Protocol):
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
         self.refused = False  # said why and closing: what still arrives is dropped
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        self.server.waiting(self.transport)
+        self._timer = asyncio.get_running_loop().call_later(SNIFF_TIMEOUT_S, self._expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expired(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.server.refused_pre_auth += 1
+            self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
@@ -324,6 +343,10 @@ class _Sniffer(asyncio.Protocol):
             proto = _RpcProtocol(server.service, server.rpc_buffers, server.rpc_frame_timeout_s)
         else:
             proto = self.server.http_protocol()
+        if self._timer is not None:
+            self._timer.cancel()  # the next protocol keeps its own clock
+        if not isinstance(proto, AuthProtocol):
+            self.server.admitted(self.transport)
         self.transport.set_protocol(proto)
         proto.connection_made(self.transport)
         proto.data_received(self.buffer)
@@ -358,9 +381,31 @@ class MasterServer:
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self.port = config.port
+        # connections not yet admitted, oldest first (one event loop: no lock)
+        self._pre_auth: collections.OrderedDict[asyncio.Transport, None] = (
+            collections.OrderedDict()
+        )
+        self.refused_pre_auth = 0  # closed before admission: late, or a full room
+
+    def waiting(self, transport: asyncio.Transport) -> None:
+        """A new connection, not admitted yet; past :data:`MAX_PRE_AUTH` such, the one
+        that waited longest is closed."""
+        pre_auth = self._pre_auth
+        while pre_auth and next(iter(pre_auth)).is_closing():  # gone by themselves
+            pre_auth.popitem(last=False)
+        pre_auth[transport] = None
+        while len(pre_auth) > MAX_PRE_AUTH:
+            oldest, _ = pre_auth.popitem(last=False)
+            if not oldest.is_closing():
+                self.refused_pre_auth += 1
+                oldest.abort()
+
+    def admitted(self, transport: asyncio.Transport) -> None:
+        self._pre_auth.pop(transport, None)
 
     def rpc_admitted(self, transport: asyncio.Transport, identity: Identity, rest: bytes) -> None:
         """A handshake succeeded: the connection is RPC from now on, as ``identity``."""
+        self.admitted(transport)
         if identity.role == "tenant":
             self.tenancy.admit(identity.client_id)
         proto = _RpcProtocol(
