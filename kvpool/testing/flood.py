@@ -14,14 +14,16 @@ import errno
 import resource
 import selectors
 import socket
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 from kvpool.net import split_address
 from kvpool.protocol.auth import AUTH_MAGIC
 
-__all__ = ["Flood", "main"]
+__all__ = ["Flood", "FloodProcess", "main"]
 
 #: what a slow handshake sends before it stalls: the magic and half a frame header
 SLOW_START = AUTH_MAGIC + b"\x01"
@@ -80,6 +82,54 @@ class Flood:
         with contextlib.suppress(KeyError, ValueError):
             selector.unregister(sock)
         sock.close()
+
+
+class FloodProcess:
+    """This module as a child process against ``addresses``; :attr:`opened` follows its
+    ``open`` lines (connections opened so far, per port)."""
+
+    def __init__(self, *addresses: str, idle: int = 2000, slow: int = 2000) -> None:
+        argv = [*addresses, "--idle", str(idle), "--slow", str(slow), "--seconds", "300"]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.testing.flood", *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.opened = [0] * len(addresses)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.opened = [int(f.split("/")[1]) for f in line.split()[1:]]
+
+    def wait_opened(self, at_least: int, timeout_s: float = 120.0) -> None:
+        """Until every port has met ``at_least`` connections (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while min(self.opened) < at_least:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise TimeoutError(f"the flood opened {self.opened}, not {at_least} each")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            self._reader.join(10)
+            self.proc.stdout.close()
+
+    def __enter__(self) -> FloodProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

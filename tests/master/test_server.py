@@ -197,6 +197,19 @@ def test_malformed_frames_get_errors_and_the_master_keeps_serving(
     assert client.get("still") == b"serving"
 
 
+def test_a_connection_that_never_speaks_is_closed_and_others_are_served(
+    master: PoolProcess, client: Client
+) -> None:
+    from kvpool.master.server import SNIFF_TIMEOUT_S
+
+    s = _raw(master)
+    s.settimeout(SNIFF_TIMEOUT_S + 10)
+    client.put("meanwhile", b"served")  # the silent one holds nothing up
+    assert s.recv(1) == b""  # closed by the master, after its deadline (else: a timeout)
+    s.close()
+    assert client.get("meanwhile") == b"served"
+
+
 def test_mooncakes_master_command_line_is_accepted_as_written(tmp_path: object) -> None:
     flags = [
         "--eviction_high_watermark_ratio",

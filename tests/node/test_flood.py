@@ -6,9 +6,6 @@ byte, and the node's threads stay few (each waiting connection costs a descripto
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +14,8 @@ import pytest
 from kvpool.client.client import Client
 from kvpool.core.credentials import Credential
 from kvpool.net import http_get
+from kvpool.testing.flood import FloodProcess
 from tests.master.auth_pool import SECRET, SecuredPool, secured_pool
-from tests.waiting import wait_until
 
 FLOOD = 2000  # of each kind, per port
 OBJECT = 64 << 10
@@ -38,49 +35,11 @@ def _threads(pid: int) -> int:
     raise AssertionError(f"no Threads line for {pid}")
 
 
-class Flooder:
-    """``python -m kvpool.testing.flood``, its ``open`` lines read as they come."""
-
-    def __init__(self, *addresses: str) -> None:
-        argv = [*addresses, "--idle", str(FLOOD), "--slow", str(FLOOD), "--seconds", "300"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.testing.flood", *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.opened = [0] * len(addresses)  # connections opened so far, per port
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            fields = line.split()[1:]
-            self.opened = [int(f.split("/")[1]) for f in fields]
-
-    def stop(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(10)
-            self._reader.join(10)
-            assert self.proc.stdout is not None
-            self.proc.stdout.close()
-
-
 def test_a_flood_without_a_credential_locks_no_client_out(pool: SecuredPool) -> None:
     before = _threads(pool.node.pid)
-    flooder = Flooder(pool.data_address, pool.master.address)
+    flooder = FloodProcess(pool.data_address, pool.master.address, idle=FLOOD, slow=FLOOD)
     try:
-        # both ports have met every connection of the flood
-        wait_until(
-            lambda: min(flooder.opened) >= 2 * FLOOD, timeout_s=120, what="the flood is open"
-        )
+        flooder.wait_opened(2 * FLOOD)  # both ports have met every connection of the flood
         errors: list[BaseException] = []
         with Client(pool.master.address, credential=SECRET, allow_shm=False, timeout_s=10) as c:
             for i in range(ROUNDS):  # bounded: ROUNDS puts and reads, each checked

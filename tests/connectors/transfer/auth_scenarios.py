@@ -119,6 +119,34 @@ def credentials(transport: str, p_secret: str, d_secret: str, good_secret: str) 
             worker.close()
 
 
+def flooded(transport: str, secret: str, flood: int) -> dict[str, Any]:
+    """P with ``secret`` while a peer with no credential holds ``flood`` idle and
+    ``flood`` slow-handshake connections on its kv_port; a D with the secret pulls."""
+    from kvpool.testing.flood import FloodProcess
+
+    port = free_port()
+    made: list[TransferWorker] = []
+    try:
+        p, p_kv = _worker(_cfg(transport, "kv_producer", port, secret), seed=3)
+        made.append(p)
+        p.submit(TransferJobs(holds=[HoldJob("p-f", (1, 2))]))
+        with FloodProcess(f"127.0.0.1:{port}", idle=flood, slow=flood) as flooder:
+            flooder.wait_opened(2 * flood)
+            d, d_kv = _worker(_cfg(transport, "kv_consumer", port + 100, secret), seed=None)
+            made.append(d)
+            d.submit(TransferJobs(recvs=[recv_job("f", [0, 1], [1, 2], port)]))
+            got = wait_results(d, want_recv="f")
+            return {
+                "failed": got.failed_recving,
+                "load_errors": d.take_load_errors(),
+                "equal": all(np.array_equal(d_kv[n][[0, 1]], p_kv[n][[1, 2]]) for n in LAYERS),
+                "refused": p._transport.refused_auth,  # type: ignore[attr-defined]
+            }
+    finally:
+        for worker in made:
+            worker.close()
+
+
 def node_credential_cannot_pull(transport: str, p_secret: str, node_cred: str) -> str:
     """A storage node's own credential is no decode's: D's error text."""
     port = free_port()
