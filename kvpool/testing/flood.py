@@ -1,7 +1,7 @@
 """A peer with no credential that floods ports with connections (the flood tests and
 bench/flood.py): ``idle`` ones that never send a byte, and ``slow`` ones that start the
 handshake and stall.  Run as ``python -m kvpool.testing.flood HOST:PORT... --idle N
---slow N``: it keeps that many open on each port (re-opening what the server closes, at
+--slow N [--http]``: it keeps that many open on each port (re-opening what the server closes, at
 most ``--reopen`` a second on each), prints one ``open`` line a second, and ends when its stdin
 closes or after ``--seconds``.
 """
@@ -27,6 +27,8 @@ __all__ = ["Flood", "FloodProcess", "main"]
 
 #: what a slow handshake sends before it stalls: the magic and half a frame header
 SLOW_START = AUTH_MAGIC + b"\x01"
+#: on an HTTP port (``--http``): a request whose headers never end
+SLOW_HTTP = b"POST /v1/completions HTTP/1.1\r\nHost: kvpool\r\nContent-Type: application/json\r\n"
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Flood:
     address: tuple[str, int]
     idle: int
     slow: int
+    slow_start: bytes = SLOW_START
     open: dict[socket.socket, bool] = field(default_factory=dict)  # socket -> slow?
     opened: int = 0
     failed: int = 0  # connects the server (or the kernel) refused
@@ -66,7 +69,7 @@ class Flood:
             selector.modify(sock, selectors.EVENT_READ, self)
             if self.open.get(sock):
                 with contextlib.suppress(OSError):
-                    sock.send(SLOW_START)
+                    sock.send(self.slow_start)
         if mask & selectors.EVENT_READ:  # the server closed it (or refused, in words)
             try:
                 data = sock.recv(4096)
@@ -88,8 +91,11 @@ class FloodProcess:
     """This module as a child process against ``addresses``; :attr:`opened` follows its
     ``open`` lines (connections opened so far, per port)."""
 
-    def __init__(self, *addresses: str, idle: int = 2000, slow: int = 2000) -> None:
+    def __init__(
+        self, *addresses: str, idle: int = 2000, slow: int = 2000, http: bool = False
+    ) -> None:
         argv = [*addresses, "--idle", str(idle), "--slow", str(slow), "--seconds", "300"]
+        argv += ["--http"] if http else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool.testing.flood", *argv],
             stdin=subprocess.PIPE,
@@ -139,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow", type=int, default=2000)
     parser.add_argument("--reopen", type=int, default=500, help="connections opened a second")
     parser.add_argument("--seconds", type=float, default=600.0)
+    parser.add_argument("--http", action="store_true", help="slow ones: unfinished HTTP")
     args = parser.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = len(args.addresses) * (args.idle + args.slow) + 64
@@ -146,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     floods = []
     for address in args.addresses:
         host, port = split_address(address)
-        floods.append(Flood((host, port), args.idle, args.slow))
+        start = SLOW_HTTP if args.http else SLOW_START
+        floods.append(Flood((host, port), args.idle, args.slow, start))
     selector = selectors.DefaultSelector()
     selector.register(sys.stdin, selectors.EVENT_READ, None)
     end = time.monotonic() + args.seconds
