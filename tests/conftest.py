@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from kvpool.testing import shm
+
 # folders under tests/ → their unit of work
 HEAVY = {"e2e": "vllm", "bench": "stacks", "multihost": "stacks", "soak": "stacks"}
 # modules outside tests/e2e that start real vLLM too
@@ -73,6 +75,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     folder's conftest is never loaded in it.  Each worker wrote its file under its own
     basetemp, a folder of this one (one process: the file is in this one)."""
     base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    if config.stash.get(_SHM_LEFT, None):
+        terminalreporter.section("/dev/shm: files that appeared during the run", red=True)
+        for line in config.stash[_SHM_LEFT]:
+            terminalreporter.write_line(line)
     timings: dict[str, Any] = {}
     for pattern in ("multihost-timings.json", "*/multihost-timings.json"):
         for path in sorted(base.glob(pattern)):
@@ -81,3 +87,38 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         terminalreporter.section("multi-host: time to detect and to recover (s)")
         for scenario, numbers in timings.items():
             terminalreporter.write_line(f"{scenario}: {json.dumps(numbers)}")
+
+
+# ------------------------------------------------------------------ /dev/shm, as found
+# The run must leave /dev/shm as it found it: a segment of a killed node or a vLLM
+# engine's psm_* file holds memory until reboot.  Checked once, by the process that ran
+# the session (xdist's controller, or pytest alone), after every worker has ended.
+_SHM_BEFORE = pytest.StashKey[set[str]]()
+
+
+def _runs_the_session(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")
+
+
+_SHM_LEFT = pytest.StashKey[list[str]]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _runs_the_session(session.config):
+        session.config.stash[_SHM_BEFORE] = shm.snapshot()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if not _runs_the_session(config) or _SHM_BEFORE not in config.stash:
+        return
+    before = config.stash[_SHM_BEFORE]
+    held = sorted(set(shm.snapshot()) - before - set(shm.orphans(before)))
+    removed = shm.remove_orphans(before)  # fails the run, but leaves the machine clean
+    lines = [f"  {name}: no live process holds it (removed)" for name in removed]
+    # held by a live process: another run's, or a process this one failed to stop
+    lines += [f"  {name}: held by a live process (left)" for name in held]
+    if lines:
+        config.stash[_SHM_LEFT] = lines
+    if removed and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
