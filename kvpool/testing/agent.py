@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -153,16 +154,42 @@ class Agent(Closing):
             self.proc.wait(10)
 
 
-def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
-    """SIGTERM ``proc``'s process group (a session of its own), then SIGKILL whatever of
-    the group is left (vLLM's engine processes may outlive the API server)."""
+def kill_group(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> bool:
+    """End ``proc`` and its process group (a session of its own): SIGTERM to ``proc``
+    alone first, so a vLLM API server shuts its engine processes down itself and their
+    shared memory goes with them (SIGTERM to the whole group at once kills the process
+    that would unlink it); then SIGTERM, then SIGKILL, to whatever of the group is left,
+    each wait bounded by ``grace_s``.  Returns whether SIGKILL was needed; then what the
+    group held in /dev/shm is left, and the caller removes it
+    (:func:`kvpool.testing.shm.remove_orphans`)."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(grace_s)
+    if _group_gone(proc.pid, grace_s):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    if _group_gone(proc.pid, grace_s):
+        return False
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(grace_s)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
+    _group_gone(proc.pid, grace_s)
+    return True
+
+
+def _group_gone(pgid: int, wait_s: float) -> bool:
+    """Whether no process of group ``pgid`` is left within ``wait_s`` (polled)."""
+    from kvpool.ops.up.supervisor import group_alive
+
+    deadline = time.monotonic() + wait_s
+    while group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _resolve(target: str) -> Any:

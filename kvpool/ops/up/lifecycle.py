@@ -228,7 +228,8 @@ def _handle_signals(flag: _StopFlag) -> Iterator[None]:
 #   reported and the rest keeps serving (the proxy takes it out of rotation); the master or
 #   the proxy dying ends the stack;
 # - shutdown (Ctrl-C, SIGTERM, SIGHUP, a failed start): every process group is stopped,
-#   proxy first, master last, SIGTERM then SIGKILL, and ``up.json`` is removed.
+#   proxy first, master last (SIGTERM to the process, then its group, then SIGKILL),
+#   and ``up.json`` is removed.
 def run(opts: UpOptions, *, console: Console | None = None) -> int:
     """``kvpool up``: bring the stack up, serve until a signal, stop everything.
 

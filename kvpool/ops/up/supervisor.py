@@ -2,8 +2,9 @@
 
 Each process runs in its own session (``start_new_session``), so its process group is
 exactly that process and whatever it spawned (vLLM's engine core and workers).  Stopping
-signals the whole group: SIGTERM, a bounded wait, then SIGKILL, then a bounded wait until
-the group is empty.  Only groups this supervisor created are ever signalled.
+sends SIGTERM to the process, then to the whole group, then SIGKILL, each after a bounded
+wait, then waits (bounded) until the group is empty.  Only groups this supervisor created
+are ever signalled.
 
 Children also get ``PR_SET_PDEATHSIG`` (Linux) through a two-line launcher, so that even a
 ``kvpool up`` that is itself SIGKILLed leaves no orphan serving a port: each child gets
@@ -25,7 +26,7 @@ from kvpool.errors import KVPoolError
 from kvpool.net import http_get
 from kvpool.ops.up.plan import ProcessSpec
 
-__all__ = ["Running", "StartupFailed", "Supervisor", "describe_exit", "log_tail"]
+__all__ = ["Running", "StartupFailed", "Supervisor", "describe_exit", "group_alive", "log_tail"]
 
 # Runs in the child before exec: ask for SIGTERM when the parent dies, and exit at once if
 # it already died between fork and prctl (the parent's pid is argv[1]).
@@ -74,7 +75,7 @@ class Running:
         return self.proc.pid
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     """Whether any process of the group is still running.  Zombies do not count: a child
     whose parent died waits for init to reap it, and some container inits are slow to."""
     proc = Path("/proc")
@@ -209,9 +210,17 @@ class Supervisor:
         self, group: Iterable[Running], on_stopped: Callable[[Running, str], None]
     ) -> None:
         members = list(group)
+        # SIGTERM to each leader alone first: vLLM's API server then stops its engine
+        # processes itself, and they unlink their shared memory (/dev/shm/psm_*); SIGTERM
+        # to the whole group at once kills them mid-shutdown and leaves it behind
         for r in members:
-            _signal_group(r.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.term_timeout_s
+            with contextlib.suppress(ProcessLookupError):
+                r.proc.send_signal(signal.SIGTERM)
+        halfway = time.monotonic() + self.term_timeout_s / 2
+        for r in members:
+            if not self._wait_gone(r, halfway):
+                _signal_group(r.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.term_timeout_s / 2
         for r in members:
             how = "stopped"
             if not self._wait_gone(r, deadline):
@@ -226,7 +235,7 @@ class Supervisor:
         while True:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 r.proc.wait(timeout=0.05)
-            if r.proc.returncode is not None and not _group_alive(r.pid):
+            if r.proc.returncode is not None and not group_alive(r.pid):
                 return True
             if time.monotonic() >= deadline:
                 return False
