@@ -7,24 +7,23 @@ a fresh process each, because vLLM keeps process-wide connector state.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpool.ops.up.tiny_model import build_tiny_model
-from kvpool.testing import processes
+from kvpool.testing import processes, shm
+from kvpool.testing.agent import kill_group
 from kvpool.testing.processes import PoolProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,6 +128,7 @@ class VllmServer:
     port: int
     proc: subprocess.Popen[bytes]
     log: Path
+    shm_before: set[str] = field(default_factory=set)  # /dev/shm at its start
 
     @property
     def url(self) -> str:
@@ -153,12 +153,8 @@ class VllmServer:
             return text
 
     def stop(self) -> None:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=wait_s)
-                return
+        if kill_group(self.proc, grace_s=30):  # killed: its shared memory is ours to remove
+            shm.remove_orphans(self.shm_before)
 
 
 def start_vllm_server(
@@ -179,6 +175,7 @@ def start_vllm_server(
         args += ["--kv-transfer-config", json.dumps(kv_config)]
     full_env = vllm_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"})
     full_env.update(env or {})
+    before = shm.snapshot()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             args,
@@ -188,7 +185,7 @@ def start_vllm_server(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    server = VllmServer(port, proc, log_path)
+    server = VllmServer(port, proc, log_path, before)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ import pytest
 
 from kvpool.connectors.vllm_compat import HIT_SOURCE_P2P
 from kvpool.ops.up.tiny_model import sample_text
+from kvpool.testing import shm
+from kvpool.testing.agent import kill_group
 from tests.e2e.conftest import Master, start_master
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -170,6 +172,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     log: Path
     model_name: str
+    shm_before: set[str] = field(default_factory=set)  # /dev/shm at its start
 
     @property
     def url(self) -> str:
@@ -182,7 +185,8 @@ class Server:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL the whole instance: the API server and its engine-core processes."""
+        """SIGKILL the whole instance: the API server and its engine-core processes (the
+        shared memory they held is removed: a crash's leftovers, not the test's)."""
         _signal_group(self.proc, signal.SIGKILL)
         self.proc.wait(timeout=30)
         # the engine processes die asynchronously; wait (bounded) until the group is gone
@@ -191,15 +195,14 @@ class Server:
             try:
                 os.killpg(self.proc.pid, 0)
             except ProcessLookupError:
+                shm.remove_orphans(self.shm_before)
                 return
             time.sleep(0.1)
         raise AssertionError(f"{self.name}: processes still alive 30 s after SIGKILL")
 
     def stop(self) -> None:
-        _signal_group(self.proc, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=30)
-        self.kill()  # whatever of the group is left
+        if kill_group(self.proc, grace_s=30):
+            shm.remove_orphans(self.shm_before)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -257,11 +260,12 @@ def start_server(
         # P frees blocks no D came for after 30 s (not 120 s): a test waits for it
         "KVPOOL_HOLD_TIMEOUT_MS": str(HOLD_TIMEOUT_MS),
     }
+    before = shm.snapshot()
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    server = Server(name, port, proc, log, str(model))
+    server = Server(name, port, proc, log, str(model), before)
     try:
         _wait_healthy(server)
     except BaseException:

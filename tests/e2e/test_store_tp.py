@@ -19,10 +19,7 @@ each engine runs in its own process group, which is ended as soon as it printed 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -33,6 +30,8 @@ from typing import Any
 import pytest
 
 from kvpool.ops.up.tiny_model import build_tiny_mla_model, sample_text
+from kvpool.testing import shm
+from kvpool.testing.agent import kill_group
 from kvpool.testing.processes import PoolProcess
 from tests.e2e.conftest import REPO, RESULT_MARK, vllm_env
 
@@ -57,6 +56,7 @@ def run_engine(spec: dict[str, Any], workdir: Path, env: dict[str, str]) -> tupl
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
     log_path = workdir / "log.txt"
+    before = shm.snapshot()
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.e2e.vllm_offline", str(spec_path)],
@@ -85,9 +85,8 @@ def run_engine(spec: dict[str, Any], workdir: Path, env: dict[str, str]) -> tupl
         try:
             done.wait(RUN_TIMEOUT_S)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+            if kill_group(proc, grace_s=30):  # its TP workers' shared memory is left
+                shm.remove_orphans(before)
             reader.join(timeout=10)
             proc.stdout.close()
     text = log_path.read_text()
