@@ -154,22 +154,28 @@ class Agent(Closing):
             self.proc.wait(10)
 
 
-def kill_group(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> bool:
-    """End ``proc`` and its process group (a session of its own): SIGTERM to ``proc``
-    alone first, so a vLLM API server shuts its engine processes down itself and their
-    shared memory goes with them (SIGTERM to the whole group at once kills the process
-    that would unlink it); then SIGTERM, then SIGKILL, to whatever of the group is left,
-    each wait bounded by ``grace_s``.  Returns whether SIGKILL was needed; then what the
-    group held in /dev/shm is left, and the caller removes it
-    (:func:`kvpool.testing.shm.remove_orphans`)."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(grace_s)
-    if _group_gone(proc.pid, grace_s):
-        return False
+def kill_group(
+    proc: subprocess.Popen[Any], grace_s: float = 20.0, *, leader_first: bool = False
+) -> bool:
+    """End ``proc`` and its process group (a session of its own): SIGTERM to the group,
+    then SIGKILL to whatever of it is left, each wait bounded by ``grace_s``.  With
+    ``leader_first``, SIGTERM goes to ``proc`` alone first: a vLLM API server then shuts
+    its engine processes down itself and their shared memory goes with them (SIGTERM to
+    the whole group at once kills the processes that would unlink it); not for a leader
+    such as ``unshare --kill-child``, which answers SIGTERM by SIGKILLing its child.
+    Returns whether SIGKILL was needed; then what the group held in /dev/shm is left, and
+    the caller removes it (:func:`kvpool.testing.shm.remove_orphans`)."""
+    if leader_first:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)
+        if _group_gone(proc.pid, grace_s):
+            return False
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
     if _group_gone(proc.pid, grace_s):
         return False
     with contextlib.suppress(ProcessLookupError):

@@ -153,7 +153,8 @@ class VllmServer:
             return text
 
     def stop(self) -> None:
-        if kill_group(self.proc, grace_s=30):  # killed: its shared memory is ours to remove
+        # killed, not stopped: the shared memory it held is ours to remove
+        if kill_group(self.proc, grace_s=30, leader_first=True):
             shm.remove_orphans(self.shm_before)
 
 

@@ -201,7 +201,7 @@ class Server:
         raise AssertionError(f"{self.name}: processes still alive 30 s after SIGKILL")
 
     def stop(self) -> None:
-        if kill_group(self.proc, grace_s=30):
+        if kill_group(self.proc, grace_s=30, leader_first=True):
             shm.remove_orphans(self.shm_before)
 
 

@@ -85,7 +85,8 @@ def run_engine(spec: dict[str, Any], workdir: Path, env: dict[str, str]) -> tupl
         try:
             done.wait(RUN_TIMEOUT_S)
         finally:
-            if kill_group(proc, grace_s=30):  # its TP workers' shared memory is left
+            # killed, not stopped: its TP workers' shared memory is ours to remove
+            if kill_group(proc, grace_s=30, leader_first=True):
                 shm.remove_orphans(before)
             reader.join(timeout=10)
             proc.stdout.close()
