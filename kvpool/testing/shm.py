@@ -11,7 +11,7 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["held_paths", "orphans", "remove_orphans", "snapshot"]
+__all__ = ["held_inodes", "held_paths", "orphans", "remove_orphans", "snapshot"]
 
 SHM_DIR = Path("/dev/shm")
 
@@ -26,22 +26,35 @@ def snapshot(directory: Path = SHM_DIR) -> set[str]:
 
 def held_paths(directory: Path = SHM_DIR) -> set[str]:
     """Paths under ``directory`` that some live process has open or mapped."""
-    prefix = str(directory).rstrip("/") + "/"
+    inodes = held_inodes(directory)
     held: set[str] = set()
+    with contextlib.suppress(OSError):
+        for entry in directory.iterdir():
+            with contextlib.suppress(OSError):
+                if entry.stat().st_ino in inodes:
+                    held.add(str(entry))
+    return held
+
+
+def held_inodes(directory: Path = SHM_DIR) -> set[int]:
+    """Inodes under ``directory`` that some live process has open or mapped.  By inode,
+    not by path: glibc makes a named semaphore under a temporary name and links it to
+    its own, so its mapping shows the temporary one (``sem.XXXXXX (deleted)``)."""
+    prefix = str(directory).rstrip("/") + "/"
+    held: set[int] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         with contextlib.suppress(OSError):
             for line in (proc / "maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-                if path.startswith(prefix):
-                    held.add(path.removesuffix(" (deleted)"))
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(prefix):
+                    held.add(int(fields[4]))
         with contextlib.suppress(OSError):
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith(prefix):
-                        held.add(target)
+                    if os.readlink(fd).startswith(prefix):
+                        held.add(os.stat(fd).st_ino)
     return held
 
 
@@ -50,8 +63,16 @@ def orphans(before: set[str], directory: Path = SHM_DIR) -> list[str]:
     new = snapshot(directory) - before
     if not new:
         return []
-    held = held_paths(directory)
-    return sorted(name for name in new if str(directory / name) not in held)
+    held = held_inodes(directory)
+    out = []
+    for name in new:
+        try:
+            inode = (directory / name).stat().st_ino
+        except OSError:
+            continue  # gone meanwhile
+        if inode not in held:
+            out.append(name)
+    return sorted(out)
 
 
 def remove_orphans(before: set[str], directory: Path = SHM_DIR) -> list[str]:

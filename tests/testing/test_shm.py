@@ -39,3 +39,18 @@ def test_orphans_are_new_files_no_live_process_holds(tmp_path: Path) -> None:
         holder.stdin.close()
         mapping.close()
     assert shm.orphans(before, tmp_path) == sorted([opened.name, "psm_mapped"])
+
+
+def test_a_live_named_semaphore_is_held_though_mapped_under_another_name() -> None:
+    # glibc maps a named semaphore under the temporary name it was made as: a check by
+    # path took a live one (a vLLM engine's, while it spawned workers) for an orphan
+    import multiprocessing
+
+    before = shm.snapshot()
+    lock = multiprocessing.get_context("spawn").Lock()
+    try:
+        made = [n for n in shm.snapshot() - before if n.startswith("sem.mp-")]
+        assert made, "the lock made no named semaphore"
+        assert not set(made) & set(shm.orphans(before))
+    finally:
+        del lock
