@@ -19,6 +19,7 @@ import re
 import secrets
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,13 @@ def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
     return removed
 
 
+def _unlink_owned(path: Path, creator: int) -> None:
+    """A collected or exiting owner's name goes; a forked child's exit leaves it."""
+    if os.getpid() == creator:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 def _abandoned(path: Path, pid: int) -> bool:
     """No process holds the segment's lock, and it is not one being created right now
     (between ``open`` and ``flock`` in :meth:`Segment.create`: its pid lives and the
@@ -216,6 +224,11 @@ class Segment(Closing):
         self._mmap: mmap.mmap | None = mapping
         self._view: memoryview | None = memoryview(mapping)
         self._lock_fd = lock_fd  # the owner's open file, holding its flock while it lives
+        # an owner that is collected or exits without close() still unlinks its name (not
+        # on SIGKILL: then the next node's remove_stale_segments does)
+        self._at_exit = (
+            weakref.finalize(self, _unlink_owned, path, os.getpid()) if owner else None
+        )
 
     @classmethod
     def create(
@@ -334,6 +347,8 @@ class Segment(Closing):
             # when that view is collected.  The name is unlinked regardless.
             with contextlib.suppress(BufferError):
                 mapping.close()
+        if self._at_exit is not None:
+            self._at_exit.detach()
         if self.owner:
             self.path.unlink(missing_ok=True)
         if self._lock_fd >= 0:

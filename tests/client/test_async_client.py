@@ -93,5 +93,8 @@ def test_it_wraps_an_embedded_pool_and_closes_it() -> None:
 
 
 def test_client_and_connection_arguments_together_are_refused() -> None:
-    with pytest.raises(ValueError, match="either client="):
-        AsyncClient(client=EmbeddedPool(1 << 20), timeout_s=1)
+    with (
+        EmbeddedPool(1 << 20) as pool,  # closed after: its segment goes
+        pytest.raises(ValueError, match="either client="),
+    ):
+        AsyncClient(client=pool, timeout_s=1)

@@ -267,3 +267,38 @@ def test_a_segment_being_created_is_not_taken_for_a_dead_one(tmp_path: Path) -> 
     (tmp_path / name).write_bytes(b"")
     assert remove_stale_segments(tmp_path) == []
     assert (tmp_path / name).exists()
+
+
+def test_an_owner_that_exits_without_close_leaves_no_segment(tmp_path: Path) -> None:
+    # a program that forgets close() must not hold shared memory until reboot
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from kvpool.storage.segment import Segment\n"
+        "s = Segment.create(4096, directory=Path(sys.argv[1]))\n"
+        "print(s.name, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith("kvpool-")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_collected_owner_unlinks_and_a_forked_child_does_not(tmp_path: Path) -> None:
+    seg = Segment.create(4096, directory=tmp_path)
+    path = seg.path
+    pid = os.fork()
+    if pid == 0:  # the child exits as a normal Python exit would, finalizers and all
+        import atexit
+
+        atexit._run_exitfuncs()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert path.exists()  # the child's exit left the parent's segment alone
+    del seg
+    import gc
+
+    gc.collect()
+    assert not path.exists()
