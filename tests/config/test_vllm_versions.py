@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -50,14 +52,21 @@ def test_kvpool_up_under_an_unsupported_vllm_is_one_line_before_anything_starts(
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("vllm")  # without vLLM, up says that instead
-    done = subprocess.run(
-        [sys.executable, "-m", "kvpool", "up", "--state-dir", str(tmp_path / "state")],
-        env={"PYTHONPATH": _old_vllm(tmp_path), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    # the master's default port taken too (here, or by another test): the version is what
+    # no port can fix, so it is said first
+    held = socket.socket()
+    with contextlib.suppress(OSError):
+        held.bind(("127.0.0.1", 50088))
+        held.listen()
+    with held:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvpool", "up", "--state-dir", str(tmp_path / "state")],
+            env={"PYTHONPATH": _old_vllm(tmp_path), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().startswith("kvpool up: vLLM 0.29.0 is installed;"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -166,7 +166,6 @@ def _check_vllm(plan: UpPlan) -> None:
 
 
 def _prepare(plan: UpPlan, console: Console) -> None:
-    _check_vllm(plan)
     for d in plan.dirs:
         d.mkdir(parents=True, exist_ok=True)
     for path, text in plan.files.items():
@@ -241,6 +240,7 @@ def run(opts: UpOptions, *, console: Console | None = None) -> int:
         opts = replace(opts, mooncake_master=find_mooncake_master())
     opts = resolve_ports(opts)
     plan = make_plan(opts)
+    _check_vllm(plan)  # what no port or folder can fix is said first
     _claim_state_dir(opts.state_dir)
     _check_ports(plan)
     _prepare(plan, console)
