@@ -17,6 +17,7 @@ from kvpool.ops.doctor.checks_node import check_master
 from kvpool.ops.mooncake_master import MooncakeMasterFacts
 from kvpool.testing.mooncake import Namespace
 from tests.engines.mooncake_host import NamespacedEngine, mooncake_json
+from tests.waiting import wait_until
 
 SEGMENT = 18 << 20
 OBJECT = 4 << 20
@@ -33,8 +34,13 @@ def ns() -> Iterator[Namespace]:
             ns,
             ns.new("tests.engines.mooncake_host:open_engine", mooncake_json(RPC, SEGMENT)),
         )
-        keys = [f"status-{i}" for i in range(6)]
-        assert engine.batch_put_parts(keys, [[bytes(OBJECT)]] * len(keys)) == [None] * 6
+        for i in range(6):  # Mooncake evicts in a background thread: a put may wait for room
+            wait_until(
+                lambda i=i: engine.batch_put_parts([f"status-{i}"], [[bytes(OBJECT)]]) == [None],
+                timeout_s=20,
+                interval_s=0.2,
+                what=f"room for status-{i}",
+            )
         yield ns
 
 
