@@ -73,7 +73,7 @@ class EngineMover(Closing):
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
         """Register ``(address, length)`` regions, once, before any transfer uses them."""
         addrs = [a for a, _ in regions]
-        rc = self._engine.batch_register_memory(addrs, [n for _, n in regions])
+        rc = self._live().batch_register_memory(addrs, [n for _, n in regions])
         if rc != 0:
             raise TransferError(
                 f"the Transfer Engine could not register {len(regions)} KV cache regions"
@@ -95,7 +95,7 @@ class EngineMover(Closing):
             if time.monotonic() >= deadline:
                 raise TransferError(f"timed out reading KV pages from {peer}")
             end = at + MAX_BATCH
-            rc = self._engine.batch_transfer_sync_read(
+            rc = self._live().batch_transfer_sync_read(
                 peer, list(local[at:end]), list(remote[at:end]), list(lengths[at:end])
             )
             if rc < 0:
@@ -104,7 +104,19 @@ class EngineMover(Closing):
                     f" (code {rc}; the prefill is gone, or its memory is not registered)"
                 )
 
+    def _live(self) -> Any:
+        if self._engine is None:
+            raise TransferError("the Transfer Engine is closed")
+        return self._engine
+
     def close(self) -> None:
         addrs, self._registered = self._registered, []
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
         if addrs:
-            self._engine.batch_unregister_memory(addrs)
+            engine.batch_unregister_memory(addrs)
+        # The engine goes now, by its last reference, not in a later garbage collection:
+        # its destructor holds the GIL for seconds (it stops its threads), which, at a
+        # collection's moment, stalls every thread of the process, a serving one included.
+        del engine
