@@ -21,10 +21,13 @@ so nothing outlives the row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 __all__ = ["MASTER_RPC", "command", "mooncake_json"]
@@ -90,6 +93,33 @@ def _main() -> int:
         return subprocess.run(argv, env=env, check=False).returncode
     finally:
         master.stop()
+        _end_the_rest()
+
+
+def _end_the_rest(grace_s: float = 10.0) -> None:
+    """As the namespace's init: SIGTERM what the row left running (so it cleans up),
+    SIGKILL what is still there after ``grace_s``, then remove the kvpool segments of
+    processes that died without closing them (their owners' locks are free now; the
+    kernel would otherwise SIGKILL them at our exit and leave their /dev/shm files)."""
+    if os.getpid() != 1:
+        return
+    from kvpool.storage.segment import remove_stale_segments
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, sig)  # from init: every other process of the namespace
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break  # none left
+            if pid == 0:
+                time.sleep(0.05)
+        else:
+            continue
+        break
+    remove_stale_segments()
 
 
 if __name__ == "__main__":
