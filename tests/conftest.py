@@ -127,7 +127,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 # kvpool's segments and vLLM's message queues (psm_*, up to 250 MB each) fail the run;
 # anything else is listed and removed.  vLLM's engines leave two of multiprocessing's named
-# semaphores (sem.mp-*, 32 bytes each) even when they stop cleanly, and one TP=2 flow of
-# the suite leaves its TP group's two vllm_dist_*-cpushm_* files (not yet traced to its
-# test: test_store_tp and test_tp_layouts each leave none on their own).
+# semaphores (sem.mp-*, 32 bytes each) even when they stop cleanly, and one vLLM run of
+# tests/bench leaves its group's two vllm_dist_*-cpushm_* files (traced to that folder,
+# not yet to its test; the TP tests of tests/e2e leave none).
 _MUST_NOT_LEAK = ("kvpool-", "psm_")
