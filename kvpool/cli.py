@@ -394,6 +394,16 @@ def _run_config_check(args: argparse.Namespace) -> int:
     return render.run_check(render.CheckOptions(path=args.path))
 
 
+def _add_running_master(p: argparse.ArgumentParser) -> None:
+    """``--master``: the running master a command reads (status, quota)."""
+    p.add_argument(
+        "--master",
+        metavar="HOST:PORT",
+        help="the master (default: the node config's metadata_server, else"
+        f" 127.0.0.1:{DEFAULT_MASTER_PORT})",
+    )
+
+
 def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "status",
@@ -401,12 +411,7 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         description="Reads the master's /api/status and /metrics over HTTP; exit 1 when the "
         "master cannot be read.  The same facts, with charts, are at http://MASTER/status.",
     )
-    p.add_argument(
-        "--master",
-        metavar="HOST:PORT",
-        help="the master (default: the node config's metadata_server, else"
-        f" 127.0.0.1:{DEFAULT_MASTER_PORT})",
-    )
+    _add_running_master(p)
     p.add_argument(
         "--watch",
         metavar="SECONDS",
@@ -462,12 +467,7 @@ def _add_quota(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("action", choices=["set", "show"])
     p.add_argument("tenant", nargs="?", default="", metavar="TENANT")
     p.add_argument("size", nargs="?", default="", metavar="SIZE")
-    p.add_argument(
-        "--master",
-        metavar="HOST:PORT",
-        help="the master (default: the node config's metadata_server, else"
-        f" 127.0.0.1:{DEFAULT_MASTER_PORT})",
-    )
+    _add_running_master(p)
     add_flag(p, "secret_file", default="", help="file with the cluster secret")
     p.add_argument("--json", action="store_true", help="machine-readable output (one line each)")
     p.set_defaults(run=_run_quota, command_name=p.prog)
