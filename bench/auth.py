@@ -36,6 +36,7 @@ from pathlib import Path
 from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
 from kvpool.datapath.auth import authenticate
+from kvpool.datapath.data_ops import read_into
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.net import split_address
@@ -107,7 +108,7 @@ def _data_rows(rounds: int) -> list[tuple[str, float, float]]:
             with SegmentConnection(
                 *address, PeerSettings(credential=credential, client_id="b")
             ) as conn:
-                conn.read_into("seg", 0, buf)
+                read_into(conn, "seg", 0, buf)
 
         first_plain, first_auth = _medians_us(
             lambda: first_read(plain, None), lambda: first_read(secured, SECRET), rounds
@@ -117,7 +118,7 @@ def _data_rows(rounds: int) -> list[tuple[str, float, float]]:
             SegmentConnection(*secured, PeerSettings(credential=SECRET, client_id="b")) as s,
         ):
             read_plain, read_auth = _medians_us(
-                lambda: p.read_into("seg", 0, buf), lambda: s.read_into("seg", 0, buf), rounds * 5
+                lambda: read_into(p, "seg", 0, buf), lambda: read_into(s, "seg", 0, buf), rounds * 5
             )
     finally:
         ours.send("stop")

@@ -55,6 +55,7 @@ from bench.baselines import memcpy, raw_tcp
 from kvpool.client.client import Client
 from kvpool.config.peer import PeerSettings
 from kvpool.core.index import IndexConfig
+from kvpool.datapath.data_ops import write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import KVPoolError
@@ -131,11 +132,11 @@ def tcp_segment_write(size: int, *, populate: bool) -> float:
         server.add_segment("s", owner)
         conn = SegmentConnection(*server.start(), PeerSettings(30.0))
         try:
-            conn.write("s", 0, b"x")  # connected before the timing
+            write(conn, "s", 0, b"x")  # connected before the timing
             offsets = range(0, total - size + 1, size)
             start = time.perf_counter()
             for offset in offsets:
-                conn.write("s", offset, src)
+                write(conn, "s", offset, src)
             return len(offsets) / (time.perf_counter() - start)
         finally:
             conn.close()

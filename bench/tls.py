@@ -27,6 +27,7 @@ from pathlib import Path
 from kvpool.config.peer import PeerSettings
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
+from kvpool.datapath.data_ops import read_into, write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.storage.segment import Segment
@@ -76,12 +77,12 @@ def _throughput_rows(
             mib = size / (1 << 20)
             name = f"{size >> 10} KiB" if size < (1 << 20) else f"{size >> 20} MiB"
             puts = (
-                lambda c=p, d=data: c.write("seg", 0, d),
-                lambda c=t, d=data: c.write("seg", 0, d),
+                lambda c=p, d=data: write(c, "seg", 0, d),
+                lambda c=t, d=data: write(c, "seg", 0, d),
             )
             gets = (
-                lambda c=p, b=into: c.read_into("seg", 0, b),
-                lambda c=t, b=into: c.read_into("seg", 0, b),
+                lambda c=p, b=into: read_into(c, "seg", 0, b),
+                lambda c=t, b=into: read_into(c, "seg", 0, b),
             )
             for verb, (on_plain, on_tls) in (("put", puts), ("get", gets)):
                 tp = _median_s(on_plain, rounds)
@@ -98,7 +99,7 @@ def _connect_rows(
 
     def first_read(address: tuple[str, int], **kw: object) -> None:
         with SegmentConnection(*address, PeerSettings(client_id="b", **kw)) as conn:  # type: ignore[arg-type]
-            conn.read_into("seg", 0, buf)
+            read_into(conn, "seg", 0, buf)
 
     plain, secure, both = addresses
     base = _median_s(lambda: first_read(plain), rounds) * 1e6

@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.baselines import recv_exactly
 from kvpool.config.peer import PeerSettings
+from kvpool.datapath.data_ops import read_into, read_many_into, write, write_many
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.datapath.shm import ShmConnection, host_token
@@ -255,11 +256,13 @@ def segment_tcp_cases(stack: ExitStack, port: int, size: int) -> list[Case]:
     writes: list[tuple[str, int, Any]] = [("bench", 0, value)] * 16
     reads: list[tuple[str, int, Any]] = [("bench", 0, into)] * 16
     return [
-        Case("tcp write", size, lambda: conn.write("bench", 0, value), "raw tcp write"),
-        Case("tcp read", size, lambda: conn.read_into("bench", 0, into), "raw tcp read"),
-        Case("tcp write x16 pipelined", size, lambda: conn.write_many(writes), "raw tcp write", 16),
+        Case("tcp write", size, lambda: write(conn, "bench", 0, value), "raw tcp write"),
+        Case("tcp read", size, lambda: read_into(conn, "bench", 0, into), "raw tcp read"),
         Case(
-            "tcp read x16 pipelined", size, lambda: conn.read_many_into(reads), "raw tcp read", 16
+            "tcp write x16 pipelined", size, lambda: write_many(conn, writes), "raw tcp write", 16
+        ),
+        Case(
+            "tcp read x16 pipelined", size, lambda: read_many_into(conn, reads), "raw tcp read", 16
         ),
     ]
 
@@ -290,10 +293,15 @@ def _client_worker(
             data.attach("bench", target)
 
         def op() -> None:
-            if op_name == "write":
-                data.write("bench", offset, value)
+            if isinstance(data, ShmConnection):  # a direct copy, not an op list
+                if op_name == "write":
+                    data.write("bench", offset, value)
+                else:
+                    data.read_into("bench", offset, into)
+            elif op_name == "write":
+                write(data, "bench", offset, value)
             else:
-                data.read_into("bench", offset, into)
+                read_into(data, "bench", offset, into)
 
         op()
         conn.send("ready")

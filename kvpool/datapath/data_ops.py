@@ -27,13 +27,30 @@ Rules (every data path keeps them):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from kvpool.errors import KVPoolError
+from kvpool.storage.buffers import byte_view, writable_byte_view
 
-__all__ = ["DataOp", "OpResult", "ReadOp", "SsdReadOp", "WriteOp", "sole_result"]
+__all__ = [
+    "DataOp",
+    "OpResult",
+    "ReadOp",
+    "Runs",
+    "SsdReadOp",
+    "WriteOp",
+    "read",
+    "read_checked",
+    "read_into",
+    "read_many_checked",
+    "read_many_into",
+    "sole_result",
+    "ssd_read_into",
+    "write",
+    "write_many",
+]
 
 
 class WriteOp(msgspec.Struct, frozen=True):
@@ -78,3 +95,68 @@ def sole_result(results: Sequence[OpResult]) -> OpResult:
     if isinstance(result, KVPoolError):
         raise result
     return result
+
+
+class Runs(Protocol):
+    """Anything that runs op lists: every data path, and a node's segment connection."""
+
+    def run(self, ops: Sequence[DataOp]) -> list[OpResult]: ...
+
+
+# One transfer of one shape, over any path's ``run`` (tests, benchmarks, tools): written
+# once here rather than as methods of each path, so a path has one call to implement.
+
+Item = tuple[str, int, Any]  # (segment_id, offset, buffer)
+
+
+def write(path: Runs, segment_id: str, offset: int, buffer: Any, **note: Any) -> int:
+    """``buffer`` to ``(segment_id, offset)``; the bytes written.  ``note``: ``key`` and
+    ``checksum``, as :class:`WriteOp`'s."""
+    sole_result(path.run([WriteOp(segment_id, offset, buffer, **note)]))
+    return len(byte_view(buffer))
+
+
+def read_into(path: Runs, segment_id: str, offset: int, buffer: Any) -> int:
+    """Fill ``buffer`` from ``(segment_id, offset)``; the bytes read."""
+    sole_result(path.run([ReadOp(segment_id, offset, buffer)]))
+    return len(writable_byte_view(buffer))
+
+
+def read(path: Runs, segment_id: str, offset: int, length: int) -> bytes:
+    """A copy of ``length`` bytes at ``(segment_id, offset)``."""
+    buf = bytearray(length)
+    read_into(path, segment_id, offset, buf)
+    return bytes(buf)
+
+
+def read_checked(path: Runs, segment_id: str, offset: int, buffer: Any) -> int:
+    """:func:`read_into`, returning the checksum of the bytes that landed."""
+    digest = sole_result(path.run([ReadOp(segment_id, offset, buffer, checked=True)]))
+    assert isinstance(digest, int)
+    return digest
+
+
+def ssd_read_into(path: Runs, key: str, buffer: Any) -> int:
+    """Fill ``buffer`` (exactly the object's size) from the owner's SSD tier."""
+    sole_result(path.run([SsdReadOp(key, buffer)]))
+    return len(writable_byte_view(buffer))
+
+
+def write_many(
+    path: Runs, items: Sequence[Item], notes: Sequence[tuple[str, int]] | None = None
+) -> list[OpResult]:
+    """One list of writes; ``notes``: each item's ``(key, checksum)`` tag."""
+    if notes is None:
+        return path.run([WriteOp(*item) for item in items])
+    tagged = zip(items, notes, strict=True)
+    return path.run([WriteOp(*item, key=k, checksum=c) for item, (k, c) in tagged])
+
+
+def read_many_into(path: Runs, items: Sequence[Item]) -> list[OpResult]:
+    """One list of reads."""
+    return path.run([ReadOp(*item) for item in items])
+
+
+def read_many_checked(path: Runs, items: Sequence[Item]) -> list[OpResult]:
+    """One list of checked reads: each result is the checksum of what landed."""
+    return path.run([ReadOp(*item, checked=True) for item in items])

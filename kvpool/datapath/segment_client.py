@@ -3,9 +3,8 @@
 :class:`SegmentConnection` writes and reads caller buffers (bytes-like, NumPy, CPU
 tensor) at ``(segment_id, offset)`` of a node's segments, and objects of its SSD tier:
 a list of data-path operations at once (:meth:`SegmentConnection.run`, see
-:mod:`kvpool.datapath.data_ops`; many go pipelined, in ranged requests), or one call per
-shape (``write``, ``read_into``, ``write_many``, ...).  Replies' payloads are received
-straight into the caller's buffer.
+:mod:`kvpool.datapath.data_ops`; many go pipelined, in ranged requests).  Replies'
+payloads are received straight into the caller's buffer.
 """
 
 from __future__ import annotations
@@ -14,14 +13,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from kvpool.closing import Closing
 from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.datapath import framing
 from kvpool.datapath.auth import authenticate
 from kvpool.datapath.channel import Channel, reply_spin_us
-from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
+from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp
 from kvpool.datapath.tls import wrap_client
 from kvpool.errors import (
     AuthError,
@@ -53,7 +51,7 @@ from kvpool.storage.checksum import hasher
 
 __all__ = ["PIPELINE_DEPTH", "SegmentConnection"]
 
-# Requests in flight per pipelined batch (write_many / read_many_into), and values per
+# Requests in flight per pipelined batch (a list's writes or reads), and values per
 # ranged request (one sendmsg gathers them: well under the kernel's 1024 iovecs).
 PIPELINE_DEPTH = 64
 # Bytes per ranged request: a window's frame stays far below the codec's payload limit.
@@ -237,58 +235,6 @@ class SegmentConnection(Closing):
         results = self._batch(ops, views, write=False, landed=landed)
         return [digests[i] if r is None else r for i, r in enumerate(results)]
 
-    # -- the same, one call per shape (tests, benchmarks, the node's own tools) ------
-
-    def write(
-        self, segment_id: str, offset: int, buffer: Any, *, key: str = "", checksum: int = 0
-    ) -> int:
-        """Write ``buffer`` at ``offset`` of the segment; returns the bytes written.
-        ``key`` and ``checksum`` tag the write with the object it stores (the node
-        notes it for its catalog; see :class:`SegmentWrite`)."""
-        sole_result([self._one(WriteOp(segment_id, offset, buffer, key=key, checksum=checksum))])
-        return len(byte_view(buffer))
-
-    def read_into(self, segment_id: str, offset: int, buffer: Any) -> int:
-        """Fill ``buffer`` from ``offset`` of the segment; returns the bytes read."""
-        sole_result([self._one(ReadOp(segment_id, offset, buffer))])
-        return len(writable_byte_view(buffer))
-
-    def read_checked(self, segment_id: str, offset: int, buffer: Any) -> int:
-        """:meth:`read_into`, returning the bytes' :func:`~kvpool.storage.checksum.checksum`,
-        computed piece by piece as they arrive (it overlaps the rest of the transfer)."""
-        digest = sole_result([self._one(ReadOp(segment_id, offset, buffer, checked=True))])
-        assert isinstance(digest, int)
-        return digest
-
-    def write_many(
-        self,
-        items: Sequence[tuple[str, int, Any]],
-        notes: Sequence[tuple[str, int]] | None = None,
-    ) -> list[KVPoolError | None]:
-        """Pipelined :meth:`write` of ``(segment_id, offset, buffer)`` items.
-
-        Requests go out back to back and the replies are read afterwards, so many small
-        values cost one round trip per :data:`PIPELINE_DEPTH` items instead of one each.
-        Returns one entry per item: ``None`` or the error the node refused it with (the
-        other items still happen).  A broken connection raises for the whole batch.
-        ``notes``: each item's ``(key, checksum)`` tag, as :meth:`write`'s.
-        """
-        ops = [WriteOp(*item) for item in items]
-        return self._batch(ops, [byte_view(op.buffer) for op in ops], write=True, notes=notes)
-
-    def read_many_into(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | None]:
-        """Pipelined :meth:`read_into` of ``(segment_id, offset, buffer)`` items; see
-        :meth:`write_many` for the results."""
-        views = [writable_byte_view(buffer) for _, _, buffer in items]
-        return self._batch([ReadOp(s, o, b) for s, o, b in items], views, write=False)
-
-    def read_many_checked(self, items: Sequence[tuple[str, int, Any]]) -> list[KVPoolError | int]:
-        """:meth:`read_many_into`, with each read item's checksum in place of ``None``:
-        a value is hashed as soon as it has landed, while the next ones are still on
-        the wire."""
-        ops = [ReadOp(s, o, b, checked=True) for s, o, b in items]
-        return self._reads(ops, checked=True)  # type: ignore[return-value]
-
     def _batch(
         self,
         ops: Sequence[WriteOp] | Sequence[ReadOp],
@@ -415,17 +361,6 @@ class SegmentConnection(Closing):
                 self._drop()
                 raise
         return results
-
-    def read(self, segment_id: str, offset: int, length: int) -> bytes:
-        """A copy of ``length`` bytes at ``offset`` of the segment."""
-        buf = bytearray(length)
-        self.read_into(segment_id, offset, buf)
-        return bytes(buf)
-
-    def ssd_read_into(self, key: str, buffer: Any) -> int:
-        """Fill ``buffer`` (exactly the object's size) from the node's SSD tier."""
-        sole_result([self._one(SsdReadOp(key, buffer))])
-        return len(writable_byte_view(buffer))
 
     def demote(self, segment_id: str, offset: int, length: int, key: str, checksum: int) -> None:
         """Ask the node to copy an object of its segment into its SSD tier."""

@@ -14,6 +14,14 @@ import xxhash
 
 from kvpool.config.peer import PeerSettings
 from kvpool.datapath import framing
+from kvpool.datapath.data_ops import (
+    read,
+    read_into,
+    read_many_into,
+    ssd_read_into,
+    write,
+    write_many,
+)
 from kvpool.datapath.segment_client import PIPELINE_DEPTH, SegmentConnection
 from kvpool.datapath.segment_server import DATA_IDLE_TIMEOUT_S, MAX_RANGES, SegmentServer
 from kvpool.errors import (
@@ -66,17 +74,17 @@ def assert_closed(sock: socket.socket) -> None:
 
 def assert_still_serves(server: SegmentServer) -> None:
     with connect(server) as conn:
-        conn.write("seg0", 7, b"alive")
-        assert conn.read("seg0", 7, 5) == b"alive"
+        write(conn, "seg0", 7, b"alive")
+        assert read(conn, "seg0", 7, 5) == b"alive"
 
 
 @pytest.mark.parametrize("size", [0, 1, 64 * 1024, 16 << 20])
 def test_round_trip_sizes(server: SegmentServer, segment: Segment, size: int) -> None:
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     with connect(server) as conn:
-        assert conn.write("seg0", 4096, data) == size
+        assert write(conn, "seg0", 4096, data) == size
         out = np.zeros(size, dtype=np.uint8)
-        assert conn.read_into("seg0", 4096, out) == size
+        assert read_into(conn, "seg0", 4096, out) == size
     np.testing.assert_array_equal(out, data)
     assert segment.read(4096, size) == data.tobytes()  # landed in the segment itself
 
@@ -86,8 +94,8 @@ def test_torch_tensor_round_trip(server: SegmentServer) -> None:
     src = torch.arange(1024, dtype=torch.float16)
     dst = torch.zeros(1024, dtype=torch.float16)
     with connect(server) as conn:
-        conn.write("seg0", 0, src)
-        conn.read_into("seg0", 0, dst)
+        write(conn, "seg0", 0, src)
+        read_into(conn, "seg0", 0, dst)
     assert torch.equal(src, dst)
 
 
@@ -96,13 +104,13 @@ def test_out_of_range_and_unknown_segment_are_typed_and_connection_survives(
 ) -> None:
     with connect(server) as conn:
         with pytest.raises(PoolError, match="outside segment"):
-            conn.write("seg0", SEGMENT_SIZE - 10, b"x" * 11)
+            write(conn, "seg0", SEGMENT_SIZE - 10, b"x" * 11)
         with pytest.raises(PoolError, match="outside segment"):
-            conn.read("seg0", -1, 1)
+            read(conn, "seg0", -1, 1)
         with pytest.raises(UnknownSegment, match="nope"):
-            conn.write("nope", 0, b"x" * 100_000)  # its payload is drained, not parsed
-        conn.write("seg0", 0, b"ok")
-        assert conn.read("seg0", 0, 2) == b"ok"
+            write(conn, "nope", 0, b"x" * 100_000)  # its payload is drained, not parsed
+        write(conn, "seg0", 0, b"ok")
+        assert read(conn, "seg0", 0, 2) == b"ok"
     assert server.stats.error_replies == 3
 
 
@@ -180,7 +188,7 @@ def test_peer_that_never_answers_is_a_peer_timeout() -> None:
         conn = SegmentConnection(host, port, PeerSettings(0.3))
         start = time.monotonic()
         with pytest.raises(PeerTimeout):
-            conn.read("seg0", 0, 10)
+            read(conn, "seg0", 0, 10)
         assert time.monotonic() - start < 10  # bounded by the timeout, not a hang
         conn.close()
 
@@ -201,7 +209,7 @@ def test_peer_dying_mid_reply_is_a_transfer_error() -> None:
             SegmentConnection(host, port, PeerSettings(5)) as conn,
             pytest.raises(TransferError, match="10 of 100"),
         ):
-            conn.read("seg0", 0, 100)
+            read(conn, "seg0", 0, 100)
         thread.join(10)
 
 
@@ -209,7 +217,7 @@ def test_unreachable_server_is_a_transfer_error() -> None:
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]
     with pytest.raises(TransferError, match="cannot connect"):
-        SegmentConnection("127.0.0.1", port, PeerSettings(2)).read("seg0", 0, 1)
+        read(SegmentConnection("127.0.0.1", port, PeerSettings(2)), "seg0", 0, 1)
 
 
 def test_connection_reconnects_after_the_server_restarts(segment: Segment) -> None:
@@ -217,13 +225,13 @@ def test_connection_reconnects_after_the_server_restarts(segment: Segment) -> No
     srv.add_segment("seg0", segment)
     host, port = srv.start()
     conn = SegmentConnection(host, port, PeerSettings(5))
-    conn.write("seg0", 0, b"one")
+    write(conn, "seg0", 0, b"one")
     srv.close()
     with pytest.raises(TransferError):
-        conn.read("seg0", 0, 3)
+        read(conn, "seg0", 0, 3)
     with SegmentServer(port=port) as again:
         again.add_segment("seg0", segment)
-        assert conn.read("seg0", 0, 3) == b"one"
+        assert read(conn, "seg0", 0, 3) == b"one"
     conn.close()
 
 
@@ -235,8 +243,8 @@ def test_parallel_clients_write_disjoint_regions(server: SegmentServer, segment:
         try:
             with connect(server) as conn:
                 for r in range(4):
-                    conn.write("seg0", i * chunk, bytes([i * 16 + r]) * chunk)
-                assert conn.read("seg0", i * chunk, chunk) == bytes([i * 16 + 3]) * chunk
+                    write(conn, "seg0", i * chunk, bytes([i * 16 + r]) * chunk)
+                assert read(conn, "seg0", i * chunk, chunk) == bytes([i * 16 + 3]) * chunk
         except BaseException as exc:
             failures.append(exc)
 
@@ -273,7 +281,7 @@ def test_protocol_error_from_a_garbled_reply_drops_the_connection() -> None:
         thread.start()
         conn = SegmentConnection(host, port, PeerSettings(5))
         with pytest.raises(ProtocolError, match="magic"):
-            conn.read("seg0", 0, 4)
+            read(conn, "seg0", 0, 4)
         assert conn._channel is None  # never reused mid-frame
         thread.join(10)
 
@@ -286,25 +294,25 @@ def test_ssd_objects_are_read_over_the_data_connection(tmp_path: Path, segment: 
         srv.add_segment("seg0", segment)
         with connect(srv) as conn:
             buf = bytearray(600)
-            assert conn.ssd_read_into("k1", buf) == 600 and buf == b"on-ssd" * 100
+            assert ssd_read_into(conn, "k1", buf) == 600 and buf == b"on-ssd" * 100
             with pytest.raises(ObjectNotFound):
-                conn.ssd_read_into("missing", bytearray(3))
+                ssd_read_into(conn, "missing", bytearray(3))
             with pytest.raises(ObjectNotFound, match="expects"):
-                conn.ssd_read_into("k1", bytearray(10))
+                ssd_read_into(conn, "k1", bytearray(10))
             path = object_path(tmp_path, "k2")
             raw = bytearray(path.read_bytes())
             raw[-1] ^= 0xFF
             path.write_bytes(raw)
             with pytest.raises(ChecksumMismatch):
-                conn.ssd_read_into("k2", bytearray(12))
-            conn.write("seg0", 0, b"still-up")  # a miss does not cost the connection
-            assert conn.read("seg0", 0, 8) == b"still-up"
+                ssd_read_into(conn, "k2", bytearray(12))
+            write(conn, "seg0", 0, b"still-up")  # a miss does not cost the connection
+            assert read(conn, "seg0", 0, 8) == b"still-up"
     assert ssd.stats.corruptions == 1
 
 
 def test_node_without_ssd_answers_ssd_reads_with_a_miss(server: SegmentServer) -> None:
     with connect(server) as conn, pytest.raises(ObjectNotFound, match="no SSD tier"):
-        conn.ssd_read_into("k", bytearray(1))
+        ssd_read_into(conn, "k", bytearray(1))
 
 
 def test_pipelined_writes_and_reads_report_per_item_errors(
@@ -316,7 +324,7 @@ def test_pipelined_writes_and_reads_report_per_item_errors(
     items[3] = ("nope", 0, b"x" * 10)
     items[70] = ("seg0", SEGMENT_SIZE - 1, b"xy")
     with connect(server) as conn:
-        results = conn.write_many(items)
+        results = write_many(conn, items)
         assert isinstance(results[3], UnknownSegment)
         assert isinstance(results[70], PoolError)
         assert [i for i, r in enumerate(results) if r is not None] == [3, 70]
@@ -325,22 +333,22 @@ def test_pipelined_writes_and_reads_report_per_item_errors(
             ("seg0", i * 4096, out) for i, out in enumerate(outs)
         ]
         reads[5] = ("seg0", SEGMENT_SIZE, bytearray(1))
-        read_results = conn.read_many_into(reads)
+        read_results = read_many_into(conn, reads)
         assert [i for i, r in enumerate(read_results) if r is not None] == [5]
         for i in range(count):
             if i not in (3, 5, 70):
                 assert outs[i] == values[i], i
-        assert conn.read("seg0", 0, 4) == values[0][:4]  # the connection is still good
+        assert read(conn, "seg0", 0, 4) == values[0][:4]  # the connection is still good
 
 
 def test_pipelined_large_values_do_not_deadlock(server: SegmentServer) -> None:
     size = 4 << 20
     values = [np.full(size, i, dtype=np.uint8) for i in range(6)]
     with connect(server) as conn:
-        assert conn.write_many([("seg0", i * size, v) for i, v in enumerate(values)]) == [None] * 6
+        assert write_many(conn, [("seg0", i * size, v) for i, v in enumerate(values)]) == [None] * 6
         outs = [np.empty(size, dtype=np.uint8) for _ in range(6)]
         assert (
-            conn.read_many_into([("seg0", i * size, o) for i, o in enumerate(outs)]) == [None] * 6
+            read_many_into(conn, [("seg0", i * size, o) for i, o in enumerate(outs)]) == [None] * 6
         )
     for v, o in zip(values, outs, strict=True):
         np.testing.assert_array_equal(v, o)
@@ -353,15 +361,15 @@ def test_a_demotion_copies_matching_bytes_and_refuses_changed_ones(
     with SegmentServer(ssd=ssd) as srv:
         srv.add_segment("seg0", segment)
         with connect(srv) as conn:
-            conn.write("seg0", 0, b"demote-me" * 10)
+            write(conn, "seg0", 0, b"demote-me" * 10)
             good = xxhash.xxh3_64_intdigest(b"demote-me" * 10)
             conn.demote("seg0", 0, 90, "kept", good)
             assert ssd.get("kept") == b"demote-me" * 10
-            conn.write("seg0", 0, b"overtaken" * 10)  # a new write got there first
+            write(conn, "seg0", 0, b"overtaken" * 10)  # a new write got there first
             with pytest.raises(ChecksumMismatch):
                 conn.demote("seg0", 0, 90, "stale", good)
             assert "stale" not in ssd
-            assert conn.read("seg0", 0, 9) == b"overtaken"  # the connection keeps serving
+            assert read(conn, "seg0", 0, 9) == b"overtaken"  # the connection keeps serving
 
 
 # -- what a peer can make a data server hold (issue 11, item 3) ------------------------
@@ -386,10 +394,10 @@ def test_a_client_reconnects_by_itself_after_an_idle_close(segment: Segment) -> 
     with SegmentServer(timeout_s=5.0, idle_timeout_s=0.2) as srv:
         srv.add_segment("seg0", segment)
         with connect(srv) as conn:
-            conn.write("seg0", 0, b"before")
+            write(conn, "seg0", 0, b"before")
             wait_until(lambda: srv.connections == 0, what="the idle close")
             wait_until(lambda: time.monotonic() - conn._used > 1.0, what="unused for a while")
-            assert conn.read("seg0", 0, 6) == b"before"  # no error: a fresh connection
+            assert read(conn, "seg0", 0, 6) == b"before"  # no error: a fresh connection
         assert srv.stats.connections == 2
 
 
@@ -398,17 +406,17 @@ def test_connections_over_the_cap_get_a_clear_refusal(segment: Segment) -> None:
         srv.add_segment("seg0", segment)
         held = [connect(srv), connect(srv)]
         for conn in held:
-            conn.write("seg0", 0, b"ok")
+            write(conn, "seg0", 0, b"ok")
         extra = connect(srv)
         with pytest.raises(Overloaded, match="limit of 2 connections"):
-            extra.read("seg0", 0, 2)
+            read(extra, "seg0", 0, 2)
         # pipelined: every item is refused, none lost silently
-        results = extra.write_many([("seg0", 0, b"a"), ("seg0", 8, b"b")])
+        results = write_many(extra, [("seg0", 0, b"a"), ("seg0", 8, b"b")])
         assert [type(r) for r in results] == [Overloaded, Overloaded]
         assert srv.connections == 2 and srv._server.refused == 2
         held[0].close()
         wait_until(lambda: srv.connections == 1, what="a slot freed")
-        assert extra.read("seg0", 0, 2) == b"ok"  # and then it is served
+        assert read(extra, "seg0", 0, 2) == b"ok"  # and then it is served
         for conn in (*held, extra):
             conn.close()
 
@@ -437,13 +445,13 @@ def test_ssd_reads_share_one_byte_budget(tmp_path: Path, segment: Segment) -> No
         srv.add_segment("seg0", segment)
         with connect(srv, timeout_s=5) as conn:
             buf = bytearray(1 << 20)
-            assert conn.ssd_read_into("big", buf) == 1 << 20  # as large as the budget: fine
+            assert ssd_read_into(conn, "big", buf) == 1 << 20  # as large as the budget: fine
             wait_until(lambda: srv.ssd_reads.held == 0, what="given back once sent")
             assert srv.ssd_reads.take(1, 1)  # another reader holds a byte of it...
             with pytest.raises(Overloaded, match="budget"):  # ...so this one finds no room
-                conn.ssd_read_into("big", buf)
+                ssd_read_into(conn, "big", buf)
             srv.ssd_reads.give(1)
-            assert conn.ssd_read_into("big", buf) == 1 << 20  # the connection goes on
+            assert ssd_read_into(conn, "big", buf) == 1 << 20  # the connection goes on
 
 
 def test_a_batch_is_one_request_per_window_and_a_refused_window_is_retried_per_item(
@@ -453,13 +461,15 @@ def test_a_batch_is_one_request_per_window_and_a_refused_window_is_retried_per_i
     values = [bytes([i % 251 + 1]) * 1000 for i in range(count)]
     with connect(server) as conn:
         before = server.stats.requests
-        assert conn.write_many([("seg0", i * 1000, v) for i, v in enumerate(values)]) == [
-            None
-        ] * count
+        assert (
+            write_many(conn, [("seg0", i * 1000, v) for i, v in enumerate(values)])
+            == [None] * count
+        )
         outs = [bytearray(1000) for _ in range(count)]
-        assert conn.read_many_into([("seg0", i * 1000, o) for i, o in enumerate(outs)]) == [
-            None
-        ] * count
+        assert (
+            read_many_into(conn, [("seg0", i * 1000, o) for i, o in enumerate(outs)])
+            == [None] * count
+        )
         assert outs == [bytearray(v) for v in values]
         assert server.stats.requests - before == 4  # a ranged request per window
         # one bad range: the ranged write is refused whole (nothing of it written), and
@@ -467,10 +477,10 @@ def test_a_batch_is_one_request_per_window_and_a_refused_window_is_retried_per_i
         fresh = [b"\xee" * 1000, b"\xdd" * 1000]
         items: list[tuple[str, int, object]] = [("seg0", 0, fresh[0]), ("nope", 0, fresh[1])]
         before = server.stats.requests
-        results = conn.write_many(items)
+        results = write_many(conn, items)
         assert results[0] is None and isinstance(results[1], UnknownSegment)
         assert server.stats.requests - before == 3  # the ranged one, then one per item
-        assert conn.read("seg0", 0, 1000) == fresh[0]
+        assert read(conn, "seg0", 0, 1000) == fresh[0]
 
 
 def test_a_ranged_read_of_too_many_ranges_is_refused_and_the_connection_goes_on(

@@ -11,6 +11,7 @@ import pytest
 
 from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential, make_grant, tenant_data_key
+from kvpool.datapath.data_ops import read_checked, read_many_checked, write, write_many
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import UnknownSegment
@@ -35,10 +36,10 @@ def test_a_tagged_write_is_noted_after_its_bytes_and_an_untagged_one_is_not(
     server.on_write = note
     host, port = server.address
     with SegmentConnection(host, port, PeerSettings(5.0)) as conn:
-        conn.write("seg0", 4096, b"kv" * 50, key="block-1", checksum=77)
-        conn.write("seg0", 8192, b"kv" * 50)  # no tag: nothing to note
+        write(conn, "seg0", 4096, b"kv" * 50, key="block-1", checksum=77)
+        write(conn, "seg0", 8192, b"kv" * 50)  # no tag: nothing to note
         with pytest.raises(UnknownSegment):  # a refused write notes nothing either
-            conn.write("nope", 0, b"kv" * 50, key="block-2", checksum=78)
+            write(conn, "nope", 0, b"kv" * 50, key="block-2", checksum=78)
     assert notes == [("seg0", "block-1", 4096, 100, 77)]
 
 
@@ -51,7 +52,7 @@ def test_a_batch_notes_each_range_and_refuses_a_wrong_number_of_notes(
     with SegmentConnection(host, port, PeerSettings(5.0)) as conn:
         items = [("seg0", 1000 * i, bytes([i]) * 100) for i in range(3)]
         tags = [(f"b{i}", i) for i in range(3)]
-        assert conn.write_many(items, tags) == [None, None, None]
+        assert write_many(conn, items, tags) == [0, 1, 2]  # a noted write: its checksum
         assert notes == [("seg0", f"b{i}", 1000 * i, 100, i) for i in range(3)]
         notes.clear()
         # a ranged write whose notes do not match its ranges: refused before a byte
@@ -65,7 +66,7 @@ def test_a_batch_notes_each_range_and_refuses_a_wrong_number_of_notes(
             reply, _ = channel.recv(reply=True)
         assert isinstance(reply, Error) and "one per range" in reply.message
         assert segment.read(5000, 4) != b"XXXX" and notes == []
-        assert conn.write_many(items[:2]) == [None, None]  # untagged: nothing noted
+        assert write_many(conn, items[:2]) == [None, None]  # untagged: nothing noted
         assert notes == []
 
 
@@ -88,13 +89,13 @@ def test_a_tenants_tag_is_ignored() -> None:
             ) as conn:
                 # a tenant naming a key outside its namespace: the bytes land (its grant
                 # allows them), the key is not noted (the master scopes tenants' keys)
-                conn.write(f"node-a/mem#{grant}", 0, b"r" * 100, key="@blue/x", checksum=1)
+                write(conn, f"node-a/mem#{grant}", 0, b"r" * 100, key="@blue/x", checksum=1)
                 assert segment.read(0, 100) == b"r" * 100
                 items = [
                     (f"node-a/mem#{grant}", 0, b"s" * 50),
                     (f"node-a/mem#{grant}", 50, b"t" * 50),
                 ]
-                assert conn.write_many(items, [("@blue/y", 2), ("z", 3)]) == [None, None]
+                assert write_many(conn, items, [("@blue/y", 2), ("z", 3)]) == [2, 3]
                 assert segment.read(0, 100) == b"s" * 50 + b"t" * 50
         finally:
             server.close()
@@ -110,11 +111,11 @@ def test_a_checked_read_returns_the_checksum_of_the_bytes_it_read(
     into = bytearray(size)
     host, port = server.address
     with SegmentConnection(host, port, PeerSettings(5.0)) as conn:
-        assert conn.read_checked("seg0", 0, into) == checksum(data)
+        assert read_checked(conn, "seg0", 0, into) == checksum(data)
         assert into == data
         if size:  # changed on the node: the digest says so
             segment.write(0, bytes([data[0] ^ 0xFF]))
-            assert conn.read_checked("seg0", 0, into) != checksum(data)
+            assert read_checked(conn, "seg0", 0, into) != checksum(data)
 
 
 def test_a_checked_batch_returns_each_values_checksum_or_its_error(
@@ -127,11 +128,11 @@ def test_a_checked_batch_returns_each_values_checksum_or_its_error(
     items = [("seg0", 100_000 * i, into) for i, into in enumerate(intos)]
     host, port = server.address
     with SegmentConnection(host, port, PeerSettings(5.0)) as conn:
-        assert conn.read_many_checked(items) == [checksum(v) for v in values]  # one request
+        assert read_many_checked(conn, items) == [checksum(v) for v in values]  # one request
         assert intos == values
         # an unknown segment refuses the ranged request; asked again per item, the others
         # still read and come back with their checksums
         mixed = [items[0], ("nope", 0, bytearray(10)), items[2]]
-        done = conn.read_many_checked(mixed)
+        done = read_many_checked(conn, mixed)
         assert done[0] == checksum(values[0]) and done[2] == checksum(values[2])
         assert isinstance(done[1], UnknownSegment)

@@ -18,6 +18,7 @@ import pytest
 from kvpool.config.peer import PeerSettings
 from kvpool.config.tls import TLSConfig
 from kvpool.core.credentials import Credential
+from kvpool.datapath.data_ops import read, read_into, read_many_into, write, write_many
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import AuthError, ConfigError, PeerTimeout
@@ -75,13 +76,13 @@ def test_bytes_round_trip_equal_over_tls(
 ) -> None:
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     with _connect(server, _client(material)) as conn:
-        assert conn.write("seg0", 4096, data) == size
+        assert write(conn, "seg0", 4096, data) == size
         out = np.zeros(size, dtype=np.uint8)
-        assert conn.read_into("seg0", 4096, out) == size
+        assert read_into(conn, "seg0", 4096, out) == size
         # many small frames in a row on one connection (joined records)
         for i in range(50):
-            conn.write("seg0", i * 8, i.to_bytes(8, "little"))
-        assert conn.read("seg0", 49 * 8, 8) == (49).to_bytes(8, "little")
+            write(conn, "seg0", i * 8, i.to_bytes(8, "little"))
+        assert read(conn, "seg0", 49 * 8, 8) == (49).to_bytes(8, "little")
     np.testing.assert_array_equal(out, data)
     assert segment.read(4096, size) == data.tobytes()
 
@@ -92,11 +93,11 @@ def test_a_ranged_batch_round_trips_over_tls(
 ) -> None:
     values = [np.full(size, i + 1, dtype=np.uint8) for i in range(5)]
     with _connect(server, _client(material)) as conn:
-        assert conn.write_many([("seg0", i * size, v) for i, v in enumerate(values)]) == [None] * 5
+        assert write_many(conn, [("seg0", i * size, v) for i, v in enumerate(values)]) == [None] * 5
         outs = [np.zeros(size, dtype=np.uint8) for _ in values]
-        assert conn.read_many_into([("seg0", i * size, o) for i, o in enumerate(outs)]) == [
-            None
-        ] * 5
+        assert (
+            read_many_into(conn, [("seg0", i * size, o) for i, o in enumerate(outs)]) == [None] * 5
+        )
     for v, o in zip(values, outs, strict=True):
         np.testing.assert_array_equal(v, o)
 
@@ -106,18 +107,18 @@ def test_a_client_without_tls_gets_a_clear_error_and_the_server_keeps_serving(
 ) -> None:
     start = time.monotonic()
     with _connect(server, None) as plain, pytest.raises(AuthError, match="requires TLS"):
-        plain.read("seg0", 0, 5)
+        read(plain, "seg0", 0, 5)
     # with a credential the plain client starts the kvpool handshake: refused in its words
     cred = Credential.parse(SECRET, "k")
     with (
         _connect(server, None, credential=cred, client_id="c") as plain,
         pytest.raises(AuthError, match="requires TLS"),
     ):
-        plain.read("seg0", 0, 5)
+        read(plain, "seg0", 0, 5)
     assert time.monotonic() - start < 4.0  # a refusal, not a timeout
     with _connect(server, _client(material)) as conn:
-        conn.write("seg0", 0, b"alive")
-        assert conn.read("seg0", 0, 5) == b"alive"
+        write(conn, "seg0", 0, b"alive")
+        assert read(conn, "seg0", 0, 5) == b"alive"
     assert server._server.tls_refused >= 2
 
 
@@ -126,9 +127,9 @@ def test_a_client_trusting_another_ca_gets_a_certificate_error(
 ) -> None:
     other = TLSConfig(ca=material.other_ca.cert).client_context()
     with _connect(server, other) as conn, pytest.raises(AuthError, match="not trusted"):
-        conn.read("seg0", 0, 5)
+        read(conn, "seg0", 0, 5)
     with _connect(server, _client(material)) as conn:
-        assert conn.read("seg0", 0, 1) is not None
+        assert read(conn, "seg0", 0, 1) is not None
 
 
 def test_the_certificate_must_name_the_address_dialled(
@@ -143,7 +144,7 @@ def test_the_certificate_must_name_the_address_dialled(
             _connect(srv, _client(material)) as conn,
             pytest.raises(AuthError, match=r"subjectAltName names 127\.0\.0\.1"),
         ):
-            conn.read("seg0", 0, 5)
+            read(conn, "seg0", 0, 5)
     finally:
         srv.close()
 
@@ -154,8 +155,8 @@ def test_a_silent_peer_is_dropped_and_does_not_block_others(
     idle = socket.create_connection(server.address, timeout=5)  # says nothing at all
     try:
         with _connect(server, _client(material)) as conn:
-            conn.write("seg0", 0, b"ok")
-            assert conn.read("seg0", 0, 2) == b"ok"
+            write(conn, "seg0", 0, b"ok")
+            assert read(conn, "seg0", 0, 2) == b"ok"
     finally:
         idle.close()
 
@@ -192,8 +193,8 @@ def test_the_wire_carries_no_plaintext(server: SegmentServer, material: Material
     acceptor.start()
     port = relay.getsockname()[1]
     with SegmentConnection("127.0.0.1", port, PeerSettings(5.0, tls=_client(material))) as conn:
-        conn.write("seg0", 100, KNOWN)
-        assert conn.read("seg0", 100, len(KNOWN)) == KNOWN
+        write(conn, "seg0", 100, KNOWN)
+        assert read(conn, "seg0", 100, len(KNOWN)) == KNOWN
     acceptor.join(10)
     relay.close()
     assert len(seen["up"]) > len(KNOWN) and len(seen["down"]) > len(KNOWN)
@@ -207,17 +208,17 @@ def test_the_kvpool_handshake_runs_inside_tls(material: Material, segment: Segme
     srv = _server(material, segment, credential=cred, server_id="node-a")
     try:
         with _connect(srv, _client(material), credential=cred, client_id="c") as conn:
-            conn.write("seg0", 0, b"secret-proved")
-            assert conn.read("seg0", 0, 13) == b"secret-proved"
+            write(conn, "seg0", 0, b"secret-proved")
+            assert read(conn, "seg0", 0, 13) == b"secret-proved"
         wrong = Credential.parse(WRONG, "k")
         with (
             _connect(srv, _client(material), credential=wrong, client_id="c") as conn,
             pytest.raises(AuthError),
         ):
-            conn.read("seg0", 0, 5)
+            read(conn, "seg0", 0, 5)
         # TLS alone is not the cluster secret: no handshake, no data
         with _connect(srv, _client(material)) as conn, pytest.raises(AuthError):
-            conn.read("seg0", 0, 5)
+            read(conn, "seg0", 0, 5)
     finally:
         srv.close()
 
@@ -229,11 +230,11 @@ def test_mutual_tls_wants_a_client_certificate(material: Material, segment: Segm
             _connect(srv, _client(material)) as conn,
             pytest.raises(AuthError, match="KVPOOL_TLS_CERT and KVPOOL_TLS_KEY"),
         ):
-            conn.read("seg0", 0, 5)
+            read(conn, "seg0", 0, 5)
         mine = _client(material, cert=material.client.cert, key=material.client.key)
         with _connect(srv, mine) as conn:
-            conn.write("seg0", 0, b"mtls")
-            assert conn.read("seg0", 0, 4) == b"mtls"
+            write(conn, "seg0", 0, b"mtls")
+            assert read(conn, "seg0", 0, 4) == b"mtls"
     finally:
         srv.close()
 
@@ -288,7 +289,7 @@ def test_a_tls_peer_that_stops_answering_is_a_timeout_not_a_hang(material: Mater
             ) as conn,
             pytest.raises(PeerTimeout),
         ):
-            conn.read("seg0", 0, 5)
+            read(conn, "seg0", 0, 5)
         assert time.monotonic() - start < 4.0
     finally:
         done.set()
@@ -303,13 +304,13 @@ def test_a_quiet_tls_connection_is_dropped_and_the_client_reconnects(
     srv.timeout_s = 0.5  # the idle wait wakes each timeout_s to look at the idle clock
     try:
         with _connect(srv, _client(material)) as conn:
-            conn.write("seg0", 0, b"before")
+            write(conn, "seg0", 0, b"before")
             deadline = time.monotonic() + 10
             while srv.stats.dropped_connections == 0 and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert srv.stats.dropped_connections == 1  # the server let go of it
             time.sleep(1.1)  # past the client's reuse check
-            assert conn.read("seg0", 0, 6) == b"before"  # on a new connection
+            assert read(conn, "seg0", 0, 6) == b"before"  # on a new connection
         assert srv.stats.connections == 2
     finally:
         srv.close()

@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.config.peer import PeerSettings
+from kvpool.datapath.data_ops import read, ssd_read_into, write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.datapath.shm import host_token
@@ -79,12 +80,12 @@ def assert_server_serves(server: SegmentServer, failures: Failures, place: Path)
     value = os.urandom(4096)
     offset = (probe * 4096) % (SEGMENT - 4096)
     with SegmentConnection(*server.address, PeerSettings(10)) as conn:
-        conn.write("seg0", offset, value)
-        assert conn.read("seg0", offset, len(value)) == value
+        write(conn, "seg0", offset, value)
+        assert read(conn, "seg0", offset, len(value)) == value
         key = f"probe-{probe}"
         conn.demote("seg0", offset, len(value), key, checksum(value))
         buf = bytearray(len(value))
-        assert conn.ssd_read_into(key, buf) == len(value) and bytes(buf) == value
+        assert ssd_read_into(conn, key, buf) == len(value) and bytes(buf) == value
         conn.ssd_remove([key])
 
 

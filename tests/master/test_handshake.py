@@ -14,6 +14,7 @@ import pytest
 from kvpool.client.client import Client
 from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
+from kvpool.datapath.data_ops import read_into
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import AuthError
 from kvpool.net import http_get, split_address
@@ -114,13 +115,13 @@ def test_a_nodes_data_port_gives_nothing_without_a_credential(pool: SecuredPool)
         SegmentConnection(host, port, PeerSettings(5)) as conn,
         pytest.raises(AuthError, match="requires a credential"),
     ):
-        conn.read_into(segment, 0, bytearray(64))
+        read_into(conn, segment, 0, bytearray(64))
     wrong = Credential.parse(WRONG, "k")
     with (
         SegmentConnection(host, port, PeerSettings(5, credential=wrong, client_id="c")) as conn,
         pytest.raises(AuthError, match="did not prove the cluster secret"),
     ):
-        conn.read_into(segment, 0, bytearray(64))
+        read_into(conn, segment, 0, bytearray(64))
     # a node credential of another node is no key to this node's data port
     other = Credential.parse(Credential.parse(SECRET, "k").node_credential("node-x"), "k")
     with (
@@ -129,7 +130,7 @@ def test_a_nodes_data_port_gives_nothing_without_a_credential(pool: SecuredPool)
         ) as conn,
         pytest.raises(AuthError, match="cannot act for"),
     ):
-        conn.read_into(segment, 0, bytearray(64))
+        read_into(conn, segment, 0, bytearray(64))
 
 
 def test_with_the_secret_every_port_serves_and_refusals_cost_no_one_else(
@@ -147,11 +148,11 @@ def test_with_the_secret_every_port_serves_and_refusals_cost_no_one_else(
             ):
                 bad.exists("k-right")
             with SegmentConnection(host, port, PeerSettings(5)) as raw, pytest.raises(AuthError):
-                raw.read_into(_segment_id(pool), 0, bytearray(8))
+                read_into(raw, _segment_id(pool), 0, bytearray(8))
             assert c.get("k-right") == value
         assert c.get("victim") == b"the user's prompt, as KV" * 100
     with SegmentConnection(host, port, PeerSettings(5, credential=right, client_id="c")) as conn:
-        assert conn.read_into(_segment_id(pool), 0, bytearray(64)) == 64
+        assert read_into(conn, _segment_id(pool), 0, bytearray(64)) == 64
 
 
 def test_metrics_stay_readable_when_the_operator_says_so(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 from kvpool.client.client import Client
 from kvpool.config.peer import PeerSettings
 from kvpool.core.credentials import Credential
+from kvpool.datapath.data_ops import read, ssd_read_into, write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import AuthError, ObjectNotFound, QuotaExceeded, StaleWrite
 from kvpool.net import http_get, split_address
@@ -250,7 +251,7 @@ def test_a_tenants_data_port_requests_need_the_masters_grant(pool: SecuredPool) 
         host, port, PeerSettings(5, credential=red_data, client_id="red")
     ) as conn:
         # with its grant: exactly its range
-        assert conn.read(f"{segment}#{red_grant}", offset, size) == b"R" * 4096
+        assert read(conn, f"{segment}#{red_grant}", offset, size) == b"R" * 4096
         # the grant with its last character changed (to a different one, always)
         tampered = red_grant[:-1] + ("1" if red_grant.endswith("0") else "0")
         refusals = (
@@ -262,10 +263,10 @@ def test_a_tenants_data_port_requests_need_the_masters_grant(pool: SecuredPool) 
         )
         for segment_id, at, length, why in refusals:
             with pytest.raises(AuthError, match=why):
-                conn.read(segment_id, at, length)
+                read(conn, segment_id, at, length)
         # a read grant writes nothing (the payload is drained, the link goes on)
         with pytest.raises(AuthError, match="outside its grant"):
-            conn.write(f"{segment}#{red_grant}", offset, b"X" * size)
+            write(conn, f"{segment}#{red_grant}", offset, b"X" * size)
         with pytest.raises(AuthError, match="not open to a tenant"):
             conn.info(segment)
     # blue, with its own data key, cannot use red's grant either
@@ -275,14 +276,14 @@ def test_a_tenants_data_port_requests_need_the_masters_grant(pool: SecuredPool) 
         ) as conn,
         pytest.raises(AuthError, match="did not make"),
     ):
-        conn.read(f"{segment}#{red_grant}", offset, size)
+        read(conn, f"{segment}#{red_grant}", offset, size)
     # a tenant's data key is that tenant's: claiming another tenant with it fails
     forged = Credential(tenant="red", data_key=bytes.fromhex(blue_key))
     with (
         SegmentConnection(host, port, PeerSettings(5, credential=forged, client_id="red")) as conn,
         pytest.raises(AuthError, match="did not prove"),
     ):
-        conn.read(f"{segment}#{red_grant}", offset, size)
+        read(conn, f"{segment}#{red_grant}", offset, size)
     # and a tenant's own credential is no key to a data port at all
     with (
         SegmentConnection(
@@ -290,7 +291,7 @@ def test_a_tenants_data_port_requests_need_the_masters_grant(pool: SecuredPool) 
         ) as conn,
         pytest.raises(AuthError, match="cannot act as node"),
     ):
-        conn.read(segment, offset, size)
+        read(conn, segment, offset, size)
     with _client(pool, RED) as red:  # red's object is as it was
         assert red.get("red-secret") == b"R" * 4096
 
@@ -331,7 +332,7 @@ def test_a_tenants_objects_on_the_ssd_tier_read_back_with_their_grant(tmp_path: 
             host, port, PeerSettings(5, credential=red_data, client_id="red")
         ) as conn:
             buf = bytearray(p.size)
-            conn.ssd_read_into(f"@red/{p.key}#{grant}", buf)
+            ssd_read_into(conn, f"@red/{p.key}#{grant}", buf)
             assert bytes(buf) == values[p.key]
             other = next(q.key for q in on_ssd[1:])
             for key, why in (
@@ -340,4 +341,4 @@ def test_a_tenants_objects_on_the_ssd_tier_read_back_with_their_grant(tmp_path: 
                 (f"@blue/{p.key}#{grant}", "did not make"),
             ):
                 with pytest.raises(AuthError, match=why):
-                    conn.ssd_read_into(key, bytearray(p.size))
+                    ssd_read_into(conn, key, bytearray(p.size))
