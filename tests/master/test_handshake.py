@@ -13,13 +13,13 @@ import pytest
 
 from kvpool.client.client import Client
 from kvpool.config.peer import PeerSettings
-from kvpool.core.credentials import Credential
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import AuthError
 from kvpool.net import http_get, split_address
 from kvpool.protocol import messages as m
 from kvpool.protocol.codec import HEADER_SIZE
 from kvpool.protocol.data import DATA_REPLY_CODEC, DATA_REQUEST_CODEC, Error, SegmentRead
+from kvpool.security.credentials import Credential
 from kvpool.testing.processes import start_master
 from tests.master.auth_pool import SECRET, WRONG, SecuredPool, secret_file, secured_pool
 
