@@ -34,12 +34,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from kvpool.config.peer import PeerSettings
-from kvpool.core.credentials import Credential
-from kvpool.datapath.auth import authenticate
 from kvpool.datapath.data_ops import read_into
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.net import split_address
+from kvpool.security.credentials import Credential
+from kvpool.security.socket_auth import authenticate
 from kvpool.storage.segment import Segment
 from kvpool.testing.processes import start_master
 

@@ -62,8 +62,8 @@ def _flooded(address: str, flood: int, work: Callable[[int], int], seconds: floa
 
 def _pool_rows(flood: int, seconds: float) -> list[tuple[str, str, tuple, tuple]]:
     from kvpool.client.client import Client
-    from kvpool.core.credentials import Credential
     from kvpool.net import http_get
+    from kvpool.security.credentials import Credential
     from tests.master.auth_pool import SECRET, secured_pool
 
     rows = []

@@ -25,11 +25,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from kvpool.config.peer import PeerSettings
-from kvpool.config.tls import TLSConfig
-from kvpool.core.credentials import Credential
 from kvpool.datapath.data_ops import read_into, write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
+from kvpool.security.credentials import Credential
+from kvpool.security.tls import TLSConfig
 from kvpool.storage.segment import Segment
 from kvpool.testing.tls import CertAuthority
 

@@ -35,8 +35,8 @@ from kvpool.errors import (
 if typing.TYPE_CHECKING:
     from kvpool.client.async_client import AsyncClient
     from kvpool.client.client import Client
-    from kvpool.config.tls import TLSConfig
     from kvpool.embedded import EmbeddedPool
+    from kvpool.security.tls import TLSConfig
 
 __version__ = "0.1.0"
 
@@ -106,7 +106,7 @@ _LAZY = {
     "AsyncClient": "kvpool.client.async_client",
     "Client": "kvpool.client.client",
     "EmbeddedPool": "kvpool.embedded",
-    "TLSConfig": "kvpool.config.tls",
+    "TLSConfig": "kvpool.security.tls",
 }
 
 

@@ -69,7 +69,7 @@ def test_the_clients_are_the_service_classes() -> None:
 def test_tls_config_is_the_one_the_client_takes() -> None:
     # docs/security.md tells a client to pass ``tls=TLSConfig(ca=...)``: it must be
     # importable from the package itself, not only from an internal module.
-    from kvpool.config.tls import TLSConfig
+    from kvpool.security.tls import TLSConfig
 
     assert kvpool.TLSConfig is TLSConfig
     assert kvpool.TLSConfig(ca="/etc/kvpool/ca.pem").enabled

@@ -27,10 +27,10 @@ with :class:`~kvpool.errors.PoolError` (Mooncake refuses them too).
 Two seams, both set in the constructor: the *transport* (how bytes move) and the *link*
 to the master's request handler (TCP, or in-process for the embedded pool).
 
-Credentials: ``credential`` (a :class:`~kvpool.core.credentials.Credential`, or the
+Credentials: ``credential`` (a :class:`~kvpool.security.credentials.Credential`, or the
 secret's text), else the environment's (``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), else
 none.  With one, every connection -- to the master and to each node's data port -- opens
-with the handshake of :mod:`kvpool.protocol.auth`; without one, none does (a pool on
+with the handshake of :mod:`kvpool.security.handshake`; without one, none does (a pool on
 loopback with no secret).  A tenant's credential (``kvpool-tenant:...``) makes this a
 client of that tenant only: the master keeps its keys in the tenant's namespace, and its
 bytes move over TCP with the master's grants (:mod:`kvpool.datapath.tenant_path`).
@@ -53,9 +53,6 @@ from typing import Any
 from kvpool.client.master_link import CLOSE_SETTLE_S, MasterLink, TcpMasterLink
 from kvpool.closing import Closing
 from kvpool.config.peer import PeerSettings
-from kvpool.config.secret import load_credential
-from kvpool.config.tls import TLSConfig
-from kvpool.core.credentials import Credential
 from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
 from kvpool.datapath.tenant_path import TenantTransport
 from kvpool.datapath.transport import DataPath, Transport, transport_named
@@ -72,6 +69,9 @@ from kvpool.errors import (
 from kvpool.net import DEFAULT_MASTER_PORT
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
+from kvpool.security.credentials import Credential
+from kvpool.security.secret import load_credential
+from kvpool.security.tls import TLSConfig
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.storage.checksum import checksum
 

@@ -33,9 +33,7 @@ from typing import Protocol
 
 from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.datapath import framing
-from kvpool.datapath.auth import authenticate
 from kvpool.datapath.channel import Channel, reply_spin_us
-from kvpool.datapath.tls import speaks_tls, tls_required, wrap_client
 from kvpool.errors import (
     AuthError,
     ConfigError,
@@ -47,6 +45,8 @@ from kvpool.errors import (
 from kvpool.net import split_address
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
+from kvpool.security.socket_auth import authenticate
+from kvpool.security.socket_tls import speaks_tls, tls_required, wrap_client
 
 __all__ = ["CLOSE_SETTLE_S", "MasterLink", "TcpMasterLink", "mooncake_answers", "wrong_engine"]
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.config.node import MooncakeNodeConfig, NodeConfig
-from kvpool.config.secret import load_credential
 from kvpool.config.topology import MAX_PORT, Topology, parse_topology
 from kvpool.config.values import (
     CONNECT_TIMEOUT_VARS,
@@ -26,8 +25,9 @@ from kvpool.config.values import (
     parse_host_port,
     parse_size,
 )
-from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError
+from kvpool.security.credentials import Credential
+from kvpool.security.secret import ENV_INSECURE, load_credential
 
 __all__ = [
     "BACKENDS",
@@ -241,7 +241,6 @@ TRANSFER_EXTRA_KEYS = (
     "idle_wait_ms",
     "insecure",
 )
-ENV_INSECURE = "KVPOOL_INSECURE"
 _DEFAULT_CONNECT_MS = 10_000
 _DEFAULT_TRANSFER_MS = 10_000
 _DEFAULT_HOLD_MS = 120_000

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import PurePath
 from typing import Any
 
-from kvpool.config.tls import TLSConfig
 from kvpool.config.values import (
     DEFAULT_MASTER_PORT,
     DEFAULT_OFFLOAD_LIMIT,
@@ -40,6 +39,7 @@ from kvpool.config.values import (
 )
 from kvpool.core.eviction import EVICTION_POLICIES, EVICTION_POLICY_ALIASES
 from kvpool.errors import ConfigError
+from kvpool.security.tls import TLSConfig
 
 __all__ = [
     "MASTER_FLAGS",

@@ -28,7 +28,6 @@ from kvpool.config.fabrics import (
     host_fabrics,
     served_protocols,
 )
-from kvpool.config.tls import TLSConfig
 from kvpool.config.values import (
     CONFIG_PATH_VARS,
     DEFAULT_MASTER_PORT,
@@ -43,6 +42,7 @@ from kvpool.config.values import (
     parse_timeouts,
 )
 from kvpool.errors import ConfigError
+from kvpool.security.tls import TLSConfig
 
 __all__ = [
     "ENGINE_PROTOCOLS",

@@ -8,8 +8,8 @@ passed, or forgotten, one by one.
 
 Rules: ``timeout_s`` bounds every connect and exchange (a wait never hangs);
 ``credential`` None means no handshake, else the connection proves it as ``client_id``
-(:mod:`kvpool.protocol.auth`); ``tls`` None means plain TCP, else a *client* context
-that verifies the peer (:meth:`kvpool.config.tls.TLSConfig.client_context`).
+(:mod:`kvpool.security.handshake`); ``tls`` None means plain TCP, else a *client* context
+that verifies the peer (:meth:`kvpool.security.tls.TLSConfig.client_context`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 
-from kvpool.core.credentials import Credential
+from kvpool.security.credentials import Credential
 
 __all__ = ["PLAIN_PEER", "PeerSettings"]
 

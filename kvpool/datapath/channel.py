@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 from kvpool.datapath.framing import SMALL_PAYLOAD, BadRequest, deadline_after, why_send_failed
-from kvpool.datapath.tls import peer_alert
 from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
+from kvpool.security.socket_tls import peer_alert
 
 __all__ = [
     "DEFAULT_SPIN_US",

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvpool.datapath.tls import peer_alert
 from kvpool.errors import KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
+from kvpool.security.socket_tls import peer_alert
 
 __all__ = [
     "SMALL_PAYLOAD",

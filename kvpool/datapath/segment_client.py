@@ -17,10 +17,8 @@ from collections.abc import Callable, Sequence
 from kvpool.closing import Closing
 from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.datapath import framing
-from kvpool.datapath.auth import authenticate
 from kvpool.datapath.channel import Channel, reply_spin_us
 from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp
-from kvpool.datapath.tls import wrap_client
 from kvpool.errors import (
     AuthError,
     KVPoolError,
@@ -46,6 +44,8 @@ from kvpool.protocol.data import (
     SsdRead,
     SsdRemove,
 )
+from kvpool.security.socket_auth import authenticate
+from kvpool.security.socket_tls import wrap_client
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.storage.checksum import hasher
 

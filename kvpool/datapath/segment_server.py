@@ -22,9 +22,7 @@ from collections.abc import Callable
 from msgspec import structs
 
 from kvpool.closing import Serving
-from kvpool.core.credentials import Credential, check_grant, ssd_subject
 from kvpool.datapath import framing
-from kvpool.datapath.auth import Admission
 from kvpool.datapath.budget import ByteBudget
 from kvpool.datapath.channel import Channel
 from kvpool.datapath.framing import BadRequest
@@ -40,7 +38,6 @@ from kvpool.errors import (
     TransferError,
     UnknownSegment,
 )
-from kvpool.protocol.auth import AUTH_MAGIC, Identity, refusal
 from kvpool.protocol.data import (
     DATA_REPLY_CODEC,
     DATA_REQUEST_CODEC,
@@ -58,6 +55,9 @@ from kvpool.protocol.data import (
     SsdRemove,
     error_reply,
 )
+from kvpool.security.admission import Admission
+from kvpool.security.credentials import Credential, check_grant, ssd_subject
+from kvpool.security.handshake import AUTH_MAGIC, Identity, refusal
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
 
@@ -106,13 +106,13 @@ MAX_RANGES = 512
 #   closed (noticed within ``timeout_s`` after: the kernel's receive timeout is the clock),
 #   so idle peers do not keep threads forever; clients reconnect on their next request.
 # - With a ``credential``, a connection's first exchange is the handshake of
-#   :mod:`kvpool.protocol.auth` in role ``data``, proving the key of the node that serves
+#   :mod:`kvpool.security.handshake` in role ``data``, proving the key of the node that serves
 #   (``server_id``); a peer that skips it or fails it gets an
 #   :class:`~kvpool.errors.AuthError` reply and is closed, and nothing else is read from it.
 # - A tenant's connection (role ``tenant-data``, the tenant's data key) may only read or
 #   write ranges and read SSD objects by key, and each request must carry the master's
 #   grant for exactly that tenant, operation and range (or key), unexpired
-#   (:func:`kvpool.core.credentials.check_grant`: one HMAC per request, none per frame).
+#   (:func:`kvpool.security.credentials.check_grant`: one HMAC per request, none per frame).
 #   A request without one gets an ``AuthError`` reply naming it, the payload of a
 #   refused write is drained, and the connection goes on.
 class SegmentServer(Serving):

@@ -21,11 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpool.closing import Serving
-from kvpool.datapath.auth import Admission, admit_with
-from kvpool.datapath.tls import accept_tls
 from kvpool.datapath.waiting_room import HANDSHAKE_S, WaitingRoom
 from kvpool.errors import AuthError, PeerTimeout, TransferError
-from kvpool.protocol.auth import Identity
+from kvpool.security.admission import Admission
+from kvpool.security.handshake import Identity
+from kvpool.security.socket_auth import admit_with
+from kvpool.security.socket_tls import accept_tls
 
 __all__ = [
     "ACCEPT_POLL_S",

@@ -29,12 +29,12 @@ from msgspec import structs
 
 from kvpool.closing import Closing
 from kvpool.config.peer import PeerSettings
-from kvpool.core.credentials import Credential
 from kvpool.core.tenants import scoped
 from kvpool.datapath.data_ops import DataOp, OpResult, SsdReadOp, WriteOp
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import PoolError
 from kvpool.net import split_address
+from kvpool.security.credentials import Credential
 
 __all__ = ["TenantDataPath", "TenantTransport"]
 

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpool.datapath.auth import Admission
-from kvpool.protocol.auth import Identity
+from kvpool.security.admission import Admission
+from kvpool.security.handshake import Identity
 
 __all__ = ["HANDSHAKE_S", "MAX_WAITING", "MAX_WAITING_PER_PEER", "WaitingRoom"]
 

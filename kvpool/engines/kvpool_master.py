@@ -40,7 +40,7 @@ class MasterEngine(ClientEngine):
         """An engine for the master at ``host:port``; connects on first use, and every
         call waits at most ``timeout_s``."""
         from kvpool.client.client import Client
-        from kvpool.config.secret import read_secret_file
+        from kvpool.security.secret import read_secret_file
 
         path = _node_config_secret_file()
         credential = read_secret_file(path, "secret_file") if path else None

@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvpool.core.credentials import Credential
 from kvpool.master.service import MasterService
 from kvpool.master.status_page import add_routes as add_status_page
+from kvpool.security.credentials import Credential
 
 __all__ = ["build_app"]
 

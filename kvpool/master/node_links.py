@@ -28,10 +28,10 @@ from collections.abc import Callable
 
 from kvpool.closing import Closing
 from kvpool.config.peer import PeerSettings
-from kvpool.core.credentials import Credential
 from kvpool.core.index import Demote
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import KVPoolError
+from kvpool.security.credentials import Credential
 
 __all__ = ["NodeLinks"]
 

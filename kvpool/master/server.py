@@ -21,21 +21,21 @@ from typing import Any, cast
 from aiohttp import web
 
 from kvpool.config import MasterConfig
-from kvpool.config.secret import load_credential, require_credential
-from kvpool.config.tls import ENV_CA
-from kvpool.core.credentials import Credential
 from kvpool.core.index import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
-from kvpool.master.handshake import AuthProtocol, Owners, no_secret_refusal, plain_refusal
 from kvpool.master.http import build_app
 from kvpool.master.service import Later, MasterService
 from kvpool.master.tenancy import TenantMaster, parse_tenant_quotas
 from kvpool.node.storage import MASTER_SETTINGS, LocalStorage
-from kvpool.protocol.auth import AUTH_MAGIC, Identity
 from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
 from kvpool.protocol.data import error_reply
 from kvpool.protocol.messages import MASTER_REPLY_CODEC, MasterReply, MasterRequest
+from kvpool.security.credentials import Credential
+from kvpool.security.handshake import AUTH_MAGIC, Identity
+from kvpool.security.master_handshake import AuthProtocol, Owners, no_secret_refusal, plain_refusal
+from kvpool.security.secret import load_credential, require_credential
+from kvpool.security.tls import ENV_CA
 
 __all__ = ["RPC_BUFFER_LIMIT", "RPC_REQUEST_CODEC", "MasterServer", "RpcBuffers", "run_master"]
 
@@ -290,7 +290,7 @@ class _Sniffer(asyncio.Protocol):
     """Reads the first bytes of a connection, then hands it to RPC or HTTP.
 
     Its first four bytes decide: ``KVP1`` (the frame magic) is an RPC connection,
-    ``KVPA`` a handshake that leads to one (:mod:`kvpool.master.handshake`), anything
+    ``KVPA`` a handshake that leads to one (:mod:`kvpool.security.master_handshake`), anything
     else is handed to aiohttp's HTTP protocol with the bytes already read.  With a
     credential (``--secret_file``, ``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), an RPC
     connection must open with the handshake and HTTP requests need the operator's bearer

@@ -16,7 +16,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.core.credentials import check_tenant_name
 from kvpool.core.index import (
     Demote,
     Dropped,
@@ -45,6 +44,7 @@ from kvpool.node.catalog import Outbox
 from kvpool.node.storage import LocalStorage
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok, error_reply
+from kvpool.security.credentials import check_tenant_name
 
 __all__ = ["Endpoint", "Later", "MasterService", "PutKey", "monotonic_ms"]
 

@@ -15,19 +15,19 @@ from typing import Any
 from msgspec import structs
 
 from kvpool.config.values import parse_size
-from kvpool.core.credentials import (
-    Credential,
-    check_tenant_name,
-    make_grant,
-    ssd_subject,
-    tenant_data_key,
-)
 from kvpool.core.tenants import TenantBook, scoped, tenant_of, unscoped
 from kvpool.errors import AuthError, ConfigError, KVPoolError, PoolError, QuotaExceeded
 from kvpool.master.copies import Later
 from kvpool.master.service import MasterService
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Ok, error_reply
+from kvpool.security.credentials import (
+    Credential,
+    check_tenant_name,
+    make_grant,
+    ssd_subject,
+    tenant_data_key,
+)
 
 __all__ = [
     "GRANT_SEP",
@@ -260,7 +260,7 @@ class TenantMaster:
         reservation (write) would have expired, MACed with the owner's node key.  No
         shared-memory name: a segment mapped into its process would bypass every grant.
         An object on the SSD tier is read by key: its grant is for that one key
-        (:func:`~kvpool.core.credentials.ssd_subject`)."""
+        (:func:`~kvpool.security.credentials.ssd_subject`)."""
         key = unscoped(tenant, p.key)
         index = self.service.index
         segment = index.registry.segments.get(p.segment_id)

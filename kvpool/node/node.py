@@ -22,11 +22,11 @@ from pathlib import Path
 
 from kvpool.client.client import Client
 from kvpool.config import NodeConfig
-from kvpool.config.secret import load_credential, require_credential
-from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError, KVPoolError, UnknownClient
 from kvpool.node.storage import LocalStorage, RestoreEntry, restore_in_batches
 from kvpool.protocol import messages as m
+from kvpool.security.credentials import Credential
+from kvpool.security.secret import load_credential, require_credential
 from kvpool.storage.checksum import checksum
 
 __all__ = ["NodeService", "node_id", "run_node"]

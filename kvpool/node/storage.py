@@ -16,11 +16,11 @@ import ssl
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvpool.core.credentials import Credential
 from kvpool.core.index import Demote
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.datapath.shm import host_token
 from kvpool.errors import ChecksumMismatch, ConfigError, KVPoolError, NoSpace, ProtocolError
+from kvpool.security.credentials import Credential
 from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
 from kvpool.storage.ssd import SsdStore
 

@@ -14,13 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
-from kvpool.config.secret import ENV_SECRET_FILE, load_credential, operator_headers
 from kvpool.config.values import parse_size
-from kvpool.core.credentials import check_tenant_name
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.net import master_scheme
 from kvpool.ops.status import _get, _samples, default_master, format_bytes
 from kvpool.protocol import messages as m
+from kvpool.security.credentials import check_tenant_name
+from kvpool.security.secret import ENV_SECRET_FILE, load_credential, operator_headers
 
 __all__ = ["QuotaOptions", "TenantUsage", "parse_tenants", "run"]
 

@@ -12,8 +12,8 @@ import secrets
 import sys
 from dataclasses import dataclass
 
-from kvpool.config.secret import ENV_SECRET_FILE, load_credential
 from kvpool.errors import ConfigError, KVPoolError
+from kvpool.security.secret import ENV_SECRET_FILE, load_credential
 
 __all__ = ["SecretOptions", "run"]
 

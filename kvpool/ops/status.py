@@ -26,7 +26,6 @@ from rich.text import Text
 
 from kvpool.config import config_path_from_env, load_node_config
 from kvpool.config.node import node_engine, parse_mooncake_config, read_node_json
-from kvpool.config.secret import operator_headers
 from kvpool.errors import (
     AuthError,
     ConfigError,
@@ -37,6 +36,7 @@ from kvpool.errors import (
 )
 from kvpool.net import DEFAULT_MASTER_PORT, http_get, master_scheme
 from kvpool.ops.mooncake_master import MooncakeMasterFacts, find_mooncake_master, render_mooncake
+from kvpool.security.secret import operator_headers
 
 __all__ = [
     "ClientInfo",

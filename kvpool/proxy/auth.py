@@ -109,7 +109,7 @@ def _resolve(
 
 
 # Sources of the proxy's own keys, first found wins (as the cluster secret's,
-# :mod:`kvpool.config.secret`):
+# :mod:`kvpool.security.secret`):
 #
 # 1. ``--api-key KEY`` (repeatable) or ``--api-key-file PATH`` (one key a line);
 # 2. ``KVPOOL_API_KEY_FILE``, a file;

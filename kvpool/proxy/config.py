@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvpool.config.secret import is_loopback
 from kvpool.errors import ConfigError
 from kvpool.proxy.auth import ENV_API_KEY_FILE, check_key
 from kvpool.proxy.routing import ROUTING_POLICIES
+from kvpool.security.secret import is_loopback
 
 __all__ = ["ProxyConfig", "normalize_url"]
 

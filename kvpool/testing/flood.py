@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvpool.net import split_address
-from kvpool.protocol.auth import AUTH_MAGIC
+from kvpool.security.handshake import AUTH_MAGIC
 
 __all__ = ["Flood", "FloodProcess", "main"]
 

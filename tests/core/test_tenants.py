@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.credentials import check_grant, make_grant
 from kvpool.core.tenants import TenantBook, scoped, tenant_of, unscoped
-from kvpool.errors import AuthError
 
 
 def test_scoped_keys_name_their_tenant_and_only_it() -> None:
@@ -49,23 +47,3 @@ def test_victims_are_the_tenants_own_least_recently_used() -> None:
     assert [k for k, _ in book.victims("@red/new")] == ["@red/b", "@red/c", "@red/a"]
     assert book.tenants["red"].hits == 1
 
-
-def test_a_grant_allows_its_range_operation_and_time_only() -> None:
-    key = b"k" * 32
-    grant = make_grant(key, "red", "seg", "r", 100, 50, until=1000)
-    check_grant(key, "red", "seg", grant, "r", 100, 50, now_ms=1000)
-    check_grant(key, "red", "seg", grant, "r", 120, 30, now_ms=0)  # inside it
-    for tenant, segment, op, offset, length, now, why in (
-        ("red", "seg", "r", 100, 51, 0, "outside its grant"),
-        ("red", "seg", "r", 99, 10, 0, "outside its grant"),
-        ("red", "seg", "w", 100, 50, 0, "outside its grant"),
-        ("red", "seg", "r", 100, 50, 1001, "expired"),
-        ("blue", "seg", "r", 100, 50, 0, "did not make"),
-        ("red", "seg2", "r", 100, 50, 0, "did not make"),
-    ):
-        with pytest.raises(AuthError, match=why):
-            check_grant(key, tenant, segment, grant, op, offset, length, now)
-    with pytest.raises(AuthError, match="without a grant"):
-        check_grant(key, "red", "seg", "", "r", 100, 50, 0)
-    with pytest.raises(AuthError, match="did not make"):
-        check_grant(b"x" * 32, "red", "seg", grant, "r", 100, 50, 0)

@@ -10,12 +10,12 @@ import time
 import pytest
 
 from kvpool.config.peer import PeerSettings
-from kvpool.core.credentials import Credential, make_grant, tenant_data_key
 from kvpool.datapath.data_ops import read_checked, read_many_checked, write, write_many
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import UnknownSegment
 from kvpool.protocol.data import Error, SegmentWriteMany
+from kvpool.security.credentials import Credential, make_grant, tenant_data_key
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
 

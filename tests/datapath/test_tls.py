@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 from kvpool.config.peer import PeerSettings
-from kvpool.config.tls import TLSConfig
-from kvpool.core.credentials import Credential
 from kvpool.datapath.data_ops import read, read_into, read_many_into, write, write_many
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import AuthError, ConfigError, PeerTimeout
 from kvpool.protocol.data import DATA_REQUEST_CODEC, SegmentRead
+from kvpool.security.credentials import Credential
+from kvpool.security.tls import TLSConfig
 from kvpool.storage.segment import Segment
 from tests.tls_material import Material, make_material
 
@@ -322,7 +322,7 @@ def test_a_tls_server_that_hangs_up_on_a_send_is_said_to_want_a_client_certifica
     # next send fails with a bare EOF.  That used to read "connection failed while
     # sending: EOF occurred in violation of protocol", naming no cause.
     from kvpool.datapath.framing import why_send_failed
-    from kvpool.datapath.tls import peer_alert
+    from kvpool.security.socket_tls import peer_alert
 
     eof = ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:2427)")
     err = peer_alert(eof, "sending")

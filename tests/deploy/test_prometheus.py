@@ -33,8 +33,8 @@ import pytest
 import yaml
 
 from kvpool.client.client import Client
-from kvpool.core.credentials import Credential
 from kvpool.net import free_port
+from kvpool.security.credentials import Credential
 from kvpool.testing.processes import PoolProcess, start_master
 from tests.deploy.doc_commands import bash, for_this_master, kvpool_on_path
 from tests.deploy.grafana import dashboard, exprs

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.core.credentials import Credential
+from kvpool.security.credentials import Credential
 from kvpool.testing.processes import start_master
 from tests.e2e.conftest import RunOffline
 from tests.e2e.test_store_connector import LONG, STATS, gen, store_config

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.core.credentials import Credential
 from kvpool.errors import AuthError, KVPoolError
+from kvpool.security.credentials import Credential
 from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
 from tests.master.auth_pool import SECRET as OLD
 from tests.master.auth_pool import WRONG

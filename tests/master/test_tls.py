@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.config.tls import TLSConfig
 from kvpool.errors import AuthError, ObjectNotFound
 from kvpool.net import http_get, split_address
 from kvpool.protocol import messages as m
+from kvpool.security.tls import TLSConfig
 from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
 from tests.master.auth_pool import SECRET, secret_file
 from tests.tls_material import Material, make_material

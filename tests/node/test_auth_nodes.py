@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.core.credentials import Credential
 from kvpool.errors import AuthError, PoolError
 from kvpool.protocol import messages as m
+from kvpool.security.credentials import Credential
 from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
 from tests.master.auth_pool import SECRET, secret_file, secured_pool
 from tests.waiting import wait_until

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.core.credentials import Credential
 from kvpool.net import http_get
+from kvpool.security.credentials import Credential
 from kvpool.testing.flood import FloodProcess
 from tests.master.auth_pool import SECRET, SecuredPool, secured_pool
 

@@ -13,10 +13,10 @@ import pytest
 
 from kvpool.cli import main
 from kvpool.client.client import Client
-from kvpool.core.credentials import Credential
 from kvpool.errors import QuotaExceeded
 from kvpool.ops.quota import TenantUsage, parse_tenants
 from kvpool.protocol import messages as m
+from kvpool.security.credentials import Credential
 from tests.master.auth_pool import SECRET, SecuredPool, secret_file, secured_pool
 
 CLUSTER = Credential.parse(SECRET, "k")

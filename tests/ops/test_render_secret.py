@@ -20,11 +20,11 @@ import pytest
 
 from kvpool.client.client import Client
 from kvpool.config import load_node_config
-from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
 from kvpool.ops.doctor.checks import Check, Status
 from kvpool.ops.render import RenderOptions, parse_inventory, render, run, write_rendered
+from kvpool.security.credentials import Credential
 from kvpool.testing.processes import start_master, start_node
 from tests.ops.test_render import example
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.cli import main
-from kvpool.core.credentials import Credential
+from kvpool.security.credentials import Credential
 from tests.master.auth_pool import SECRET, secret_file
 
 

@@ -24,7 +24,6 @@ from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
 from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.transfer.kv_port import PullListener, dial
 from kvpool.connectors.transfer.transport import PullHandler
-from kvpool.core.credentials import Credential
 from kvpool.datapath.framing import recv_frame, send_frame
 from kvpool.datapath.mooncake_engine import EngineMover
 from kvpool.errors import KVPoolError, ProtocolError, TransferError
@@ -36,6 +35,7 @@ from kvpool.protocol.engine_pull import (
     Unread,
 )
 from kvpool.protocol.pull import Done, Pull, PullDone, Refused
+from kvpool.security.credentials import Credential
 
 __all__ = ["EngineLink", "EngineTransport"]
 

@@ -1,8 +1,9 @@
 """A prefill's ``kv_port`` as every transport runs it: all of a pull but how pages move.
 
 P (:class:`PullListener`): a thread accepts on the rank's port; each decode connection
-gets a thread that opens with the credential handshake (:mod:`.auth`), then answers
-requests until the decode closes, idles :data:`IDLE_S`, breaks the stream or P stops.
+gets a thread that opens with the credential handshake (:mod:`kvpool.security.kv_port`),
+then answers requests until the decode closes, idles :data:`IDLE_S`, breaks the stream or
+P stops.
 The :class:`~.transport.PullHandler` admits or refuses each pull; the transport's own
 :data:`MovePages` moves an admitted one's pages, and ``Done`` follows what it moved.
 D (:func:`dial`): one connection to a P rank, bounded, handshake included.  Both
@@ -18,10 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
-from kvpool.connectors.transfer.auth import decode_admission, open_to_prefill
 from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
-from kvpool.core.credentials import Credential
-from kvpool.datapath.auth import Admission
 from kvpool.datapath.framing import (
     BadRequest,
     deadline_after,
@@ -33,6 +31,9 @@ from kvpool.datapath.server import ThreadedServer
 from kvpool.errors import KVPoolError
 from kvpool.protocol.codec import Codec
 from kvpool.protocol.pull import Done, Pull, PullDone, Refused
+from kvpool.security.admission import Admission
+from kvpool.security.credentials import Credential
+from kvpool.security.kv_port import decode_admission, open_to_prefill
 
 __all__ = ["ACCEPT_POLL_S", "IDLE_S", "MovePages", "PullListener", "dial"]
 

@@ -19,7 +19,6 @@ from kvpool.closing import Closing
 from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.transfer.kv_port import PullListener, dial
 from kvpool.connectors.transfer.transport import PullHandler
-from kvpool.core.credentials import Credential
 from kvpool.datapath.framing import recv_exactly_into, recv_frame, send_frame
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.pull import (
@@ -31,6 +30,7 @@ from kvpool.protocol.pull import (
     PullDone,
     Refused,
 )
+from kvpool.security.credentials import Credential
 
 __all__ = ["TcpLink", "TcpTransport"]
 

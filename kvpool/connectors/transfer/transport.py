@@ -18,7 +18,7 @@ Primitives, in the order a worker uses them:
 - :meth:`PeerLink.close`, :meth:`KVTransport.close`.
 
 With a credential, each transport opens every ``kv_port`` connection with the pool's
-handshake (:mod:`.auth`), before the first pull frame.
+handshake (:mod:`kvpool.security.kv_port`), before the first pull frame.
 
 Rules every transport keeps: every wait is bounded (a deadline or the configured
 timeouts), a refusal by P surfaces on D as :class:`~kvpool.errors.TransferError` naming
@@ -34,9 +34,9 @@ from typing import Protocol
 from kvpool.config.fabrics import ENGINE_PROTOCOLS, TRANSPORT_ENGINE, TRANSPORT_KVPOOL
 from kvpool.config.kv_transfer import TransferConfig
 from kvpool.connectors.pages import PagedCaches
-from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError, TransferError
 from kvpool.protocol.pull import Pull, PullDone
+from kvpool.security.credentials import Credential
 
 __all__ = [
     "TRANSPORTS",
@@ -145,7 +145,7 @@ def make_transport(config: TransferConfig, credential: Credential | None = None)
     """The transport the node config names: ``transport`` (by default kvpool's for
     ``tcp``, the Transfer Engine for the other protocols) over ``protocol`` (``tcp``
     without a node config); with ``credential`` its ``kv_port`` connections open with the
-    handshake (:mod:`.auth`)."""
+    handshake (:mod:`kvpool.security.kv_port`)."""
     transport = config.transport
     if transport is None:
         transport = TRANSPORT_KVPOOL if config.protocol == "tcp" else TRANSPORT_ENGINE

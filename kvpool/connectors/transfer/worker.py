@@ -22,7 +22,7 @@ timeouts.
 Credentials: the node config's ``secret_file``, else the environment's
 (:func:`~kvpool.config.kv_transfer.connector_credential`); with one, both sides open every
 ``kv_port`` connection with the pool's handshake, and without one a P bound beyond
-loopback refuses to start unless told ``insecure`` (:mod:`.auth`).
+loopback refuses to start unless told ``insecure`` (:mod:`kvpool.security.kv_port`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig, connector_credential
 from kvpool.config.topology import expected_pullers, local_heads, plan_pulls, rank_port
 from kvpool.connectors.pages import PagedCaches
-from kvpool.connectors.transfer.auth import require_pull_credential
 from kvpool.connectors.transfer.jobs import RecvJob, ReleaseJob, TransferJobs
 from kvpool.connectors.transfer.server import PullServer
 from kvpool.connectors.transfer.state import RecvResults, SendTracker
@@ -52,6 +51,7 @@ from kvpool.connectors.transfer.transport import (
 from kvpool.datapath.framing import deadline_after
 from kvpool.errors import ConfigError, KVPoolError, TransferError
 from kvpool.protocol.pull import Pull, PullDone
+from kvpool.security.kv_port import require_pull_credential
 
 __all__ = ["RankInfo", "TransferResults", "TransferWorker"]
 
@@ -93,7 +93,10 @@ class TransferWorker:
         self.rank = rank
         self._clock = clock
         credential = connector_credential(config.secret_file, env)
-        require_pull_credential(config, credential)  # before anything is allocated
+        if config.is_producer:  # before anything is allocated
+            require_pull_credential(
+                config.kv_host, credential, config.insecure, key=TRANSFER_CONNECTOR
+            )
         self._transport = make_transport(config, credential) if transport is None else transport
         self._caches: PagedCaches | None = None
         self._cond = threading.Condition()

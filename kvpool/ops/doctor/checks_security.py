@@ -10,8 +10,8 @@ import stat
 from dataclasses import dataclass
 
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.config.secret import ENV_SECRET_FILE, is_loopback
 from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
+from kvpool.security.secret import ENV_SECRET_FILE, is_loopback
 
 __all__ = [
     "MasterAuthFacts",
@@ -37,7 +37,7 @@ class SecretFileFacts:
     source: str  # the setting that names it: "secret_file", KVPOOL_SECRET_FILE, --secret_file
     path: str
     mode: int | None  # its permission bits; None when it cannot be stat'ed
-    error: str | None = None  # the loader's refusal (kvpool.config.secret), verbatim
+    error: str | None = None  # the loader's refusal (kvpool.security.secret), verbatim
     holds: str = ""  # "the cluster secret" or "node node-x's credential"
 
 
@@ -56,7 +56,7 @@ class MasterAuthFacts:
 #   (the node config's ``secret_file``, ``KVPOOL_SECRET_FILE``, the master's
 #   ``--secret_file`` when the master runs here) exists, is readable by its owner only
 #   (600 or 400), and holds a valid secret or node credential — what
-#   :mod:`kvpool.config.secret` would refuse at start-up is a FAIL here first;
+#   :mod:`kvpool.security.secret` would refuse at start-up is a FAIL here first;
 def check_secret_file(facts: SecretFileFacts) -> Check:
     name = f"security.secret_file[{facts.source}]"
     p = facts.path
@@ -80,7 +80,7 @@ def check_secret_file(facts: SecretFileFacts) -> Check:
 
 
 # - ``security.master_auth``: the master accepts this host's credential (the handshake of
-#   :mod:`kvpool.datapath.auth`, run by the gatherer), or says why not: different secrets,
+#   :mod:`kvpool.security.socket_auth`, run by the gatherer), or says why not: different secrets,
 #   a master without one, a host without one;
 def check_master_auth(facts: MasterAuthFacts | None) -> Check | None:
     """None when neither the master nor this host has a secret (a loopback pool; the

@@ -24,14 +24,7 @@ from kvpool.config import (
 )
 from kvpool.config.master import parse_master_command
 from kvpool.config.node import MooncakeNodeConfig, load_any_node_config
-from kvpool.config.secret import (
-    ENV_SECRET,
-    ENV_SECRET_FILE,
-    load_credential,
-    operator_headers,
-)
 from kvpool.config.vllm_versions import installed_vllm_version
-from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor import probes
 from kvpool.ops.doctor.checks import fail
@@ -45,6 +38,13 @@ from kvpool.ops.kvconfig import (
     command_argv,
     parse_kv_transfer_text,
     parse_vllm_command,
+)
+from kvpool.security.credentials import Credential
+from kvpool.security.secret import (
+    ENV_SECRET,
+    ENV_SECRET_FILE,
+    load_credential,
+    operator_headers,
 )
 
 __all__ = ["gather", "read_connector_input"]

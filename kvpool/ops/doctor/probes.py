@@ -19,18 +19,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvpool.client.master_link import mooncake_answers
-from kvpool.config.secret import operator_headers, read_secret_file
-from kvpool.config.tls import TLSConfig
-from kvpool.core.credentials import Credential
 from kvpool.core.keys import KeyNamespace, chunk_keys
-from kvpool.datapath.auth import authenticate
-from kvpool.datapath.tls import wrap_client
 from kvpool.errors import AuthError, ConfigError, KVPoolError
 from kvpool.net import http_get, master_scheme, split_address
 from kvpool.ops.doctor.checks_host import SsdFacts
 from kvpool.ops.doctor.checks_node import MasterFacts
 from kvpool.ops.doctor.checks_security import MasterAuthFacts, SecretFileFacts
 from kvpool.ops.mooncake_master import find_mooncake_master, looks_like_mooncake_health
+from kvpool.security.credentials import Credential
+from kvpool.security.secret import operator_headers, read_secret_file
+from kvpool.security.socket_auth import authenticate
+from kvpool.security.socket_tls import wrap_client
+from kvpool.security.tls import TLSConfig
 
 __all__ = [
     "CROSS_NODE_KEY",
@@ -270,7 +270,7 @@ def cross_node_probe(
 
 
 def secret_file_facts(source: str, path: str) -> SecretFileFacts:
-    """A secret file as the processes would read it (kvpool.config.secret's own loader)."""
+    """A secret file as the processes would read it (kvpool.security.secret's own loader)."""
     try:
         mode: int | None = stat.S_IMODE(os.stat(path).st_mode)
     except OSError:

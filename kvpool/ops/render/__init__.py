@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool.config import load_node_config
-from kvpool.config.secret import read_secret_file
 from kvpool.config.values import SIZE_CONVENTION
 from kvpool.errors import ConfigError
 from kvpool.ops.doctor.checks_connector import model_info
@@ -43,6 +42,7 @@ from kvpool.ops.render.inventory import (
     load_inventory,
     parse_inventory,
 )
+from kvpool.security.secret import read_secret_file
 
 __all__ = [
     "ENGINES",

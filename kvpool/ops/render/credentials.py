@@ -27,8 +27,8 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvpool.config.secret import is_loopback
-from kvpool.core.credentials import Credential
+from kvpool.security.credentials import Credential
+from kvpool.security.secret import is_loopback
 
 if TYPE_CHECKING:
     from kvpool.ops.render.inventory import Host, Inventory

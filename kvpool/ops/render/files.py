@@ -20,12 +20,12 @@ from typing import Any
 
 from kvpool.config import MasterConfig, Topology
 from kvpool.config.master import MASTER_FLAGS
-from kvpool.config.secret import is_loopback
 from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
 from kvpool.ops.render import credentials as render_secrets
 from kvpool.ops.render import mooncake as render_mooncake
 from kvpool.ops.render.credentials import SECRET_NAMES
 from kvpool.ops.render.inventory import Host, Inventory
+from kvpool.security.secret import is_loopback
 
 __all__ = ["SECRET_NAMES", "render", "write_rendered"]
 

@@ -21,8 +21,8 @@ from kvpool.config import (
 )
 from kvpool.config.fabrics import ENGINE_PROTOCOLS
 from kvpool.config.master import MOONCAKE_MASTER_FIELDS
-from kvpool.config.secret import is_loopback
 from kvpool.errors import ConfigError
+from kvpool.security.secret import is_loopback
 
 __all__ = ["ENGINES", "Host", "Inventory", "load_inventory", "parse_inventory"]
 

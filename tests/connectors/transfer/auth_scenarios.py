@@ -19,9 +19,9 @@ from kvpool.config.topology import Topology
 from kvpool.connectors.transfer.jobs import HoldJob, TransferJobs
 from kvpool.connectors.transfer.transport import make_transport
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
-from kvpool.core.credentials import Credential
 from kvpool.errors import KVPoolError
 from kvpool.protocol.pull import Pull
+from kvpool.security.credentials import Credential
 from tests.connectors.transfer.helpers import (
     BLOCK,
     LAYERS,
@@ -59,7 +59,7 @@ def _raw_pull_error(transport: str, port: int, secret_file: str) -> str:
     cfg = _cfg(transport, "kv_consumer", port + 100, secret_file)
     credential = None
     if secret_file:
-        from kvpool.config.secret import read_secret_file
+        from kvpool.security.secret import read_secret_file
 
         credential = read_secret_file(secret_file, "secret_file")
     d = make_transport(cfg, credential)

@@ -22,8 +22,8 @@ from kvpool.config.kv_transfer import TransferConfig, connector_credential
 from kvpool.config.node import load_any_node_config
 from kvpool.config.topology import Topology
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
-from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError
+from kvpool.security.credentials import Credential
 from kvpool.testing.mooncake import Namespace
 from tests.connectors.transfer import auth_scenarios, scenarios
 from tests.connectors.transfer.helpers import POLL_S

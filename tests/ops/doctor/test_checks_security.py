@@ -13,7 +13,6 @@ import pytest
 
 from kvpool.config import MasterConfig
 from kvpool.config.node import parse_node_config
-from kvpool.core.credentials import Credential
 from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
 from kvpool.ops.doctor.checks import Check, Status
 from kvpool.ops.doctor.checks_security import (
@@ -25,6 +24,7 @@ from kvpool.ops.doctor.checks_security import (
     check_secret_file,
 )
 from kvpool.ops.doctor.probes import secret_file_facts
+from kvpool.security.credentials import Credential
 
 SECRET = secrets.token_hex(32)
 

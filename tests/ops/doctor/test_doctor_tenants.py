@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvpool.core.credentials import Credential
 from kvpool.ops.doctor import DoctorOptions, run_doctor
 from kvpool.ops.doctor.checks import Status
 from kvpool.ops.doctor.checks_security import check_master_auth, check_secret_file
 from kvpool.ops.doctor.probes import master_auth_probe, secret_file_facts
+from kvpool.security.credentials import Credential
 from kvpool.testing.processes import start_master
 from tests.master.auth_pool import SECRET, secret_file
 

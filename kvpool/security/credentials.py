@@ -3,7 +3,7 @@
 Every key is derived from the operator's cluster secret with HMAC-SHA256, so no key is
 ever sent and none can be turned back into the secret; each role a peer claims proves one
 of them (:func:`key_for`).  The rules are beside :class:`Credential`; the handshake that
-proves a key is :mod:`kvpool.protocol.auth`.
+proves a key is :mod:`kvpool.security.handshake`.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _derive(secret: bytes, label: str) -> bytes:
 # While a secret is rotated a credential holds two: text of two lines is the new
 # credential, then the *previous* one (:attr:`Credential.previous`).  Servers accept a peer
 # proving either; a handshake uses the first one both sides hold
-# (:mod:`kvpool.protocol.auth`), so processes switch one at a time without a refused
+# (:mod:`kvpool.security.handshake`), so processes switch one at a time without a refused
 # request (docs/security.md, "Rolling rotation").
 @dataclass(frozen=True, slots=True)
 class Credential:

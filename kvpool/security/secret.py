@@ -12,10 +12,11 @@ import os
 import stat
 from collections.abc import Mapping
 
-from kvpool.core.credentials import Credential
 from kvpool.errors import ConfigError
+from kvpool.security.credentials import Credential
 
 __all__ = [
+    "ENV_INSECURE",
     "ENV_SECRET",
     "ENV_SECRET_FILE",
     "is_loopback",
@@ -27,10 +28,12 @@ __all__ = [
 
 ENV_SECRET_FILE = "KVPOOL_SECRET_FILE"
 ENV_SECRET = "KVPOOL_SECRET"
+#: a connector's "insecure": true from the environment (kvpool.config.kv_transfer)
+ENV_INSECURE = "KVPOOL_INSECURE"
 
 
 # A file holds the cluster secret, or one node's credential
-# (:meth:`kvpool.core.credentials.Credential.parse`); while a secret is rotated, two lines:
+# (:meth:`kvpool.security.credentials.Credential.parse`); while a secret is rotated, two lines:
 # the new one, then the previous one, both accepted from peers (docs/security.md, "Rolling
 # rotation").  A secret file readable or writable
 # by every user is refused (``chmod 600 PATH``): a secret anyone on the host can read

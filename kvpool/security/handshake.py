@@ -4,7 +4,7 @@ A mutual challenge–response with HMAC-SHA256 over nonces from both sides, the 
 proving first.  :class:`ClientHandshake` and :class:`ServerHandshake` are the two sides as
 state machines fed with frames (the messages and rules are beside them);
 :class:`FrameReader` cuts frames out of received bytes.  The socket steps are
-:mod:`kvpool.datapath.auth` (blocking) and the master's event loop.
+:mod:`kvpool.security.socket_auth` (blocking) and the master's event loop.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import secrets
 import struct
 from dataclasses import dataclass, field
 
-from kvpool.core.credentials import ROLES, Credential, key_for
 from kvpool.errors import AuthError, KVPoolError, ProtocolError
+from kvpool.security.credentials import ROLES, Credential, key_for
 
 __all__ = [
     "AUTH_MAGIC",
@@ -133,7 +133,7 @@ class Identity:
 #
 # Rules:
 #
-# - K is the key of the claimed role (:func:`kvpool.core.credentials.key_for`); it is
+# - K is the key of the claimed role (:func:`kvpool.security.credentials.key_for`); it is
 #   never sent.  Both nonces are fresh per connection, so a recorded handshake replays
 #   nowhere, and the two proofs carry different labels, so one side's proof is never the
 #   other's.
@@ -187,7 +187,7 @@ class ClientHandshake:
 
 
 # - During a rotation a side holds two credentials, the new one and the previous one
-#   (:meth:`Credential.candidates <kvpool.core.credentials.Credential.candidates>`).  The
+#   (:meth:`Credential.candidates <kvpool.security.credentials.Credential.candidates>`).  The
 #   server proves each: its Challenge carries proof_s under the new key, then, after the
 #   server id and a NUL byte, proof_s under the previous key.  The client proves with the
 #   first of its own keys (the new one first) that matches one of those, so a client and a

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from kvpool.core.credentials import Credential
-from kvpool.datapath.auth import admit, authenticate
 from kvpool.errors import AuthError, KVPoolError
-from kvpool.protocol.auth import Identity
-from tests.protocol.test_auth_rotation import NEW, OLD, OTHER
+from kvpool.security.credentials import Credential
+from kvpool.security.handshake import Identity
+from kvpool.security.socket_auth import admit, authenticate
+from tests.security.test_handshake_rotation import NEW, OLD, OTHER
 
 
 def cred(*lines: str) -> Credential:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.credentials import Credential
 from kvpool.errors import AuthError, ProtocolError
-from kvpool.protocol.auth import (
+from kvpool.security.credentials import Credential
+from kvpool.security.handshake import (
     AUTH_MAGIC,
     ClientHandshake,
     FrameReader,

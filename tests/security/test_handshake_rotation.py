@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.credentials import Credential
 from kvpool.errors import AuthError
-from kvpool.protocol.auth import ClientHandshake, FrameReader, Identity, ServerHandshake
+from kvpool.security.credentials import Credential
+from kvpool.security.handshake import ClientHandshake, FrameReader, Identity, ServerHandshake
 
 OLD = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
 NEW = "7d2a9c4e6b1f3a5c8e0d2b4f6a8c1e3d5b7f9a0c2e4b6d8f1a3c5e7b9d0f2a4c"

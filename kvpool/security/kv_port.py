@@ -4,7 +4,7 @@ Rules:
 
 - With a credential (:func:`kvpool.config.kv_transfer.connector_credential`), every
   connection to a P rank's ``kv_port`` opens with the handshake of
-  :mod:`kvpool.protocol.auth` (the same one as the master's and the nodes' ports), D
+  :mod:`kvpool.security.handshake` (the same one as the master's and the nodes' ports), D
   proving the cluster's client key in the ``client`` role; after it the connection speaks
   the pull protocol unchanged, so the pages pay nothing per frame.  The Transfer Engine's
   control channel is such a connection; its own data ports are the engine's and take no
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import socket
 
-from kvpool.config.kv_transfer import ENV_INSECURE, TRANSFER_CONNECTOR, TransferConfig
-from kvpool.config.secret import ENV_SECRET_FILE, is_loopback
-from kvpool.core.credentials import Credential
-from kvpool.datapath.auth import Admission, authenticate
 from kvpool.errors import ConfigError
 from kvpool.protocol.codec import Codec
 from kvpool.protocol.pull import Refused
+from kvpool.security.admission import Admission
+from kvpool.security.credentials import Credential
+from kvpool.security.secret import ENV_INSECURE, ENV_SECRET_FILE, is_loopback
+from kvpool.security.socket_auth import authenticate
 
 __all__ = ["ROLE", "decode_admission", "open_to_prefill", "require_pull_credential"]
 
@@ -38,15 +38,19 @@ __all__ = ["ROLE", "decode_admission", "open_to_prefill", "require_pull_credenti
 ROLE = "client"
 
 
-def require_pull_credential(config: TransferConfig, credential: Credential | None) -> None:
+# The connector's settings are the caller's (kvpool.config.kv_transfer, which imports
+# this package): only their values come here, so security never imports config.
+def require_pull_credential(
+    kv_host: str, credential: Credential | None, insecure: bool, *, key: str
+) -> None:
     """Refuse a P serving ``kv_host`` beyond loopback without a credential (one line
-    naming the fix), unless ``config.insecure``."""
-    if not config.is_producer or credential is not None or config.insecure:
+    naming the fix; ``key`` names the connector), unless ``insecure``."""
+    if credential is not None or insecure:
         return
-    if is_loopback(config.kv_host):
+    if is_loopback(kv_host):
         return
     raise ConfigError(
-        f"{TRANSFER_CONNECTOR}: kv_host {config.kv_host} is reachable from other hosts and "
+        f"{key}: kv_host {kv_host} is reachable from other hosts and "
         "no credential is configured, so anyone could read this prefill's KV from kv_port; "
         f'set "secret_file" in the node config (or {ENV_SECRET_FILE}) to the cluster secret, '
         f'or set "insecure": true in kv_connector_extra_config ({ENV_INSECURE}=1) to serve '

@@ -3,7 +3,7 @@
 Both run the TLS handshake within a deadline and turn ssl's errors into kvpool's: an
 untrusted certificate or a wrong host name is an :class:`~kvpool.errors.AuthError` that
 says which setting to fix; a silent or dead peer a :class:`~kvpool.errors.PeerTimeout`.
-The kvpool handshake (:mod:`kvpool.datapath.auth`) then runs inside the TLS channel: TLS
+The kvpool handshake (:mod:`kvpool.security.socket_auth`) then runs inside the TLS channel: TLS
 hides the bytes, the HMAC handshake still proves the cluster secret.
 """
 

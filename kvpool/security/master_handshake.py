@@ -3,7 +3,7 @@ speak for which id.
 
 With a credential configured, :class:`~kvpool.master.server.MasterServer` hands
 every connection that opens with the handshake's magic to :class:`AuthProtocol`, which
-runs :class:`~kvpool.protocol.auth.ServerHandshake` (roles ``client``, ``node`` and
+runs :class:`~kvpool.security.handshake.ServerHandshake` (roles ``client``, ``node`` and
 ``tenant``: :mod:`kvpool.master.tenancy`) and,
 once the peer proved its key, hands the connection, with the :class:`Identity` it proved,
 to the RPC protocol.  A connection that sends a plain RPC frame instead gets an
@@ -28,12 +28,12 @@ import logging
 from collections.abc import Callable
 from typing import cast
 
-from kvpool.core.credentials import Credential
 from kvpool.errors import AuthError, KVPoolError, ProtocolError
 from kvpool.protocol import messages as m
-from kvpool.protocol.auth import FrameReader, Identity, ServerHandshake, refusal
 from kvpool.protocol.data import error_reply
 from kvpool.protocol.messages import MASTER_REPLY_CODEC
+from kvpool.security.credentials import Credential
+from kvpool.security.handshake import FrameReader, Identity, ServerHandshake, refusal
 
 __all__ = ["HANDSHAKE_TIMEOUT_S", "AuthProtocol", "Owners", "plain_refusal"]
 

@@ -1,11 +1,11 @@
-"""The cluster secret's checks and the keys derived from it."""
+"""The cluster secret's checks, the keys derived from it, and the grants they MAC."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpool.core.credentials import Credential, check_secret, key_for
 from kvpool.errors import AuthError, ConfigError
+from kvpool.security.credentials import Credential, check_grant, check_secret, key_for, make_grant
 
 SECRET = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
 
@@ -55,3 +55,24 @@ def test_a_node_credential_is_that_node_and_nothing_else() -> None:
 def test_a_broken_node_credential_says_its_form(text: str) -> None:
     with pytest.raises(ConfigError, match="kvpool-node:<node id>:<64 hex digits>"):
         Credential.parse(text, "secret_file")
+
+
+def test_a_grant_allows_its_range_operation_and_time_only() -> None:
+    key = b"k" * 32
+    grant = make_grant(key, "red", "seg", "r", 100, 50, until=1000)
+    check_grant(key, "red", "seg", grant, "r", 100, 50, now_ms=1000)
+    check_grant(key, "red", "seg", grant, "r", 120, 30, now_ms=0)  # inside it
+    for tenant, segment, op, offset, length, now, why in (
+        ("red", "seg", "r", 100, 51, 0, "outside its grant"),
+        ("red", "seg", "r", 99, 10, 0, "outside its grant"),
+        ("red", "seg", "w", 100, 50, 0, "outside its grant"),
+        ("red", "seg", "r", 100, 50, 1001, "expired"),
+        ("blue", "seg", "r", 100, 50, 0, "did not make"),
+        ("red", "seg2", "r", 100, 50, 0, "did not make"),
+    ):
+        with pytest.raises(AuthError, match=why):
+            check_grant(key, tenant, segment, grant, op, offset, length, now)
+    with pytest.raises(AuthError, match="without a grant"):
+        check_grant(key, "red", "seg", "", "r", 100, 50, 0)
+    with pytest.raises(AuthError, match="did not make"):
+        check_grant(b"x" * 32, "red", "seg", grant, "r", 100, 50, 0)

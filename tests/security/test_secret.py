@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.config.secret import (
+from kvpool.errors import ConfigError
+from kvpool.security.credentials import Credential
+from kvpool.security.secret import (
     is_loopback,
     load_credential,
     operator_headers,
     read_secret_file,
     require_credential,
 )
-from kvpool.core.credentials import Credential
-from kvpool.errors import ConfigError
 
 A = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
 B = "9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b"

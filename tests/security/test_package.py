@@ -1,0 +1,46 @@
+"""kvpool.security's own shape, which the layering table cannot say for one module: its
+pure modules do no I/O, and of datapath it reads only the framing its socket steps use."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "kvpool" / "security"
+PURE = ("credentials", "handshake", "admission")
+NO_IO = {"socket", "ssl", "asyncio", "threading", "subprocess", "os", "pathlib", "time"}
+NO_IO |= {"logging", "select", "selectors", "kvpool.datapath", "kvpool.config"}
+
+
+def _imports(name: str) -> set[str]:
+    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return found
+
+
+def _under(module: str, prefixes: set[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_the_pure_modules_do_no_io(name: str) -> None:
+    io = sorted(m for m in _imports(name) if _under(m, NO_IO))
+    assert not io, f"kvpool.security.{name} imports {io}"
+    inside = {m for m in _imports(name) if m.startswith("kvpool.")}
+    allowed = {"kvpool.errors"} | {f"kvpool.security.{p}" for p in PURE}
+    assert inside <= allowed, f"kvpool.security.{name} imports {sorted(inside - allowed)}"
+
+
+def test_security_reads_only_framing_from_datapath_and_never_config() -> None:
+    for path in sorted(PACKAGE.glob("*.py")):
+        found = _imports(path.stem)
+        datapath = {m for m in found if _under(m, {"kvpool.datapath"})}
+        assert datapath <= {"kvpool.datapath.framing"}, f"{path.name} imports {datapath}"
+        assert not any(_under(m, {"kvpool.config"}) for m in found), path.name
