@@ -26,11 +26,11 @@ from kvpool.core.keys import KeyNamespace, chunk_keys
 from kvpool.datapath.auth import authenticate
 from kvpool.datapath.tls import wrap_client
 from kvpool.errors import AuthError, ConfigError, KVPoolError
+from kvpool.mooncake.master import find_mooncake_master, looks_like_mooncake_health
 from kvpool.net import http_get, master_scheme, split_address
 from kvpool.ops.doctor.checks_host import SsdFacts
 from kvpool.ops.doctor.checks_node import MasterFacts
 from kvpool.ops.doctor.checks_security import MasterAuthFacts, SecretFileFacts
-from kvpool.ops.mooncake_master import find_mooncake_master, looks_like_mooncake_health
 
 __all__ = [
     "CROSS_NODE_KEY",
