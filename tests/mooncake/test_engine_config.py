@@ -127,7 +127,7 @@ def test_the_store_connectors_mooncake_backend_opens_mooncake_for_a_mooncake_con
     from kvpool.config.kv_transfer import parse_store_config
     from kvpool.config.node import load_any_node_config
     from kvpool.connectors.store.pool import EmbeddedPools, open_pool
-    from kvpool.engines import MooncakeEngine
+    from kvpool.mooncake.engine import MooncakeEngine
 
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps(ASCEND))
@@ -164,7 +164,7 @@ def test_the_schedulers_lookups_open_mooncake_as_a_pure_client(
     from kvpool.config.kv_transfer import parse_store_config
     from kvpool.config.node import load_any_node_config
     from kvpool.connectors.store.pool import EmbeddedPools, open_pool
-    from kvpool.engines import MooncakeEngine
+    from kvpool.mooncake.engine import MooncakeEngine
 
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps(ASCEND))
