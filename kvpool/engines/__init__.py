@@ -6,9 +6,10 @@ own master, the in-process embedded pool, and real Mooncake Store.  No vLLM here
 - :mod:`.parts` — an object's parts as bytes, and a reused staging area;
 - :mod:`.kvpool_master` — :class:`MasterEngine`, over :class:`kvpool.Client`;
 - :mod:`.embedded` — :class:`EmbeddedEngine`, over :class:`kvpool.EmbeddedPool`;
-- :mod:`.mooncake` — :class:`MooncakeEngine`, over real Mooncake Store (the ``mooncake``
-  extra; imported only when that engine is opened);
-- :func:`open_engine` — an engine by name, as a connector's settings choose it.
+- :func:`open_engine` — an engine by name, as a connector's settings choose it; each
+  named in :data:`ENGINES` as ``"module:attr"`` and imported when opened, so the
+  ``mooncake`` engine (:mod:`kvpool.mooncake.engine`, over real Mooncake Store) plugs in
+  from above without this package importing it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import TYPE_CHECKING
 from kvpool.engines.base import MISS, POOL_TTL, PoolEngine, PoolLookups
 from kvpool.engines.embedded import EmbeddedEngine
 from kvpool.engines.kvpool_master import MasterEngine
-from kvpool.engines.mooncake import MooncakeEngine
 from kvpool.errors import ConfigError
+from kvpool.named import resolve
 
 if TYPE_CHECKING:
     from kvpool.config.node import MooncakeNodeConfig
@@ -30,14 +31,19 @@ __all__ = [
     "POOL_TTL",
     "EmbeddedEngine",
     "MasterEngine",
-    "MooncakeEngine",
     "PoolEngine",
     "PoolLookups",
     "open_engine",
 ]
 
-#: the engines :func:`open_engine` opens, by :attr:`PoolEngine.engine` name
-ENGINES = ("kvpool", "embedded", "mooncake")
+#: the engines :func:`open_engine` opens, by :attr:`PoolEngine.engine` name: each an
+#: opener (``master``, ``timeout_s``, ``capacity``, ``mooncake`` keywords) named
+#: ``"module:attr"``
+ENGINES: dict[str, str] = {
+    "kvpool": "kvpool.engines.kvpool_master:open_master_engine",
+    "embedded": "kvpool.engines.embedded:open_embedded_engine",
+    "mooncake": "kvpool.mooncake.engine:open_mooncake_engine",
+}
 
 _DEFAULT_EMBEDDED_CAPACITY = 1 << 30
 
@@ -55,19 +61,10 @@ def open_engine(
     ``"mooncake"`` opens Mooncake Store as the ``mooncake`` config says (default: the node
     config that KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH names).  Each connects on first
     use."""
-    if engine == "kvpool":
-        if not master:
-            raise ConfigError('engine "kvpool" needs the master\'s address (host:port)')
-        return MasterEngine.connect(master, timeout_s=timeout_s)
-    if engine == "embedded":
-        return EmbeddedEngine.create(capacity)
-    if engine == "mooncake":
-        if mooncake is None:
-            from kvpool.config.node import parse_mooncake_config, read_node_json
-
-            data, source = read_node_json()
-            if not isinstance(data, dict):
-                raise ConfigError(f"{source}: expected a JSON object")
-            mooncake = parse_mooncake_config(data, source=source)
-        return MooncakeEngine(mooncake, timeout_s=timeout_s)
-    raise ConfigError(f"unknown pool engine {engine!r}; use one of {', '.join(ENGINES)}")
+    opener = ENGINES.get(engine)
+    if opener is None:
+        raise ConfigError(f"unknown pool engine {engine!r}; use one of {', '.join(ENGINES)}")
+    opened: PoolEngine = resolve(opener)(
+        master=master, timeout_s=timeout_s, capacity=capacity, mooncake=mooncake
+    )
+    return opened

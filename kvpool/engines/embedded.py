@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvpool.engines.kvpool_client import ClientEngine
 
-__all__ = ["EmbeddedEngine"]
+__all__ = ["EmbeddedEngine", "open_embedded_engine"]
 
 
 class EmbeddedEngine(ClientEngine):
@@ -22,3 +22,9 @@ class EmbeddedEngine(ClientEngine):
         from kvpool.embedded import EmbeddedPool
 
         return cls(EmbeddedPool(segment_size=capacity))
+
+
+def open_embedded_engine(*, capacity: int, **_: object) -> EmbeddedEngine:
+    """:func:`kvpool.engines.open_engine`'s ``"embedded"``: a pool of ``capacity`` bytes
+    in this process."""
+    return EmbeddedEngine.create(capacity)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 
 from kvpool.engines.kvpool_client import ClientEngine
+from kvpool.errors import ConfigError
 
-__all__ = ["MasterEngine"]
+__all__ = ["MasterEngine", "open_master_engine"]
 
 
 def _node_config_secret_file() -> str:
@@ -45,3 +46,11 @@ class MasterEngine(ClientEngine):
         path = _node_config_secret_file()
         credential = read_secret_file(path, "secret_file") if path else None
         return cls(Client(master, timeout_s=timeout_s, credential=credential))
+
+
+def open_master_engine(*, master: str, timeout_s: float, **_: object) -> MasterEngine:
+    """:func:`kvpool.engines.open_engine`'s ``"kvpool"``: a client of the master at
+    ``master`` (host:port), each call waiting at most ``timeout_s``."""
+    if not master:
+        raise ConfigError('engine "kvpool" needs the master\'s address (host:port)')
+    return MasterEngine.connect(master, timeout_s=timeout_s)

@@ -65,8 +65,8 @@ def run_node(options: NodeOptions) -> int:
     node config is a ConfigError naming the key."""
     from kvpool.config import load_node_config
     from kvpool.errors import ConfigError
+    from kvpool.mooncake.master import mooncake_at
     from kvpool.node.node import run_node as serve_node
-    from kvpool.ops.mooncake_master import mooncake_at
 
     _configure_logging(options.log_level)
     config = load_node_config(options.config)

@@ -6,7 +6,7 @@ put failures by reason, evictions per tier).  :func:`parse_snapshot` turns the t
 into a :class:`PoolSnapshot` and :func:`render` turns that into rich renderables; both
 are pure, so the picture is unit-tested without a master.  Only :func:`fetch_snapshot`
 and :func:`run` do I/O.  A real ``mooncake_master`` is recognised too
-(:mod:`kvpool.ops.mooncake_master`).
+(:mod:`kvpool.mooncake.master`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from kvpool.errors import (
     ProtocolError,
     TransferError,
 )
+from kvpool.mooncake.master import MooncakeMasterFacts, find_mooncake_master, render_mooncake
 from kvpool.net import DEFAULT_MASTER_PORT, http_get, master_scheme
-from kvpool.ops.mooncake_master import MooncakeMasterFacts, find_mooncake_master, render_mooncake
 from kvpool.security.secret import operator_headers
 
 __all__ = [
@@ -364,7 +364,7 @@ def fetch_snapshot(master: str, timeout_s: float = 5.0) -> PoolSnapshot:
     return parse_snapshot(master, status, metrics)
 
 
-# A real ``mooncake_master`` is recognised too (:mod:`kvpool.ops.mooncake_master`): when the
+# A real ``mooncake_master`` is recognised too (:mod:`kvpool.mooncake.master`): when the
 # address answers no kvpool snapshot, status looks for Mooncake's metrics port there (or on
 # 9003 beside its RPC port) and shows the §8.1 facts from its ``master_*`` metrics.
 def fetch_any(master: str, timeout_s: float = 5.0) -> PoolSnapshot | MooncakeMasterFacts:

@@ -12,7 +12,6 @@ kept, newest first, and exits; one that does not is killed.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import multiprocessing.connection as mpc
 import os
 import signal
@@ -28,6 +27,7 @@ from typing import IO, Any
 
 from kvpool.closing import Closing
 from kvpool.errors import PeerTimeout
+from kvpool.named import resolve
 
 __all__ = ["STOP_S", "Agent", "Ref", "kill_group", "serve"]
 
@@ -198,19 +198,11 @@ def _group_gone(pgid: int, wait_s: float) -> bool:
     return True
 
 
-def _resolve(target: str) -> Any:
-    module, _, name = target.partition(":")
-    value: Any = importlib.import_module(module)
-    for part in name.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def serve(fd: int, setup: str) -> None:
     """The helper's loop: call ``setup`` (if any), then answer calls on the pipe ``fd``
     until "stop" (or EOF), then close what it kept."""
     if setup:
-        _resolve(setup)()
+        resolve(setup)()
     conn = mpc.Connection(fd)
     kept: dict[int, Any] = {}
 
@@ -231,7 +223,7 @@ def serve(fd: int, setup: str) -> None:
                 method, *rest = args
                 result = getattr(kept[what], method)(*rest, **kwargs)
             else:
-                result = _resolve(what)(*args, **kwargs)
+                result = resolve(what)(*args, **kwargs)
                 if op == "new":
                     kept[len(kept) + 1] = result
                     result = len(kept)

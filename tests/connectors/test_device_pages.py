@@ -27,7 +27,7 @@ from kvpool.engines import PoolEngine, open_engine
 from kvpool.errors import ConfigError
 from kvpool.testing.mooncake import Namespace
 from tests.connectors.transfer.helpers import config, free_port, recv_job, wait_results
-from tests.engines.mooncake_host import mooncake_json
+from tests.mooncake.host import mooncake_json
 
 
 def kv_caches(seed: int, blocks: int = 12, dtype: torch.dtype = torch.float32) -> dict:
@@ -275,7 +275,7 @@ def test_mooncake_moves_staged_pages_and_never_registers_device_memory() -> None
     with Namespace() as ns:
         ns.new("kvpool.testing.mooncake:MooncakeMaster")
         engine = ns.new(
-            "tests.engines.mooncake_host:open_engine", mooncake_json("127.0.0.1:50051", 64 << 20)
+            "tests.mooncake.host:open_engine", mooncake_json("127.0.0.1:50051", 64 << 20)
         )
         r = ns.run("tests.connectors.test_device_pages:staged_mooncake_round_trip", engine)
     assert r["saved"] == 20 and r["invalid"] == [] and r["equal"] and r["staging_equal"]

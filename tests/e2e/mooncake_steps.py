@@ -63,7 +63,7 @@ def install() -> None:
 def damage(mode: str, start: int, count: int) -> dict[str, Any]:
     """Remove or corrupt ``count`` stored objects from the ``start``-th (0-based) of the
     keys stored so far, counted from the end when ``start`` is negative."""
-    from tests.engines.mooncake_host import corrupt
+    from tests.mooncake.host import corrupt
 
     assert _recorder is not None, "damage needs the setup step install"
     first = start if start >= 0 else len(_recorder.stored) + start

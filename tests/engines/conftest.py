@@ -135,7 +135,7 @@ MOONCAKE_LEASE_MS = 10_000
 
 @contextlib.contextmanager
 def mooncake() -> Iterator[Harness]:
-    from tests.engines.mooncake_host import NamespacedEngine, mooncake_json
+    from tests.mooncake.host import NamespacedEngine, mooncake_json
 
     with Namespace() as ns:
         master = ns.new(
@@ -147,13 +147,13 @@ def mooncake() -> Iterator[Harness]:
         rpc = ns.call(master, "__getattribute__", "rpc_address")
         # 4.5 objects of room: CAPACITY objects and their 16-byte headers, not one more
         config = mooncake_json(rpc, CAPACITY * OBJECT_SIZE + OBJECT_SIZE // 2)
-        engine = NamespacedEngine(ns, ns.new("tests.engines.mooncake_host:open_engine", config))
+        engine = NamespacedEngine(ns, ns.new("tests.mooncake.host:open_engine", config))
         try:
             engine.health()
             yield Harness(
                 "mooncake",
                 engine,
-                lambda key: ns.run("tests.engines.mooncake_host:corrupt", engine.ref, key),
+                lambda key: ns.run("tests.mooncake.host:corrupt", engine.ref, key),
                 pins=engine.pins,
                 probes_lease=engine.probes_lease,
             )
@@ -162,12 +162,12 @@ def mooncake() -> Iterator[Harness]:
 
 
 def mooncake_unreachable() -> PoolEngine:
-    from tests.engines.mooncake_host import NamespacedEngine, mooncake_json
+    from tests.mooncake.host import NamespacedEngine, mooncake_json
 
     ns = Namespace()  # nothing listens in it
     config = mooncake_json(f"127.0.0.1:{free_port()}", 0)
     return NamespacedEngine(
-        ns, ns.new("tests.engines.mooncake_host:open_engine", config), owns_namespace=True
+        ns, ns.new("tests.mooncake.host:open_engine", config), owns_namespace=True
     )
 
 

@@ -1,7 +1,7 @@
 """The rules of :mod:`kvpool.engines.base`, checked with real bytes against every engine.
 
 Two rules real Mooncake cannot keep, and what it does instead, are checked for it
-explicitly (see :mod:`kvpool.engines.mooncake`):
+explicitly (see :mod:`kvpool.mooncake.engine`):
 - no pins: ``pin`` and ``release`` answer 0 and protect nothing;
 - probes and reads take a lease (``default_kv_lease_ttl``): what a lookup found stays
   while the pool evicts around it — the protection a request has on Mooncake.

@@ -2,8 +2,9 @@
 
 The transfer worker decides *what* moves (which request, blocks and heads, from which P
 rank); a :class:`KVTransport` moves it.  kvpool's TCP (:mod:`.tcp`) is the default;
-Mooncake's Transfer Engine (:mod:`.engine`: RDMA, or the engine's own TCP) is the other,
-chosen by the node config's ``protocol`` and ``transport`` (:func:`make_transport`).
+Mooncake's Transfer Engine (:mod:`kvpool.mooncake.transport`: RDMA, or the engine's own
+TCP) is the other, chosen by the node config's ``protocol`` and ``transport``
+(:func:`make_transport`).
 
 Primitives, in the order a worker uses them:
 
@@ -35,6 +36,7 @@ from kvpool.config.fabrics import ENGINE_PROTOCOLS, TRANSPORT_ENGINE, TRANSPORT_
 from kvpool.config.kv_transfer import TransferConfig
 from kvpool.connectors.pages import PagedCaches
 from kvpool.errors import ConfigError, TransferError
+from kvpool.named import resolve
 from kvpool.protocol.pull import Pull, PullDone
 from kvpool.security.credentials import Credential
 
@@ -119,11 +121,14 @@ def _tcp(config: TransferConfig, credential: Credential | None) -> KVTransport:
     )
 
 
-def _engine(config: TransferConfig, credential: Credential | None) -> KVTransport:
-    # Imported when chosen; mooncake itself only when the caches are registered.
-    from kvpool.connectors.transfer.engine import EngineTransport
+#: Mooncake's Transfer Engine transport, by name: kvpool.mooncake plugs into this module
+#: (it imports the interface above), so it is imported only when chosen, and the
+#: ``mooncake`` wheel itself only when the caches are registered
+ENGINE_TRANSPORT = "kvpool.mooncake.transport:EngineTransport"
 
-    return EngineTransport(
+
+def _engine(config: TransferConfig, credential: Credential | None) -> KVTransport:
+    transport: KVTransport = resolve(ENGINE_TRANSPORT)(
         hostname=config.kv_host,
         protocol=config.protocol,
         device_name=config.device_name,
@@ -131,6 +136,7 @@ def _engine(config: TransferConfig, credential: Credential | None) -> KVTranspor
         credential=credential,
         client_id=_client_id(config),
     )
+    return transport
 
 
 # (transport, protocol) -> factory; a new fabric is one more entry (and the node config's

@@ -19,6 +19,7 @@ from kvpool.config import (
     NodeConfig,
 )
 from kvpool.config.node import MooncakeNodeConfig
+from kvpool.mooncake.master import MooncakeMasterFacts
 from kvpool.net import split_address
 from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
 from kvpool.ops.doctor.checks_mooncake import (
@@ -26,7 +27,6 @@ from kvpool.ops.doctor.checks_mooncake import (
     check_mooncake_config,
     check_mooncake_master,
 )
-from kvpool.ops.mooncake_master import MooncakeMasterFacts
 
 __all__ = [
     "ConfigFileFacts",
@@ -66,7 +66,7 @@ class MasterFacts:
     # GET /api/status as JSON (None when absent): "clients" and, when the master reports
     # it, "config" (its flags, so doctor judges the running master without --master-cmd).
     status: Mapping[str, Any] | None = None
-    # a real mooncake_master answered instead (kvpool.ops.mooncake_master)
+    # a real mooncake_master answered instead (kvpool.mooncake.master)
     mooncake: MooncakeMasterFacts | None = None
     #: the port answers coro_rpc (a Mooncake master's RPC port) but no metrics port was found
     mooncake_rpc: bool = False

@@ -21,11 +21,11 @@ from pathlib import Path
 from kvpool.client.master_link import mooncake_answers
 from kvpool.core.keys import KeyNamespace, chunk_keys
 from kvpool.errors import AuthError, ConfigError, KVPoolError
+from kvpool.mooncake.master import find_mooncake_master, looks_like_mooncake_health
 from kvpool.net import http_get, master_scheme, split_address
 from kvpool.ops.doctor.checks_host import SsdFacts
 from kvpool.ops.doctor.checks_node import MasterFacts
 from kvpool.ops.doctor.checks_security import MasterAuthFacts, SecretFileFacts
-from kvpool.ops.mooncake_master import find_mooncake_master, looks_like_mooncake_health
 from kvpool.security.credentials import Credential
 from kvpool.security.secret import operator_headers, read_secret_file
 from kvpool.security.socket_auth import authenticate

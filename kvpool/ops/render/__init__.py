@@ -14,13 +14,13 @@ Output: ``master.sh`` (run on the first prefill host), ``README.md`` and, per ho
 ``<name>/node.sh`` and ``<name>/serve.sh``; with a cluster secret (any host beyond
 loopback, unless ``insecure = true``) also ``secret`` and each host's credential
 (:mod:`.credentials`).  ``engine = "mooncake"`` (or ``--engine mooncake``) renders the same
-cluster for real Mooncake instead (:mod:`.mooncake`).  :func:`render` is pure (inventory
-in, file texts out); :func:`run` does the reading and writing.
+cluster for real Mooncake instead (:mod:`kvpool.mooncake.render`).  :func:`render` is
+pure (inventory in, file texts out); :func:`run` does the reading and writing.
 
 - :mod:`.inventory` — the inventory's keys and validation;
 - :mod:`.files` — the rendered files (pure);
 - :mod:`.credentials` — the cluster secret and node keys, and how they are written;
-- :mod:`.mooncake` — what differs on real Mooncake.
+- :mod:`kvpool.mooncake.render` — what differs on real Mooncake.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 :func:`write_rendered` and a fresh secret when none is given): ``master.sh`` and
 ``README.md``; per host ``mooncake.json``, ``kv-transfer-config.json``, ``env.sh``,
 ``node.sh`` and ``serve.sh`` (a storage host: no vLLM, so no serve or connector config).
-On Mooncake the per-engine parts come from :mod:`.mooncake`.
+On Mooncake the per-engine parts come from :mod:`kvpool.mooncake.render`.
 
 Credentials (:mod:`.credentials`): a cluster whose hosts other hosts reach runs on a cluster
 secret, ``secret`` (for the master, and for every P/D host: its vLLM is a client of the
@@ -20,9 +20,9 @@ from typing import Any
 
 from kvpool.config import MasterConfig, Topology
 from kvpool.config.master import MASTER_FLAGS
+from kvpool.mooncake import render as render_mooncake
 from kvpool.ops.kvconfig import KVPOOL_CONNECTORS
 from kvpool.ops.render import credentials as render_secrets
-from kvpool.ops.render import mooncake as render_mooncake
 from kvpool.ops.render.credentials import SECRET_NAMES
 from kvpool.ops.render.inventory import Host, Inventory
 from kvpool.security.secret import is_loopback

@@ -22,8 +22,8 @@ from rich.console import Console
 
 from kvpool.config.vllm_versions import check_vllm_version, installed_vllm_version
 from kvpool.errors import ConfigError
+from kvpool.mooncake.up import EVERY_INTERFACE
 from kvpool.net import free_port_runs, port_free
-from kvpool.ops.up.mooncake import EVERY_INTERFACE
 from kvpool.ops.up.options import PORT_FLAGS, UpOptions
 from kvpool.ops.up.plan import UpPlan, make_plan, planned_ports, ready_text
 from kvpool.ops.up.supervisor import Running, StartupFailed, Supervisor, describe_exit, log_tail
@@ -73,7 +73,7 @@ def find_mooncake_master(find_spec: Callable[[str], Any] | None = None) -> str:
     stands in for :func:`importlib.util.find_spec` in tests.  Nothing is imported."""
     import importlib.util
 
-    from kvpool.engines.mooncake import INSTALL_HINT
+    from kvpool.mooncake.engine import INSTALL_HINT
 
     spec = (find_spec or importlib.util.find_spec)("mooncake")
     if spec is None or not spec.submodule_search_locations:

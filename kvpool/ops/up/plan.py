@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.errors import ConfigError
-from kvpool.ops.up import mooncake
+from kvpool.mooncake import up as mooncake
 from kvpool.ops.up.instances import cpu_sets, kv_transfer_config, rank_binds
 from kvpool.ops.up.options import PORT_FLAGS, UpOptions
 from kvpool.proxy.auth import ENV_API_KEY, ENV_API_KEY_FILE
@@ -150,7 +150,7 @@ def _check_port_clashes(opts: UpOptions) -> None:
 #
 # 1. ``kvpool master`` with its own memory segment and an SSD tier under the state
 #    directory (``--enable_offload=true``); with ``--engine mooncake`` the wheel's
-#    ``mooncake_master`` instead (:mod:`kvpool.ops.up.mooncake`);
+#    ``mooncake_master`` instead (:mod:`kvpool.mooncake.up`);
 # 2. the prefill and decode vLLM instances (``python -m vllm.entrypoints.openai.api_server``,
 #    started together), each with vLLM's MultiConnector holding kvpool's transfer connector
 #    and store connector, ``kv_load_failure_policy: recompute`` at the top level (the

@@ -16,7 +16,6 @@ import pytest
 
 from kvpool.config.kv_transfer import TransferConfig
 from kvpool.connectors.pages import PagedCaches
-from kvpool.connectors.transfer.engine import EngineTransport
 from kvpool.connectors.transfer.jobs import HoldJob, ReleaseJob, TransferJobs
 from kvpool.connectors.transfer.tcp import TcpTransport
 from kvpool.connectors.transfer.transport import (
@@ -27,6 +26,7 @@ from kvpool.connectors.transfer.transport import (
 )
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 from kvpool.errors import ConfigError, TransferError
+from kvpool.mooncake.transport import EngineTransport
 from kvpool.protocol.pull import Pull, PullDone
 from tests.connectors.transfer.helpers import LAYERS, caches, config, recv_job, wait_results
 

@@ -1,7 +1,7 @@
 """The Mooncake harness's two halves: what runs in the private namespace, and the engine
 the tests hold, which forwards each call there through the pipe.
 
-The engine under test is a real :class:`~kvpool.engines.mooncake.MooncakeEngine` against a
+The engine under test is a real :class:`~kvpool.mooncake.engine.MooncakeEngine` against a
 real ``mooncake_master``, both in a namespace that :class:`kvpool.testing.mooncake.Namespace`
 created; buffers cross the pipe as bytes.
 """
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.config.node import parse_mooncake_config
-from kvpool.engines.mooncake import HEADER_SIZE, MooncakeEngine
 from kvpool.errors import KVPoolError
+from kvpool.mooncake.engine import HEADER_SIZE, MooncakeEngine
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.testing.mooncake import Namespace, Ref
 

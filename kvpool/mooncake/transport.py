@@ -1,13 +1,12 @@
-"""P→D pulls over Mooncake's Transfer Engine: a :class:`~.transport.KVTransport`.
+"""P→D pulls over Mooncake's Transfer Engine: the transfer connector's
+:class:`~kvpool.connectors.transfer.transport.KVTransport` on Mooncake.
 
-Chosen by the node config (``kvpool.config.fabrics``): ``protocol: rdma`` runs on it, and
-``"transport": "transfer_engine"`` puts ``tcp`` on it too (the engine's own TCP).  The
-pull conversation is kvpool's (:mod:`kvpool.protocol.engine_pull`) on the ``kv_port``
-connection of :mod:`.kv_port`; only the page bytes move otherwise: both sides register
-their KV caches with the engine once (:meth:`EngineTransport.register`, one region per
-layer tensor), P answers an admitted pull with where its page slices lie, and D reads
-them with batch reads straight into its own cache, then tells P.  Why D reads rather than
-P writes is in :mod:`kvpool.protocol.engine_pull`.
+Chosen by the node config (``kvpool.config.fabrics``): ``protocol: rdma``, or ``tcp`` with
+``"transport": "transfer_engine"``.  kvpool's pull conversation
+(:mod:`kvpool.protocol.engine_pull`, which says why D reads) runs on the ``kv_port``
+connection; only page bytes move otherwise: both sides register their KV caches once
+(:meth:`EngineTransport.register`, a region per layer tensor), P answers an admitted pull
+with where its page slices lie, D batch-reads them into its own cache and tells P.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.transfer.kv_port import PullListener, dial
 from kvpool.connectors.transfer.transport import PullHandler
 from kvpool.datapath.framing import recv_frame, send_frame
-from kvpool.datapath.mooncake_engine import EngineMover
 from kvpool.errors import KVPoolError, ProtocolError, TransferError
+from kvpool.mooncake.mover import EngineMover
 from kvpool.protocol.engine_pull import (
     ENGINE_REPLY_CODEC,
     ENGINE_REQUEST_CODEC,

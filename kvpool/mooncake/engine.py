@@ -14,10 +14,10 @@ How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
   whose header or checksum does not match is a miss, never wrong bytes.  Objects are
   therefore kvpool's own: Mooncake's other clients see the header.
 - *Buffers.*  Mooncake moves bytes only to and from memory registered with
-  ``register_buffer`` (:mod:`.mooncake_buffers`).  Pages of a big CPU tensor (a vLLM KV
+  ``register_buffer`` (:mod:`.buffers`).  Pages of a big CPU tensor (a vLLM KV
   cache) are registered in place once and moved zero-copy: an object is 1 + L pieces,
   its header from the staging area, then each part (one layer's block) where it is
-  (:mod:`.mooncake_parts`), as vllm-ascend's Mooncake backend does with
+  (:mod:`.parts`), as vllm-ascend's Mooncake backend does with
   ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``; other parts are
   copied through one registered staging area.  One call per batch.  A get in place
   lands before its checksum is known: a miss leaves those parts unspecified, and the
@@ -53,9 +53,9 @@ from typing import Any
 
 from kvpool.config.node import MooncakeNodeConfig
 from kvpool.engines.base import MISS, check_batch
-from kvpool.engines.mooncake_buffers import Registered, Staging
-from kvpool.engines.mooncake_parts import HEADER_SIZE, Layout
 from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
+from kvpool.mooncake.buffers import Registered, Staging
+from kvpool.mooncake.parts import HEADER_SIZE, Layout
 from kvpool.net import http_get, split_address
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "INSTALL_HINT",
     "MOONCAKE_CODES",
     "MooncakeEngine",
+    "open_mooncake_engine",
     "put_error",
 ]
 
@@ -98,6 +99,21 @@ def put_error(code: int, key: str) -> KVPoolError | None:
     if code == _NO_HANDLE:
         return NoSpace(f"{key}: Mooncake has no room ({what})")
     return TransferError(f"{key}: Mooncake put failed with {code} ({what})")
+
+
+def open_mooncake_engine(
+    *, mooncake: MooncakeNodeConfig | None, timeout_s: float, **_: object
+) -> MooncakeEngine:
+    """:func:`kvpool.engines.open_engine`'s ``"mooncake"``: Mooncake Store as ``mooncake``
+    says (default: the node config that KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH names)."""
+    if mooncake is None:
+        from kvpool.config.node import parse_mooncake_config, read_node_json
+
+        data, source = read_node_json()
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a JSON object")
+        mooncake = parse_mooncake_config(data, source=source)
+    return MooncakeEngine(mooncake, timeout_s=timeout_s)
 
 
 class MooncakeEngine:

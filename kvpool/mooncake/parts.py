@@ -7,7 +7,7 @@ each object the list of (address, size) pieces that ``batch_put_from_multi_buffe
 ``batch_get_into_multi_buffers`` take:
 
 - the header always lives in the engine's registered staging area;
-- a part inside registered caller memory (:class:`~.mooncake_buffers.Registered`: a vLLM
+- a part inside registered caller memory (:class:`~.buffers.Registered`: a vLLM
   KV cache) is its own piece, moved in place (zero-copy);
 - any other part gets a slot in the staging area: a put copies it there first, a get
   copies it out only after the whole object's checksum matched (:meth:`Plan.copy_out`).
@@ -27,8 +27,8 @@ from typing import Any
 
 import xxhash
 
-from kvpool.engines.mooncake_buffers import Registered
 from kvpool.engines.parts import row_view
+from kvpool.mooncake.buffers import Registered
 from kvpool.storage.buffers import byte_view, copy_bytes, writable_byte_view
 
 __all__ = [

@@ -11,9 +11,9 @@ from typing import Any
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.worker import StoreWorker
-from kvpool.engines.mooncake import MooncakeEngine
+from kvpool.mooncake.engine import MooncakeEngine
 from kvpool.testing.mooncake import Namespace
-from tests.engines.mooncake_host import corrupt, mooncake_json
+from tests.mooncake.host import corrupt, mooncake_json
 
 PAGE = 128 << 10
 
@@ -22,9 +22,9 @@ def test_kv_cache_pages_move_in_place() -> None:
     with Namespace() as ns:
         ns.new("kvpool.testing.mooncake:MooncakeMaster")
         engine = ns.new(
-            "tests.engines.mooncake_host:open_engine", mooncake_json("127.0.0.1:50051", 64 << 20)
+            "tests.mooncake.host:open_engine", mooncake_json("127.0.0.1:50051", 64 << 20)
         )
-        r = ns.run("tests.engines.mooncake_host:kv_cache_round_trip", engine)
+        r = ns.run("tests.mooncake.host:kv_cache_round_trip", engine)
     assert r["put"] == [None] * 4
     assert r["got"] == [PAGE] * 4 and r["equal"]
     assert r["regions"] == 1  # the cache's storage, registered once
@@ -164,6 +164,6 @@ def run_in_namespace(fn: Any, *args: Any) -> dict[str, Any]:
     with Namespace() as ns:
         ns.new("kvpool.testing.mooncake:MooncakeMaster")
         engine = ns.new(
-            "tests.engines.mooncake_host:open_engine", mooncake_json("127.0.0.1:50051", 64 << 20)
+            "tests.mooncake.host:open_engine", mooncake_json("127.0.0.1:50051", 64 << 20)
         )
         return ns.run(f"{__name__}:{fn.__name__}", engine, *args)

@@ -8,10 +8,7 @@ through Mooncake's Transfer Engine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kvpool.ops.up.options import UpOptions
+from typing import Any, Protocol
 
 __all__ = [
     "EVERY_INTERFACE",
@@ -20,6 +17,25 @@ __all__ = [
     "metrics_grep",
     "node_config",
 ]
+
+
+class _UpOptions(Protocol):
+    """What is read here of :class:`kvpool.ops.up.options.UpOptions`, which the plan
+    passes in: described, not imported, since ``kvpool up`` imports this package."""
+
+    @property
+    def mooncake_master(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def master_port(self) -> int: ...
+    @property
+    def metrics_port(self) -> int: ...
+    @property
+    def segment_size(self) -> int: ...
+    @property
+    def local_buffer_size(self) -> int: ...
+
 
 #: the production guide's §3 master flags, as mooncake_master spells them
 # So the stack is:
@@ -49,7 +65,7 @@ EVERY_INTERFACE = (
 )
 
 
-def master_argv(opts: UpOptions) -> tuple[str, ...]:
+def master_argv(opts: _UpOptions) -> tuple[str, ...]:
     """``mooncake_master`` on the stack's host: RPC on ``--master-port``, metrics and
     ``/health`` on ``--metrics-port``."""
     return (
@@ -62,7 +78,7 @@ def master_argv(opts: UpOptions) -> tuple[str, ...]:
     )
 
 
-def node_config(opts: UpOptions) -> dict[str, Any]:
+def node_config(opts: _UpOptions) -> dict[str, Any]:
     """The P and D instances' Mooncake ``mooncake.json`` (one host, one file)."""
     return {
         "local_hostname": opts.host,

@@ -21,17 +21,45 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvpool.config import parse_size
-
-if TYPE_CHECKING:
-    from kvpool.ops.render.inventory import Host, Inventory
+from kvpool.config.master import MasterConfig
 
 __all__ = ["env_sh", "master_argv", "node_json"]
 
 
-def master_argv(inv: Inventory) -> list[str]:
+# What is read here of kvpool.ops.render.inventory's Inventory and Host, which render
+# passes in: described, not imported, since render imports this package.
+class _Host(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def ssd_offload_path(self) -> str: ...
+    @property
+    def ssd_offload_limit(self) -> str | int | None: ...
+
+
+class _Inventory(Protocol):
+    @property
+    def master(self) -> MasterConfig: ...
+    @property
+    def metrics_port(self) -> int: ...
+    @property
+    def protocol(self) -> str: ...
+    @property
+    def device_name(self) -> str: ...
+    @property
+    def global_segment_size(self) -> str | int: ...
+    @property
+    def local_buffer_size(self) -> str | int: ...
+
+
+def master_argv(inv: _Inventory) -> list[str]:
     m = inv.master
     argv = [
         "mooncake_master",
@@ -48,7 +76,7 @@ def master_argv(inv: Inventory) -> list[str]:
     return argv
 
 
-def node_json(inv: Inventory, host: Host) -> dict[str, Any]:
+def node_json(inv: _Inventory, host: _Host) -> dict[str, Any]:
     node: dict[str, Any] = {
         "local_hostname": host.address,
         "metadata_server": "P2PHANDSHAKE",
@@ -66,7 +94,7 @@ def node_json(inv: Inventory, host: Host) -> dict[str, Any]:
     return node
 
 
-def env_sh(host: Host, config_path: str, connect_ms: int, transfer_ms: int) -> str:
+def env_sh(host: _Host, config_path: str, connect_ms: int, transfer_ms: int) -> str:
     lines = [
         f"# kvpool environment for {host.name} ({host.role}, {host.address}), on Mooncake",
         f"# copy {host.name}/mooncake.json to {config_path} on the host.",
@@ -84,5 +112,5 @@ def env_sh(host: Host, config_path: str, connect_ms: int, transfer_ms: int) -> s
     return "\n".join(lines) + "\n"
 
 
-def node_text(inv: Inventory, host: Host) -> str:
+def node_text(inv: _Inventory, host: _Host) -> str:
     return json.dumps(node_json(inv, host), indent=2) + "\n"

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvpool.mooncake.master import MooncakeMasterFacts
 from kvpool.ops.doctor.checks import Status
 from kvpool.ops.doctor.checks_node import check_master
-from kvpool.ops.mooncake_master import MooncakeMasterFacts
 from kvpool.testing.mooncake import Namespace
-from tests.engines.mooncake_host import NamespacedEngine, mooncake_json
+from tests.mooncake.host import NamespacedEngine, mooncake_json
 from tests.waiting import wait_until
 
 SEGMENT = 18 << 20
@@ -32,7 +32,7 @@ def ns() -> Iterator[Namespace]:
         ns.new("kvpool.testing.mooncake:MooncakeMaster", "--eviction_ratio=0.25")
         engine = NamespacedEngine(
             ns,
-            ns.new("tests.engines.mooncake_host:open_engine", mooncake_json(RPC, SEGMENT)),
+            ns.new("tests.mooncake.host:open_engine", mooncake_json(RPC, SEGMENT)),
         )
         for i in range(6):  # Mooncake evicts in a background thread: a put may wait for room
             wait_until(

@@ -20,11 +20,11 @@ from rich.console import Console
 from kvpool.cli import build_parser
 from kvpool.config.node import node_engine, parse_mooncake_config
 from kvpool.errors import ConfigError
+from kvpool.mooncake.up import GUIDE_FLAGS
 from kvpool.net import http_get
 from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
 from kvpool.ops.doctor.checks import Status
 from kvpool.ops.up.lifecycle import STATE_FILE, find_mooncake_master, run
-from kvpool.ops.up.mooncake import GUIDE_FLAGS
 from kvpool.ops.up.options import UpOptions, options_from_args
 from kvpool.ops.up.plan import make_plan, planned_ports, ready_text
 from kvpool.ops.up.supervisor import Supervisor

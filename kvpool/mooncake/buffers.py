@@ -2,7 +2,7 @@
 registered memory.
 
 Mooncake Store reads and writes only memory registered with ``register_buffer``; two
-kinds serve :class:`~kvpool.engines.mooncake.MooncakeEngine`: :class:`Staging` (copied
+kinds serve :class:`~kvpool.mooncake.engine.MooncakeEngine`: :class:`Staging` (copied
 through) and :class:`Registered` (zero-copy).
 """
 

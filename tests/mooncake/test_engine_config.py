@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from kvpool.config.node import node_engine, parse_mooncake_config, parse_node_config
-from kvpool.engines.mooncake import put_error
-from kvpool.engines.mooncake_parts import HEADER_SIZE, pack_header, unpack_payload
 from kvpool.errors import ConfigError, NoSpace, TransferError
+from kvpool.mooncake.engine import put_error
+from kvpool.mooncake.parts import HEADER_SIZE, pack_header, unpack_payload
 from kvpool.ops.status import default_master
 from kvpool.testing.mooncake import Namespace
-from tests.engines.mooncake_host import mooncake_json
+from tests.mooncake.host import mooncake_json
 
 # the production guide's mooncake.json (§4): kvpool's engine
 GUIDE = {"local_hostname": "10.0.0.2", "metadata_server": "10.0.0.1:50088", "protocol": "tcp"}
@@ -114,7 +114,7 @@ def test_a_mooncake_client_pointed_at_a_kvpool_master_says_what_answered() -> No
         master = ns.new("kvpool.testing.processes:start_master")
         try:
             address = ns.call(master, "__getattribute__", "address")
-            engine = ns.new("tests.engines.mooncake_host:open_engine", mooncake_json(address, 0))
+            engine = ns.new("tests.mooncake.host:open_engine", mooncake_json(address, 0))
             with pytest.raises(TransferError, match="looks like a kvpool master"):
                 ns.call(engine, "batch_exists", ["k"])
         finally:
@@ -127,7 +127,7 @@ def test_the_store_connectors_mooncake_backend_opens_mooncake_for_a_mooncake_con
     from kvpool.config.kv_transfer import parse_store_config
     from kvpool.config.node import load_any_node_config
     from kvpool.connectors.store.pool import EmbeddedPools, open_pool
-    from kvpool.engines import MooncakeEngine
+    from kvpool.mooncake.engine import MooncakeEngine
 
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps(ASCEND))
@@ -164,7 +164,7 @@ def test_the_schedulers_lookups_open_mooncake_as_a_pure_client(
     from kvpool.config.kv_transfer import parse_store_config
     from kvpool.config.node import load_any_node_config
     from kvpool.connectors.store.pool import EmbeddedPools, open_pool
-    from kvpool.engines import MooncakeEngine
+    from kvpool.mooncake.engine import MooncakeEngine
 
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps(ASCEND))

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.testing.mooncake import Namespace
-from tests.engines.mooncake_host import NamespacedEngine, mooncake_json
+from tests.mooncake.host import NamespacedEngine, mooncake_json
 from tests.waiting import wait_until
 
 OBJECT = 4 << 20
@@ -29,7 +29,7 @@ def engine() -> Iterator[NamespacedEngine]:
             "--eviction_ratio=0.25",
         )
         config = mooncake_json("127.0.0.1:50051", ROOM * OBJECT + OBJECT // 2)
-        yield NamespacedEngine(ns, ns.new("tests.engines.mooncake_host:open_engine", config))
+        yield NamespacedEngine(ns, ns.new("tests.mooncake.host:open_engine", config))
 
 
 def test_a_flood_of_lookups_past_a_hole_leaves_room_for_puts(engine: NamespacedEngine) -> None:
@@ -68,7 +68,7 @@ def test_a_lost_master_is_misses_and_an_unhealthy_pool() -> None:
     with Namespace() as ns:
         master = ns.new("kvpool.testing.mooncake:MooncakeMaster")
         config = mooncake_json("127.0.0.1:50051", ROOM * OBJECT)
-        engine = NamespacedEngine(ns, ns.new("tests.engines.mooncake_host:open_engine", config))
+        engine = NamespacedEngine(ns, ns.new("tests.mooncake.host:open_engine", config))
         assert engine.batch_put_parts(["kept"], [[b"v" * 1000]]) == [None]
         ns.call(master, "kill")
         assert engine.batch_exists(["kept"]) == [False]  # Mooncake answers "not found"
