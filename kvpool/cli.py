@@ -131,6 +131,14 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="serve beyond loopback without an API key (default: refuse; docs/security.md)",
     )
     add_flag(p, "open_metrics", action="store_true", help="serve /metrics without the API key")
+    add_flag(
+        p,
+        "first_token_from",
+        default="prefill",
+        choices=("prefill", "decode"),
+        help="prefill: the client gets P's token at once and D continues from it (default); "
+        "decode: D answers the whole request and only D's tokens are sent",
+    )
     p.set_defaults(run=_run_proxy, command_name=p.prog)
 
 
@@ -162,6 +170,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
             upstream_api_key=upstream_key,
             insecure=args.insecure,
             open_metrics=args.open_metrics,
+            first_token_from=args.first_token_from,
         )
     )
 
