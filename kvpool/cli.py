@@ -60,8 +60,9 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "proxy",
         help="OpenAI-compatible P/D proxy: prefill (max_tokens=1), then decode, streamed",
         description="Each request goes to a prefill endpoint with max_tokens=1 and "
-        "kv_transfer_params={do_remote_decode: true}, then to a decode endpoint with the "
-        "kv_transfer_params the prefill returned; the decode answer is streamed back.",
+        "kv_transfer_params={do_remote_decode: true}; the prefill's token goes to the client "
+        "at once, and a decode endpoint continues from it with the kv_transfer_params the "
+        "prefill returned (docs/proxy.md).",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
