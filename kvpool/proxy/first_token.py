@@ -20,6 +20,7 @@ from kvpool.proxy.stops import stop_strings, straddling_stop
 __all__ = [
     "FirstToken",
     "decode_request",
+    "ends_in_a_whole_character",
     "ends_the_answer",
     "first_token",
     "fix_usage",
@@ -150,6 +151,14 @@ def ends_the_answer(kind: str, body: dict[str, Any], first: FirstToken) -> bool:
     """P's token is the whole answer: it stopped (EOS, a stop string or token), or the
     client asked for one token.  Then D is not called."""
     return first.finish_reason != "length" or _limit(kind, body) == 1 or not first.token_ids
+
+
+def ends_in_a_whole_character(first: FirstToken) -> bool:
+    """Whether D can be sent P's token as the end of its prompt.  A byte-level token that
+    is part of a multi-byte character decodes to nothing (or U+FFFD) on its own, and a D
+    whose prompt ends inside a character detokenizes its first output together with the
+    whole prompt (vLLM 0.32's DecodeStream priming); then D answers the sequential way."""
+    return bool(first.text) and not first.text.endswith("\ufffd")
 
 
 def decode_request(kind: str, body: dict[str, Any], first: FirstToken) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from kvpool.proxy.first_token import (
     decode_request as continuation_request,
 )
 from kvpool.proxy.first_token import (
+    ends_in_a_whole_character,
     ends_the_answer,
     first_token,
     merge_whole,
@@ -324,10 +325,12 @@ class ProxyServer:
             return reply
         prefill_s = time.perf_counter() - started
         first = first_token(kind, reply)
-        if first is None:  # a vLLM that does not return token ids: D answers whole
+        ends = first is not None and ends_the_answer(kind, body, first)
+        if first is None or not (ends or ends_in_a_whole_character(first)):
+            # a vLLM that does not return token ids, or P's token is part of a character:
+            # D answers the whole request (the sequential way)
             payload = decode_request(body, legs.kv_of(reply))
             return await legs.decode_leg(request, path, payload, headers, stream, prefill_s)
-        ends = ends_the_answer(kind, body, first)
         if not ends and first.kv_transfer_params is None:
             legs.kv_of(reply)  # counted: D recomputes the prompt
         d_payload = None if ends else continuation_request(kind, body, first)

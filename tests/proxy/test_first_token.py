@@ -8,6 +8,7 @@ import msgspec
 
 from kvpool.proxy.first_token import (
     decode_request,
+    ends_in_a_whole_character,
     ends_the_answer,
     first_token,
     fix_usage,
@@ -74,6 +75,12 @@ def test_d_continues_from_the_prompt_ids_plus_ps_token() -> None:
     d = decode_request(CHAT, {"messages": [{"role": "user", "content": "x"}]}, chat)
     assert d["kv_transfer_params"]["prompt_token_ids"] == [1, 2, 3, 7]
     assert "max_tokens" not in d  # no cap: vLLM's default reaches the same end
+
+
+def test_a_token_inside_a_multibyte_character_is_not_continued() -> None:
+    for text, whole in ((" Hel", True), ("", False), ("ab\ufffd", False)):
+        first = first_token(COMPLETIONS, p_reply(text))
+        assert first is not None and ends_in_a_whole_character(first) is whole
 
 
 def test_a_reply_without_token_ids_is_not_a_first_token() -> None:
