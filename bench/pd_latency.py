@@ -118,6 +118,11 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["proxy_ratio_p50"] = proxy["p50"] / row["p50"]
             if target == "proxy":
                 mine = [s for s in samples if s["kind"] == kind and s["target"] == "proxy"]
+                # answered the sequential way (P's token inside a multi-byte character):
+                # only those carry a D leg in their Server-Timing
+                row["sequential"] = sum(
+                    1 for s in mine if "decode_first" in (s.get("timing") or {})
+                )
                 parts = [s["timing"] for s in mine if s.get("timing")]
                 for name in sorted({k for t in parts for k in t}):
                     values = [t[name] for t in parts if name in t]
@@ -140,6 +145,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             if "proxy_added_p50" in r else ("", "", "")
         )  # fmt: skip
         failed = f" ({r['failed']} failed)" if r["failed"] else ""
+        if r.get("sequential"):
+            failed += f" ({r['sequential']} sequential)"
         lines.append(
             f"| {r['kind']} | {r['target']} | {r['n']}{failed} | {r['p50']:.1f} | "
             f"{r['p99']:.1f} | {r['p99_over_p50']:.2f} | {' | '.join(added)} |"
