@@ -10,7 +10,10 @@ master, one prefill and one decode vLLM instance with the transfer and store con
 the ``bench`` model preset (dummy weights, ``--layers`` layers) so that a prefill is real
 work.  Then, ``--requests`` rounds, each round sending in a shuffled order to:
 
-- ``proxy``   the whole P/D hop (P leg ``max_tokens=1``, D pulls P's blocks, D streams);
+- ``proxy``   the whole P/D hop, first token from P (P leg ``max_tokens=1``, its token
+              streamed at once, D pulls P's blocks and continues);
+- ``proxy-seq`` the same stack through a second ``kvpool proxy --first-token-from
+              decode`` (P leg, then D answers whole: the older, sequential way);
 - ``P``       the prefill instance alone (the same server, no ``kv_transfer_params``);
 - ``D``       the decode instance alone: a plain instance, the D-alone baseline;
 
@@ -48,7 +51,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: kvpool from this tree
     sys.path.insert(0, str(REPO))
 
-TARGETS = ("proxy", "P", "D")
+TARGETS = ("proxy", "proxy-seq", "P", "D")
+# the target of docs/benchmarks.md: first token through the proxy vs straight to P
+TARGET_ADDED_MS = 5.0
+TARGET_P99_OVER_P50 = 2.0
 KINDS = ("repeated", "fresh")
 # the parts of a proxied request, as the table names them
 PARTS = {
@@ -112,6 +118,11 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["proxy_ratio_p50"] = proxy["p50"] / row["p50"]
             if target == "proxy":
                 mine = [s for s in samples if s["kind"] == kind and s["target"] == "proxy"]
+                # answered the sequential way (P's token inside a multi-byte character):
+                # only those carry a D leg in their Server-Timing
+                row["sequential"] = sum(
+                    1 for s in mine if "decode_first" in (s.get("timing") or {})
+                )
                 parts = [s["timing"] for s in mine if s.get("timing")]
                 for name in sorted({k for t in parts for k in t}):
                     values = [t[name] for t in parts if name in t]
@@ -134,6 +145,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             if "proxy_added_p50" in r else ("", "", "")
         )  # fmt: skip
         failed = f" ({r['failed']} failed)" if r["failed"] else ""
+        if r.get("sequential"):
+            failed += f" ({r['sequential']} sequential)"
         lines.append(
             f"| {r['kind']} | {r['target']} | {r['n']}{failed} | {r['p50']:.1f} | "
             f"{r['p99']:.1f} | {r['p99_over_p50']:.2f} | {' | '.join(added)} |"
@@ -149,6 +162,17 @@ def table(rows: list[dict[str, Any]]) -> str:
                 for n in names
             ]
             lines.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for kind in KINDS:
+        by = {r["target"]: r for r in rows if r["kind"] == kind}
+        if "proxy" in by and "P" in by:
+            added, spread = by["P"]["proxy_added_p50"], by["proxy"]["p99_over_p50"]
+            ok = added <= TARGET_ADDED_MS and spread <= TARGET_P99_OVER_P50
+            lines.append(
+                f"- {kind}: proxy p50 − P p50 = {added:+.1f} ms (target ≤ {TARGET_ADDED_MS:g}), "
+                f"proxy p99/p50 = {spread:.2f} (target ≤ {TARGET_P99_OVER_P50:g}): "
+                f"{'met' if ok else 'not met'}"
+            )
     return "\n".join(lines)
 
 
@@ -254,7 +278,7 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
             rng.shuffle(order)
             for kind, target in order:
                 # fresh: a distinct prefix, no block in common with any other prompt
-                seed = 10_000 + 3 * i + TARGETS.index(target)
+                seed = 10_000 + len(TARGETS) * i + TARGETS.index(target)
                 fresh = f"{i} {target} " + sample_text(args.words, seed=seed)
                 prompt = repeated if kind == "repeated" else fresh
                 rid = f"b-{run}-{i}-{kind}-{target}"
@@ -264,6 +288,37 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
                 if args.gap_ms:
                     await asyncio.sleep(args.gap_ms / 1000)
     return samples
+
+
+def start_sequential_proxy(urls: dict[str, str], state: Path) -> Any:
+    """A second proxy on the same P and D, ``--first-token-from decode``; its URL goes in
+    ``urls["proxy-seq"]``.  Returns the process (the caller stops it)."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    log = (state / "proxy-seq.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool", "proxy", "--port", str(port), "--prefill", urls["P"],
+         "--decode", urls["D"], "--first-token-from", "decode"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the sequential proxy did not start: {log.name}") from None
+            time.sleep(0.2)
+    urls["proxy-seq"] = url
+    return proc
 
 
 def stack_urls(plan: Any) -> dict[str, str]:
@@ -285,15 +340,19 @@ def hold(args: argparse.Namespace, state: Path) -> int:
     plan, sup = start_stack(args, state)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    urls = stack_urls(plan)
+    seq = start_sequential_proxy(urls, state)
     try:
         pids = {r.spec.name: r.pid for r in sup.running}
-        (state / "stack.json").write_text(json.dumps({**stack_urls(plan), "pids": pids}))
+        (state / "stack.json").write_text(json.dumps({**urls, "pids": pids}))
         print(f"stack up: {state / 'stack.json'}", flush=True)
         while not stop:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:
+        seq.terminate()
+        seq.wait(timeout=30)
         sup.stop_all()
     return 0
 
@@ -356,11 +415,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         state = Path(tempfile.mkdtemp(prefix="kvpool-pdlat-"))
         plan, sup = start_stack(args, state)
+        seq = None
         try:
             urls = stack_urls(plan)
+            seq = start_sequential_proxy(urls, state)
             samples = asyncio.run(measure(urls, args))
             pulls = pull_times(Path(urls["decode_log"]))
         finally:
+            if seq is not None:
+                seq.terminate()
+                seq.wait(timeout=30)
             sup.stop_all()
     for s in samples:
         hit = [parts for rid, parts in pulls.items() if s["request_id"] in rid]

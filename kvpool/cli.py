@@ -60,8 +60,9 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "proxy",
         help="OpenAI-compatible P/D proxy: prefill (max_tokens=1), then decode, streamed",
         description="Each request goes to a prefill endpoint with max_tokens=1 and "
-        "kv_transfer_params={do_remote_decode: true}, then to a decode endpoint with the "
-        "kv_transfer_params the prefill returned; the decode answer is streamed back.",
+        "kv_transfer_params={do_remote_decode: true}; the prefill's token goes to the client "
+        "at once, and a decode endpoint continues from it with the kv_transfer_params the "
+        "prefill returned (docs/proxy.md).",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
@@ -131,6 +132,14 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="serve beyond loopback without an API key (default: refuse; docs/security.md)",
     )
     add_flag(p, "open_metrics", action="store_true", help="serve /metrics without the API key")
+    add_flag(
+        p,
+        "first_token_from",
+        default="prefill",
+        choices=("prefill", "decode"),
+        help="prefill: the client gets P's token at once and D continues from it (default); "
+        "decode: D answers the whole request and only D's tokens are sent",
+    )
     p.set_defaults(run=_run_proxy, command_name=p.prog)
 
 
@@ -162,6 +171,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
             upstream_api_key=upstream_key,
             insecure=args.insecure,
             open_metrics=args.open_metrics,
+            first_token_from=args.first_token_from,
         )
     )
 

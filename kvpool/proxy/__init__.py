@@ -1,7 +1,9 @@
 """The P/D proxy: an OpenAI-compatible front that sends each request to a prefill
-endpoint (``max_tokens=1``) and then to a decode endpoint, streaming the answer back.
+endpoint (``max_tokens=1``), passes its token on at once, and has a decode endpoint
+continue the answer, streamed back.
 
-``routing`` and ``openai`` are pure; ``server``, ``health`` and ``run`` own the sockets.
+``routing``, ``openai``, ``first_token``, ``splice`` and ``stops`` are pure; ``server``,
+``legs``, ``health`` and ``run`` own the sockets.
 """
 
 from __future__ import annotations

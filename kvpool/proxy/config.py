@@ -11,7 +11,9 @@ from kvpool.proxy.auth import ENV_API_KEY_FILE, check_key
 from kvpool.proxy.routing import ROUTING_POLICIES
 from kvpool.security.secret import is_loopback
 
-__all__ = ["ProxyConfig", "normalize_url"]
+__all__ = ["FIRST_TOKEN_FROM", "ProxyConfig", "normalize_url"]
+
+FIRST_TOKEN_FROM = ("prefill", "decode")
 
 
 def normalize_url(flag: str, url: str) -> str:
@@ -55,6 +57,9 @@ class ProxyConfig:
     upstream_api_key: str | None = field(default=None, repr=False)
     insecure: bool = False  # serve beyond loopback without an API key
     open_metrics: bool = False  # /metrics without the key, for a scraper
+    # "prefill": the client gets P's token at once and D continues from it; "decode":
+    # D answers the original request and the client gets D's tokens only (two full legs)
+    first_token_from: str = "prefill"
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -71,6 +76,11 @@ class ProxyConfig:
         for flag, policy in (("--policy", self.policy), ("--decode-policy", self.decode_policy)):
             if policy is not None and policy not in ROUTING_POLICIES:
                 raise ConfigError(f"{flag}: {policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
+        if self.first_token_from not in FIRST_TOKEN_FROM:
+            raise ConfigError(
+                f"--first-token-from: {self.first_token_from!r} is not one of "
+                f"{', '.join(FIRST_TOKEN_FROM)}"
+            )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port: {self.port} is not a TCP port")
         if self.prefix_chars < 1:

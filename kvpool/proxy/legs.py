@@ -17,6 +17,7 @@ from aiohttp import web
 from kvpool.proxy.metrics import ProxyMetrics
 from kvpool.proxy.openai import error_body, stream_error_event, upstream_error
 from kvpool.proxy.routing import Upstream, UpstreamGroup
+from kvpool.proxy.splice import Splice
 
 __all__ = ["STATUS_KEY", "TIMEOUT_ERRORS", "Legs", "json_error"]
 
@@ -65,6 +66,16 @@ def json_error(
 ) -> web.Response:
     headers = {"X-Kvpool-Upstream": upstream} if upstream else None
     return web.json_response(error_body(status, message, type_), status=status, headers=headers)
+
+
+def _message_of(response: web.Response) -> str:
+    """The message of one of :func:`json_error`'s replies."""
+    body = response.body if isinstance(response.body, (bytes, bytearray)) else b"{}"
+    try:
+        error = msgspec.json.decode(body or b"{}").get("error", {})
+        return str(error.get("message", f"HTTP {response.status}"))
+    except (ValueError, AttributeError, TypeError):
+        return f"HTTP {response.status}"
 
 
 class Legs:
@@ -132,9 +143,10 @@ class Legs:
                 self.metrics.errors.labels(group.role, "upstream_4xx").inc()
             return json_error(resp.status, message, type_, upstream=up.url)
 
-    async def prefill_leg(
+    async def prefill_reply(
         self, path: str, payload: dict[str, Any], headers: dict[str, str], key: bytes | None
-    ) -> dict[str, Any] | web.Response | None:
+    ) -> dict[str, Any] | web.Response:
+        """P's whole reply, a JSON object, or the error to answer."""
         started = time.perf_counter()
         opened = await self._open(self.prefill, path, payload, headers, key)
         if isinstance(opened, web.Response):
@@ -149,16 +161,127 @@ class Legs:
             self._release(self.prefill, up)
         self.metrics.prefill_seconds.observe(time.perf_counter() - started)
         try:
-            kv = msgspec.json.decode(raw).get("kv_transfer_params")
-        except (ValueError, AttributeError):
+            reply = msgspec.json.decode(raw)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
             self.metrics.errors.labels("prefill", "bad_reply").inc()
             return json_error(
                 502, f"prefill endpoint {up.url} sent a reply that is not a JSON object"
             )
-        if not isinstance(kv, dict):
+        return reply
+
+    def kv_of(self, reply: dict[str, Any]) -> dict[str, Any] | None:
+        """Where P left the KV; ``None`` (counted) when P did not say, and D recomputes.
+        A P that stopped on its one token holds nothing, and that is not a misconfiguration."""
+        kv = reply.get("kv_transfer_params")
+        if isinstance(kv, dict):
+            return kv
+        choices = reply.get("choices")
+        finish = choices[0].get("finish_reason") if isinstance(choices, list) and choices else None
+        if finish in (None, "length"):
             self.metrics.prefill_without_kv.inc()
-            return None
-        return kv
+        return None
+
+    async def prefill_leg(
+        self, path: str, payload: dict[str, Any], headers: dict[str, str], key: bytes | None
+    ) -> dict[str, Any] | web.Response | None:
+        reply = await self.prefill_reply(path, payload, headers, key)
+        return reply if isinstance(reply, web.Response) else self.kv_of(reply)
+
+    async def spliced_stream(
+        self,
+        request: web.Request,
+        path: str,
+        payload: dict[str, Any] | None,
+        headers: dict[str, str],
+        splice: Splice,
+        prefill_s: float,
+    ) -> web.StreamResponse:
+        """P's token goes out at once; then D's continuation (``payload``; ``None``: P's
+        token ended the answer), through ``splice``.  From here on a failure of D can
+        only be an SSE error event: the 200 went out with P's token."""
+        out = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": headers["X-Request-Id"],
+                "Server-Timing": f"prefill;dur={prefill_s * 1000:.1f}",
+            }
+        )
+        await out.prepare(request)
+        try:
+            await out.write(splice.head(ends=payload is None))
+        except ConnectionResetError:
+            self.metrics.errors.labels("client", "disconnect").inc()
+            request[STATUS_KEY] = 499
+            return out
+        if payload is not None:
+            await self._continue(request, out, path, payload, headers, splice)
+            if request.get(STATUS_KEY) is not None:
+                return out
+        await out.write_eof()
+        return out
+
+    async def _continue(
+        self,
+        request: web.Request,
+        out: web.StreamResponse,
+        path: str,
+        payload: dict[str, Any],
+        headers: dict[str, str],
+        splice: Splice,
+    ) -> None:
+        started = time.perf_counter()
+        opened = await self._open(self.decode, path, payload, headers, None)
+        if isinstance(opened, web.Response):
+            status, message = opened.status, _message_of(opened)
+            await self._end_with_error(request, out, status, message)
+            return
+        up, resp = opened
+        try:
+            async for chunk in resp.content.iter_any():
+                data = splice.feed(chunk)
+                if data:
+                    await out.write(data)
+                if splice.done:
+                    break  # a straddling stop string ended it: closing D aborts the rest
+        except ConnectionResetError:
+            self.metrics.errors.labels("client", "disconnect").inc()
+            request[STATUS_KEY] = 499
+        except UPSTREAM_ERRORS as exc:
+            status, message = self._failed(self.decode, up, exc, _STREAM)
+            await self._end_with_error(request, out, status, message)
+        finally:
+            resp.close()
+            self._release(self.decode, up)
+            self.metrics.decode_seconds.observe(time.perf_counter() - started)
+
+    async def decode_whole(
+        self, path: str, payload: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any] | web.Response:
+        """D's whole reply as a JSON object, or the error to answer."""
+        started = time.perf_counter()
+        opened = await self._open(self.decode, path, payload, headers, None)
+        if isinstance(opened, web.Response):
+            return opened
+        up, resp = opened
+        try:
+            raw = await self._read(up, resp, whole=True)
+        finally:
+            resp.close()
+            self._release(self.decode, up)
+            self.metrics.decode_seconds.observe(time.perf_counter() - started)
+        if isinstance(raw, web.Response):
+            return raw
+        try:
+            reply = msgspec.json.decode(raw)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict) or not reply.get("choices"):
+            self.metrics.errors.labels("decode", "bad_reply").inc()
+            return json_error(502, f"decode endpoint {up.url} sent a reply without choices")
+        return reply
 
     async def decode_leg(
         self,

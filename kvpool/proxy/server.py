@@ -2,11 +2,14 @@
 
 One request, two legs (the production guide's §1.1; API keys: :mod:`kvpool.proxy.auth`)::
 
-    client ─► proxy ─► P   max_tokens=1, stream=false,
+    client ─► proxy ─► P   max_tokens=1, stream=false, return_token_ids,
                 │          kv_transfer_params={"do_remote_decode": true}
-                │      ◄─  JSON reply with kv_transfer_params (where P left the KV)
-                └────► D   the original request + P's kv_transfer_params
-    client ◄───────────    D's answer, streamed through as it comes
+    client ◄────┤      ◄─  P's token (sent on at once), its token ids, kv_transfer_params
+                └────► D   prompt ids + P's token, max_tokens - 1, P's kv_transfer_params
+    client ◄───────────    D's tokens, after P's (:mod:`kvpool.proxy.first_token`)
+
+``first_token_from="decode"`` keeps the older way: D gets the original request and the
+client gets D's tokens only.
 """
 
 from __future__ import annotations
@@ -23,6 +26,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpool.proxy.auth import ApiKeys
 from kvpool.proxy.config import ProxyConfig
+from kvpool.proxy.first_token import (
+    decode_request as continuation_request,
+)
+from kvpool.proxy.first_token import (
+    ends_in_a_whole_character,
+    ends_the_answer,
+    first_token,
+    merge_whole,
+    p_only_reply,
+    prefill_request_for,
+    refusal,
+    splittable,
+)
 from kvpool.proxy.health import HealthChecker
 from kvpool.proxy.legs import STATUS_KEY, TIMEOUT_ERRORS, Legs, json_error
 from kvpool.proxy.metrics import ProxyMetrics
@@ -36,6 +52,7 @@ from kvpool.proxy.openai import (
     validate_request,
 )
 from kvpool.proxy.routing import UpstreamGroup, make_routing_policy, prefix_key
+from kvpool.proxy.splice import Splice
 
 __all__ = ["ProxyServer"]
 
@@ -273,6 +290,13 @@ class ProxyServer:
         path = _PATHS[kind]
         key = prefix_key(body, self.config.prefix_chars) if self._use_key else None
 
+        if self.config.first_token_from == "prefill":
+            problem = refusal(body)
+            if problem is not None:
+                self.metrics.errors.labels("request", "bad_request").inc()
+                return json_error(400, problem)
+            if splittable(kind, body):
+                return await self._first_from_prefill(kind, request, body, headers, key)
         assert self._legs is not None
         started = time.perf_counter()
         kv_or_error = await self._legs.prefill_leg(path, prefill_request(kind, body), headers, key)
@@ -283,6 +307,43 @@ class ProxyServer:
             request, path, payload, headers, bool(body.get("stream")),
             prefill_s=time.perf_counter() - started,
         )  # fmt: skip
+
+    async def _first_from_prefill(
+        self,
+        kind: str,
+        request: web.Request,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        key: bytes | None,
+    ) -> web.StreamResponse:
+        """P's token first, D continuing from it (``--first-token-from prefill``)."""
+        assert self._legs is not None
+        legs, path, stream = self._legs, _PATHS[kind], bool(body.get("stream"))
+        started = time.perf_counter()
+        reply = await legs.prefill_reply(path, prefill_request_for(kind, body), headers, key)
+        if isinstance(reply, web.Response):
+            return reply
+        prefill_s = time.perf_counter() - started
+        first = first_token(kind, reply)
+        ends = first is not None and ends_the_answer(kind, body, first)
+        if first is None or not (ends or ends_in_a_whole_character(first)):
+            # a vLLM that does not return token ids, or P's token is part of a character:
+            # D answers the whole request (the sequential way)
+            payload = decode_request(body, legs.kv_of(reply))
+            return await legs.decode_leg(request, path, payload, headers, stream, prefill_s)
+        if not ends and first.kv_transfer_params is None:
+            legs.kv_of(reply)  # counted: D recomputes the prompt
+        d_payload = None if ends else continuation_request(kind, body, first)
+        if stream:
+            splice = Splice(kind, body, first)
+            return await legs.spliced_stream(request, path, d_payload, headers, splice, prefill_s)
+        timing = {"Server-Timing": f"prefill;dur={prefill_s * 1000:.1f}"}
+        if d_payload is None:
+            return web.json_response(p_only_reply(kind, body, first), headers=timing)
+        d_reply = await legs.decode_whole(path, d_payload, headers)
+        if isinstance(d_reply, web.Response):
+            return d_reply
+        return web.json_response(merge_whole(kind, body, first, d_reply), headers=timing)
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         """P and D get the proxy's upstream key when it has one (the client's key is the

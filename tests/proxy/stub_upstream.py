@@ -100,6 +100,9 @@ class StubUpstream:
     # as `vllm serve --api-key`: /v1/* needs "Authorization: Bearer <api_key>"
     api_key: str | None = None
     unauthorized: int = 0  # requests refused for the key
+    # as vLLM >= 0.30: a whole reply carries prompt_token_ids and token_ids when asked
+    # (``return_token_ids``), so the proxy starts answers with P's token
+    token_ids: bool = False
     _runner: web.AppRunner | None = None
     _disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -197,6 +200,9 @@ class StubUpstream:
                 choice["text"] = text
             usage = {"prompt_tokens": 3, "completion_tokens": len(tokens)}
             reply = {**base, "choices": [choice], "usage": usage, "kv_transfer_params": kv_out}
+            if self.token_ids and body.get("return_token_ids"):
+                choice["token_ids"] = list(range(100, 100 + len(tokens)))
+                (reply if chat else choice)["prompt_token_ids"] = [1, 2, 3]
             return web.json_response(reply)
         return await self._stream(request, base, tokens, chat)
 

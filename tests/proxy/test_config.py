@@ -34,6 +34,7 @@ def test_urls_are_normalized() -> None:
         ({"read_timeout_s": -1}, "--read-timeout"),
         ({"health_interval_s": 0}, "--health-interval"),
         ({"max_connections": 0}, "--max-connections"),
+        ({"first_token_from": "both"}, "--first-token-from"),
     ],
 )
 def test_bad_values_name_the_flag(kwargs: dict[str, Any], flag: str) -> None:

@@ -13,7 +13,9 @@ The P/D flow, as vLLM's proxy pattern drives it:
 2. The proxy sends the request to D with those params.  :meth:`get_num_new_matched_tokens`
    claims every prompt token not already in D's local prefix cache, asynchronously;
    :meth:`update_state_after_alloc` turns the claim into a :class:`RecvJob` that maps D's
-   new blocks onto P's blocks for the same tokens.
+   new blocks onto P's blocks for the same tokens.  D's prompt may be longer than P's
+   (a proxy that sends D the prompt plus P's first token): only the ``remote_num_tokens``
+   P computed are pulled, and D computes the rest.
 3. D's workers pull; P's workers free the blocks when D has them (or after
    ``hold_timeout_ms``).  A D that will not pull (abort before scheduling, nothing left to
    load) sends a :class:`ReleaseJob` so P frees at once.
@@ -36,7 +38,10 @@ __all__ = ["PARAM_KEYS", "TransferScheduler"]
 
 logger = logging.getLogger("vllm.kvpool.transfer")
 _PREFIX = f"[{TRANSFER_CONNECTOR}]"
-_FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+# Only a prefill cut at its max_tokens has an answer left for a D to continue: one that
+# stopped (EOS, a stop string) is complete, so no D will come for its blocks (as vLLM's
+# own NixlConnector decides).
+_FINISHED_OK = ("FINISHED_LENGTH_CAPPED",)
 PARAM_KEYS = (
     "do_remote_prefill",
     "do_remote_decode",
@@ -47,6 +52,7 @@ PARAM_KEYS = (
     "remote_request_id",
     "remote_block_size",
     "remote_dp_rank",
+    "remote_num_tokens",
     "tp_size",
 )
 _REQUIRED = (
@@ -150,10 +156,17 @@ class TransferScheduler:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """D: every prompt token beyond the local prefix hit comes from P, asynchronously."""
+        """D: every prompt token P computed beyond the local prefix hit comes from P,
+        asynchronously.  P's count, not D's prompt: a D sent the prompt plus P's first
+        token has one token more than P has KV for, and computes that one itself."""
         if not self._should_pull(request):
             return 0, False
-        count = int(request.num_prompt_tokens) - num_computed_tokens
+        params = request.kv_transfer_params
+        num_tokens = int(request.num_prompt_tokens)
+        remote = params.get("remote_num_tokens")
+        if isinstance(remote, int) and not isinstance(remote, bool) and remote >= 0:
+            num_tokens = min(num_tokens, remote)  # absent: a P from before the key
+        count = num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -232,6 +245,8 @@ class TransferScheduler:
             "remote_request_id": request.request_id,
             "remote_block_size": self.block_size,
             "remote_dp_rank": self.dp_rank,
+            # the prompt tokens P has KV for: a D's prompt may be longer (P's first token)
+            "remote_num_tokens": int(request.num_prompt_tokens),
             "tp_size": self.tp_size,
         }
 

@@ -79,6 +79,7 @@ def test_prefill_holds_blocks_and_returns_params_for_decode() -> None:
         "remote_request_id": "p-1",
         "remote_block_size": BLOCK,
         "remote_dp_rank": 1,
+        "remote_num_tokens": 300,
         "tp_size": 2,
     }
     assert set(params) == set(PARAM_KEYS)
@@ -107,6 +108,29 @@ def test_decode_claims_the_prompt_beyond_its_local_hit_asynchronously() -> None:
     assert d.get_num_new_matched_tokens(req, 0) == (300, True)
     assert d.get_num_new_matched_tokens(req, 128) == (172, True)
     assert d.get_num_new_matched_tokens(FakeRequest("x", 300, None), 0) == (0, False)
+
+
+def test_decode_sent_the_prompt_plus_the_first_token_pulls_only_what_p_computed() -> None:
+    # The proxy's first-token mode: D's prompt is P's 300 tokens plus P's sampled token.
+    d = sched("kv_consumer", tp=1, dp=0)
+    params = prefill_params(sched("kv_producer"))
+    req = FakeRequest("d-1", 301, params)
+    assert d.get_num_new_matched_tokens(req, 0) == (300, True)  # not 301: P has no KV for it
+    assert d.get_num_new_matched_tokens(req, 128) == (172, True)
+    # P's prompt exactly fills its blocks: D still pulls whole blocks only, never one more
+    full = dict(params, remote_num_tokens=256, remote_block_ids=[10, 11, 12])
+    assert d.get_num_new_matched_tokens(FakeRequest("d-2", 257, full), 0) == (256, True)
+    # a P from before the key: the whole prompt, as before
+    old = {k: v for k, v in params.items() if k != "remote_num_tokens"}
+    assert d.get_num_new_matched_tokens(FakeRequest("d-3", 300, old), 0) == (300, True)
+
+
+def test_prefill_that_stopped_does_not_hold_its_blocks() -> None:
+    # EOS or a stop string on P's one token: the answer is complete, no D will pull.
+    p = sched("kv_producer")
+    stopped = FakeRequest("s", 300, {"do_remote_decode": True}, Status.FINISHED_STOPPED)
+    assert p.request_finished(stopped, [1, 2]) == (False, None)
+    assert not p.build_jobs()
 
 
 def test_decode_maps_its_new_blocks_onto_the_same_prefill_positions() -> None:
