@@ -33,7 +33,8 @@ class ARCPolicy(QueuePolicy[K]):
     - A read moves a block to T2's tail (from T1, or within T2).
     - The victim is T1's head while T1 holds more than p blocks (or T2 is empty), else
       T2's; its key joins B1 or B2, each kept to the last c keys.  In the tree variant a
-      head with cached children is first moved to its list's tail (at most one turn).
+      head with cached children is first moved to its list's tail, and a list of parents
+      only gives way to the other one.
     - More victims, or past a pinned head, follow in list order (that list, then the
       other).
 
@@ -97,7 +98,7 @@ class ARCPolicy(QueuePolicy[K]):
             self._t2.move_to_end(key)
         else:
             del self._t1[key]
-            node.cls = _T2
+            self._moved(node, _T2)
             self._t2[key] = node
 
     def _unplace(self, node: Node[K], left: bool) -> None:
@@ -120,12 +121,25 @@ class ARCPolicy(QueuePolicy[K]):
             ghosts.popitem(last=False)
 
     def _from_t1(self) -> bool:
-        t1 = self._t1
-        return bool(t1) and (len(t1) > self._p or not self._t2)
+        t1, t2 = self._t1, self._t2
+        if not t1:
+            return False
+        if not t2:
+            return True
+        first = len(t1) > self._p
+        if self._tree:  # a list of parents only gives way to the other one
+            if first and self._all_parents(_T1, t1):
+                return self._all_parents(_T2, t2)
+            if not first and self._all_parents(_T2, t2):
+                return not self._all_parents(_T1, t1)
+        return first
 
     def _normalize(self) -> None:
         if self._tree:
-            rotate_parents(self._t1 if self._from_t1() else self._t2)
+            t1 = self._from_t1()
+            queue = self._t1 if t1 else self._t2
+            if queue and not self._all_parents(_T1 if t1 else _T2, queue):
+                rotate_parents(queue)
 
     def _first(self) -> Node[K] | None:
         queue = self._t1 if self._from_t1() else self._t2

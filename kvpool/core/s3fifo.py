@@ -39,8 +39,8 @@ class S3FIFOPolicy(QueuePolicy[K]):
       ``PROMOTE_AT`` times or more (in the tree variant, also if it has cached
       children), else it is the victim and its key becomes a ghost.  From the main FIFO:
       a head read since it last came round goes back to the tail with its count less one
-      (in the tree variant a head with cached children also goes back, count unchanged),
-      else it is the victim.  Those moves are made before a choice (``_normalize``); an
+      (in the tree variant a head with cached children also goes back, count unchanged,
+      and a main FIFO of parents only gives way to the small one), else it is the victim.  Those moves are made before a choice (``_normalize``); an
       immediate second choice finds nothing more to move and gives the same answer.
     - When more than one victim is asked, or the head is pinned, the rest follow in
       queue order (small then main, or main then small), without second chances.
@@ -113,21 +113,22 @@ class S3FIFOPolicy(QueuePolicy[K]):
         self._ghost(node.key)
 
     def _from_small(self) -> bool:
-        small = self._small
+        small, main = self._small, self._main
         return bool(small) and (
-            len(small) >= self._small_ratio * len(self._nodes) or not self._main
+            len(small) >= self._small_ratio * len(self._nodes)
+            or not main
+            or (self._tree and self._all_parents(_MAIN, main))
         )
 
     def _normalize(self) -> None:
         small, main = self._small, self._main
-        promote_at, tree = self._promote_at, self._tree
-        parent_moves = 0  # at most one turn of the main FIFO for parents (see rotate_parents)
+        promote_at = self._promote_at
         while True:
             if self._from_small():
                 head = next(iter(small.values()))
-                if head.reads >= promote_at or (tree and head.children):
+                if head.reads >= promote_at or head.children:
                     del small[head.key]
-                    head.cls = _MAIN
+                    self._moved(head, _MAIN)
                     main[head.key] = head
                     continue
                 return
@@ -138,9 +139,8 @@ class S3FIFOPolicy(QueuePolicy[K]):
                 head.reads -= 1
                 main.move_to_end(head.key)
                 continue
-            if head.children and parent_moves < len(main):
-                parent_moves += 1
-                main.move_to_end(head.key)
+            if head.children and not self._all_parents(_MAIN, main):
+                main.move_to_end(head.key)  # a leaf is in there: it comes round first
                 continue
             return
 

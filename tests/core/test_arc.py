@@ -120,7 +120,9 @@ def test_the_tree_variant_moves_a_parent_past_its_younger_child() -> None:
 @given(ops=ops_strategy)
 def test_the_tree_variant_chooses_children_before_their_parents(ops: list[Op]) -> None:
     def check(policy: ARCPolicy[int], model: Model, count: int, _: set[int]) -> None:
+        policy.check()  # the kept parent counts
         victims = policy.choose_victims(count, always)
+        policy.check()
         position = {k: i for i, k in enumerate(victims)}
         for key, i in position.items():
             for child in model.children(key):

@@ -116,7 +116,9 @@ def test_the_tree_variant_offers_orphans_first() -> None:
 @given(ops=ops_strategy)
 def test_the_tree_variant_chooses_children_before_their_parents(ops: list[Op]) -> None:
     def check(policy: S3FIFOPolicy[int], model: Model, count: int, _: set[int]) -> None:
+        policy.check()  # the kept parent counts
         victims = policy.choose_victims(count, always)
+        policy.check()
         position = {k: i for i, k in enumerate(victims)}
         for key, i in position.items():
             for child in model.children(key):
