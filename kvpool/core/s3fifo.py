@@ -40,12 +40,14 @@ class S3FIFOPolicy(QueuePolicy[K]):
       children), else it is the victim and its key becomes a ghost.  From the main FIFO:
       a head read since it last came round goes back to the tail with its count less one
       (in the tree variant a head with cached children also goes back, count unchanged,
-      and a main FIFO of parents only gives way to the small one), else it is the victim.  Those moves are made before a choice (``_normalize``); an
-      immediate second choice finds nothing more to move and gives the same answer.
+      and a main FIFO of parents only gives way to the small one), else it is the
+      victim.  Those moves are made before a choice (``_normalize``); an immediate
+      second choice finds nothing more to move and gives the same answer.
     - When more than one victim is asked, or the head is pinned, the rest follow in
       queue order (small then main, or main then small), without second chances.
 
-    Cost: O(1) per call and per victim, plus the moves, each paid for by a read.
+    Cost: O(1) per call and per victim, plus the moves: each second chance is paid for
+    by a read; in the tree variant parents passed over cost one move each per turn.
     """
 
     name = "s3fifo"
