@@ -105,7 +105,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.blocks < 1 or not 0 < args.fraction <= 1 or args.requests < 1:
-        print("error: --blocks and --requests must be positive, --fraction in (0, 1]")
+        print(
+            "error: --blocks and --requests must be positive, --fraction in (0, 1]", file=sys.stderr
+        )
         return 2
     traces: list[tuple[str, Sequence[Request]]] = []
     for name in args.trace:
