@@ -35,6 +35,7 @@ __all__ = ["TARGET_VS_BELADY", "TARGET_VS_LRU", "main", "matrix"]
 TARGET_VS_BELADY = 0.7  # at --blocks
 TARGET_VS_LRU = 1.15  # at --fraction
 TRACES = ("real", *SYNTHETIC)
+_REFS = ("lru", "belady")
 
 
 def matrix(
@@ -54,7 +55,7 @@ def matrix(
             for row in _ratios(run(requests, names, [capacity], mode)):
                 row["trace"] = trace
                 row["distinct"] = distinct
-                row["size"] = f"{capacity:,}" if label == "blocks" else f"{fraction:.0%}"
+                row["size"] = "fixed" if label == "blocks" else f"{fraction:.0%}"
                 if label == "blocks":
                     row["met"] = (row["vs_belady"] or 0) >= TARGET_VS_BELADY
                 elif row["vs_lru"] is None:  # LRU hit nothing: any hit is infinitely more
@@ -70,22 +71,35 @@ def _x(ratio: float | None) -> str:
 
 
 def _markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per trace and capacity; a policy's cell is its hit ratio, × LRU, ×
+    Belady, and a check mark where it meets that capacity's target."""
+    policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] not in _REFS))
     speed = any(r["mode"] == "index" for r in rows)
-    head = "| trace | capacity | policy | hit ratio | × LRU | × Belady | target met |"
-    rule = "|---|---|---|---:|---:|---:|---|"
-    if speed:
-        head += " blocks per CPU-s |"
-        rule += "---:|"
-    lines = [head, rule]
+    head = ["trace", "capacity", "LRU", "Belady", *policies]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    by_case: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
-        met = "—" if r["policy"] == "belady" else "yes" if r["met"] else "no"
-        line = (
-            f"| {r['trace']} | {r['capacity']:,} ({r['size']}) | {r['policy']} | "
-            f"{r['hit_ratio']:.4f} | {_x(r['vs_lru'])} | {_x(r['vs_belady'])} | {met} |"
+        by_case.setdefault((r["trace"], r["capacity"]), {})[r["policy"]] = r
+    for (trace, capacity), case in by_case.items():
+        any_row = next(iter(case.values()))
+        size = (
+            f"{capacity:,}" if any_row["size"] == "fixed" else f"{capacity:,} ({any_row['size']})"
         )
-        if speed:
-            line += f" {r['cpu_blocks_per_s']:,.0f} |"
-        lines.append(line)
+        cells = [
+            trace,
+            size,
+            f"{case['lru']['hit_ratio']:.4f}",
+            f"{case['belady']['hit_ratio']:.4f}",
+        ]
+        for name in policies:
+            r = case[name]
+            cell = f"{r['hit_ratio']:.4f} · {_x(r['vs_lru'])} · {_x(r['vs_belady'])}"
+            if r["met"]:
+                cell += " ✓"
+            if speed:
+                cell += f" · {r['cpu_blocks_per_s'] / 1000:,.0f}k/s"
+            cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

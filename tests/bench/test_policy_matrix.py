@@ -16,7 +16,7 @@ def test_rows_cover_every_policy_and_both_capacities_with_same_run_ratios() -> N
     rows = matrix(traces, ["s3fifo", "arc"], blocks=200, fraction=0.05)
     keys = {(r["trace"], r["policy"], r["size"]) for r in rows}
     sizes = {r["size"] for r in rows}
-    assert sizes == {"200", "5%"}
+    assert sizes == {"fixed", "5%"}
     assert keys == {
         (t, p, s)
         for t in ("chat", "scan")
@@ -43,8 +43,9 @@ def test_cli_prints_markdown_and_json() -> None:
     md = subprocess.run([*base, "--policy", "arc"], capture_output=True, text=True, timeout=120)
     assert md.returncode == 0, md.stderr
     lines = md.stdout.splitlines()
-    assert lines[0].startswith("| trace | capacity | policy |")
-    assert sum(" | arc | " in ln for ln in lines) == 2
+    assert lines[0] == "| trace | capacity | LRU | Belady | arc |"
+    assert len(lines) == 4 and lines[2].startswith("| chat | 50 | ")
+    assert lines[3].startswith("| chat | ") and " (5%) | " in lines[3]
     js = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=120)
     assert js.returncode == 0, js.stderr
     assert all("vs_belady" in json.loads(ln) for ln in js.stdout.splitlines())
