@@ -5,6 +5,7 @@
     .venv/bin/python bench/trace_replay.py --policy prefix_aware --capacity 10000 --mode direct
     .venv/bin/python bench/trace_replay.py --repeat 3         # fastest of 3 replays per row
     .venv/bin/python bench/trace_synth.py                     # other traces: policy vs LRU
+    .venv/bin/python bench/policy_matrix.py                   # every policy, every trace
 
 The trace is Mooncake's (``../shared/data/mooncake_conversation_trace.jsonl`` by default;
 format in ``../shared/data/README.md``): one request per line with ``timestamp`` (ms) and

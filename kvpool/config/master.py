@@ -41,6 +41,12 @@ from kvpool.core.eviction import EVICTION_POLICIES, EVICTION_POLICY_ALIASES
 from kvpool.errors import ConfigError
 from kvpool.security.tls import TLSConfig
 
+_ALIAS_OF = {policy: alias for alias, policy in EVICTION_POLICY_ALIASES.items()}
+# the --eviction_policy values, each alias beside the policy it means
+_POLICY_CHOICES = ", ".join(
+    f"{n} (alias: {_ALIAS_OF[n]})" if n in _ALIAS_OF else n for n in EVICTION_POLICIES
+)
+
 __all__ = [
     "MASTER_FLAGS",
     "MOONCAKE_MASTER_DEFAULTS",
@@ -155,7 +161,7 @@ class MasterConfig:
     )
     ssd_offload_path: str = _flag("", _string, "directory of the master's SSD tier")
     ssd_offload_limit: int = _flag(DEFAULT_OFFLOAD_LIMIT, _size, "SSD tier cap, e.g. 100GB")
-    eviction_policy: str = _flag("prefix_aware", _string, "prefix_aware (alias: default) or lru")
+    eviction_policy: str = _flag("prefix_aware", _string, f"one of {_POLICY_CHOICES}")
     secret_file: str = _flag(
         "", _string, "file with the cluster secret (else KVPOOL_SECRET_FILE, KVPOOL_SECRET)"
     )
@@ -194,8 +200,8 @@ class MasterConfig:
             raise ConfigError("--segment_size/--ssd_offload_limit: must be positive sizes")
         if self.eviction_policy not in (*EVICTION_POLICIES, *EVICTION_POLICY_ALIASES):
             raise ConfigError(
-                f"--eviction_policy: unknown {self.eviction_policy!r}; use prefix_aware "
-                "(alias: default) or lru"
+                f"--eviction_policy: unknown {self.eviction_policy!r}; use one of "
+                f"{_POLICY_CHOICES}"
             )
 
     def warnings(self) -> list[str]:

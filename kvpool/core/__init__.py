@@ -8,6 +8,8 @@ Modules, from the bottom up:
     eviction      the eviction-policy protocol, LRU, and policies by name
                   (make_eviction_policy; "default" is an alias of "prefix_aware")
     prefix_aware  kvpool's default eviction policy for prefix-chained blocks, and why
+    queue_policy  what the queue policies share: nodes, runs, orphans, the prefix rule
+    s3fifo, arc   S3-FIFO and ARC, as published and on the prefix tree
     objects       the values the index works with: config, records, locations, grants,
                   effects (Demote, Dropped), counters
     placement     each tier's segments, the room in them and the room copies in flight

@@ -3,7 +3,9 @@
 One :class:`EvictionPolicy` instance per tier; :func:`make_eviction_policy` makes one by
 name.  ``"prefix_aware"`` (kvpool's default; ``"default"`` is an alias, so configs written
 before the name keep working) is :mod:`kvpool.core.prefix_aware`; ``"lru"`` (least
-recently inserted-or-read first) is the baseline.
+recently inserted-or-read first) is the baseline; ``"s3fifo"`` / ``"s3fifo_tree"``
+(:mod:`kvpool.core.s3fifo`) and ``"arc"`` / ``"arc_tree"`` (:mod:`kvpool.core.arc`) are
+the published policies, as published and on the prefix tree.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvpool.core.arc import ARCPolicy
 from kvpool.core.prefix_aware import PrefixAwarePolicy
+from kvpool.core.s3fifo import S3FIFOPolicy
 
 __all__ = [
     "EVICTION_POLICIES",
     "EVICTION_POLICY_ALIASES",
+    "ARCPolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "PrefixAwarePolicy",
+    "S3FIFOPolicy",
     "canonical_eviction_policy",
     "make_eviction_policy",
 ]
@@ -47,7 +53,12 @@ K = TypeVar("K", bound=Hashable)
 # - choosing changes nothing: two calls with no other call between give the same answer;
 # - cost: LRU is O(1) per call and per victim; prefix-aware is O(1) per call plus
 #   O(reuse classes) per victim, except that blocks passed over for their children (rare)
-#   are walked past.
+#   are walked past; S3-FIFO and ARC are O(1) per call and per victim, plus moves made
+#   before a choice that reads (or, in the tree variants, cached children) paid for.
+#
+# S3-FIFO and ARC do lazy work when asked to choose (a head read since it came round
+# moves on, as published); for them "choosing changes nothing" means that the second of
+# two calls with no other call between gives the same answer.
 class EvictionPolicy(Protocol[K]):
     """The eviction order of one tier; see the comment above."""
 
@@ -96,7 +107,19 @@ class LRUPolicy(Generic[K]):
         return out
 
 
-EVICTION_POLICIES: tuple[str, ...] = (LRUPolicy.name, PrefixAwarePolicy.name)
+#: Each policy's name and how to make a fresh one.
+_MAKERS: Mapping[str, Callable[[], EvictionPolicy[Any]]] = MappingProxyType(
+    {
+        LRUPolicy.name: LRUPolicy,
+        PrefixAwarePolicy.name: PrefixAwarePolicy,
+        "s3fifo": S3FIFOPolicy,
+        "s3fifo_tree": lambda: S3FIFOPolicy(tree=True),
+        "arc": ARCPolicy,
+        "arc_tree": lambda: ARCPolicy(tree=True),
+    }
+)
+
+EVICTION_POLICIES: tuple[str, ...] = tuple(_MAKERS)
 
 #: Accepted names that are not a policy's own, and the policy each one means.
 EVICTION_POLICY_ALIASES: Mapping[str, str] = MappingProxyType({"default": PrefixAwarePolicy.name})
@@ -115,6 +138,4 @@ def canonical_eviction_policy(name: str) -> str:
 
 def make_eviction_policy(name: str) -> EvictionPolicy[Any]:
     """A fresh policy by name or alias; ValueError names the choices."""
-    if canonical_eviction_policy(name) == LRUPolicy.name:
-        return LRUPolicy()
-    return PrefixAwarePolicy()
+    return _MAKERS[canonical_eviction_policy(name)]()

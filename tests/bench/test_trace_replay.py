@@ -15,7 +15,7 @@ from bench.trace_replay import (
     replay_direct,
     replay_index,
 )
-from kvpool.core.eviction import make_eviction_policy
+from kvpool.core.eviction import EVICTION_POLICIES, make_eviction_policy
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "trace_replay.py"
 
@@ -81,7 +81,7 @@ def test_json_output_shape_and_policy_order(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert {(r["policy"], r["capacity"]) for r in rows} == {
-        (p, c) for p in ("lru", "prefix_aware", "belady") for c in (8, 12)
+        (p, c) for p in (*EVICTION_POLICIES, "belady") for c in (8, 12)
     }
     for r in rows:
         assert {"policy", "capacity", "hit_ratio", "blocks_per_s"} <= r.keys()
@@ -131,7 +131,7 @@ def test_repeat_keeps_the_hits_and_reports_one_row_per_policy_and_capacity(
     hits_once = {r["policy"]: r["hits"] for r in map(json.loads, once.stdout.splitlines())}
     rows = [json.loads(line) for line in thrice.stdout.splitlines()]
     assert {r["policy"]: r["hits"] for r in rows} == hits_once
-    assert len(rows) == 3
+    assert len(rows) == len(EVICTION_POLICIES) + 1  # and belady
 
 
 def test_repeat_below_one_is_refused(tmp_path: Path) -> None:
@@ -141,7 +141,7 @@ def test_repeat_below_one_is_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--repeat" in proc.stderr
 
 
-@pytest.mark.parametrize("policy", ["lru", "prefix_aware"])
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 @pytest.mark.parametrize("capacity", [5, 20, 60])
 def test_index_mode_gives_the_same_hits_as_direct_mode(policy: str, capacity: int) -> None:
     requests = synthetic(seed=capacity)

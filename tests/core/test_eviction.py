@@ -17,7 +17,7 @@ from tests.core.policy_calls import Model, Op, always, ops_strategy, run_ops
 
 # ------------------------------------------------------------- names, aliases, make
 def test_make_eviction_policy_knows_every_name_and_gives_fresh_instances() -> None:
-    assert EVICTION_POLICIES == ("lru", "prefix_aware")
+    assert EVICTION_POLICIES == ("lru", "prefix_aware", "s3fifo", "s3fifo_tree", "arc", "arc_tree")
     for name in EVICTION_POLICIES:
         a, b = make_eviction_policy(name), make_eviction_policy(name)
         assert a.name == name and a is not b
@@ -33,7 +33,8 @@ def test_default_is_an_alias_of_prefix_aware() -> None:
 
 
 def test_make_eviction_policy_rejects_unknown_names_and_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"lru, prefix_aware, default \(= prefix_aware\)"):
+    names = r"lru, prefix_aware, s3fifo, s3fifo_tree, arc, arc_tree, default \(= prefix_aware\)"
+    with pytest.raises(ValueError, match=names):
         make_eviction_policy("lfu")
 
 

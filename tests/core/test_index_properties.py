@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvpool.core.eviction import EVICTION_POLICIES
 from kvpool.core.index import Demote, Dropped, IndexConfig, NoRoom, ObjectIndex, State
 from kvpool.core.registry import Tier
 from kvpool.errors import KVPoolError, NoSpace
@@ -20,7 +21,7 @@ SIZES = st.sampled_from([8, 16, 24])
 
 class IndexMachine(RuleBasedStateMachine):
     @initialize(
-        policy=st.sampled_from(["lru", "prefix_aware"]),
+        policy=st.sampled_from(EVICTION_POLICIES),
         offload=st.booleans(),
         watermark=st.sampled_from([0.5, 0.9, 1.0]),
         ratio=st.sampled_from([0.1, 0.5]),
