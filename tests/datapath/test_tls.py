@@ -1,6 +1,6 @@
 """TLS on a node's data port: bytes equal through it, a plain or mistrusting client gets
 a clear error (never a hang), the server keeps serving, the wire carries no plaintext,
-the handshake still runs inside, and bad settings are one-line errors."""
+and the handshake still runs inside."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read, read_into, read_many_into, write, write_many
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
-from kvpool.errors import AuthError, ConfigError, PeerTimeout
+from kvpool.errors import AuthError, PeerTimeout
 from kvpool.protocol.data import DATA_REQUEST_CODEC, SegmentRead
 from kvpool.security.credentials import Credential
 from kvpool.security.tls import TLSConfig
@@ -247,22 +246,6 @@ def test_a_raw_plain_request_reads_no_memory(server: SegmentServer, segment: Seg
         while chunk := s.recv(65536):
             data += chunk
     assert KNOWN not in data and b"requires TLS" in data
-
-
-def test_bad_settings_are_one_line_errors(material: Material, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^tls_cert: .*nope.pem is not a file"):
-        TLSConfig(str(tmp_path / "nope.pem"), material.server.key).server_context()
-    with pytest.raises(ConfigError, match=r"^--tls_key: missing"):
-        TLSConfig(material.server.cert, "", prefix="--tls_").server_context()
-    with pytest.raises(ConfigError, match=r"^tls_key: .* is not the key of tls_cert"):
-        TLSConfig(material.server.cert, material.client.key).server_context()
-    garbage = tmp_path / "garbage.pem"
-    garbage.write_text("not a certificate\n")
-    with pytest.raises(ConfigError, match=r"^tls_cert/tls_key: cannot load"):
-        TLSConfig(str(garbage), material.server.key).server_context()
-    with pytest.raises(ConfigError, match=r"^KVPOOL_TLS_CA: .* holds no PEM certificate"):
-        TLSConfig.from_env({"KVPOOL_TLS_CA": str(garbage)}).client_context()
-    assert TLSConfig().server_context() is None and TLSConfig().client_context() is None
 
 
 def test_a_tls_peer_that_stops_answering_is_a_timeout_not_a_hang(material: Material) -> None:
