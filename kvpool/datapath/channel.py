@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, TypeVar
 
-from kvpool.datapath.framing import SMALL_PAYLOAD, BadRequest, deadline_after, why_send_failed
+from kvpool.datapath.framing import SMALL_PAYLOAD, BadRequest
 from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import HEADER_SIZE, Codec
-from kvpool.security.socket_tls import peer_alert
+from kvpool.sockio import deadline_after, peer_alert, why_send_failed
 
 __all__ = [
     "DEFAULT_SPIN_US",

@@ -13,14 +13,15 @@ from __future__ import annotations
 import contextlib
 import socket
 
-# the deadlines and exact reads of every blocking socket in kvpool (framing turns a TLS
-# alert met on a read into the error that says which setting to fix)
-from kvpool.datapath.framing import deadline_after, recv_exactly_into
-from kvpool.datapath.framing import send_bytes as _send
 from kvpool.errors import AuthError, KVPoolError, ProtocolError, TransferError
 from kvpool.security.admission import Admission
 from kvpool.security.credentials import Credential
 from kvpool.security.handshake import HEADER, ClientHandshake, FrameReader, Identity
+
+# the deadlines and exact reads of every blocking socket in kvpool (framing turns a TLS
+# alert met on a read into the error that says which setting to fix)
+from kvpool.sockio import deadline_after, recv_exactly_into
+from kvpool.sockio import send_bytes as _send
 
 __all__ = ["admit", "admit_with", "authenticate"]
 

@@ -20,7 +20,6 @@ from kvpool.errors import AuthError, PeerTimeout, TransferError
 __all__ = [
     "TLS_RECORD_HANDSHAKE",
     "accept_tls",
-    "peer_alert",
     "speaks_tls",
     "tls_required",
     "wrap_client",
@@ -126,24 +125,3 @@ def tls_required(where: str) -> AuthError:
         f"{where} requires TLS: set KVPOOL_TLS_CA (or tls_ca; kvpool.Client(tls=...)) to "
         "the CA that signed its certificate"
     )
-
-
-def peer_alert(exc: ssl.SSLError, what: str) -> AuthError | TransferError:
-    """A TLS error met after the handshake (on TLS 1.3 a server's refusal of the client's
-    certificate arrives with the first read): the kvpool error that says why."""
-    reason = getattr(exc, "reason", None) or str(exc)  # set by the ssl module only
-    if "CERTIFICATE" in reason.upper():
-        return AuthError(
-            f"the TLS server refused this client ({reason}): a server with tls_ca wants a "
-            "client certificate its CA signed; set KVPOOL_TLS_CERT and KVPOOL_TLS_KEY "
-            "(or tls_cert/tls_key)"
-        )
-    if isinstance(exc, ssl.SSLEOFError) or "EOF" in reason.upper():
-        # the server hung up without a word: on TLS 1.3 a server with tls_ca that got
-        # no client certificate does so when its alert is lost to the close
-        return TransferError(
-            f"TLS failed while {what}: the server closed the connection ({reason}); a "
-            "server with tls_ca wants a client certificate its CA signed (KVPOOL_TLS_CERT "
-            "and KVPOOL_TLS_KEY, or tls_cert/tls_key)"
-        )
-    return TransferError(f"TLS failed while {what}: {reason}")

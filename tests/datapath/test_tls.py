@@ -304,8 +304,7 @@ def test_a_tls_server_that_hangs_up_on_a_send_is_said_to_want_a_client_certifica
     # handshake; on a loaded host its alert can be lost to the close, and the client's
     # next send fails with a bare EOF.  That used to read "connection failed while
     # sending: EOF occurred in violation of protocol", naming no cause.
-    from kvpool.datapath.framing import why_send_failed
-    from kvpool.security.socket_tls import peer_alert
+    from kvpool.sockio import peer_alert, why_send_failed
 
     eof = ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:2427)")
     err = peer_alert(eof, "sending")
