@@ -56,21 +56,16 @@ from kvpool.engines.base import MISS, check_batch
 from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
 from kvpool.mooncake.buffers import Registered, Staging
 from kvpool.mooncake.parts import HEADER_SIZE, Layout
+from kvpool.mooncake.wheel import INSTALL_HINT
 from kvpool.net import http_get, split_address
 
 __all__ = [
     "HEADER_SIZE",
-    "INSTALL_HINT",
     "MOONCAKE_CODES",
     "MooncakeEngine",
     "open_mooncake_engine",
     "put_error",
 ]
-
-INSTALL_HINT = (
-    "pip install 'kvpool[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1) and"
-    " apt-get install -y libibverbs1 ibverbs-providers librdmacm1 libnuma1"
-)
 
 #: Mooncake Store's error codes that kvpool meets (mooncake-store/include/types.h)
 MOONCAKE_CODES: dict[int, str] = {

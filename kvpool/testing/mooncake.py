@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.closing import Closing
+from kvpool.mooncake.wheel import INSTALL_HINT, wheel_dir
 from kvpool.net import http_get
 from kvpool.testing.agent import Agent, Ref, kill_group
 
@@ -36,11 +37,7 @@ __all__ = [
     "private_netns",
 ]
 
-INSTALL = (
-    "pip install 'kvpool[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1) and"
-    " apt-get install -y libibverbs1 ibverbs-providers librdmacm1 libnuma1"
-    " (scripts/setup.sh does both)"
-)
+INSTALL = f"{INSTALL_HINT} (scripts/setup.sh does both)"
 
 
 class MooncakeMissing(RuntimeError):
@@ -52,12 +49,10 @@ def mooncake_binary(
 ) -> Path:
     """A binary the wheel ships inside its package (``mooncake_master``, ...);
     ``find_spec`` stands in for :func:`importlib.util.find_spec` in tests."""
-    import importlib.util
-
-    spec = (find_spec or importlib.util.find_spec)("mooncake")
-    if spec is None or not spec.submodule_search_locations:
+    folder = wheel_dir(find_spec)
+    if folder is None:
         raise MooncakeMissing(f"the Mooncake wheel is not installed: {INSTALL}")
-    path = Path(next(iter(spec.submodule_search_locations))) / name
+    path = folder / name
     if not path.exists():
         raise MooncakeMissing(f"{path} is missing from the Mooncake wheel: {INSTALL}")
     return path

@@ -109,9 +109,11 @@ _FILES = {"config.json", "env.sh", "master.sh", "mooncake.json", "node.cred"}  #
 
 
 def doctor_checks() -> set[str]:
-    """Every check name in kvpool/ops/doctor (the names its checks are made with)."""
+    """Every check name in kvpool/ops/doctor and kvpool/mooncake/doctor.py (the names its
+    checks and Mooncake's findings are made with)."""
     found: set[str] = set()
-    for path in (ROOT / "kvpool" / "ops" / "doctor").rglob("*.py"):
+    paths = [*(ROOT / "kvpool" / "ops" / "doctor").rglob("*.py")]
+    for path in [*paths, ROOT / "kvpool" / "mooncake" / "doctor.py"]:
         text = path.read_text(encoding="utf-8")
         found |= {m.group(1) for m in _CHECK_LITERAL.finditer(text)}
     return found - _FILES

@@ -21,10 +21,11 @@ from kvpool.cli import build_parser
 from kvpool.config.node import node_engine, parse_mooncake_config
 from kvpool.errors import ConfigError
 from kvpool.mooncake.up import GUIDE_FLAGS
+from kvpool.mooncake.wheel import master_binary
 from kvpool.net import http_get
 from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
 from kvpool.ops.doctor.checks import Status
-from kvpool.ops.up.lifecycle import STATE_FILE, find_mooncake_master, run
+from kvpool.ops.up.lifecycle import STATE_FILE, run
 from kvpool.ops.up.options import UpOptions, options_from_args
 from kvpool.ops.up.plan import make_plan, planned_ports, ready_text
 from kvpool.ops.up.supervisor import Supervisor
@@ -147,13 +148,13 @@ def test_engine_flag(tmp_path: Path) -> None:
 
 def test_a_missing_wheel_is_one_line_with_the_install_command(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as missing:
-        find_mooncake_master(lambda name: None)
+        master_binary(lambda name: None)
     text = str(missing.value)
     assert "\n" not in text and "pip install 'kvpool[mooncake]'" in text
     empty = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
     with pytest.raises(ConfigError, match="mooncake_master is missing from the Mooncake wheel"):
-        find_mooncake_master(lambda name: empty)
-    assert Path(find_mooncake_master()).name == "mooncake_master"  # the installed wheel
+        master_binary(lambda name: empty)
+    assert Path(master_binary()).name == "mooncake_master"  # the installed wheel
 
 
 def test_a_busy_metrics_port_is_one_line_naming_the_flag(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
@@ -23,12 +23,13 @@ from rich.console import Console
 from kvpool.config.vllm_versions import check_vllm_version, installed_vllm_version
 from kvpool.errors import ConfigError
 from kvpool.mooncake.up import EVERY_INTERFACE
+from kvpool.mooncake.wheel import master_binary
 from kvpool.net import free_port_runs, port_free
 from kvpool.ops.up.options import PORT_FLAGS, UpOptions
 from kvpool.ops.up.plan import UpPlan, make_plan, planned_ports, ready_text
 from kvpool.ops.up.supervisor import Running, StartupFailed, Supervisor, describe_exit, log_tail
 
-__all__ = ["STATE_FILE", "find_mooncake_master", "resolve_ports", "run", "usable_cpus"]
+__all__ = ["STATE_FILE", "resolve_ports", "run", "usable_cpus"]
 
 STATE_FILE = "up.json"
 
@@ -66,25 +67,6 @@ def resolve_ports(opts: UpOptions) -> UpOptions:
         raise ConfigError(f"port 0 (any free port): {exc}; name the ports instead") from None
     ports: dict[str, Any] = dict(zip(names, bases, strict=True))
     return replace(opts, **ports)
-
-
-def find_mooncake_master(find_spec: Callable[[str], Any] | None = None) -> str:
-    """The wheel's ``mooncake_master`` (inside the ``mooncake`` package); ``find_spec``
-    stands in for :func:`importlib.util.find_spec` in tests.  Nothing is imported."""
-    import importlib.util
-
-    from kvpool.mooncake.engine import INSTALL_HINT
-
-    spec = (find_spec or importlib.util.find_spec)("mooncake")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"--engine mooncake: the Mooncake wheel is not installed; {INSTALL_HINT}")
-    path = Path(next(iter(spec.submodule_search_locations))) / "mooncake_master"
-    if not os.access(path, os.X_OK):
-        raise ConfigError(
-            f"--engine mooncake: {path} is missing from the Mooncake wheel; reinstall it:"
-            f" {INSTALL_HINT}"
-        )
-    return str(path)
 
 
 def _check_ports(plan: UpPlan) -> None:
@@ -237,7 +219,7 @@ def run(opts: UpOptions, *, console: Console | None = None) -> int:
     """
     console = console or Console(highlight=False, soft_wrap=True)
     if opts.engine == "mooncake":
-        opts = replace(opts, mooncake_master=find_mooncake_master())
+        opts = replace(opts, mooncake_master=master_binary())
     opts = resolve_ports(opts)
     plan = make_plan(opts)
     _check_vllm(plan)  # what no port or folder can fix is said first
