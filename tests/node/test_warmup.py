@@ -5,6 +5,7 @@ resident in the owner (its /proc/PID/smaps) and ``kvpool status`` says warm; wit
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,13 @@ def test_a_nodes_segment_warmth_reaches_kvpool_status(tmp_path: Path, mode: str)
                 s for s in json.loads(done.stdout)["segments"] if s["client_id"] != "master"
             ]
             assert shown["warm"] == ("warm" if mode == "background" else "off")
+
+
+def test_a_master_stopped_while_it_warms_exits_cleanly_and_leaves_no_segment() -> None:
+    with start_master("--segment_size", "512MiB") as master:
+        # SIGTERM at once: the warmer (done or part-way) is stopped and joined, then the
+        # segment is unmapped and unlinked (looked at before stop() would clean up)
+        master.proc.send_signal(signal.SIGTERM)
+        assert master.proc.wait(60) == 0, "\n".join(master.lines)
+        assert not list(Path("/dev/shm").glob(f"kvpool-{master.pid}-*"))
+    assert not any("Traceback" in line for line in master.lines)
