@@ -35,6 +35,7 @@ from kvpool.config.values import (
     parse_int,
     parse_ratio,
     parse_size,
+    parse_warmup,
     require_str,
 )
 from kvpool.core.eviction import EVICTION_POLICIES, EVICTION_POLICY_ALIASES
@@ -102,6 +103,10 @@ def _size(value: object, key: str) -> int:
     return parse_size(value, key=key)
 
 
+def _warmup(value: object, key: str) -> str:
+    return parse_warmup(value, key=key)
+
+
 def _bool(value: object, key: str) -> bool:
     return parse_bool_value(value, key=key)
 
@@ -159,6 +164,11 @@ class MasterConfig:
     segment_size: int = _flag(
         DEFAULT_SEGMENT_SIZE, _size, "memory the master hosts itself, e.g. 4GB (0: none)"
     )
+    segment_warmup: str = _flag(
+        "background",
+        _warmup,
+        "fault the segment's pages in at start: background (serve at once), sync or off",
+    )
     ssd_offload_path: str = _flag("", _string, "directory of the master's SSD tier")
     ssd_offload_limit: int = _flag(DEFAULT_OFFLOAD_LIMIT, _size, "SSD tier cap, e.g. 100GB")
     eviction_policy: str = _flag("prefix_aware", _string, f"one of {_POLICY_CHOICES}")
@@ -198,6 +208,7 @@ class MasterConfig:
             raise ConfigError("--client_ttl: must be positive seconds (e.g. 120)")
         if self.segment_size < 0 or self.ssd_offload_limit <= 0:
             raise ConfigError("--segment_size/--ssd_offload_limit: must be positive sizes")
+        parse_warmup(self.segment_warmup, key="--segment_warmup")
         if self.eviction_policy not in (*EVICTION_POLICIES, *EVICTION_POLICY_ALIASES):
             raise ConfigError(
                 f"--eviction_policy: unknown {self.eviction_policy!r}; use one of "

@@ -40,6 +40,7 @@ from kvpool.config.values import (
     parse_host_port,
     parse_size,
     parse_timeouts,
+    parse_warmup,
 )
 from kvpool.errors import ConfigError
 from kvpool.security.tls import TLSConfig
@@ -79,6 +80,7 @@ class NodeConfig:
     device_name: str = ""
     transport: str = TRANSPORT_KVPOOL  # who moves P→D pages: kvpool's TCP or the Transfer Engine
     global_segment_size: int = DEFAULT_SEGMENT_SIZE
+    segment_warmup: str = "background"  # when its pages are faulted in (WARMUP_MODES)
     enable_ssd_offload: bool = False
     ssd_offload_path: str = ""
     ssd_offload_limit: int = DEFAULT_OFFLOAD_LIMIT
@@ -110,6 +112,7 @@ NODE_KEYS: dict[str, str] = {
     "device_name": "RDMA NIC name(s), comma-separated, as /sys/class/infiniband lists them",
     "transport": "who moves P→D KV: kvpool (tcp only) or transfer_engine (default for rdma)",
     "global_segment_size": "memory this node contributes to the pool (size)",
+    "segment_warmup": "fault the segment's pages in at start: background, sync or off",
     "enable_ssd_offload": "keep evicted blocks on SSD under ssd_offload_path",
     "ssd_offload_path": "directory of the SSD tier (required with enable_ssd_offload)",
     "ssd_offload_limit": "SSD tier cap (size; env OFFLOAD_TOTAL_SIZE_LIMIT_BYTES wins)",
@@ -220,6 +223,9 @@ def parse_node_config(
         transport=transport,
         global_segment_size=parse_size(
             data.get("global_segment_size", DEFAULT_SEGMENT_SIZE), key="global_segment_size"
+        ),
+        segment_warmup=parse_warmup(
+            data.get("segment_warmup", "background"), key="segment_warmup" + where
         ),
         enable_ssd_offload=enable_ssd,
         ssd_offload_path=ssd_path,

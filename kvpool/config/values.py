@@ -24,6 +24,7 @@ __all__ = [
     "OFFLOAD_LIMIT_VARS",
     "SIZE_CONVENTION",
     "TRANSFER_TIMEOUT_VARS",
+    "WARMUP_MODES",
     "Timeouts",
     "env_lookup",
     "parse_bool_value",
@@ -32,6 +33,7 @@ __all__ = [
     "parse_ratio",
     "parse_size",
     "parse_timeouts",
+    "parse_warmup",
     "require_str",
 ]
 
@@ -130,6 +132,24 @@ def parse_bool_value(value: object, *, key: str) -> bool:
         if word in _TRUE or word in _FALSE:
             return word in _TRUE
     raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+#: when a segment's pages are faulted in: in a background thread while the process
+#: already serves (the default), before it serves, or never (each on its first touch)
+WARMUP_MODES = ("background", "sync", "off")
+
+
+def parse_warmup(value: object, *, key: str) -> str:
+    """A warm-up mode; a boolean means background (true) or off (false)."""
+    word = str(value).strip().lower()
+    if word not in WARMUP_MODES and (isinstance(value, bool) or word in (*_TRUE, *_FALSE)):
+        word = "background" if parse_bool_value(word, key=key) else "off"
+    if word not in WARMUP_MODES:
+        raise ConfigError(
+            f"{key}: {value!r} is not a warm-up mode; use background (warm soon after "
+            "start), sync (warm before serving) or off (each page faults on first touch)"
+        )
+    return word
 
 
 def parse_int(value: object, *, key: str, minimum: int = 0) -> int:

@@ -54,6 +54,20 @@ class MasterClients:
         self.endpoints: dict[str, Endpoint] = {}  # segment_id -> endpoint
         self.addresses: dict[str, tuple[str, str]] = {}  # client id -> (data addr, token)
         self.local: dict[str, LocalStorage] = {}  # storage hosted in this very process
+        # memory segment id -> (warm state, bytes warmed), as its remote owner last said
+        self.warmth: dict[str, tuple[str, int]] = {}
+
+    def warmth_of(self, segment_id: str) -> tuple[str, int] | None:
+        """How far a memory segment's pages are faulted in, as its owner says (an
+        in-process owner: now); None when its owner never said."""
+        seg = self.index.registry.segments.get(segment_id)
+        if seg is None:
+            return None
+        local = self.local.get(seg.client_id)
+        if local is not None and local.segment_id == segment_id:
+            warmth = local.warmth
+            return (warmth.state, warmth.warmed) if warmth is not None else None
+        return self.warmth.get(segment_id)
 
     def address_of(self, client_id: str) -> str:
         """The data address of a storage owner ("" : none known)."""
@@ -122,6 +136,8 @@ class MasterClients:
         )
         address, token = self.addresses.get(req.client_id, ("", ""))
         self.endpoints[req.segment_id] = Endpoint(address, req.shm_name, token)
+        if req.warm:
+            self.warmth[req.segment_id] = (req.warm, req.warmed)
         if req.client_id not in self.local:
             self.outbox.watch(req.client_id)
             self.index.defer_copies(req.client_id)  # a node copies on its own time
@@ -136,6 +152,11 @@ class MasterClients:
 
     def heartbeat(self, req: m.Heartbeat, now: int) -> m.HeartbeatReply:
         self.index.heartbeat(req.client_id, now)
+        segments = self.index.registry.segments
+        for segment_id, state, warmed in req.warmth:
+            seg = segments.get(segment_id)
+            if seg is not None and seg.client_id == req.client_id:  # only its own
+                self.warmth[segment_id] = (state, warmed)
         self.outbox.confirm(req.client_id)  # it applied the last reply's changes
         changes = self.outbox.take(req.client_id)
         return m.HeartbeatReply(changes.added, changes.removed)
@@ -168,6 +189,7 @@ class MasterClients:
         latest), and the /dev/shm segment a dropped owner of this host left if it died."""
         for segment_id in list(self.endpoints):
             if segment_id not in self.index.registry.segments:
+                self.warmth.pop(segment_id, None)
                 ep = self.endpoints.pop(segment_id)
                 if ep.shm_name and remove_if_owner_dead(ep.shm_name, ep.host_token):
                     log.info("removed %s: its owner is gone", ep.shm_name)

@@ -102,6 +102,17 @@ class MasterMetrics:
         self.active_leases = Gauge(
             "kvpool_active_leases", "unexpired read leases and pins", registry=r
         )
+        self.warm_bytes = Gauge(
+            "kvpool_memory_warm_bytes",
+            "memory segment bytes whose pages are faulted in (of kvpool_tier_capacity_bytes"
+            '{tier="memory"}; segments whose owner does not say count as none)',
+            registry=r,
+        )
+        self.segments_warming = Gauge(
+            "kvpool_segments_warming",
+            "memory segments whose pages are being faulted in",
+            registry=r,
+        )
         self.lookups = Counter(
             "kvpool_lookups", "get requests (denominator of hits)", ["kind"], registry=r
         )
@@ -176,6 +187,9 @@ class MasterMetrics:
             self.tier_used.labels(tier=tier.value).set(used)
             self.tier_objects.labels(tier=tier.value).set(idx.count(tier))
         self.active_leases.set(idx.active_leases(master.clock()))
+        warm = [master.clients.warmth_of(seg) for seg in idx.registry.segments]
+        self.warm_bytes.set(sum(w[1] for w in warm if w is not None))
+        self.segments_warming.set(sum(1 for w in warm if w is not None and w[0] == "warming"))
         tiers = [o.ssd.stats for o in master.clients.local.values() if o.ssd is not None]
         self.ssd_corruptions.set(sum(stats.corruptions for stats in tiers))
         self.ssd_bad_files.set(sum(stats.bad_headers for stats in tiers))

@@ -489,6 +489,7 @@ class MasterServer:
                 names=MASTER_SETTINGS,
                 credential=self.credential,
                 tls=self.tls,
+                warmup=cfg.segment_warmup,
             )
             self.storage.start()
             self.service.attach_local(self.storage)

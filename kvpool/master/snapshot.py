@@ -39,6 +39,7 @@ def pool_snapshot(service: MasterService) -> dict[str, Any]:
     return {
         "uptime_s": (now - service.started_ms) / 1000,
         "tiers": tiers,
+        "segments": _segments(service),
         "objects": len(idx),
         "pending": idx.count(state=State.PENDING),
         "clients": clients,
@@ -58,3 +59,24 @@ def pool_snapshot(service: MasterService) -> dict[str, Any]:
         "recent_errors": list(service.recent_errors),
         "config": service.config_view,
     }
+
+
+def _segments(service: MasterService) -> list[dict[str, Any]]:
+    """Each memory segment, with how far its pages are faulted in ("warm": off,
+    warming, warm, failed; or unknown when its owner does not say)."""
+    out = []
+    for seg in service.index.registry.segments.values():
+        if seg.tier is not Tier.MEMORY:
+            continue
+        state, warmed = service.clients.warmth_of(seg.segment_id) or ("unknown", 0)
+        out.append(
+            {
+                "segment_id": seg.segment_id,
+                "client_id": seg.client_id,
+                "capacity": seg.capacity,
+                "used": seg.capacity - seg.space.free,
+                "warm": state,
+                "warmed_bytes": warmed,
+            }
+        )
+    return out

@@ -125,6 +125,7 @@ class NodeService:
             ssd_limit=config.ssd_offload_limit if ssd else 0,
             credential=credential,
             tls=tls.server_context(),
+            warmup=config.segment_warmup,
         )
         self.master = Client(
             config.master_address,
@@ -150,6 +151,7 @@ class NodeService:
         self.registrations = 0
         self._register_pending = False
         self._announce_pending = False
+        self._warmth_said: tuple[str, int] | None = None  # what the master last heard
 
     # ------------------------------------------------------------------------- lifetime
     def start(self) -> str:
@@ -185,6 +187,7 @@ class NodeService:
         assert isinstance(reply, m.RegisterReply)
         self.heartbeat_s = max(0.05, reply.heartbeat_interval_ms / 1000)
         assert st.segment is not None
+        warmth = st.segment.warmth
         # with a catalog to re-announce, new puts wait until it is (_restore says done)
         self.master.call(
             m.AddSegment(
@@ -194,8 +197,11 @@ class NodeService:
                 "memory",
                 st.shm_name,
                 restoring=bool(self.catalog or self.noted),
+                warm=warmth.state,
+                warmed=warmth.warmed,
             )
         )
+        self._warmth_said = (warmth.state, warmth.warmed)
         if st.ssd is not None:
             self.master.call(m.AddSegment(self.client_id, st.ssd_segment_id, st.ssd_limit, "ssd"))
         self.registrations += 1
@@ -263,13 +269,16 @@ class NodeService:
         if self._register_pending:
             self._register()
             return False
+        news = self._warmth_news()
         try:
-            reply = self.master.call(m.Heartbeat(self.client_id))
+            reply = self.master.call(m.Heartbeat(self.client_id, news))
         except UnknownClient:
             log.warning("the master does not know this node (restarted?): registering again")
             self._register()
             return False
         assert isinstance(reply, m.HeartbeatReply)
+        if news:
+            self._warmth_said = (news[0][1], news[0][2])
         with self._noted_lock:
             noted = self.noted
             for key, _segment, offset, size, csum in reply.added:
@@ -285,6 +294,16 @@ class NodeService:
         if self._announce_pending:
             self._announce()
         return bool(reply.added or reply.removed)
+
+    def _warmth_news(self) -> list[m.WarmthReport]:
+        """The memory segment's warmth, when it changed since the master last heard it."""
+        st = self.storage
+        if st.segment is None:
+            return []
+        warmth = st.segment.warmth
+        if (warmth.state, warmth.warmed) == self._warmth_said:
+            return []
+        return [(st.segment_id, warmth.state, warmth.warmed)]
 
     def _loop(self) -> None:
         # The master holds a heartbeat until it has changes for us or its interval

@@ -21,6 +21,7 @@ from kvpool.datapath.segment_server import SegmentServer
 from kvpool.datapath.shm import host_token
 from kvpool.errors import ChecksumMismatch, ConfigError, KVPoolError, NoSpace, ProtocolError
 from kvpool.security.credentials import Credential
+from kvpool.storage.pages import Warmth
 from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
 from kvpool.storage.ssd import SsdStore
 
@@ -148,7 +149,10 @@ def _reason(exc: OSError) -> str:
 
 # What is set up when: the data port is bound first, then the SSD tier is opened, then the
 # free space of ``/dev/shm`` is checked against the segment, and only then is the segment
-# allocated -- so a busy port, an unusable SSD path or a small ``/dev/shm`` is a one-line
+# allocated -- its memory committed (``posix_fallocate``) whatever the warm-up mode, so a
+# tmpfs too small is refused here, never a SIGBUS on a later write -- and then warmed
+# (its pages faulted in: now with ``sync``, in a thread with ``background``).  So a busy
+# port, an unusable SSD path or a small ``/dev/shm`` is a one-line
 # :class:`~kvpool.errors.ConfigError` naming the setting and its fix, with nothing left
 # behind (a failure part-way closes what was set up).  The settings are named as the
 # process's own configuration spells them (:class:`SettingNames`).
@@ -174,9 +178,11 @@ class LocalStorage:
         serve: bool = True,
         credential: Credential | None = None,
         tls: ssl.SSLContext | None = None,
+        warmup: str = "background",
     ) -> None:
         """``serve=False``: an in-process pool that never starts the data server, so no
-        port is bound for it (:meth:`start` would bind one then)."""
+        port is bound for it (:meth:`start` would bind one then).  ``warmup``: when the
+        segment's pages are faulted in (:data:`~kvpool.config.values.WARMUP_MODES`)."""
         self.client_id = client_id
         self.segment_id = f"{client_id}/mem"
         self.ssd_segment_id = f"{client_id}/ssd"
@@ -198,7 +204,7 @@ class LocalStorage:
         try:
             self.ssd = self._open_ssd(ssd_path, ssd_limit, names.ssd)
             self.server.ssd = self.ssd
-            self.segment = self._create_segment(segment_size, names.segment)
+            self.segment = self._create_segment(segment_size, names.segment, warmup)
         except BaseException:
             self.server.close()
             raise
@@ -219,20 +225,28 @@ class LocalStorage:
             raise ConfigError(str(exc).replace("ssd_offload_path", setting, 1)) from None
 
     @staticmethod
-    def _create_segment(size: int, setting: str) -> Segment | None:
+    def _create_segment(size: int, setting: str, warmup: str) -> Segment | None:
         if not size:
             return None
         remove_stale_segments()  # what a SIGKILLed predecessor left in /dev/shm
         check_shm_space(size, setting)
         try:
-            return Segment.create(size)
+            segment = Segment.create(size, populate=warmup == "sync")
         except NoSpace as exc:  # the space went between the check and the allocation
             raise ConfigError(_shm_fix(size, setting, str(exc))) from None
+        if warmup == "background":
+            segment.warm_in_background()
+        return segment
 
     def start(self) -> str:
         host, port = self.server.start()
         self.data_address = f"{host}:{port}"
         return self.data_address
+
+    @property
+    def warmth(self) -> Warmth | None:
+        """How far the memory segment's pages are faulted in (None: no segment)."""
+        return self.segment.warmth if self.segment is not None else None
 
     @property
     def shm_name(self) -> str:

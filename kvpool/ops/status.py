@@ -43,6 +43,7 @@ __all__ = [
     "PoolSnapshot",
     "Rates",
     "Ratio",
+    "SegmentInfo",
     "StatusOptions",
     "TierUse",
     "default_master",
@@ -91,6 +92,33 @@ class TierUse:
 
 
 @dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """A memory segment and how far its pages are faulted in (``warm``: off, warming,
+    warm, failed, or unknown when its owner does not say)."""
+
+    segment_id: str
+    client_id: str
+    capacity: int
+    used: int
+    warm: str
+    warmed_bytes: int
+
+    def pages(self) -> str:
+        """The warmth in words, with its progress while warming."""
+        if self.warm == "warming":
+            pct = 100 * self.warmed_bytes / self.capacity if self.capacity else 100.0
+            return (
+                f"warming {pct:.0f}% ({format_bytes(self.warmed_bytes)} of "
+                f"{format_bytes(self.capacity)})"
+            )
+        return {
+            "warm": "warm",
+            "off": "off (each page faults on first touch)",
+            "failed": "failed (pages fault on first touch; see the owner's log)",
+        }.get(self.warm, self.warm)
+
+
+@dataclass(frozen=True, slots=True)
 class ClientInfo:
     client_id: str
     address: str
@@ -123,6 +151,7 @@ class PoolSnapshot:
     errors: dict[str, float] = field(default_factory=dict)  # error code -> replies
     recent_errors: tuple[str, ...] = ()
     config: dict[str, Any] = field(default_factory=dict)  # the flags the master runs with
+    segments: tuple[SegmentInfo, ...] = ()  # memory segments, with their warmth
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -183,6 +212,17 @@ def parse_snapshot(master: str, status: Mapping[str, Any], metrics_text: str) ->
             )
             for c in status["clients"]
         )
+        segments = tuple(
+            SegmentInfo(
+                str(seg["segment_id"]),
+                str(seg["client_id"]),
+                int(seg["capacity"]),
+                int(seg.get("used", 0)),
+                str(seg.get("warm", "unknown")),
+                int(seg.get("warmed_bytes", 0)),
+            )
+            for seg in status.get("segments", ())
+        )
         lookups = status["lookups"]
         stats = status["stats"]
         uptime_s = float(status["uptime_s"])
@@ -217,6 +257,7 @@ def parse_snapshot(master: str, status: Mapping[str, Any], metrics_text: str) ->
         errors=_by_label(samples, "kvpool_request_errors_total", "code"),
         recent_errors=tuple(str(e) for e in status.get("recent_errors", ())),
         config=dict(status.get("config") or {}),
+        segments=segments,
     )
 
 
@@ -302,6 +343,18 @@ def render(snapshot: PoolSnapshot, rate: Rates | None = None) -> RenderableType:
             f"{rate.evictions_per_s:,.1f} evictions/s · {rate.offloads_per_s:,.1f} offloads/s",
         )
 
+    segments = Table(title="Memory segments", title_justify="left")
+    for col in ("segment", "owner", "size", "pages"):
+        segments.add_column(col, justify="right" if col == "size" else "left")
+    for seg in s.segments:
+        style = {"warm": "green", "warming": "yellow", "failed": "red"}.get(seg.warm, "dim")
+        segments.add_row(
+            seg.segment_id,
+            seg.client_id,
+            format_bytes(seg.capacity),
+            Text(seg.pages(), style=style),
+        )
+
     clients = Table(title=f"Clients ({len(s.clients)})", title_justify="left")
     for col in ("client", "address", "last heartbeat", "segments"):
         clients.add_column(col, justify="right" if col == "last heartbeat" else "left")
@@ -326,7 +379,15 @@ def render(snapshot: PoolSnapshot, rate: Rates | None = None) -> RenderableType:
         errors = Text("No recent errors", style="green")
     shown = {k: v for k, v in s.config.items() if k not in ("host", "port")}
     flags = Text("flags: " + "  ".join(f"{k}={v}" for k, v in shown.items()), style="dim")
-    return Group(head, *([flags] if shown else []), tiers, pool, clients, errors)
+    return Group(
+        head,
+        *([flags] if shown else []),
+        tiers,
+        *([segments] if s.segments else []),
+        pool,
+        clients,
+        errors,
+    )
 
 
 # --------------------------------------------------------------------------------- I/O

@@ -47,6 +47,7 @@ __all__ = [
     "SetQuota",
     "Stats",
     "StatsReply",
+    "WarmthReport",
 ]
 
 
@@ -83,10 +84,20 @@ class AddSegment(msgspec.Struct, frozen=True, tag=True):
     # the owner re-announces objects it holds in this segment (Restore) before any new
     # put may be placed there; its last Restore says ``done``
     restoring: bool = False
+    # how far its pages are faulted in: off / warming / warm / failed ("": not said),
+    # and the bytes done; a heartbeat carries the changes (``Heartbeat.warmth``)
+    warm: str = ""
+    warmed: int = 0
+
+
+#: (segment_id, warm state, bytes warmed), as in ``AddSegment.warm`` / ``warmed``
+WarmthReport = tuple[str, str, int]
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     client_id: str
+    # the sender's segments whose warmth changed since it last said (for kvpool status)
+    warmth: list[WarmthReport] = []
 
 
 class HeartbeatReply(msgspec.Struct, frozen=True, tag=True):

@@ -10,14 +10,12 @@ and warns about "leaked" blocks; neither is right for a segment owned by one nod
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any
 from kvpool.closing import Closing
 from kvpool.errors import ConfigError, NoSpace, PoolError
 from kvpool.storage.buffers import byte_view, copy_bytes, writable_byte_view
+from kvpool.storage.pages import Warmer, Warmth, populate
 
 __all__ = [
     "SHM_DIR",
@@ -44,61 +43,12 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _DEFAULT_NAME = re.compile(r"^kvpool-(\d+)-[0-9a-f]{12}$")
 
 
-# madvise(MADV_POPULATE_WRITE) (Linux >= 5.14) faults a range in, writable, in one call.
-# Python 3.11's mmap lacks the constant; its value is fixed by the kernel ABI (23 in
-# asm-generic/mman-common.h, and on every architecture that has it).
-_POPULATE_WRITE: int | None = getattr(
-    mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None
-)
-# Populate this much per call: one madvise holds the GIL (it does not release it), and
-# 32 MiB takes ~10 ms in the owner (zeroing included), ~5 ms in a process attaching.
-POPULATE_CHUNK = 32 << 20
-
-
-def _touch(mapping: mmap.mmap, start: int, length: int) -> None:
-    """Fault pages in by reading one byte of each (content untouched, in C)."""
-    with memoryview(mapping) as whole:
-        bytes(whole[start : start + length : mmap.PAGESIZE])
-
-
-# - Pages are populated up front, in the owner at creation and in every process that
-#   attaches (:func:`populate`).  A first write to a page otherwise costs a page fault in
-#   *each* process that touches it: a 1 MiB copy into untouched pages took ~9x one into
-#   pages written before.  ``posix_fallocate`` already committed the memory; populating
-#   adds the page tables (2 MiB per GiB per process) and moves the zeroing to start-up.
-def populate(mapping: mmap.mmap, *, owner: bool) -> None:
-    """Map every page of ``mapping`` now, so later copies do not page-fault.
-
-    ``MADV_POPULATE_WRITE`` where the kernel has it; where it does not (EINVAL: a kernel
-    before 5.14, or no such constant), one byte of each page is read instead: as fast
-    here (a read fault on a shared tmpfs mapping maps the page writable) though without
-    the kernel's promise, so the madvise is preferred.  Done in chunks, so other threads
-    of the process run in between.  A failure other than EINVAL means the memory is not
-    there (ENOMEM, or EFAULT for a SIGBUS): for the owner that is :class:`NoSpace` now,
-    not a SIGBUS on some later write; a process attaching only logs it and keeps the
-    lazy mapping (the owner's pages exist; only its own page tables are missing).
-    """
-    global _POPULATE_WRITE
-    size = len(mapping)
-    for start in range(0, size, POPULATE_CHUNK):
-        length = min(POPULATE_CHUNK, size - start)
-        advice = _POPULATE_WRITE
-        if advice is not None:
-            try:
-                mapping.madvise(advice, start, length)
-                continue
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    if owner:
-                        raise NoSpace(
-                            f"cannot populate {size} bytes of shared memory: {exc}"
-                        ) from None
-                    log.warning("shared memory not populated (%s): pages fault lazily", exc)
-                    return
-                _POPULATE_WRITE = None  # this kernel does not know it: never ask again
-        _touch(mapping, start, length)
-
-
+# - Pages are populated up front (:mod:`kvpool.storage.pages`): in the owner at creation
+#   or soon after (:meth:`Segment.warm_in_background`), and in every process that
+#   attaches.  A first write to a page otherwise costs a page fault in *each* process
+#   that touches it: a 1 MiB copy into untouched pages took ~9x one into pages written
+#   before.  ``posix_fallocate`` already committed the memory; populating adds the page
+#   tables (2 MiB per GiB per process) and moves the zeroing to start-up.
 _populate = populate  # create()/attach() take a ``populate`` flag that shadows it
 
 
@@ -215,8 +165,16 @@ class Segment(Closing):
     """
 
     def __init__(
-        self, name: str, path: Path, mapping: mmap.mmap, *, owner: bool, lock_fd: int = -1
+        self,
+        name: str,
+        path: Path,
+        mapping: mmap.mmap,
+        *,
+        owner: bool,
+        lock_fd: int = -1,
+        warmed: bool = False,
     ) -> None:
+        """``warmed``: every page was populated already (``populate=True``)."""
         self.name = name
         self.path = path
         self.size = len(mapping)
@@ -224,6 +182,9 @@ class Segment(Closing):
         self._mmap: mmap.mmap | None = mapping
         self._view: memoryview | None = memoryview(mapping)
         self._lock_fd = lock_fd  # the owner's open file, holding its flock while it lives
+        self._warmer: Warmer | None = None  # populating in the background, or done
+        size = self.size
+        self._warmth = Warmth("warm", size, size) if warmed else Warmth("off", 0, size)
         # an owner that is collected or exits without close() still unlinks its name (not
         # on SIGKILL: then the next node's remove_stale_segments does)
         self._at_exit = (
@@ -274,7 +235,7 @@ class Segment(Closing):
             path.unlink(missing_ok=True)
             raise
         # the mapping keeps the memory; the fd keeps the flock that says we are alive
-        return cls(name, path, mapping, owner=True, lock_fd=fd)
+        return cls(name, path, mapping, owner=True, lock_fd=fd, warmed=populate)
 
     @classmethod
     def attach(cls, name: str, *, directory: Path = SHM_DIR, populate: bool = True) -> Segment:
@@ -298,7 +259,21 @@ class Segment(Closing):
             os.close(fd)
         if populate:
             _populate(mapping, owner=False)
-        return cls(name, path, mapping, owner=False)
+        return cls(name, path, mapping, owner=False, warmed=populate)
+
+    @property
+    def warmth(self) -> Warmth:
+        """How far this mapping's pages are faulted in."""
+        return self._warmer.warmth if self._warmer is not None else self._warmth
+
+    def warm_in_background(self) -> None:
+        """Populate the pages in a thread of their own (a segment made with
+        ``populate=False``); :meth:`close` stops it.  A no-op when warm or warming."""
+        if self._mmap is None:
+            raise PoolError(f"segment {self.name!r} is closed")
+        if self._warmer is None and self._warmth.state != "warm":
+            self._warmer = Warmer(self._mmap, self.name)
+            self._warmer.start()
 
     @property
     def closed(self) -> bool:
@@ -339,6 +314,8 @@ class Segment(Closing):
         """Unmap, and unlink the name if this process created it.  Idempotent."""
         if self._view is None:
             return
+        if self._warmer is not None:
+            self._warmer.stop()  # before the unmap: it works on the mapping's addresses
         self._view.release()
         self._view = None
         mapping, self._mmap = self._mmap, None

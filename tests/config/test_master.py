@@ -58,6 +58,7 @@ def test_master_parses_the_guides_command_lines_as_written() -> None:
         ({"enable_offload": "maybe"}, "--enable_offload"),
         ({"segment_size": "big"}, "--segment_size"),
         ({"eviction_policy": "random"}, "--eviction_policy"),
+        ({"segment_warmup": "eager"}, "--segment_warmup"),
         ({"rpc_thread_num": "4"}, "--rpc_thread_num"),
     ],
 )
@@ -70,6 +71,8 @@ def test_master_flags_out_of_range_name_the_flag(flags: dict[str, object], flag:
 def test_master_typed_construction_is_validated_too() -> None:
     with pytest.raises(ConfigError, match="--eviction_ratio"):
         MasterConfig(eviction_ratio=2.0)
+    with pytest.raises(ConfigError, match="--segment_warmup"):
+        MasterConfig(segment_warmup="eager")
 
 
 def test_every_master_field_is_a_flag_declared_once() -> None:

@@ -140,6 +140,7 @@ def test_load_node_config_probes_this_machine_for_rdma(tmp_path: Path) -> None:
         ({"ssd_offload_path": ""}, "ssd_offload_path"),
         ({"local_hostname": 17}, "local_hostname"),
         ({"transfer_timeout_ms": 0}, "transfer_timeout_ms"),
+        ({"segment_warmup": "eager"}, "segment_warmup"),
     ],
 )
 def test_unknown_keys_and_bad_values_are_errors_naming_the_key(
@@ -148,6 +149,12 @@ def test_unknown_keys_and_bad_values_are_errors_naming_the_key(
     with pytest.raises(ConfigError) as err:
         parse_node_config({**GUIDE_NODE, **change})
     assert key in str(err.value)
+
+
+def test_segment_warmup_defaults_to_background_and_takes_each_mode() -> None:
+    assert parse_node_config(GUIDE_NODE).segment_warmup == "background"
+    for mode in ("sync", "off"):
+        assert parse_node_config({**GUIDE_NODE, "segment_warmup": mode}).segment_warmup == mode
 
 
 def test_missing_required_keys_are_named() -> None:

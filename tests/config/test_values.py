@@ -11,6 +11,7 @@ from kvpool.config import (
     parse_size,
     parse_timeouts,
 )
+from kvpool.config.values import parse_warmup
 from kvpool.errors import ConfigError
 
 
@@ -112,3 +113,24 @@ def test_a_mooncake_size_means_the_same_bytes_to_kvpool_and_to_mooncake(text: st
 def test_a_size_kvpool_writes_for_mooncake_reads_back_the_same(n: int) -> None:
     # what render writes into a Mooncake mooncake.json: plain bytes
     assert mooncake_size(str(n)) == parse_size(str(n), key="k") == n
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [
+        ("background", "background"),
+        (" SYNC ", "sync"),
+        ("off", "off"),
+        (True, "background"),
+        ("false", "off"),
+        ("no", "off"),
+    ],
+)
+def test_parse_warmup_takes_each_mode_and_a_boolean(value: object, mode: str) -> None:
+    assert parse_warmup(value, key="segment_warmup") == mode
+
+
+@pytest.mark.parametrize("value", ["eager", "", None, 2])
+def test_parse_warmup_refuses_anything_else_naming_the_key_and_the_modes(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"segment_warmup: .* use background .* sync .* off"):
+        parse_warmup(value, key="segment_warmup")

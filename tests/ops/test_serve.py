@@ -95,10 +95,13 @@ def test_master_on_another_hosts_address_without_a_credential_names_the_fixes() 
     assert "--secret_file" in line and "--insecure" in line
 
 
-def test_master_segment_larger_than_dev_shm_names_the_fixes() -> None:
+@pytest.mark.parametrize("warmup", ["background", "sync", "off"])
+def test_master_segment_larger_than_dev_shm_names_the_fixes(warmup: str) -> None:
+    # whatever the warm-up mode, the memory is committed before the master serves
     size = str(too_big_for_shm())
     line = assert_one_line_exit_2(
-        ("master", "--port", "0", "--segment_size", size), names="--segment_size"
+        ("master", "--port", "0", "--segment_size", size, "--segment_warmup", warmup),
+        names="--segment_size",
     )
     assert "shm_size" in line and "ipc: host" in line
 
@@ -173,8 +176,9 @@ def test_node_on_a_busy_data_port_says_so_before_allocating(tmp_path: Path, busy
     assert "already in use" in line
 
 
-def test_node_segment_larger_than_dev_shm_names_the_fixes(tmp_path: Path) -> None:
-    config = node_config(tmp_path, global_segment_size=too_big_for_shm())
+@pytest.mark.parametrize("warmup", ["background", "off"])
+def test_node_segment_larger_than_dev_shm_names_the_fixes(tmp_path: Path, warmup: str) -> None:
+    config = node_config(tmp_path, global_segment_size=too_big_for_shm(), segment_warmup=warmup)
     line = assert_one_line_exit_2(("node", "--config", str(config)), names="global_segment_size")
     assert "shm_size" in line and "ipc: host" in line
 

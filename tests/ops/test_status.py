@@ -150,6 +150,27 @@ def test_render_empty_pool_says_so() -> None:
     assert "No recent errors" in text
 
 
+def test_render_shows_each_memory_segments_warmth_with_progress() -> None:
+    gib = 2**30
+    segments = [
+        {"segment_id": "node-p0/mem", "client_id": "node-p0", "capacity": 4 * gib,
+         "used": gib, "warm": "warming", "warmed_bytes": 3 * gib // 2},
+        {"segment_id": "node-d0/mem", "client_id": "node-d0", "capacity": gib,
+         "used": 0, "warm": "warm", "warmed_bytes": gib},
+        {"segment_id": "node-d1/mem", "client_id": "node-d1", "capacity": gib,
+         "used": 0, "warm": "off", "warmed_bytes": 0},
+    ]  # fmt: skip
+    snap = parse_snapshot("m:1", dict(STATUS, segments=segments), METRICS)
+    assert [s.warm for s in snap.segments] == ["warming", "warm", "off"]
+    text = screen(snap)
+    assert "Memory segments" in text
+    assert "warming 38% (1.5 GiB of 4.0 GiB)" in text
+    assert "off (each page faults on first touch)" in text
+    assert json.loads(json.dumps(snap.to_json()))["segments"][0]["warmed_bytes"] == 3 * gib // 2
+    # a master that reports no segments (older): no table, nothing else changes
+    assert "Memory segments" not in screen(parse_snapshot("m:1", STATUS, METRICS))
+
+
 def test_rates_between_two_snapshots() -> None:
     first = parse_snapshot("m:1", STATUS, METRICS)
     second = parse_snapshot(

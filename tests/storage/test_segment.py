@@ -6,6 +6,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -14,8 +15,11 @@ import numpy as np
 import pytest
 
 from kvpool.errors import ConfigError, NoSpace, PoolError
+from kvpool.storage import pages
 from kvpool.storage import segment as segment_module
+from kvpool.storage.pages import Warmth
 from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -166,19 +170,53 @@ def test_populate_false_maps_lazily() -> None:
         assert untouched == 0 and 4096 <= written < SIZE
 
 
+def test_warmth_says_whether_the_pages_were_populated() -> None:
+    with Segment.create(SIZE) as warm, Segment.create(SIZE, populate=False) as lazy:
+        assert warm.warmth == Warmth("warm", SIZE, SIZE)
+        assert lazy.warmth == Warmth("off", 0, SIZE)
+
+
+def test_warming_in_the_background_populates_every_page_and_keeps_writes() -> None:
+    size = 64 << 20
+    with Segment.create(size, populate=False) as owner:
+        assert resident(owner.path) == [0]
+        owner.warm_in_background()
+        # clients write while it warms: populating never changes content
+        for offset in range(0, size, 1 << 20):
+            owner.write(offset, offset.to_bytes(8, "little"))
+        warmth = wait_until(lambda: owner.warmth.state == "warm" and owner.warmth)
+        assert warmth == Warmth("warm", size, size)
+        assert resident(owner.path) == [size]
+        for offset in range(0, size, 1 << 20):
+            assert owner.read(offset, 8) == offset.to_bytes(8, "little")
+        owner.warm_in_background()  # warm already: nothing more to do
+        assert owner.warmth.state == "warm"
+
+
+def test_closing_a_warming_segment_stops_its_warmer_and_unlinks() -> None:
+    owner = Segment.create(256 << 20, populate=False)
+    owner.warm_in_background()
+    owner.close()  # whether it got far or not: stopped and joined before the unmap
+    assert owner.warmth.state in ("stopped", "warm")
+    assert not owner.path.exists()
+    assert not [t for t in threading.enumerate() if t.name == f"kvpool-warm-{owner.name}"]
+    with pytest.raises(PoolError, match="closed"):
+        owner.warm_in_background()
+
+
 def test_without_madvise_populate_falls_back_to_touching_each_page(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     touched: list[tuple[int, int]] = []
-    touch = segment_module._touch
+    touch = pages._touch
 
     def spy(mapping: mmap.mmap, start: int, length: int) -> None:
         touched.append((start, length))
         touch(mapping, start, length)
 
-    monkeypatch.setattr(segment_module, "_POPULATE_WRITE", None)  # a Python/OS without it
-    monkeypatch.setattr(segment_module, "_touch", spy)
-    monkeypatch.setattr(segment_module, "POPULATE_CHUNK", 1 << 20)
+    monkeypatch.setattr(pages, "_POPULATE_WRITE", None)  # a Python/OS without it
+    monkeypatch.setattr(pages, "_touch", spy)
+    monkeypatch.setattr(pages, "POPULATE_CHUNK", 1 << 20)
     size = SIZE + 4096 + 10  # a last chunk of one page and a bit
     with Segment.create(size) as owner:
         owner.write(size - 3, b"end")
@@ -196,9 +234,9 @@ def test_a_kernel_refusing_the_advice_falls_back_once_and_for_all(
 ) -> None:
     # an advice number no kernel knows: madvise fails with EINVAL, as MADV_POPULATE_WRITE
     # does before Linux 5.14
-    monkeypatch.setattr(segment_module, "_POPULATE_WRITE", 0x7FFF)
+    monkeypatch.setattr(pages, "_POPULATE_WRITE", 0x7FFF)
     with Segment.create(SIZE) as owner:
-        assert segment_module._POPULATE_WRITE is None  # not asked again
+        assert pages._POPULATE_WRITE is None  # not asked again
         assert resident(owner.path) == [SIZE]
         assert owner.read(0, SIZE) == bytes(SIZE)
 
@@ -216,7 +254,7 @@ class _FailingMapping:
 def test_no_memory_to_populate_is_no_space_for_the_owner_and_lazy_for_others(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(segment_module, "_POPULATE_WRITE", 23)
+    monkeypatch.setattr(pages, "_POPULATE_WRITE", 23)
     fake = cast(mmap.mmap, _FailingMapping())
     with pytest.raises(NoSpace, match="cannot populate"):
         segment_module.populate(fake, owner=True)
