@@ -13,7 +13,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-from kvpool.core.prefix_nodes import ORPHAN, QUEUED, RUN, Node, take_in_order, take_passed
+from kvpool.core.prefix_nodes import (
+    ORPHAN,
+    QUEUED,
+    RUN,
+    Node,
+    detach,
+    new_node,
+    orphans_below,
+    take_in_order,
+    take_passed,
+)
 
 __all__ = [
     "END_WEIGHT_RANGE",
@@ -167,21 +177,8 @@ class PrefixAwarePolicy(Generic[K]):
         if key in nodes:
             self.on_access(key)
             return
-        if parent is None:
-            node = nodes[key] = Node(key, None, False)
-            p = None
-        else:
-            p = nodes.get(parent)
-            if p is None:
-                node = nodes[key] = Node(key, None, False)
-            else:
-                node = nodes[key] = Node(key, p, p.orphan)
-                kids = p.kids
-                if kids is None:
-                    p.kids = {key: None}
-                else:
-                    kids[key] = None
-                p.children += 1
+        p = None if parent is None else nodes.get(parent)
+        node = new_node(nodes, key, p)
         if key in self._ghosts or key in self._old_ghosts:
             self._ghosts.discard(key)
             self._old_ghosts.discard(key)
@@ -232,18 +229,8 @@ class PrefixAwarePolicy(Generic[K]):
             self._run.remove(node)
         else:
             del self._orphans[key]
-        if node.children:
-            assert node.kids is not None
-            nodes = self._nodes
-            for kid_key in node.kids:
-                kid = nodes[kid_key]
-                kid.parent = None
-                self._orphan_subtree(kid)
-        p = node.parent
-        if p is not None:
-            assert p.kids is not None
-            del p.kids[key]
-            p.children -= 1
+        for root in detach(self._nodes, node):
+            self._orphan_subtree(root)
         if self._ghost_factor:
             ghosts = self._ghosts
             ghosts.add(key)
@@ -353,18 +340,7 @@ class PrefixAwarePolicy(Generic[K]):
     def _orphan_subtree(self, root: Node[K]) -> None:
         """A subtree lost its parent: no block in it can be a prefix hit here any more, so
         all of it moves to the orphan queue, deepest first."""
-        found: list[Node[K]] = []
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            if node.orphan:
-                continue
-            node.orphan = True
-            found.append(node)
-            if node.kids:
-                nodes = self._nodes
-                stack.extend([nodes[k] for k in node.kids])
-        for node in reversed(found):  # children were found after their parents
+        for node in orphans_below(self._nodes, root):
             if node.where == QUEUED:
                 self._unqueue(node)
                 node.where = ORPHAN

@@ -9,7 +9,17 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-__all__ = ["ORPHAN", "QUEUED", "RUN", "Node", "take_in_order", "take_passed"]
+__all__ = [
+    "ORPHAN",
+    "QUEUED",
+    "RUN",
+    "Node",
+    "detach",
+    "new_node",
+    "orphans_below",
+    "take_in_order",
+    "take_passed",
+]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -37,6 +47,57 @@ class Node(msgspec.Struct, Generic[K], gc=False, eq=False):
     stamp: int = 0  # the policy's clock when the node was last placed in a queue
     cls: int = 0  # reuse class = queue index while queued
     where: int = RUN
+
+
+def new_node(nodes: dict[K, Node[K]], key: K, p: Node[K] | None) -> Node[K]:
+    """A node for ``key`` entered in ``nodes``, linked under ``p`` (its cached parent) when
+    there is one; an orphaned parent's child is an orphan too."""
+    if p is None:
+        node = nodes[key] = Node(key, None, False)
+        return node
+    node = nodes[key] = Node(key, p, p.orphan)
+    kids = p.kids
+    if kids is None:
+        p.kids = {key: None}
+    else:
+        kids[key] = None
+    p.children += 1
+    return node
+
+
+def detach(nodes: dict[K, Node[K]], node: Node[K]) -> list[Node[K]]:
+    """Unlink a node that left (already out of ``nodes``) from its parent and children;
+    its children, now roots without a parent, are returned for the caller to orphan."""
+    roots: list[Node[K]] = []
+    if node.children:
+        assert node.kids is not None
+        for kid_key in node.kids:
+            kid = nodes[kid_key]
+            kid.parent = None
+            roots.append(kid)
+    p = node.parent
+    if p is not None:
+        assert p.kids is not None
+        del p.kids[node.key]
+        p.children -= 1
+    return roots
+
+
+def orphans_below(nodes: dict[K, Node[K]], root: Node[K]) -> list[Node[K]]:
+    """``root`` and the nodes under it not yet orphans, marked orphan, deepest first: a
+    subtree that lost its parent can be no prefix hit any more."""
+    found: list[Node[K]] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node.orphan:
+            continue
+        node.orphan = True
+        found.append(node)
+        if node.kids:
+            stack.extend([nodes[k] for k in node.kids])
+    found.reverse()  # children were found after their parents
+    return found
 
 
 def take_in_order(

@@ -11,7 +11,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
-from kvpool.core.prefix_nodes import ORPHAN, QUEUED, RUN, Node, take_in_order, take_passed
+from kvpool.core.prefix_nodes import (
+    ORPHAN,
+    QUEUED,
+    RUN,
+    Node,
+    detach,
+    new_node,
+    orphans_below,
+    take_in_order,
+    take_passed,
+)
 
 __all__ = ["QueuePolicy", "rotate_parents", "two_generation_add"]
 
@@ -59,18 +69,9 @@ class QueuePolicy(Generic[K]):
             self.on_access(key)
             return
         p = nodes.get(parent) if self._tree and parent is not None else None
-        if p is None:
-            node = nodes[key] = Node(key, None, False)
-        else:
-            node = nodes[key] = Node(key, p, p.orphan)
-            kids = p.kids
-            if kids is None:
-                p.kids = {key: None}
-            else:
-                kids[key] = None
-            p.children += 1
-            if p.children == 1 and p.where == QUEUED:
-                self._parents[p.cls] += 1
+        node = new_node(nodes, key, p)
+        if p is not None and p.children == 1 and p.where == QUEUED:
+            self._parents[p.cls] += 1
         if len(nodes) > self._most:
             self._most = len(nodes)
         self._admit(node)
@@ -99,20 +100,11 @@ class QueuePolicy(Generic[K]):
             self._unplace_run(node)
         else:
             del self._orphans[key]
-        if node.children:
-            assert node.kids is not None
-            nodes = self._nodes
-            for kid_key in node.kids:
-                kid = nodes[kid_key]
-                kid.parent = None
-                self._orphan_subtree(kid)
+        for root in detach(self._nodes, node):
+            self._orphan_subtree(root)
         p = node.parent
-        if p is not None:
-            assert p.kids is not None
-            del p.kids[key]
-            p.children -= 1
-            if not p.children and p.where == QUEUED:
-                self._parents[p.cls] -= 1
+        if p is not None and not p.children and p.where == QUEUED:
+            self._parents[p.cls] -= 1
 
     def choose_victims(self, count: int, can_evict: Callable[[K], bool]) -> list[K]:
         out: list[K] = []
@@ -203,18 +195,7 @@ class QueuePolicy(Generic[K]):
     def _orphan_subtree(self, root: Node[K]) -> None:
         """A subtree lost its parent: no block in it can be a prefix hit here any more, so
         all of it moves to the orphan queue, deepest first."""
-        found: list[Node[K]] = []
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            if node.orphan:
-                continue
-            node.orphan = True
-            found.append(node)
-            if node.kids:
-                nodes = self._nodes
-                stack.extend([nodes[k] for k in node.kids])
-        for node in reversed(found):  # children were found after their parents
+        for node in orphans_below(self._nodes, root):
             if node.where == QUEUED:
                 self._dequeue(node, False)
                 node.where = ORPHAN
