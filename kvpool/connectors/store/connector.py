@@ -24,6 +24,7 @@ saves only with ``consumer_is_to_put``.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -73,9 +74,10 @@ if TYPE_CHECKING:
 __all__ = [
     "KVPoolStoreConnector",
     "StoreConnectorMetadata",
+    "flush_saves",
     "head_groups_for",
     "namespace_for",
-    "wait_saved",
+    "pending_saves",
 ]
 
 _P = TypeVar("_P", bound=PoolLookups)  # what a handle opens: lookups or a whole engine
@@ -297,10 +299,19 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         if self.has_connector_metadata():
             self._worker.save(self._plan())
 
-    def wait_saved(self, timeout_s: float) -> bool:
-        """Wait until this worker's saves so far are in the pool (see
-        :func:`wait_saved`)."""
-        return self._worker is None or self._worker.wait_saved(timeout_s)
+    def flush_saves(self, timeout_s: float) -> dict[str, int]:
+        """Wait until this worker's saves so far are in the pool, and take the counts
+        not yet reported to vLLM (see :func:`flush_saves`)."""
+        if self._worker is None:
+            return {}
+        if not self._worker.wait_saved(timeout_s):
+            raise TimeoutError(f"{CONNECTOR_NAME}: saves still queued after {timeout_s}s")
+        return dict(self._worker.take_counters())
+
+    @property
+    def pending_saves(self) -> int:
+        """Save batches queued or being put by this worker."""
+        return 0 if self._worker is None else self._worker.pending_saves
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
@@ -359,20 +370,36 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         return False, None
 
 
-def wait_saved(timeout_s: float = 30.0) -> bool:
+def flush_saves(timeout_s: float = 30.0) -> dict[str, int]:
     """Wait until the saves of this process's store connector (alone or as a
-    MultiConnector child) are in the pool; False at the timeout.
+    MultiConnector child) are in the pool; the worker's counts not yet reported, which
+    are taken (vLLM will not see them).  TimeoutError when saves are still queued.
 
     Saves end off the engine step, and nothing steps an offline engine after ``generate``
-    returns: offline runs and benchmarks that want a save's hit next call this in each
-    worker (``LLM.collective_rpc``)."""
+    returns, so the last step's saves are neither known done nor counted: offline runs
+    and benchmarks that want a save's hit next call this in each worker
+    (``LLM.collective_rpc``)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    counts: Counter[str] = Counter()
+    if not has_kv_transfer_group():
+        return {}
+    group = get_kv_transfer_group()
+    for child in getattr(group, "_connectors", [group]):
+        if isinstance(child, KVPoolStoreConnector):
+            counts.update(child.flush_saves(timeout_s))
+    return dict(counts)
+
+
+def pending_saves() -> int:
+    """Save batches this process's store connector has queued or is putting."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
-        return True
+        return 0
     group = get_kv_transfer_group()
     children = getattr(group, "_connectors", [group])
-    return all(c.wait_saved(timeout_s) for c in children if isinstance(c, KVPoolStoreConnector))
+    return sum(c.pending_saves for c in children if isinstance(c, KVPoolStoreConnector))
 
 
 register_connector(CONNECTOR_NAME, "kvpool.connectors.store")

@@ -494,6 +494,11 @@ class StoreWorker:
         caller that wants a save's hit next waits here."""
         return self._saves is None or self._saves.wait_idle(timeout_s)
 
+    @property
+    def pending_saves(self) -> int:
+        """Save batches queued or being put (0 when saves run in the step)."""
+        return 0 if self._saves is None else self._saves.pending
+
     def take_counters(self) -> Counter[str]:
         """The counts since the last call (the writer thread counts too)."""
         with self._lock:
