@@ -153,9 +153,10 @@ class SaveQueue:
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout_s)
 
-    def close(self, drain_s: float) -> int:
-        """Finish what is queued within ``drain_s``, then drop the rest; how many pages
-        were dropped.  A put in progress is left to end on its own (daemon thread)."""
+    def close(self, drain_s: float) -> bool:
+        """Finish what is queued within ``drain_s``, then drop the rest; whether the
+        writer is done.  A put still in progress is left to end on its own (a daemon
+        thread): the caller must not wait on its connection."""
         drained = self.wait_idle(drain_s)
         with self._cv:
             self._closed = True
@@ -170,4 +171,4 @@ class SaveQueue:
             )
         if drained:
             self._thread.join(drain_s)
-        return dropped
+        return drained

@@ -523,13 +523,13 @@ class StoreWorker:
             )
 
     def shutdown(self) -> None:
-        if self._saves is not None:
-            self._saves.close(self._drain_s)
+        # a put still hung in the pool holds its connection: leave that one to the thread
+        writer_done = self._saves is None or self._saves.close(self._drain_s)
         for _, cancel in self._inflight.values():
             cancel.set()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=False)
         self._pool.close()
         self._loader_pool.close()
-        if self._saver_pool is not self._pool:
+        if self._saver_pool is not self._pool and writer_done:
             self._saver_pool.close()
