@@ -68,6 +68,12 @@ def _pending(worker: Any) -> int:
     return pending_saves()
 
 
+def _worker_fn(name: str) -> Any:
+    """A function of this module by its importable name (run as ``-m`` it is ``__main__``,
+    which TP worker processes cannot unpickle a reference to)."""
+    return getattr(importlib.import_module("tests.e2e.vllm_offline"), name)
+
+
 def _resolve(target: str) -> Any:
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -114,7 +120,7 @@ def main(spec_path: str) -> int:
         # Saves end off the step: the next step of the spec sees them stored and counted.
         if spec.get("kv_transfer_config") is None:
             return
-        for counts in llm.collective_rpc(_flush):
+        for counts in llm.collective_rpc(_worker_fn("_flush")):
             for key, n in counts.items():
                 flushed[key] = flushed.get(key, 0.0) + n
 
@@ -165,7 +171,7 @@ def main(spec_path: str) -> int:
             settle()
             results.append({"settled": True})
         elif op == "pending":  # save batches still queued or being put, in all workers
-            results.append({"pending": sum(llm.collective_rpc(_pending))})
+            results.append({"pending": sum(llm.collective_rpc(_worker_fn("_pending")))})
         elif op == "kill":  # e.g. the master, mid-run
             os.kill(int(step["pid"]), signal.SIGKILL)
             results.append({"killed": step["pid"]})

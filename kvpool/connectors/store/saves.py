@@ -21,7 +21,9 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -31,6 +33,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["SaveBatch", "SaveQueue"]
+
+_NICE = 10  # the writer thread's niceness
 
 
 @dataclass(slots=True)
@@ -120,6 +124,10 @@ class SaveQueue:
             self._cv.notify_all()
 
     def _run(self) -> None:
+        # Below the engine's own threads: on a busy host a put should take the CPU the
+        # forward pass and sampling leave, not slow them (best effort; Linux only).
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue or self._closed)
