@@ -66,11 +66,14 @@ STORE_EXTRA_KEYS = (
     "reconnect_interval_ms",
     "embedded_capacity",
     "head_group_size",
+    "async_saves",
+    "save_buffer_size",
 )
 _DEFAULT_POOL_MS = 10_000
 _DEFAULT_LOOKUP_MS = 2_000
 _DEFAULT_RECONNECT_MS = 5_000
 _DEFAULT_EMBEDDED = 1 << 30
+_DEFAULT_SAVE_BUFFER = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,8 @@ class StoreConfig:
     reconnect_interval_ms: int = _DEFAULT_RECONNECT_MS
     embedded_capacity: int = _DEFAULT_EMBEDDED
     head_group_size: int = 0  # 0: the backend's default (see the table above)
+    async_saves: bool = True  # saves off the engine step (False: in the step)
+    save_buffer_size: int = _DEFAULT_SAVE_BUFFER  # staging for saves off the step
 
     @property
     def saves(self) -> bool:
@@ -205,6 +210,10 @@ def parse_store_config(
             extra.get("embedded_capacity", _DEFAULT_EMBEDDED), key="embedded_capacity"
         ),
         head_group_size=_int(extra.get("head_group_size", 0), "head_group_size", minimum=0),
+        async_saves=parse_bool_value(extra.get("async_saves", True), key="async_saves"),
+        save_buffer_size=parse_size(
+            extra.get("save_buffer_size", _DEFAULT_SAVE_BUFFER), key="save_buffer_size"
+        ),
     )
 
 

@@ -75,12 +75,23 @@ def test_missing_master_names_the_fix() -> None:
         ("kv_both", {"lokup_rpc_port": 0}, "lokup_rpc_port: unknown key.*known keys"),
         ("kv_both", {"prefill": {"tp": 8}}, r"prefill\.tp: unknown key"),
         ("kv_both", {"embedded_capacity": "4 bananas"}, "embedded_capacity"),
+        ("kv_both", {"async_saves": "later"}, "async_saves: expected true or false"),
+        ("kv_both", {"save_buffer_size": "lots"}, "save_buffer_size"),
         ("kv_sender", {}, "kv_role"),
     ],
 )
 def test_bad_values_name_the_key(role: str, extra: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse(role, extra)
+
+
+def test_saves_run_off_the_step_unless_asked_to_stay_in_it() -> None:
+    default = parse("kv_both", {"backend": "embedded"})
+    assert default.async_saves and default.save_buffer_size == 256 << 20
+    sync = parse("kv_both", {"backend": "embedded", "async_saves": "false"})
+    assert not sync.async_saves
+    sized = parse("kv_both", {"backend": "embedded", "save_buffer_size": "64MiB"})
+    assert sized.save_buffer_size == 64 << 20
 
 
 def test_timeout_from_env_and_extra() -> None:

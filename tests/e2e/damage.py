@@ -11,6 +11,7 @@ outputs would notice wrong KV.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,11 +21,30 @@ from kvpool.errors import KVPoolError
 from kvpool.protocol import messages as m
 from kvpool.storage.buffers import writable_byte_view
 
-__all__ = ["DamagingPool", "corrupt_in_place", "make_embedded"]
+__all__ = ["DamagingPool", "corrupt_in_place", "hold_puts", "make_embedded", "release_puts"]
 
 
-def make_embedded() -> EmbeddedPool:
-    return EmbeddedPool(segment_size=256 << 20)
+def make_embedded(size: int = 256 << 20) -> EmbeddedPool:
+    return EmbeddedPool(segment_size=size)
+
+
+def hold_puts() -> dict[str, Any]:
+    """Make the installed pool's puts wait (a slow node) until :func:`release_puts`."""
+    from kvpool.connectors.store.pool import EmbeddedPools
+
+    pool = EmbeddedPools.peek()
+    assert isinstance(pool, DamagingPool), "hold_puts needs the embedded test pool"
+    pool.open_gate.clear()
+    return {"held": True}
+
+
+def release_puts() -> dict[str, Any]:
+    from kvpool.connectors.store.pool import EmbeddedPools
+
+    pool = EmbeddedPools.peek()
+    assert isinstance(pool, DamagingPool)
+    pool.open_gate.set()
+    return {"held_puts": pool.held_puts}
 
 
 def corrupt_in_place(pool: EmbeddedPool, key: str) -> None:
@@ -52,6 +72,9 @@ class DamagingPool:
         self._engine = EmbeddedEngine(inner)
         self.stored: list[str] = []
         self.zeroed: set[str] = set()
+        self.open_gate = threading.Event()  # cleared: puts wait (hold_puts)
+        self.open_gate.set()
+        self.held_puts = 0  # puts that waited at the gate
 
     def damage(self, mode: str, count: int, start: int = 1) -> dict[str, Any]:
         keys = self.stored[start : start + count]
@@ -73,6 +96,9 @@ class DamagingPool:
         *,
         parents: Sequence[str | None] | None = None,
     ) -> list[KVPoolError | None]:
+        if not self.open_gate.is_set():
+            self.held_puts += 1
+            self.open_gate.wait()
         results = self._engine.batch_put_parts(keys, parts, parents=parents)
         for key, error in zip(keys, results, strict=True):
             if error is None and key not in self.stored:

@@ -7,6 +7,8 @@ compared with an engine that has no connector at all.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,9 @@ import pytest
 
 from kvpool.client.client import Client
 from kvpool.ops.up.tiny_model import sample_text
-from tests.e2e.conftest import Master, RunOffline, free_port, start_vllm_server
+from kvpool.testing.processes import node_config, start_node
+from tests.e2e.conftest import Master, RunOffline, free_port, start_master, start_vllm_server
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -38,6 +42,7 @@ def gen(*prompts: str) -> dict[str, Any]:
 
 
 STATS = {"op": "stats"}
+SETTLE = {"op": "settle"}  # wait for the saves handed off so far
 # Turn 1 is 250 tokens; its answer completes the second 128-token block during decode.
 TWO_TURNS = {
     "op": "two_turns",
@@ -307,3 +312,88 @@ def test_decode_write_back_makes_the_next_turn_hit(
     assert turns["turn1"] == reference["turn1"] and turns["turn2"] == reference["turn2"]
     # Block 1 (tokens 128-255) was completed by decode steps and still came from the pool.
     assert turns["turn2_cached"] == 256 and stats["hit_tokens"] == 256
+
+
+@pytest.mark.parametrize("async_saves", [True, False])
+def test_a_saved_prefill_hits_next_time_with_saves_off_and_in_the_step(
+    async_saves: bool,
+    tiny_model_dir: Path,
+    run_offline: RunOffline,
+    reference: dict[str, list[int]],
+) -> None:
+    run = run_offline(
+        {
+            "model": str(tiny_model_dir),
+            "pool": "embedded",
+            "kv_transfer_config": store_config(async_saves=async_saves),
+            "steps": [gen(LONG), STATS, gen(LONG), STATS],
+        }
+    )
+    first, s1, second, s2 = run.results
+    assert f"async_saves={str(async_saves).lower()}" in run.log
+    assert first["tokens"][0] == reference[LONG] and s1["saved_blocks"] == 3
+    assert second["tokens"][0] == reference[LONG] and second["cached"] == [384]
+    assert s2["hit_tokens"] == 384 and s2["save_errors"] == 0 and s2["save_waits"] == 0
+
+
+# Each block is 128 tokens x 2 layers x 2 KV heads x 128 floats: 256 KiB.  5 MiB holds 20
+# blocks, so the six other prompts of 4 blocks each must reuse the blocks LONG had.
+SMALL_CACHE = 5 << 20
+OTHERS = [sample_text(400, seed=40 + i) for i in range(6)]
+
+
+def test_blocks_reused_while_their_save_waits_do_not_change_what_is_stored(
+    tiny_model_dir: Path,
+    run_offline: RunOffline,
+    reference: dict[str, list[int]],
+    tmp_path: Path,
+) -> None:
+    """The pool's only storage node is stopped (SIGSTOP: a slow node, for real) while LONG
+    is saved, and LONG's blocks are then freed and reused by six other requests: the save
+    took a copy in its step, so what reaches the pool once the node runs again is still
+    LONG's KV, and vLLM needed no block held for it."""
+    master = start_master(tmp_path / "master.log", "--segment_size", "0")
+    node = start_node(node_config(tmp_path, master.address, size="64MiB"))
+    try:
+        with Client(master.address, timeout_s=10) as client:
+            wait_until(lambda: client.stats()["tiers"]["memory"]["capacity"] > 0)
+        stop = {"op": "call", "target": "os:kill", "args": [node.pid, signal.SIGSTOP]}
+        cont = {"op": "call", "target": "os:kill", "args": [node.pid, signal.SIGCONT]}
+        unsettled = [{**gen(p), "settle": False} for p in [LONG, *OTHERS]]
+        extra = {"backend": "kvpool", "master": master.address, "pool_timeout_ms": 300_000}
+        run = run_offline(
+            {
+                "model": str(tiny_model_dir),
+                "kv_cache_bytes": SMALL_CACHE,
+                "kv_transfer_config": store_config(**extra),
+                "steps": [stop, *unsettled, {"op": "pending"}, cont, SETTLE, gen(LONG), STATS],
+            }
+        )
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+        node.kill()
+        master.kill()
+    _, held_first, *_, pending, _, _, again, stats = run.results
+    assert held_first["tokens"][0] == reference[LONG]
+    assert pending["pending"] >= 1, stats  # the saves were still waiting on the stopped node
+    assert again["cached"] == [384] and again["tokens"][0] == reference[LONG]
+    assert stats["hit_tokens"] == 384 and stats["save_errors"] == 0
+
+
+def test_a_failed_save_is_counted_and_the_prefix_then_misses(
+    tiny_model_dir: Path, run_offline: RunOffline, reference: dict[str, list[int]]
+) -> None:
+    run = run_offline(
+        {
+            "model": str(tiny_model_dir),
+            "pool": "embedded",
+            "pool_size": 64 << 10,  # smaller than one block: every put is refused (NoSpace)
+            "kv_transfer_config": store_config(),
+            "steps": [gen(LONG), STATS, gen(LONG), STATS],
+        }
+    )
+    first, s1, second, s2 = run.results
+    assert first["tokens"][0] == reference[LONG]
+    assert s1["save_errors"] >= 1 and s1["saved_blocks"] == 0
+    assert second["tokens"][0] == reference[LONG] and second["cached"] == [0]
+    assert s2["hit_tokens"] == 0 and s2["loaded_blocks"] == 0 and s2["failed_blocks"] == 0

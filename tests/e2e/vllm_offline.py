@@ -7,18 +7,24 @@ embedded backend — the pool) lives in this one process and starts in seconds.
 SPEC: {"model": dir, "kv_transfer_config": {...} | null, "prefix_caching": bool,
        "pool": "embedded" | "none", "steps": [...]} with steps
 - {"op": "generate", "prompts": [str], "max_tokens": int}  → token ids, finish reasons,
-  num_cached_tokens per prompt, or the error if generate raised;
+  num_cached_tokens per prompt, or the error if generate raised; then waits for the
+  saves (``"settle": false``: does not, e.g. while the pool's puts are held);
 - {"op": "two_turns", "prompt": str, "follow": str, "max_tokens": int} → a conversation's
   two turns, the second prompt being the first prompt, its answer and ``follow`` as ids;
 - {"op": "damage", "mode": "remove" | "corrupt", "count": int} → damages the most recently
   stored objects of the embedded pool (through the test double wrapped around it);
-- {"op": "stats"} → the store connector's counters so far (vLLM's Prometheus registry);
+- {"op": "settle"} → waits for the saves handed off so far (after a generate that did not);
+- {"op": "pending"} → save batches the workers still have queued or are putting;
+- {"op": "stats"} → the store connector's counters so far (vLLM's Prometheus registry, and
+  what each generate's end took from the workers: saves end off the step, so the runner
+  waits for them after each generate and counts them itself);
 - {"op": "kill", "pid": int} → SIGKILL that process (the master, mid-run);
 - {"op": "call", "target": "pkg.mod:function", "args": [...]} → what that function returns
   (e.g. tests.e2e.mooncake_steps: damage a Mooncake object, read the master's metrics).
 SPEC's optional "tensor_parallel_size" (1) runs that many TP ranks (worker processes; give
 each a core with VLLM_CPU_OMP_THREADS_BIND, e.g. "0|1").
 SPEC's optional "load_format" ("auto") is vLLM's (``dummy``: random weights, no files).
+SPEC's optional "pool_size" is the embedded test pool's size in bytes (256 MiB).
 SPEC's optional "setup": ["pkg.mod:function", ...] are called before the engine starts.
 """
 
@@ -49,6 +55,25 @@ def _counters() -> dict[str, float]:
     return out
 
 
+def _flush(worker: Any) -> dict[str, int]:
+    """In each worker: wait for the store connector's saves, take its unreported counts."""
+    from kvpool.connectors.store.connector import flush_saves
+
+    return flush_saves(60.0)
+
+
+def _pending(worker: Any) -> int:
+    from kvpool.connectors.store.connector import pending_saves
+
+    return pending_saves()
+
+
+def _worker_fn(name: str) -> Any:
+    """A function of this module by its importable name (run as ``-m`` it is ``__main__``,
+    which TP worker processes cannot unpickle a reference to)."""
+    return getattr(importlib.import_module("tests.e2e.vllm_offline"), name)
+
+
 def _resolve(target: str) -> Any:
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -64,7 +89,7 @@ def main(spec_path: str) -> int:
 
     damaging: DamagingPool | None = None
     if spec.get("pool") == "embedded":
-        damaging = DamagingPool(make_embedded())
+        damaging = DamagingPool(make_embedded(int(spec.get("pool_size", 256 << 20))))
         EmbeddedPools.install(damaging)
 
     for target in spec.get("setup", []):
@@ -89,6 +114,16 @@ def main(spec_path: str) -> int:
         load_format=spec.get("load_format", "auto"),
         **kwargs,
     )
+    flushed: dict[str, float] = {}
+
+    def settle() -> None:
+        # Saves end off the step: the next step of the spec sees them stored and counted.
+        if spec.get("kv_transfer_config") is None:
+            return
+        for counts in llm.collective_rpc(_worker_fn("_flush")):
+            for key, n in counts.items():
+                flushed[key] = flushed.get(key, 0.0) + n
+
     results: list[Any] = []
     for step in spec["steps"]:
         op = step["op"]
@@ -99,6 +134,8 @@ def main(spec_path: str) -> int:
             except Exception as exc:
                 results.append({"error": f"{type(exc).__name__}: {exc}"})
                 continue
+            if step.get("settle", True):
+                settle()
             results.append(
                 {
                     "tokens": [list(o.outputs[0].token_ids) for o in outs],
@@ -109,9 +146,11 @@ def main(spec_path: str) -> int:
         elif op == "two_turns":  # a conversation: turn 2 = turn 1's prompt + answer + more
             params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 12))
             first = llm.generate([step["prompt"]], params, use_tqdm=False)[0]
+            settle()
             ids = list(first.prompt_token_ids or []) + list(first.outputs[0].token_ids)
             ids += llm.get_tokenizer().encode(step["follow"], add_special_tokens=False)
             second = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+            settle()
             results.append(
                 {
                     "turn1": list(first.outputs[0].token_ids),
@@ -123,8 +162,16 @@ def main(spec_path: str) -> int:
         elif op == "damage":
             assert damaging is not None, "damage needs the embedded pool"
             results.append(damaging.damage(step["mode"], step["count"], step.get("start", 1)))
-        elif op == "stats":
-            results.append(_counters())
+        elif op == "stats":  # vLLM's counts, and those taken after the last step
+            counts = _counters()
+            for key, n in flushed.items():
+                counts[key] = counts.get(key, 0.0) + n
+            results.append(counts)
+        elif op == "settle":  # wait for the saves handed off so far
+            settle()
+            results.append({"settled": True})
+        elif op == "pending":  # save batches still queued or being put, in all workers
+            results.append({"pending": sum(llm.collective_rpc(_worker_fn("_pending")))})
         elif op == "kill":  # e.g. the master, mid-run
             os.kill(int(step["pid"]), signal.SIGKILL)
             results.append({"killed": step["pid"]})

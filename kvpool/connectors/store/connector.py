@@ -12,6 +12,10 @@ are described in :mod:`kvpool.config.kv_transfer`; the scheduler half is
 :mod:`~kvpool.connectors.store.scheduler`, the worker half
 :mod:`~kvpool.connectors.store.worker`.  This module only wires them to vLLM's hooks.
 
+Saves run off the engine step (:mod:`~kvpool.connectors.store.saves`): the pages are
+copied out in ``wait_for_save`` and put by a writer thread, so no block is held past its
+step; ``async_saves: false`` puts them in the step.
+
 Roles: ``kv_producer`` and ``kv_both`` save what they compute; every role loads hits (a
 prefill node reuses a shared system prompt just as a decode node does); ``kv_consumer``
 saves only with ``consumer_is_to_put``.
@@ -20,6 +24,7 @@ saves only with ``consumer_is_to_put``.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -66,7 +71,14 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVPoolStoreConnector", "StoreConnectorMetadata", "head_groups_for", "namespace_for"]
+__all__ = [
+    "KVPoolStoreConnector",
+    "StoreConnectorMetadata",
+    "flush_saves",
+    "head_groups_for",
+    "namespace_for",
+    "pending_saves",
+]
 
 _P = TypeVar("_P", bound=PoolLookups)  # what a handle opens: lookups or a whole engine
 
@@ -230,8 +242,11 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
                 tp_rank=get_tensor_model_parallel_rank() if tp_size > 1 else 0,
                 pool=handle(pool),
                 loader_pool=handle(pool),
+                saver_pool=handle(pool),
                 logger=logger,
                 groups=groups,
+                save_buffer_bytes=config.save_buffer_size if config.async_saves else 0,
+                drain_s=config.pool_timeout_ms / 1000,
             )
             if config.backend == "embedded":
                 shared = open_pool(config)
@@ -239,13 +254,14 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
                 self._lookup_server = LookupServer(channel, shared, logger)
         logger.info(
             "[%s] role=%s, backend=%s, master=%s, load_async=%s, consumer_is_to_put=%s,"
-            " lookup_rpc_port=%d, block_size=%d, half=%s",
+            " async_saves=%s, lookup_rpc_port=%d, block_size=%d, half=%s",
             CONNECTOR_NAME,
             config.role,
             config.backend,
             where,
             str(config.load_async).lower(),
             str(config.consumer_is_to_put).lower(),
+            str(config.async_saves).lower(),
             config.lookup_rpc_port,
             namespace.chunk_size,
             "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
@@ -283,6 +299,20 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         if self.has_connector_metadata():
             self._worker.save(self._plan())
 
+    def flush_saves(self, timeout_s: float) -> dict[str, int]:
+        """Wait until this worker's saves so far are in the pool, and take the counts
+        not yet reported to vLLM (see :func:`flush_saves`)."""
+        if self._worker is None:
+            return {}
+        if not self._worker.wait_saved(timeout_s):
+            raise TimeoutError(f"{CONNECTOR_NAME}: saves still queued after {timeout_s}s")
+        return dict(self._worker.take_counters())
+
+    @property
+    def pending_saves(self) -> int:
+        """Save batches queued or being put by this worker."""
+        return 0 if self._worker is None else self._worker.pending_saves
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         return KVConnectorTransferResults(
@@ -294,10 +324,11 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         return self._worker.take_invalid_block_ids()
 
     def get_kv_connector_stats(self) -> KVPoolStoreStats | None:
-        half = self._scheduler if self._scheduler is not None else self._worker
-        assert half is not None
-        stats = KVPoolStoreStats.from_counts(half.counters)
-        half.counters.clear()
+        if self._worker is not None:
+            return KVPoolStoreStats.from_counts(self._worker.take_counters())
+        assert self._scheduler is not None
+        stats = KVPoolStoreStats.from_counts(self._scheduler.counters)
+        self._scheduler.counters.clear()
         return stats
 
     def shutdown(self) -> None:
@@ -337,6 +368,38 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         assert self._scheduler is not None
         self._scheduler.request_finished(request)
         return False, None
+
+
+def flush_saves(timeout_s: float = 30.0) -> dict[str, int]:
+    """Wait until the saves of this process's store connector (alone or as a
+    MultiConnector child) are in the pool; the worker's counts not yet reported, which
+    are taken (vLLM will not see them).  TimeoutError when saves are still queued.
+
+    Saves end off the engine step, and nothing steps an offline engine after ``generate``
+    returns, so the last step's saves are neither known done nor counted: offline runs
+    and benchmarks that want a save's hit next call this in each worker
+    (``LLM.collective_rpc``)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    counts: Counter[str] = Counter()
+    if not has_kv_transfer_group():
+        return {}
+    group = get_kv_transfer_group()
+    for child in getattr(group, "_connectors", [group]):
+        if isinstance(child, KVPoolStoreConnector):
+            counts.update(child.flush_saves(timeout_s))
+    return dict(counts)
+
+
+def pending_saves() -> int:
+    """Save batches this process's store connector has queued or is putting."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return 0
+    group = get_kv_transfer_group()
+    children = getattr(group, "_connectors", [group])
+    return sum(c.pending_saves for c in children if isinstance(c, KVPoolStoreConnector))
 
 
 register_connector(CONNECTOR_NAME, "kvpool.connectors.store")

@@ -22,6 +22,9 @@ loaded_bytes    bytes loaded
 saved_blocks    blocks written to the pool
 saved_bytes     bytes written
 save_errors     saves that failed (pool full or down): a future miss, nothing more
+save_waits      steps that waited for the save queue's staging to free up (full)
+skipped_blocks  blocks not saved: after a failed save of the same request's chain, or
+                still queued at shutdown
 ==============  ==============================================================
 """
 
@@ -48,6 +51,8 @@ COUNTERS = (
     "saved_blocks",
     "saved_bytes",
     "save_errors",
+    "save_waits",
+    "skipped_blocks",
 )
 
 

@@ -20,9 +20,12 @@ Rules:
   soon as this rank's copy ends, however it ends, and before an unreadable object is
   dropped (a pinned object cannot be removed); a release that fails is left to the pins'
   TTL.
-- Saves happen in ``wait_for_save``, after the step's forward pass, synchronously: a block
-  is never freed or reused while it is being written out.  A failed save only costs a
-  future hit.
+- Saves start in ``wait_for_save``, after the step's forward pass.  By default the pages
+  are copied into the connector's staging there and put into the pool by a writer thread
+  (:mod:`~kvpool.connectors.store.saves`), so the step does not wait on the pool and vLLM
+  may reuse the blocks at once; ``async_saves: false`` puts them in the step, straight
+  from the cache (a block is never freed or reused while it is written out).  A failed
+  save only costs a future hit.
 - A request's blocks move in batches of up to ``_BATCH`` pages (all their groups), one
   engine call per batch
   (:meth:`~kvpool.engines.PoolEngine.batch_get_parts`,
@@ -56,6 +59,7 @@ from kvpool.connectors.pages import PagedCaches, block_pages
 from kvpool.connectors.store.groups import GroupSlot, HeadGroups
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle, is_outage
+from kvpool.connectors.store.saves import SaveBatch, SaveQueue
 from kvpool.engines import MISS, PoolEngine
 from kvpool.errors import (
     ChecksumMismatch,
@@ -112,7 +116,14 @@ class StoreWorker:
         loader_pool: PoolHandle[PoolEngine],
         logger: logging.Logger,
         groups: HeadGroups | None = None,
+        save_buffer_bytes: int = 0,
+        drain_s: float = 5.0,
+        saver_pool: PoolHandle[PoolEngine] | None = None,
     ) -> None:
+        """``save_buffer_bytes``: staging for saves off the step (0: saves in the step,
+        see :mod:`~kvpool.connectors.store.saves`); ``drain_s``: how long shutdown lets
+        queued saves finish; ``saver_pool``: the writer thread's own connection (else the
+        step's), so that a put in progress never holds up a load in the step."""
         self._rank = tp_rank
         self._groups = groups  # None: one object per (chunk, rank) page, group 0
         self._pool = pool
@@ -129,6 +140,11 @@ class StoreWorker:
         # this rank's groups (None: no groups, the page is object 0), and whether it saves them
         self._reads: tuple[GroupSlot, ...] | None = None
         self._writer = True
+        self._save_buffer_bytes = save_buffer_bytes
+        self._drain_s = drain_s
+        self._saves: SaveQueue | None = None
+        self._saver_pool = saver_pool or pool
+        self._save_ids = 0
 
     def _slots(self, slots: tuple[GroupSlot, ...] | None) -> Sequence[GroupSlot | None]:
         return (None,) if slots is None else slots
@@ -181,6 +197,7 @@ class StoreWorker:
         """Take vLLM's caches (``staged``: see :func:`~kvpool.connectors.pages.block_pages`)."""
         self.paged = block_pages(kv_caches, staged=staged)
         self._reads, self._writer = self._layout(self.paged)
+        self._start_saves(self.paged)
         # the pool opened with the KV caches (the guide's "every node registers memory":
         # a Mooncake worker's segment is in the pool before its first request)
         if not self._pool.open():
@@ -207,6 +224,28 @@ class StoreWorker:
                 " shared only with instances of the same TP size)"
             )
         return reads, bool(writes)
+
+    def _start_saves(self, paged: PagedCaches) -> None:
+        """The save queue and its staging, when saves run off the step (and this rank
+        writes at all)."""
+        if not self._save_buffer_bytes or not self._writer or self._saves is not None:
+            return
+        capacity = self._save_buffer_bytes // paged.page_bytes
+        if capacity == 0:
+            self._log.warning(
+                "[KVPoolStoreConnector] save_buffer_size %d bytes holds no page of %d bytes;"
+                " saving in the engine step (raise save_buffer_size to save off the step)",
+                self._save_buffer_bytes,
+                paged.page_bytes,
+            )
+            return
+        self._saves = SaveQueue(
+            paged.new_pages(capacity),
+            write=partial(self._put, handle=self._saver_pool),
+            counters=self.counters,
+            lock=self._lock,
+            logger=self._log,
+        )
 
     # ------------------------------------------------------------------ loads
 
@@ -385,35 +424,91 @@ class StoreWorker:
         parents = self._object_keys(
             [(p, *ks[:-1]) for p, ks in zip(spec.parents, spec.keys, strict=True)], slots
         )
-        for start in range(0, len(spec.block_ids), _BATCH):
-            batch = keys[start * per : (start + _BATCH) * per]
-            block_ids = spec.block_ids[start : start + _BATCH]
-            parts, staging = self._pages(paged, block_ids, slots)
-            if staging is not None:
-                paged.gather(block_ids, staging)
-            try:
-                results = self._pool.call(
-                    partial(
-                        _put_parts,
-                        keys=batch,
-                        parts=parts,
-                        parents=parents[start * per : (start + _BATCH) * per],
-                    )
-                )
-            except Exception as exc:
-                self._save_failed(spec, batch[0], exc)
-                return
-            saved = sum(1 for r in results if r is None)
+        queue = self._saves
+        size = _BATCH if queue is None else min(_BATCH, queue.capacity)
+        self._save_ids += 1
+        for start in range(0, len(spec.block_ids), size):
+            block_ids = spec.block_ids[start : start + size]
+            batch = SaveBatch(
+                save_id=self._save_ids,
+                req_id=spec.req_id,
+                keys=keys[start * per : (start + size) * per],
+                parts=[],
+                parents=parents[start * per : (start + size) * per],
+                pages=[],
+            )
+            pages = None if queue is None else queue.acquire(len(block_ids))
+            if queue is None or pages is None:  # synchronous (or shutting down)
+                batch.parts, staging = self._pages(paged, block_ids, slots)
+                if staging is not None:
+                    paged.gather(block_ids, staging)
+                if not self._put(batch, self._pool):
+                    return
+                continue
+            # off the step: copy the pages out now, put them in the writer thread
+            for j, first, count in queue.runs(pages):
+                paged.gather(block_ids[j : j + count], queue.host[first : first + count])
+            batch.pages = pages
+            batch.parts = self._staged_parts(queue, pages, slots)
+            queue.submit(batch)
+
+    def _staged_parts(
+        self, queue: SaveQueue, pages: Sequence[int], slots: Sequence[GroupSlot | None]
+    ) -> list[list[Any]]:
+        """The objects' parts in the save queue's staging pages (each page's ``slots``)."""
+        assert self.paged is not None
+        tensor, hb, whole = queue.tensor, self.paged.head_bytes, self._whole
+        layers = range(len(self.paged.names))
+        return [
+            [tensor[j]] if whole or slot is None
+            else [tensor[j, i, slot.head_start * hb : (slot.head_start + slot.count) * hb]
+                  for i in layers]
+            for j in pages for slot in slots
+        ]  # fmt: skip
+
+    def _put(self, batch: SaveBatch, handle: PoolHandle[PoolEngine]) -> bool:
+        """Put one batch (in the step, or in the save queue's writer); False when the
+        rest of its save must stop (the chain hangs off the chunk that failed)."""
+        per = len(self._slots(self._reads))
+        try:
+            results = handle.call(
+                partial(_put_parts, keys=batch.keys, parts=batch.parts, parents=batch.parents)
+            )
+        except Exception as exc:
+            self._save_failed(batch.req_id, batch.keys[0], exc)
+            return False
+        saved = sum(1 for r in results if r is None)
+        with self._lock:
             self.counters["saved_blocks"] += saved // per
             self.counters["saved_bytes"] += saved * self.object_bytes
-            for key, error in zip(batch, results, strict=True):
-                # Another instance writing the same chunk right now is no failure.
-                if error is not None and not isinstance(error, WriteConflict):
-                    self._save_failed(spec, key, error)
-                    return  # the rest of the chain hangs off this chunk: stop here
+        for key, error in zip(batch.keys, results, strict=True):
+            # Another instance writing the same chunk right now is no failure.
+            if error is not None and not isinstance(error, WriteConflict):
+                self._save_failed(batch.req_id, key, error)
+                return False
+        return True
 
-    def _save_failed(self, spec: SaveSpec, key: str, exc: BaseException) -> None:
-        self.counters["save_errors"] += 1
+    def wait_saved(self, timeout_s: float) -> bool:
+        """Wait until every save handed off so far is in the pool (or failed); False at
+        the timeout.  Nothing steps an offline engine after ``generate`` returns: a
+        caller that wants a save's hit next waits here."""
+        return self._saves is None or self._saves.wait_idle(timeout_s)
+
+    @property
+    def pending_saves(self) -> int:
+        """Save batches queued or being put (0 when saves run in the step)."""
+        return 0 if self._saves is None else self._saves.pending
+
+    def take_counters(self) -> Counter[str]:
+        """The counts since the last call (the writer thread counts too)."""
+        with self._lock:
+            counts = Counter(self.counters)
+            self.counters.clear()
+        return counts
+
+    def _save_failed(self, req_id: str, key: str, exc: BaseException) -> None:
+        with self._lock:
+            self.counters["save_errors"] += 1
         now = time.monotonic()
         if now - self._last_save_warning >= _WARN_EVERY_S:  # one line per outage
             self._last_save_warning = now
@@ -421,16 +516,20 @@ class StoreWorker:
                 "[KVPoolStoreConnector] save of %s for request %s failed: %s: %s"
                 " (further save failures within %.0fs are only counted)",
                 key,
-                spec.req_id,
+                req_id,
                 type(exc).__name__,
                 exc,
                 _WARN_EVERY_S,
             )
 
     def shutdown(self) -> None:
+        # a put still hung in the pool holds its connection: leave that one to the thread
+        writer_done = self._saves is None or self._saves.close(self._drain_s)
         for _, cancel in self._inflight.values():
             cancel.set()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=False)
         self._pool.close()
         self._loader_pool.close()
+        if self._saver_pool is not self._pool and writer_done:
+            self._saver_pool.close()
