@@ -1,25 +1,10 @@
 """The client's way to its master's request handler: over TCP, or in this process.
 
 A :class:`MasterLink` carries :mod:`kvpool.protocol.messages` requests and brings back
-their replies (an :class:`~kvpool.protocol.data.Error` reply is returned, not raised:
-the client turns it into its class).  A failure of the link itself raises
-:class:`~kvpool.errors.TransferError` or :class:`~kvpool.errors.PeerTimeout`.
-
-- :class:`TcpMasterLink` -- one connection to ``kvpool master``, opened on first use and
-  again after a failure.  It *pipelines*: :meth:`~MasterLink.post` sends a request whose
-  answer nobody waits for, and its reply is read just before the next call's own, and
-  :meth:`~MasterLink.call` runs the caller's ``meanwhile`` while the master works.
-- The embedded pool's link runs the handler in-process
-  (:class:`~kvpool.embedded.InProcessMaster`); it does not pipeline.
-
-The other engine's master.  A real ``mooncake_master``'s RPC port speaks coro_rpc: it
-closes a kvpool frame without a byte, and retrying that is forever.  So when the first
-exchange on a fresh connection ends without a kvpool reply (closed, or bytes that are no
-kvpool frame), :func:`mooncake_answers` asks the port one cheap question in coro_rpc (a
-call of a function no server registers: any coro_rpc server answers it with its own
-header, whatever its metrics port) and, if it was answered, the call raises a
-:class:`~kvpool.errors.ConfigError` that names what answered (:func:`wrong_engine`).
-Probing only after a failure keeps a kvpool master's path free of it.
+their replies (an :class:`~kvpool.protocol.data.Error` reply is returned, not raised);
+a failure of the link itself raises :class:`~kvpool.errors.TransferError` or
+:class:`~kvpool.errors.PeerTimeout`.  :class:`TcpMasterLink` pipelines; the embedded
+pool's link (:class:`~kvpool.embedded.InProcessMaster`) runs the handler in-process.
 """
 
 from __future__ import annotations
@@ -63,6 +48,13 @@ _CORO_PROBE = struct.pack("<BBBBIIII", _CORO_MAGIC, 0, 0, 0, 1, 0xDEADBEEF, 0, 0
 _CORO_REPLY_HEADER = 16
 
 
+# A real mooncake_master's RPC port speaks coro_rpc: it closes a kvpool frame without a
+# byte, and retrying that is forever.  So when the first exchange on a fresh connection
+# ends without a kvpool reply (closed, or bytes that are no kvpool frame), this asks the
+# port one cheap question in coro_rpc (a call of a function no server registers: any
+# coro_rpc server answers it with its own header, whatever its metrics port) and, if it
+# was answered, the call raises wrong_engine's ConfigError.  Probing only after a failure
+# keeps a kvpool master's path free of it.
 def mooncake_answers(address: str, timeout_s: float = 2.0) -> bool:
     """Whether ``address`` answers in coro_rpc, as a Mooncake master's RPC port does (it
     replies "the rpc function not registered" to the probe).  One bounded exchange."""
@@ -120,6 +112,10 @@ def _owed_reply(reply: m.MasterReply) -> None:
         log.debug("a request sent without waiting failed: %s: %s", reply.code, reply.message)
 
 
+# One connection to `kvpool master`, opened on first use and again after a failure.  It
+# pipelines: post() sends a request whose answer nobody waits for, and its reply is read
+# just before the next call's own, and call() runs the caller's `meanwhile` while the
+# master works.
 class TcpMasterLink:
     """One TCP connection to ``kvpool master`` at ``address``; thread-safe (calls are
     serialised on the connection).  ``peer``: its timeout, TLS context, and the

@@ -1,21 +1,11 @@
 """``kvpool master``'s flags: Mooncake's names, units and command-line spellings.
 
 Each flag is declared once, as a field of :class:`MasterConfig` whose metadata holds its
-parser and help text; :data:`MASTER_FLAGS` lists them.  Everything that reads a master's
-flags reads that table: the ``kvpool master`` argparse builder (``kvpool.cli``),
-:meth:`MasterConfig.from_flags` (values as typed or as a running master reports them) and
-:meth:`MasterConfig.from_argv` (a whole command line as the production guide writes it,
-which ``doctor --master-cmd`` and the deploy files use).
-
-A real ``mooncake_master`` line is read too (:func:`parse_master_command`), in Mooncake's
-own terms: gflags spellings (``-port 50051``, ``--rpc_port=50051``), durations for the
-lease (``11s``, ``500ms``), its flags that kvpool's master has no counterpart of
-(``--metrics_port``, ``--enable_http_metadata_server``, ...) accepted and kept aside, and
-its defaults where they differ from kvpool master's (lease 10 s, client_ttl 10 s,
-eviction_ratio 0.05: master.cpp of 0.3.13).  The program name decides nothing: the
-production guide writes ``mooncake_master --port 50088 ...`` for the master kvpool
-implements.  A line is Mooncake's when it uses a flag only Mooncake has (``--rpc_port``,
-``--metrics_port``, ...), or when the caller knows (a Mooncake master answered there).
+parser and help text; :data:`MASTER_FLAGS` lists them, and everything that reads a
+master's flags reads that table (the ``kvpool master`` argparse builder,
+:meth:`MasterConfig.from_flags`, :meth:`MasterConfig.from_argv`).  A real
+``mooncake_master`` line is read too, in Mooncake's own terms
+(:func:`parse_master_command`).
 """
 
 from __future__ import annotations
@@ -395,6 +385,15 @@ class MasterCommand:
     other: tuple[tuple[str, str], ...] = ()
 
 
+# A real mooncake_master line is read in Mooncake's own terms: gflags spellings
+# (`-port 50051`, `--rpc_port=50051`), durations for the lease (`11s`, `500ms`), its flags
+# that kvpool's master has no counterpart of (`--metrics_port`,
+# `--enable_http_metadata_server`, ...) accepted and kept aside, and its defaults where
+# they differ from kvpool master's (lease 10 s, client_ttl 10 s, eviction_ratio 0.05:
+# master.cpp of 0.3.13).  The program name decides nothing: the production guide writes
+# `mooncake_master --port 50088 ...` for the master kvpool implements.  A line is
+# Mooncake's when it uses a flag only Mooncake has (`--rpc_port`, `--metrics_port`, ...),
+# or when the caller knows (a Mooncake master answered there).
 def parse_master_command(argv: Sequence[str], *, engine: str | None = None) -> MasterCommand:
     """``kvpool master ...`` or ``mooncake_master ...`` (ConfigError naming a bad flag).
     ``engine`` "mooncake" reads it as a real mooncake_master's (its defaults); None: as

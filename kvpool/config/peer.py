@@ -5,11 +5,6 @@ constructor, a node's config, the master's flags), and handed down unchanged to 
 link and data path that opens a socket: the master link, a node's data connection, the
 master's own links to nodes.  So those four settings travel together and are never
 passed, or forgotten, one by one.
-
-Rules: ``timeout_s`` bounds every connect and exchange (a wait never hangs);
-``credential`` None means no handshake, else the connection proves it as ``client_id``
-(:mod:`kvpool.security.handshake`); ``tls`` None means plain TCP, else a *client* context
-that verifies the peer (:meth:`kvpool.security.tls.TLSConfig.client_context`).
 """
 
 from __future__ import annotations
@@ -22,6 +17,10 @@ from kvpool.security.credentials import Credential
 __all__ = ["PLAIN_PEER", "PeerSettings"]
 
 
+# Rules: `timeout_s` bounds every connect and exchange (a wait never hangs); `credential`
+# None means no handshake, else the connection proves it as `client_id`
+# (kvpool.security.handshake); `tls` None means plain TCP, else a *client* context that
+# verifies the peer (kvpool.security.tls.TLSConfig.client_context).
 @dataclass(frozen=True, slots=True)
 class PeerSettings:
     """The timeout, credential, handshake id and TLS context of a dialing end."""

@@ -4,11 +4,6 @@ connectors can refuse an unsupported vLLM before anything deep inside it fails.
 
 The API differences between the supported releases are handled in one place,
 :mod:`kvpool.connectors.vllm_compat`; this module only knows the range.
-
-- ``TESTED``: the end-to-end connector tests run on these (CPU builds, same torch);
-- ``CHECKED``: the connector interfaces were compared against this release's source, but no
-  test runs on it (no CPU build on the registry);
-- anything older than the oldest tested or newer than the newest checked is unsupported.
 """
 
 from __future__ import annotations
@@ -28,6 +23,10 @@ __all__ = [
     "supported_range",
 ]
 
+# TESTED: the end-to-end connector tests run on these (CPU builds, same torch);
+# CHECKED: the connector interfaces were compared against this release's source, but no
+# test runs on it (no CPU build on the registry); anything older than the oldest tested or
+# newer than the newest checked is unsupported.
 TESTED: tuple[str, ...] = ("0.30", "0.31", "0.32")
 CHECKED: tuple[str, ...] = ("0.33",)
 SUPPORTED: tuple[str, ...] = TESTED + CHECKED
