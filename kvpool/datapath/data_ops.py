@@ -1,27 +1,9 @@
 """What a client asks of a data path: a list of small frozen operations.
 
 A data path (:class:`~kvpool.datapath.transport.DataPath`) has one call,
-``run(ops) -> results``, for a single transfer and a batch alike.  The operations:
-
-- :class:`WriteOp` -- ``buffer`` to ``(segment_id, offset)``; with ``key`` (and its
-  ``checksum``) the owner notes the object for its catalog as the bytes land, where it
-  can (a tagged write through its data server).
-- :class:`ReadOp` -- ``(segment_id, offset)`` into ``buffer``; ``checked``: the bytes'
-  checksum comes back, computed as they land where the path can.
-- :class:`SsdReadOp` -- the object ``key`` of the owner's SSD tier into ``buffer``.
-
-Rules (every data path keeps them):
-
-- One result per op, in order: ``None`` (done), an ``int`` (a checked read: the checksum
-  of the bytes that landed; a noted write: the checksum the owner noted), or the
-  :class:`~kvpool.errors.KVPoolError` that op failed with.
-- A failure that ends the whole list (the owner cannot be reached, the connection broke
-  or timed out mid-list) is raised instead (:class:`~kvpool.errors.TransferError`,
-  :class:`~kvpool.errors.PeerTimeout`): none of the list's results can be trusted then.
-- The ops of one list may move in any order and overlap; one that must follow another
-  goes in a later list.
-- ``shm_name`` is the segment's shared-memory name when the master's placement carries
-  one; paths that do not use shared memory ignore it.
+``run(ops) -> results``, for a single transfer and a batch alike: :class:`WriteOp`,
+:class:`ReadOp` and :class:`SsdReadOp`, each with one result in order
+(:data:`OpResult`).  The rules every data path keeps are beside :class:`Runs`.
 """
 
 from __future__ import annotations
@@ -53,6 +35,13 @@ __all__ = [
 ]
 
 
+# WriteOp: `buffer` to `(segment_id, offset)`; with `key` (and its `checksum`) the owner
+# notes the object for its catalog as the bytes land, where it can (a tagged write through
+# its data server).  ReadOp: `(segment_id, offset)` into `buffer`; `checked`: the bytes'
+# checksum comes back, computed as they land where the path can.  SsdReadOp: the object
+# `key` of the owner's SSD tier into `buffer`.  `shm_name` is the segment's shared-memory
+# name when the master's placement carries one; paths that do not use shared memory
+# ignore it.
 class WriteOp(msgspec.Struct, frozen=True):
     """Write ``buffer`` at ``offset`` of the segment (``key``: noted, see above)."""
 
@@ -97,6 +86,15 @@ def sole_result(results: Sequence[OpResult]) -> OpResult:
     return result
 
 
+# Rules every data path keeps:
+# - One result per op, in order: None (done), an int (a checked read: the checksum of the
+#   bytes that landed; a noted write: the checksum the owner noted), or the KVPoolError
+#   that op failed with.
+# - A failure that ends the whole list (the owner cannot be reached, the connection broke
+#   or timed out mid-list) is raised instead (TransferError, PeerTimeout): none of the
+#   list's results can be trusted then.
+# - The ops of one list may move in any order and overlap; one that must follow another
+#   goes in a later list.
 class Runs(Protocol):
     """Anything that runs op lists: every data path, and a node's segment connection."""
 

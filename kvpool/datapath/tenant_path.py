@@ -3,21 +3,10 @@ master's grant.
 
 A tenant holds no node key, so it cannot open a node's data port the way a holder of
 the cluster secret does.  The master hands it, inside each memory placement's segment
-id, ``<segment id>#<grant>#<data key>`` (:mod:`kvpool.master.tenancy`): the
-grant for exactly that range and operation, and the tenant's key to that node's data
-port.  This path opens the connection with the data key (handshake role
-``tenant-data``) and sends each request's segment id with its grant, never the key;
-the node checks the grant before it serves a byte (:mod:`kvpool.datapath.segment_server`).
-
-Rules:
-
-- Never shared memory: a segment mapped into a tenant's process would bypass every
-  grant (the master gives a tenant no shared-memory name either).
-- A segment id without a grant (a pool without tenants) is refused here, as a plain
-  :class:`~kvpool.errors.PoolError`: a miss for the caller, which reports nothing (the
-  object is fine).
-- An SSD read is by key: it sends the key as stored (``@tenant/key``) with the grant
-  for that key after a ``#``.
+id, ``<segment id>#<grant>#<data key>`` (:mod:`kvpool.master.tenancy`); this path opens
+the connection with the data key (handshake role ``tenant-data``) and sends each
+request's segment id with its grant, never the key; the node checks the grant before it
+serves a byte (:mod:`kvpool.datapath.segment_server`).
 """
 
 from __future__ import annotations
@@ -52,6 +41,13 @@ def _split(segment_id: str) -> tuple[str, str]:
     return granted, data_key
 
 
+# Rules:
+# - Never shared memory: a segment mapped into a tenant's process would bypass every
+#   grant (the master gives a tenant no shared-memory name either).
+# - A segment id without a grant (a pool without tenants) is refused here, as a plain
+#   PoolError: a miss for the caller, which reports nothing (the object is fine).
+# - An SSD read is by key: it sends the key as stored (`@tenant/key`) with the grant for
+#   that key after a `#`.
 class TenantDataPath(Closing):
     """Reads and writes of one node's segments for one tenant, over TCP with grants.
 

@@ -2,20 +2,9 @@
 
 A :class:`Transport` opens a :class:`DataPath` to one storage owner (a node, or the
 master's own segment) by its data address; a data path runs lists of operations
-(:mod:`kvpool.datapath.data_ops`: writes and reads between caller buffers and
-``(segment_id, offset)`` of that owner's segments, reads of its SSD tier) with one call,
-``run(ops)``, for a single transfer and a batch alike.  The client holds one data path
-per owner, drops it when a transfer fails, and opens it again on next use.  The
-transports:
-
-- :class:`SharedMemoryTransport` (``"shm"``, the default): segments on this host are
-  attached and copied into directly; every other segment is reached over TCP.
-- :class:`TcpTransport` (``"tcp"``): every byte over kvpool's TCP data plane.
-- :class:`~kvpool.datapath.in_process.InProcessTransport`: this process's own storage,
-  plain memory copies (the embedded pool).
-
-Another fabric (Mooncake's Transfer Engine, RDMA) is one more class with ``connect``.
-Buffers are anything with the buffer protocol, NumPy arrays, or CPU tensors.
+(:mod:`kvpool.datapath.data_ops`) with one call, ``run(ops)``.  The client holds one data
+path per owner, drops it when a transfer fails, and opens it again on next use.  Another
+fabric (Mooncake's Transfer Engine, RDMA) is one more class with ``connect``.
 """
 
 from __future__ import annotations
@@ -65,6 +54,12 @@ class Transport(Protocol):
         ...
 
 
+# The transports: SharedMemoryTransport ("shm", the default): segments on this host are
+# attached and copied into directly, every other segment is reached over TCP;
+# TcpTransport ("tcp"): every byte over kvpool's TCP data plane; and
+# kvpool.datapath.in_process.InProcessTransport: this process's own storage, plain memory
+# copies (the embedded pool).  Buffers are anything with the buffer protocol, NumPy
+# arrays, or CPU tensors.
 class TcpTransport:
     """Every transfer over kvpool's TCP data plane (zero-copy into the destination).
     ``peer``: the timeout, credential, client id and TLS context each node's data port
