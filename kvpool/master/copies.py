@@ -1,18 +1,9 @@
 """Demotions in flight on nodes, and the replies that wait for the room they make.
 
 A node copies a demoted object to its SSD tier on its own time (the index keeps the
-object DEMOTING meanwhile, see ``ObjectIndex.defer_copies``).  :class:`Copies` sends the
-copy through :class:`~kvpool.master.node_links.NodeLinks`, and collects the outcomes
-the link threads report into a thread-safe queue; the master applies them on its own
-thread (``take_reports``), so the index is still touched by one thread only.  A copy not
-reported within its deadline is *overdue*: the master abandons it (the object is
-dropped, its memory free again) and stops copying to that owner until it answers.
-
-A put that only copies in flight would make room for is answered :class:`Later`: the
-server holds that connection's reply (and only that connection's) while the master
-serves everyone else, tries the put again whenever a copy finished, and at the deadline
-gives the final answer (stored, or NoSpace).  Copies and waits are both bounded, so a
-silent node costs a put at most ``room_wait_ms`` and never the master.
+object DEMOTING meanwhile, see ``ObjectIndex.defer_copies``).  :class:`Copies` tracks
+those copies and their deadlines; a put that only copies in flight would make room for
+is answered :class:`Later`.
 """
 
 from __future__ import annotations
@@ -48,7 +39,20 @@ class Later:
 
 
 class Copies:
-    """The node copies in flight (see the module docstring)."""
+    """The node copies in flight.
+
+    Each copy goes through :class:`~kvpool.master.node_links.NodeLinks`, and the
+    outcomes the link threads report are collected into a thread-safe queue; the master
+    applies them on its own thread (``take_reports``), so the index is still touched by
+    one thread only.  A copy not reported within its deadline is *overdue*: the master
+    abandons it (the object is dropped, its memory free again) and stops copying to that
+    owner until it answers.
+
+    A put answered :class:`Later` has that connection's reply (and only that
+    connection's) held while the master serves everyone else; the put is tried again
+    whenever a copy finished, and at the deadline gets the final answer (stored, or
+    NoSpace).  Copies and waits are both bounded, so a silent node costs a put at most
+    ``room_wait_ms`` and never the master."""
 
     def __init__(self, links: NodeLinks, deadline_ms: int) -> None:
         self.links = links

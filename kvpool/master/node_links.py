@@ -2,17 +2,8 @@
 
 The master never carries object bytes, but two effects of the index happen on a node's
 own storage: a demotion (the node copies an object from its memory segment to its SSD
-tier) and the deletion of SSD files the index dropped.
-
-None of it runs on the master's event loop: one slow or stopped node must not stop the
-master serving everyone else (a demotion waited for inside the loop froze ``/health``
-and every client for 10 s per object).  Each node gets one worker thread, with its own
-blocking :class:`~kvpool.datapath.segment_client.SegmentConnection` and a bounded queue;
-every call on it ends within ``timeout_s``.  A demotion's outcome comes back through the
-``done`` callback, on the worker's thread (the master hands it to its loop); a job that
-finds the queue full fails at once, and one that waited longer than ``timeout_s`` behind
-a silent node fails without being sent, so a stalled node costs bounded memory and time,
-and its objects are dropped rather than waited for.
+tier) and the deletion of SSD files the index dropped.  None of it runs on the master's
+event loop: one slow or stopped node must not stop the master serving everyone else.
 """
 
 from __future__ import annotations
@@ -45,6 +36,12 @@ DemoteDone = Callable[[Demote, bool], None]
 _Job = Callable[[SegmentConnection], None]
 
 
+# Each node gets one worker thread, with its own blocking SegmentConnection and a bounded
+# queue; every call on it ends within `timeout_s`.  A demotion's outcome comes back
+# through the `done` callback, on the worker's thread (the master hands it to its loop); a
+# job that finds the queue full fails at once, and one that waited longer than
+# `timeout_s` behind a silent node fails without being sent, so a stalled node costs
+# bounded memory and time, and its objects are dropped rather than waited for.
 class _NodeWorker:
     """One node's connection, served by one thread from a bounded queue."""
 
