@@ -1,16 +1,8 @@
 """vLLM KV connectors: the only package of kvpool that imports vLLM.
 
-- ``kvpool.connectors.store.KVPoolStoreConnector`` — the prefix-cache pool (in place of
-  vllm-ascend's ``AscendStoreConnector``, the production guide's §6).
-- ``kvpool.connectors.transfer.KVPoolTransferConnector`` — direct P→D transfer (in place of
-  Mooncake's ``MooncakeConnectorV1``, the guide's §5).
-
-vLLM loads each through ``"kv_connector_module_path"``; names here resolve lazily so that
-importing one connector (or this package) does not import the other, nor vLLM itself.
-
-Importing this package refuses a vLLM outside the supported range
-(:mod:`kvpool.config.vllm_versions`) with one line naming both versions, before an import
-deep inside vLLM can fail with a traceback of its own.
+``kvpool.connectors.store.KVPoolStoreConnector`` is the prefix-cache pool (the
+production guide's §6); ``kvpool.connectors.transfer.KVPoolTransferConnector`` is direct
+P→D transfer (the guide's §5).  vLLM loads each through ``"kv_connector_module_path"``.
 """
 
 from __future__ import annotations
@@ -20,6 +12,9 @@ from typing import Any
 
 from kvpool.config.vllm_versions import check_vllm_version, installed_vllm_version
 
+# Refuse a vLLM outside the supported range (kvpool.config.vllm_versions) with one line
+# naming both versions, before an import deep inside vLLM can fail with a traceback of its
+# own.
 check_vllm_version(installed_vllm_version())
 
 __all__ = ["KVPoolStoreConnector", "KVPoolTransferConnector"]
@@ -30,6 +25,8 @@ _MODULES = {
 }
 
 
+# Names resolve lazily, so that importing one connector (or this package) does not import
+# the other, nor vLLM itself.
 def __getattr__(name: str) -> Any:
     module = _MODULES.get(name)
     if module is None:

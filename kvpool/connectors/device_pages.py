@@ -2,27 +2,7 @@
 
 A socket cannot ``recv_into`` device memory and NumPy cannot view it, so
 :class:`StagedCaches` serves :class:`~kvpool.connectors.pages.PagedCaches`'s interface with
-torch copies between the device caches and host buffers:
-
-- a batch's pages are gathered on the device into one contiguous tensor (one indexing
-  kernel per layer), cross the bus in *one* ``copy_(non_blocking=True)``, and the caller
-  waits once per batch (:func:`_wait`): per-page waits would leave the bus idle between
-  pages.  Scatter is the same backwards;
-- host buffers are pinned (page-locked) where the device supports it, so that the copy is
-  an asynchronous DMA; torch's caching host allocator keeps pinned blocks for reuse, so a
-  buffer per batch costs no ``cudaHostAlloc`` after the first.  Elsewhere (a CPU tensor
-  forced through this path, a device without pinning) they are plain host memory;
-- what a pool or a socket reads or writes is always that host memory: no engine is handed
-  device memory (the Mooncake engine refuses device tensors, and registers in place only
-  CPU storage).
-
-Costs per batch: one device temporary of the batch's bytes (gathers also keep the layers'
-pieces until they are stacked: twice that), one host buffer, one bus crossing, one wait.
-The copy into the engine's or socket's memory is the one a CPU cache also pays.
-
-Ordering: copies run on the calling thread's current stream.  A save (after the forward
-pass, on vLLM's stream) is ordered after the kernels that wrote the blocks; a load writes
-blocks nothing computes on until vLLM hears the load finished, which is after the wait.
+torch copies between the device caches and host buffers.
 """
 
 from __future__ import annotations
@@ -46,7 +26,30 @@ __all__ = ["StagedCaches"]
 
 class StagedCaches(PagedCaches):
     """Byte pages of ``uint8`` tensors ``[num_blocks, heads, block_size, row]`` on one
-    device, moved through host staging (see the module docstring).
+    device, moved through host staging.
+
+    - a batch's pages are gathered on the device into one contiguous tensor (one indexing
+      kernel per layer), cross the bus in *one* ``copy_(non_blocking=True)``, and the
+      caller waits once per batch (:func:`_wait`): per-page waits would leave the bus
+      idle between pages.  Scatter is the same backwards;
+    - host buffers are pinned (page-locked) where the device supports it, so that the
+      copy is an asynchronous DMA; torch's caching host allocator keeps pinned blocks for
+      reuse, so a buffer per batch costs no ``cudaHostAlloc`` after the first.  Elsewhere
+      (a CPU tensor forced through this path, a device without pinning) they are plain
+      host memory;
+    - what a pool or a socket reads or writes is always that host memory: no engine is
+      handed device memory (the Mooncake engine refuses device tensors, and registers in
+      place only CPU storage).
+
+    Costs per batch: one device temporary of the batch's bytes (gathers also keep the
+    layers' pieces until they are stacked: twice that), one host buffer, one bus
+    crossing, one wait.  The copy into the engine's or socket's memory is the one a CPU
+    cache also pays.
+
+    Ordering: copies run on the calling thread's current stream.  A save (after the
+    forward pass, on vLLM's stream) is ordered after the kernels that wrote the blocks; a
+    load writes blocks nothing computes on until vLLM hears the load finished, which is
+    after the wait.
 
     ``host_bytes`` counts the bytes copied each way (``to_host``, ``to_device``): the
     tests' and the bench's evidence that this path ran.

@@ -1,37 +1,11 @@
 """vLLM's KV cache tensors as byte pages: the one byte view both connectors use.
 
-vLLM hands a connector one tensor per layer, blocks first.  On CPU the layout is
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (MLA's
-``[num_blocks, block_size, latent]`` is one replicated head).  :class:`PagedCaches` views
+vLLM hands a connector one tensor per layer, blocks first.  :class:`PagedCaches` views
 them as ``uint8`` arrays ``[num_blocks, heads, block_size, row]`` that share memory with
-vLLM's tensors, and serves two uses:
-
-- the store connector moves *whole blocks*: :meth:`PagedCaches.gather` and
-  :meth:`PagedCaches.scatter` copy one block of every layer (a *page*: one pool object) to
-  and from a staging array made by :meth:`PagedCaches.new_pages`, or a pool moves them in
-  place as :meth:`PagedCaches.block_parts` (one row per layer).  Pages move opaque: the
-  CPU kernel does not keep a block's tokens in position order, so nothing looks inside;
-- the transfer connector sends and receives *page slices*, on CPU in place:
-  :meth:`PagedCaches.page` is the contiguous bytes of heads ``h0:h0+n`` of one block of
-  one layer, which a socket reads into or writes from directly.
-
-Build one with :func:`block_pages` (store connector: any layout with blocks first) or
-:func:`byte_pages` (transfer connector: the layouts above, with the scheduler's block size);
-their errors name the connector that registered the caches.  torch is imported only when
-they are called, so code and tests that use NumPy arrays stay torch-free.
-
-Senders and receivers of page slices go through :meth:`PagedCaches.sending` and
-:meth:`PagedCaches.receiving` (one layer's pages of a pull at a time), so that caches in
-device memory (CUDA, NPU, XPU) can serve the same callers:
-:class:`~kvpool.connectors.device_pages.StagedCaches` copies them through host staging,
-with one synchronize per batch.  Both builders pick it from the tensors' device;
-``staged=True`` forces it on CPU tensors (the tests' way through the device path).
-
-CPU caches copy through NumPy byte views: a plain single-threaded memcpy per layer page
-(device caches need torch's copies; there they are kernels and DMA, not OpenMP).
-Torch's ``copy_`` on CPU would open an OpenMP parallel region per 256 KiB page, and on a loaded
-host (vLLM pins its OpenMP threads to cores) each region can wait a scheduler tick:
-measured 0.5 s instead of 5 ms for a 24 MiB load.
+vLLM's tensors: the store connector moves whole blocks (one pool object per page), the
+transfer connector page slices.  Build one with :func:`block_pages` (store connector) or
+:func:`byte_pages` (transfer connector); caches in device memory get
+:class:`~kvpool.connectors.device_pages.StagedCaches` instead.
 """
 
 from __future__ import annotations
@@ -56,7 +30,20 @@ class PagedCaches:
     """vLLM's per-layer KV caches as ``uint8`` arrays ``[num_blocks, heads, block_size, row]``.
 
     A page slice (``[block, h0:h1]``) and a whole block (``[block]``) are contiguous in this
-    layout, which is what lets both connectors copy without reshaping anything.
+    layout, which is what lets both connectors copy without reshaping anything.  On CPU
+    the layout is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (MLA's
+    ``[num_blocks, block_size, latent]`` is one replicated head).
+
+    - the store connector moves *whole blocks*: :meth:`gather` and :meth:`scatter` copy
+      one block of every layer (a *page*: one pool object) to and from a staging array
+      made by :meth:`new_pages`, or a pool moves them in place as :meth:`block_parts`
+      (one row per layer).  Pages move opaque: the CPU kernel does not keep a block's
+      tokens in position order, so nothing looks inside;
+    - the transfer connector sends and receives *page slices*, on CPU in place:
+      :meth:`page` is the contiguous bytes of heads ``h0:h0+n`` of one block of one
+      layer, which a socket reads into or writes from directly.  Senders and receivers
+      go through :meth:`sending` and :meth:`receiving` (one layer's pages of a pull at a
+      time), so that staged device caches can serve the same callers.
     """
 
     #: False: the views are the KV cache itself; True: pages are copied through host
@@ -147,6 +134,10 @@ class PagedCaches:
         """Staging for ``n`` pages: ``[n, layers, layer_page_bytes]`` bytes."""
         return np.empty((n, len(self._blocks), self.layer_page_bytes), dtype=np.uint8)
 
+    # CPU caches copy through NumPy byte views: a plain single-threaded memcpy per layer
+    # page.  Torch's copy_ on CPU would open an OpenMP parallel region per page, and on a
+    # loaded host (vLLM pins its OpenMP threads to cores) each region can wait a
+    # scheduler tick.  (Device caches need torch's copies: kernels and DMA, not OpenMP.)
     def gather(self, block_ids: Iterable[int], out: np.ndarray[Any, Any]) -> None:
         for j, block in enumerate(block_ids):
             for layer, kv in enumerate(self._blocks):
@@ -164,13 +155,15 @@ def page_view(page: np.ndarray[Any, Any]) -> memoryview:
     return memoryview(buffer).cast("B")
 
 
+# The builders import torch only when called, so code and tests that use NumPy arrays
+# stay torch-free; their errors name the connector that registered the caches.
 def block_pages(
     kv_caches: Mapping[str, torch.Tensor], *, staged: bool | None = None
 ) -> PagedCaches:
     """The store connector's view: whole blocks of any layout with blocks first.
 
     Layers must agree in shape and dtype (one page is one block of every layer) and be
-    contiguous.  A layout other than the two above is viewed as one head of one row per
+    contiguous.  A layout other than the two of :class:`PagedCaches` is one head of one row per
     block: whole-block copies need nothing more.  ``staged``: see :func:`_staged`.
     """
     import torch

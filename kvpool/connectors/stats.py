@@ -4,17 +4,6 @@
 subclass; the summing, reporting and exporting live here, and so do the class-level hooks
 vLLM calls on a connector class (:class:`CounterStatsHooks`) and its registration by name
 (:func:`register_connector`).
-
-A connector uses them as::
-
-    class MyStats(CounterStats):          COUNTERS = ("hits", "misses")
-    class MyProm(CounterPromMetrics):     COUNTERS = MyStats.COUNTERS; PREFIX = "mine"
-
-    class MyConnector(CounterStatsHooks, KVConnectorBase_V1):
-        STATS, PROM_METRICS = MyStats, MyProm
-        def get_kv_connector_stats(self):  return MyStats.from_counts(self._take_counts())
-
-    register_connector("MyConnector", "my.module.path")
 """
 
 from __future__ import annotations
@@ -33,6 +22,16 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 __all__ = ["CounterPromMetrics", "CounterStats", "CounterStatsHooks", "register_connector"]
 
 
+# A connector uses these as:
+#
+#     class MyStats(CounterStats):          COUNTERS = ("hits", "misses")
+#     class MyProm(CounterPromMetrics):     COUNTERS = MyStats.COUNTERS; PREFIX = "mine"
+#
+#     class MyConnector(CounterStatsHooks, KVConnectorBase_V1):
+#         STATS, PROM_METRICS = MyStats, MyProm
+#         def get_kv_connector_stats(self):  return MyStats.from_counts(self._take_counts())
+#
+#     register_connector("MyConnector", "my.module.path")
 @dataclass
 class CounterStats(KVConnectorStats):
     """Counter deltas since the last report; ``data`` maps counter name -> int."""

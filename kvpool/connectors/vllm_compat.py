@@ -3,21 +3,6 @@
 Every supported release (:mod:`kvpool.config.vllm_versions`) is handled here, by what the
 installed vLLM has rather than by its version number, and each difference names the vLLM
 change that made it.  The connector modules import these names instead of vLLM's own.
-
-The supported range itself is :mod:`kvpool.config.vllm_versions` (vLLM-free, for doctor and
-``kvpool up``); importing :mod:`kvpool.connectors` refuses a vLLM outside it.
-
-Differences handled:
-
-- ``CacheHitSource`` (``vllm.v1.metrics.cache_hit_source``) arrived in vLLM 0.32 with the
-  per-source external cache hit metrics (``KVConnectorBase_V1._cache_hit_source``); on 0.30
-  and 0.31 there is no such metric and the connectors' ``_cache_hit_source`` is unused, so
-  it is ``None`` there.
-- ``supports_sleep_mode`` (a class hook of ``KVConnectorBase_V1``, vLLM 0.33, with
-  ``unregister_kv_caches``/``restore_kv_caches``) defaults to True.  kvpool's workers keep
-  views of the KV cache and the transfer connector holds P's blocks until D pulls them; a
-  sleep discards that KV, so both say False and vLLM refuses ``--enable-sleep-mode`` at
-  start-up with its own one line.  Older vLLM never calls the hook.
 """
 
 from __future__ import annotations
@@ -26,6 +11,10 @@ from typing import Any
 
 __all__ = ["HIT_SOURCE_HOST", "HIT_SOURCE_P2P", "ConnectorHooks"]
 
+# CacheHitSource (vllm.v1.metrics.cache_hit_source) arrived in vLLM 0.32 with the
+# per-source external cache hit metrics (KVConnectorBase_V1._cache_hit_source); on 0.30
+# and 0.31 there is no such metric and the connectors' _cache_hit_source is unused, so it
+# is None there.
 try:  # vLLM ≥ 0.32: external hits are counted per source (host memory, disk, peer)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -41,4 +30,9 @@ class ConnectorHooks:
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        return False  # vLLM ≥ 0.33 (see the module docstring): sleep discards held KV
+        # A class hook of KVConnectorBase_V1 since vLLM 0.33 (with unregister_kv_caches /
+        # restore_kv_caches), default True.  kvpool's workers keep views of the KV cache
+        # and the transfer connector holds P's blocks until D pulls them; a sleep discards
+        # that KV, so both say False and vLLM refuses --enable-sleep-mode at start-up
+        # with its own one line.  Older vLLM never calls the hook.
+        return False
