@@ -1,24 +1,10 @@
 """KVPoolStoreConnector: vLLM's KV in kvpool, keyed by prefix (vllm-ascend's AscendStoreConnector).
 
-Load it in vLLM with::
-
-    --kv-transfer-config '{"kv_connector": "KVPoolStoreConnector",
-        "kv_connector_module_path": "kvpool.connectors.store",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": "mooncake", "lookup_rpc_port": "0"}}'
-
-or as a child of vLLM's MultiConnector (the same dict inside ``"connectors"``).  Settings
-are described in :mod:`kvpool.config.kv_transfer`; the scheduler half is
+This module only wires the connector's halves to vLLM's hooks: the scheduler half is
 :mod:`~kvpool.connectors.store.scheduler`, the worker half
-:mod:`~kvpool.connectors.store.worker`.  This module only wires them to vLLM's hooks.
-
-Saves run off the engine step (:mod:`~kvpool.connectors.store.saves`): the pages are
-copied out in ``wait_for_save`` and put by a writer thread, so no block is held past its
-step; ``async_saves: false`` puts them in the step.
-
-Roles: ``kv_producer`` and ``kv_both`` save what they compute; every role loads hits (a
-prefill node reuses a shared system prompt just as a decode node does); ``kv_consumer``
-saves only with ``consumer_is_to_put``.
+:mod:`~kvpool.connectors.store.worker`, saves off the engine step
+:mod:`~kvpool.connectors.store.saves`; settings are :mod:`kvpool.config.kv_transfer`, and
+docs/connectors.md §6 shows how vLLM loads it.
 """
 
 from __future__ import annotations
@@ -167,6 +153,11 @@ def namespace_for(
     )
 
 
+# Roles: kv_producer and kv_both save what they compute; every role loads hits (a prefill
+# node reuses a shared system prompt just as a decode node does); kv_consumer saves only
+# with consumer_is_to_put.  Saves run off the engine step (.saves): the pages are copied
+# out in wait_for_save and put by a writer thread, so no block is held past its step;
+# async_saves: false puts them in the step.
 class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1):
     """A vLLM v1 KV connector that keeps KV in the kvpool pool, keyed by prefix."""
 

@@ -5,18 +5,6 @@ the model, every layer), keyed by the chunk's key and the group's index — neve
 writer's TP rank or size.  So an instance of any TP layout finds what an instance of
 another layout wrote: TP rank ``r`` of ``tp_size`` loads exactly the groups of the heads it
 holds (vLLM's sharding, :func:`kvpool.config.topology.local_heads`), whoever wrote them.
-
-Rules:
-- ``group_size`` must divide every rank's head count; every instance that shares a pool
-  must use the same value (it is part of the key namespace, so a different one is a miss,
-  never wrong bytes).  One head per group (the default with a master) fits every TP size.
-- A chunk is a hit only when *every* group is present: a reader's ranks together hold
-  every head of the model, so the all-ranks rule is "every group exists".
-- Each group is written once per instance: when heads are replicated (``tp_size`` >
-  ``num_kv_heads``, MLA's single latent head always), only the first rank that holds a
-  head writes its group; every holder reads it.
-- A single group (MLA, or an embedded pool) keys its objects with the chunk key itself;
-  with several, group ``g``'s key is :func:`~kvpool.core.keys.group_key` of it.
 """
 
 from __future__ import annotations
@@ -39,6 +27,17 @@ class GroupSlot:
     count: int
 
 
+# Rules:
+# - group_size must divide every rank's head count; every instance that shares a pool must
+#   use the same value (it is part of the key namespace, so a different one is a miss,
+#   never wrong bytes).  One head per group (the default with a master) fits every TP size.
+# - A chunk is a hit only when *every* group is present: a reader's ranks together hold
+#   every head of the model, so the all-ranks rule is "every group exists".
+# - Each group is written once per instance: when heads are replicated (tp_size >
+#   num_kv_heads, MLA's single latent head always), only the first rank that holds a head
+#   writes its group; every holder reads it.
+# - A single group (MLA, or an embedded pool) keys its objects with the chunk key itself;
+#   with several, group g's key is kvpool.core.keys.group_key of it.
 @dataclass(frozen=True, slots=True)
 class HeadGroups:
     """How a model's ``num_kv_heads`` split into pool objects, seen from ``tp_size`` ranks."""

@@ -6,34 +6,6 @@ therefore answers ``prefix_lookup`` on a Unix socket, and the scheduler half ask
 it also takes and ends the pins of a request's hit there (``pin``, ``release``), since the
 scheduler pins what its lookup found.  (With a master, both halves talk to the master and
 this channel is not used.)
-
-The socket's name is derived from what both halves share and no other instance has: vLLM's
-``instance_id`` (a nanosecond timestamp taken when the config is made), the ``engine_id``,
-the data-parallel rank and ``lookup_rpc_port``.  So ``"lookup_rpc_port": "0"`` (or any
-value) never collides between two instances on one host — not even a P and a D that share
-an ``engine_id`` as the production guide pairs them — and no TCP port is taken.
-
-Who may ask: only this user's processes.  The channel is a Unix socket, never a TCP port,
-so no other host reaches it; on this host three things keep other users out (a lookup
-answers what the pool holds, and a pin holds its memory):
-
-- the socket lies in a directory only its owner may enter (``kvpool-<uid>``, mode 700,
-  made by :func:`private_dir`, which refuses one that is not this user's or that others
-  may enter), so another user cannot reach the socket nor put one of their own in its
-  place (the scheduler checks the directory too before it asks);
-- the socket itself is mode 600;
-- the server asks the kernel who connected (``SO_PEERCRED``) and refuses another user,
-  should the permissions above ever be loosened.
-
-No handshake: every process that may connect runs as the one user, who owns the secret
-file too, so a secret would add nothing the kernel does not already check.  At most
-``max_connections`` are served at once (the scheduler needs one; each holds a thread);
-one more is answered :class:`Failed` (``Overloaded``) and closed.
-
-Wire format: kvpool's frames (:mod:`kvpool.protocol.codec`), one request per round trip
-on a persistent connection: a :class:`Lookup` (the keys), a :class:`PinKeys` or a
-:class:`ReleasePins`, answered by a :class:`Found` (how many leading keys are present,
-pinned, or released) or a :class:`Failed` (the worker's error message).
 """
 
 from __future__ import annotations
@@ -74,6 +46,10 @@ __all__ = [
 ]
 
 
+# Wire format: kvpool's frames (kvpool.protocol.codec), one request per round trip on a
+# persistent connection: a Lookup (the keys), a PinKeys or a ReleasePins, answered by a
+# Found (how many leading keys are present, pinned, or released) or a Failed (the worker's
+# error message).
 class Lookup(msgspec.Struct, frozen=True, tag=True):
     """How many leading ``keys`` does the pool hold?"""
 
@@ -119,6 +95,11 @@ _REFUSE_S = 1.0  # how long a refused connection may take to send its request
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
+# The socket's name is derived from what both halves share and no other instance has:
+# vLLM's instance_id (a nanosecond timestamp taken when the config is made), the
+# engine_id, the data-parallel rank and lookup_rpc_port.  So "lookup_rpc_port": "0" (or any
+# value) never collides between two instances on one host — not even a P and a D that
+# share an engine_id as the production guide pairs them — and no TCP port is taken.
 def channel_path(
     *, instance_id: str, engine_id: str, dp_rank: int, lookup_rpc_port: int, root: str | None = None
 ) -> str:
@@ -130,6 +111,18 @@ def channel_path(
     return str(base / f"kvpool-{os.geteuid()}" / f"lookup-{digest}.sock")
 
 
+# Who may ask: only this user's processes.  The channel is a Unix socket, never a TCP
+# port, so no other host reaches it; on this host three things keep other users out (a
+# lookup answers what the pool holds, and a pin holds its memory):
+# - the socket lies in a directory only its owner may enter (kvpool-<uid>, mode 700, made
+#   here, refusing one that is not this user's or that others may enter), so another user
+#   cannot reach the socket nor put one of their own in its place (the scheduler checks
+#   the directory too before it asks);
+# - the socket itself is mode 600;
+# - the server asks the kernel who connected (SO_PEERCRED) and refuses another user,
+#   should the permissions above ever be loosened.
+# No handshake: every process that may connect runs as the one user, who owns the secret
+# file too, so a secret would add nothing the kernel does not already check.
 def private_dir(path: str, *, create: bool) -> None:
     """Check (and with ``create``, make) the directory of socket ``path``: a directory
     of this user's that no one else may enter.  ConfigError naming the fix otherwise."""
@@ -169,6 +162,8 @@ def _answer(pool: PoolLookups, request: Lookup | PinKeys | ReleasePins) -> int:
     return pool.release(request.owner)
 
 
+# At most max_connections are served at once (the scheduler needs one; each holds a
+# thread); one more is answered Failed ("Overloaded") and closed.
 class LookupServer:
     """Answers the scheduler's lookups, pins and releases on ``pool``, from a thread of the
     worker process."""

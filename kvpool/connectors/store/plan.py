@@ -3,12 +3,6 @@
 Plain frozen dataclasses (picklable; vLLM ships them to worker processes): one
 :class:`LoadSpec` per request whose pool hit is to be copied into its blocks, one
 :class:`SaveSpec` per request with newly completed blocks to write to the pool.
-
-Keys are given for every KV-head group (``keys[group][i]``, see
-:mod:`~kvpool.connectors.store.groups`): each rank loads and saves the groups of the heads it
-holds, and the scheduler computed them all anyway to check that every group of a chunk is
-present.  Block ``block_ids[i]`` holds chunk ``keys[group][i]``: one pool object per
-(chunk, group) holding that group's heads of every layer of the block.
 """
 
 from __future__ import annotations
@@ -18,6 +12,11 @@ from dataclasses import dataclass
 __all__ = ["LoadSpec", "SaveSpec", "StorePlan"]
 
 
+# Keys are given for every KV-head group (keys[group][i], see .groups): each rank loads and
+# saves the groups of the heads it holds, and the scheduler computed them all anyway to
+# check that every group of a chunk is present.  Block block_ids[i] holds chunk
+# keys[group][i]: one pool object per (chunk, group) holding that group's heads of every
+# layer of the block.
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     """Copy the pool objects ``keys[group]`` into the engine blocks ``block_ids``.

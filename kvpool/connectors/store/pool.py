@@ -1,17 +1,10 @@
 """The pool as the store connector sees it: an engine, the process's shared embedded pool,
 and a reconnecting handle.
 
-- The pool is a :class:`~kvpool.engines.PoolEngine` (kvpool's master, the embedded pool,
-  or real Mooncake Store), opened by :func:`open_pool` through
-  :func:`kvpool.engines.open_engine`; tests pass any object with the engine's methods.
-  ``backend: "mooncake"`` runs on real Mooncake when the node config is a Mooncake one
-  (:func:`kvpool.config.node.node_engine`), else on kvpool's master.
-- :class:`EmbeddedPools` — the process's embedded pool, shared by the connector's halves.
-- :class:`PoolHandle` — opens the pool lazily, turns a dead pool into a fast
-  :class:`~kvpool.errors.TransferError` for ``reconnect_interval`` instead of letting every
-  request wait out a timeout, and reconnects afterwards; the wait doubles with each outage
-  in a row, up to a minute.  A miss or a full pool (``NoSpace``) is an answer, not an
-  outage, and keeps the connection.
+The pool is a :class:`~kvpool.engines.PoolEngine` (kvpool's master, the embedded pool,
+or real Mooncake Store), opened by :func:`open_pool`; :class:`EmbeddedPools` is the
+process's embedded pool, shared by the connector's halves; :class:`PoolHandle` turns a
+dead pool into a fast error and reconnects.
 """
 
 from __future__ import annotations
@@ -139,6 +132,9 @@ class EmbeddedPools:
             entry[0].close()
 
 
+# Opened through kvpool.engines.open_engine; tests pass any object with the engine's
+# methods.  backend "mooncake" runs on real Mooncake when the node config is a Mooncake one
+# (kvpool.config.node.node_engine), else on kvpool's master.
 def open_pool(
     config: StoreConfig, *, timeout_ms: int | None = None, lookups: bool = False
 ) -> PoolEngine:
@@ -177,6 +173,10 @@ def is_outage(exc: BaseException) -> bool:
     return isinstance(exc, KVPoolError | OSError | EOFError)
 
 
+# Opens the pool lazily, turns a dead pool into a fast TransferError for
+# reconnect_interval instead of letting every request wait out a timeout, and reconnects
+# afterwards; the wait doubles with each outage in a row, up to a minute.  A miss or a full
+# pool (NoSpace) is an answer, not an outage, and keeps the connection.
 class PoolHandle(Generic[P]):
     """A lazily opened, self-healing pool connection for one thread of use at a time: a
     :class:`~kvpool.engines.PoolEngine` for the worker, :class:`~kvpool.engines.PoolLookups`

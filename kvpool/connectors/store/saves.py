@@ -6,17 +6,6 @@ into the pool in the order they came.  Once copied the bytes belong to the conne
 vLLM may free, reuse or preempt the blocks at once: no block is held past its step, and
 ``request_finished`` stays delay-free (a held block would also not survive a preemption,
 which frees blocks without asking the connector).
-
-Rules:
-- The staging is ``capacity`` page slots; a queued batch holds its slots until its put
-  ends, so the slots bound both the memory and the queue.  A step that finds too few free
-  slots waits for the writer (counted as ``save_waits``): nothing is dropped.
-- A put that fails is counted (``save_errors``) and the later batches of the same save are
-  skipped (``skipped_blocks``): their chain hangs off the failed chunk.  Engines store an
-  object whole or not at all, so a failed or skipped save is a future miss, never bytes a
-  reader could take for a hit.
-- :meth:`SaveQueue.close` takes no more batches, lets the writer finish for at most
-  ``drain_s``, then drops what is still queued (counted and logged).
 """
 
 from __future__ import annotations
@@ -50,6 +39,16 @@ class SaveBatch:
     pages: list[int]
 
 
+# Rules:
+# - The staging is `capacity` page slots; a queued batch holds its slots until its put
+#   ends, so the slots bound both the memory and the queue.  A step that finds too few
+#   free slots waits for the writer (counted as save_waits): nothing is dropped.
+# - A put that fails is counted (save_errors) and the later batches of the same save are
+#   skipped (skipped_blocks): their chain hangs off the failed chunk.  Engines store an
+#   object whole or not at all, so a failed or skipped save is a future miss, never bytes
+#   a reader could take for a hit.
+# - close() takes no more batches, lets the writer finish for at most drain_s, then drops
+#   what is still queued (counted and logged).
 class SaveQueue:
     """Bounded page staging and the writer thread that empties it."""
 

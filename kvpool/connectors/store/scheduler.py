@@ -3,37 +3,9 @@
 Runs in vLLM's engine-core process.  It never touches KV bytes: it asks the pool how long
 a request's cached prefix is (``prefix_lookup``: no lease, so probing never pins anything),
 pins the blocks it will load for that request, and each step tells the worker half which
-blocks to load and which to save.
-
-Rules:
-- Keys come from :func:`kvpool.core.keys.chunk_keys` over the request's token ids, one chain
-  whatever the TP layout, and one pool object per chunk and KV-head group
-  (:mod:`~kvpool.connectors.store.groups`); never from vLLM's block hashes (seeded per
-  process).
-- A chunk is a hit only if every group is present (the reader's ranks together need every
-  head): the hit is the minimum over groups.
-- A synchronous hit leaves at least one token to compute (vLLM needs a token to sample
-  from); the hit is also capped the same way for async loads, which keeps one rule.
-- A request saves each full block once; blocks the pool already held at lookup time are not
-  written again.  After a failed load the mark moves back, so that what vLLM recomputes
-  is written again and the pool heals.
-- Any pool failure during a lookup is a miss: a dead pool slows requests down, never
-  fails them.
-- A hit is pinned for its request (owner: :func:`pin_owner`, one per rank, named in the
-  :class:`~kvpool.connectors.store.plan.LoadSpec` so the worker can release it; a rank pins
-  the groups it will load), for the
-  pool's lease TTL (``default_kv_lease_ttl``): the probe itself stays lease-free, so
-  probing never starves eviction (Mooncake #2187), but what a request is about to load is
-  not evicted under it.  A pin ends when the worker has loaded the blocks, at once when
-  vLLM admits the request without a load, when the request finishes or aborts, or at the
-  TTL, whichever comes first.  A block gone between the probe and the pin shortens the hit
-  (asked again, now that the rest is pinned); a failed pin leaves the hit unprotected.
-- Only what decides the KV may share a key: a LoRA adapter or a request's ``cache_salt``
-  goes into its namespace, and a request whose KV depends on more than token ids
-  (multimodal inputs, prompt embeddings) is neither looked up nor saved.
-
-Requests and scheduler outputs are duck-typed (the attributes vLLM 0.32 has), so this
-module imports nothing from vLLM and is tested with plain objects.
+blocks to load and which to save.  Requests and scheduler outputs are duck-typed (the
+attributes vLLM 0.32 has), so this module imports nothing from vLLM and is tested with
+plain objects.
 """
 
 from __future__ import annotations
@@ -113,6 +85,22 @@ class _Request:
         return self.request.all_token_ids  # type: ignore[no-any-return]
 
 
+# Rules:
+# - Keys come from kvpool.core.keys.chunk_keys over the request's token ids, one chain
+#   whatever the TP layout, and one pool object per chunk and KV-head group (.groups);
+#   never from vLLM's block hashes (seeded per process).
+# - A chunk is a hit only if every group is present (the reader's ranks together need
+#   every head): the hit is the minimum over groups.
+# - A synchronous hit leaves at least one token to compute (vLLM needs a token to sample
+#   from); the hit is also capped the same way for async loads, which keeps one rule.
+# - A request saves each full block once; blocks the pool already held at lookup time are
+#   not written again.  After a failed load the mark moves back, so that what vLLM
+#   recomputes is written again and the pool heals.
+# - Any pool failure during a lookup is a miss: a dead pool slows requests down, never
+#   fails them.
+# - Only what decides the KV may share a key: a LoRA adapter or a request's cache_salt
+#   goes into its namespace, and a request whose KV depends on more than token ids
+#   (multimodal inputs, prompt embeddings) is neither looked up nor saved.
 class StoreScheduler:
     """Scheduler-side logic of :class:`~kvpool.connectors.store.KVPoolStoreConnector`."""
 
@@ -232,6 +220,14 @@ class StoreScheduler:
         ranks = range(self._groups.tp_size)
         return tuple(pin_owner(self._scope, state.req_id, r, gen) for r in ranks)
 
+    # A hit is pinned for its request (owner: pin_owner, one per rank, named in the LoadSpec
+    # so the worker can release it; a rank pins the groups it will load), for the pool's lease
+    # TTL (default_kv_lease_ttl): the probe itself stays lease-free, so probing never starves
+    # eviction, but what a request is about to load is not evicted under it.  A pin ends when
+    # the worker has loaded the blocks, at once when vLLM admits the request without a load,
+    # when the request finishes or aborts, or at the TTL, whichever comes first.  A block gone
+    # between the probe and the pin shortens the hit (asked again, now that the rest is
+    # pinned); a failed pin leaves the hit unprotected.
     def _pin_hit(self, state: _Request, keys: list[BlockKey], first: int, hit: int) -> int:
         """Pin chunks [first, hit) of every group for the request, each rank's groups under
         its own owner; the hit that stays (shorter

@@ -3,29 +3,7 @@
 Both halves count; vLLM sums the worker's and the scheduler's counts each step and logs
 them (``KV Transfer metrics: lookups=..., hit_tokens=..., hit_rate=...``) and, through
 :class:`KVPoolStorePromMetrics`, exports them as ``vllm:kvpool_store_<counter>_total``.
-
-Counters (all monotonic within an interval, summed across workers):
-
-==============  ==============================================================
-lookups         requests the scheduler asked the pool about
-query_tokens    prompt tokens asked for beyond vLLM's own prefix-cache hit
-hit_tokens      tokens the pool supplied (the denominator is query_tokens)
-lookup_errors   lookups that failed (pool down): counted as misses
-pinned_blocks   blocks a lookup pinned for its request until they are loaded
-pin_errors      pins or releases that failed: a hit left unprotected, or a pin left to its TTL
-loaded_blocks   blocks copied from the pool into the KV cache
-failed_blocks   blocks whose load failed (miss, corrupt, pool down): recomputed
-dropped_blocks  unreadable objects this connector removed so a recomputed copy replaces
-                them (kvpool's engines drop a corrupt copy themselves when a read
-                finds it; then the connector finds nothing left to remove)
-loaded_bytes    bytes loaded
-saved_blocks    blocks written to the pool
-saved_bytes     bytes written
-save_errors     saves that failed (pool full or down): a future miss, nothing more
-save_waits      steps that waited for the save queue's staging to free up (full)
-skipped_blocks  blocks not saved: after a failed save of the same request's chain, or
-                still queued at shutdown
-==============  ==============================================================
+What each counter means: docs/connectors.md, "Store connector metrics".
 """
 
 from __future__ import annotations
