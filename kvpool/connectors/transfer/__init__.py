@@ -2,21 +2,10 @@
 ``kv_connector/v1/offloading/`` is laid out.
 
 vLLM loads it by ``"kv_connector_module_path": "kvpool.connectors.transfer"`` (importlib,
-then ``getattr`` of the class name), so this package exports the class.  It resolves
-lazily: the vLLM-free halves (:mod:`.scheduler`, :mod:`.worker`, :mod:`.server`,
-:mod:`.transport`, :mod:`.tcp`, :mod:`.jobs`, :mod:`.state`) import without vLLM, and
-importing this connector never imports the store connector.
-
-- :mod:`.connector` — the vLLM adapter (the only module here that imports vLLM, with
-  :mod:`.stats`);
-- :mod:`.scheduler` — what to hold, pull and release; :mod:`.jobs` — what it tells the
-  workers each step;
-- :mod:`.worker` — one rank's pulls (D) and holds (P); :mod:`.server` — P's rules for
-  serving pulls on its ``kv_port``; :mod:`.state` — the hold and load book-keeping;
-- :mod:`.transport` — the data-plane seam; :mod:`.tcp` — kvpool's TCP behind it;
-- :mod:`.stats` — counters in vLLM's stats and Prometheus channels.
-
-Settings and the P/D layout are vLLM-free and live in :mod:`kvpool.config`.
+then ``getattr`` of the class name), so this package exports the class.  :mod:`.connector`
+is the vLLM adapter; the halves it wires (:mod:`.scheduler`, :mod:`.worker` and what they
+use) import without vLLM.  Settings and the P/D layout are vLLM-free and live in
+:mod:`kvpool.config`.
 """
 
 from __future__ import annotations
@@ -27,6 +16,9 @@ from typing import Any
 __all__ = ["KVPoolTransferConnector", "TransferMetadata"]
 
 
+# Resolves lazily: the vLLM-free halves (.scheduler, .worker, .server, .transport, .tcp,
+# .jobs, .state) import without vLLM, and importing this connector never imports the store
+# connector.
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'kvpool.connectors.transfer' has no attribute {name!r}")

@@ -1,18 +1,11 @@
 """KVPoolTransferConnector: direct P→D transfer of a request's KV blocks (the guide's L1).
 
-kvpool's counterpart of ``MooncakeConnectorV1``, a vLLM v1 KV connector.  Load it by
-module path, alone or as a child of vLLM's own ``MultiConnector``::
-
-    {"kv_connector": "KVPoolTransferConnector",
-     "kv_connector_module_path": "kvpool.connectors.transfer",
-     "kv_role": "kv_producer", "kv_port": "30000",
-     "kv_connector_extra_config": {"decode": {"dp_size": 1, "tp_size": 1}}}
-
-This module is the thin vLLM adapter: the decisions live in :mod:`.scheduler`, the bytes
-move in :mod:`.worker` (D's pulls) and :mod:`.server` (P's side) through a
-:mod:`.transport`, head routing in :mod:`kvpool.config.topology`, settings in
-:mod:`kvpool.config.kv_transfer`, counters in :mod:`.stats`.  P pushes nothing: D pulls
-from P's ``kv_port`` after P has answered, so P's engine never waits on D.
+kvpool's counterpart of ``MooncakeConnectorV1``, a vLLM v1 KV connector, loaded by module
+path alone or as a child of vLLM's own ``MultiConnector`` (docs/connectors.md §5).  This
+module is the thin vLLM adapter: the decisions live in :mod:`.scheduler`, the bytes move
+in :mod:`.worker` (D's pulls) and :mod:`.server` (P's side) through a :mod:`.transport`,
+head routing in :mod:`kvpool.config.topology`, settings in
+:mod:`kvpool.config.kv_transfer`, counters in :mod:`.stats`.
 """
 
 from __future__ import annotations
@@ -95,6 +88,8 @@ def _dp_rank(parallel: Any) -> int:
     return int(parallel.data_parallel_rank if index is None else index)
 
 
+# P pushes nothing: D pulls from P's kv_port after P has answered, so P's engine never
+# waits on D.
 class KVPoolTransferConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1):
     """vLLM connector for P→D KV transfer (pull by D from P's ``kv_port``; TCP by default)."""
 

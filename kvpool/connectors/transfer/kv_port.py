@@ -1,14 +1,9 @@
 """A prefill's ``kv_port`` as every transport runs it: all of a pull but how pages move.
 
-P (:class:`PullListener`): a thread accepts on the rank's port; each decode connection
-gets a thread that opens with the credential handshake (:mod:`kvpool.security.kv_port`),
-then answers requests until the decode closes, idles :data:`IDLE_S`, breaks the stream or
-P stops.
-The :class:`~.transport.PullHandler` admits or refuses each pull; the transport's own
-:data:`MovePages` moves an admitted one's pages, and ``Done`` follows what it moved.
-D (:func:`dial`): one connection to a P rank, bounded, handshake included.  Both
-transports' codecs carry ``Pull``, ``PullDone``, ``Done`` and ``Refused``; anything else
-a request codec carries is answered ``Refused`` outside a pull.
+P (:class:`PullListener`) accepts decode connections on the rank's port and answers their
+requests; D (:func:`dial`) opens one connection to a P rank, bounded, handshake included.
+Both transports' codecs carry ``Pull``, ``PullDone``, ``Done`` and ``Refused``; anything
+else a request codec carries is answered ``Refused`` outside a pull.
 """
 
 from __future__ import annotations
@@ -50,6 +45,11 @@ IDLE_S = 60.0
 MovePages = Callable[[socket.socket, Pull, float], int | None]
 
 
+# A thread accepts on the rank's port; each decode connection gets a thread that opens
+# with the credential handshake (kvpool.security.kv_port), then answers requests until the
+# decode closes, idles IDLE_S, breaks the stream or P stops.  The transport's PullHandler
+# admits or refuses each pull; the transport's own MovePages moves an admitted one's
+# pages, and Done follows what it moved.
 class PullListener:
     """Accepts decode connections on a P rank's ``kv_port`` and answers their requests."""
 

@@ -3,26 +3,7 @@
 No vLLM import: it reads the few request attributes it needs (``request_id``,
 ``kv_transfer_params``, ``num_prompt_tokens``, ``status``) and vLLM's ``KVCacheBlocks``
 (``blocks``, ``get_unhashed_block_ids_all_groups``), so it is unit-tested with fakes.
-
-The P/D flow, as vLLM's proxy pattern drives it:
-
-1. The proxy sends the request to P with ``kv_transfer_params={"do_remote_decode": true}``
-   and ``max_tokens=1``.  When it finishes, :meth:`request_finished` keeps its blocks
-   (returns ``True``), queues a :class:`HoldJob` for P's workers, and returns the params
-   D needs (:data:`PARAM_KEYS`); vLLM puts them in P's response.
-2. The proxy sends the request to D with those params.  :meth:`get_num_new_matched_tokens`
-   claims every prompt token not already in D's local prefix cache, asynchronously;
-   :meth:`update_state_after_alloc` turns the claim into a :class:`RecvJob` that maps D's
-   new blocks onto P's blocks for the same tokens.  D's prompt may be longer than P's
-   (a proxy that sends D the prompt plus P's first token): only the ``remote_num_tokens``
-   P computed are pulled, and D computes the rest.
-3. D's workers pull; P's workers free the blocks when D has them (or after
-   ``hold_timeout_ms``).  A D that will not pull (abort before scheduling, nothing left to
-   load) sends a :class:`ReleaseJob` so P frees at once.
-
-Keys of ``kv_transfer_params`` are vLLM's P/D convention (``do_remote_prefill``,
-``remote_*``, ``tp_size``), so any P/D proxy works unchanged; another connector under the
-same MultiConnector must not return these keys (MultiConnector rejects duplicates).
+The P/D flow it drives is described on :class:`TransferScheduler`.
 """
 
 from __future__ import annotations
@@ -42,6 +23,9 @@ _PREFIX = f"[{TRANSFER_CONNECTOR}]"
 # stopped (EOS, a stop string) is complete, so no D will come for its blocks (as vLLM's
 # own NixlConnector decides).
 _FINISHED_OK = ("FINISHED_LENGTH_CAPPED",)
+# Keys of kv_transfer_params are vLLM's P/D convention (do_remote_prefill, remote_*,
+# tp_size), so any P/D proxy works unchanged; another connector under the same
+# MultiConnector must not return these keys (MultiConnector rejects duplicates).
 PARAM_KEYS = (
     "do_remote_prefill",
     "do_remote_decode",
@@ -113,7 +97,26 @@ def _remote_problem(
 
 
 class TransferScheduler:
-    """Scheduler-side state of one engine (one DP rank)."""
+    """Scheduler-side state of one engine (one DP rank).
+
+    The P/D flow, as vLLM's proxy pattern drives it:
+
+    1. The proxy sends the request to P with
+       ``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``.  When it
+       finishes, :meth:`request_finished` keeps its blocks (returns ``True``), queues a
+       :class:`HoldJob` for P's workers, and returns the params D needs
+       (:data:`PARAM_KEYS`); vLLM puts them in P's response.
+    2. The proxy sends the request to D with those params.
+       :meth:`get_num_new_matched_tokens` claims every prompt token not already in D's
+       local prefix cache, asynchronously; :meth:`update_state_after_alloc` turns the
+       claim into a :class:`RecvJob` that maps D's new blocks onto P's blocks for the
+       same tokens.  D's prompt may be longer than P's (a proxy that sends D the prompt
+       plus P's first token): only the ``remote_num_tokens`` P computed are pulled, and
+       D computes the rest.
+    3. D's workers pull; P's workers free the blocks when D has them (or after
+       ``hold_timeout_ms``).  A D that will not pull (abort before scheduling, nothing
+       left to load) sends a :class:`ReleaseJob` so P frees at once.
+    """
 
     def __init__(
         self,

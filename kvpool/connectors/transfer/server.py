@@ -2,12 +2,7 @@
 
 One server per prefill worker rank, on ``rank_port(kv_port, dp_rank, tp_size, tp_rank)``,
 the rank's ``kv_port``.  The transport (:mod:`.transport`; kvpool's TCP by default)
-carries the requests (:mod:`kvpool.protocol.pull`) and the pages; this module decides: a
-pull is served from the request's held blocks (waiting, bounded, for the scheduler's hold
-to arrive), a :class:`~kvpool.protocol.pull.PullDone` just marks that D rank done.  Every
-refusal says why, and the decode then recomputes.  The hold book-keeping
-(:class:`SendTracker`) is shared with the worker, which owns it, under the worker's
-condition variable.
+carries the requests (:mod:`kvpool.protocol.pull`) and the pages; this module decides.
 """
 
 from __future__ import annotations
@@ -30,6 +25,10 @@ logger = logging.getLogger("vllm.kvpool.transfer")
 _PREFIX = f"[{TRANSFER_CONNECTOR}]"
 
 
+# A pull is served from the request's held blocks (waiting, bounded, for the scheduler's
+# hold to arrive), a PullDone just marks that D rank done.  Every refusal says why, and the
+# decode then recomputes.  The hold book-keeping (SendTracker) is shared with the worker,
+# which owns it, under the worker's condition variable.
 class PullServer:
     """Serves one prefill rank's held blocks to the decode ranks that pull them."""
 

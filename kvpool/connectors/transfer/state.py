@@ -1,20 +1,7 @@
 """Book-keeping of the transfer connector's worker halves (pure: no I/O, no clock).
 
-P side — :class:`SendTracker`.  When a prefill request finishes, vLLM leaves its blocks
-to the connector (``request_finished`` returned ``True``) until a worker reports the
-request in ``finished_sending``.  The tracker says when that is:
-
-- a request is *held* with its block ids, the set of D ranks expected to pull it, and a
-  deadline (``hold_timeout_ms`` from now);
-- each expected D rank either pulls its heads or sends a release (it needed nothing);
-- when every expected rank is done, or the deadline passes (a D that never came), the
-  request is *finished*: reported once in ``finished_sending`` and forgotten, so a late
-  pull of it is refused instead of reading blocks vLLM has handed to someone else.
-
-D side — :class:`RecvResults`.  Every load started must be reported exactly once in
-``finished_recving``; a failed one also in ``failed_recving`` and its blocks in
-``get_block_ids_with_load_errors`` (vLLM's ``recompute`` policy needs both, or the
-request hangs).  Pull threads record outcomes; the worker drains snapshots each step.
+P side: :class:`SendTracker`, which requests P holds for D and when their blocks may be
+freed.  D side: :class:`RecvResults`, the outcomes of D's pulls, drained once per step.
 """
 
 from __future__ import annotations
@@ -37,6 +24,15 @@ class HeldRequest:
     bytes_sent: int = 0
 
 
+# When a prefill request finishes, vLLM leaves its blocks to the connector
+# (request_finished returned True) until a worker reports the request in
+# finished_sending.  The tracker says when that is:
+# - a request is *held* with its block ids, the set of D ranks expected to pull it, and a
+#   deadline (hold_timeout_ms from now);
+# - each expected D rank either pulls its heads or sends a release (it needed nothing);
+# - when every expected rank is done, or the deadline passes (a D that never came), the
+#   request is *finished*: reported once in finished_sending and forgotten, so a late
+#   pull of it is refused instead of reading blocks vLLM has handed to someone else.
 class SendTracker:
     """Which requests P holds for D, and when their blocks may be freed."""
 
@@ -126,6 +122,10 @@ class RecvSnapshot:
     failed_block_ids: set[int]
 
 
+# Every load started must be reported exactly once in finished_recving; a failed one also
+# in failed_recving and its blocks in get_block_ids_with_load_errors (vLLM's recompute
+# policy needs both, or the request hangs).  Pull threads record outcomes; the worker
+# drains snapshots each step.
 class RecvResults:
     """Outcomes of D's pulls, drained once per engine step."""
 

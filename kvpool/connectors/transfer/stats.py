@@ -2,22 +2,8 @@
 
 Worker ranks count; vLLM sums the counts across ranks each step, logs them
 (``KV Transfer metrics: ...``) and, through :class:`KVPoolTransferPromMetrics`, exports them
-as ``vllm:kvpool_transfer_<counter>_total`` on the instance's ``/metrics``.
-
-Counters (deltas since the last report, summed across workers):
-
-===============  ===================================================================
-pulls            D: requests whose KV landed in this rank's cache
-pull_failures    D: pulls that failed (recomputed, or failed with policy ``fail``);
-                 the denominator of the failure rate is pulls + pull_failures
-pulled_blocks    D: blocks received
-pulled_bytes     D: bytes received
-served_pulls     P: pulls served to a D rank
-served_bytes     P: bytes sent
-holds            P: finished requests whose blocks were kept for D
-holds_released   P: holds freed because every expected D rank had its data or released it
-holds_expired    P: holds freed by ``hold_timeout_ms`` (a D that never came)
-===============  ===================================================================
+as ``vllm:kvpool_transfer_<counter>_total`` on the instance's ``/metrics``.  What each
+counter means: docs/connectors.md, "§8.2 Log lines".
 """
 
 from __future__ import annotations

@@ -5,26 +5,6 @@ rank); a :class:`KVTransport` moves it.  kvpool's TCP (:mod:`.tcp`) is the defau
 Mooncake's Transfer Engine (:mod:`kvpool.mooncake.transport`: RDMA, or the engine's own
 TCP) is the other, chosen by the node config's ``protocol`` and ``transport``
 (:func:`make_transport`).
-
-Primitives, in the order a worker uses them:
-
-- :meth:`KVTransport.register` — both sides: the KV caches pages are read from (P) and
-  written into (D), once, before anything moves;
-- :meth:`KVTransport.serve` — P: answer pulls on ``host:port``, asking a
-  :class:`PullHandler` (the P side's rules, :mod:`.server`) whether and when to serve;
-- :meth:`KVTransport.connect` — D: a :class:`PeerLink` to one P rank, bounded by the
-  connect timeout; :class:`PeerUnreachable` when there is no such peer;
-- :meth:`PeerLink.pull` — D: pull one page slice per block and layer into registered
-  memory, bounded by the transfer deadline; :meth:`PeerLink.done` — D needs nothing;
-- :meth:`PeerLink.close`, :meth:`KVTransport.close`.
-
-With a credential, each transport opens every ``kv_port`` connection with the pool's
-handshake (:mod:`kvpool.security.kv_port`), before the first pull frame.
-
-Rules every transport keeps: every wait is bounded (a deadline or the configured
-timeouts), a refusal by P surfaces on D as :class:`~kvpool.errors.TransferError` naming
-P's reason, and a broken stream as :class:`~kvpool.errors.ProtocolError` or
-``TransferError``: the worker reports any of them as a failed load, so vLLM recomputes.
 """
 
 from __future__ import annotations
@@ -90,7 +70,29 @@ class PeerLink(Protocol):
 
 
 class KVTransport(Protocol):
-    """One worker rank's end of the P→D data plane (see the module docstring)."""
+    """One worker rank's end of the P→D data plane.
+
+    Primitives, in the order a worker uses them:
+
+    - :meth:`register` — both sides: the KV caches pages are read from (P) and written
+      into (D), once, before anything moves;
+    - :meth:`serve` — P: answer pulls on ``host:port``, asking a :class:`PullHandler`
+      (the P side's rules, :mod:`.server`) whether and when to serve;
+    - :meth:`connect` — D: a :class:`PeerLink` to one P rank, bounded by the connect
+      timeout; :class:`PeerUnreachable` when there is no such peer;
+    - :meth:`PeerLink.pull` — D: pull one page slice per block and layer into registered
+      memory, bounded by the transfer deadline; :meth:`PeerLink.done` — D needs nothing;
+    - :meth:`PeerLink.close`, :meth:`close`.
+
+    With a credential, each transport opens every ``kv_port`` connection with the pool's
+    handshake (:mod:`kvpool.security.kv_port`), before the first pull frame.
+
+    Rules every transport keeps: every wait is bounded (a deadline or the configured
+    timeouts), a refusal by P surfaces on D as :class:`~kvpool.errors.TransferError`
+    naming P's reason, and a broken stream as :class:`~kvpool.errors.ProtocolError` or
+    ``TransferError``: the worker reports any of them as a failed load, so vLLM
+    recomputes.
+    """
 
     #: the node config's ``protocol`` this transport answers to
     name: str

@@ -4,25 +4,6 @@ No vLLM import: the caches are numpy ``uint8`` views of vLLM's KV tensors, so th
 module is tested with plain arrays, real sockets and real threads.  The bytes move
 through a :class:`~.transport.KVTransport` (kvpool's TCP unless the node config's
 ``protocol`` names another); this module decides what moves and reports the outcome.
-
-P (producer) runs one pull server per worker rank (:mod:`.server`) on
-``rank_port(kv_port, dp_rank, tp_size, tp_rank)``.  It holds each finished prefill
-request's blocks (told by the scheduler through :class:`HoldJob`) until every expected D
-rank pulled its heads or released them, or ``hold_timeout_ms`` passed; then the request
-appears once in ``finished_sending`` and vLLM frees the blocks.
-
-D (consumer) pulls in a small thread pool, off the engine loop: one connection per P
-rank the topology routes it to, page slices received straight into its KV cache.  Any
-failure (refused, connect error, timeout, short read) reports the request as finished
-AND failed, with its blocks as load errors, so ``kv_load_failure_policy: recompute``
-recomputes it.  A D that will not pull after all (or whose pull broke after reaching P)
-tells P with a ``PullDone``.  Connect and transfer waits are bounded by the configured
-timeouts.
-
-Credentials: the node config's ``secret_file``, else the environment's
-(:func:`~kvpool.config.kv_transfer.connector_credential`); with one, both sides open every
-``kv_port`` connection with the pool's handshake, and without one a P bound beyond
-loopback refuses to start unless told ``insecure`` (:mod:`kvpool.security.kv_port`).
 """
 
 from __future__ import annotations
@@ -78,6 +59,18 @@ class TransferResults:
     failed_recving: set[str]
 
 
+# P (producer) runs one pull server per worker rank (.server) on
+# rank_port(kv_port, dp_rank, tp_size, tp_rank).  It holds each finished prefill request's
+# blocks (told by the scheduler through HoldJob) until every expected D rank pulled its
+# heads or released them, or hold_timeout_ms passed; then the request appears once in
+# finished_sending and vLLM frees the blocks.
+#
+# D (consumer) pulls in a small thread pool, off the engine loop: one connection per P rank
+# the topology routes it to, page slices received straight into its KV cache.  Any failure
+# (refused, connect error, timeout, short read) reports the request as finished AND
+# failed, with its blocks as load errors, so kv_load_failure_policy: recompute recomputes
+# it.  A D that will not pull after all (or whose pull broke after reaching P) tells P with
+# a PullDone.  Connect and transfer waits are bounded by the configured timeouts.
 class TransferWorker:
     """One worker rank's transfer engine (P server and/or D puller)."""
 
@@ -92,6 +85,9 @@ class TransferWorker:
         self.config = config
         self.rank = rank
         self._clock = clock
+        # the node config's secret_file, else the environment's; with one, both sides open
+        # every kv_port connection with the pool's handshake, and without one a P bound
+        # beyond loopback refuses to start unless told insecure (kvpool.security.kv_port)
         credential = connector_credential(config.secret_file, env)
         if config.is_producer:  # before anything is allocated
             require_pull_credential(
