@@ -1,20 +1,10 @@
 """``kvpool config render --engine mooncake``: the cluster's files for real Mooncake (pure).
 
 Where the kvpool engine has one service (``kvpool master``, also the metadata service)
-and storage nodes, Mooncake has ``mooncake_master`` (RPC ``--rpc_port``, metrics
-``--metrics_port``) and Mooncake Store inside every vLLM process, which contributes its
-``global_segment_size`` to the pool.  So, per cluster:
-
-- ``master.sh``: ``mooncake_master`` with the inventory's ``[master]`` values under
-  Mooncake's spellings (the production guide's §3 flags);
-- per host ``mooncake.json`` with Mooncake's keys (``metadata_server: P2PHANDSHAKE``,
-  ``master_server_address``, ``local_buffer_size``, ...), as vllm-ascend's Mooncake
-  backend reads it; ``kv-transfer-config.json`` and ``serve.sh`` with the store
-  connector's ``backend: "mooncake"``; ``env.sh`` naming the config under both variables.
-  No ``node.sh``: there is no storage node process on Mooncake.
-
-Mooncake binds every interface (the Transfer Engine's ports in every vLLM process): keep
-the cluster's hosts on a private network.
+and storage nodes, Mooncake has ``mooncake_master`` and Mooncake Store inside every vLLM
+process, which contributes its ``global_segment_size`` to the pool.  So the files differ:
+``master.sh`` runs ``mooncake_master``, each host's ``mooncake.json`` has Mooncake's keys,
+and there is no ``node.sh`` (docs/configuration.md lists the files).
 """
 
 from __future__ import annotations
@@ -76,6 +66,8 @@ def master_argv(inv: _Inventory) -> list[str]:
     return argv
 
 
+# Mooncake's keys (metadata_server: P2PHANDSHAKE, master_server_address,
+# local_buffer_size, ...), as vllm-ascend's Mooncake backend reads them.
 def node_json(inv: _Inventory, host: _Host) -> dict[str, Any]:
     node: dict[str, Any] = {
         "local_hostname": host.address,

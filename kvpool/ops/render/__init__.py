@@ -1,26 +1,12 @@
 """``kvpool config render``: per-node files from one inventory, as the production guide's §4 Ansible
 template does — with the peer topologies filled in for you.
 
-Inventory (TOML or JSON, same shape; docs/configuration.md has the reference)::
-
-    model = "/workspace/GLM-5.2-w8a8"
-    [[hosts]]
-    name = "p0"   address = "10.0.0.1"   role = "prefill"   dp_size = 4   tp_size = 8
-    [[hosts]]
-    name = "d0"   address = "10.0.0.2"   role = "decode"    dp_size = 8   tp_size = 4
-
-Output: ``master.sh`` (run on the first prefill host), ``README.md`` and, per host,
-``<name>/mooncake.json``, ``<name>/kv-transfer-config.json``, ``<name>/env.sh``,
-``<name>/node.sh`` and ``<name>/serve.sh``; with a cluster secret (any host beyond
-loopback, unless ``insecure = true``) also ``secret`` and each host's credential
-(:mod:`.credentials`).  ``engine = "mooncake"`` (or ``--engine mooncake``) renders the same
-cluster for real Mooncake instead (:mod:`kvpool.mooncake.render`).  :func:`render` is
-pure (inventory in, file texts out); :func:`run` does the reading and writing.
-
-- :mod:`.inventory` — the inventory's keys and validation;
-- :mod:`.files` — the rendered files (pure);
-- :mod:`.credentials` — the cluster secret and node keys, and how they are written;
-- :mod:`kvpool.mooncake.render` — what differs on real Mooncake.
+The inventory's keys and the files rendered are docs/configuration.md's reference;
+:mod:`.inventory` reads and checks the inventory, :mod:`.files` renders the files (pure),
+:mod:`.credentials` makes the cluster secret and node keys, and
+:mod:`kvpool.mooncake.render` is what differs on real Mooncake (``engine = "mooncake"``).
+:func:`render` is pure (inventory in, file texts out); :func:`run` does the reading and
+writing.
 """
 
 from __future__ import annotations

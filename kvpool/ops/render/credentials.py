@@ -1,23 +1,9 @@
 """The credentials ``kvpool config render`` writes (docs/security.md).
 
 A cluster that other hosts reach (:attr:`Inventory.credentials`) runs on one cluster
-secret:
-
-- ``secret`` (at the top of the output, and in each P/D host's folder): the master's
-  ``--secret_file``, and each P/D host's node config ``secret_file`` and
-  ``KVPOOL_SECRET_FILE``: the vLLM there is a client of the pool, and only the cluster
-  secret can be a client;
-- ``<host>/node.cred`` for a storage host (``role = "storage"``, no vLLM): its own node
-  key (``kvpool-node:node-<name>:...``), so that host can be that one node and nothing
-  else, and never holds the cluster secret.
-
-Files in :data:`SECRET_NAMES` are created with mode 600 (never readable by others, not
-even for a moment) and never printed.  The secret is an input: a re-render passes the
-one already written (:func:`kvpool.ops.render.run` reads it back), so re-rendering does
-not break a running cluster; only ``--new-secret`` replaces it.
-
-``insecure = true`` renders no secret and ``--insecure`` on the master and the nodes:
-the pool is then open to every host that reaches it, and ``kvpool doctor`` warns.
+secret, in ``secret`` files for the master and each P/D host; a storage host gets only its
+own node key (``<host>/node.cred``).  docs/configuration.md tables the files, their modes
+and who reads them.
 """
 
 from __future__ import annotations
@@ -51,6 +37,12 @@ CLUSTER_SECRET = "secret"
 NODE_CREDENTIAL = "node.cred"
 PROXY_KEY = "proxy.key"  # the API key clients of `kvpool proxy` send (OpenAI's Bearer)
 #: file names written with mode 600
+# Files named here are created with mode 600 (never readable by others, not even for a
+# moment) and never printed.  The secret is an input: a re-render passes the one already
+# written (kvpool.ops.render.run reads it back), so re-rendering does not break a running
+# cluster; only --new-secret replaces it.  `insecure = true` renders no secret and
+# --insecure on the master and the nodes (open to every host that reaches it; doctor
+# warns).
 SECRET_NAMES = frozenset({CLUSTER_SECRET, NODE_CREDENTIAL, PROXY_KEY})
 
 

@@ -1,14 +1,8 @@
 """Process supervision for ``kvpool up``: start, wait healthy, stop, never leave anything.
 
 Each process runs in its own session (``start_new_session``), so its process group is
-exactly that process and whatever it spawned (vLLM's engine core and workers).  Stopping
-sends SIGTERM to the process, then to the whole group, then SIGKILL, each after a bounded
-wait, then waits (bounded) until the group is empty.  Only groups this supervisor created
-are ever signalled.
-
-Children also get ``PR_SET_PDEATHSIG`` (Linux) through a two-line launcher, so that even a
-``kvpool up`` that is itself SIGKILLed leaves no orphan serving a port: each child gets
-SIGTERM when its parent dies.
+exactly that process and whatever it spawned (vLLM's engine core and workers); only
+groups this supervisor created are ever signalled.
 """
 
 from __future__ import annotations
@@ -28,6 +22,9 @@ from kvpool.ops.up.plan import ProcessSpec
 
 __all__ = ["Running", "StartupFailed", "Supervisor", "describe_exit", "group_alive", "log_tail"]
 
+# Children get PR_SET_PDEATHSIG (Linux) through this two-line launcher, so that even a
+# `kvpool up` that is itself SIGKILLed leaves no orphan serving a port: each child gets
+# SIGTERM when its parent dies.
 # Runs in the child before exec: ask for SIGTERM when the parent dies, and exit at once if
 # it already died between fork and prctl (the parent's pid is argv[1]).
 _LAUNCHER = (
@@ -200,6 +197,8 @@ class Supervisor:
         for key in sorted(stages, reverse=True):
             self._stop_group_set(stages[key], on_stopped)
 
+    # Stopping sends SIGTERM to the process, then to the whole group, then SIGKILL, each after
+    # a bounded wait, then waits (bounded) until the group is empty.
     def stop(self, r: Running) -> str:
         """Stop one process's whole group now (bounded); says how it went."""
         outcome: list[str] = []
