@@ -7,9 +7,6 @@ One request, two legs (the production guide's §1.1; API keys: :mod:`kvpool.prox
     client ◄────┤      ◄─  P's token (sent on at once), its token ids, kv_transfer_params
                 └────► D   prompt ids + P's token, max_tokens - 1, P's kv_transfer_params
     client ◄───────────    D's tokens, after P's (:mod:`kvpool.proxy.first_token`)
-
-``first_token_from="decode"`` keeps the older way: D gets the original request and the
-client gets D's tokens only.
 """
 
 from __future__ import annotations

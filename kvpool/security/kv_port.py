@@ -1,22 +1,11 @@
 """Credentials on the prefill's ``kv_port``: the pool's handshake, for both transports.
 
-Rules:
-
-- With a credential (:func:`kvpool.config.kv_transfer.connector_credential`), every
-  connection to a P rank's ``kv_port`` opens with the handshake of
-  :mod:`kvpool.security.handshake` (the same one as the master's and the nodes' ports), D
-  proving the cluster's client key in the ``client`` role; after it the connection speaks
-  the pull protocol unchanged, so the pages pay nothing per frame.  The Transfer Engine's
-  control channel is such a connection; its own data ports are the engine's and take no
-  credential (docs/security.md).
-- A D without a credential is answered ``Refused("AuthError: ...")`` in the pull
-  protocol's own words (so its load fails with a reason, and vLLM recomputes), a D with a
-  wrong one fails the handshake; either way P closes that connection and keeps serving
-  the others.
-- Safe by default (:func:`require_pull_credential`): a P whose ``kv_host`` is not
-  loopback refuses to start its pull server without a credential, unless told
-  ``"insecure": true`` (``KVPOOL_INSECURE=1``), as the master refuses without
-  ``--insecure``.
+With a credential (:func:`kvpool.config.kv_transfer.connector_credential`), every
+connection to a P rank's ``kv_port`` opens with the handshake of
+:mod:`kvpool.security.handshake` (the same one as the master's and the nodes' ports), D
+proving the cluster's client key; after it the connection speaks the pull protocol
+unchanged, so the pages pay nothing per frame.  The Transfer Engine's control channel is
+such a connection; its own data ports are the engine's and take no credential.
 """
 
 from __future__ import annotations
@@ -38,6 +27,9 @@ __all__ = ["ROLE", "decode_admission", "open_to_prefill", "require_pull_credenti
 ROLE = "client"
 
 
+# Safe by default: a P whose kv_host is not loopback refuses to start its pull server
+# without a credential, unless told "insecure": true (KVPOOL_INSECURE=1), as the master
+# refuses without --insecure.
 # The connector's settings are the caller's (kvpool.config.kv_transfer, which imports
 # this package): only their values come here, so security never imports config.
 def require_pull_credential(
@@ -58,6 +50,9 @@ def require_pull_credential(
     )
 
 
+# A D without a credential is answered Refused("AuthError: ...") in the pull protocol's own
+# words (so its load fails with a reason, and vLLM recomputes), a D with a wrong one fails
+# the handshake; either way P closes that connection and keeps serving the others.
 def decode_admission(
     credential: Credential,
     server_id: str,

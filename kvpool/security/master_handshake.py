@@ -4,21 +4,9 @@ speak for which id.
 With a credential configured, :class:`~kvpool.master.server.MasterServer` hands
 every connection that opens with the handshake's magic to :class:`AuthProtocol`, which
 runs :class:`~kvpool.security.handshake.ServerHandshake` (roles ``client``, ``node`` and
-``tenant``: :mod:`kvpool.master.tenancy`) and,
-once the peer proved its key, hands the connection, with the :class:`Identity` it proved,
-to the RPC protocol.  A connection that sends a plain RPC frame instead gets an
-``AuthError`` reply and is closed (:func:`plain_refusal`).
-
-:class:`Owners` binds ids to connections.  Rules, checked before any request reaches the
-service (:meth:`Owners.check`):
-
-- A connection that proved a node key (role ``node``) speaks only as that node, and only
-  the node's own requests (register, add a segment, heartbeat, restore).
-- An id that owns storage (it registered as a node, or added a segment) belongs to the
-  connection that did so while that connection is open: the same id from another
-  connection cannot register, add segments, heartbeat or restore, so nobody can take over
-  a live node and make the master drop its objects.  When the owner's connection closes
-  (the node stopped, or reconnects), the id is free again.
+``tenant``) and, once the peer proved its key, hands the connection, with the
+:class:`Identity` it proved, to the RPC protocol.  A connection that sends a plain RPC
+frame instead gets an ``AuthError`` reply and is closed (:func:`plain_refusal`).
 """
 
 from __future__ import annotations
@@ -78,7 +66,18 @@ def no_secret_refusal(transport: asyncio.Transport) -> None:
 
 
 class Owners:
-    """Which open connection owns which id (the event loop's thread only)."""
+    """Which open connection owns which id (the event loop's thread only).
+
+    Rules, checked before any request reaches the service (:meth:`check`):
+
+    - A connection that proved a node key (role ``node``) speaks only as that node, and
+      only the node's own requests (register, add a segment, heartbeat, restore).
+    - An id that owns storage (it registered as a node, or added a segment) belongs to
+      the connection that did so while that connection is open: the same id from another
+      connection cannot register, add segments, heartbeat or restore, so nobody can take
+      over a live node and make the master drop its objects.  When the owner's connection
+      closes (the node stopped, or reconnects), the id is free again.
+    """
 
     def __init__(self) -> None:
         self._by_id: dict[str, object] = {}

@@ -3,10 +3,7 @@
 Off unless configured; with none of the three set nothing changes.  A server needs
 ``cert`` and ``key`` (and, with ``ca``, asks its clients for certificates signed by it:
 mutual TLS); a client needs ``ca`` to verify the server (and ``cert``/``key`` when the
-server asks for one).  Contexts come from :func:`ssl.create_default_context`, so
-verification and the host-name check stay on: a client checks the server's certificate
-against the address it dials (for an IP address, the certificate's subjectAltName must
-carry that IP).  ssl's errors become one-line :class:`~kvpool.errors.ConfigError`\\ s
+server asks for one).  ssl's errors become one-line :class:`~kvpool.errors.ConfigError`\\ s
 naming the key and the fix.
 """
 
@@ -114,6 +111,9 @@ class TLSConfig:
         trust store verifies the server."""
         if not self.enabled:
             return None
+        # the default context keeps verification and the host-name check on: the server's
+        # certificate is checked against the address dialled (for an IP address, its
+        # subjectAltName must carry that IP)
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         if self.ca:
