@@ -73,7 +73,7 @@ from kvpool.security.credentials import Credential
 from kvpool.security.secret import load_credential
 from kvpool.security.tls import TLSConfig
 from kvpool.storage.buffers import byte_view, writable_byte_view
-from kvpool.storage.checksum import checksum, hasher
+from kvpool.storage.checksum import Hasher, checksum, hasher
 
 __all__ = ["CLOSE_SETTLE_S", "OVERLAP_CHECKSUM_MAX", "Client"]
 
@@ -515,8 +515,9 @@ class Client(Closing):
 
         Each part is its own read at its offset within the object, so the bytes go from
         the segment into the parts with no staging buffer (one copy over shared memory;
-        over TCP they are received into the parts).  The object's checksum is then
-        computed over the parts in order (a running xxh3 equals the whole object's): on
+        over TCP they are received into the parts).  The object's checksum is computed
+        over the parts in order as they land (the reads share one running xxh3, which
+        equals the whole object's, see :class:`~kvpool.datapath.data_ops.ReadOp`): on
         a mismatch the key is a miss and the parts hold unspecified bytes, which the
         caller treats as unwritten.  An SSD copy is read whole, then copied into the
         parts.  One metadata round trip, one pipelined transfer per owner.
@@ -560,15 +561,15 @@ class Client(Closing):
         first = placements[indices[0]]
         path = self._path(first)
         reads: list[DataOp] = []
-        spans: list[tuple[int, int]] = []  # each object's ops: reads[start:end]
+        spans: list[tuple[int, int, Hasher]] = []  # each object's ops, reads[start:end]
         for i in indices:
             p = placements[i]
-            start, at = len(reads), p.offset
+            start, at, running = len(reads), p.offset, hasher()
             for view in parts[i]:
                 if len(view):  # an empty part has nothing to read
-                    reads.append(ReadOp(p.segment_id, at, view, shm_name=p.shm_name))
+                    reads.append(ReadOp(p.segment_id, at, view, p.shm_name, running=running))
                 at += len(view)
-            spans.append((start, len(reads)))
+            spans.append((start, len(reads), running))
         try:
             done = path.run(reads)
         except (TransferError, PeerTimeout) as exc:
@@ -577,13 +578,10 @@ class Client(Closing):
         except KVPoolError:
             return
         reported = False
-        for i, (start, end) in zip(indices, spans, strict=True):
+        for i, (start, end, running) in zip(indices, spans, strict=True):
             placement = placements[i]
             failure = next((r for r in done[start:end] if isinstance(r, KVPoolError)), None)
             if failure is None:
-                running = hasher()
-                for view in parts[i]:
-                    running.update(view)
                 if running.intdigest() == placement.checksum:
                     sizes[i] = placement.size
                 else:

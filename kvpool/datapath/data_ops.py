@@ -7,7 +7,9 @@ A data path (:class:`~kvpool.datapath.transport.DataPath`) has one call,
   ``checksum``) the owner notes the object for its catalog as the bytes land, where it
   can (a tagged write through its data server).
 - :class:`ReadOp` -- ``(segment_id, offset)`` into ``buffer``; ``checked``: the bytes'
-  checksum comes back, computed as they land where the path can.
+  checksum comes back, computed as they land where the path can; ``running``: a running
+  checksum (:func:`~kvpool.storage.checksum.hasher`) shared by the reads of one object
+  in parts, updated with each read's bytes once they landed.
 - :class:`SsdReadOp` -- the object ``key`` of the owner's SSD tier into ``buffer``.
 
 Rules (every data path keeps them):
@@ -19,7 +21,9 @@ Rules (every data path keeps them):
   or timed out mid-list) is raised instead (:class:`~kvpool.errors.TransferError`,
   :class:`~kvpool.errors.PeerTimeout`): none of the list's results can be trusted then.
 - The ops of one list may move in any order and overlap; one that must follow another
-  goes in a later list.
+  goes in a later list.  Reads of one segment that share a ``running`` checksum update
+  it in list order (each path keeps a segment's reads in order, so the running digest
+  is the one of their bytes end to end).
 - ``shm_name`` is the segment's shared-memory name when the master's placement carries
   one; paths that do not use shared memory ignore it.
 """
@@ -72,6 +76,7 @@ class ReadOp(msgspec.Struct, frozen=True):
     buffer: Any
     shm_name: str = ""
     checked: bool = False
+    running: Any = None
 
 
 class SsdReadOp(msgspec.Struct, frozen=True):
