@@ -73,7 +73,7 @@ from kvpool.security.credentials import Credential
 from kvpool.security.secret import load_credential
 from kvpool.security.tls import TLSConfig
 from kvpool.storage.buffers import byte_view, writable_byte_view
-from kvpool.storage.checksum import checksum
+from kvpool.storage.checksum import Hasher, checksum, hasher
 
 __all__ = ["CLOSE_SETTLE_S", "OVERLAP_CHECKSUM_MAX", "Client"]
 
@@ -506,6 +506,96 @@ class Client(Closing):
             elif isinstance(failure, ObjectNotFound):
                 self._post(self._corrupt_report(placement))
 
+    def batch_get_into_parts(
+        self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]
+    ) -> list[int]:
+        """Read each object straight into its parts (writable byte views, end to end):
+        the object's size, or -1 for a miss (missing, corrupt, unreachable, or not
+        exactly the parts' total size).
+
+        Each part is its own read at its offset within the object, so the bytes go from
+        the segment into the parts with no staging buffer (one copy over shared memory;
+        over TCP they are received into the parts).  The object's checksum is computed
+        over the parts in order as they land (the reads share one running xxh3, which
+        equals the whole object's, see :class:`~kvpool.datapath.data_ops.ReadOp`): on
+        a mismatch the key is a miss and the parts hold unspecified bytes, which the
+        caller treats as unwritten.  An SSD copy is read whole, then copied into the
+        parts.  One metadata round trip, one pipelined transfer per owner.
+        """
+        owner = f"{self.client_id}#{next(self._reads)}"
+        reply = self.call(m.BatchGet(owner, list(keys)))
+        assert isinstance(reply, m.Placements)
+        try:
+            return self._read_parts_batch(reply.items, parts)
+        finally:
+            self._post(m.ReleaseOwner(owner))
+
+    def _read_parts_batch(
+        self, placements: Sequence[m.Placement], parts: Sequence[Sequence[memoryview]]
+    ) -> list[int]:
+        sizes = [-1] * len(placements)
+        by_node: dict[str, list[int]] = {}
+        for i, (placement, views) in enumerate(zip(placements, parts, strict=True)):
+            if not placement.placed or placement.size != sum(len(v) for v in views):
+                continue  # another size: a miss, and nothing moves
+            if placement.tier == "ssd":
+                whole = bytearray(placement.size)
+                with contextlib.suppress(ObjectNotFound):
+                    sizes[i] = self._read(placement, memoryview(whole))
+                    _scatter_into(whole, views)
+            else:
+                by_node.setdefault(placement.data_address, []).append(i)
+        for indices in by_node.values():
+            self._read_parts(placements, parts, indices, sizes)
+        return sizes
+
+    def _read_parts(
+        self,
+        placements: Sequence[m.Placement],
+        parts: Sequence[Sequence[memoryview]],
+        indices: list[int],
+        sizes: list[int],
+    ) -> None:
+        """One owner's share of :meth:`batch_get_into_parts`: one list of reads (one per
+        part), then per object the verdicts of :meth:`_read_many`."""
+        first = placements[indices[0]]
+        path = self._path(first)
+        reads: list[DataOp] = []
+        spans: list[tuple[int, int, Hasher]] = []  # each object's ops, reads[start:end]
+        for i in indices:
+            p = placements[i]
+            start, at, running = len(reads), p.offset, hasher()
+            for view in parts[i]:
+                if len(view):  # an empty part has nothing to read
+                    reads.append(ReadOp(p.segment_id, at, view, p.shm_name, running=running))
+                at += len(view)
+            spans.append((start, len(reads), running))
+        try:
+            done = path.run(reads)
+        except (TransferError, PeerTimeout) as exc:
+            self._report(first, exc)
+            return
+        except KVPoolError:
+            return
+        reported = False
+        for i, (start, end, running) in zip(indices, spans, strict=True):
+            placement = placements[i]
+            failure = next((r for r in done[start:end] if isinstance(r, KVPoolError)), None)
+            if failure is None:
+                if running.intdigest() == placement.checksum:
+                    sizes[i] = placement.size
+                else:
+                    self._report_corrupt(placement)
+                    log.warning("%s failed its checksum: treated as a miss", placement.key)
+            elif isinstance(failure, ChecksumMismatch):
+                self._report_corrupt(placement)
+            elif isinstance(failure, TransferError | PeerTimeout):
+                if not reported:
+                    reported = True
+                    self._report(placement, failure)
+            elif isinstance(failure, ObjectNotFound):
+                self._post(self._corrupt_report(placement))
+
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
         for key in keys:
@@ -564,3 +654,11 @@ class Client(Closing):
             self._paths.clear()
         for path in paths:
             path.close()
+
+
+def _scatter_into(whole: Any, views: Sequence[memoryview]) -> None:
+    """``whole`` copied into ``views``, end to end."""
+    src, at = memoryview(whole), 0
+    for view in views:
+        view[:] = src[at : at + len(view)]
+        at += len(view)

@@ -54,13 +54,16 @@ class WriteOp(msgspec.Struct, frozen=True):
 
 
 class ReadOp(msgspec.Struct, frozen=True):
-    """Fill ``buffer`` from ``offset`` of the segment (``checked``: its checksum back)."""
+    """Fill ``buffer`` from ``offset`` of the segment (``checked``: its checksum back;
+    ``running``: a :func:`~kvpool.storage.checksum.hasher` shared by the reads of one
+    object in parts, updated with this read's bytes once they landed)."""
 
     segment_id: str
     offset: int
     buffer: Any
     shm_name: str = ""
     checked: bool = False
+    running: Any = None
 
 
 class SsdReadOp(msgspec.Struct, frozen=True):
@@ -94,7 +97,9 @@ def sole_result(results: Sequence[OpResult]) -> OpResult:
 #   or timed out mid-list) is raised instead (TransferError, PeerTimeout): none of the
 #   list's results can be trusted then.
 # - The ops of one list may move in any order and overlap; one that must follow another
-#   goes in a later list.
+#   goes in a later list.  Reads of one segment that share a ``running`` checksum update
+#   it in list order (each path keeps a segment's reads in order), so its digest is the
+#   one of their bytes end to end.
 class Runs(Protocol):
     """Anything that runs op lists: every data path, and a node's segment connection."""
 

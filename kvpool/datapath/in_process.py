@@ -45,6 +45,8 @@ class InProcessPath:
             return None
         if isinstance(op, ReadOp):
             self._memory().read_into(op.offset, op.buffer)
+            if op.running is not None:
+                op.running.update(byte_view(op.buffer))
             return checksum(byte_view(op.buffer)) if op.checked else None
         if self.ssd is None:
             raise ObjectNotFound(f"{op.key}: no SSD tier")

@@ -124,6 +124,8 @@ class NodeDataPath(Closing):
             self.shm.write(op.segment_id, op.offset, op.buffer, check=False)
             return None
         self.shm.read_into(op.segment_id, op.offset, op.buffer, check=False)
+        if op.running is not None:  # hashed while the bytes are still in the cache
+            op.running.update(byte_view(op.buffer))
         return checksum(byte_view(op.buffer)) if op.checked else None
 
     def close(self) -> None:

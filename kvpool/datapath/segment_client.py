@@ -167,7 +167,7 @@ class SegmentConnection(Closing):
         (noted ones apart), its reads and its checked reads each go as one pipelined
         batch (:meth:`_batch`); an SSD read is one request each."""
         if len(ops) == 1:
-            return [self._one(ops[0])]
+            return _update_running(ops, [self._one(ops[0])])
         results: list[OpResult] = [None] * len(ops)
         writes: dict[bool, tuple[list[int], list[WriteOp]]] = {}  # by noted
         reads: dict[bool, tuple[list[int], list[ReadOp]]] = {}  # by checked
@@ -186,6 +186,7 @@ class SegmentConnection(Closing):
             _scatter(results, where, self._writes(write_ops, noted))
         for checked, (where, read_ops) in reads.items():
             _scatter(results, where, self._reads(read_ops, checked))
+        _update_running(ops, results)
         return results
 
     def _one(self, op: DataOp) -> OpResult:
@@ -392,6 +393,15 @@ class SegmentConnection(Closing):
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+def _update_running(ops: Sequence[DataOp], results: list[OpResult]) -> list[OpResult]:
+    """Each read's ``running`` checksum updated with its bytes, in list order, once the
+    list has landed (a failed read's checksum is never read: its object is a miss)."""
+    for op, result in zip(ops, results, strict=True):
+        if isinstance(op, ReadOp) and op.running is not None and result is None:
+            op.running.update(writable_byte_view(op.buffer))
+    return results
 
 
 def _scatter(results: list[OpResult], where: list[int], done: list[OpResult]) -> None:

@@ -3,9 +3,9 @@
 :class:`kvpool.EmbeddedPool` (in-process) is a :class:`kvpool.Client` (kvpool's master),
 so one adapter maps :class:`~kvpool.engines.base.PoolEngine` onto the client's public
 methods; :mod:`.kvpool_master` and :mod:`.embedded` only name the engine and build the
-client.  The client moves one buffer per object: an object of several parts is joined in
-(put) or read into (get) one reused staging slot, and a get's checksum is checked there
-before the scatter, so a corrupt object writes nothing into the parts.  A batch put is
+client.  A put joins an object of several parts in one reused staging slot (the client
+sends one buffer per object); a get reads each part in place, straight from the pool into
+its page, and checks the object's checksum over the parts as they landed.  A batch put is
 one ``batch_put``: two metadata round trips whatever its length, each key's parent
 carried along (kvpool's eviction policy trims a prefix from its tail).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpool.engines.base import MISS, check_batch
+from kvpool.engines.base import check_batch
 from kvpool.engines.parts import StagingPages, part_views
 from kvpool.errors import KVPoolError
 from kvpool.storage.buffers import copy_bytes
@@ -58,33 +58,14 @@ class ClientEngine:
         return self.client.batch_put(keys, objects, parents=parents)
 
     def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
-        """Each object read into a staging slot of its parts' total size plus one byte (so
-        that a larger object is not taken for one of the right size), then scattered into
-        its parts if it is exactly their size.  A miss writes nothing into the parts."""
+        """Each object read straight into its parts, its checksum checked over them as
+        they landed (:meth:`~kvpool.client.client.Client.batch_get_into_parts`): no
+        staging.  A miss may have written into the parts (the contract's "unspecified")."""
         check_batch(keys, parts)
         if not keys:
             return []
         views = [part_views(p, writable=True) for p in parts]
-        sizes = [_size(vs) for vs in views]
-        slots = self._staging.slots([n + 1 for n in sizes])
-        try:
-            got = self.client.batch_get_into(keys, slots)
-        except ValueError:
-            # the client fails a whole batch on an object larger than its buffer: read
-            # one by one, and such an object is a miss of its own
-            got = [self._get_one(k, s) for k, s in zip(keys, slots, strict=True)]
-        out = []
-        for vs, slot, n, size in zip(views, slots, got, sizes, strict=True):
-            if n == size:
-                _scatter(slot, vs)
-            out.append(size if n == size else MISS)
-        return out
-
-    def _get_one(self, key: str, slot: memoryview) -> int:
-        try:
-            return self.client.batch_get_into([key], [slot])[0]
-        except ValueError:
-            return MISS
+        return self.client.batch_get_into_parts(keys, views)
 
     def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
         return self.client.pin(keys, owner, ttl_ms) if keys else 0
@@ -113,11 +94,3 @@ def _join(views: Sequence[memoryview], slot: memoryview) -> memoryview:
         copy_bytes(slot[at : at + len(v)], v)
         at += len(v)
     return slot
-
-
-def _scatter(slot: memoryview, views: Sequence[memoryview]) -> None:
-    """The front of ``slot`` copied into ``views``, end to end."""
-    at = 0
-    for v in views:
-        copy_bytes(v, slot[at : at + len(v)])
-        at += len(v)
