@@ -1,42 +1,4 @@
-"""``kvpool.Client``: the synchronous pool client.
-
-Put path: ``PutStart`` (the master reserves space) → the bytes go straight to the owning
-node's segment through the client's transport (:mod:`kvpool.datapath.transport`: shared
-memory on the same host, TCP otherwise) → ``PutEnd`` with the xxh3 checksum makes the
-object visible.  Get path: ``Get`` (grants a read lease) →
-direct read → checksum verified → ``Release``.
-
-Requests whose answer the caller does not need — a lease release, a put's revoke, a
-failure report — are *posted* (:meth:`MasterLink.post
-<kvpool.client.master_link.MasterLink.post>`): sent at once, their replies read just
-before the next call's own reply.  So a get costs one metadata round trip, and the
-master has dropped its lease by the time this client's next call returns (requests of
-one connection are handled in order; other connections may still see the lease for the
-moment the release is in flight).
-
-A read that fails in any way — missing, corrupt, node unreachable — is a miss
-(:class:`~kvpool.errors.ObjectNotFound`), never wrong bytes; a node that failed a transfer
-is reported to the master, which drops its objects at once, and a copy that failed its
-checksum is reported too, so the master drops that copy and the next put stores the key
-again.  A put is acknowledged only once its bytes are in a segment whose owner is alive:
-the same-host path checks the owner's lock after copying (:mod:`kvpool.datapath.shm`).
-
-Values have at least one byte: an empty one is refused here, before any round trip,
-with :class:`~kvpool.errors.PoolError` (Mooncake refuses them too).
-
-Two seams, both set in the constructor: the *transport* (how bytes move) and the *link*
-to the master's request handler (TCP, or in-process for the embedded pool).
-
-Credentials: ``credential`` (a :class:`~kvpool.security.credentials.Credential`, or the
-secret's text), else the environment's (``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), else
-none.  With one, every connection -- to the master and to each node's data port -- opens
-with the handshake of :mod:`kvpool.security.handshake`; without one, none does (a pool on
-loopback with no secret).  A tenant's credential (``kvpool-tenant:...``) makes this a
-client of that tenant only: the master keeps its keys in the tenant's namespace, and its
-bytes move over TCP with the master's grants (:mod:`kvpool.datapath.tenant_path`).
-
-Thread-safe: metadata calls are serialised on one connection; data paths are per node.
-"""
+"""``kvpool.Client``: the synchronous pool client (put, get, batches, exists, stats)."""
 
 from __future__ import annotations
 
@@ -97,6 +59,43 @@ class Client(Closing):
     shared memory on this host and TCP for the rest; ``"tcp"``: TCP only).  Without it,
     ``allow_shm`` picks between those two.  ``link`` replaces the TCP connection to the
     master (the embedded pool's in-process handler); ``master`` is then only a label.
+
+    Put path: ``PutStart`` (the master reserves space) → the bytes go straight to the owning
+    node's segment through the client's transport (:mod:`kvpool.datapath.transport`: shared
+    memory on the same host, TCP otherwise) → ``PutEnd`` with the xxh3 checksum makes the
+    object visible.  Get path: ``Get`` (grants a read lease) →
+    direct read → checksum verified → ``Release``.
+
+    Requests whose answer the caller does not need — a lease release, a put's revoke, a
+    failure report — are *posted* (:meth:`MasterLink.post
+    <kvpool.client.master_link.MasterLink.post>`): sent at once, their replies read just
+    before the next call's own reply.  So a get costs one metadata round trip, and the
+    master has dropped its lease by the time this client's next call returns (requests of
+    one connection are handled in order; other connections may still see the lease for the
+    moment the release is in flight).
+
+    A read that fails in any way — missing, corrupt, node unreachable — is a miss
+    (:class:`~kvpool.errors.ObjectNotFound`), never wrong bytes; a node that failed a transfer
+    is reported to the master, which drops its objects at once, and a copy that failed its
+    checksum is reported too, so the master drops that copy and the next put stores the key
+    again.  A put is acknowledged only once its bytes are in a segment whose owner is alive:
+    the same-host path checks the owner's lock after copying (:mod:`kvpool.datapath.shm`).
+
+    Values have at least one byte: an empty one is refused here, before any round trip,
+    with :class:`~kvpool.errors.PoolError` (Mooncake refuses them too).
+
+    Two seams, both set in the constructor: the *transport* (how bytes move) and the *link*
+    to the master's request handler (TCP, or in-process for the embedded pool).
+
+    Credentials: ``credential`` (a :class:`~kvpool.security.credentials.Credential`, or the
+    secret's text), else the environment's (``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), else
+    none.  With one, every connection -- to the master and to each node's data port -- opens
+    with the handshake of :mod:`kvpool.security.handshake`; without one, none does (a pool on
+    loopback with no secret).  A tenant's credential (``kvpool-tenant:...``) makes this a
+    client of that tenant only: the master keeps its keys in the tenant's namespace, and its
+    bytes move over TCP with the master's grants (:mod:`kvpool.datapath.tenant_path`).
+
+    Thread-safe: metadata calls are serialised on one connection; data paths are per node.
     """
 
     #: values up to this size are hashed while their PutStart is in flight

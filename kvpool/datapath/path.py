@@ -1,19 +1,4 @@
-"""Pick the data path per segment: shared memory on the same host, TCP otherwise.
-
-:class:`NodeDataPath` is the :class:`~kvpool.datapath.transport.DataPath` of the network
-transports to one node: on first use of a segment it asks the node (``SegmentInfo``) for
-the segment's shared-memory name and host token; when the token equals this process's
-:func:`~kvpool.datapath.shm.host_token` and the segment attaches, every later access
-is a direct copy, else it goes over TCP.  The choice is made once per segment, and
-checked against each op's ``shm_name`` (a node restarted under the same segment id has a
-new one).  An op list is split by route: the shared-memory ops are copied here, the rest
-go to the node's :class:`~kvpool.datapath.segment_client.SegmentConnection` as one list
-(one pipelined batch per kind).
-
-A direct copy into a segment whose owner died raises
-:class:`~kvpool.errors.TransferError`, as a TCP transfer to a dead node does (see
-:mod:`kvpool.datapath.shm`), so the client reports it the same way.
-"""
+"""Pick the data path per segment: shared memory on the same host, TCP otherwise."""
 
 from __future__ import annotations
 
@@ -36,7 +21,22 @@ Route = Literal["shm", "tcp"]
 
 
 class NodeDataPath(Closing):
-    """Reads and writes of one node's segments by the fastest path available."""
+    """Reads and writes of one node's segments by the fastest path available.
+
+    :class:`NodeDataPath` is the :class:`~kvpool.datapath.transport.DataPath` of the network
+    transports to one node: on first use of a segment it asks the node (``SegmentInfo``) for
+    the segment's shared-memory name and host token; when the token equals this process's
+    :func:`~kvpool.datapath.shm.host_token` and the segment attaches, every later access
+    is a direct copy, else it goes over TCP.  The choice is made once per segment, and
+    checked against each op's ``shm_name`` (a node restarted under the same segment id has a
+    new one).  An op list is split by route: the shared-memory ops are copied here, the rest
+    go to the node's :class:`~kvpool.datapath.segment_client.SegmentConnection` as one list
+    (one pipelined batch per kind).
+
+    A direct copy into a segment whose owner died raises
+    :class:`~kvpool.errors.TransferError`, as a TCP transfer to a dead node does (see
+    :mod:`kvpool.datapath.shm`), so the client reports it the same way.
+    """
 
     def __init__(
         self, host: str, port: int, peer: PeerSettings = PLAIN_PEER, *, allow_shm: bool = True

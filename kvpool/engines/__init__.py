@@ -1,15 +1,10 @@
 """Pool engines behind one interface (:class:`~kvpool.engines.base.PoolEngine`): kvpool's
 own master, the in-process embedded pool, and real Mooncake Store.  No vLLM here.
 
-- :mod:`.base` — the interface (:class:`PoolEngine`, and :class:`PoolLookups`: the part
-  the scheduler half asks) and the rules every adapter keeps;
-- :mod:`.parts` — an object's parts as bytes, and a reused staging area;
-- :mod:`.kvpool_master` — :class:`MasterEngine`, over :class:`kvpool.Client`;
-- :mod:`.embedded` — :class:`EmbeddedEngine`, over :class:`kvpool.EmbeddedPool`;
-- :func:`open_engine` — an engine by name, as a connector's settings choose it; each
-  named in :data:`ENGINES` as ``"module:attr"`` and imported when opened, so the
-  ``mooncake`` engine (:mod:`kvpool.mooncake.engine`, over real Mooncake Store) plugs in
-  from above without this package importing it.
+:func:`open_engine` opens an engine by name, as a connector's settings choose it; each is
+named in :data:`ENGINES` as ``"module:attr"`` and imported when opened, so the
+``mooncake`` engine (:mod:`kvpool.mooncake.engine`) plugs in from above without this
+package importing it.
 """
 
 from __future__ import annotations

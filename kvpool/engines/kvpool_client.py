@@ -1,14 +1,5 @@
-"""The adapter over kvpool's client, shared by the two engines that speak it.
-
-:class:`kvpool.EmbeddedPool` (in-process) is a :class:`kvpool.Client` (kvpool's master),
-so one adapter maps :class:`~kvpool.engines.base.PoolEngine` onto the client's public
-methods; :mod:`.kvpool_master` and :mod:`.embedded` only name the engine and build the
-client.  A put joins an object of several parts in one reused staging slot (the client
-sends one buffer per object); a get reads each part in place, straight from the pool into
-its page, and checks the object's checksum over the parts as they landed.  A batch put is
-one ``batch_put``: two metadata round trips whatever its length, each key's parent
-carried along (kvpool's eviction policy trims a prefix from its tail).
-"""
+"""The adapter over kvpool's client, shared by the two engines that speak it
+(:mod:`.kvpool_master` and :mod:`.embedded` only name the engine and build the client)."""
 
 from __future__ import annotations
 
@@ -27,7 +18,17 @@ __all__ = ["ClientEngine"]
 
 
 class ClientEngine:
-    """A :class:`~kvpool.engines.base.PoolEngine` over a kvpool client."""
+    """A :class:`~kvpool.engines.base.PoolEngine` over a kvpool client.
+
+    :class:`kvpool.EmbeddedPool` (in-process) is a :class:`kvpool.Client` (kvpool's master),
+    so one adapter maps :class:`~kvpool.engines.base.PoolEngine` onto the client's public
+    methods; :mod:`.kvpool_master` and :mod:`.embedded` only name the engine and build the
+    client.  A put joins an object of several parts in one reused staging slot (the client
+    sends one buffer per object); a get reads each part in place, straight from the pool into
+    its page, and checks the object's checksum over the parts as they landed.  A batch put is
+    one ``batch_put``: two metadata round trips whatever its length, each key's parent
+    carried along (kvpool's eviction policy trims a prefix from its tail).
+    """
 
     engine = "kvpool"
 

@@ -1,47 +1,5 @@
-"""The ``mooncake`` engine: real Mooncake Store (``mooncake.store.MooncakeDistributedStore``).
-
-The pool of a cluster that already runs Mooncake: a C++ ``mooncake_master`` keeps the
-index, and every process that opens the store with ``global_segment_size > 0``
-contributes that much memory (the guide's "every node registers memory").  The store
-comes from the optional ``mooncake`` extra (``pip install 'kvpool[mooncake]'``; the
-non-CUDA wheel here, the CUDA or NPU wheel on a real cluster).  Configured from the
-``mooncake.json`` Mooncake and vllm-ascend write (:class:`~kvpool.config.node.MooncakeNodeConfig`).
-
-How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
-
-- *Checksums.*  Mooncake returns whatever bytes a segment holds.  Each object is stored
-  as a 16-byte header (magic, xxh3-64 of the payload) followed by the payload; a read
-  whose header or checksum does not match is a miss, never wrong bytes.  Objects are
-  therefore kvpool's own: Mooncake's other clients see the header.
-- *Buffers.*  Mooncake moves bytes only to and from memory registered with
-  ``register_buffer`` (:mod:`.buffers`).  Pages of a big CPU tensor (a vLLM KV
-  cache) are registered in place once and moved zero-copy: an object is 1 + L pieces,
-  its header from the staging area, then each part (one layer's block) where it is
-  (:mod:`.parts`), as vllm-ascend's Mooncake backend does with
-  ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``; other parts are
-  copied through one registered staging area.  One call per batch.  A get in place
-  lands before its checksum is known: a miss leaves those parts unspecified, and the
-  store connector reports the block failed (vLLM recomputes it).
-- *Errors.*  Mooncake answers integer codes; :func:`put_error` maps them (-200 no handle
-  → :class:`~kvpool.errors.NoSpace`, -704 → a miss, ...).
-- *Eviction.*  Mooncake evicts in a background thread, not inside the put: a put into a
-  full pool fails (-200) until that thread has run.  Keys refused with -200 are retried
-  for at most ``put_retry_s`` (0.2 s) before NoSpace is the answer.
-- *Leases, not pins.*  Mooncake has no pins.  :meth:`pin` and :meth:`release` do nothing
-  and answer 0 (:attr:`pins` is False).  What protects a found block on Mooncake is the
-  lease its ``is_exist`` took: every probe (and every read) renews the object's lease for
-  the master's ``--default_kv_lease_ttl`` (Mooncake #2187: probes that renew leases can
-  starve eviction).  So on Mooncake a lookup *does* protect what it found, for one lease
-  — a request must start its load within ``default_kv_lease_ttl`` — and a flood of
-  lookups keeps objects leased.  :meth:`prefix_lookup` therefore probes in chunks that
-  stop at the first miss, so blocks behind a hole are not kept leased.  The lease the
-  master needs is in docs/mooncake.md.
-- *Connect.*  Opening is lazy (constructors have no side effects).  Before ``setup`` the
-  adapter checks the master's RPC port with one bounded TCP connect (Mooncake's own
-  setup retries for ~90 s against nothing), and an HTTP GET that a kvpool master answers
-  and a Mooncake RPC port does not: a mooncake.json pointed at kvpool's master is an
-  error at connect time that says so.
-"""
+"""The ``mooncake`` engine: real Mooncake Store (``mooncake.store.MooncakeDistributedStore``)
+as a pool engine; how it keeps the engine rules on Mooncake is on :class:`MooncakeEngine`."""
 
 from __future__ import annotations
 
@@ -112,10 +70,54 @@ def open_mooncake_engine(
 
 
 class MooncakeEngine:
-    """Real Mooncake Store as a :class:`~kvpool.engines.base.PoolEngine`."""
+    """Real Mooncake Store as a :class:`~kvpool.engines.base.PoolEngine`.
+
+    The pool of a cluster that already runs Mooncake: a C++ ``mooncake_master`` keeps the
+    index, and every process that opens the store with ``global_segment_size > 0``
+    contributes that much memory (the guide's "every node registers memory").  The store
+    comes from the optional ``mooncake`` extra (``pip install 'kvpool[mooncake]'``; the
+    non-CUDA wheel here, the CUDA or NPU wheel on a real cluster).  Configured from the
+    ``mooncake.json`` Mooncake and vllm-ascend write
+    (:class:`~kvpool.config.node.MooncakeNodeConfig`).
+
+    How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
+
+    - *Checksums.*  Mooncake returns whatever bytes a segment holds.  Each object is stored
+      as a 16-byte header (magic, xxh3-64 of the payload) followed by the payload; a read
+      whose header or checksum does not match is a miss, never wrong bytes.  Objects are
+      therefore kvpool's own: Mooncake's other clients see the header.
+    - *Buffers.*  Mooncake moves bytes only to and from memory registered with
+      ``register_buffer`` (:mod:`.buffers`).  Pages of a big CPU tensor (a vLLM KV
+      cache) are registered in place once and moved zero-copy: an object is 1 + L pieces,
+      its header from the staging area, then each part (one layer's block) where it is
+      (:mod:`.parts`), as vllm-ascend's Mooncake backend does with
+      ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``; other parts are
+      copied through one registered staging area.  One call per batch.  A get in place
+      lands before its checksum is known: a miss leaves those parts unspecified, and the
+      store connector reports the block failed (vLLM recomputes it).
+    - *Errors.*  Mooncake answers integer codes; :func:`put_error` maps them (-200 no handle
+      → :class:`~kvpool.errors.NoSpace`, -704 → a miss, ...).
+    - *Eviction.*  Mooncake evicts in a background thread, not inside the put: a put into a
+      full pool fails (-200) until that thread has run.  Keys refused with -200 are retried
+      for at most ``put_retry_s`` (0.2 s) before NoSpace is the answer.
+    - *Leases, not pins.*  Mooncake has no pins.  :meth:`pin` and :meth:`release` do nothing
+      and answer 0 (:attr:`pins` is False).  What protects a found block on Mooncake is the
+      lease its ``is_exist`` took: every probe (and every read) renews the object's lease for
+      the master's ``--default_kv_lease_ttl`` (Mooncake #2187: probes that renew leases can
+      starve eviction).  So on Mooncake a lookup *does* protect what it found, for one lease
+      — a request must start its load within ``default_kv_lease_ttl`` — and a flood of
+      lookups keeps objects leased.  :meth:`prefix_lookup` therefore probes in chunks that
+      stop at the first miss, so blocks behind a hole are not kept leased.  The lease the
+      master needs is in docs/mooncake.md.
+    - *Connect.*  Opening is lazy (constructors have no side effects).  Before ``setup`` the
+      adapter checks the master's RPC port with one bounded TCP connect (Mooncake's own
+      setup retries for ~90 s against nothing), and an HTTP GET that a kvpool master answers
+      and a Mooncake RPC port does not: a mooncake.json pointed at kvpool's master is an
+      error at connect time that says so.
+    """
 
     engine = "mooncake"
-    #: Mooncake has no pins: :meth:`pin` is a no-op (see the module docstring)
+    #: Mooncake has no pins: :meth:`pin` is a no-op (see above)
     pins = False
     #: every probe renews the object's lease for the master's default_kv_lease_ttl
     probes_lease = True

@@ -1,22 +1,7 @@
-"""How the Mooncake engine lays an object out over memory Mooncake can move.
-
-An object on Mooncake is kvpool's 16-byte header (magic, xxh3-64 of the payload) and
-then its payload.  A payload is one buffer or several *parts* end to end (a KV page: one
-block of every layer, one piece per layer tensor).  For one call, :class:`Layout` gives
-each object the list of (address, size) pieces that ``batch_put_from_multi_buffers`` /
-``batch_get_into_multi_buffers`` take:
-
-- the header always lives in the engine's registered staging area;
-- a part inside registered caller memory (:class:`~.buffers.Registered`: a vLLM
-  KV cache) is its own piece, moved in place (zero-copy);
-- any other part gets a slot in the staging area: a put copies it there first, a get
-  copies it out only after the whole object's checksum matched (:meth:`Plan.copy_out`).
-  Staged pieces that touch are merged, so a one-buffer object is one piece (header and
-  payload together), as before parts existed.
-
-The checksum of parts is the checksum of the parts joined (xxh3-64 streams), so objects
-written in parts and read as one buffer (or the other way round) agree.
-"""
+"""How the Mooncake engine lays an object out over memory Mooncake can move: kvpool's
+16-byte header (magic, xxh3-64 of the payload), then the payload, one buffer or several
+*parts* end to end (a KV page: one piece per layer).  The checksum of parts is the
+checksum of the parts joined, so objects written in parts and read whole agree."""
 
 from __future__ import annotations
 
@@ -107,7 +92,25 @@ class Plan:
 
 class Layout:
     """The pieces of a batch of objects: ``objects`` maps an index to (its parts, whether
-    they are written into: a get)."""
+    they are written into: a get).
+
+    An object on Mooncake is kvpool's 16-byte header (magic, xxh3-64 of the payload) and
+    then its payload.  A payload is one buffer or several *parts* end to end (a KV page: one
+    block of every layer, one piece per layer tensor).  For one call, :class:`Layout` gives
+    each object the list of (address, size) pieces that ``batch_put_from_multi_buffers`` /
+    ``batch_get_into_multi_buffers`` take:
+
+    - the header always lives in the engine's registered staging area;
+    - a part inside registered caller memory (:class:`~.buffers.Registered`: a vLLM
+      KV cache) is its own piece, moved in place (zero-copy);
+    - any other part gets a slot in the staging area: a put copies it there first, a get
+      copies it out only after the whole object's checksum matched (:meth:`Plan.copy_out`).
+      Staged pieces that touch are merged, so a one-buffer object is one piece (header and
+      payload together), as before parts existed.
+
+    The checksum of parts is the checksum of the parts joined (xxh3-64 streams), so objects
+    written in parts and read as one buffer (or the other way round) agree.
+    """
 
     def __init__(
         self, registered: Registered, objects: Mapping[int, tuple[Sequence[Any], bool]]

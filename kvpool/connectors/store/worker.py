@@ -1,44 +1,8 @@
 """The worker half of the store connector: copies pages between vLLM's KV cache and the pool.
 
-A *page* is one vLLM block of every layer (see :mod:`kvpool.connectors.pages`).  Pages
-move whole and opaque — on CPU the kernel does not keep a block's tokens in position
-order, so nothing here looks inside a block.  One pool object holds one KV-head group of a
-page (:mod:`~kvpool.connectors.store.groups`): a rank loads the groups of the heads it holds
-and saves them unless a lower rank holds the same heads; when one group is all of a rank's
-heads (MLA, an embedded pool) an object is the rank's whole page.  Heads are whole inside
-a block (``[heads, block_size, row]``), so a group's part of each layer is contiguous and
-the kernel's token order inside a head is kept as it is.
-
-Rules:
-- A load either fills a block with exactly the bytes that were saved, or reports the block
-  as failed (``invalid_block_ids``): a miss, a short or corrupt object and a dead pool all
-  end the same way, and vLLM recomputes from the first failed block.  An object that was
-  listed but unreadable is removed, so the recomputed copy replaces it.
-- Every async load is reported as finished exactly once, failed or not, aborted or not:
-  vLLM holds the request's blocks until then.
-- The pins the scheduler's lookup took for a load (``LoadSpec.owners``) are released as
-  soon as this rank's copy ends, however it ends, and before an unreadable object is
-  dropped (a pinned object cannot be removed); a release that fails is left to the pins'
-  TTL.
-- Saves start in ``wait_for_save``, after the step's forward pass.  By default the pages
-  are copied into the connector's staging there and put into the pool by a writer thread
-  (:mod:`~kvpool.connectors.store.saves`), so the step does not wait on the pool and vLLM
-  may reuse the blocks at once; ``async_saves: false`` puts them in the step, straight
-  from the cache (a block is never freed or reused while it is written out).  A failed
-  save only costs a future hit.
-- A request's blocks move in batches of up to ``_BATCH`` pages (all their groups), one
-  engine call per batch
-  (:meth:`~kvpool.engines.PoolEngine.batch_get_parts`,
-  :meth:`~kvpool.engines.PoolEngine.batch_put_parts`) instead of one per block.
-- CPU caches move in place: each page is handed to the engine as its L layer rows
-  (:meth:`~kvpool.connectors.pages.PagedCaches.block_parts`), so an engine that can (Mooncake,
-  on a registered cache) moves them with no copy, and one that cannot copies once through
-  its own staging.  A read in place may write a block before its checksum fails: that
-  block is reported failed like any other, and vLLM recomputes it.  Caches on a device
-  go through host staging pages allocated once per worker thread and reused (a save and
-  an async load run on different threads), never a fresh page per load.
-- Each pool call goes through a :class:`~kvpool.connectors.store.pool.PoolHandle`, so a
-  dead pool fails fast instead of stalling every step for a timeout.
+A *page* is one vLLM block of every layer (:mod:`kvpool.connectors.pages`); pages move
+whole and opaque, one pool object per KV-head group of a page
+(:mod:`~kvpool.connectors.store.groups`).  The rules are on :class:`StoreWorker`.
 """
 
 from __future__ import annotations
@@ -106,7 +70,48 @@ class LoadResult:
 
 
 class StoreWorker:
-    """Worker-side logic of :class:`~kvpool.connectors.store.KVPoolStoreConnector`."""
+    """Worker-side logic of :class:`~kvpool.connectors.store.KVPoolStoreConnector`.
+
+    A *page* is one vLLM block of every layer (see :mod:`kvpool.connectors.pages`).  Pages
+    move whole and opaque — on CPU the kernel does not keep a block's tokens in position
+    order, so nothing here looks inside a block.  One pool object holds one KV-head group of a
+    page (:mod:`~kvpool.connectors.store.groups`): a rank loads the groups of the heads it holds
+    and saves them unless a lower rank holds the same heads; when one group is all of a rank's
+    heads (MLA, an embedded pool) an object is the rank's whole page.  Heads are whole inside
+    a block (``[heads, block_size, row]``), so a group's part of each layer is contiguous and
+    the kernel's token order inside a head is kept as it is.
+
+    Rules:
+    - A load either fills a block with exactly the bytes that were saved, or reports the block
+      as failed (``invalid_block_ids``): a miss, a short or corrupt object and a dead pool all
+      end the same way, and vLLM recomputes from the first failed block.  An object that was
+      listed but unreadable is removed, so the recomputed copy replaces it.
+    - Every async load is reported as finished exactly once, failed or not, aborted or not:
+      vLLM holds the request's blocks until then.
+    - The pins the scheduler's lookup took for a load (``LoadSpec.owners``) are released as
+      soon as this rank's copy ends, however it ends, and before an unreadable object is
+      dropped (a pinned object cannot be removed); a release that fails is left to the pins'
+      TTL.
+    - Saves start in ``wait_for_save``, after the step's forward pass.  By default the pages
+      are copied into the connector's staging there and put into the pool by a writer thread
+      (:mod:`~kvpool.connectors.store.saves`), so the step does not wait on the pool and vLLM
+      may reuse the blocks at once; ``async_saves: false`` puts them in the step, straight
+      from the cache (a block is never freed or reused while it is written out).  A failed
+      save only costs a future hit.
+    - A request's blocks move in batches of up to ``_BATCH`` pages (all their groups), one
+      engine call per batch
+      (:meth:`~kvpool.engines.PoolEngine.batch_get_parts`,
+      :meth:`~kvpool.engines.PoolEngine.batch_put_parts`) instead of one per block.
+    - CPU caches move in place: each page is handed to the engine as its L layer rows
+      (:meth:`~kvpool.connectors.pages.PagedCaches.block_parts`), so an engine that can (Mooncake,
+      on a registered cache) moves them with no copy, and one that cannot copies once through
+      its own staging.  A read in place may write a block before its checksum fails: that
+      block is reported failed like any other, and vLLM recomputes it.  Caches on a device
+      go through host staging pages allocated once per worker thread and reused (a save and
+      an async load run on different threads), never a fresh page per load.
+    - Each pool call goes through a :class:`~kvpool.connectors.store.pool.PoolHandle`, so a
+      dead pool fails fast instead of stalling every step for a timeout.
+    """
 
     def __init__(
         self,
