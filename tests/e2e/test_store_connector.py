@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,24 @@ def test_guides_multiconnector_json_shares_hits_across_hash_seeds_and_survives_t
     assert s2["hit_tokens"] == s1["hit_tokens"]
 
 
+def _counter(metrics: str, name: str) -> list[float]:
+    prefix = f"vllm:kvpool_store_{name}_total{{"
+    return [float(x.rsplit(" ", 1)[1]) for x in metrics.splitlines() if x.startswith(prefix)]
+
+
+def _wait_for_saves(server: Any, model: Path, blocks: int) -> None:
+    """Saves run after the step that made the pages (off the engine step), so a repeat
+    sent at once may arrive before they are in.  Wait, bounded, for the worker's own
+    count of saved blocks; its counts reach /metrics with an engine step, so a one-token
+    request too short to save anything makes one."""
+    nudge = {"model": str(model), "prompt": "hi", "max_tokens": 1, "temperature": 0.0}
+    deadline = time.monotonic() + 60
+    while sum(_counter(server.metrics(), "saved_blocks")) < blocks:
+        assert time.monotonic() < deadline, "the first request's saves never finished"
+        server.post("/v1/completions", nudge)
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("backend", ["mooncake", "embedded"])
 def test_vllm_serve_with_the_guides_kv_both_json(
     backend: str,
@@ -268,15 +287,16 @@ def test_vllm_serve_with_the_guides_kv_both_json(
             "return_token_ids": True,
         }
         first = server.post("/v1/completions", body)["choices"][0]
+        _wait_for_saves(server, tiny_model_dir, blocks=3)
         second = server.post("/v1/completions", body)["choices"][0]
         metrics = server.metrics()
     finally:
         server.stop()
     assert first["token_ids"] == reference[LONG]
     assert second["token_ids"] == reference[LONG]
+
     def counter(name: str) -> list[float]:
-        prefix = f"vllm:kvpool_store_{name}_total{{"
-        return [float(x.rsplit(" ", 1)[1]) for x in metrics.splitlines() if x.startswith(prefix)]
+        return _counter(metrics, name)
 
     assert counter("hit_tokens") == [384.0]
     # The scheduler pinned the hit (over the lookup channel, with embedded) and nothing
