@@ -487,22 +487,33 @@ class Client(Closing):
             return
         except KVPoolError:
             return
+        self._judge(placements, indices, done, sizes)
+
+    def _judge(
+        self,
+        placements: Sequence[m.Placement],
+        indices: list[int],
+        outcomes: Sequence[OpResult],
+        sizes: list[int],
+    ) -> None:
+        """Each read object's verdict, as :meth:`_read`'s (a miss, never wrong bytes):
+        its outcome is the checksum of what landed, or the error its read met."""
         reported = False
-        for i, failure in zip(indices, done, strict=True):
+        for i, outcome in zip(indices, outcomes, strict=True):
             placement = placements[i]
-            if isinstance(failure, int):  # read; this is the checksum of what came
-                if failure == placement.checksum:
+            if isinstance(outcome, int):
+                if outcome == placement.checksum:
                     sizes[i] = placement.size
                 else:
                     self._report_corrupt(placement)
                     log.warning("%s failed its checksum: treated as a miss", placement.key)
-            elif isinstance(failure, ChecksumMismatch):
+            elif isinstance(outcome, ChecksumMismatch):
                 self._report_corrupt(placement)
-            elif isinstance(failure, TransferError | PeerTimeout):
-                if not reported:
+            elif isinstance(outcome, TransferError | PeerTimeout):
+                if not reported:  # one report per owner is enough: it drops the node
                     reported = True
-                    self._report(placement, failure)
-            elif isinstance(failure, ObjectNotFound):
+                    self._report(placement, outcome)
+            elif isinstance(outcome, ObjectNotFound):
                 self._post(self._corrupt_report(placement))
 
     def batch_get_into_parts(
@@ -556,7 +567,7 @@ class Client(Closing):
         sizes: list[int],
     ) -> None:
         """One owner's share of :meth:`batch_get_into_parts`: one list of reads (one per
-        part), then per object the verdicts of :meth:`_read_many`."""
+        part), then per object the verdicts of :meth:`_judge`."""
         first = placements[indices[0]]
         path = self._path(first)
         reads: list[DataOp] = []
@@ -576,24 +587,11 @@ class Client(Closing):
             return
         except KVPoolError:
             return
-        reported = False
-        for i, (start, end, running) in zip(indices, spans, strict=True):
-            placement = placements[i]
+        outcomes: list[OpResult] = []
+        for start, end, running in spans:
             failure = next((r for r in done[start:end] if isinstance(r, KVPoolError)), None)
-            if failure is None:
-                if running.intdigest() == placement.checksum:
-                    sizes[i] = placement.size
-                else:
-                    self._report_corrupt(placement)
-                    log.warning("%s failed its checksum: treated as a miss", placement.key)
-            elif isinstance(failure, ChecksumMismatch):
-                self._report_corrupt(placement)
-            elif isinstance(failure, TransferError | PeerTimeout):
-                if not reported:
-                    reported = True
-                    self._report(placement, failure)
-            elif isinstance(failure, ObjectNotFound):
-                self._post(self._corrupt_report(placement))
+            outcomes.append(running.intdigest() if failure is None else failure)
+        self._judge(placements, indices, outcomes, sizes)
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
