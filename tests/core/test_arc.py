@@ -3,12 +3,8 @@ docstring promises."""
 
 from __future__ import annotations
 
-import pytest
-from hypothesis import given, settings
-
 from kvpool.core.arc import ARCPolicy
-from kvpool.core.index import IndexConfig, ObjectIndex
-from tests.core.policy_calls import Model, Op, always, chain, ops_strategy, read, run_ops
+from tests.core.policy_calls import always, chain, read
 
 
 def evict(p: ARCPolicy[str]) -> str:
@@ -114,39 +110,3 @@ def test_the_tree_variant_moves_a_parent_past_its_younger_child() -> None:
     assert p.choose_victims(1, always) == ["x"]  # the move made no second one
     p.on_remove("x")
     assert p.choose_victims(1, always) == ["b"]
-
-
-@settings(max_examples=300, deadline=None)
-@given(ops=ops_strategy)
-def test_the_tree_variant_chooses_children_before_their_parents(ops: list[Op]) -> None:
-    def check(policy: ARCPolicy[int], model: Model, count: int, _: set[int]) -> None:
-        policy.check()  # the kept parent counts
-        victims = policy.choose_victims(count, always)
-        policy.check()
-        position = {k: i for i, k in enumerate(victims)}
-        for key, i in position.items():
-            for child in model.children(key):
-                assert child in position and position[child] < i, (key, child, victims)
-
-    run_ops("arc_tree", ops, check)
-
-
-@pytest.mark.parametrize("name", ["arc", "arc_tree"])
-def test_the_index_keeps_its_invariants_with_the_policy(name: str) -> None:
-    idx = ObjectIndex(IndexConfig(policy=name))
-    idx.register_client("c", 0)
-    idx.add_segment("c", "c/mem", 40)  # ten blocks of 4 bytes
-    for turn in range(30):
-        keys = [f"t{turn % 7}-{j}" for j in range(turn % 5 + 2)]
-        h = idx.prefix_lookup(keys)
-        for k in keys[:h]:
-            idx.get(k, f"r{turn}", turn)
-        parent = keys[h - 1] if h else None
-        for k in keys[h:]:
-            res, _ = idx.put_start(k, 4, f"r{turn}", turn, parent)
-            if res is not None:
-                idx.put_end(k, f"r{turn}", turn)
-            parent = k
-        idx.release_owner(f"r{turn}")
-        idx.check()
-    assert idx.stats.evictions > 0 and len(idx) == 10
