@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 import urllib.error
@@ -33,6 +34,7 @@ __all__ = [
     "Namespace",
     "Ref",
     "http_json",
+    "master_up",
     "mooncake_binary",
     "private_netns",
 ]
@@ -78,9 +80,23 @@ def private_netns() -> bool:
 
 
 # ------------------------------------------------------------------------- the master
+def master_up(metrics_address: str, rpc_address: str) -> bool:
+    """Whether a ``mooncake_master`` serves both its metrics and its RPC port: its
+    metrics server can answer before the RPC listener is bound, and a client that
+    connects in between is refused."""
+    if http_get(f"http://{metrics_address}/health", 1.0).status != 200:
+        return False
+    host, _, port = rpc_address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
 class MooncakeMaster:
     """The wheel's ``mooncake_master`` with the given flags on 127.0.0.1 (RPC
-    ``rpc_port``, metrics ``metrics_port``), up once its metrics port answers (bounded).
+    ``rpc_port``, metrics ``metrics_port``), up once both ports answer (bounded).
     It refuses to start outside a private namespace (:func:`private_netns`)."""
 
     def __init__(
@@ -110,7 +126,7 @@ class MooncakeMaster:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ready_timeout_s
-        while http_get(f"http://{self.metrics_address}/health", 1.0).status != 200:
+        while not master_up(self.metrics_address, self.rpc_address):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"mooncake_master did not start: {' '.join(argv)}")

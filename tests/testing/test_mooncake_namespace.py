@@ -34,3 +34,32 @@ def test_a_process_started_in_the_namespace_is_inside_it_and_ends_with_it() -> N
         done = subprocess.run(ns.command("ip", "-o", "link"), capture_output=True, text=True)
         assert [line.split(":")[1].strip() for line in done.stdout.splitlines()] == ["lo"]
     assert proc.poll() is not None  # closing the namespace ended what it started
+
+
+def test_a_master_is_up_only_when_its_rpc_port_accepts_too() -> None:
+    """mooncake_master's metrics server can answer before its RPC port is bound: a
+    master reported up on its metrics alone refused the first client (CI, 2026-12)."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvpool.testing.mooncake import master_up
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Health) as metrics:
+        threading.Thread(target=metrics.serve_forever, daemon=True).start()
+        with socket.socket() as rpc:
+            rpc.bind(("127.0.0.1", 0))  # bound, not listening: a connect is refused
+            metrics_at = f"127.0.0.1:{metrics.server_address[1]}"
+            rpc_at = f"127.0.0.1:{rpc.getsockname()[1]}"
+            assert not master_up(metrics_at, rpc_at)
+            rpc.listen()
+            assert master_up(metrics_at, rpc_at)
+        metrics.shutdown()
