@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "KVPoolError",
     "NoSpace",
+    "NotLeader",
     "ObjectBusy",
     "ObjectNotFound",
     "Overloaded",
@@ -48,7 +49,8 @@ class KVPoolError(Exception):
         │   ├── StaleWrite         put_end/put_revoke for a reservation that is gone
         │   ├── UnknownClient      a client id the registry does not know (expired?)
         │   ├── UnknownSegment     a segment id the registry does not know
-        │   └── Overloaded         a server at its connection or buffer limit: retry later
+        │   ├── Overloaded         a server at its connection or buffer limit: retry later
+        │   └── NotLeader          a standby master, or a new leader still warming up
         ├── AuthError              no credential, a wrong one, or one that may not do this
         ├── TransferError          moving bytes failed (peer gone, short read, bad checksum)
         │   └── ChecksumMismatch   the bytes read are not the bytes written: treat as a miss
@@ -131,6 +133,14 @@ class Overloaded(PoolError):
     this peer; nothing about the peer or its data is wrong, so it may retry later."""
 
     code = "OVERLOADED"
+
+
+class NotLeader(PoolError):
+    """This master does not serve the request: it is a standby, or a leader still
+    waiting for its nodes to re-announce.  An HA client asks it who leads and retries
+    there; nothing was done."""
+
+    code = "NOT_LEADER"
 
 
 class AuthError(KVPoolError):

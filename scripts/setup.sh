@@ -80,6 +80,24 @@ if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1
         echo "warning: could not install prometheus; the Prometheus test will fail" >&2
     fi
 fi
+# Highly available masters elect their leader on etcd (kvpool.ha; tests/ha and
+# tests/multihost start their own etcd on free ports with their own data directories).
+# Debian's etcd-server may bring a service on :2379: stopped and disabled here, as
+# prometheus is.  An etcd that was there before is left as it is.
+if ! command -v etcd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    if { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq --no-install-recommends etcd-server etcd-client; }; then
+        if [[ -d /run/systemd/system ]]; then
+            systemctl disable --now etcd >/dev/null 2>&1 || true
+        else
+            invoke-rc.d etcd stop >/dev/null 2>&1 || true
+            update-rc.d etcd disable >/dev/null 2>&1 || true
+            deb-systemd-helper disable etcd.service >/dev/null 2>&1 || true
+        fi
+    else
+        echo "warning: could not install etcd; the HA master tests will fail" >&2
+    fi
+fi
 # Another vLLM beside .venv's, in a venv of its own (the same torch CPU wheel, which pip
 # takes from its cache or PIP_FIND_LINKS: about 3 min and 3.5 GiB each, nearly all of it
 # vLLM's own dependencies).  kvpool is installed editable, as in .venv.

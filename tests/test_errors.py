@@ -24,7 +24,7 @@ REPLY_CODECS: list[Codec[typing.Any]] = [m.MASTER_REPLY_CODEC, DATA_REPLY_CODEC]
 
 
 def test_the_tree_is_every_kvpool_error_in_the_module() -> None:
-    assert len(TREE) == 17  # QuotaExceeded joined NoSpace
+    assert len(TREE) == 18  # QuotaExceeded joined NoSpace, NotLeader the HA masters
     assert set(TREE) == set(errors._BY_CODE.values())
     codes = [cls.code for cls in TREE]
     assert len(set(codes)) == len(codes)  # one code, one class

@@ -21,6 +21,7 @@ PUBLIC = [
     "KVPoolError",
     "KeyNamespace",
     "NoSpace",
+    "NotLeader",
     "ObjectBusy",
     "ObjectNotFound",
     "Overloaded",

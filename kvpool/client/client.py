@@ -12,7 +12,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.client.master_link import CLOSE_SETTLE_S, MasterLink, TcpMasterLink
+from kvpool.client.leader_link import master_link
+from kvpool.client.master_link import CLOSE_SETTLE_S, MasterLink
 from kvpool.closing import Closing
 from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
@@ -138,7 +139,7 @@ class Client(Closing):
         else:
             self.transport = transport
         self.link: MasterLink = (
-            link if link is not None else TcpMasterLink(master, self.peer, role=role)
+            link if link is not None else master_link(master, self.peer, role=role)
         )
         self._paths: dict[str, DataPath] = {}  # data address -> open data path
         self._paths_lock = threading.Lock()

@@ -22,6 +22,7 @@ from kvpool.config.values import (
     DEFAULT_OFFLOAD_LIMIT,
     DEFAULT_SEGMENT_SIZE,
     parse_bool_value,
+    parse_host_port,
     parse_int,
     parse_ratio,
     parse_size,
@@ -180,6 +181,21 @@ class MasterConfig:
         "", _string, "PEM CA bundle: verifies nodes, and clients must present a cert it signed"
     )
 
+    enable_ha: bool = _flag(
+        False, _bool, "elect a leader among masters on etcd (true/false; needs --etcd_endpoints)"
+    )
+    etcd_endpoints: str = _flag("", _string, "etcd client URLs, host:port[,host:port...]")
+    rpc_address: str = _flag(
+        "", _string, "with --enable_ha: this master's address as clients reach it (host:port)"
+    )
+    cluster_id: str = _flag("kvpool", _string, "with --enable_ha: the masters' key space in etcd")
+    ha_lease_ttl: int = _flag(
+        3, _positive, "with --enable_ha: seconds the leader's etcd lease lasts unrenewed"
+    )
+    ha_warmup: int = _flag(
+        8000, parse_duration_ms, "a new leader waits this long at most for nodes to re-announce"
+    )
+
     @property
     def tls(self) -> TLSConfig:
         """The TLS settings (off unless one of --tls_cert/--tls_key/--tls_ca is set)."""
@@ -199,11 +215,42 @@ class MasterConfig:
         if self.segment_size < 0 or self.ssd_offload_limit <= 0:
             raise ConfigError("--segment_size/--ssd_offload_limit: must be positive sizes")
         parse_warmup(self.segment_warmup, key="--segment_warmup")
+        self._check_ha()
         if self.eviction_policy not in (*EVICTION_POLICIES, *EVICTION_POLICY_ALIASES):
             raise ConfigError(
                 f"--eviction_policy: unknown {self.eviction_policy!r}; use one of "
                 f"{_POLICY_CHOICES}"
             )
+
+    def _check_ha(self) -> None:
+        if not self.enable_ha:
+            if self.etcd_endpoints:
+                raise ConfigError(
+                    "--etcd_endpoints: set, but --enable_ha is false; add --enable_ha=true "
+                    "to elect a leader there, or drop --etcd_endpoints"
+                )
+            return
+        if not self.etcd_endpoints.strip():
+            raise ConfigError(
+                "--enable_ha: needs --etcd_endpoints (etcd's client URLs, e.g. "
+                "10.0.0.5:2379,10.0.0.6:2379)"
+            )
+        if self.ha_lease_ttl < 2:
+            raise ConfigError("--ha_lease_ttl: at least 2 seconds (etcd's shortest lease)")
+        if not self.cluster_id or "/" in self.cluster_id:
+            raise ConfigError(f"--cluster_id: {self.cluster_id!r}: a non-empty name without '/'")
+        if self.rpc_address:
+            parse_host_port(self.rpc_address, key="--rpc_address")
+        elif self.host in ("0.0.0.0", "::", ""):
+            raise ConfigError(
+                f"--rpc_address: with --enable_ha and --host {self.host}, say how clients "
+                "reach this master (e.g. --rpc_address 10.0.0.1:50051)"
+            )
+
+    @property
+    def advertised(self) -> str:
+        """This master's RPC address as clients reach it."""
+        return self.rpc_address or self.address
 
     def warnings(self) -> list[str]:
         """Flags that are valid but do nothing as given: start-up logs each one, so a
@@ -220,6 +267,12 @@ class MasterConfig:
                 "objects go to SSD only on nodes whose mooncake.json sets "
                 "enable_ssd_offload and ssd_offload_path, and are dropped otherwise; add "
                 "--ssd_offload_path=DIR for an SSD tier here"
+            )
+        if self.enable_ha and self.segment_size:
+            out.append(
+                f"--enable_ha with --segment_size {self.segment_size}: what this master's own "
+                "segment holds is lost when the leadership moves; keep the pool on kvpool "
+                "node (--segment_size 0 here), whose catalogs the next leader takes over"
             )
         return out
 

@@ -28,6 +28,7 @@ from kvpool.config.fabrics import (
     host_fabrics,
     served_protocols,
 )
+from kvpool.config.masters import parse_masters
 from kvpool.config.values import (
     CONFIG_PATH_VARS,
     DEFAULT_MASTER_PORT,
@@ -90,6 +91,8 @@ class NodeConfig:
     tls_key: str = ""
     tls_ca: str = ""
     source: str = ""  # where it came from, for messages ("" when built in code)
+    #: HA masters (a list, or etcd://), as kvpool.config.masters reads them; "": one
+    masters: str = ""
 
     @property
     def tls(self) -> TLSConfig:
@@ -100,14 +103,18 @@ class NodeConfig:
 
     @property
     def master_address(self) -> str:
-        return f"{self.master_host}:{self.master_port}"
+        """What a client dials: the one master, or the HA masters' spec."""
+        return self.masters or f"{self.master_host}:{self.master_port}"
 
 
 # key -> one-line meaning; the reference in docs/configuration.md follows this table.
 NODE_KEYS: dict[str, str] = {
     "local_hostname": "this node's address as peers reach it (required)",
-    "metadata_server": "the master as host:port (required unless master_server_address)",
-    "master_server_address": "the master as host:port (Mooncake's name; wins if both)",
+    "metadata_server": (
+        "the master as host:port; HA masters as host:port,host:port or etcd://host:port"
+        " (required unless master_server_address)"
+    ),
+    "master_server_address": "the same as metadata_server (Mooncake's name; wins if both)",
     "protocol": "transport between nodes: tcp, or rdma (Mooncake's Transfer Engine)",
     "device_name": "RDMA NIC name(s), comma-separated, as /sys/class/infiniband lists them",
     "transport": "who moves P→D KV: kvpool (tcp only) or transfer_engine (default for rdma)",
@@ -174,7 +181,8 @@ def parse_node_config(
     if not local:
         raise ConfigError(f"local_hostname{where}: empty; set it to this node's IP address")
     master_key = "master_server_address" if "master_server_address" in data else "metadata_server"
-    host, port = parse_host_port(_str_key(data, master_key), key=master_key + where)
+    masters = parse_masters(_str_key(data, master_key), key=master_key + where)
+    host, port = parse_host_port(masters.first, key=master_key + where)
     protocol = _str_key(data, "protocol", "tcp").lower()
     known = ("tcp", *ENGINE_PROTOCOLS)
     if protocol not in known:
@@ -218,6 +226,7 @@ def parse_node_config(
         local_hostname=local,
         master_host=host,
         master_port=port,
+        masters=str(masters) if masters.ha else "",
         protocol=protocol,
         device_name=device_name,
         transport=transport,

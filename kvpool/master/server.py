@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import ssl
+import time
 from typing import Any, cast
 
 from aiohttp import web
@@ -24,10 +25,14 @@ from kvpool.config import MasterConfig
 from kvpool.core.index import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
+from kvpool.ha.campaign import Campaign, ClusterKeys, Elected
+from kvpool.ha.etcd import Etcd, parse_endpoints
+from kvpool.ha.leadership import Leadership
 from kvpool.master.http import build_app
 from kvpool.master.service import Later, MasterService
 from kvpool.master.tenancy import TenantMaster, parse_tenant_quotas
 from kvpool.node.storage import MASTER_SETTINGS, LocalStorage
+from kvpool.protocol import messages as m
 from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
 from kvpool.protocol.data import error_reply
 from kvpool.protocol.messages import MASTER_REPLY_CODEC, MasterReply, MasterRequest
@@ -183,6 +188,11 @@ class _RpcProtocol(asyncio.Protocol):
                     break
                 served += 1
                 message = frame.message
+                gate = self.service.leadership
+                early = gate.answer(message, time.monotonic())
+                if early is not None:
+                    self.transport.write(MASTER_REPLY_CODEC.encode(early))
+                    continue
                 if self.tenancy is not None:
                     reply = self.tenancy.submit(self.tenant, message)
                 else:
@@ -192,6 +202,8 @@ class _RpcProtocol(asyncio.Protocol):
                             self._refuse(refused)
                             return
                     reply = self.service.submit(message)
+                if gate.ha:
+                    self._served(gate, message, reply)
                 if isinstance(reply, Later):
                     self.waiting = reply
                     reply.deliver = self._deliver
@@ -216,6 +228,12 @@ class _RpcProtocol(asyncio.Protocol):
             return
         if self.decoder.buffered and self._timer is None:
             self._arm_timer()
+
+    def _served(self, gate: Leadership, message: MasterRequest, reply: object) -> None:
+        joined = gate.served(message, m.Ok() if isinstance(reply, Later) else reply)  # type: ignore[arg-type]
+        if joined is not None and self.service.on_node_joined is not None:
+            assert isinstance(message, m.Register)
+            self.service.on_node_joined(joined, message.data_address)
 
     def _account(self) -> None:
         held = 0 if self._closed else self.decoder.buffered
@@ -386,6 +404,11 @@ class MasterServer:
             collections.OrderedDict()
         )
         self.refused_pre_auth = 0  # closed before admission: late, or a full room
+        self.leadership = Leadership(config.advertised, ha=config.enable_ha)
+        self.service.leadership = self.leadership
+        self.campaign: Campaign | None = None
+        self.exit_code = 0  # 3 once it stopped leading (its supervisor starts it again)
+        self._stop: asyncio.Event | None = None
 
     def waiting(self, transport: asyncio.Transport) -> None:
         """A new connection, not admitted yet; past :data:`MAX_PRE_AUTH` such, the one
@@ -506,10 +529,63 @@ class MasterServer:
             ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if self.tls is not None else None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        if not cfg.rpc_address:  # a free port (0) is known only now
+            self.leadership.address = f"{cfg.host}:{self.port}"
+            if not cfg.enable_ha:
+                self.leadership.leader = self.leadership.address
         # a node's copy reported (on its link thread): settle on the loop, at once
         copies = self.service.node_copies.copies
         copies.wakeup = lambda: loop.call_soon_threadsafe(self.service.settle)
         self._tick_task = asyncio.create_task(self._tick_loop())
+        if cfg.enable_ha:
+            self._campaign(loop)
+
+    def _campaign(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Campaign on etcd; the leadership is changed on the loop, where it is read."""
+        cfg, gate = self.config, self.leadership
+        ttl = cfg.ha_lease_ttl
+        etcd = Etcd(parse_endpoints(cfg.etcd_endpoints), timeout_s=max(0.2, ttl / 8))
+        warmup_s = cfg.ha_warmup / 1000
+
+        def elected(won: Elected) -> None:
+            def apply() -> None:
+                gate.elected(won.epoch, won.valid_until, won.nodes, time.monotonic(), warmup_s)
+                log.info(
+                    "leading epoch %d as %s; %d node(s) to re-announce (at most %gs)",
+                    won.epoch, gate.address, len(won.nodes), warmup_s,
+                )  # fmt: skip
+
+            loop.call_soon_threadsafe(apply)
+
+        def lost(why: str) -> None:
+            gate.lost()  # at once, from this thread too: no request is served after it
+
+            def leave() -> None:
+                log.error("stopped leading: %s; leaving (a supervisor starts it as a standby)", why)
+                self.exit_code = 3
+                if self._stop is not None:
+                    self._stop.set()
+
+            loop.call_soon_threadsafe(leave)
+
+        self.campaign = Campaign(
+            etcd,
+            ClusterKeys(cfg.cluster_id),
+            gate.address,
+            ttl,
+            on_elected=elected,
+            on_renewed=lambda until: loop.call_soon_threadsafe(gate.renewed, until),
+            on_view=lambda leader, epoch, masters: loop.call_soon_threadsafe(
+                gate.follow, leader, epoch, masters
+            ),
+            on_lost=lost,
+        )
+        self.service.on_node_joined = self.campaign.node_joined
+        self.campaign.start()
+        log.info(
+            "campaigning for leadership on etcd %s as %s (cluster %s, lease %ds)",
+            cfg.etcd_endpoints, gate.address, cfg.cluster_id, ttl,
+        )  # fmt: skip
 
     async def _tick_loop(self) -> None:
         watch = _OffloadWatch(self.service) if self.config.enable_offload else None
@@ -517,12 +593,28 @@ class MasterServer:
             await asyncio.sleep(TICK_S)
             try:
                 self.service.tick()
+                self._warmup_over()
                 if watch is not None and watch.check():
                     watch = None  # said once
             except Exception:  # the loop must outlive a bug in one tick
                 log.exception("tick failed")
 
+    def _warmup_over(self) -> None:
+        gate = self.leadership
+        if gate.warming and gate.warm(time.monotonic()) and gate.role == "leader":
+            log.warning(
+                "%d node(s) the previous leader knew did not re-announce in %gs: serving "
+                "without them (%s)",
+                len(gate.warming), self.config.ha_warmup / 1000, ", ".join(sorted(gate.warming)),
+            )  # fmt: skip
+            if self.campaign is not None:
+                self.campaign.forget_nodes(set(gate.warming))
+            gate.warming.clear()
+
     async def stop(self, *, quiet: bool = False) -> None:
+        if self.campaign is not None:
+            # a clean stop hands over at once; one that lost the lease has nothing to end
+            self.campaign.stop(resign=not self.campaign.gone)
         if self._tick_task is not None:
             self._tick_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -539,7 +631,7 @@ class MasterServer:
 
     async def serve_until_signal(self) -> None:
         await self.start()
-        stop = asyncio.Event()
+        stop = self._stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
@@ -600,6 +692,7 @@ def _loop_factory() -> Any:
 
 
 def run_master(config: MasterConfig) -> int:
+    server = MasterServer(config)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(MasterServer(config).serve_until_signal())
-    return 0
+        runner.run(server.serve_until_signal())
+    return server.exit_code

@@ -35,6 +35,7 @@ from kvpool.errors import (
     PoolError,
     UnknownSegment,
 )
+from kvpool.ha.leadership import Leadership
 from kvpool.master.clients import Endpoint, MasterClients
 from kvpool.master.copies import Later
 from kvpool.master.metrics import MasterMetrics
@@ -106,6 +107,10 @@ class MasterService:
         self.started_ms = clock()
         self.rpc_connections = 0  # open client connections (kept by the server)
         self.config_view: dict[str, Any] = {}  # the flags it runs with, for doctor and status
+        #: this master's place among its peers (kvpool.ha): the server's, when it has one
+        self.leadership = Leadership(address="")
+        #: told of each storage node that registers (an HA leader records it in etcd)
+        self.on_node_joined: Callable[[str, str], None] | None = None
         # per-tenant quotas (the operator's SetQuota) and usage (kept by the tenant
         # layer, kvpool.master.tenancy, for /metrics); empty: no tenants
         self.tenants = TenantBook()
@@ -137,6 +142,8 @@ class MasterService:
             m.ReportCorrupt: self._report_corrupt,
             m.Stats: self._stats,
             m.SetQuota: self._set_quota,
+            # the server's gate answers it first; this serves the in-process link
+            m.WhoLeads: lambda _req, _now: self.leadership.who(time.monotonic()),
         }
         self._routes: dict[type, _Route] = {}  # filled by _route
 

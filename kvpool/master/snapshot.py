@@ -7,6 +7,7 @@ read them).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvpool.core.index import State
@@ -16,7 +17,7 @@ from kvpool.master.metrics import counter_total
 if TYPE_CHECKING:
     from kvpool.master.service import MasterService
 
-__all__ = ["pool_snapshot"]
+__all__ = ["leadership_view", "pool_snapshot"]
 
 
 def pool_snapshot(service: MasterService) -> dict[str, Any]:
@@ -58,7 +59,14 @@ def pool_snapshot(service: MasterService) -> dict[str, Any]:
         "lookups": service.metrics.lookup_counts(),
         "recent_errors": list(service.recent_errors),
         "config": service.config_view,
+        "leadership": leadership_view(service),
     }
+
+
+def leadership_view(service: MasterService) -> dict[str, Any]:
+    """Role, epoch, leader and standbys, as ``kvpool status`` shows them."""
+    who = service.leadership.who(time.monotonic())
+    return {f: getattr(who, f) for f in who.__struct_fields__}
 
 
 def _segments(service: MasterService) -> list[dict[str, Any]]:

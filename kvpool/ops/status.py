@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvpool.config import config_path_from_env, load_node_config
+from kvpool.config.masters import ETCD_SCHEME, parse_masters
 from kvpool.config.node import node_engine, parse_mooncake_config, read_node_json
 from kvpool.errors import (
     AuthError,
@@ -34,6 +35,8 @@ from kvpool.errors import (
     ProtocolError,
     TransferError,
 )
+from kvpool.ha.campaign import ClusterKeys
+from kvpool.ha.etcd import Etcd, parse_endpoints
 from kvpool.mooncake.master import MooncakeMasterFacts, find_mooncake_master, render_mooncake
 from kvpool.net import DEFAULT_MASTER_PORT, http_get, master_scheme
 from kvpool.security.secret import operator_headers
@@ -152,6 +155,8 @@ class PoolSnapshot:
     recent_errors: tuple[str, ...] = ()
     config: dict[str, Any] = field(default_factory=dict)  # the flags the master runs with
     segments: tuple[SegmentInfo, ...] = ()  # memory segments, with their warmth
+    #: role, epoch, leader, standbys (kvpool.ha): role "single" without an election
+    leadership: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -258,6 +263,7 @@ def parse_snapshot(master: str, status: Mapping[str, Any], metrics_text: str) ->
         recent_errors=tuple(str(e) for e in status.get("recent_errors", ())),
         config=dict(status.get("config") or {}),
         segments=segments,
+        leadership=dict(status.get("leadership") or {}),
     )
 
 
@@ -308,6 +314,17 @@ def render(snapshot: PoolSnapshot, rate: Rates | None = None) -> RenderableType:
         f" ({s.pending} being written)" if s.pending else "",
         f"  ·  {s.active_leases} leases",
     )
+    ha = s.leadership
+    if ha.get("role") not in (None, "single"):
+        head.append_text(
+            Text.assemble(
+                "\n",
+                (f"{ha['role']}", "bold green" if ha["role"] == "leader" else "bold yellow"),
+                f"  epoch {ha.get('epoch', 0)}  ·  leader {ha.get('leader') or 'none'}",
+                f"  ·  standbys {', '.join(ha.get('standbys') or []) or 'none'}",
+                f"  ·  waiting for {ha['warming']} node(s)" if ha.get("warming") else "",
+            )
+        )
 
     tiers = Table(title="Tiers", title_justify="left", expand=False)
     for col in ("tier", "used", "capacity", "use", "objects"):
@@ -430,7 +447,10 @@ def fetch_snapshot(master: str, timeout_s: float = 5.0) -> PoolSnapshot:
 # 9003 beside its RPC port) and shows the §8.1 facts from its ``master_*`` metrics.
 def fetch_any(master: str, timeout_s: float = 5.0) -> PoolSnapshot | MooncakeMasterFacts:
     """kvpool's snapshot, or, when no kvpool master answers there, a Mooncake master's
-    facts (its metrics port, or 9003 beside its RPC port); raises kvpool's error then."""
+    facts (its metrics port, or 9003 beside its RPC port); raises kvpool's error then.
+    HA masters (a list, or ``etcd://``): the leader's snapshot."""
+    if "," in master or master.startswith(ETCD_SCHEME):
+        return fetch_snapshot(find_leader(master, timeout_s), timeout_s)
     try:
         return fetch_snapshot(master, timeout_s)
     except KVPoolError as exc:
@@ -438,6 +458,39 @@ def fetch_any(master: str, timeout_s: float = 5.0) -> PoolSnapshot | MooncakeMas
         if facts is None:
             raise exc from None
         return facts
+
+
+def find_leader(spec: str, timeout_s: float = 5.0) -> str:
+    """The address of the master that leads among ``spec``'s (kvpool.config.masters):
+    etcd's leader key, or each master's own word (a standby names the leader)."""
+    masters = parse_masters(spec, key="--master")
+    candidates = list(masters.addresses)
+    if masters.etcd:
+        kv = Etcd(parse_endpoints(",".join(masters.etcd)), timeout_s).get(
+            ClusterKeys(masters.cluster_id).leader
+        )
+        if kv is None:
+            raise TransferError(f"no master leads in etcd {spec} now (its leader key is absent)")
+        candidates = [json.loads(kv.value).get("address", "")]
+    why: list[str] = []
+    asked: set[str] = set()
+    while candidates:
+        address = candidates.pop(0)
+        if address in asked:
+            continue
+        asked.add(address)
+        try:
+            view = json.loads(_get(f"{master_scheme()}://{address}/api/status", timeout_s))
+        except (KVPoolError, ValueError) as exc:
+            why.append(f"{address}: {exc}")
+            continue
+        ha = view.get("leadership") or {}
+        if ha.get("role") in ("leader", "single", None):
+            return address
+        if ha.get("leader") and ha["leader"] not in candidates:
+            candidates.insert(0, ha["leader"])
+        why.append(f"{address}: {ha.get('role')}")
+    raise TransferError(f"no master of {spec} leads now ({'; '.join(why)})")
 
 
 def default_master(env: Mapping[str, str]) -> str:

@@ -26,6 +26,7 @@ __all__ = [
     "Get",
     "Heartbeat",
     "HeartbeatReply",
+    "Leadership",
     "MasterReply",
     "MasterRequest",
     "Ok",
@@ -48,6 +49,7 @@ __all__ = [
     "Stats",
     "StatsReply",
     "WarmthReport",
+    "WhoLeads",
 ]
 
 
@@ -58,6 +60,7 @@ __all__ = [
 #     PutStart → Placement ; PutEnd ; PutRevoke        two-phase write
 #     Get → Placement (with a read lease) ; Release    read
 #     Exists / BatchExists / PrefixLookup              probes: never lease
+#     WhoLeads → Leadership                            which master leads (any answers)
 #     Remove ; Pin ; ReleaseOwner                      holds and removal
 #     ReportFailure                                    a transfer to a segment failed
 #     ReportCorrupt                                    a copy failed its checksum
@@ -276,6 +279,22 @@ class StatsReply(msgspec.Struct, frozen=True, tag=True):
     snapshot: dict[str, object]
 
 
+class WhoLeads(msgspec.Struct, frozen=True, tag=True):
+    """Which master leads?  Any master answers it, leader or not: an HA link asks on
+    each new connection and after every ``NOT_LEADER`` refusal."""
+
+
+class Leadership(msgspec.Struct, frozen=True, tag=True):
+    """A master's answer to :class:`WhoLeads`."""
+
+    role: str  # "leader", "standby", or "single" (no election: it always leads)
+    epoch: int  # the leader's term: etcd's create revision of its leader key (0: single)
+    leader: str  # the leader's RPC address as clients reach it ("" while none leads)
+    address: str  # this master's own
+    warming: int = 0  # nodes a new leader still waits for before it serves clients
+    standbys: list[str] = []
+
+
 MasterRequest = (
     Register
     | AddSegment
@@ -299,6 +318,7 @@ MasterRequest = (
     | ReportCorrupt
     | Stats
     | SetQuota
+    | WhoLeads
 )
 MasterReply = (
     RegisterReply
@@ -309,6 +329,7 @@ MasterReply = (
     | Count
     | StatsReply
     | Ok
+    | Leadership
     | Error
 )
 

@@ -1,0 +1,1 @@
+"""Highly available masters: leader election on etcd, and clients that follow the leader."""

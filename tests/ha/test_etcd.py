@@ -1,0 +1,45 @@
+"""kvpool's etcd gateway client against a real etcd."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.errors import TransferError
+from kvpool.ha.etcd import Etcd, parse_endpoints
+from kvpool.testing.etcd import EtcdCluster, free_port
+
+
+def test_endpoints_take_commas_semicolons_and_urls() -> None:
+    assert parse_endpoints("10.0.0.1:2379; http://10.0.0.2:2379/,") == (
+        "http://10.0.0.1:2379",
+        "http://10.0.0.2:2379",
+    )
+
+
+def test_only_one_of_two_creates_a_key_and_its_lease_takes_it_away(etcd: EtcdCluster) -> None:
+    client = Etcd(parse_endpoints(etcd.endpoints))
+    a, b = client.grant(5), client.grant(5)
+    won, _, revision = client.create("/t/leader", "a", a)
+    assert won
+    lost, current, _ = client.create("/t/leader", "b", b)
+    assert not lost and current is not None
+    assert (current.value, current.create_revision, current.lease) == ("a", revision, a)
+    client.put("/t/masters/a", "x", a)
+    assert [kv.key for kv in client.get_prefix("/t/")] == ["/t/leader", "/t/masters/a"]
+    assert client.keepalive(a) == 5
+    client.revoke(a)
+    assert client.get("/t/leader") is None and client.get_prefix("/t/masters/") == []
+    assert client.keepalive(a) == 0  # an ended lease is not renewed
+    won, _, later = client.create("/t/leader", "b", b)
+    assert won and later > revision  # the next leader's epoch is larger
+
+
+def test_a_dead_endpoint_is_skipped_and_none_alive_is_a_transfer_error(
+    etcd: EtcdCluster,
+) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    client = Etcd(parse_endpoints(f"{dead},{etcd.endpoints}"))
+    client.put("/t/k", "v")
+    assert client.get("/t/k") is not None
+    with pytest.raises(TransferError, match="cannot reach etcd"):
+        Etcd(parse_endpoints(dead)).get("/t/k")

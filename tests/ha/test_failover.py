@@ -1,0 +1,149 @@
+"""Two HA masters on a real etcd, a node, and clients in this process: the leader dies,
+is frozen, or stops, and the pool goes on with everything the node holds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool import Client, NotLeader, TransferError
+from kvpool.client.leader_link import LeaderLink
+from kvpool.config.masters import parse_masters
+from kvpool.ha.campaign import ClusterKeys
+from kvpool.ha.etcd import Etcd, parse_endpoints
+from kvpool.protocol import messages as m
+from kvpool.testing.etcd import EtcdCluster
+from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
+from tests.waiting import wait_until
+
+TTL_S = 2
+
+
+def ha_master(etcd: EtcdCluster, *flags: str) -> PoolProcess:
+    return start_master(
+        "--segment_size", "0", "--enable_ha", "--etcd_endpoints", etcd.endpoints,
+        "--ha_lease_ttl", str(TTL_S), *flags,
+    )  # fmt: skip
+
+
+def who(address: str) -> m.Leadership:
+    with Client(address) as client:
+        reply = client.link.call(m.WhoLeads())
+    assert isinstance(reply, m.Leadership)
+    return reply
+
+
+def leader_of(masters: list[PoolProcess]) -> tuple[PoolProcess, PoolProcess]:
+    """(leader, standby), once one leads."""
+    wait_until(lambda: any(who(p.address).role == "leader" for p in masters), 15)
+    first, second = masters
+    return (first, second) if who(first.address).role == "leader" else (second, first)
+
+
+@pytest.fixture
+def pool(etcd: EtcdCluster, tmp_path: Path) -> Iterator[tuple[list[PoolProcess], str]]:
+    masters = [ha_master(etcd), ha_master(etcd)]
+    spec = ",".join(p.address for p in masters)
+    node = start_node(node_config(tmp_path, spec, "32MiB"))
+    try:
+        # the node registered with the leader, and the leader recorded it in etcd
+        keys = Etcd(parse_endpoints(etcd.endpoints))
+        wait_until(lambda: keys.get_prefix(ClusterKeys("kvpool").prefix + "nodes/"), 15)
+        yield masters, spec
+    finally:
+        node.stop()
+        for p in masters:
+            p.stop()
+
+
+def test_one_leads_the_other_refuses_and_names_it(
+    pool: tuple[list[PoolProcess], str],
+) -> None:
+    masters, _ = pool
+    leader, standby = leader_of(masters)
+    seen = who(standby.address)
+    assert (seen.role, seen.leader) == ("standby", leader.address)
+    assert seen.epoch == who(leader.address).epoch > 0
+    with Client(standby.address) as direct, pytest.raises(NotLeader, match=leader.address):
+        direct.exists("k")
+
+
+def test_a_killed_leader_is_replaced_and_nothing_the_node_holds_is_lost(
+    pool: tuple[list[PoolProcess], str],
+) -> None:
+    masters, spec = pool
+    leader, standby = leader_of(masters)
+    with Client(spec) as client:
+        values = {f"k{i}": os.urandom(4096 + i) for i in range(40)}
+        for key, value in values.items():
+            client.put(key, value)
+        before = who(leader.address).epoch
+        leader.kill()  # SIGKILL: no resignation, the lease runs out
+        client.put("after", b"x" * 100)  # waits for the standby to lead, then succeeds
+        assert isinstance(client.link, LeaderLink) and client.link.failovers == 1
+        now = who(standby.address)
+        assert (now.role, now.leader) == ("leader", standby.address)
+        assert now.epoch > before
+        for key, value in values.items():
+            assert client.get(key) == value  # re-announced by the node to the new leader
+        assert client.get("after") == b"x" * 100
+
+
+def test_a_stopped_leader_hands_over_at_once(pool: tuple[list[PoolProcess], str]) -> None:
+    masters, spec = pool
+    leader, standby = leader_of(masters)
+    assert leader.stop() == 0
+    started = time.monotonic()
+    wait_until(lambda: who(standby.address).role == "leader", 10)
+    # a resignation ends the lease: no wait for its TTL (the standby polls every 0.2 s)
+    assert time.monotonic() - started < TTL_S
+    with Client(spec) as client:
+        client.put("k", b"v")
+        assert client.get("k") == b"v"
+
+
+def test_a_frozen_leader_wakes_up_refusing_and_leaves(
+    pool: tuple[list[PoolProcess], str],
+) -> None:
+    """Split brain: a leader that cannot renew (here frozen by SIGSTOP, as a long GC
+    pause or a partition would) is replaced; when it runs again it serves nothing and
+    exits, and a client that has seen the new epoch never goes back to it."""
+    masters, spec = pool
+    old, new = leader_of(masters)
+    old_epoch = who(old.address).epoch
+    os.kill(old.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: who(new.address).role == "leader", 15)
+        with Client(spec) as client:
+            client.put("k", b"new")
+            link = client.link
+            assert isinstance(link, LeaderLink) and link.epoch > old_epoch
+    finally:
+        os.kill(old.pid, signal.SIGCONT)
+    with Client(old.address) as direct, pytest.raises((NotLeader, TransferError)):
+        # refused (its lease ended while it was frozen), or it has left already
+        direct.put("k", b"old")
+    assert old.proc.wait(15) == 3
+    assert old.wait_for_line("stopped leading", 1)
+    with Client(spec) as client:
+        assert client.get("k") == b"new"
+
+
+def test_a_link_never_uses_a_leader_older_than_one_it_has_seen(
+    pool: tuple[list[PoolProcess], str],
+) -> None:
+    masters, spec = pool
+    leader, _ = leader_of(masters)
+    link = LeaderLink(parse_masters(spec, key="test"), failover_s=1.0)
+    assert isinstance(link.call(m.Exists("k")), m.Bools)
+    link.close()
+    fenced = LeaderLink(parse_masters(spec, key="test"), failover_s=1.0)
+    fenced.epoch = who(leader.address).epoch + 1  # as if a later leader had answered it
+    with pytest.raises(TransferError, match="no master"):
+        fenced.call(m.Exists("k"))
+    fenced.close()
