@@ -200,6 +200,13 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )  # fmt: skip
     p.add_argument("--model", help="a model directory (default: build a small Llama locally)")
     add_flag(p, "no_vllm", action="store_true", help="start the pool (master) alone")
+    add_flag(
+        p,
+        "ha",
+        action="store_true",
+        help="two masters electing a leader on a local etcd, the pool's memory on a node"
+        " (watch a failover: docs/ha.md)",
+    )
     from kvpool.ops.up.options import PORT_FLAGS, port_default
 
     for name, _, text in PORT_FLAGS:

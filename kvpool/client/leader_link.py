@@ -38,6 +38,9 @@ RETRY_S = 0.1
 #: leading within its lease's TTL anyway, and every master reply (a node's held
 #: heartbeat included) comes sooner than this from a live one
 CALL_TIMEOUT_S = 4.0
+#: a master that failed to answer is asked last for this long: a cut-off leader would
+#: cost every round of the search its whole timeout
+DOWN_S = 10.0
 
 
 def master_link(
@@ -77,6 +80,7 @@ class LeaderLink:
         self._lock = threading.Lock()
         self._etcd = Etcd(parse_endpoints(",".join(masters.etcd))) if masters.etcd else None
         self.failovers = 0  # times the leader it used went away
+        self._down: dict[str, float] = {}  # address -> until when it is asked last
 
     # ------------------------------------------------------------------------ MasterLink
     def call(
@@ -126,6 +130,7 @@ class LeaderLink:
 
     def _lost(self, address: str, why: str) -> None:
         with self._lock:
+            self._down[address] = time.monotonic() + DOWN_S
             if self.leader == address:
                 self.leader = None
                 self.failovers += 1
@@ -168,6 +173,9 @@ class LeaderLink:
                 kv = None
             if kv is not None:
                 candidates = [json.loads(kv.value).get("address", "")]
+        now = time.monotonic()
+        down = {a for a, until in self._down.items() if until > now}
+        candidates.sort(key=lambda a: a in down)  # the silent ones last
         asked: set[str] = set()
         while candidates:
             address = candidates.pop(0)
@@ -177,6 +185,8 @@ class LeaderLink:
             try:
                 who = self._link(address).call(m.WhoLeads())
             except KVPoolError:
+                with self._lock:
+                    self._down[address] = time.monotonic() + DOWN_S
                 continue
             if not isinstance(who, m.Leadership):
                 continue
@@ -188,7 +198,8 @@ class LeaderLink:
                     )  # fmt: skip
                     continue
                 self.epoch = who.epoch
+                self._down.pop(address, None)
                 return address
-            if who.leader:
+            if who.leader and who.leader not in down:  # a hint of a silent one waits
                 candidates.insert(0, who.leader)
         return None

@@ -23,6 +23,7 @@ DOCS = (
     "docs/operations.md",
     "docs/monitoring.md",
     "docs/security.md",
+    "docs/ha.md",
 )
 # python: a snippet the docs tell a user to run (the README's client) is run like a command
 COMMAND_LANGS = frozenset({"bash", "sh", "console", "shell", "python"})

@@ -86,9 +86,16 @@ class Traffic:
     ``max_ops``, so a long run stays bounded)."""
 
     def __init__(
-        self, client: Client, keys: list[str], size: int, pause_s: float, max_ops: int = 5000
+        self,
+        client: Client,
+        keys: list[str],
+        size: int,
+        pause_s: float,
+        max_ops: int = 5000,
+        prefix: str = "traffic",
     ) -> None:
         self.client, self.keys, self.size, self.pause_s = client, keys, size, pause_s
+        self.prefix = prefix  # of the fresh keys it puts
         self.ops: list[Op] = []
         self.max_ops = max_ops
         self._stop = threading.Event()
@@ -99,7 +106,7 @@ class Traffic:
         n = 0
         while not self._stop.is_set() and len(self.ops) < self.max_ops:
             self.ops.append(get(self.client, self.keys[n % len(self.keys)], self.size))
-            self.ops.append(put(self.client, f"traffic-{n}", self.size))
+            self.ops.append(put(self.client, f"{self.prefix}-{n}", self.size))
             n += 1
             self._stop.wait(self.pause_s)
 

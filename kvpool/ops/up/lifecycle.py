@@ -25,7 +25,7 @@ from kvpool.errors import ConfigError
 from kvpool.mooncake.up import EVERY_INTERFACE
 from kvpool.mooncake.wheel import master_binary
 from kvpool.net import free_port_runs, port_free
-from kvpool.ops.up.options import PORT_FLAGS, UpOptions
+from kvpool.ops.up.options import HA_PORTS, PORT_FLAGS, UpOptions
 from kvpool.ops.up.plan import UpPlan, make_plan, planned_ports, ready_text
 from kvpool.ops.up.supervisor import Running, StartupFailed, Supervisor, describe_exit, log_tail
 
@@ -51,14 +51,18 @@ def _run_length(opts: UpOptions, name: str) -> int:
             return instances
         if name == f"{role}_kv_port":
             return instances * int(opts.layout(role).ranks)
-    return 1
+    return 2 if name == "etcd_port" else 1  # etcd's client port, then its peer port
 
 
 def resolve_ports(opts: UpOptions) -> UpOptions:
     """Give every port that is ``0`` (any free port) the first of as many consecutive
     free ports as it stands for (a port free on its own once let the second decode
     instance's kv port land on a taken one)."""
-    names = [name for name, _, _ in PORT_FLAGS if getattr(opts, name) == 0]
+    names = [
+        name
+        for name, _, _ in PORT_FLAGS
+        if getattr(opts, name) == 0 and (opts.ha or name not in HA_PORTS)
+    ]
     if not names:
         return opts
     try:
@@ -294,8 +298,15 @@ def _serve(plan: UpPlan, sup: Supervisor, stop: _StopFlag, console: Console) -> 
             # A dead API server can leave its engine processes behind, decoding for nobody
             # and holding memory: stop what is left of its group.
             console.print(f"  {r.spec.name:<10} rest of its process group {sup.stop(r)}")
+            if r.spec.role == "master" and plan.options.ha:
+                # an HA master that died or stopped leading comes back as a standby
+                again = sup.start(r.spec)
+                sup.running.remove(r)
+                console.print(f"kvpool up: {r.spec.name} restarted as a standby (pid {again.pid})")
+                _write_state(plan, sup, "ready")
+                continue
             _write_state(plan, sup, "degraded")
-            if r.spec.role in ("master", "proxy"):
+            if r.spec.role in ("master", "proxy", "etcd", "node"):
                 console.print(f"kvpool up: the {r.spec.role} is gone; stopping the stack")
                 return 1
             console.print(

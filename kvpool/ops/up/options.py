@@ -47,7 +47,11 @@ PORT_FLAGS = (
     # an instance's ranks listen on kv_port + rank, so the next instance starts after them
     ("prefill_kv_port", "--prefill-kv-port", _KV_PORT_HELP.format(role="prefill")),
     ("decode_kv_port", "--decode-kv-port", _KV_PORT_HELP.format(role="decode")),
+    ("standby_port", "--standby-port", "with --ha: the second master's port (RPC + HTTP)"),
+    ("etcd_port", "--etcd-port", "with --ha: etcd's client port (its peer port is the next)"),
 )
+#: the ports only --ha uses
+HA_PORTS = ("standby_port", "etcd_port")
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,12 @@ class UpOptions:
     mooncake_master: str = "mooncake_master"  # the binary; the edge finds the wheel's
     model: Path | None = None  # None: the locally built tiny model under state_dir
     no_vllm: bool = False
+    # two masters electing their leader on a local etcd, the pool's memory on a node
+    ha: bool = False
     host: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT  # the guide's 50088, on either engine
+    standby_port: int = DEFAULT_MASTER_PORT + 1
+    etcd_port: int = 2379  # etcd's own default; its peer port is etcd_port + 1
     metrics_port: int = 9003  # mooncake_master's --metrics_port (the guide's 9003)
     proxy_port: int = 8000
     prefill_port: int = 8100  # instance i listens on prefill_port + i
@@ -129,6 +137,11 @@ class UpOptions:
         ):
             if not 1 <= size <= 64:
                 raise ConfigError(f"{flag}: must be 1..64, got {size}")
+        if self.ha and self.engine == "mooncake":
+            raise ConfigError(
+                "--ha: runs kvpool's own masters on etcd; Mooncake's HA master is started "
+                "by hand (docs/ha.md), not by kvpool up --engine mooncake"
+            )
         if self.segment_size <= 0:
             raise ConfigError("--segment-size: must be a positive size, e.g. 256MiB")
         if self.engine == "mooncake" and self.segment_size < 16 * _MiB:
@@ -191,6 +204,7 @@ def options_from_args(
         state_dir=(Path(args.state_dir) if args.state_dir else default_state_dir(env)).absolute(),
         model=Path(args.model).expanduser().absolute() if args.model else None,
         no_vllm=args.no_vllm,
+        ha=args.ha,
         prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances,
         prefill_tp=args.prefill_tp,

@@ -18,7 +18,7 @@ from typing import Any
 from kvpool.errors import ConfigError
 from kvpool.mooncake import up as mooncake
 from kvpool.ops.up.instances import cpu_sets, kv_transfer_config, rank_binds
-from kvpool.ops.up.options import PORT_FLAGS, UpOptions
+from kvpool.ops.up.options import HA_PORTS, PORT_FLAGS, UpOptions
 from kvpool.proxy.auth import ENV_API_KEY, ENV_API_KEY_FILE
 
 __all__ = [
@@ -113,6 +113,10 @@ def instance_kv_port(opts: UpOptions, role: str, index: int) -> int:
 def planned_ports(opts: UpOptions) -> list[PortUse]:
     """Every port the stack will listen on, in start order (the master's first)."""
     uses = [PortUse(opts.master_port, "--master-port")]
+    if opts.ha:
+        uses.append(PortUse(opts.standby_port, "--standby-port"))
+        uses.append(PortUse(opts.etcd_port, "--etcd-port"))
+        uses.append(PortUse(opts.etcd_port + 1, "--etcd-port (its peer port)"))
     if opts.engine == "mooncake":
         uses.append(PortUse(opts.metrics_port, "--metrics-port"))
     if opts.no_vllm:
@@ -133,6 +137,8 @@ def planned_ports(opts: UpOptions) -> list[PortUse]:
 def _check_port_clashes(opts: UpOptions) -> None:
     for name, flag, _ in PORT_FLAGS:
         if name == "metrics_port" and opts.engine != "mooncake":
+            continue
+        if name in HA_PORTS and not opts.ha:
             continue
         if getattr(opts, name) == 0:  # the edge resolves 0 (any free port) before planning
             raise ConfigError(f"{flag}: 0 is not a TCP port (1..65535)")
@@ -177,14 +183,15 @@ def make_plan(opts: UpOptions) -> UpPlan:
             json.dumps(
                 {
                     "local_hostname": opts.host,
-                    "metadata_server": f"{opts.host}:{opts.master_port}",
+                    "metadata_server": masters_address(opts),
                     "protocol": "tcp",
+                    **_node_keys(opts, ssd),
                 },
                 indent=2,
             )
             + "\n"
         )
-    processes = [master]
+    processes = _ha_specs(opts, logs, node_config_path) if opts.ha else [master]
     if not opts.no_vllm:
         chat_template = state / "chat_template.jinja" if build_model else None
         if chat_template is not None:
@@ -212,6 +219,80 @@ def make_plan(opts: UpOptions) -> UpPlan:
         dirs=(state, logs) if opts.engine == "mooncake" else (state, logs, ssd),
         processes=tuple(processes),
     )
+
+
+def masters_address(opts: UpOptions) -> str:
+    """What clients and nodes dial: the master, or with ``--ha`` both masters."""
+    if opts.ha:
+        return f"{opts.host}:{opts.master_port},{opts.host}:{opts.standby_port}"
+    return f"{opts.host}:{opts.master_port}"
+
+
+def _node_keys(opts: UpOptions, ssd: Path) -> dict[str, object]:
+    """With ``--ha`` the pool's memory and SSD tier are a node's (the masters hold none,
+    so a failover loses nothing); the node reads the same mooncake.json."""
+    if not opts.ha:
+        return {}
+    return {
+        "global_segment_size": str(opts.segment_size),
+        "enable_ssd_offload": True,
+        "ssd_offload_path": str(ssd),
+        "ssd_offload_limit": str(opts.ssd_limit),
+    }
+
+
+# --ha: etcd (stage -2), two masters campaigning on it (-1), a node with the pool's
+# memory (0, once a master leads: its health URL is the first master's), then vLLM
+def _ha_specs(opts: UpOptions, logs: Path, node_config: Path) -> list[ProcessSpec]:
+    etcd_url = f"http://{opts.host}:{opts.etcd_port}"
+    peer_url = f"http://{opts.host}:{opts.etcd_port + 1}"
+    etcd = ProcessSpec(
+        name="etcd",
+        role="etcd",
+        argv=(
+            "etcd", "--name", "kvpool-up", "--data-dir", str(opts.state_dir / "etcd"),
+            "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"kvpool-up={peer_url}",
+        ),
+        env={},
+        health_url=etcd_url + "/health",
+        url=etcd_url,
+        log_path=logs / "etcd.log",
+        stage=-2,
+        launcher=opts.python,
+    )  # fmt: skip
+    masters = []
+    for name, port in (("master", opts.master_port), ("master-b", opts.standby_port)):
+        address = f"{opts.host}:{port}"
+        masters.append(
+            ProcessSpec(
+                name=name,
+                role="master",
+                argv=(
+                    opts.python, "-m", "kvpool", "master", "--host", opts.host,
+                    "--port", str(port), "--segment_size", "0", "--client_ttl=120",
+                    "--default_kv_lease_ttl", "11000", "--enable_offload=true",
+                    "--enable_ha", "--etcd_endpoints", f"{opts.host}:{opts.etcd_port}",
+                ),
+                env={"PYTHONUNBUFFERED": "1"},
+                health_url=f"http://{address}/health",
+                url=f"http://{address}",
+                log_path=logs / f"{name}.log",
+                stage=-1,
+            )
+        )  # fmt: skip
+    node = ProcessSpec(
+        name="node",
+        role="node",
+        argv=(opts.python, "-m", "kvpool", "node", "--data-port", "0"),
+        env={"PYTHONUNBUFFERED": "1", "KVPOOL_CONFIG_PATH": str(node_config)},
+        health_url=masters[0].health_url,
+        url="",
+        log_path=logs / "node.log",
+        stage=0,
+    )
+    return [etcd, *masters, node]
 
 
 def _kvpool_master_spec(opts: UpOptions, logs: Path, ssd: Path) -> ProcessSpec:
@@ -370,6 +451,14 @@ def ready_text(plan: UpPlan, env: Mapping[str, str] | None = None) -> list[tuple
                 f" {plan.master_url}/metrics /health",
             )
         ]
+    elif opts.ha:
+        lines = [
+            (spec.name, f"{spec.url}  (RPC + /metrics /health; HA, one leads)")
+            for spec in plan.by_role("master")
+        ]
+        lines.append(("etcd", f"{opts.host}:{opts.etcd_port}"))
+        lines.append(("leader", f"kvpool status --master {masters_address(opts)}"))
+        lines.append(("failover", "kill the leader (kvpool status names it): the other leads"))
     else:
         lines = [("master", f"{plan.master_url}  (RPC + /metrics /health)")]
     for spec in plan.processes:
