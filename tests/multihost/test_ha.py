@@ -175,6 +175,19 @@ def test_the_leader_killed_under_load_from_three_clients(
     )  # fmt: skip
     old = pair.leader()
     assert shown.returncode == 0 and "leader  epoch" in shown.stdout, shown.stdout + shown.stderr
+    (doctor,) = doc_block("ha.doctor").commands(pair.values)
+    checked = subprocess.run(
+        topology.command("client", sys.executable, "-m", *shlex.split(doctor), "--json"),
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={**os.environ, **cluster_env(tmp_path)},
+    )  # fmt: skip
+    report = {c["name"]: c for c in json.loads(checked.stdout)["checks"]}
+    leads = report["master.leader"]
+    assert leads["status"] == "PASS", leads
+    other = next(h for h in ("m1", "m2") if h != old)
+    assert leads["message"].startswith(topology.address(old) + ":"), leads
+    assert topology.address(other) in leads["message"]  # the standby
+    assert report["master.reachable"]["status"] == "PASS"
     loads = _traffic(pair, 3, keys)
     time.sleep(1.0)
     t_kill = time.monotonic()

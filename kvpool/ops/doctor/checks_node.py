@@ -130,7 +130,7 @@ def check_master_address(node: NodeConfig | MooncakeNodeConfig | None, master: s
     if node is None:
         return skip("config.master", "no valid node config to compare with the master")
     mooncake = isinstance(node, MooncakeNodeConfig)
-    if master is not None and _same_address(node.master_address, master) is False:
+    if master is not None and not _same_masters(node.master_address, master):
         key = "master_server_address" if mooncake else "metadata_server"
         return fail(
             "config.master",
@@ -138,6 +138,8 @@ def check_master_address(node: NodeConfig | MooncakeNodeConfig | None, master: s
             f" {master}",
             f'set "{key}": "{master}" in every node\'s config (kvpool config render)',
         )
+    if "," in node.master_address or node.master_address.startswith("etcd://"):
+        return pass_("config.master", f"the config points at the HA masters {node.master_address}")
     if isinstance(node, MooncakeNodeConfig):
         port = _split(node.master_address)[1]
         note = "" if port == MOONCAKE_RPC_PORT else f" (not mooncake_master's {MOONCAKE_RPC_PORT})"
@@ -156,6 +158,13 @@ def _split(address: str) -> tuple[str, int | None]:
         return split_address(address)
     except ValueError:
         return address, None
+
+
+def _same_masters(a: str, b: str) -> bool:
+    """One master, or the same HA masters (in any order)."""
+    if "," in a or "," in b or a.startswith("etcd://") or b.startswith("etcd://"):
+        return sorted(a.split(",")) == sorted(b.split(","))
+    return _same_address(a, b)
 
 
 def _same_address(a: str, b: str) -> bool:
@@ -177,6 +186,38 @@ def check_local_hostname(
             'set "local_hostname" to this node\'s own IP (see `ip -br addr`)',
         )
     return pass_("config.local_hostname", f"{node.local_hostname} is an address of this machine")
+
+
+def check_leadership(
+    found: tuple[str, str, Mapping[str, object] | str] | None,
+) -> Check | None:
+    """HA masters (docs/ha.md): one of them leads, and which are its standbys."""
+    if found is None:
+        return None
+    spec, leader, view = found
+    if not leader or isinstance(view, str):
+        return fail(
+            "master.leader",
+            f"no master of {spec} leads: {view}" if spec not in str(view) else str(view),
+            "start the masters with --enable_ha --etcd_endpoints (docs/ha.md) and check etcd"
+            " answers; kvpool status --master " + spec,
+        )
+    standbys = ", ".join(str(s) for s in view.get("standbys") or []) or "none"  # type: ignore[attr-defined]
+    role = view.get("role")
+    if role == "single":
+        return fail(
+            "master.leader",
+            f"{leader} runs without an election (no --enable_ha), but {spec} names several masters",
+            "start every master with --enable_ha --etcd_endpoints (docs/ha.md)",
+        )
+    warming = (
+        f"; waiting for {view['warming']} node(s) to re-announce" if view.get("warming") else ""
+    )
+    note = "" if standbys != "none" else " (no standby: a failover has nowhere to go)"
+    return pass_(
+        "master.leader",
+        f"{leader} leads epoch {view.get('epoch')}; standbys: {standbys}{note}{warming}",
+    )
 
 
 def check_master(facts: MasterFacts | None) -> list[Check]:

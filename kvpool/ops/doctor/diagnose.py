@@ -24,6 +24,7 @@ from kvpool.ops.doctor.checks_node import (
     check_cross_node,
     check_hashseed,
     check_key_agreement,
+    check_leadership,
     check_local_hostname,
     check_master,
     check_master_address,
@@ -114,6 +115,8 @@ def diagnose(g: Gathered) -> list[Check]:
         checks += check_config_file(g.config_file)
     checks.append(check_local_hostname(either, g.hostname_error))
     checks.append(check_master_address(either, g.master_arg))
+    leadership = check_leadership(g.leadership)
+    checks += [leadership] if leadership is not None else []
     checks += check_master(g.master)
     registered = check_registered(g.master, node) if g.live else None
     checks += [registered] if registered is not None else []

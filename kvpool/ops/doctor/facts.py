@@ -29,6 +29,9 @@ class Gathered:
     hostname_error: str | None = None
     master: MasterFacts | None = None
     master_arg: str | None = None
+    #: HA masters (a list, or etcd://): the spec, the leader found ("" none) and what it
+    #: said of itself (role, epoch, standbys) or why none was found
+    leadership: tuple[str, str, Mapping[str, object] | str] | None = None
     master_config: MasterConfig | None = None
     master_config_error: str | None = None
     #: whose master --master-cmd starts ("kvpool" / "mooncake"); None without one

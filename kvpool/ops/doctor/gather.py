@@ -23,9 +23,10 @@ from kvpool.config import (
     parse_timeouts,
 )
 from kvpool.config.master import parse_master_command
+from kvpool.config.masters import ETCD_SCHEME, parse_masters
 from kvpool.config.node import MooncakeNodeConfig, load_any_node_config
 from kvpool.config.vllm_versions import installed_vllm_version
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.ops.doctor import probes
 from kvpool.ops.doctor.checks import fail
 from kvpool.ops.doctor.checks_connector import Side, model_info
@@ -39,6 +40,7 @@ from kvpool.ops.kvconfig import (
     parse_kv_transfer_text,
     parse_vllm_command,
 )
+from kvpool.ops.status import fetch_snapshot, find_leader
 from kvpool.security.credentials import Credential
 from kvpool.security.secret import (
     ENV_SECRET,
@@ -227,6 +229,17 @@ def _gather_master(
         # from a flag only Mooncake has, the node config's engine, or what answers there
         mooncake_config = isinstance(node, MooncakeNodeConfig)
         _read_master_cmd(g, options.master_cmd, "mooncake" if mooncake_config else None)
+    if address is not None and ("," in address or address.startswith(ETCD_SCHEME)):
+        # HA masters: the leader is the one whose answers the checks below read
+        spec = address
+        try:
+            address = find_leader(spec)
+            view = fetch_snapshot(address).leadership
+            g.leadership = (spec, address, view)
+        except KVPoolError as exc:
+            g.leadership = (spec, "", str(exc))
+            masters = parse_masters(spec, key="--master")
+            address = None if masters.etcd else masters.first  # the checks say it is down
     if address is not None:
         metrics_port = g.master_config_metrics_port
         g.master = probes.probe_master(

@@ -166,3 +166,38 @@ def test_cross_node_key_comparison_through_the_pool() -> None:
     assert check_cross_node((None, True, None), mine).status is Status.PASS
     assert check_cross_node((None, False, "PeerTimeout: no reply"), mine).status is Status.SKIP
     assert check_cross_node(None, mine).status is Status.SKIP
+
+
+# ------------------------------------------------------------------------- HA masters
+def test_ha_masters_pass_with_the_leader_its_epoch_and_standbys() -> None:
+    from kvpool.ops.doctor.checks_node import check_leadership
+
+    view = {"role": "leader", "epoch": 7, "standbys": ["10.0.0.2:50088"], "warming": 0}
+    found = check_leadership(("10.0.0.1:50088,10.0.0.2:50088", "10.0.0.1:50088", view))
+    assert found is not None and found.status is Status.PASS
+    assert found.message == "10.0.0.1:50088 leads epoch 7; standbys: 10.0.0.2:50088"
+    alone = check_leadership(("a:1,b:1", "a:1", {**view, "standbys": []}))
+    assert alone is not None and "no standby" in alone.message
+
+
+def test_ha_masters_fail_when_none_leads_or_one_runs_without_an_election() -> None:
+    from kvpool.ops.doctor.checks_node import check_leadership
+
+    none = check_leadership(("a:1,b:1", "", "no master of a:1,b:1 leads now"))
+    assert none is not None and none.status is Status.FAIL and "--enable_ha" in none.fix
+    single = check_leadership(("a:1,b:1", "a:1", {"role": "single", "epoch": 0}))
+    assert (
+        single is not None
+        and single.status is Status.FAIL
+        and "without an election" in single.message
+    )
+    assert check_leadership(None) is None
+
+
+def test_the_config_and_the_flag_name_the_same_masters_in_any_order() -> None:
+    from kvpool.config.node import parse_node_config
+    from kvpool.ops.doctor.checks_node import check_master_address
+
+    node = parse_node_config({"local_hostname": "10.0.0.9", "metadata_server": "a:1,b:1"})
+    assert check_master_address(node, "b:1,a:1").status is Status.PASS
+    assert check_master_address(node, "a:1,c:1").status is Status.FAIL
