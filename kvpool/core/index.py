@@ -19,6 +19,8 @@ from typing import Any
 from kvpool.core.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.core.leases import Holds
 from kvpool.core.objects import (
+    MAX_REPLICAS,
+    CopyLost,
     Demote,
     Dropped,
     Event,
@@ -43,6 +45,8 @@ from kvpool.errors import (
 )
 
 __all__ = [
+    "MAX_REPLICAS",
+    "CopyLost",
     "Demote",
     "Dropped",
     "Event",
@@ -153,17 +157,34 @@ class ObjectIndex:
         self._placement.segments_changed()
 
     def remove_client(self, client_id: str, reason: str = "expired_client") -> list[Event]:
-        """Drop a client, its segments and every object in them at once."""
+        """Drop a client, its segments and every object in them at once; an object with
+        a copy on another owner stays, with the copies left."""
         segments = {s.segment_id for s in self.registry.drop(client_id)}
         self._placement.segments_changed()
-        gone = [o for o in self._objects.values() if o.segment.segment_id in segments]
-        return [self._drop(o, reason, release_space=False) for o in gone]
+        gone = [o for o in self._objects.values() if _touches(o, segments)]
+        events: list[Event] = []
+        for obj in gone:
+            if obj.replicas is not None:
+                dead = [s.client_id for s, _ in obj.copies() if s.segment_id in segments]
+                if self._lose_copies(obj, segments, release=False):
+                    events.extend(CopyLost(obj.key, owner, reason) for owner in dead)
+                    continue
+            events.append(self._drop(obj, reason, release_space=False))
+        return events
 
     # ----------------------------------------------------------------------------- writes
     def put_start(
-        self, key: str, size: int, writer: str, now_ms: int, parent: str | None = None
+        self,
+        key: str,
+        size: int,
+        writer: str,
+        now_ms: int,
+        parent: str | None = None,
+        replicas: int = 0,
     ) -> tuple[Reservation | None, list[Event]]:
-        """Reserve ``size`` bytes for ``key``.
+        """Reserve ``size`` bytes for ``key``, in ``replicas`` copies (0: the config's
+        ``replica_num``), each on another owner, on other hosts first.  Fewer owners
+        than copies: as many copies as there are owners (counted in ``replicas_short``).
 
         Returns ``(None, [])`` when the key is already READY (or DEMOTING: stored, on
         its way to SSD): a duplicate put is a no-op.  The events are inline evictions and
@@ -202,18 +223,40 @@ class ObjectIndex:
         seg, extent = placed
         expiry = now_ms + self.config.writer_ttl_ms
         loc = Location(seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length)
-        objects[key] = ObjectRecord(
+        record = objects[key] = ObjectRecord(
             key, _PENDING, seg, extent, parent, writer, expiry, _location=loc
         )
         self._pending += 1
         heapq.heappush(self._writer_heap, (expiry, key, writer))
-        return Reservation(key, loc, expiry), events
+        copies = replicas or self.config.replica_num
+        if copies <= 1:
+            return Reservation(key, loc, expiry), events
+        if copies > MAX_REPLICAS:
+            self._drop(record, "revoked")
+            raise PoolError(f"{key}: replica_num must be in [1, {MAX_REPLICAS}], got {copies}")
+        more = record.replicas = self._place_replicas(record, copies - 1, now_ms, events)
+        others = () if more is None else tuple(_location(s, e) for s, e in more)
+        return Reservation(key, loc, expiry, others), events
 
-    def put_end(self, key: str, writer: str, now_ms: int, checksum: int = 0) -> None:
-        """Make a written object visible."""
+    def put_end(
+        self,
+        key: str,
+        writer: str,
+        now_ms: int,
+        checksum: int = 0,
+        unwritten: Sequence[str] = (),
+    ) -> list[Event]:
+        """Make a written object visible.  ``unwritten``: segments of its copies the
+        writer could not write (those copies go; the events tell their owners)."""
         obj = self._objects.get(key)
         if obj is None or obj.state is not _PENDING or obj.writer != writer:
             obj = self._pending_of(key, writer)  # raises StaleWrite
+        lost: list[Event] = []
+        if unwritten:
+            lost = self._copies_lost(obj, set(unwritten), "unwritten")
+            if obj.segment.segment_id in unwritten:  # no copy was written
+                self._drop(obj, "revoked")
+                raise StaleWrite(f"{key}: no copy of it was written")
         obj.state = _READY
         obj.checksum = checksum
         self._pending -= 1
@@ -223,6 +266,7 @@ class ObjectIndex:
         else:
             self._ready[1] += 1
             self._ssd_policy.on_insert(key, obj.parent)
+        return lost
 
     def put_revoke(self, key: str, writer: str) -> None:
         """Abandon a reservation; its space is free again."""
@@ -253,13 +297,14 @@ class ObjectIndex:
         seg = self.registry.segment(segment_id)
         known = self._objects.get(key)
         if known is not None:
-            return (
-                known.segment is seg
-                and known.state is State.READY
-                and known.checksum == checksum
-                and known.extent.length == size
-                and (seg.tier is Tier.SSD or known.extent.offset == offset)
-            )
+            if known.state is not State.READY or known.checksum != checksum:
+                return False
+            if known.extent.length != size:
+                return False
+            for copy_seg, copy_ext in known.copies():
+                if copy_seg is seg:
+                    return seg.tier is Tier.SSD or copy_ext.offset == offset
+            return self._restore_copy(known, seg, offset, size)
         if size <= 0:
             return False
         if seg.tier is Tier.SSD:
@@ -298,7 +343,8 @@ class ObjectIndex:
         obj = self._stored(key)
         expiry = self._holds.hold(obj, owner, now_ms + self.config.lease_ttl_ms)
         (self._mem_policy if obj.segment.tier is _MEMORY else self._ssd_policy).on_access(key)
-        return ReadGrant(key, obj.location(), obj.checksum, expiry)
+        copies = 1 if obj.replicas is None else 1 + len(obj.replicas)
+        return ReadGrant(key, obj.location(), obj.checksum, expiry, copies)
 
     def pin(self, key: str, owner: str, now_ms: int, ttl_ms: int) -> None:
         """Hold an object for ``ttl_ms`` (e.g. until a decode pulled it); owner-released."""
@@ -338,16 +384,17 @@ class ObjectIndex:
 
     def drop_corrupt(self, key: str, segment_id: str, offset: int, checksum: int) -> Event | None:
         """A reader found the READY copy of ``key`` at ``segment_id``/``offset`` with
-        ``checksum`` corrupt: drop it (None when that copy is no longer the one stored)."""
+        ``checksum`` corrupt: drop it (None when that copy is no longer one stored).  Of
+        a replicated object only that copy goes (:class:`CopyLost`)."""
         obj = self._objects.get(key)
-        if (
-            obj is None
-            or obj.state is not _READY
-            or obj.segment.segment_id != segment_id
-            or obj.extent.offset != offset
-            or obj.checksum != checksum
-        ):
+        if obj is None or obj.state is not _READY or obj.checksum != checksum:
             return None
+        if not any(s.segment_id == segment_id and e.offset == offset for s, e in obj.copies()):
+            return None
+        if obj.replicas is not None:
+            lost = self._copies_lost(obj, {segment_id}, "corrupt")
+            if lost:
+                return lost[0]
         return self._drop(obj, "corrupt")
 
     # ---------------------------------------------------------------------- time, eviction
@@ -467,6 +514,11 @@ class ObjectIndex:
         obj = self._objects.get(key)
         return obj.location() if obj is not None else None
 
+    def copies_of(self, key: str) -> list[Location]:
+        """Where every copy of ``key`` is (the one reads are granted first); [] if none."""
+        obj = self._objects.get(key)
+        return [] if obj is None else [_location(s, e) for s, e in obj.copies()]
+
     def state_of(self, key: str) -> State | None:
         obj = self._objects.get(key)
         return obj.state if obj is not None else None
@@ -478,7 +530,13 @@ class ObjectIndex:
         extents: dict[str, set[tuple[int, int]]] = {}  # segment -> objects' extents
         leaving: dict[str, int] = {}
         for obj in self._objects.values():
-            taken = [(obj.segment, obj.extent)]
+            taken = obj.copies()
+            if obj.replicas is not None:
+                owners = {seg.client_id for seg, _ in taken}
+                assert obj.replicas and len(owners) == len(taken), f"{obj.key}: bad replicas"
+                assert all(seg.tier is _MEMORY for seg, _ in taken), f"{obj.key}: replica tier"
+                assert obj.state is not State.DEMOTING, f"{obj.key}: a demotion keeps one copy"
+                assert all(e.length == obj.extent.length for _, e in taken), obj.key
             if obj.state is State.DEMOTING:
                 assert obj.target is not None and not obj.holds, f"{obj.key}: bad copy"
                 taken.append(obj.target)
@@ -589,6 +647,10 @@ class ObjectIndex:
                 if demote:
                     self._evict(victim, now_ms, events)
                     continue
+                if victim.replicas is not None:  # copies in segments not placeable now
+                    self.stats.evictions += 1
+                    events.append(self._drop(victim, "evicted"))
+                    continue
                 # _drop of a READY victim (can_evict said so) of this tier's one segment
                 key = victim.key
                 extent = victim.extent
@@ -639,6 +701,9 @@ class ObjectIndex:
             owner = obj.segment.client_id
             stalled = owner in self._stalled
             dst = None if stalled else self._ssd_room(obj, now_ms, events)
+            if dst is not None and obj.replicas is not None:  # the SSD copy is the one kept
+                others = {seg.segment_id for seg, _ in obj.replicas}
+                events.extend(self._copies_lost(obj, others, "demoted"))
             if dst is not None and owner in self._deferred:
                 self._start_copy(obj, dst, events)
                 return
@@ -726,6 +791,12 @@ class ObjectIndex:
         key = obj.key
         seg = obj.segment
         del self._objects[key]
+        also: tuple[str, ...] = ()
+        if obj.replicas is not None:
+            also = tuple(s.client_id for s, _ in obj.replicas)
+            if release_space:
+                for other, extent in obj.replicas:
+                    other.space.release(extent)
         if release_space:
             seg.space.release(obj.extent)
         if obj.state is _READY:
@@ -739,4 +810,116 @@ class ObjectIndex:
             self._pending -= 1
         if obj.holds:
             self._holds.clear(obj)
-        return Dropped(key, seg.tier, reason, seg.client_id)
+        return Dropped(key, seg.tier, reason, seg.client_id, also)
+
+    # ---------------------------------------------------------------- internals: replicas
+    def _place_replicas(
+        self, obj: ObjectRecord, want: int, now_ms: int, events: list[Event]
+    ) -> list[tuple[Segment, Extent]] | None:
+        """Up to ``want`` more copies of ``obj``, each in a memory segment of an owner
+        that holds none yet, on a host that holds none first (then the most free room).
+        Room is made by evicting from the chosen segment only."""
+        size = obj.extent.length
+        host = self.registry.host_of
+        owners = {obj.segment.client_id}
+        hosts = {host(obj.segment.client_id)}
+        chosen: list[tuple[Segment, Extent]] = []
+        for _ in range(want):
+            others = [s for s in self._placement.segments(_MEMORY) if s.client_id not in owners]
+            if not others:
+                break
+            others.sort(key=lambda s: (host(s.client_id) in hosts, -s.space.free))
+            placed = next(
+                ((s, e) for s in others for e in (s.space.allocate(size),) if e is not None),
+                None,
+            )
+            if placed is None:
+                placed = self._room_in(others[0], size, now_ms, events)
+            if placed is None:
+                break
+            chosen.append(placed)
+            owners.add(placed[0].client_id)
+            hosts.add(host(placed[0].client_id))
+        if len(chosen) < want:
+            self.stats.replicas_short += 1
+        return chosen or None
+
+    def _room_in(
+        self, seg: Segment, size: int, now_ms: int, events: list[Event]
+    ) -> tuple[Segment, Extent] | None:
+        """An extent of ``size`` in memory segment ``seg``, evicting objects with a copy
+        there while that helps (never when copies in flight will make the room)."""
+        if seg.space.capacity < size:
+            return None
+        can_evict = self._evictable(now_ms)
+        objects = self._objects
+
+        def here(key: str) -> bool:
+            return can_evict(key) and any(s is seg for s, _ in objects[key].copies())
+
+        while True:
+            extent = seg.space.allocate(size)
+            if extent is not None:
+                return seg, extent
+            if self._placement.leaving_total and self._placement.room_coming([seg], size):
+                return None
+            victims = self._mem_policy.choose_victims(1, here)
+            if not victims:
+                return None
+            self._evict(objects[victims[0]], now_ms, events)
+
+    def _lose_copies(self, obj: ObjectRecord, segment_ids: set[str], release: bool) -> bool:
+        """Forget ``obj``'s copies in ``segment_ids`` (their space freed if ``release``).
+        False, and nothing changed, when no copy would be left."""
+        copies = obj.copies()
+        keep = [c for c in copies if c[0].segment_id not in segment_ids]
+        if not keep:
+            return False
+        if len(keep) == len(copies):
+            return True
+        if release:
+            for seg, extent in copies:
+                if seg.segment_id in segment_ids:
+                    seg.space.release(extent)
+        self.stats.replicas_lost += len(copies) - len(keep)
+        first_seg, first_extent = keep[0]
+        if first_seg is not obj.segment:
+            obj.move(first_seg, first_extent)
+        obj.replicas = keep[1:] or None
+        return True
+
+    def _copies_lost(self, obj: ObjectRecord, segment_ids: set[str], reason: str) -> list[Event]:
+        """:meth:`_lose_copies` with their space freed, as events for their owners; []
+        when no copy would be left (the caller drops the object)."""
+        gone = [s.client_id for s, _ in obj.copies() if s.segment_id in segment_ids]
+        if not gone or not self._lose_copies(obj, segment_ids, release=True):
+            return []
+        return [CopyLost(obj.key, owner, reason) for owner in gone]
+
+    def _restore_copy(self, obj: ObjectRecord, seg: Segment, offset: int, size: int) -> bool:
+        """A node re-announces another copy of a READY memory object: kept as a replica
+        at exactly its extent (False: not a copy the index can keep)."""
+        copies = obj.copies()
+        if (
+            seg.tier is not _MEMORY
+            or obj.segment.tier is not _MEMORY
+            or len(copies) >= MAX_REPLICAS
+            or any(s.client_id == seg.client_id for s, _ in copies)
+        ):
+            return False
+        extent = Extent(offset, size)
+        if not seg.space.take(extent):
+            return False
+        obj.replicas = [*(obj.replicas or ()), (seg, extent)]
+        return True
+
+
+def _location(seg: Segment, extent: Extent) -> Location:
+    return Location(seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length)
+
+
+def _touches(obj: ObjectRecord, segment_ids: set[str]) -> bool:
+    """``obj`` has a copy in one of ``segment_ids``."""
+    if obj.segment.segment_id in segment_ids:
+        return True
+    return obj.replicas is not None and any(s.segment_id in segment_ids for s, _ in obj.replicas)

@@ -15,6 +15,8 @@ from kvpool.core.space import Extent
 from kvpool.errors import NoSpace
 
 __all__ = [
+    "MAX_REPLICAS",
+    "CopyLost",
     "Demote",
     "Dropped",
     "Event",
@@ -27,6 +29,10 @@ __all__ = [
     "Reservation",
     "State",
 ]
+
+
+#: the most copies one object may have (each on another storage owner)
+MAX_REPLICAS = 8
 
 
 class State(enum.Enum):
@@ -46,12 +52,15 @@ class IndexConfig:
     client_ttl_ms: int = 120_000
     enable_offload: bool = False
     policy: str = "prefix_aware"  # an eviction policy name (or alias): core.eviction
+    replica_num: int = 1  # copies of each object a put asks for when it names none
 
     def __post_init__(self) -> None:
         if not 0.0 < self.high_watermark <= 1.0:
             raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
         if not 0.0 < self.eviction_ratio <= 1.0:
             raise ValueError(f"eviction_ratio must be in (0, 1], got {self.eviction_ratio}")
+        if not 1 <= self.replica_num <= MAX_REPLICAS:
+            raise ValueError(f"replica_num must be in [1, {MAX_REPLICAS}], got {self.replica_num}")
         for name in ("lease_ttl_ms", "writer_ttl_ms", "client_ttl_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -80,28 +89,45 @@ class Location(msgspec.Struct, frozen=True, gc=False):
 
 
 class Reservation(msgspec.Struct, frozen=True, gc=False):
-    """Where a writer must put the bytes before calling put_end."""
+    """Where a writer must put the bytes before calling put_end: ``location``, and the
+    same bytes at each of ``replicas`` (the object's other copies, each on another owner)."""
 
     key: str
     location: Location
     writer_expiry_ms: int
+    replicas: tuple[Location, ...] = ()
 
 
 class ReadGrant(msgspec.Struct, frozen=True, gc=False):
+    """A read lease on the copy at ``location``; ``copies``: how many the object has (a
+    reader whose copy fails reports it, and asks again for another)."""
+
     key: str
     location: Location
     checksum: int
     lease_expiry_ms: int
+    copies: int = 1
 
 
 class Dropped(msgspec.Struct, frozen=True, gc=False):
     """An object left the index; ``reason`` is evicted, removed, expired_client, revoked,
-    writer_expired, demote_failed or corrupt (a reader found it failing its checksum)."""
+    writer_expired, demote_failed or corrupt (a reader found it failing its checksum).
+    ``also``: the other owners that held a copy of it (replicas)."""
 
     key: str
     tier: Tier
     reason: str
     client_id: str = ""
+    also: tuple[str, ...] = ()
+
+
+class CopyLost(msgspec.Struct, frozen=True, gc=False):
+    """One copy of a replicated object left (``reason``: corrupt, unwritten or demoted:
+    a demotion keeps one copy); the object stays readable from its other copies."""
+
+    key: str
+    client_id: str
+    reason: str
 
 
 class Demote(msgspec.Struct, frozen=True, gc=False):
@@ -119,7 +145,7 @@ class Demote(msgspec.Struct, frozen=True, gc=False):
     in_flight: bool = False
 
 
-Event = Dropped | Demote
+Event = Dropped | Demote | CopyLost
 
 
 class NoRoom(NoSpace):
@@ -142,6 +168,8 @@ class IndexStats:
     expired_leases: int = 0
     revoked_writes: int = 0
     put_failures_no_space: int = 0
+    replicas_lost: int = 0  # copies gone with their owner or found corrupt, object kept
+    replicas_short: int = 0  # puts placed with fewer copies than asked (too few owners)
 
 
 class ObjectRecord(msgspec.Struct, gc=False):
@@ -163,6 +191,9 @@ class ObjectRecord(msgspec.Struct, gc=False):
     target: tuple[Segment, Extent] | None = None
     # location() made once (a put and every read of the object return it); move() clears it
     _location: Location | None = None
+    # the object's other copies, each in a memory segment of another owner (None: one
+    # copy, the usual case).  Only memory objects have them: a demotion keeps one.
+    replicas: list[tuple[Segment, Extent]] | None = None
 
     def location(self) -> Location:
         loc = self._location
@@ -176,6 +207,11 @@ class ObjectRecord(msgspec.Struct, gc=False):
         assignment, so that location() is made again."""
         self.segment, self.extent = segment, extent
         self._location = None
+
+    def copies(self) -> list[tuple[Segment, Extent]]:
+        """Every copy, the one reads are granted first."""
+        first = (self.segment, self.extent)
+        return [first] if self.replicas is None else [first, *self.replicas]
 
     def held(self, now_ms: int) -> bool:
         if not self.holds:  # the common case, and on the eviction hot path

@@ -109,6 +109,14 @@ class Registry:
             return []
         return [self.segments.pop(s) for s in info.segment_ids if s in self.segments]
 
+    def host_of(self, client_id: str) -> str:
+        """The host of a client's data address (the client itself where it gave none):
+        replicas go to other hosts first."""
+        info = self.clients.get(client_id)
+        address = info.address if info is not None else ""
+        host = address.rpartition(":")[0]
+        return host or f"client {client_id}"
+
     def tier_segments(self, tier: Tier) -> list[Segment]:
         """The segments of ``tier`` that new objects may be placed in."""
         return [s for s in self.segments.values() if s.tier is tier and s.placeable]

@@ -79,10 +79,12 @@ class IndexMachine(RuleBasedStateMachine):
                 # still over: then nothing evictable may be left in the tier
                 assert self.idx._evictable_count(tier, self.now) == 0
 
-    @rule(key=KEYS, size=SIZES, writer=WRITERS, commit=st.booleans())
-    def put(self, key: str, size: int, writer: str, commit: bool) -> None:
+    @rule(
+        key=KEYS, size=SIZES, writer=WRITERS, commit=st.booleans(), copies=st.sampled_from([1, 2])
+    )
+    def put(self, key: str, size: int, writer: str, commit: bool, copies: int) -> None:
         try:
-            res, events = self.idx.put_start(key, size, writer, self.now)
+            res, events = self.idx.put_start(key, size, writer, self.now, replicas=copies)
         except NoRoom as exc:
             self._observe(exc.events)
             return
@@ -93,6 +95,35 @@ class IndexMachine(RuleBasedStateMachine):
         self._observe(events)
         if res is not None and commit:
             self.idx.put_end(key, writer, self.now)
+
+    @rule(key=KEYS, writer=WRITERS, node=st.sampled_from(["n1", "n2"]))
+    def finish_one_copy_unwritten(self, key: str, writer: str, node: str) -> None:
+        with contextlib.suppress(KVPoolError):
+            self.idx.put_end(key, writer, self.now, 0, [f"{node}/mem"])
+
+    @rule(key=KEYS, pick=st.integers(0, 1))
+    def corrupt(self, key: str, pick: int) -> None:
+        copies = self.idx.copies_of(key)
+        if self.idx.state_of(key) is not State.READY or pick >= len(copies):
+            return
+        where = copies[pick]
+        before = len(copies)
+        checksum = self.idx._objects[key].checksum
+        self.idx.drop_corrupt(key, where.segment_id, where.offset, checksum)
+        after = self.idx.copies_of(key)
+        assert len(after) == before - 1 and where not in after  # only that copy went
+
+    @rule()
+    def lose_n2(self) -> None:
+        """n2 dies and comes back empty: objects with a copy on n1 stay."""
+        kept = {k for k in list(self.idx._objects) if any(
+            loc.client_id == "n1" for loc in self.idx.copies_of(k))}  # fmt: skip
+        self.idx.remove_client("n2")
+        assert all(self.idx.state_of(k) is not None for k in kept)
+        self.idx.register_client("n2", self.now)
+        self.idx.add_segment("n2", "n2/mem", 64)
+        if self.idx.config.enable_offload:
+            self.idx.add_segment("n2", "n2/ssd", 48, Tier.SSD)
 
     @rule(key=KEYS, writer=WRITERS)
     def finish(self, key: str, writer: str) -> None:
