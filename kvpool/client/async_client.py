@@ -60,9 +60,13 @@ class AsyncClient:
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     # ------------------------------------------------------------------------------ writes
-    async def put(self, key: str, value: Any, *, parent: str | None = None) -> None:
+    async def put(
+        self, key: str, value: Any, *, parent: str | None = None, replica_num: int | None = None
+    ) -> None:
         """Store ``value`` (bytes-like, NumPy array, CPU tensor); see :meth:`Client.put_from`."""
-        await self._run(self.client.put_from, key, value, parent=parent)
+        await self._run(
+            self.client.put_from, key, value, parent=parent, replica_num=replica_num
+        )
 
     put_from = put
 

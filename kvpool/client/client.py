@@ -114,8 +114,11 @@ class Client(Closing):
         credential: Credential | str | None = None,
         role: str = "client",
         tls: TLSConfig | ssl.SSLContext | None = None,
+        replica_num: int = 0,
     ) -> None:
         self.master = master
+        #: copies each put asks for, each on another node (0: the master's default)
+        self.replica_num = replica_num
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.allow_shm = allow_shm
         if isinstance(credential, str):
@@ -181,11 +184,15 @@ class Client(Closing):
             path.close()
 
     # ------------------------------------------------------------------------------ writes
-    def put_from(self, key: str, buffer: Any, *, parent: str | None = None) -> None:
-        """Store ``buffer`` (bytes-like, NumPy array, CPU tensor) under ``key``.
+    def put_from(
+        self, key: str, buffer: Any, *, parent: str | None = None, replica_num: int | None = None
+    ) -> None:
+        """Store ``buffer`` (bytes-like, NumPy array, CPU tensor) under ``key``, in
+        ``replica_num`` copies on different nodes (None: the client's ``replica_num``).
 
         A key that is already stored is left as is (same key, same content).  An empty
-        value is refused (PoolError).
+        value is refused (PoolError).  With several copies the put is acknowledged once
+        one is written; a copy that could not be written is left out.
         """
         view = byte_view(buffer)
         if not len(view):
@@ -196,7 +203,8 @@ class Client(Closing):
             nonlocal digest
             digest = checksum(view)
 
-        start = m.PutStart(self.client_id, key, len(view), parent)
+        copies = self.replica_num if replica_num is None else replica_num
+        start = m.PutStart(self.client_id, key, len(view), parent, copies)
         overlap = self.link.pipelined and len(view) <= self.overlap_checksum_max
         placement = self.link.call(start, hash_value if overlap else None)
         if isinstance(placement, Error):
@@ -206,19 +214,31 @@ class Client(Closing):
             return  # already stored: same key, same content
         if not overlap:
             hash_value()
-        p = placement
-        write = WriteOp(p.segment_id, p.offset, view, shm_name=p.shm_name, key=key, checksum=digest)
-        try:
-            # a noted write's result is the checksum its owner noted (None: not noted)
-            noted = sole_result(self._path(placement).run([write])) is not None
-        except (TransferError, PeerTimeout) as exc:
-            self._report(placement, exc)
+        noted = True
+        unwritten: list[str] = []  # segments of the copies not written
+        failure: KVPoolError | None = None
+        every = [placement, *placement.replicas]
+        for p in every:
+            write = WriteOp(
+                p.segment_id, p.offset, view, shm_name=p.shm_name, key=key, checksum=digest
+            )
+            try:
+                # a noted write's result is the checksum its owner noted (None: not noted)
+                noted = sole_result(self._path(p).run([write])) is not None and noted
+            except (TransferError, PeerTimeout) as exc:
+                self._report(p, exc)
+                unwritten.append(p.segment_id)
+                failure = exc
+            except KVPoolError as exc:
+                unwritten.append(p.segment_id)
+                failure = exc
+            except BaseException:
+                self._revoke(key)
+                raise
+        if failure is not None and len(unwritten) == len(every):
             self._revoke(key)
-            raise
-        except BaseException:
-            self._revoke(key)
-            raise
-        self.call(m.PutEnd(self.client_id, key, digest, noted))
+            raise failure
+        self.call(m.PutEnd(self.client_id, key, digest, noted, unwritten))
 
     put = put_from
 
@@ -241,12 +261,13 @@ class Client(Closing):
         values: Sequence[Any],
         *,
         parents: Sequence[str | None] | None = None,
+        replica_num: int | None = None,
     ) -> list[KVPoolError | None]:
         """Put several objects in two metadata round trips; one result per key (None for
         success, or for a key that was already stored).  ``parents`` names each key's
-        parent block, as :meth:`put_from`'s ``parent`` does.  An empty value is that
-        key's PoolError; a key given twice is stored once, and the second has the first's
-        result."""
+        parent block, as :meth:`put_from`'s ``parent`` does, and ``replica_num`` the
+        copies of each, as there.  An empty value is that key's PoolError; a key given
+        twice is stored once, and the second has the first's result."""
         views = [byte_view(v) for v in values]
         if len(views) != len(keys) or (parents is not None and len(parents) != len(keys)):
             raise ValueError("keys, values and parents differ in length")
@@ -259,7 +280,8 @@ class Client(Closing):
             elif first.setdefault(key, i) == i:
                 sent.append(i)
         if sent:
-            self._batch_put(keys, views, parents, sent, results)
+            copies = self.replica_num if replica_num is None else replica_num
+            self._batch_put(keys, views, parents, sent, results, copies)
         for i, key in enumerate(keys):
             j = first.get(key, i)
             if j != i and len(views[i]):
@@ -273,6 +295,7 @@ class Client(Closing):
         parents: Sequence[str | None] | None,
         sent: list[int],
         results: list[KVPoolError | None],
+        copies: int = 0,
     ) -> None:
         """The two round trips of :meth:`batch_put` for ``keys[i] for i in sent``."""
         chained = [parents[i] for i in sent] if parents is not None and any(parents) else []
@@ -286,59 +309,71 @@ class Client(Closing):
         total = sum(len(views[i]) for i in sent)
         overlap = self.link.pipelined and total <= self.overlap_checksum_max
         start = m.BatchPutStart(
-            self.client_id, [keys[i] for i in sent], [len(views[i]) for i in sent], chained
+            self.client_id, [keys[i] for i in sent], [len(views[i]) for i in sent], chained, copies
         )
         reply = self.link.call(start, hash_values if overlap else None)
         if isinstance(reply, Error):
             raise reply.to_exception()
         assert isinstance(reply, m.Placements)
-        by_node: dict[str, list[int]] = {}
+        # each node's writes: (key's index, the copy of it that node is to hold)
+        by_node: dict[str, list[tuple[int, m.Placement]]] = {}
+        copies_of: dict[int, int] = {}  # key's index -> its copies to write
         for i, placement in zip(sent, reply.items, strict=True):
             if placement.error:
                 results[i] = error_from_code(
                     placement.error, f"{keys[i]}: refused by the master ({placement.error})"
                 )
             elif placement.placed:
-                by_node.setdefault(placement.data_address, []).append(i)
+                copies_of[i] = 1 + len(placement.replicas)
+                for p in (placement, *placement.replicas):
+                    by_node.setdefault(p.data_address, []).append((i, p))
         if not overlap:
             hash_values()  # before the writes: each carries its checksum to the node
-        written: list[int] = []
         noted = True  # every value written went where its node noted it
-        placed = dict(zip(sent, reply.items, strict=True))
-        for indices in by_node.values():
-            first = placed[indices[0]]
+        unwritten: dict[int, list[str]] = {}  # key's index -> segments of copies not written
+        failures: dict[int, KVPoolError] = {}
+        for entries in by_node.values():
+            first = entries[0][1]
             path = self._path(first)
             writes = [
                 WriteOp(
-                    placed[i].segment_id,
-                    placed[i].offset,
+                    p.segment_id,
+                    p.offset,
                     views[i],
-                    shm_name=placed[i].shm_name,
+                    shm_name=p.shm_name,
                     key=keys[i],
                     checksum=digests[i],
                 )
-                for i in indices
+                for i, p in entries
             ]
             done: Sequence[OpResult]
             try:
                 done = path.run(writes)
             except (TransferError, PeerTimeout) as exc:
                 self._report(first, exc)
-                done = [exc] * len(indices)
-            for i, outcome in zip(indices, done, strict=True):
+                done = [exc] * len(entries)
+            for (i, p), outcome in zip(entries, done, strict=True):
                 if isinstance(outcome, KVPoolError):
-                    results[i] = outcome
-                    self._revoke(keys[i])
+                    failures[i] = outcome
+                    unwritten.setdefault(i, []).append(p.segment_id)
                 else:
-                    written.append(i)
                     noted = noted and outcome is not None  # its node noted it
+        written: list[int] = []
+        for i, count in copies_of.items():
+            if len(unwritten.get(i, ())) == count:  # no copy of it was written
+                results[i] = failures[i]
+                self._revoke(keys[i])
+            else:
+                written.append(i)
         if written:
+            lost = [unwritten.get(i, []) for i in written] if unwritten else []
             ended = self.call(
                 m.BatchPutEnd(
                     self.client_id,
                     [keys[i] for i in written],
                     [digests[i] for i in written],
                     noted,
+                    lost,
                 )
             )
             assert isinstance(ended, m.Bools)
@@ -358,9 +393,23 @@ class Client(Closing):
         if not placement.placed:
             raise ObjectNotFound(key)
         try:
-            return self._read(placement, writable_byte_view(buffer))
+            return self._read_a_copy(owner, placement, writable_byte_view(buffer))
         finally:
             self._finish_read(owner, key)
+
+    def _read_a_copy(self, owner: str, placement: m.Placement, dst: memoryview) -> int:
+        """:meth:`_read`, and where the copy failed and the object has others, ask again
+        (the failed copy was reported, so the master grants another) and read that."""
+        for _ in range(placement.copies - 1):
+            try:
+                return self._read(placement, dst)
+            except ObjectNotFound:
+                again = self.call(m.Get(owner, placement.key))
+                assert isinstance(again, m.Placement)
+                if not again.placed:
+                    raise
+                placement = again
+        return self._read(placement, dst)
 
     def _finish_read(self, owner: str, key: str) -> None:
         """Release the read lease (a copy that failed its checksum was reported already,
@@ -413,7 +462,7 @@ class Client(Closing):
             raise ObjectNotFound(key)
         try:
             buf = bytearray(placement.size)
-            self._read(placement, memoryview(buf))
+            self._read_a_copy(owner, placement, memoryview(buf))
             return bytes(buf)
         finally:
             self._finish_read(owner, key)
@@ -431,9 +480,44 @@ class Client(Closing):
         reply = self.call(m.BatchGet(owner, list(keys)))
         assert isinstance(reply, m.Placements)
         try:
-            return self._read_batch(reply.items, buffers)
+            sizes = self._read_batch(reply.items, buffers)
+            self._other_copies(
+                owner,
+                keys,
+                reply.items,
+                sizes,
+                lambda ps, idx: self._read_batch(ps, [buffers[i] for i in idx]),
+            )
+            return sizes
         finally:
             self._post(m.ReleaseOwner(owner))
+
+    def _other_copies(
+        self,
+        owner: str,
+        keys: Sequence[str],
+        placements: Sequence[m.Placement],
+        sizes: list[int],
+        read: Any,
+    ) -> None:
+        """The keys of a batch whose copy failed and that have another: asked for again
+        (the failed copies were reported, so the master grants others) and read with
+        ``read(placements, indices)``; at most one round per further copy."""
+        again = [i for i, p in enumerate(placements) if sizes[i] < 0 and p.placed and p.copies > 1]
+        rounds = max((placements[i].copies for i in again), default=1) - 1
+        for _ in range(rounds):
+            if not again:
+                return
+            reply = self.call(m.BatchGet(owner, [keys[i] for i in again]))
+            assert isinstance(reply, m.Placements)
+            got: list[int] = read(reply.items, again)
+            for i, size in zip(again, got, strict=True):
+                sizes[i] = size
+            again = [
+                i
+                for i, p, size in zip(again, reply.items, got, strict=True)
+                if size < 0 and p.placed and p.copies > 1
+            ]
 
     def _read_batch(self, placements: Sequence[m.Placement], buffers: Sequence[Any]) -> list[int]:
         sizes = [-1] * len(placements)
@@ -537,7 +621,15 @@ class Client(Closing):
         reply = self.call(m.BatchGet(owner, list(keys)))
         assert isinstance(reply, m.Placements)
         try:
-            return self._read_parts_batch(reply.items, parts)
+            sizes = self._read_parts_batch(reply.items, parts)
+            self._other_copies(
+                owner,
+                keys,
+                reply.items,
+                sizes,
+                lambda ps, idx: self._read_parts_batch(ps, [parts[i] for i in idx]),
+            )
+            return sizes
         finally:
             self._post(m.ReleaseOwner(owner))
 

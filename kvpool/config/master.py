@@ -30,6 +30,7 @@ from kvpool.config.values import (
     require_str,
 )
 from kvpool.core.eviction import EVICTION_POLICIES, EVICTION_POLICY_ALIASES
+from kvpool.core.objects import MAX_REPLICAS
 from kvpool.errors import ConfigError
 from kvpool.security.tls import TLSConfig
 
@@ -163,6 +164,9 @@ class MasterConfig:
     ssd_offload_path: str = _flag("", _string, "directory of the master's SSD tier")
     ssd_offload_limit: int = _flag(DEFAULT_OFFLOAD_LIMIT, _size, "SSD tier cap, e.g. 100GB")
     eviction_policy: str = _flag("prefix_aware", _string, f"one of {_POLICY_CHOICES}")
+    replica_num: int = _flag(
+        1, _positive, "copies of each object, on different nodes, when a put names none"
+    )
     secret_file: str = _flag(
         "", _string, "file with the cluster secret (else KVPOOL_SECRET_FILE, KVPOOL_SECRET)"
     )
@@ -212,6 +216,10 @@ class MasterConfig:
             raise ConfigError("--default_kv_lease_ttl: must be positive milliseconds (e.g. 11000)")
         if self.client_ttl <= 0:
             raise ConfigError("--client_ttl: must be positive seconds (e.g. 120)")
+        if not 1 <= self.replica_num <= MAX_REPLICAS:
+            raise ConfigError(
+                f"--replica_num: must be 1 to {MAX_REPLICAS} copies, got {self.replica_num}"
+            )
         if self.segment_size < 0 or self.ssd_offload_limit <= 0:
             raise ConfigError("--segment_size/--ssd_offload_limit: must be positive sizes")
         parse_warmup(self.segment_warmup, key="--segment_warmup")

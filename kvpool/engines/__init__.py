@@ -50,16 +50,22 @@ def open_engine(
     timeout_s: float = 10.0,
     capacity: int = _DEFAULT_EMBEDDED_CAPACITY,
     mooncake: MooncakeNodeConfig | None = None,
+    replica_num: int = 0,
 ) -> PoolEngine:
     """A new engine: ``"kvpool"`` connects to ``master`` (host:port; each call waits at most
     ``timeout_s``), ``"embedded"`` creates an in-process pool of ``capacity`` bytes,
     ``"mooncake"`` opens Mooncake Store as the ``mooncake`` config says (default: the node
     config that KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH names).  Each connects on first
-    use."""
+    use.  ``replica_num``: copies of each put, on different nodes (0: the pool's default;
+    the embedded pool has one segment, so one copy)."""
     opener = ENGINES.get(engine)
     if opener is None:
         raise ConfigError(f"unknown pool engine {engine!r}; use one of {', '.join(ENGINES)}")
     opened: PoolEngine = resolve(opener)(
-        master=master, timeout_s=timeout_s, capacity=capacity, mooncake=mooncake
+        master=master,
+        timeout_s=timeout_s,
+        capacity=capacity,
+        mooncake=mooncake,
+        replica_num=replica_num,
     )
     return opened

@@ -37,20 +37,26 @@ class MasterEngine(ClientEngine):
     engine = "kvpool"
 
     @classmethod
-    def connect(cls, master: str, *, timeout_s: float) -> MasterEngine:
+    def connect(cls, master: str, *, timeout_s: float, replica_num: int = 0) -> MasterEngine:
         """An engine for the master at ``host:port``; connects on first use, and every
-        call waits at most ``timeout_s``."""
+        call waits at most ``timeout_s``; each put in ``replica_num`` copies (0: the
+        master's ``--replica_num``)."""
         from kvpool.client.client import Client
         from kvpool.security.secret import read_secret_file
 
         path = _node_config_secret_file()
         credential = read_secret_file(path, "secret_file") if path else None
-        return cls(Client(master, timeout_s=timeout_s, credential=credential))
+        client = Client(
+            master, timeout_s=timeout_s, credential=credential, replica_num=replica_num
+        )
+        return cls(client)
 
 
-def open_master_engine(*, master: str, timeout_s: float, **_: object) -> MasterEngine:
+def open_master_engine(
+    *, master: str, timeout_s: float, replica_num: int = 0, **_: object
+) -> MasterEngine:
     """:func:`kvpool.engines.open_engine`'s ``"kvpool"``: a client of the master at
     ``master`` (host:port), each call waiting at most ``timeout_s``."""
     if not master:
         raise ConfigError('engine "kvpool" needs the master\'s address (host:port)')
-    return MasterEngine.connect(master, timeout_s=timeout_s)
+    return MasterEngine.connect(master, timeout_s=timeout_s, replica_num=replica_num)

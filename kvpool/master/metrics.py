@@ -148,6 +148,12 @@ class MasterMetrics:
         self.dropped = Counter(
             "kvpool_dropped_objects", "objects that left the index", ["reason", "tier"], registry=r
         )
+        self.replicas_lost = Counter(
+            "kvpool_replicas_lost",
+            "copies of replicated objects that left while the object stayed",
+            ["reason"],
+            registry=r,
+        )
         self.errors = Counter("kvpool_request_errors", "error replies", ["op", "code"], registry=r)
         self.latency = Histogram(
             "kvpool_request_seconds",

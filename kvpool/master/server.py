@@ -388,6 +388,7 @@ class MasterServer:
                 client_ttl_ms=config.client_ttl_ms,
                 enable_offload=config.enable_offload,
                 policy=config.eviction_policy,
+                replica_num=config.replica_num,
             )
         )
         self.service.config_view = dataclasses.asdict(config)

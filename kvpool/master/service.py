@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.core.index import (
+    CopyLost,
     Demote,
     Dropped,
     Event,
@@ -55,10 +56,10 @@ log = logging.getLogger("kvpool.master")
 _Route = tuple[Callable[[Any, int], Any], str, Any]
 _TIER_NAMES = {tier: tier.value for tier in Tier}  # an Enum .value is a descriptor call
 
-#: One key's reservation: ``(client_id, key, size, parent, now, may_wait)`` -> its
-#: placement, or None where it waits for room (:meth:`MasterService.put_key`, or a
-#: layer's over it).
-PutKey = Callable[[str, str, int, str | None, int, bool], m.Placement | None]
+#: One key's reservation: ``(client_id, key, size, parent, now, may_wait, replica_num)``
+#: -> its placement, or None where it waits for room (:meth:`MasterService.put_key`, or
+#: a layer's over it).
+PutKey = Callable[[str, str, int, str | None, int, bool, int], m.Placement | None]
 _PutHandler = Callable[[Any, int], m.Placement | m.Placements | None]
 
 
@@ -242,6 +243,11 @@ class MasterService:
         until the node reports back (:class:`NodeCopies`)."""
         ssd_gone: dict[str, list[str]] = {}  # remote owner -> SSD keys to delete there
         for event in events:
+            if isinstance(event, CopyLost):  # one copy of a replicated object
+                self.metrics.replicas_lost.labels(reason=event.reason).inc()
+                if event.client_id in self.outbox:
+                    self.outbox.remove(event.client_id, event.key)
+                continue
             if isinstance(event, Demote):
                 if event.in_flight:
                     self.node_copies.demote(event)
@@ -258,6 +264,9 @@ class MasterService:
                 self.metrics.dropped.labels(reason=event.reason, tier=event.tier.value).inc()
                 if event.reason == "evicted":
                     self.metrics.evictions.labels(tier=event.tier.value).inc()
+                for other in event.also:  # its replicas' owners (memory only)
+                    if other in self.outbox:
+                        self.outbox.remove(other, event.key)
                 owner = self._local.get(event.client_id)
                 if owner is not None and event.tier is Tier.SSD:
                     owner.forget_ssd(event.key)
@@ -268,7 +277,14 @@ class MasterService:
         for client_id, keys in ssd_gone.items():
             self.node_copies.ssd_remove(client_id, keys)
 
-    def _placement(self, key: str, loc: Location, checksum: int = 0) -> m.Placement:
+    def _placement(
+        self,
+        key: str,
+        loc: Location,
+        checksum: int = 0,
+        copies: int = 1,
+        replicas: tuple[Location, ...] = (),
+    ) -> m.Placement:
         ep = self._endpoints.get(loc.segment_id)
         if ep is None:
             raise UnknownSegment(f"segment {loc.segment_id} has no endpoint")
@@ -283,6 +299,8 @@ class MasterService:
             ep.data_address,
             ep.shm_name,
             ep.host_token,
+            replicas=[self._placement(key, other) for other in replicas] if replicas else [],
+            copies=copies,
         )
 
     # ----------------------------------------------------------------------------- writes
@@ -292,19 +310,31 @@ class MasterService:
 
         def put(req: m.PutStart | m.BatchPutStart, now: int) -> m.Placement | m.Placements | None:
             if isinstance(req, m.PutStart):
-                return put_key(req.client_id, req.key, req.size, req.parent, now, may_wait)
+                return put_key(
+                    req.client_id, req.key, req.size, req.parent, now, may_wait, req.replica_num
+                )
             return self._put_keys(req, now, put_key, may_wait)
 
         return put
 
     def put_key(
-        self, client_id: str, key: str, size: int, parent: str | None, now: int, may_wait: bool
+        self,
+        client_id: str,
+        key: str,
+        size: int,
+        parent: str | None,
+        now: int,
+        may_wait: bool,
+        replica_num: int = 0,
     ) -> m.Placement | None:
-        """Reserve ``size`` bytes for ``key``: its placement (not placed: the key is
-        stored already, a harmless duplicate), or None where ``may_wait`` and only the
-        room a node's copy in flight is making would fit it."""
+        """Reserve ``size`` bytes for ``key`` in ``replica_num`` copies (0: the master's
+        default): its placement (not placed: the key is stored already, a harmless
+        duplicate), or None where ``may_wait`` and only the room a node's copy in flight
+        is making would fit it."""
         try:
-            reservation, events = self.index.put_start(key, size, client_id, now, parent)
+            reservation, events = self.index.put_start(
+                key, size, client_id, now, parent, replica_num
+            )
         except NoRoom as exc:
             self._apply(exc.events)
             if exc.coming and may_wait:
@@ -320,6 +350,8 @@ class MasterService:
         self._apply(events)
         if reservation is None:
             return m.Placement(False, key)
+        if reservation.replicas:
+            return self._placement(key, reservation.location, replicas=reservation.replicas)
         return self._placement(key, reservation.location)
 
     def _put_keys(
@@ -333,7 +365,9 @@ class MasterService:
         items: list[m.Placement] = []
         for key, size, parent in zip(req.keys, req.sizes, parents, strict=True):
             try:
-                placement = put_key(req.client_id, key, size, parent, now, may_wait)
+                placement = put_key(
+                    req.client_id, key, size, parent, now, may_wait, req.replica_num
+                )
             except Exception as exc:  # counted as the PutStart it is
                 items.append(m.Placement(False, key, error=self._failed("PutStart", exc).code))
                 continue
@@ -343,23 +377,29 @@ class MasterService:
         return m.Placements(items)
 
     def _put_end(self, req: m.PutEnd, now: int) -> Ok:
-        self._end_key(req.client_id, req.key, req.checksum, now)
+        self._end_key(req.client_id, req.key, req.checksum, now, req.unwritten)
         return Ok()
 
-    def _end_key(self, client_id: str, key: str, checksum: int, now: int) -> None:
-        self.index.put_end(key, client_id, now, checksum)
+    def _end_key(
+        self, client_id: str, key: str, checksum: int, now: int, unwritten: list[str] | None = None
+    ) -> None:
+        lost = self.index.put_end(key, client_id, now, checksum, unwritten or ())
+        if lost:
+            self._apply(lost)
         self.metrics.puts.inc()
-        loc = self.index.location_of(key)
-        if loc is not None:
+        for loc in self.index.copies_of(key):
             self.outbox.add(loc.client_id, (key, loc.segment_id, loc.offset, loc.size, checksum))
 
     def _batch_put_end(self, req: m.BatchPutEnd, now: int) -> m.Bools:
         if len(req.keys) != len(req.checksums):
             raise PoolError("keys and checksums differ in length")
+        unwritten = req.unwritten or [[] for _ in req.keys]
+        if len(unwritten) != len(req.keys):
+            raise PoolError("keys and unwritten differ in length")
         ok = []
-        for key, checksum in zip(req.keys, req.checksums, strict=True):
+        for key, checksum, lost in zip(req.keys, req.checksums, unwritten, strict=True):
             try:
-                self._end_key(req.client_id, key, checksum, now)
+                self._end_key(req.client_id, key, checksum, now, lost)
                 ok.append(True)
             except KVPoolError:
                 ok.append(False)
@@ -378,7 +418,7 @@ class MasterService:
             return m.Placement(False, req.key)
         loc = grant.location
         self.metrics.hits_of("get", _TIER_NAMES[loc.tier]).inc()
-        return self._placement(req.key, loc, grant.checksum)
+        return self._placement(req.key, loc, grant.checksum, grant.copies)
 
     def _batch_get(self, req: m.BatchGet, now: int) -> m.Placements:
         """As ``_get`` per key, with the metrics counted once per batch (two labelled
@@ -395,7 +435,7 @@ class MasterService:
             loc = grant.location
             tier = _TIER_NAMES[loc.tier]
             hits[tier] = hits.get(tier, 0) + 1
-            items.append(self._placement(key, loc, grant.checksum))
+            items.append(self._placement(key, loc, grant.checksum, grant.copies))
         self.metrics.lookups_of("get").inc(len(req.keys))
         for tier, count in hits.items():
             self.metrics.hits_of("get", tier).inc(count)

@@ -99,6 +99,12 @@ def tenant_request(tenant: str, request: Any) -> Any:
         changes["segment_id"] = request.segment_id.partition(GRANT_SEP)[0]
     if kind is m.PutEnd or kind is m.BatchPutEnd:  # a node ignores a tenant's write tags
         changes["noted"] = False
+    if kind is m.PutEnd and request.unwritten:  # segment ids with grants, as above
+        changes["unwritten"] = [s.partition(GRANT_SEP)[0] for s in request.unwritten]
+    if kind is m.BatchPutEnd and request.unwritten:
+        changes["unwritten"] = [
+            [s.partition(GRANT_SEP)[0] for s in each] for each in request.unwritten
+        ]
     for name in _ONE.get(kind, ()):
         value = getattr(request, name)
         if value is not None:
@@ -182,14 +188,24 @@ class TenantMaster:
         return reply
 
     def _put_key(
-        self, client_id: str, key: str, size: int, parent: str | None, now: int, may_wait: bool
+        self,
+        client_id: str,
+        key: str,
+        size: int,
+        parent: str | None,
+        now: int,
+        may_wait: bool,
+        replica_num: int = 0,
     ) -> m.Placement | None:
-        """The master's ``put_key``, within the tenant's quota."""
-        if self.service.index.state_of(key) is None:  # a new object: it takes room
-            self._make_room(key, size, now)
-        placement = self.service.put_key(client_id, key, size, parent, now, may_wait)
+        """The master's ``put_key``, within the tenant's quota (every copy counts)."""
+        index = self.service.index
+        if index.state_of(key) is None:  # a new object: it takes room
+            self._make_room(key, size * (replica_num or index.config.replica_num), now)
+        placement = self.service.put_key(
+            client_id, key, size, parent, now, may_wait, replica_num
+        )
         if placement is not None and placement.placed:
-            self.book.reserved(key, size)
+            self.book.reserved(key, size * (1 + len(placement.replicas)))
         return placement
 
     def _make_room(self, key: str, size: int, now: int) -> None:
@@ -264,6 +280,8 @@ class TenantMaster:
         key = unscoped(tenant, p.key)
         index = self.service.index
         segment = index.registry.segments.get(p.segment_id)
+        if p.replicas:  # each copy's write needs its own grant
+            p = structs.replace(p, replicas=[self._granted(tenant, r, op) for r in p.replicas])
         if not p.placed or segment is None or self.credential is None:
             return structs.replace(p, key=key, shm_name="", host_token="")
         ttl_ms = index.config.writer_ttl_ms if op == "w" else index.config.lease_ttl_ms

@@ -55,7 +55,7 @@ def put_error(code: int, key: str) -> KVPoolError | None:
 
 
 def open_mooncake_engine(
-    *, mooncake: MooncakeNodeConfig | None, timeout_s: float, **_: object
+    *, mooncake: MooncakeNodeConfig | None, timeout_s: float, replica_num: int = 0, **_: object
 ) -> MooncakeEngine:
     """:func:`kvpool.engines.open_engine`'s ``"mooncake"``: Mooncake Store as ``mooncake``
     says (default: the node config that KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH names)."""
@@ -66,7 +66,7 @@ def open_mooncake_engine(
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object")
         mooncake = parse_mooncake_config(data, source=source)
-    return MooncakeEngine(mooncake, timeout_s=timeout_s)
+    return MooncakeEngine(mooncake, timeout_s=timeout_s, replica_num=replica_num)
 
 
 class MooncakeEngine:
@@ -129,8 +129,11 @@ class MooncakeEngine:
         timeout_s: float = 10.0,
         put_retry_s: float = 0.2,
         store_factory: Callable[[], Any] | None = None,
+        replica_num: int = 0,
     ) -> None:
         self.config = config
+        #: copies of each put (Mooncake's ReplicateConfig.replica_num; 0: its default, 1)
+        self.replica_num = replica_num
         self.timeout_s = timeout_s
         self.put_retry_s = put_retry_s
         self._factory = store_factory
@@ -254,11 +257,13 @@ class MooncakeEngine:
         plans = layout.place(area, base, fill=True)
         codes: dict[int, int] = {}
         deadline = time.monotonic() + self.put_retry_s
+        extra = self._replicate()
         while todo:
             answers = store.batch_put_from_multi_buffers(
                 [keys[i] for i in todo],
                 [plans[i].ptrs for i in todo],
                 [plans[i].sizes for i in todo],
+                *extra,
             )
             for i, rc in zip(todo, answers, strict=True):
                 codes[i] = int(rc)
@@ -270,6 +275,16 @@ class MooncakeEngine:
                 break
             time.sleep(0.01)
         return [put_error(codes[first[k]], k) for k in keys]
+
+    def _replicate(self) -> tuple[Any, ...]:
+        """The put's ReplicateConfig argument, when more than one copy is asked for."""
+        if self.replica_num <= 1:
+            return ()
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        config.replica_num = self.replica_num
+        return (config,)
 
     # ---------------------------------------------------------------------- gets
     def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:

@@ -128,6 +128,7 @@ class PutStart(msgspec.Struct, frozen=True, tag=True):
     key: str
     size: int
     parent: str | None = None
+    replica_num: int = 0  # copies wanted, each on another node (0: the master's default)
 
 
 class BatchPutStart(msgspec.Struct, frozen=True, tag=True):
@@ -137,6 +138,7 @@ class BatchPutStart(msgspec.Struct, frozen=True, tag=True):
     #: each key's parent block (the eviction policy trims a prefix from its tail); empty
     #: when none has one
     parents: list[str | None] = []
+    replica_num: int = 0  # as PutStart's, for every key
 
 
 class PutEnd(msgspec.Struct, frozen=True, tag=True):
@@ -148,6 +150,8 @@ class PutEnd(msgspec.Struct, frozen=True, tag=True):
     key: str
     checksum: int
     noted: bool = False
+    #: segments of the reservation's copies that could not be written (those go)
+    unwritten: list[str] = []
 
 
 class BatchPutEnd(msgspec.Struct, frozen=True, tag=True):
@@ -157,6 +161,7 @@ class BatchPutEnd(msgspec.Struct, frozen=True, tag=True):
     keys: list[str]
     checksums: list[int]
     noted: bool = False
+    unwritten: list[list[str]] = []  # per key, as PutEnd's (empty: every copy written)
 
 
 class PutRevoke(msgspec.Struct, frozen=True, tag=True):
@@ -259,6 +264,11 @@ class Placement(msgspec.Struct, frozen=True, tag=True, rename={"placed": "found"
     shm_name: str = ""
     host_token: str = ""
     error: str = ""  # in a batch: the error code that refused this key ("" if none)
+    #: a put: the other copies to write the same bytes to (replica_num > 1)
+    replicas: list[Placement] = []
+    #: a get: how many copies the object has; a reader whose copy failed reports it
+    #: and asks again, for another
+    copies: int = 1
 
 
 class Placements(msgspec.Struct, frozen=True, tag=True):

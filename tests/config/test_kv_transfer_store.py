@@ -114,3 +114,10 @@ def test_put_back_allowed_only_where_layouts_match() -> None:
     check_put_back(cfg, is_mla=False, tp_size=8)
     same = parse("kv_consumer", {"consumer_is_to_put": True})
     check_put_back(same, is_mla=False, tp_size=2)  # no prefill topology given: same layout
+
+
+def test_replica_num_is_read_and_bounded() -> None:
+    assert parse("kv_both", {"backend": "kvpool"}).replica_num == 0  # the pool's default
+    assert parse("kv_both", {"backend": "kvpool", "replica_num": "2"}).replica_num == 2
+    with pytest.raises(ConfigError, match="replica_num"):
+        parse("kv_both", {"backend": "kvpool", "replica_num": 9})

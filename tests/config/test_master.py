@@ -60,6 +60,8 @@ def test_master_parses_the_guides_command_lines_as_written() -> None:
         ({"eviction_policy": "random"}, "--eviction_policy"),
         ({"segment_warmup": "eager"}, "--segment_warmup"),
         ({"rpc_thread_num": "4"}, "--rpc_thread_num"),
+        ({"replica_num": "9"}, "--replica_num"),
+        ({"replica_num": "0"}, "--replica_num"),
     ],
 )
 def test_master_flags_out_of_range_name_the_flag(flags: dict[str, object], flag: str) -> None:

@@ -29,9 +29,9 @@ def value_of(key: str, size: int) -> bytes:
     return (block * (size // len(block) + 1))[:size]
 
 
-def open_client(master: str, timeout_s: float) -> Client:
+def open_client(master: str, timeout_s: float, replica_num: int = 0) -> Client:
     # TCP only: a test host shares /dev/shm with every other one, a real host does not
-    return Client(master, timeout_s=timeout_s, allow_shm=False)
+    return Client(master, timeout_s=timeout_s, allow_shm=False, replica_num=replica_num)
 
 
 @dataclass(frozen=True)

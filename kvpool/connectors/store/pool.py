@@ -161,9 +161,14 @@ def open_pool(
                 node = dataclasses.replace(node, global_segment_size=0)
                 name = f"mooncake-lookups:{node.master_server_address}"
             return EmbeddedPools.get(
-                name, lambda: open_engine("mooncake", mooncake=node, timeout_s=timeout_s)
+                name,
+                lambda: open_engine(
+                    "mooncake", mooncake=node, timeout_s=timeout_s, replica_num=config.replica_num
+                ),
             )
-    return open_engine(engine, master=config.master, timeout_s=timeout_s)
+    return open_engine(
+        engine, master=config.master, timeout_s=timeout_s, replica_num=config.replica_num
+    )
 
 
 def is_outage(exc: BaseException) -> bool:
