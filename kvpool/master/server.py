@@ -631,11 +631,13 @@ class MasterServer:
             log.info("kvpool master stopped")
 
     async def serve_until_signal(self) -> None:
-        await self.start()
+        # the handlers go in before start(): it logs "listening", and a supervisor that
+        # signals on that line must find them there, not Python's default (death by -15)
         stop = self._stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        await self.start()
         try:
             await stop.wait()
         finally:

@@ -471,3 +471,31 @@ def _recv_exactly(s: socket.socket, n: int) -> bytes:
         assert chunk, "closed early"
         data += chunk
     return data
+
+
+# A master signalled the moment it says "listening" (what a supervisor waits for) must stop
+# cleanly.  The signal is raised from inside start() itself, after the line is logged, so
+# the race the handlers lost once (they went in after start()) is hit every time.
+_SIGNAL_AT_LISTENING = """
+import asyncio, os, signal, sys
+from kvpool.config import MasterConfig
+from kvpool.master.server import MasterServer
+
+class Server(MasterServer):
+    async def start(self):
+        await super().start()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+server = Server(MasterConfig(port=0, segment_size=0))
+asyncio.run(server.serve_until_signal())
+print("stopped cleanly", flush=True)
+sys.exit(server.exit_code)
+"""
+
+
+def test_a_master_signalled_as_it_says_listening_stops_cleanly() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_AT_LISTENING], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "stopped cleanly" in done.stdout
