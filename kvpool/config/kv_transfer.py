@@ -69,6 +69,7 @@ STORE_EXTRA_KEYS = (
     "async_saves",
     "save_buffer_size",
     "replica_num",
+    "use_layerwise",
 )
 _DEFAULT_POOL_MS = 10_000
 _DEFAULT_LOOKUP_MS = 2_000
@@ -98,6 +99,7 @@ class StoreConfig:
     async_saves: bool = True  # saves off the engine step (False: in the step)
     save_buffer_size: int = _DEFAULT_SAVE_BUFFER  # staging for saves off the step
     replica_num: int = 0  # copies of each saved block (0: the pool's default)
+    use_layerwise: bool = False  # one object per layer; sync loads hand vLLM layer by layer
 
     @property
     def saves(self) -> bool:
@@ -214,6 +216,7 @@ def parse_store_config(
         head_group_size=_int(extra.get("head_group_size", 0), "head_group_size", minimum=0),
         async_saves=parse_bool_value(extra.get("async_saves", True), key="async_saves"),
         replica_num=_int(extra.get("replica_num", 0), "replica_num", minimum=0, maximum=8),
+        use_layerwise=parse_bool_value(extra.get("use_layerwise", False), key="use_layerwise"),
         save_buffer_size=parse_size(
             extra.get("save_buffer_size", _DEFAULT_SAVE_BUFFER), key="save_buffer_size"
         ),

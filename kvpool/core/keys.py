@@ -13,7 +13,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["KEY_BYTES", "BlockKey", "KeyNamespace", "chunk_keys", "group_key"]
+__all__ = ["KEY_BYTES", "BlockKey", "KeyNamespace", "chunk_keys", "group_key", "layer_key"]
 
 KEY_BYTES = 16
 _MAX_TOKEN_ID = 2**32 - 1
@@ -131,4 +131,17 @@ def group_key(key: BlockKey, group: int) -> BlockKey:
         raise ValueError(f"group must be in [0, {_MAX_TOKEN_ID}], got {group}")
     h = hashlib.blake2b(key.digest, digest_size=KEY_BYTES, person=b"kvpool-group-v1")
     h.update(struct.pack("<I", group))
+    return BlockKey(h.digest())
+
+
+# - With layer-wise objects (the store connector's ``use_layerwise``) each layer of a chunk's
+#   group is an object of its own, so a load can hand vLLM layer N while layer N+1 is still
+#   being read.  :func:`layer_key` derives it under a third personalisation: never equal to a
+#   chunk key, a group key or another layer's key.
+def layer_key(key: BlockKey, layer: int) -> BlockKey:
+    """The key of layer ``layer`` of the object ``key`` (a chunk's or a group's)."""
+    if not 0 <= layer <= _MAX_TOKEN_ID:
+        raise ValueError(f"layer must be in [0, {_MAX_TOKEN_ID}], got {layer}")
+    h = hashlib.blake2b(key.digest, digest_size=KEY_BYTES, person=b"kvpool-layer-v1")
+    h.update(struct.pack("<I", layer))
     return BlockKey(h.digest())

@@ -77,6 +77,7 @@ def test_missing_master_names_the_fix() -> None:
         ("kv_both", {"embedded_capacity": "4 bananas"}, "embedded_capacity"),
         ("kv_both", {"async_saves": "later"}, "async_saves: expected true or false"),
         ("kv_both", {"save_buffer_size": "lots"}, "save_buffer_size"),
+        ("kv_both", {"use_layerwise": "per layer"}, "use_layerwise: expected true or false"),
         ("kv_sender", {}, "kv_role"),
     ],
 )
@@ -92,6 +93,11 @@ def test_saves_run_off_the_step_unless_asked_to_stay_in_it() -> None:
     assert not sync.async_saves
     sized = parse("kv_both", {"backend": "embedded", "save_buffer_size": "64MiB"})
     assert sized.save_buffer_size == 64 << 20
+
+
+def test_layer_wise_objects_are_vllm_ascends_use_layerwise_and_off_by_default() -> None:
+    assert not parse("kv_both", {"backend": "embedded"}).use_layerwise
+    assert parse("kv_both", {"backend": "embedded", "use_layerwise": "true"}).use_layerwise
 
 
 def test_timeout_from_env_and_extra() -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys, group_key
+from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys, group_key, layer_key
 
 NS = KeyNamespace(model="tiny-llama", kv_dtype="float32", chunk_size=4)
 
@@ -124,3 +124,13 @@ def test_group_keys_are_pinned_values_distinct_from_chunk_keys() -> None:
     assert group_key(BlockKey(bytes(16)), 7).hex == "b2ae3400e563a39fffb644417dd0a6bc"
     with pytest.raises(ValueError, match="group must be in"):
         group_key(key, -1)
+
+
+def test_layer_keys_are_pinned_values_distinct_from_chunk_and_group_keys() -> None:
+    (key,) = chunk_keys([1, 2, 3, 4], NS)
+    layers = {layer_key(key, i) for i in range(64)}
+    groups = {group_key(key, i) for i in range(64)}
+    assert len(layers) == 64 and key not in layers and not layers & groups
+    assert layer_key(BlockKey(bytes(16)), 7).hex == "db0a5118b7c83b2f175fb3a4788d712d"
+    with pytest.raises(ValueError, match="layer must be in"):
+        layer_key(key, -1)

@@ -417,3 +417,50 @@ def test_a_failed_save_is_counted_and_the_prefix_then_misses(
     assert s1["save_errors"] >= 1 and s1["saved_blocks"] == 0
     assert second["tokens"][0] == reference[LONG] and second["cached"] == [0]
     assert s2["hit_tokens"] == 0 and s2["loaded_blocks"] == 0 and s2["failed_blocks"] == 0
+
+
+# use_layerwise: every layer of a block is its own object (the tiny model has 2 layers), and
+# a synchronous hit is handed to vLLM layer by layer.  Put order is block 0 layer 0, block 0
+# layer 1, block 1 layer 0, ...: damaging stored object 3 corrupts layer 1 of block 1.
+@pytest.mark.parametrize("pool", ["embedded", "master"])
+def test_layer_wise_objects_hit_fail_per_layer_and_answer_the_same(
+    pool: str,
+    tiny_model_dir: Path,
+    run_offline: RunOffline,
+    reference: dict[str, list[int]],
+    request: pytest.FixtureRequest,
+) -> None:
+    steps: list[dict[str, Any]] = [gen(LONG), SETTLE, STATS, gen(LONG), STATS]
+    extra: dict[str, Any] = {"use_layerwise": True}
+    if pool == "embedded":
+        steps += [
+            {"op": "damage", "mode": "corrupt", "start": 3, "count": 1},
+            gen(LONG), STATS,
+            {"op": "damage", "mode": "zero", "start": 1, "count": 1},
+            gen(LONG),
+        ]  # fmt: skip
+    else:
+        master: Master = request.getfixturevalue("kvpool_master")
+        extra |= {"backend": "kvpool", "master": master.address}
+    run = run_offline(
+        {
+            "model": str(tiny_model_dir),
+            "pool": "embedded" if pool == "embedded" else "none",
+            "prefix_caching": False,
+            "kv_transfer_config": store_config(**extra),
+            "steps": steps,
+        }
+    )
+    first, _, s1, second, s2, *rest = run.results
+    assert "use_layerwise=true" in run.log
+    assert first["tokens"][0] == reference[LONG] and s1["saved_blocks"] == 3
+    assert second["tokens"][0] == reference[LONG] and second["cached"] == [384]
+    assert s2["loaded_blocks"] - s1["loaded_blocks"] == 3 and s2["failed_blocks"] == 0
+    if pool == "embedded":
+        damaged, third, s3, _, zeroed = rest
+        assert damaged["damaged"] == 1
+        # layer 1 of block 1 fails: blocks 1 and 2 are recomputed, the answer is the same
+        assert third["tokens"][0] == reference[LONG]
+        assert s3["failed_blocks"] - s2["failed_blocks"] == 2
+        assert s3["loaded_blocks"] - s2["loaded_blocks"] == 1
+        assert zeroed["tokens"][0] != reference[LONG]  # wrong KV would show

@@ -110,14 +110,17 @@ def head_groups_for(
     which only one TP-1 instance ever reads)."""
     spec = _spec(kv_cache_config)
     tp_size = vllm_config.parallel_config.tensor_parallel_size
+    # use_layerwise: every layer of a group is its own object (the columns of .groups)
+    layers = len(kv_cache_config.kv_cache_groups[0].layer_names) if config.use_layerwise else 1
     if type(spec).__name__ == "MLAAttentionSpec":
-        return HeadGroups(1, 1, tp_size)
+        return HeadGroups(1, 1, tp_size, layers)
     total = vllm_config.model_config.get_total_num_kv_heads()
     if config.head_group_size:
-        return HeadGroups(total, config.head_group_size, tp_size)
+        return HeadGroups(total, config.head_group_size, tp_size, layers)
     if config.backend == "embedded":
-        return HeadGroups.whole(total, tp_size)
-    return HeadGroups(total, 1, tp_size)
+        whole = HeadGroups.whole(total, tp_size)
+        return HeadGroups(total, whole.group_size, tp_size, layers)
+    return HeadGroups(total, 1, tp_size, layers)
 
 
 def namespace_for(
@@ -245,7 +248,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
                 self._lookup_server = LookupServer(channel, shared, logger)
         logger.info(
             "[%s] role=%s, backend=%s, master=%s, load_async=%s, consumer_is_to_put=%s,"
-            " async_saves=%s, lookup_rpc_port=%d, block_size=%d, half=%s",
+            " async_saves=%s, use_layerwise=%s, lookup_rpc_port=%d, block_size=%d, half=%s",
             CONNECTOR_NAME,
             config.role,
             config.backend,
@@ -253,6 +256,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
             str(config.load_async).lower(),
             str(config.consumer_is_to_put).lower(),
             str(config.async_saves).lower(),
+            str(config.use_layerwise).lower(),
             config.lookup_rpc_port,
             namespace.chunk_size,
             "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
@@ -278,7 +282,10 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         self._worker.start_loads(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # sync loads complete in start_load_kv, before the forward pass
+        # sync loads complete in start_load_kv, before the forward pass, unless they are
+        # layer-wise: then this layer's pages may still be on their way
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -287,6 +294,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
+        self._worker.finish_layer_loads()  # the forward is over: no read may outlive it
         if self.has_connector_metadata():
             self._worker.save(self._plan())
 
@@ -312,6 +320,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
+        self._worker.finish_layer_loads()
         return self._worker.take_invalid_block_ids()
 
     def get_kv_connector_stats(self) -> KVPoolStoreStats | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.config.topology import local_heads
-from kvpool.core.keys import BlockKey, group_key
+from kvpool.core.keys import BlockKey, group_key, layer_key
 from kvpool.errors import ConfigError
 
 __all__ = ["GroupSlot", "HeadGroups"]
@@ -38,6 +38,10 @@ class GroupSlot:
 #   writes its group; every holder reads it.
 # - A single group (MLA, or an embedded pool) keys its objects with the chunk key itself;
 #   with several, group g's key is kvpool.core.keys.group_key of it.
+# - ``layers`` > 1 (use_layerwise) splits each group's object into one object per layer,
+#   keyed by kvpool.core.keys.layer_key of the group's key: a *column* is one (group, layer)
+#   pair, column ``group * layers + layer``, and a chunk is a hit only when every column is
+#   present.  With ``layers`` 1 a column is a group, as without layer-wise objects.
 @dataclass(frozen=True, slots=True)
 class HeadGroups:
     """How a model's ``num_kv_heads`` split into pool objects, seen from ``tp_size`` ranks."""
@@ -45,12 +49,14 @@ class HeadGroups:
     num_kv_heads: int = 1
     group_size: int = 1
     tp_size: int = 1
+    layers: int = 1  # objects per group and chunk: 1, or every layer its own (layer-wise)
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads <= 0 or self.group_size <= 0 or self.tp_size <= 0:
+        if self.num_kv_heads <= 0 or self.group_size <= 0 or self.tp_size <= 0 or self.layers <= 0:
             raise ConfigError(
                 f"head groups: num_kv_heads {self.num_kv_heads}, head_group_size"
-                f" {self.group_size} and tp_size {self.tp_size} must be positive"
+                f" {self.group_size}, tp_size {self.tp_size} and layers {self.layers}"
+                " must be positive"
             )
         try:
             per_rank = len(local_heads(self.num_kv_heads, self.tp_size, 0))
@@ -73,10 +79,19 @@ class HeadGroups:
         return self.num_kv_heads // self.group_size
 
     @property
+    def num_columns(self) -> int:
+        """Pool objects per chunk: every layer of every group."""
+        return self.num_groups * self.layers
+
+    @property
     def reads_per_chunk(self) -> int:
         """Objects all ranks together load per chunk (more than groups when heads are
         replicated)."""
-        return sum(len(self.reads(rank)) for rank in range(self.tp_size))
+        return sum(len(self.reads(rank)) for rank in range(self.tp_size)) * self.layers
+
+    def columns(self, slot: GroupSlot) -> range:
+        """The columns of ``slot``'s group: its layers in order."""
+        return range(slot.group * self.layers, (slot.group + 1) * self.layers)
 
     def reads(self, rank: int) -> tuple[GroupSlot, ...]:
         """The groups rank ``rank`` loads, in its local head order."""
@@ -94,11 +109,21 @@ class HeadGroups:
         return self.reads(rank)
 
     def object_key(self, key: BlockKey, group: int) -> str:
-        """The pool key of chunk ``key``'s group ``group``."""
+        """The pool key of chunk ``key``'s group ``group`` (its column, without layers)."""
         if not 0 <= group < self.num_groups:
             raise ValueError(f"group {group} is outside {self.num_groups} groups")
         return key.hex if self.num_groups == 1 else group_key(key, group).hex
 
+    def column_key(self, key: BlockKey, column: int) -> str:
+        """The pool key of chunk ``key``'s column ``column`` (a group, or a group's layer)."""
+        if not 0 <= column < self.num_columns:
+            raise ValueError(f"column {column} is outside {self.num_columns} columns")
+        if self.layers == 1:
+            return self.object_key(key, column)
+        group, layer = divmod(column, self.layers)
+        of_group = key if self.num_groups == 1 else group_key(key, group)
+        return layer_key(of_group, layer).hex
+
     def keys(self, chain: list[BlockKey]) -> tuple[tuple[str, ...], ...]:
-        """Every group's pool keys of ``chain`` (``[group][chunk]``)."""
-        return tuple(tuple(self.object_key(k, g) for k in chain) for g in range(self.num_groups))
+        """Every column's pool keys of ``chain`` (``[column][chunk]``)."""
+        return tuple(tuple(self.column_key(k, c) for k in chain) for c in range(self.num_columns))

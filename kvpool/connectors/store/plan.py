@@ -12,14 +12,15 @@ from dataclasses import dataclass
 __all__ = ["LoadSpec", "SaveSpec", "StorePlan"]
 
 
-# Keys are given for every KV-head group (keys[group][i], see .groups): each rank loads and
-# saves the groups of the heads it holds, and the scheduler computed them all anyway to
-# check that every group of a chunk is present.  Block block_ids[i] holds chunk
-# keys[group][i]: one pool object per (chunk, group) holding that group's heads of every
-# layer of the block.
+# Keys are given for every column (keys[column][i], see .groups): a column is a KV-head
+# group, or one layer of one with layer-wise objects.  Each rank loads and saves the
+# columns of the heads it holds, and the scheduler computed them all anyway to check that
+# every column of a chunk is present.  Block block_ids[i] holds chunk keys[column][i]: one
+# pool object per (chunk, column) holding that group's heads of every layer of the block,
+# or of the column's one layer.
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Copy the pool objects ``keys[group]`` into the engine blocks ``block_ids``.
+    """Copy the pool objects ``keys[column]`` into the engine blocks ``block_ids``.
 
     ``owners[rank]`` is the pin owner under which the scheduler's lookup pinned that rank's
     keys (empty when it pinned nothing): the worker of that rank releases it once its copy
@@ -34,14 +35,14 @@ class LoadSpec:
 
     def __post_init__(self) -> None:
         if any(len(rank_keys) != len(self.block_ids) for rank_keys in self.keys):
-            raise ValueError("LoadSpec: every group needs one key per block")
+            raise ValueError("LoadSpec: every column needs one key per block")
 
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """Write the engine blocks ``block_ids`` to the pool under ``keys[group]``.
+    """Write the engine blocks ``block_ids`` to the pool under ``keys[column]``.
 
-    ``parents[group]`` is the key of the chunk before the first one (None at the start of a
+    ``parents[column]`` is the key of the chunk before the first one (None at the start of a
     prompt): the pool uses it to evict a prefix's tail before its head.
     """
 
@@ -52,9 +53,9 @@ class SaveSpec:
 
     def __post_init__(self) -> None:
         if any(len(rank_keys) != len(self.block_ids) for rank_keys in self.keys):
-            raise ValueError("SaveSpec: every group needs one key per block")
+            raise ValueError("SaveSpec: every column needs one key per block")
         if len(self.parents) != len(self.keys):
-            raise ValueError("SaveSpec: one parent per group")
+            raise ValueError("SaveSpec: one parent per column")
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,10 +172,15 @@ class StoreScheduler:
         return state.keys[:n_blocks]
 
     def _rank_keys(self, chain: Sequence[BlockKey]) -> list[list[str]]:
-        """Per rank, the pool keys of the groups it loads for ``chain``, group by group."""
+        """Per rank, the pool keys of the columns it loads for ``chain``, column by column."""
         groups = self._groups
         return [
-            [groups.object_key(k, slot.group) for slot in groups.reads(rank) for k in chain]
+            [
+                groups.column_key(k, c)
+                for slot in groups.reads(rank)
+                for c in groups.columns(slot)
+                for k in chain
+            ]
             for rank in range(groups.tp_size)
         ]
 
@@ -343,8 +348,8 @@ class StoreScheduler:
             block_ids=tuple(state.block_ids[start:full]),
             keys=self._groups.keys(keys[start:full]),
             parents=tuple(
-                self._groups.object_key(keys[start - 1], g) if start else None
-                for g in range(self._groups.num_groups)
+                self._groups.column_key(keys[start - 1], c) if start else None
+                for c in range(self._groups.num_columns)
             ),
         )
 

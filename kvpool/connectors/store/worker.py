@@ -69,6 +69,16 @@ class LoadResult:
     dropped: int = 0  # unreadable objects removed from the pool
 
 
+@dataclass(slots=True)
+class _LayerLoad:
+    """A synchronous load read layer by layer in the background during the forward pass:
+    ``ready[i]`` is set once layer ``i`` of every block it will deliver has landed (or the
+    load gave up on it), always before the load ends."""
+
+    ready: list[threading.Event]
+    future: Future[LoadResult]
+
+
 class StoreWorker:
     """Worker-side logic of :class:`~kvpool.connectors.store.KVPoolStoreConnector`.
 
@@ -111,6 +121,15 @@ class StoreWorker:
       an async load run on different threads), never a fresh page per load.
     - Each pool call goes through a :class:`~kvpool.connectors.store.pool.PoolHandle`, so a
       dead pool fails fast instead of stalling every step for a timeout.
+    - Layer-wise (``use_layerwise``: one object per layer of a group, the columns of
+      :class:`~kvpool.connectors.store.groups.HeadGroups`): a synchronous load reads layer
+      after layer in a thread of its own, and ``wait_layer`` lets vLLM's forward pass into
+      layer N as soon as layer N has landed, while N+1 is read.  A layer a failure cut short
+      still sets its event (the forward never waits forever; its calls are bounded by the
+      pool's timeout), and the blocks from the failed one on are reported failed: vLLM drops
+      that step's output for the request and recomputes them.  Every such load is joined
+      by the end of its step (``finish_layer_loads``), so no read writes into a block after
+      the step that planned it.
     """
 
     def __init__(
@@ -150,6 +169,9 @@ class StoreWorker:
         self._saves: SaveQueue | None = None
         self._saver_pool = saver_pool or pool
         self._save_ids = 0
+        self._layer_loads: list[_LayerLoad] = []
+        self._layer_index: dict[str, int] = {}
+        self._layer_executor: ThreadPoolExecutor | None = None
 
     def _slots(self, slots: tuple[GroupSlot, ...] | None) -> Sequence[GroupSlot | None]:
         return (None,) if slots is None else slots
@@ -160,12 +182,26 @@ class StoreWorker:
         return self._reads is None or len(self._reads) == 1
 
     @property
+    def _layers(self) -> int:
+        """Objects per group and block: 1, or one per layer (use_layerwise)."""
+        return 1 if self._groups is None else self._groups.layers
+
+    def _columns(self, slot: GroupSlot | None) -> range:
+        return range(1) if slot is None or self._groups is None else self._groups.columns(slot)
+
+    @property
     def object_bytes(self) -> int:
-        """Bytes of one pool object: a page, or one group of it."""
+        """Bytes of one pool object: a page, or one group of it (of one layer, layer-wise)."""
         assert self.paged is not None
         if self._reads is None or len(self._reads) == 1:
-            return self.paged.page_bytes
-        return self._reads[0].count * self.paged.head_bytes * len(self.paged.names)
+            return self.paged.page_bytes // self._layers
+        return self._reads[0].count * self.paged.head_bytes * len(self.paged.names) // self._layers
+
+    def _split_layers(self, parts: list[list[Any]]) -> list[list[Any]]:
+        """Layer-wise, each object's L layer parts become L objects of one part each."""
+        if self._layers == 1:
+            return parts
+        return [[part] for object_parts in parts for part in object_parts]
 
     def _pages(
         self, paged: PagedCaches, block_ids: Sequence[int], slots: Sequence[GroupSlot | None]
@@ -202,6 +238,17 @@ class StoreWorker:
         """Take vLLM's caches (``staged``: see :func:`~kvpool.connectors.pages.block_pages`)."""
         self.paged = block_pages(kv_caches, staged=staged)
         self._reads, self._writer = self._layout(self.paged)
+        self._layer_index = {name: i for i, name in enumerate(self.paged.names)}
+        if self._layers > 1 and self._layers != len(self.paged.names):
+            raise ConfigError(
+                f"[KVPoolStoreConnector] use_layerwise: the KV cache has {len(self.paged.names)}"
+                f" layers but the scheduler keyed {self._layers}"
+            )
+        if self._layers > 1 and self.paged.staged:
+            raise ConfigError(
+                "[KVPoolStoreConnector] use_layerwise needs KV caches in host memory (vLLM's"
+                ' CPU backend); set "use_layerwise": false for caches on a device'
+            )
         self._start_saves(self.paged)
         # the pool opened with the KV caches (the guide's "every node registers memory":
         # a Mooncake worker's segment is in the pool before its first request)
@@ -256,6 +303,9 @@ class StoreWorker:
 
     def start_loads(self, plan: StorePlan) -> None:
         for spec in plan.loads:
+            if not spec.is_async and self._layers > 1 and self.paged is not None:
+                self._start_layer_load(spec)
+                continue
             if not spec.is_async:
                 result = self._load(spec, self._pool, None)
                 self._record(result)
@@ -266,8 +316,40 @@ class StoreWorker:
             future = self._executor.submit(self._load, spec, self._loader_pool, cancel)
             self._inflight[spec.req_id] = (future, cancel)
 
+    def _start_layer_load(self, spec: LoadSpec) -> None:
+        """Read ``spec`` layer by layer in the background (see the rules)."""
+        assert self.paged is not None
+        if self._layer_executor is None:
+            self._layer_executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-store-layers")
+        ready = [threading.Event() for _ in self.paged.names]
+        # its own connection: the step's may be busy with a save in the step meanwhile
+        future = self._layer_executor.submit(self._load, spec, self._loader_pool, None, ready)
+        self._layer_loads.append(_LayerLoad(ready, future))
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Return once layer ``layer_name`` of every layer-wise load of this step is in."""
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            return
+        for load in self._layer_loads:
+            load.ready[index].wait()  # set by the load, however it ends
+
+    def finish_layer_loads(self) -> None:
+        """Join this step's layer-wise loads and record them (their failures reach vLLM
+        in this step's ``get_block_ids_with_load_errors``)."""
+        loads, self._layer_loads = self._layer_loads, []
+        for load in loads:
+            try:
+                self._record(load.future.result())
+            except Exception as exc:  # a bug in the loader must not fail the step
+                self._log.error("[KVPoolStoreConnector] layer-wise load crashed: %s", exc)
+
     def _load(
-        self, spec: LoadSpec, handle: PoolHandle[PoolEngine], cancel: threading.Event | None
+        self,
+        spec: LoadSpec,
+        handle: PoolHandle[PoolEngine],
+        cancel: threading.Event | None,
+        ready: Sequence[threading.Event] = (),
     ) -> LoadResult:
         owner = spec.owners[self._rank] if spec.owners else None
         unpinned = False
@@ -279,9 +361,13 @@ class StoreWorker:
                 self._unpin(handle, owner)
 
         try:
+            if self._layers > 1:
+                return self._copy_layers(spec, handle, cancel, unpin, ready)
             return self._copy(spec, handle, cancel, unpin)
         finally:
             unpin()
+            for event in ready:
+                event.set()  # the forward pass never waits on a load that is over
 
     def _unpin(self, handle: PoolHandle[PoolEngine], owner: str) -> None:
         """The load's pins have served: let the pool evict those blocks again."""
@@ -332,11 +418,62 @@ class StoreWorker:
                 return LoadResult(spec.req_id, loaded, failed, dropped)
         return LoadResult(spec.req_id, loaded, frozenset())
 
+    def _copy_layers(
+        self,
+        spec: LoadSpec,
+        handle: PoolHandle[PoolEngine],
+        cancel: threading.Event | None,
+        unpin: Callable[[], None],
+        ready: Sequence[threading.Event],
+    ) -> LoadResult:
+        """Layer-wise: every block's layer 0, then layer 1, ...; blocks [0, good) stay
+        intact in every layer read so far, and a failure shortens ``good`` for the layers
+        after it."""
+        paged = self.paged
+        if paged is None:
+            return LoadResult(spec.req_id, 0, frozenset(spec.block_ids))
+        slots = self._slots(self._reads)
+        per = len(slots)  # objects per block and layer
+        good, dropped = len(spec.block_ids), 0
+        batch = _BATCH * self._layers
+        for layer in range(self._layers):
+            if cancel is not None and cancel.is_set():
+                return LoadResult(spec.req_id, 0, frozenset())  # aborted: nobody reads them
+            keys = self._object_keys(spec.keys, slots, layer)[: good * per]
+            pages, _ = self._pages(paged, spec.block_ids[:good], slots)
+            parts = [[object_parts[layer]] for object_parts in pages]
+            for start in range(0, len(keys), batch):
+                end = start + batch
+                n, failure = self._read(handle, keys[start:end], parts[start:end])
+                if failure is None:
+                    continue
+                key = keys[start + n]
+                self._log.warning(
+                    "[KVPoolStoreConnector] load of %s (layer %d) for request %s failed: %s: %s",
+                    key, layer, spec.req_id, type(failure).__name__, failure,
+                )  # fmt: skip
+                good = (start + n) // per
+                unpin()  # a pinned object cannot be removed
+                dropped += int(self._drop_unreadable(handle, key, failure))
+                break
+            if layer < len(ready):
+                ready[layer].set()
+        return LoadResult(spec.req_id, good, frozenset(spec.block_ids[good:]), dropped)
+
     def _object_keys(
-        self, keys: Sequence[Sequence[str | None]], slots: Sequence[GroupSlot | None]
+        self,
+        keys: Sequence[Sequence[str | None]],
+        slots: Sequence[GroupSlot | None],
+        layer: int | None = None,
     ) -> list[Any]:
-        """This rank's object keys block by block (each block's ``slots`` in turn)."""
-        columns = [keys[0 if slot is None else slot.group] for slot in slots]
+        """This rank's object keys block by block (each block's ``slots`` in turn, each
+        slot's layers in turn when layer-wise; only ``layer``'s when given)."""
+        columns = [
+            keys[c]
+            for slot in slots
+            for c in self._columns(slot)
+            if layer is None or c % self._layers == layer
+        ]
         return [column[i] for i in range(len(columns[0])) for column in columns]
 
     def _read(
@@ -423,7 +560,7 @@ class StoreWorker:
         if not self._writer:
             return  # a lower rank holds (and saves) the same heads
         slots = self._slots(self._reads)
-        per = len(slots)
+        per = len(slots) * self._layers
         keys = self._object_keys(spec.keys, slots)
         # each group's chunk hangs off the same group's chunk before it
         parents = self._object_keys(
@@ -444,7 +581,8 @@ class StoreWorker:
             )
             pages = None if queue is None else queue.acquire(len(block_ids))
             if queue is None or pages is None:  # synchronous (or shutting down)
-                batch.parts, staging = self._pages(paged, block_ids, slots)
+                parts, staging = self._pages(paged, block_ids, slots)
+                batch.parts = self._split_layers(parts)
                 if staging is not None:
                     paged.gather(block_ids, staging)
                 if not self._put(batch, self._pool):
@@ -454,7 +592,7 @@ class StoreWorker:
             for j, first, count in queue.runs(pages):
                 paged.gather(block_ids[j : j + count], queue.host[first : first + count])
             batch.pages = pages
-            batch.parts = self._staged_parts(queue, pages, slots)
+            batch.parts = self._split_layers(self._staged_parts(queue, pages, slots))
             queue.submit(batch)
 
     def _staged_parts(
@@ -462,7 +600,8 @@ class StoreWorker:
     ) -> list[list[Any]]:
         """The objects' parts in the save queue's staging pages (each page's ``slots``)."""
         assert self.paged is not None
-        tensor, hb, whole = queue.tensor, self.paged.head_bytes, self._whole
+        tensor, hb = queue.tensor, self.paged.head_bytes
+        whole = self._whole and self._layers == 1  # layer-wise: one part per layer
         layers = range(len(self.paged.names))
         return [
             [tensor[j]] if whole or slot is None
@@ -474,7 +613,7 @@ class StoreWorker:
     def _put(self, batch: SaveBatch, handle: PoolHandle[PoolEngine]) -> bool:
         """Put one batch (in the step, or in the save queue's writer); False when the
         rest of its save must stop (the chain hangs off the chunk that failed)."""
-        per = len(self._slots(self._reads))
+        per = len(self._slots(self._reads)) * self._layers
         try:
             results = handle.call(
                 partial(_put_parts, keys=batch.keys, parts=batch.parts, parents=batch.parents)
@@ -528,6 +667,9 @@ class StoreWorker:
             )
 
     def shutdown(self) -> None:
+        self.finish_layer_loads()
+        if self._layer_executor is not None:
+            self._layer_executor.shutdown(wait=True)
         # a put still hung in the pool holds its connection: leave that one to the thread
         writer_done = self._saves is None or self._saves.close(self._drain_s)
         for _, cancel in self._inflight.values():

@@ -20,7 +20,7 @@ from kvpool.connectors.store.groups import HeadGroups
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.worker import StoreWorker
-from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys, group_key
+from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys, group_key, layer_key
 from kvpool.engines import EmbeddedEngine
 from kvpool.errors import ConfigError
 
@@ -76,6 +76,22 @@ def test_group_keys_are_distinct_and_never_the_chunk_key() -> None:
     assert len(derived) == 64 and key not in derived
     assert group_key(key, 3) == group_key(BlockKey(key.digest), 3)  # deterministic
     assert HeadGroups(1, 1, 4).keys(CHAIN)[0] == tuple(k.hex for k in CHAIN)  # one group
+
+
+def test_layer_wise_columns_are_every_layer_of_every_group() -> None:
+    groups = HeadGroups(4, 1, 2, layers=3)  # 4 groups of one head, 3 layers, TP 2
+    keys = groups.keys(CHAIN)
+    assert groups.num_columns == len(keys) == 12 and groups.reads_per_chunk == 12
+    # column g * layers + l is layer l of group g, and no two columns share a key
+    assert keys[1 * 3 + 2][0] == layer_key(group_key(CHAIN[0], 1), 2).hex
+    assert len({k for column in keys for k in column}) == 12 * len(CHAIN)
+    slot = groups.reads(1)[0]  # rank 1's first group is group 2
+    assert list(groups.columns(slot)) == [6, 7, 8]
+    one = HeadGroups(1, 1, 1, layers=2)  # one group: the layers of the chunk key itself
+    assert one.keys(CHAIN)[1][0] == layer_key(CHAIN[0], 1).hex
+    assert HeadGroups(4, 1, 2).keys(CHAIN) == tuple(
+        tuple(group_key(k, g).hex for k in CHAIN) for g in range(4)
+    )  # layers 1: a column is a group, as before
 
 
 def test_a_group_size_that_does_not_fit_is_refused_with_the_fix() -> None:

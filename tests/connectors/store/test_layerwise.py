@@ -1,0 +1,180 @@
+"""Layer-wise objects (``use_layerwise``): one pool object per layer of a group, and a
+synchronous load that hands vLLM layer N while layer N+1 is still being read."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from kvpool.connectors.store.groups import HeadGroups
+from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
+from kvpool.connectors.store.pool import PoolHandle
+from kvpool.connectors.store.worker import StoreWorker
+from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
+from kvpool.errors import ConfigError
+from tests.connectors.store.fake_pool import FakePool
+
+NUM_BLOCKS, HEADS, BS, HEAD2, LAYERS = 12, 2, 4, 6, 3
+NAMES = [f"layer.{i}" for i in range(LAYERS)]
+
+
+def kv_caches(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(NUM_BLOCKS, HEADS, BS, HEAD2, generator=g) for n in NAMES}
+
+
+def make(pool: FakePool, caches: dict[str, torch.Tensor], groups: HeadGroups) -> StoreWorker:
+    def handle() -> PoolHandle[FakePool]:
+        return PoolHandle(lambda: pool, reconnect_interval_s=60, describe="fake")
+
+    worker = StoreWorker(
+        tp_rank=0,
+        pool=handle(),
+        loader_pool=handle(),
+        logger=logging.getLogger("t"),
+        groups=groups,
+    )
+    worker.register(caches)
+    return worker
+
+
+def chain(n: int) -> list[BlockKey]:
+    namespace = KeyNamespace(model="m", kv_dtype="float32", chunk_size=BS)
+    return chunk_keys(list(range(n * BS)), namespace)
+
+
+WHOLE = HeadGroups(HEADS, HEADS, 1, LAYERS)  # one group: each layer of a page is an object
+PER_HEAD = HeadGroups(HEADS, 1, 1, LAYERS)  # two groups of one head, three layers each
+
+
+def save(worker: StoreWorker, groups: HeadGroups, blocks: tuple[int, ...]) -> None:
+    keys = groups.keys(chain(len(blocks)))
+    worker.save(StorePlan(saves=(SaveSpec("w", blocks, keys, (None,) * len(keys)),)))
+
+
+def load(worker: StoreWorker, groups: HeadGroups, blocks: tuple[int, ...]) -> set[int]:
+    spec = LoadSpec("r", blocks, groups.keys(chain(len(blocks))), is_async=False)
+    worker.start_loads(StorePlan(loads=(spec,)))
+    for name in NAMES:  # what vLLM's attention layers do, in order
+        worker.wait_layer(name)
+    worker.finish_layer_loads()  # what wait_for_save does at the end of the step
+    return worker.take_invalid_block_ids()
+
+
+@pytest.mark.parametrize("groups", [WHOLE, PER_HEAD], ids=["one-group", "per-head"])
+def test_each_layer_is_its_own_object_and_pages_round_trip(groups: HeadGroups) -> None:
+    pool = FakePool()
+    src, dst = kv_caches(1), kv_caches(2)
+    save(make(pool, src, groups), groups, (3, 0, 7))
+    # blocks x groups x layers objects, each one layer's bytes of its heads
+    assert len(pool.objects) == 3 * groups.num_groups * LAYERS
+    layer_bytes = HEADS * BS * HEAD2 * 4
+    assert {len(v) for v in pool.objects.values()} == {layer_bytes // groups.num_groups}
+    # each layer chains to the same layer of the chunk before it
+    keys = groups.keys(chain(3))
+    for column in keys:
+        assert [pool.parents[k] for k in column] == [None, column[0], column[1]]
+    worker = make(pool, dst, groups)
+    assert load(worker, groups, (5, 6, 1)) == set()
+    for name in NAMES:
+        for s, d in ((3, 5), (0, 6), (7, 1)):
+            assert torch.equal(src[name][s], dst[name][d])
+    assert worker.counters["loaded_blocks"] == 3 and pool.leases == 0
+
+
+class HeldLayers(FakePool):
+    """Holds every read of a layer-1 object until ``go`` is set."""
+
+    def __init__(self, layer1: set[str]) -> None:
+        super().__init__()
+        self.layer1 = layer1
+        self.go = threading.Event()
+        self.waiting = threading.Event()
+
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
+        if self.layer1 & set(keys):
+            self.waiting.set()
+            assert self.go.wait(30)
+        return super().batch_get_parts(keys, parts)
+
+
+def test_layer_zero_is_handed_over_while_layer_one_is_still_read() -> None:
+    keys = WHOLE.keys(chain(2))
+    pool = HeldLayers(set(keys[1]))  # column 1: layer 1 of the one group
+    src, dst = kv_caches(1), kv_caches(2)
+    save(make(pool, src, WHOLE), WHOLE, (0, 1))
+    worker = make(pool, dst, WHOLE)
+    worker.start_loads(StorePlan(loads=(LoadSpec("r", (4, 5), keys, is_async=False),)))
+    worker.wait_layer("layer.0")  # returns although layer 1's read is held
+    assert pool.waiting.wait(30)
+    assert torch.equal(dst["layer.0"][4], src["layer.0"][0])
+    assert not torch.equal(dst["layer.1"][4], src["layer.1"][0])
+    pool.go.set()
+    worker.wait_layer("layer.1")
+    worker.wait_layer("layer.2")
+    worker.finish_layer_loads()
+    assert worker.take_invalid_block_ids() == set()
+    assert all(torch.equal(dst[n][4:6], src[n][0:2]) for n in NAMES)
+
+
+def test_a_failed_layer_fails_its_block_and_later_ones_and_no_wait_hangs() -> None:
+    pool = FakePool()
+    src, dst = kv_caches(1), kv_caches(2)
+    save(make(pool, src, WHOLE), WHOLE, (0, 1, 2, 3))
+    keys = WHOLE.keys(chain(4))
+    pool.corrupt.add(keys[1][2])  # layer 1 of block 2
+    worker = make(pool, dst, WHOLE)
+    assert load(worker, WHOLE, (8, 9, 10, 11)) == {10, 11}
+    assert keys[1][2] not in pool.objects  # dropped, so the recomputed copy replaces it
+    for name in NAMES:  # blocks before the failure are whole in every layer
+        assert torch.equal(dst[name][8:10], src[name][0:2])
+    # layer 2 was not read for the failed blocks at all
+    assert pool.calls["batch_get_parts"] == 3
+    assert worker.counters["loaded_blocks"] == 2 and worker.counters["failed_blocks"] == 2
+
+
+def test_a_dead_pool_fails_every_block_and_releases_every_layer() -> None:
+    pool = FakePool()
+    worker = make(pool, kv_caches(2), WHOLE)
+    pool.down = True
+    assert load(worker, WHOLE, (1, 2)) == {1, 2}
+
+
+def test_layer_wise_async_loads_report_once() -> None:
+    pool = FakePool()
+    src, dst = kv_caches(1), kv_caches(2)
+    save(make(pool, src, WHOLE), WHOLE, (0, 1))
+    worker = make(pool, dst, WHOLE)
+    spec = LoadSpec("a", (6, 7), WHOLE.keys(chain(2)), is_async=True)
+    worker.start_loads(StorePlan(loads=(spec,)))
+    worker.wait_layer("layer.0")  # no layer-wise load in the step: returns at once
+    done: set[str] = set()
+    for _ in range(1000):
+        done |= worker.finished_loads(set())
+        if done:
+            break
+        threading.Event().wait(0.01)
+    assert done == {"a"} and worker.take_invalid_block_ids() == set()
+    assert all(torch.equal(dst[n][6:8], src[n][0:2]) for n in NAMES)
+
+
+def test_a_layer_count_other_than_the_caches_is_refused() -> None:
+    with pytest.raises(ConfigError, match="layers"):
+        make(FakePool(), kv_caches(1), HeadGroups(HEADS, HEADS, 1, LAYERS + 1))
+
+
+def test_caches_on_a_device_are_refused_with_the_fix() -> None:
+    staged = StoreWorker(
+        tp_rank=0,
+        pool=PoolHandle(FakePool, reconnect_interval_s=60, describe="f"),
+        loader_pool=PoolHandle(FakePool, reconnect_interval_s=60, describe="f"),
+        logger=logging.getLogger("t"),
+        groups=WHOLE,
+    )
+    with pytest.raises(ConfigError, match='"use_layerwise": false'):
+        staged.register(kv_caches(1), staged=True)  # the device path, on CPU tensors
