@@ -163,14 +163,18 @@ class StagedCaches(PagedCaches):
         _wait(self.device)
         self._count("to_host", stacked.numel())
 
-    def scatter(self, block_ids: Iterable[int], pages: np.ndarray[Any, Any]) -> None:
+    def scatter(
+        self, block_ids: Iterable[int], pages: np.ndarray[Any, Any], layer: int | None = None
+    ) -> None:
         ids = list(block_ids)
         if not ids:
             return
         index = self._index(ids)
-        staged = self._torch.from_numpy(pages[: len(ids)]).to(self.device, non_blocking=True)
-        for layer, kv in enumerate(self._blocks_t):
-            kv.index_copy_(0, index, staged[:, layer])
+        host = pages[: len(ids)] if layer is None else pages[: len(ids), layer : layer + 1]
+        staged = self._torch.from_numpy(host).to(self.device, non_blocking=True)
+        layers = range(len(self._blocks_t)) if layer is None else [layer]
+        for i, at in enumerate(layers):
+            self._blocks_t[at].index_copy_(0, index, staged[:, i])
         # the host pages may be reused as soon as this returns
         _wait(self.device)
         self._count("to_device", staged.numel())

@@ -143,10 +143,14 @@ class PagedCaches:
             for layer, kv in enumerate(self._blocks):
                 np.copyto(out[j, layer], kv[block])
 
-    def scatter(self, block_ids: Iterable[int], pages: np.ndarray[Any, Any]) -> None:
+    def scatter(
+        self, block_ids: Iterable[int], pages: np.ndarray[Any, Any], layer: int | None = None
+    ) -> None:
+        """Staged pages into the cache: every layer, or only ``layer`` (a layer-wise load)."""
         for j, block in enumerate(block_ids):
-            for layer, kv in enumerate(self._blocks):
-                np.copyto(kv[block], pages[j, layer])
+            for i, kv in enumerate(self._blocks):
+                if layer is None or i == layer:
+                    np.copyto(kv[block], pages[j, i])
 
 
 def page_view(page: np.ndarray[Any, Any]) -> memoryview:

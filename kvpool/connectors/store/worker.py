@@ -129,7 +129,8 @@ class StoreWorker:
       pool's timeout), and the blocks from the failed one on are reported failed: vLLM drops
       that step's output for the request and recomputes them.  Every such load is joined
       by the end of its step (``finish_layer_loads``), so no read writes into a block after
-      the step that planned it.
+      the step that planned it.  Caches on a device stage each layer through host
+      pages and copy it to the device before its event is set.
     """
 
     def __init__(
@@ -209,20 +210,14 @@ class StoreWorker:
         """The parts of the objects of ``block_ids`` (each block's ``slots`` in turn): the
         cache's own rows (CPU), or this thread's reused staging pages (device caches;
         returned too, to scatter or gather)."""
-        whole = self._whole
+        whole = self._whole and self._layers == 1  # layer-wise: one part per layer
         if not paged.staged:
             return [
                 paged.block_parts(b) if whole or slot is None
                 else paged.head_parts(b, slot.head_start, slot.count)
                 for b in block_ids for slot in slots
             ], None  # fmt: skip
-        pages = getattr(self._staging, "pages", None)
-        if pages is None:
-            host = paged.new_pages(_BATCH)
-            # a CPU tensor over the same memory: an engine that registers big CPU
-            # tensors (Mooncake, from 16 MiB) then moves the staging in place
-            pages = self._staging.pages = (host, torch.from_numpy(host))
-        host, tensor = pages
+        host, tensor = self._stage(paged)
         hb = paged.head_bytes
         layers = range(len(paged.names))
         return [
@@ -231,6 +226,16 @@ class StoreWorker:
                   for i in layers]
             for j in range(len(block_ids)) for slot in slots
         ], host  # fmt: skip
+
+    def _stage(self, paged: PagedCaches) -> tuple[Any, torch.Tensor]:
+        """This thread's staging pages (device caches): ``_BATCH`` pages, allocated once."""
+        pages = getattr(self._staging, "pages", None)
+        if pages is None:
+            host = paged.new_pages(_BATCH)
+            # a CPU tensor over the same memory: an engine that registers big CPU
+            # tensors (Mooncake, from 16 MiB) then moves the staging in place
+            pages = self._staging.pages = (host, torch.from_numpy(host))
+        return pages
 
     def register(
         self, kv_caches: Mapping[str, torch.Tensor], *, staged: bool | None = None
@@ -244,11 +249,7 @@ class StoreWorker:
                 f"[KVPoolStoreConnector] use_layerwise: the KV cache has {len(self.paged.names)}"
                 f" layers but the scheduler keyed {self._layers}"
             )
-        if self._layers > 1 and self.paged.staged:
-            raise ConfigError(
-                "[KVPoolStoreConnector] use_layerwise needs KV caches in host memory (vLLM's"
-                ' CPU backend); set "use_layerwise": false for caches on a device'
-            )
+
         self._start_saves(self.paged)
         # the pool opened with the KV caches (the guide's "every node registers memory":
         # a Mooncake worker's segment is in the pool before its first request)
@@ -435,24 +436,27 @@ class StoreWorker:
         slots = self._slots(self._reads)
         per = len(slots)  # objects per block and layer
         good, dropped = len(spec.block_ids), 0
-        batch = _BATCH * self._layers
+        # in place, a layer's blocks go in few calls; staged, as many as the staging holds
+        step = _BATCH if paged.staged else _BATCH * self._layers
         for layer in range(self._layers):
             if cancel is not None and cancel.is_set():
                 return LoadResult(spec.req_id, 0, frozenset())  # aborted: nobody reads them
-            keys = self._object_keys(spec.keys, slots, layer)[: good * per]
-            pages, _ = self._pages(paged, spec.block_ids[:good], slots)
-            parts = [[object_parts[layer]] for object_parts in pages]
-            for start in range(0, len(keys), batch):
-                end = start + batch
-                n, failure = self._read(handle, keys[start:end], parts[start:end])
+            keys = self._object_keys(spec.keys, slots, layer)
+            for start in range(0, good, step):
+                blocks = spec.block_ids[start : min(good, start + step)]
+                pages, host = self._pages(paged, blocks, slots)
+                batch = keys[start * per : (start + len(blocks)) * per]
+                n, failure = self._read(handle, batch, [[p[layer]] for p in pages])
+                if host is not None:  # staged: this layer of the blocks read whole
+                    paged.scatter(blocks[: n // per], host, layer=layer)
                 if failure is None:
                     continue
-                key = keys[start + n]
+                key = batch[n]
                 self._log.warning(
                     "[KVPoolStoreConnector] load of %s (layer %d) for request %s failed: %s: %s",
                     key, layer, spec.req_id, type(failure).__name__, failure,
                 )  # fmt: skip
-                good = (start + n) // per
+                good = start + n // per
                 unpin()  # a pinned object cannot be removed
                 dropped += int(self._drop_unreadable(handle, key, failure))
                 break

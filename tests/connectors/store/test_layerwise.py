@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvpool.connectors.pages import block_pages
 from kvpool.connectors.store.groups import HeadGroups
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
@@ -168,13 +169,20 @@ def test_a_layer_count_other_than_the_caches_is_refused() -> None:
         make(FakePool(), kv_caches(1), HeadGroups(HEADS, HEADS, 1, LAYERS + 1))
 
 
-def test_caches_on_a_device_are_refused_with_the_fix() -> None:
-    staged = StoreWorker(
-        tp_rank=0,
-        pool=PoolHandle(FakePool, reconnect_interval_s=60, describe="f"),
-        loader_pool=PoolHandle(FakePool, reconnect_interval_s=60, describe="f"),
-        logger=logging.getLogger("t"),
-        groups=WHOLE,
-    )
-    with pytest.raises(ConfigError, match='"use_layerwise": false'):
-        staged.register(kv_caches(1), staged=True)  # the device path, on CPU tensors
+@pytest.mark.parametrize("groups", [WHOLE, PER_HEAD], ids=["one-group", "per-head"])
+def test_caches_on_a_device_go_layer_by_layer_through_host_staging(groups: HeadGroups) -> None:
+    """The device path, on CPU tensors: each layer is read into host staging and copied
+    into the cache before its layer is handed over; a failure fails the same blocks."""
+    pool = FakePool()
+    src, dst = kv_caches(1), kv_caches(2)
+    saver = make(pool, src, groups)
+    saver.paged = block_pages(src, staged=True)
+    save(saver, groups, (0, 1, 2))
+    assert len(pool.objects) == 3 * groups.num_groups * LAYERS
+    loader = make(pool, dst, groups)
+    loader.paged = block_pages(dst, staged=True)
+    assert load(loader, groups, (4, 5, 6)) == set()
+    assert all(torch.equal(dst[n][4:7], src[n][0:3]) for n in NAMES)
+    pool.corrupt.add(groups.keys(chain(3))[2][1])  # column 2, block 1
+    assert load(loader, groups, (7, 8, 9)) == {8, 9}
+    assert all(torch.equal(dst[n][7], src[n][0]) for n in NAMES)
