@@ -7,6 +7,9 @@ One run measures, on the same dummy-weight model and the same machine:
                         from kvpool through KVPoolStoreConnector (in-process pool);
 - ``pool hit (master)``  the same through a real ``kvpool master`` on 127.0.0.1 (memory
                         tier: the master's own segment, read over same-host shared memory);
+- ``... layer-wise``     the embedded and master rows again with ``use_layerwise``: one
+                        object per layer, read layer by layer while the forward pass runs
+                        (the load's seconds are then those of its background read);
 - ``pool hit (master, SSD tier)``  the same, but another prompt is run in between and the
                         master's memory tier (``--ssd-memory``) holds less than two prompts'
                         KV, so the hit is read back from the master's SSD tier;
@@ -33,7 +36,8 @@ request, beside memcpy of as many bytes in the same process (:mod:`bench.ttft_lo
 exactly what is timed).
 
     .venv/bin/python bench/ttft.py [--tokens 3072] [--repeats 3] [--layers 4]
-        [--rows local,embedded,master,ssd,mooncake,vllm-mooncake-store] [--markdown]
+        [--rows local,embedded,embedded-layerwise,master,master-layerwise,ssd,mooncake,
+                vllm-mooncake-store] [--markdown]
 
 Without the Mooncake wheel the two Mooncake rows are left out with a line saying why.
 
@@ -69,7 +73,10 @@ if TYPE_CHECKING:
     from kvpool.testing.processes import PoolProcess
 
 MARK = "TTFT_RESULT "
-ROWS = ("local", "embedded", "master", "ssd", "mooncake", "vllm-mooncake-store")
+ROWS = (
+    "local", "embedded", "embedded-layerwise", "master", "master-layerwise", "ssd",
+    "mooncake", "vllm-mooncake-store",
+)  # fmt: skip
 MOONCAKE_ROWS = {"mooncake", "vllm-mooncake-store"}
 
 
@@ -232,11 +239,25 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     if "embedded" in args.rows:
         embedded = _store({"backend": "embedded", "embedded_capacity": "2GiB"})
         runs.append(("pool hit (embedded)", {"connector": embedded, "prefix_caching": False}))
+    if "embedded-layerwise" in args.rows:
+        layered = _store(
+            {"backend": "embedded", "embedded_capacity": "2GiB", "use_layerwise": True}
+        )
+        runs.append(
+            ("pool hit (embedded, layer-wise)", {"connector": layered, "prefix_caching": False})
+        )
     master = None
     if "master" in args.rows:
         master, address = _start_master(workdir)
         remote = _store({"backend": "kvpool", "master": address})
         runs.append(("pool hit (master)", {"connector": remote, "prefix_caching": False}))
+    if "master-layerwise" in args.rows:
+        if master is None:
+            master, address = _start_master(workdir)
+        layered = _store({"backend": "kvpool", "master": address, "use_layerwise": True})
+        runs.append(
+            ("pool hit (master, layer-wise)", {"connector": layered, "prefix_caching": False})
+        )
     masters = [master] if master is not None else []
     if "ssd" in args.rows:
         # A memory tier smaller than two prompts' KV, so every hit is read back from SSD.
