@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvpool.config.values import parse_host_port
 from kvpool.errors import ConfigError
 
-__all__ = ["ETCD_SCHEME", "Masters", "parse_masters"]
+__all__ = ["ETCD_SCHEME", "Masters", "parse_masters", "parse_mooncake_master"]
 
 ETCD_SCHEME = "etcd://"
 
@@ -75,3 +75,27 @@ def parse_masters(text: str, *, key: str) -> Masters:
             "masters are host:port[,host:port...]"
         )
     return Masters(addresses=_addresses(text, key, "10.0.0.1:50051,10.0.0.2:50051"))
+
+
+def parse_mooncake_master(text: str, *, key: str) -> tuple[str, ...]:
+    """A Mooncake ``master_server_address``: ``host:port`` → ``()``, or Mooncake's HA form
+    ``etcd://host:port[;host:port...]`` (``,`` also separates, as Mooncake's etcd client
+    reads it) → its etcd endpoints.  The address goes to Mooncake's client unchanged, so
+    anything it would misread is refused here, naming ``key``."""
+    text = text.strip()
+    if not text.startswith(ETCD_SCHEME):
+        if "://" in text:
+            raise ConfigError(
+                f"{key}: {text!r}: kvpool's Mooncake engine takes mooncake_master's RPC"
+                " address host:port, or etcd://host:port[;host:port...] for masters started"
+                " with --enable_ha --etcd_endpoints"
+            )
+        parse_host_port(text, key=key)
+        return ()
+    rest = text[len(ETCD_SCHEME) :]
+    if "/" in rest:
+        raise ConfigError(
+            f"{key}: {text!r}: Mooncake's client takes no cluster id in the address; set"
+            " MC_STORE_CLUSTER_ID to the masters' --cluster_id (default mooncake_cluster)"
+        )
+    return _addresses(rest.replace(";", ","), key, "etcd://10.0.0.5:2379;10.0.0.6:2379")

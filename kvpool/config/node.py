@@ -28,7 +28,7 @@ from kvpool.config.fabrics import (
     host_fabrics,
     served_protocols,
 )
-from kvpool.config.masters import parse_masters
+from kvpool.config.masters import parse_masters, parse_mooncake_master
 from kvpool.config.values import (
     CONFIG_PATH_VARS,
     DEFAULT_MASTER_PORT,
@@ -269,7 +269,10 @@ def _mooncake_reason(data: Mapping[str, Any]) -> str | None:
         text = metadata.strip().lower()
         if text in _MOONCAKE_METADATA:
             return f"metadata_server is {metadata.strip()}"
-        if text.startswith(_MOONCAKE_METADATA_SCHEMES):
+        # etcd:// alone is kvpool's HA masters found on etcd; Mooncake's metadata in etcd
+        # comes with its master's own address (Mooncake requires master_server_address)
+        kvpool_ha = text.startswith("etcd://") and "master_server_address" not in data
+        if text.startswith(_MOONCAKE_METADATA_SCHEMES) and not kvpool_ha:
             return f"metadata_server is a {text.partition(':')[0]} metadata service URL"
     for key in _MOONCAKE_ONLY:
         if key in data:
@@ -287,7 +290,8 @@ def node_engine(data: Mapping[str, Any]) -> str:
     The rule, first match wins:
     1. an ``"engine"`` key says it (``"kvpool"`` or ``"mooncake"``);
     2. ``metadata_server`` is ``P2PHANDSHAKE`` or an ``http(s)://`` / ``etcd://`` /
-       ``redis://`` URL → Mooncake (kvpool's master is its own metadata service);
+       ``redis://`` URL → Mooncake (kvpool's master is its own metadata service), except
+       ``etcd://`` with no ``master_server_address``: kvpool's HA masters, found on etcd;
     3. it sets a key only Mooncake takes (``local_buffer_size``, ``metadata_backend``) →
        Mooncake;
     4. ``metadata_server`` and ``master_server_address`` are both set and differ (Mooncake's
@@ -304,7 +308,10 @@ def node_engine(data: Mapping[str, Any]) -> str:
 MOONCAKE_KEYS: dict[str, str] = {
     "local_hostname": "this process's address as peers reach it (required)",
     "metadata_server": "P2PHANDSHAKE, an HTTP metadata URL or etcd (required)",
-    "master_server_address": "mooncake_master's RPC address host:port (required)",
+    "master_server_address": (
+        "mooncake_master's RPC address host:port, or etcd://host:port[;host:port] for"
+        " masters run with --enable_ha (required)"
+    ),
     "global_segment_size": "memory this process contributes to the pool (0: a pure client)",
     "local_buffer_size": "this process's registered transfer buffer",
     "protocol": "the Transfer Engine's protocol: tcp, rdma, ...",
@@ -381,7 +388,7 @@ def parse_mooncake_config(data: Mapping[str, Any], *, source: str = "") -> Moonc
                 f"{key}{where}: missing or empty; Mooncake needs it ({MOONCAKE_KEYS[key]})"
             )
         fields[key] = value.strip()
-    parse_host_port(fields["master_server_address"], key="master_server_address" + where)
+    parse_mooncake_master(fields["master_server_address"], key="master_server_address" + where)
     protocol = data.get("protocol", "tcp")
     device = data.get("device_name", "")
     if not isinstance(protocol, str) or not isinstance(device, str):

@@ -14,12 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.config.node import MooncakeNodeConfig
+from kvpool.mooncake.ha import MooncakeHA, describe
 from kvpool.mooncake.master import MooncakeMasterFacts
 
 __all__ = [
     "MOONCAKE_RPC_PORT",
     "Finding",
     "config_findings",
+    "leadership_finding",
     "master_findings",
     "security_finding",
 ]
@@ -187,3 +189,14 @@ def master_findings(address: str, facts: MooncakeMasterFacts) -> list[Finding]:
             )
         )
     return results
+
+
+def leadership_finding(ha: MooncakeHA) -> Finding:
+    """Mooncake's own HA masters (:mod:`kvpool.mooncake.ha`): one leads, and serves."""
+    if ha.ha_state == "leader_warmup":
+        return warn(
+            "master.leader",
+            describe(ha) + ": the new leader waits one lease TTL (5 s) before it serves",
+            "wait a few seconds and run doctor again; clients retry meanwhile",
+        )
+    return pass_("master.leader", describe(ha))

@@ -3,16 +3,19 @@ as a pool engine; how it keeps the engine rules on Mooncake is on :class:`Moonca
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpool.config.masters import parse_mooncake_master
 from kvpool.config.node import MooncakeNodeConfig
 from kvpool.engines.base import MISS, check_batch
 from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
 from kvpool.mooncake.buffers import Registered, Staging
+from kvpool.mooncake.ha import CLUSTER_ENV, cluster_id, master_view_key, read_master_view
 from kvpool.mooncake.parts import HEADER_SIZE, Layout
 from kvpool.mooncake.wheel import INSTALL_HINT
 from kvpool.net import http_get, split_address
@@ -114,6 +117,11 @@ class MooncakeEngine:
       setup retries for ~90 s against nothing), and an HTTP GET that a kvpool master answers
       and a Mooncake RPC port does not: a mooncake.json pointed at kvpool's master is an
       error at connect time that says so.
+    - *Mooncake's HA.*  ``master_server_address`` may be ``etcd://host:port[;...]`` for
+      masters run with ``--enable_ha``: it goes to Mooncake's client unchanged, which reads
+      the leader from etcd and follows the next one by itself.  The checks above then look
+      at the leader etcd names (:mod:`.ha`).  A failover loses Mooncake's metadata (op-log
+      off, its default): objects put before it are misses afterwards, never wrong bytes.
     """
 
     engine = "mooncake"
@@ -145,8 +153,30 @@ class MooncakeEngine:
         self.moved = {"put_in_place": 0, "put_staged": 0, "get_in_place": 0, "get_staged": 0}
 
     # ------------------------------------------------------------------ connecting
-    def _connect_master(self) -> None:
+    def _leader(self) -> str:
+        """The master to check: ``master_server_address``, or with Mooncake's HA form
+        (``etcd://...``) the leader etcd names now, read from the key Mooncake's client
+        reads (and then follows by itself: kvpool passes the address on unchanged)."""
         address = self.config.master_server_address
+        endpoints = parse_mooncake_master(address, key="master_server_address")
+        if not endpoints:
+            return address
+        cluster = cluster_id(os.environ)
+        try:
+            view = read_master_view(endpoints, cluster, min(self.timeout_s, 2.0))
+        except KVPoolError as exc:
+            raise TransferError(f"the etcd of the Mooncake masters {address}: {exc}") from None
+        if view is None:
+            raise TransferError(
+                f"no Mooncake master leads in {address} now ({master_view_key(cluster)} is"
+                " absent): the masters are down or between leaders; the masters' --cluster_id"
+                f" must be {CLUSTER_ENV}'s ({cluster})"
+            )
+        return view.leader
+
+    def _connect_master(self) -> str:
+        """A bounded TCP connect to the master (the leader, with HA); its address."""
+        address = self._leader()
         host, port = split_address(address)
         try:
             socket.create_connection((host, port), timeout=self.timeout_s).close()
@@ -155,10 +185,10 @@ class MooncakeEngine:
                 f"no Mooncake master answers at {address} (master_server_address in"
                 f" {self.config.source or 'the config'}): {exc.strerror or exc}"
             ) from None
+        return address
 
     def _check_master(self) -> None:
-        address = self.config.master_server_address
-        self._connect_master()
+        address = self._connect_master()
         reply = http_get(f"http://{address}/health", min(self.timeout_s, 2.0))
         if reply.status is not None:
             raise TransferError(
@@ -341,7 +371,7 @@ class MooncakeEngine:
         "not found" (reads miss, puts fail with -900 after Mooncake's ~4 s RPC timeout)."""
         with self._lock:
             rc = int(self._open().health_check())
-            self._connect_master()
+            leader = self._connect_master()
         if rc != 0:
             raise TransferError(
                 f"Mooncake store not healthy ({rc}: 1 closed, 2 master unreachable)"
@@ -349,6 +379,7 @@ class MooncakeEngine:
         return {
             "engine": "mooncake",
             "master": self.config.master_server_address,
+            "leader": leader,  # the master itself without HA
             "healthy": 1,
             **self.moved,
         }

@@ -6,7 +6,7 @@ put failures by reason, evictions per tier).  :func:`parse_snapshot` turns the t
 into a :class:`PoolSnapshot` and :func:`render` turns that into rich renderables; both
 are pure, so the picture is unit-tested without a master.  Only :func:`fetch_snapshot`
 and :func:`run` do I/O.  A real ``mooncake_master`` is recognised too
-(:mod:`kvpool.mooncake.master`).
+(:mod:`kvpool.mooncake.master`, and :mod:`kvpool.mooncake.ha` for its own HA masters).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from kvpool.errors import (
 )
 from kvpool.ha.campaign import ClusterKeys
 from kvpool.ha.etcd import Etcd, parse_endpoints
+from kvpool.mooncake.ha import MooncakeHA, leadership_or_none, render_leadership
 from kvpool.mooncake.master import MooncakeMasterFacts, find_mooncake_master, render_mooncake
 from kvpool.net import DEFAULT_MASTER_PORT, http_get, master_scheme
 from kvpool.security.secret import operator_headers
@@ -445,12 +446,21 @@ def fetch_snapshot(master: str, timeout_s: float = 5.0) -> PoolSnapshot:
 # A real ``mooncake_master`` is recognised too (:mod:`kvpool.mooncake.master`): when the
 # address answers no kvpool snapshot, status looks for Mooncake's metrics port there (or on
 # 9003 beside its RPC port) and shows the §8.1 facts from its ``master_*`` metrics.
-def fetch_any(master: str, timeout_s: float = 5.0) -> PoolSnapshot | MooncakeMasterFacts:
+def fetch_any(
+    master: str, timeout_s: float = 5.0
+) -> PoolSnapshot | MooncakeMasterFacts | MooncakeHA:
     """kvpool's snapshot, or, when no kvpool master answers there, a Mooncake master's
     facts (its metrics port, or 9003 beside its RPC port); raises kvpool's error then.
-    HA masters (a list, or ``etcd://``): the leader's snapshot."""
+    HA masters (a list, or ``etcd://``): the leader's snapshot, or, when no kvpool master
+    leads there, who leads Mooncake's own HA masters (:mod:`kvpool.mooncake.ha`)."""
     if "," in master or master.startswith(ETCD_SCHEME):
-        return fetch_snapshot(find_leader(master, timeout_s), timeout_s)
+        try:
+            return fetch_snapshot(find_leader(master, timeout_s), timeout_s)
+        except KVPoolError as exc:
+            ha, why = leadership_or_none(master, min(timeout_s, 3.0))
+            if ha is None:
+                raise TransferError(f"{exc}; nor do Mooncake's HA masters: {why}") from None
+            return ha
     try:
         return fetch_snapshot(master, timeout_s)
     except KVPoolError as exc:
@@ -551,7 +561,9 @@ def run(
             else:
                 if options.watch_s is not None and stream.isatty():
                     console.clear()
-                if isinstance(snap, MooncakeMasterFacts):
+                if isinstance(snap, MooncakeHA):
+                    console.print(render_leadership(snap))
+                elif isinstance(snap, MooncakeMasterFacts):
                     console.print(render_mooncake(snap))
                 else:
                     console.print(render(snap, rates(previous, snap) if previous else None))

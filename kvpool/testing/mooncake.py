@@ -96,8 +96,10 @@ def master_up(metrics_address: str, rpc_address: str) -> bool:
 
 class MooncakeMaster:
     """The wheel's ``mooncake_master`` with the given flags on 127.0.0.1 (RPC
-    ``rpc_port``, metrics ``metrics_port``), up once both ports answer (bounded).
-    It refuses to start outside a private namespace (:func:`private_netns`)."""
+    ``rpc_port``, metrics ``metrics_port``), up once both ports answer (bounded; with
+    ``rpc_ready`` False only the metrics port: an ``--enable_ha`` standby binds its RPC
+    port only once it leads).  It refuses to start outside a private namespace
+    (:func:`private_netns`)."""
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class MooncakeMaster:
         metrics_port: int = 9003,
         log_path: str | None = None,
         ready_timeout_s: float = 30.0,
+        rpc_ready: bool = True,
     ) -> None:
         if not private_netns():
             raise RuntimeError(
@@ -126,7 +129,11 @@ class MooncakeMaster:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ready_timeout_s
-        while not master_up(self.metrics_address, self.rpc_address):
+        while not (
+            master_up(self.metrics_address, self.rpc_address)
+            if rpc_ready
+            else http_get(f"http://{self.metrics_address}/health", 1.0).status == 200
+        ):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"mooncake_master did not start: {' '.join(argv)}")

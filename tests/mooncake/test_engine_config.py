@@ -40,7 +40,12 @@ ASCEND = {
         ({**GUIDE, "master_server_address": "10.0.0.1:50088"}, "kvpool"),  # one service
         (ASCEND, "mooncake"),
         ({**GUIDE, "metadata_server": "http://10.0.0.1:8080/metadata"}, "mooncake"),
-        ({**GUIDE, "metadata_server": "etcd://10.0.0.1:2379"}, "mooncake"),
+        # etcd:// alone: kvpool's HA masters (docs/ha.md); beside a master: Mooncake's
+        ({**GUIDE, "metadata_server": "etcd://10.0.0.1:2379"}, "kvpool"),
+        (
+            {**GUIDE, "metadata_server": "etcd://10.0.0.1:2379", "master_server_address": "m:1"},
+            "mooncake",
+        ),
         ({**GUIDE, "local_buffer_size": 1 << 30}, "mooncake"),
         ({**GUIDE, "master_server_address": "10.0.0.1:50051"}, "mooncake"),  # two services
         ({**ASCEND, "engine": "mooncake"}, "mooncake"),
@@ -68,6 +73,9 @@ def test_kvpools_parser_names_the_rule_that_made_it_mooncake() -> None:
     with pytest.raises(ConfigError, match=r"Mooncake config.*metadata_server is P2PHANDSHAKE"):
         parse_node_config(ASCEND)
     assert parse_node_config(GUIDE).master_address == "10.0.0.1:50088"
+    # docs/ha.md: a node finds kvpool's HA masters through etcd
+    ha = parse_node_config({**GUIDE, "metadata_server": "etcd://10.0.0.5:2379"})
+    assert ha.master_address.startswith("etcd://10.0.0.5:2379")
 
 
 def test_kvpool_node_stops_at_once_on_a_mooncake_config(tmp_path: Path) -> None:

@@ -12,12 +12,14 @@ from collections.abc import Iterable, Sequence
 from kvpool.config.node import MooncakeNodeConfig
 from kvpool.mooncake import doctor
 from kvpool.mooncake.doctor import MOONCAKE_RPC_PORT, Finding
+from kvpool.mooncake.ha import MooncakeHA
 from kvpool.mooncake.master import MooncakeMasterFacts
 from kvpool.ops.doctor.checks import Check, Status
 
 __all__ = [
     "MOONCAKE_RPC_PORT",
     "check_mooncake_config",
+    "check_mooncake_leadership",
     "check_mooncake_master",
     "check_mooncake_security",
 ]
@@ -37,6 +39,11 @@ def check_mooncake_config(
 def check_mooncake_master(address: str, facts: MooncakeMasterFacts) -> list[Check]:
     """A Mooncake master answered at (or beside) ``address``: the §8.1 facts."""
     return _checks(doctor.master_findings(address, facts))
+
+
+def check_mooncake_leadership(ha: MooncakeHA) -> Check:
+    """Mooncake's own HA masters: who leads, and the standbys where they are known."""
+    return _checks([doctor.leadership_finding(ha)])[0]
 
 
 def check_mooncake_security() -> Check:

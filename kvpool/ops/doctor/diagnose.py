@@ -18,7 +18,7 @@ from kvpool.ops.doctor.checks_host import (
     check_timeouts,
     check_vllm_version,
 )
-from kvpool.ops.doctor.checks_mooncake import check_mooncake_security
+from kvpool.ops.doctor.checks_mooncake import check_mooncake_leadership, check_mooncake_security
 from kvpool.ops.doctor.checks_node import (
     check_config_file,
     check_cross_node,
@@ -73,6 +73,7 @@ def _engine(g: Gathered) -> str:
         return g.master_engine
     mooncake_config = g.config_file is not None and g.config_file.mooncake is not None
     mooncake_master = g.master is not None and g.master.mooncake is not None
+    mooncake_master = mooncake_master or g.mooncake_ha is not None
     return "mooncake" if mooncake_config or mooncake_master else "kvpool"
 
 
@@ -115,6 +116,8 @@ def diagnose(g: Gathered) -> list[Check]:
         checks += check_config_file(g.config_file)
     checks.append(check_local_hostname(either, g.hostname_error))
     checks.append(check_master_address(either, g.master_arg))
+    if g.mooncake_ha is not None:
+        checks.append(check_mooncake_leadership(g.mooncake_ha))
     leadership = check_leadership(g.leadership)
     checks += [leadership] if leadership is not None else []
     checks += check_master(g.master)

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.config import MasterConfig, Timeouts
+from kvpool.mooncake.ha import MooncakeHA
 from kvpool.ops.doctor.checks import Check
 from kvpool.ops.doctor.checks_connector import ModelInfo, Side
 from kvpool.ops.doctor.checks_host import PortFacts, SsdFacts
@@ -32,6 +33,8 @@ class Gathered:
     #: HA masters (a list, or etcd://): the spec, the leader found ("" none) and what it
     #: said of itself (role, epoch, standbys) or why none was found
     leadership: tuple[str, str, Mapping[str, object] | str] | None = None
+    #: Mooncake's own HA masters lead instead (kvpool.mooncake.ha): who leads there
+    mooncake_ha: MooncakeHA | None = None
     master_config: MasterConfig | None = None
     master_config_error: str | None = None
     #: whose master --master-cmd starts ("kvpool" / "mooncake"); None without one

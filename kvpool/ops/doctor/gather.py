@@ -11,6 +11,7 @@ import json
 import os
 import socket
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from kvpool import __version__
@@ -27,6 +28,8 @@ from kvpool.config.masters import ETCD_SCHEME, parse_masters
 from kvpool.config.node import MooncakeNodeConfig, load_any_node_config
 from kvpool.config.vllm_versions import installed_vllm_version
 from kvpool.errors import ConfigError, KVPoolError
+from kvpool.mooncake.ha import leadership_or_none
+from kvpool.net import split_address
 from kvpool.ops.doctor import probes
 from kvpool.ops.doctor.checks import fail
 from kvpool.ops.doctor.checks_connector import Side, model_info
@@ -237,14 +240,24 @@ def _gather_master(
             view = fetch_snapshot(address).leadership
             g.leadership = (spec, address, view)
         except KVPoolError as exc:
-            g.leadership = (spec, "", str(exc))
-            masters = parse_masters(spec, key="--master")
-            address = None if masters.etcd else masters.first  # the checks say it is down
+            address = _mooncake_leader(g, spec, exc)
     if address is not None:
         metrics_port = g.master_config_metrics_port
+        ha = g.mooncake_ha
+        if ha is not None and ha.facts is not None:
+            metrics_port = split_address(ha.facts.metrics_address)[1]
         g.master = probes.probe_master(
             address, metrics_port=metrics_port, headers=operator_headers(g.env)
         )
+        found = g.master.mooncake
+        if ha is not None and found is not None and found.role != "leader":
+            # two masters on one host: 9003 beside the leader's RPC port is another's
+            g.master = replace(
+                g.master,
+                mooncake=None,
+                mooncake_rpc=True,
+                health_error=f"{found.metrics_address} is a {found.role}'s, not the leader's",
+            )
         if g.master.mooncake is not None and g.master_engine == "kvpool":
             _read_master_cmd(g, options.master_cmd or "", "mooncake")
     if options.master_cmd is not None:
@@ -255,6 +268,22 @@ def _gather_master(
             g.master_config = MasterConfig.from_flags(running)
         except ConfigError as exc:
             g.master_config_error = f"the running master reports {exc}"
+
+
+def _mooncake_leader(g: Gathered, spec: str, kvpool_error: KVPoolError) -> str | None:
+    """No kvpool master leads at ``spec``: Mooncake's own HA masters may
+    (:mod:`kvpool.mooncake.ha`).  The address the master checks then read (the leader's
+    RPC address; a named master, or None, when none leads)."""
+    ha, why = leadership_or_none(spec)
+    if ha is not None:
+        g.mooncake_ha = ha
+        return ha.leader
+    g.leadership = (spec, "", f"{kvpool_error}; nor do Mooncake's HA masters: {why}")
+    try:
+        masters = parse_masters(spec, key="--master")
+    except ConfigError:  # Mooncake's etcd://a;b spelling
+        return None
+    return None if masters.etcd else masters.first  # the checks say it is down
 
 
 def _read_master_cmd(g: Gathered, value: str, engine: str | None) -> None:
