@@ -29,6 +29,17 @@ def test_ruff_finds_nothing() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_ruff_format_leaves_every_file_as_it_is() -> None:
+    """One layout everywhere, so a diff shows what changed and not who reformatted it."""
+    done = subprocess.run(
+        [_tool("ruff"), "format", "--check", "kvpool", "tests", "bench"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_mypy_is_clean_and_strict_on_the_core() -> None:
     done = subprocess.run([_tool("mypy"), "kvpool"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -64,9 +64,7 @@ class AsyncClient:
         self, key: str, value: Any, *, parent: str | None = None, replica_num: int | None = None
     ) -> None:
         """Store ``value`` (bytes-like, NumPy array, CPU tensor); see :meth:`Client.put_from`."""
-        await self._run(
-            self.client.put_from, key, value, parent=parent, replica_num=replica_num
-        )
+        await self._run(self.client.put_from, key, value, parent=parent, replica_num=replica_num)
 
     put_from = put
 

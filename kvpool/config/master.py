@@ -226,8 +226,7 @@ class MasterConfig:
         self._check_ha()
         if self.eviction_policy not in (*EVICTION_POLICIES, *EVICTION_POLICY_ALIASES):
             raise ConfigError(
-                f"--eviction_policy: unknown {self.eviction_policy!r}; use one of "
-                f"{_POLICY_CHOICES}"
+                f"--eviction_policy: unknown {self.eviction_policy!r}; use one of {_POLICY_CHOICES}"
             )
 
     def _check_ha(self) -> None:

@@ -127,8 +127,10 @@ class ShmConnection(Closing):
         drop: Segment | None
         with self._lock:
             current = self._segments.get(segment_id)
-            if current is not None and current.name == segment.name and _same_file(
-                self._owner_fds.get(segment_id, -1), fd
+            if (
+                current is not None
+                and current.name == segment.name
+                and _same_file(self._owner_fds.get(segment_id, -1), fd)
             ):
                 # Another thread attached the same file first (two copies routed at once):
                 # keep its mapping, which copies may be using now, and drop this one.

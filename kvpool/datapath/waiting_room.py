@@ -82,9 +82,7 @@ class WaitingRoom:
         self.max_waiting = max_waiting
         self.max_per_peer = max_per_peer
         # least recent progress first (moved to the end by every byte that arrives)
-        self._waiting: collections.OrderedDict[socket.socket, _Waiting] = (
-            collections.OrderedDict()
-        )
+        self._waiting: collections.OrderedDict[socket.socket, _Waiting] = collections.OrderedDict()
         # arrival order, so deadline order (entries gone since are skipped)
         self._deadlines: collections.deque[_Waiting] = collections.deque()
         self._per_peer: collections.Counter[str] = collections.Counter()

@@ -46,9 +46,7 @@ class MasterEngine(ClientEngine):
 
         path = _node_config_secret_file()
         credential = read_secret_file(path, "secret_file") if path else None
-        client = Client(
-            master, timeout_s=timeout_s, credential=credential, replica_num=replica_num
-        )
+        client = Client(master, timeout_s=timeout_s, credential=credential, replica_num=replica_num)
         return cls(client)
 
 

@@ -401,9 +401,7 @@ class MasterServer:
         self._tick_task: asyncio.Task[None] | None = None
         self.port = config.port
         # connections not yet admitted, oldest first (one event loop: no lock)
-        self._pre_auth: collections.OrderedDict[asyncio.Transport, None] = (
-            collections.OrderedDict()
-        )
+        self._pre_auth: collections.OrderedDict[asyncio.Transport, None] = collections.OrderedDict()
         self.refused_pre_auth = 0  # closed before admission: late, or a full room
         self.leadership = Leadership(config.advertised, ha=config.enable_ha)
         self.service.leadership = self.leadership

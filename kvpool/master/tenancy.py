@@ -201,9 +201,7 @@ class TenantMaster:
         index = self.service.index
         if index.state_of(key) is None:  # a new object: it takes room
             self._make_room(key, size * (replica_num or index.config.replica_num), now)
-        placement = self.service.put_key(
-            client_id, key, size, parent, now, may_wait, replica_num
-        )
+        placement = self.service.put_key(client_id, key, size, parent, now, may_wait, replica_num)
         if placement is not None and placement.placed:
             self.book.reserved(key, size * (1 + len(placement.replicas)))
         return placement

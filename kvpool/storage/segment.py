@@ -187,9 +187,7 @@ class Segment(Closing):
         self._warmth = Warmth("warm", size, size) if warmed else Warmth("off", 0, size)
         # an owner that is collected or exits without close() still unlinks its name (not
         # on SIGKILL: then the next node's remove_stale_segments does)
-        self._at_exit = (
-            weakref.finalize(self, _unlink_owned, path, os.getpid()) if owner else None
-        )
+        self._at_exit = weakref.finalize(self, _unlink_owned, path, os.getpid()) if owner else None
 
     @classmethod
     def create(
@@ -331,7 +329,6 @@ class Segment(Closing):
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # after the unlink: no one sees a lockless live name
             self._lock_fd = -1
-
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("owner" if self.owner else "attached")

@@ -145,7 +145,6 @@ class PoolProcess(Closing):
         raise TimeoutError(f"no line matching {pattern!r} in {timeout_s}s")
 
 
-
 def start_master(
     *flags: str, env: dict[str, str] | None = None, log_path: Path | None = None
 ) -> PoolProcess:
@@ -157,9 +156,7 @@ def start_master(
     return PoolProcess([*argv, *flags], env=env, log_path=log_path)
 
 
-def node_config(
-    directory: Path, master: str, size: str = "16MiB", **extra: object
-) -> Path:
+def node_config(directory: Path, master: str, size: str = "16MiB", **extra: object) -> Path:
     """Write ``directory/mooncake.json`` for a node on 127.0.0.1 over TCP that contributes
     ``size`` of memory to the pool at ``master`` (``extra`` adds or overrides keys)."""
     path = directory / "mooncake.json"

@@ -113,6 +113,8 @@ def test_argparse_and_the_command_line_parser_read_the_same_table(argv: list[str
     from_cli = MasterConfig.from_flags({k: v for k, v in given.items() if v is not None})
     assert from_argv == from_cli
     assert (from_cli.enable_offload, from_cli.port, from_cli.eviction_ratio) == (True, 50099, 0.2)
+
+
 def test_every_eviction_policy_and_alias_is_a_master_flag_value() -> None:
     """``--eviction_policy default`` (the name before ``prefix_aware``) keeps working, and the
     flag accepts exactly what the core can build."""

@@ -46,4 +46,3 @@ def test_victims_are_the_tenants_own_least_recently_used() -> None:
     book.reserved("@red/pending", 10)  # being written: never a victim
     assert [k for k, _ in book.victims("@red/new")] == ["@red/b", "@red/c", "@red/a"]
     assert book.tenants["red"].hits == 1
-

@@ -170,6 +170,7 @@ def system_libraries(binaries: list[Path]) -> set[str]:
 def owning_packages(paths: set[str]) -> dict[str, str]:
     """The Debian package of each library, whichever side of Debian's /usr merge dpkg
     knows it by (one dpkg call: each one reads the whole database)."""
+
     def other(path: str) -> str:
         return path.removeprefix("/usr") if path.startswith("/usr/") else "/usr" + path
 

@@ -22,7 +22,6 @@ from tests.waiting import wait_until
 CLIENT_TTL_S = 2
 
 
-
 def node_shm_file(c: Client, key: str) -> Path:
     """The /dev/shm file of the segment ``key`` lives in (read from its placement)."""
     placement = c.call(m.Get("probe", key))

@@ -132,6 +132,7 @@ def test_a_stopped_node_does_not_stop_the_master(tmp_path: Path) -> None:
             with Client(master.address, timeout_s=15) as c:
                 listed = [k for k in values if c.exists(k)]
                 assert listed
+
                 # nothing the index lists is missing or wrong: each reads back its own
                 # bytes, or leaves the index (a watermark round copying it to the node's
                 # SSD makes it a miss until the copy is confirmed, then it reads back)

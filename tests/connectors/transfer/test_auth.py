@@ -120,9 +120,7 @@ def test_a_decode_with_a_secret_is_not_fooled_by_an_open_prefill(
     assert "handshake" in got["raw_error"]
 
 
-def test_a_flood_with_no_credential_locks_no_decode_out(
-    run: Run, files: dict[str, str]
-) -> None:
+def test_a_flood_with_no_credential_locks_no_decode_out(run: Run, files: dict[str, str]) -> None:
     # 2,000 idle and 2,000 slow-handshake connections on P's kv_port: they wait without
     # a thread and go after the handshake deadline, or when the room is full
     got = run("flooded", files["right"], 2000)

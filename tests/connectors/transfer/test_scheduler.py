@@ -198,7 +198,7 @@ def test_decode_whose_config_describes_the_wrong_prefill_layout_names_the_key(
         assert [r.request_id for r in d.build_jobs().releases] == ["d-w"]
     text = caplog.text
     assert 'kv_connector_extra_config["prefill"]' in text
-    assert 'the prefill runs tp_size 2 but this decode' in text
+    assert "the prefill runs tp_size 2 but this decode" in text
     assert "the prefill is DP rank 1" in text
     right = sched("kv_consumer", peer=Topology(2, 2))
     assert right.get_num_new_matched_tokens(FakeRequest("d", 300, dict(params)), 0) == (300, True)
