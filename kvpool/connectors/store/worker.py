@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -70,13 +70,14 @@ class LoadResult:
 
 
 @dataclass(slots=True)
-class _LayerLoad:
-    """A synchronous load read layer by layer in the background during the forward pass:
-    ``ready[i]`` is set once layer ``i`` of every block it will deliver has landed (or the
-    load gave up on it), always before the load ends."""
+class _LayerLoads:
+    """One step's synchronous loads, read layer by layer in the background during the
+    forward pass: ``ready[i]`` is set once layer ``i`` of every block they will deliver
+    has landed (or a load gave up on it), always before the job ends."""
 
+    specs: tuple[LoadSpec, ...]
     ready: list[threading.Event]
-    future: Future[LoadResult]
+    future: Future[list[LoadResult]]
 
 
 class StoreWorker:
@@ -170,7 +171,7 @@ class StoreWorker:
         self._saves: SaveQueue | None = None
         self._saver_pool = saver_pool or pool
         self._save_ids = 0
-        self._layer_loads: list[_LayerLoad] = []
+        self._layer_loads: _LayerLoads | None = None
         self._layer_index: dict[str, int] = {}
         self._layer_executor: ThreadPoolExecutor | None = None
 
@@ -303,10 +304,12 @@ class StoreWorker:
     # ------------------------------------------------------------------ loads
 
     def start_loads(self, plan: StorePlan) -> None:
+        layered = self._layers > 1 and self.paged is not None
+        if layered and (specs := tuple(s for s in plan.loads if not s.is_async)):
+            self._start_layer_loads(specs)
         for spec in plan.loads:
-            if not spec.is_async and self._layers > 1 and self.paged is not None:
-                self._start_layer_load(spec)
-                continue
+            if not spec.is_async and layered:
+                continue  # in the layer-wise job
             if not spec.is_async:
                 result = self._load(spec, self._pool, None)
                 self._record(result)
@@ -317,41 +320,38 @@ class StoreWorker:
             future = self._executor.submit(self._load, spec, self._loader_pool, cancel)
             self._inflight[spec.req_id] = (future, cancel)
 
-    def _start_layer_load(self, spec: LoadSpec) -> None:
-        """Read ``spec`` layer by layer in the background (see the rules)."""
-        assert self.paged is not None
+    def _start_layer_loads(self, specs: tuple[LoadSpec, ...]) -> None:
+        """Read this step's ``specs`` layer by layer in the background (see the rules)."""
+        assert self.paged is not None and self._layer_loads is None
         if self._layer_executor is None:
             self._layer_executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-store-layers")
         ready = [threading.Event() for _ in self.paged.names]
         # its own connection: the step's may be busy with a save in the step meanwhile
-        future = self._layer_executor.submit(self._load, spec, self._loader_pool, None, ready)
-        self._layer_loads.append(_LayerLoad(ready, future))
+        future = self._layer_executor.submit(self._load_layers, specs, self._loader_pool, ready)
+        self._layer_loads = _LayerLoads(specs, ready, future)
 
     def wait_layer(self, layer_name: str) -> None:
-        """Return once layer ``layer_name`` of every layer-wise load of this step is in."""
+        """Return once layer ``layer_name`` of this step's layer-wise loads is in."""
         index = self._layer_index.get(layer_name)
-        if index is None:
-            return
-        for load in self._layer_loads:
-            load.ready[index].wait()  # set by the load, however it ends
+        if index is not None and self._layer_loads is not None:
+            self._layer_loads.ready[index].wait()  # set by the job, however it ends
 
     def finish_layer_loads(self) -> None:
         """Join this step's layer-wise loads and record them (their failures reach vLLM
         in this step's ``get_block_ids_with_load_errors``)."""
-        loads, self._layer_loads = self._layer_loads, []
-        for load in loads:
-            try:
-                self._record(load.future.result())
-            except Exception as exc:  # a bug in the loader must not fail the step
-                self._log.error("[KVPoolStoreConnector] layer-wise load crashed: %s", exc)
+        job, self._layer_loads = self._layer_loads, None
+        if job is None:
+            return
+        try:
+            results = job.future.result()
+        except Exception as exc:  # a bug in the loader: nothing it wrote can be trusted
+            self._log.error("[KVPoolStoreConnector] layer-wise load crashed: %s", exc)
+            results = [LoadResult(s.req_id, 0, frozenset(s.block_ids)) for s in job.specs]
+        for result in results:
+            self._record(result)
 
-    def _load(
-        self,
-        spec: LoadSpec,
-        handle: PoolHandle[PoolEngine],
-        cancel: threading.Event | None,
-        ready: Sequence[threading.Event] = (),
-    ) -> LoadResult:
+    def _unpinner(self, spec: LoadSpec, handle: PoolHandle[PoolEngine]) -> Callable[[], None]:
+        """Releases the pins the scheduler took for ``spec``, once, when first called."""
         owner = spec.owners[self._rank] if spec.owners else None
         unpinned = False
 
@@ -361,12 +361,56 @@ class StoreWorker:
                 unpinned = True
                 self._unpin(handle, owner)
 
+        return unpin
+
+    def _load(
+        self, spec: LoadSpec, handle: PoolHandle[PoolEngine], cancel: threading.Event | None
+    ) -> LoadResult:
+        unpin = self._unpinner(spec, handle)
         try:
-            if self._layers > 1:
-                return self._copy_layers(spec, handle, cancel, unpin, ready)
-            return self._copy(spec, handle, cancel, unpin)
+            if self._layers == 1:
+                return self._copy(spec, handle, cancel, unpin)
+            reader = self._copy_layers(spec, handle, unpin)
+            while True:  # an async load: layer after layer, nobody waits on one
+                if cancel is not None and cancel.is_set():
+                    return LoadResult(spec.req_id, 0, frozenset())  # aborted: nobody reads
+                try:
+                    next(reader)
+                except StopIteration as done:
+                    result: LoadResult = done.value
+                    return result
         finally:
             unpin()
+
+    def _load_layers(
+        self,
+        specs: Sequence[LoadSpec],
+        handle: PoolHandle[PoolEngine],
+        ready: Sequence[threading.Event],
+    ) -> list[LoadResult]:
+        """One step's synchronous loads, layer-major: layer 0 of every request, then
+        layer 1, ...; ``ready[i]`` is set when layer ``i`` is in for all of them."""
+        unpins = [self._unpinner(spec, handle) for spec in specs]
+        try:
+            readers = [
+                self._copy_layers(spec, handle, unpin)
+                for spec, unpin in zip(specs, unpins, strict=True)
+            ]
+            results: list[LoadResult | None] = [None] * len(specs)
+            for layer in range(self._layers + 1):  # the last round collects the results
+                for i, reader in enumerate(readers):
+                    if results[i] is None:
+                        try:
+                            next(reader)
+                        except StopIteration as done:
+                            results[i] = done.value
+                if layer < len(ready):
+                    ready[layer].set()
+            assert all(r is not None for r in results)
+            return [r for r in results if r is not None]
+        finally:
+            for unpin in unpins:
+                unpin()
             for event in ready:
                 event.set()  # the forward pass never waits on a load that is over
 
@@ -420,16 +464,11 @@ class StoreWorker:
         return LoadResult(spec.req_id, loaded, frozenset())
 
     def _copy_layers(
-        self,
-        spec: LoadSpec,
-        handle: PoolHandle[PoolEngine],
-        cancel: threading.Event | None,
-        unpin: Callable[[], None],
-        ready: Sequence[threading.Event],
-    ) -> LoadResult:
-        """Layer-wise: every block's layer 0, then layer 1, ...; blocks [0, good) stay
-        intact in every layer read so far, and a failure shortens ``good`` for the layers
-        after it."""
+        self, spec: LoadSpec, handle: PoolHandle[PoolEngine], unpin: Callable[[], None]
+    ) -> Generator[None, None, LoadResult]:
+        """Layer-wise: every block's layer 0, then layer 1, ..., yielding after each
+        layer; blocks [0, good) stay intact in every layer read so far, and a failure
+        shortens ``good`` for the layers after it.  Returns the load's result."""
         paged = self.paged
         if paged is None:
             return LoadResult(spec.req_id, 0, frozenset(spec.block_ids))
@@ -439,8 +478,6 @@ class StoreWorker:
         # in place, a layer's blocks go in few calls; staged, as many as the staging holds
         step = _BATCH if paged.staged else _BATCH * self._layers
         for layer in range(self._layers):
-            if cancel is not None and cancel.is_set():
-                return LoadResult(spec.req_id, 0, frozenset())  # aborted: nobody reads them
             keys = self._object_keys(spec.keys, slots, layer)
             for start in range(0, good, step):
                 blocks = spec.block_ids[start : min(good, start + step)]
@@ -460,8 +497,7 @@ class StoreWorker:
                 unpin()  # a pinned object cannot be removed
                 dropped += int(self._drop_unreadable(handle, key, failure))
                 break
-            if layer < len(ready):
-                ready[layer].set()
+            yield
         return LoadResult(spec.req_id, good, frozenset(spec.block_ids[good:]), dropped)
 
     def _object_keys(

@@ -186,3 +186,35 @@ def test_caches_on_a_device_go_layer_by_layer_through_host_staging(groups: HeadG
     pool.corrupt.add(groups.keys(chain(3))[2][1])  # column 2, block 1
     assert load(loader, groups, (7, 8, 9)) == {8, 9}
     assert all(torch.equal(dst[n][7], src[n][0]) for n in NAMES)
+
+
+def test_a_steps_loads_are_read_layer_major_so_layer_zero_waits_for_no_layer_one() -> None:
+    keys_a, keys_b = WHOLE.keys(chain(2)), WHOLE.keys(chain(3)[1:])
+    pool = HeldLayers(set(keys_a[1]) | set(keys_b[1]))  # layer 1 of both requests held
+    src, dst = kv_caches(1), kv_caches(2)
+    save(make(pool, src, WHOLE), WHOLE, (0, 1, 2))
+    worker = make(pool, dst, WHOLE)
+    a = LoadSpec("a", (4, 5), keys_a, is_async=False)
+    b = LoadSpec("b", (6, 7), keys_b, is_async=False)
+    worker.start_loads(StorePlan(loads=(a, b)))
+    worker.wait_layer("layer.0")  # both requests' layer 0, with neither's layer 1 read
+    assert pool.waiting.wait(30)
+    assert torch.equal(dst["layer.0"][4:6], src["layer.0"][0:2])
+    assert torch.equal(dst["layer.0"][6:8], src["layer.0"][1:3])
+    pool.go.set()
+    worker.finish_layer_loads()
+    assert worker.take_invalid_block_ids() == set()
+    assert all(torch.equal(dst[n][6:8], src[n][1:3]) for n in NAMES)
+
+
+def test_a_loader_that_crashes_fails_every_block_of_the_step() -> None:
+    pool = FakePool()
+    src, dst = kv_caches(1), kv_caches(2)
+    save(make(pool, src, WHOLE), WHOLE, (0, 1))
+    worker = make(pool, dst, WHOLE)
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    worker._read = broken  # type: ignore[method-assign]
+    assert load(worker, WHOLE, (4, 5)) == {4, 5}  # nothing it wrote is trusted
