@@ -127,11 +127,7 @@ def chunk_keys(
 #   per-rank chains instead: a layout-bound namespace, kept for callers that want one.)
 def group_key(key: BlockKey, group: int) -> BlockKey:
     """The key of KV-head group ``group`` of chunk ``key`` (independent of any TP layout)."""
-    if not 0 <= group <= _MAX_TOKEN_ID:
-        raise ValueError(f"group must be in [0, {_MAX_TOKEN_ID}], got {group}")
-    h = hashlib.blake2b(key.digest, digest_size=KEY_BYTES, person=b"kvpool-group-v1")
-    h.update(struct.pack("<I", group))
-    return BlockKey(h.digest())
+    return _derived(key, group, "group", b"kvpool-group-v1")
 
 
 # - With layer-wise objects (the store connector's ``use_layerwise``) each layer of a chunk's
@@ -140,8 +136,13 @@ def group_key(key: BlockKey, group: int) -> BlockKey:
 #   chunk key, a group key or another layer's key.
 def layer_key(key: BlockKey, layer: int) -> BlockKey:
     """The key of layer ``layer`` of the object ``key`` (a chunk's or a group's)."""
-    if not 0 <= layer <= _MAX_TOKEN_ID:
-        raise ValueError(f"layer must be in [0, {_MAX_TOKEN_ID}], got {layer}")
-    h = hashlib.blake2b(key.digest, digest_size=KEY_BYTES, person=b"kvpool-layer-v1")
-    h.update(struct.pack("<I", layer))
+    return _derived(key, layer, "layer", b"kvpool-layer-v1")
+
+
+def _derived(key: BlockKey, index: int, what: str, person: bytes) -> BlockKey:
+    """``key``'s ``index``-th sub-key under its own BLAKE2b personalisation."""
+    if not 0 <= index <= _MAX_TOKEN_ID:
+        raise ValueError(f"{what} must be in [0, {_MAX_TOKEN_ID}], got {index}")
+    h = hashlib.blake2b(key.digest, digest_size=KEY_BYTES, person=person)
+    h.update(struct.pack("<I", index))
     return BlockKey(h.digest())

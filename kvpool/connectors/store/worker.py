@@ -180,8 +180,9 @@ class StoreWorker:
 
     @property
     def _whole(self) -> bool:
-        """Whether one object is this rank's whole page (one group, or none)."""
-        return self._reads is None or len(self._reads) == 1
+        """Whether one object is this rank's whole page (one group, or none, and not
+        split into layers): then it moves as one part."""
+        return (self._reads is None or len(self._reads) == 1) and self._layers == 1
 
     @property
     def _layers(self) -> int:
@@ -211,7 +212,7 @@ class StoreWorker:
         """The parts of the objects of ``block_ids`` (each block's ``slots`` in turn): the
         cache's own rows (CPU), or this thread's reused staging pages (device caches;
         returned too, to scatter or gather)."""
-        whole = self._whole and self._layers == 1  # layer-wise: one part per layer
+        whole = self._whole
         if not paged.staged:
             return [
                 paged.block_parts(b) if whole or slot is None
@@ -396,18 +397,17 @@ class StoreWorker:
                 self._copy_layers(spec, handle, unpin)
                 for spec, unpin in zip(specs, unpins, strict=True)
             ]
-            results: list[LoadResult | None] = [None] * len(specs)
+            results: dict[int, LoadResult] = {}
             for layer in range(self._layers + 1):  # the last round collects the results
                 for i, reader in enumerate(readers):
-                    if results[i] is None:
+                    if i not in results:
                         try:
                             next(reader)
                         except StopIteration as done:
                             results[i] = done.value
                 if layer < len(ready):
                     ready[layer].set()
-            assert all(r is not None for r in results)
-            return [r for r in results if r is not None]
+            return [results[i] for i in range(len(specs))]
         finally:
             for unpin in unpins:
                 unpin()
@@ -641,7 +641,7 @@ class StoreWorker:
         """The objects' parts in the save queue's staging pages (each page's ``slots``)."""
         assert self.paged is not None
         tensor, hb = queue.tensor, self.paged.head_bytes
-        whole = self._whole and self._layers == 1  # layer-wise: one part per layer
+        whole = self._whole
         layers = range(len(self.paged.names))
         return [
             [tensor[j]] if whole or slot is None

@@ -3,7 +3,6 @@ synchronous load that hands vLLM layer N while layer N+1 is still being read."""
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -14,10 +13,10 @@ import torch
 from kvpool.connectors.pages import block_pages
 from kvpool.connectors.store.groups import HeadGroups
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
-from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.worker import StoreWorker
 from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
 from kvpool.errors import ConfigError
+from tests.connectors.store import test_worker as worker_tests
 from tests.connectors.store.fake_pool import FakePool
 
 NUM_BLOCKS, HEADS, BS, HEAD2, LAYERS = 12, 2, 4, 6, 3
@@ -30,18 +29,7 @@ def kv_caches(seed: int) -> dict[str, torch.Tensor]:
 
 
 def make(pool: FakePool, caches: dict[str, torch.Tensor], groups: HeadGroups) -> StoreWorker:
-    def handle() -> PoolHandle[FakePool]:
-        return PoolHandle(lambda: pool, reconnect_interval_s=60, describe="fake")
-
-    worker = StoreWorker(
-        tp_rank=0,
-        pool=handle(),
-        loader_pool=handle(),
-        logger=logging.getLogger("t"),
-        groups=groups,
-    )
-    worker.register(caches)
-    return worker
+    return worker_tests.make(pool, caches, groups=groups)
 
 
 def chain(n: int) -> list[BlockKey]:
@@ -104,25 +92,6 @@ class HeldLayers(FakePool):
         return super().batch_get_parts(keys, parts)
 
 
-def test_layer_zero_is_handed_over_while_layer_one_is_still_read() -> None:
-    keys = WHOLE.keys(chain(2))
-    pool = HeldLayers(set(keys[1]))  # column 1: layer 1 of the one group
-    src, dst = kv_caches(1), kv_caches(2)
-    save(make(pool, src, WHOLE), WHOLE, (0, 1))
-    worker = make(pool, dst, WHOLE)
-    worker.start_loads(StorePlan(loads=(LoadSpec("r", (4, 5), keys, is_async=False),)))
-    worker.wait_layer("layer.0")  # returns although layer 1's read is held
-    assert pool.waiting.wait(30)
-    assert torch.equal(dst["layer.0"][4], src["layer.0"][0])
-    assert not torch.equal(dst["layer.1"][4], src["layer.1"][0])
-    pool.go.set()
-    worker.wait_layer("layer.1")
-    worker.wait_layer("layer.2")
-    worker.finish_layer_loads()
-    assert worker.take_invalid_block_ids() == set()
-    assert all(torch.equal(dst[n][4:6], src[n][0:2]) for n in NAMES)
-
-
 def test_a_failed_layer_fails_its_block_and_later_ones_and_no_wait_hangs() -> None:
     pool = FakePool()
     src, dst = kv_caches(1), kv_caches(2)
@@ -154,13 +123,9 @@ def test_layer_wise_async_loads_report_once() -> None:
     spec = LoadSpec("a", (6, 7), WHOLE.keys(chain(2)), is_async=True)
     worker.start_loads(StorePlan(loads=(spec,)))
     worker.wait_layer("layer.0")  # no layer-wise load in the step: returns at once
-    done: set[str] = set()
-    for _ in range(1000):
-        done |= worker.finished_loads(set())
-        if done:
-            break
-        threading.Event().wait(0.01)
-    assert done == {"a"} and worker.take_invalid_block_ids() == set()
+    assert worker_tests.wait_finished(worker) == {"a"}
+    assert worker.finished_loads(set()) == set()  # reported once
+    assert worker.take_invalid_block_ids() == set()
     assert all(torch.equal(dst[n][6:8], src[n][0:2]) for n in NAMES)
 
 
@@ -201,9 +166,13 @@ def test_a_steps_loads_are_read_layer_major_so_layer_zero_waits_for_no_layer_one
     assert pool.waiting.wait(30)
     assert torch.equal(dst["layer.0"][4:6], src["layer.0"][0:2])
     assert torch.equal(dst["layer.0"][6:8], src["layer.0"][1:3])
+    assert not torch.equal(dst["layer.1"][4], src["layer.1"][0])  # still held
     pool.go.set()
+    for name in NAMES[1:]:
+        worker.wait_layer(name)
     worker.finish_layer_loads()
     assert worker.take_invalid_block_ids() == set()
+    assert all(torch.equal(dst[n][4:6], src[n][0:2]) for n in NAMES)
     assert all(torch.equal(dst[n][6:8], src[n][1:3]) for n in NAMES)
 
 
