@@ -215,6 +215,41 @@ def stack(reference: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
     argv = [*up_argv(readme), "--state-dir", str(state)]
     argv += [arg for flag in ports for arg in (flag, "0")]
     argv += ["--decode-instances", "2", "--start-timeout", str(START_TIMEOUT_S)]
+    # Port 0 gives free ports from the kernel's ephemeral range, where any outgoing
+    # connection of the other test worker may take one before vLLM binds it (seconds
+    # later): a start that died of exactly that is tried once more, on new ports.
+    for attempt in (1, 2):
+        proc, lines, reader = _start_up(argv)
+        try:
+            info = _wait_ready(proc, state, lines, reader)
+            break
+        except AssertionError as exc:
+            _stop_up(proc, reader)
+            exited = proc.returncode is not None and "Address already in use" in str(exc)
+            if attempt == 2 or not exited:
+                raise
+    try:
+        stack = Stack(proc, state, info, lines, reader=reader)
+        stack.children = descendants(proc.pid)
+        yield stack
+    finally:
+        _stop_up(proc, reader)
+
+
+def _stop_up(proc: subprocess.Popen[str], reader: threading.Thread) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+    reader.join(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _start_up(argv: list[str]) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
     proc = subprocess.Popen(
         argv,
         cwd=REPO,
@@ -226,22 +261,7 @@ def stack(reference: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
     lines: list[str] = []
     reader = threading.Thread(target=_read_lines, args=(proc, lines), daemon=True)
     reader.start()
-    try:
-        info = _wait_ready(proc, state, lines, reader)
-        stack = Stack(proc, state, info, lines, reader=reader)
-        stack.children = descendants(proc.pid)
-        yield stack
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-        reader.join(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    return proc, lines, reader
 
 
 def _wait_ready(
