@@ -19,12 +19,23 @@ from dataclasses import dataclass
 from kvpool.errors import KVPoolError
 from kvpool.ha.etcd import Etcd
 
-__all__ = ["Campaign", "ClusterKeys", "Elected"]
+__all__ = ["Campaign", "ClusterKeys", "Elected", "etcd_timeout_s"]
 
 log = logging.getLogger("kvpool.ha")
 
-#: how often a standby looks whether the leader key is gone
+#: how often a standby looks whether the leader key is gone (and the least a failed
+#: renewal waits before it is tried again)
 POLL_S = 0.2
+
+
+def etcd_timeout_s(ttl_s: int) -> float:
+    """How long one etcd call may take, per endpoint.  Safety does not depend on it (a
+    leader counts its lease from when a renewal was *sent*, and the gate stops serving at
+    that time whatever the thread is doing), so it is as long as liveness allows: a
+    renewal that answers within half the lease still arrives before the lease is over,
+    even after one dead endpoint cost a timeout.  etcd on a slow disk or a loaded host
+    answers writes in hundreds of milliseconds; a shorter bound elected no one there."""
+    return ttl_s / 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +134,11 @@ class Campaign:
     # ---------------------------------------------------------------------- the thread
     def _run(self) -> None:
         while not self._stop.is_set() and not self.gone:
+            failed = False
             try:
                 self._step()
             except KVPoolError as exc:
+                failed = True
                 log.warning(
                     "etcd: %s (retrying%s)",
                     exc,
@@ -135,8 +148,17 @@ class Campaign:
                 self._lose("the lease could not be renewed in time")
             if self.gone:
                 return
-            self._wake.wait(self.margin_s if self.leading else POLL_S)
+            self._wake.wait(self._pause(failed))
             self._wake.clear()
+
+    def _pause(self, failed: bool) -> float:
+        """A leader renews every margin counted from its last renewal, not from the end
+        of a step: slow calls in a step do not push the next renewal later.  A failed
+        step waits a little (etcd refusing at once must not spin the thread)."""
+        if failed or not self.leading:
+            return min(POLL_S, self.margin_s)
+        due = self._renewed_at + self.margin_s - self.clock()
+        return max(0.0, due) + 0.001  # past the margin, or the step would skip renewing
 
     def _lose(self, why: str) -> None:
         self.leading, self.gone = False, True
@@ -150,7 +172,9 @@ class Campaign:
             self.etcd.put(
                 self.keys.master(self.address), json.dumps({"address": self.address}), self.lease
             )
-        elif self.clock() - self._renewed_at >= self.margin_s:
+        # renewed here too when the grant's own step took a margin: a slow etcd must not
+        # elect a master on a lease that is about to end
+        if self.clock() - self._renewed_at >= self.margin_s:
             sent = self.clock()
             ttl = self.etcd.keepalive(self.lease)
             if ttl <= 0:
@@ -167,17 +191,22 @@ class Campaign:
             self._record_nodes()
             self.on_view(self.address, self.epoch, self._masters())
             return
-        created, current, revision = self.etcd.create(
-            self.keys.leader, json.dumps({"address": self.address}), self.lease
+        # one transaction: the election and what a winner needs, in one round trip
+        created, current, revision, (masters_kv, nodes_kv) = self.etcd.create_and_list(
+            self.keys.leader,
+            json.dumps({"address": self.address}),
+            self.lease,
+            (self.keys.prefix + "masters/", self.keys.prefix + "nodes/"),
         )
-        masters = self._masters()
+        masters = [kv.key.rsplit("/", 1)[-1] for kv in masters_kv]
+        if not created and current is not None and current.lease == self.lease:
+            # this master's own key on its own lease: an earlier create took effect and
+            # its reply was lost.  It leads (else it would hold the key, unled, forever).
+            created, revision = True, current.create_revision
         if created:
             self.leading, self.epoch = True, revision
             self.valid_until = self._renewed_at + self.ttl_s - self.margin_s
-            nodes = {
-                kv.key.rsplit("/", 1)[-1]
-                for kv in self.etcd.get_prefix(self.keys.prefix + "nodes/")
-            }
+            nodes = {kv.key.rsplit("/", 1)[-1] for kv in nodes_kv}
             log.info("elected leader, epoch %d (%d node(s) to re-announce)", revision, len(nodes))
             self.on_view(self.address, revision, masters)
             self.on_elected(Elected(revision, self.valid_until, nodes))

@@ -112,6 +112,18 @@ class Etcd:
         """Put ``key`` only if it does not exist (one transaction): (created, the key as
         it stands when it was not, the store's revision after the call).  A created
         key's create revision is that revision."""
+        created, current, revision, _ = self.create_and_list(key, value, lease, ())
+        return created, current, revision
+
+    def create_and_list(
+        self, key: str, value: str, lease: int, prefixes: Sequence[str]
+    ) -> tuple[bool, KeyValue | None, int, list[list[KeyValue]]]:
+        """:meth:`create`, and the keys under each of ``prefixes`` as they stand after it,
+        in the same transaction: one round trip where a slow etcd makes each one count."""
+        lists = [
+            {"request_range": {"key": _b64(prefix), "range_end": _prefix_end(prefix)}}
+            for prefix in prefixes
+        ]
         reply = self._post(
             "/v3/kv/txn",
             {
@@ -124,16 +136,22 @@ class Etcd:
                     }
                 ],
                 "success": [
-                    {"request_put": {"key": _b64(key), "value": _b64(value), "lease": str(lease)}}
+                    {"request_put": {"key": _b64(key), "value": _b64(value), "lease": str(lease)}},
+                    *lists,
                 ],
-                "failure": [{"request_range": {"key": _b64(key)}}],
+                "failure": [{"request_range": {"key": _b64(key)}}, *lists],
             },
         )
         revision = int(reply["header"]["revision"])
+        responses = reply.get("responses", [])
+        listed = [
+            [_kv(item) for item in r.get("response_range", {}).get("kvs", [])]
+            for r in responses[1:]
+        ]
         if reply.get("succeeded"):
-            return True, None, revision
-        kvs = reply["responses"][0]["response_range"].get("kvs", [])
-        return False, (_kv(kvs[0]) if kvs else None), revision
+            return True, None, revision, listed
+        kvs = responses[0]["response_range"].get("kvs", [])
+        return False, (_kv(kvs[0]) if kvs else None), revision, listed
 
     # ------------------------------------------------------------------------- transport
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from kvpool.config import MasterConfig
 from kvpool.core.index import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
-from kvpool.ha.campaign import Campaign, ClusterKeys, Elected
+from kvpool.ha.campaign import Campaign, ClusterKeys, Elected, etcd_timeout_s
 from kvpool.ha.etcd import Etcd, parse_endpoints
 from kvpool.ha.leadership import Leadership
 from kvpool.master.http import build_app
@@ -543,7 +543,7 @@ class MasterServer:
         """Campaign on etcd; the leadership is changed on the loop, where it is read."""
         cfg, gate = self.config, self.leadership
         ttl = cfg.ha_lease_ttl
-        etcd = Etcd(parse_endpoints(cfg.etcd_endpoints), timeout_s=max(0.2, ttl / 8))
+        etcd = Etcd(parse_endpoints(cfg.etcd_endpoints), timeout_s=etcd_timeout_s(ttl))
         warmup_s = cfg.ha_warmup / 1000
 
         def elected(won: Elected) -> None:

@@ -43,3 +43,24 @@ def test_a_dead_endpoint_is_skipped_and_none_alive_is_a_transfer_error(
     assert client.get("/t/k") is not None
     with pytest.raises(TransferError, match="cannot reach etcd"):
         Etcd(parse_endpoints(dead)).get("/t/k")
+
+
+def test_create_and_list_reads_prefixes_in_the_same_transaction(etcd: EtcdCluster) -> None:
+    client = Etcd(parse_endpoints(etcd.endpoints))
+    a, b = client.grant(5), client.grant(5)
+    client.put("/t/nodes/n1", "x")
+    client.put("/t/masters/a", "x", a)
+    won, current, revision, (masters, nodes) = client.create_and_list(
+        "/t/leader", "a", a, ("/t/masters/", "/t/nodes/")
+    )
+    assert won and current is None
+    assert [kv.key for kv in masters] == ["/t/masters/a"]
+    assert [kv.key for kv in nodes] == ["/t/nodes/n1"]
+    client.put("/t/masters/b", "x", b)
+    lost, current, _, (masters, nodes) = client.create_and_list(
+        "/t/leader", "b", b, ("/t/masters/", "/t/nodes/")
+    )
+    assert not lost and current is not None
+    assert (current.value, current.create_revision) == ("a", revision)
+    assert [kv.key for kv in masters] == ["/t/masters/a", "/t/masters/b"]
+    assert [kv.key for kv in nodes] == ["/t/nodes/n1"]

@@ -19,6 +19,7 @@ from kvpool.ha.etcd import Etcd, parse_endpoints
 from kvpool.protocol import messages as m
 from kvpool.testing.etcd import EtcdCluster
 from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
+from kvpool.testing.slow_relay import SlowRelay
 from tests.waiting import wait_until
 
 TTL_S = 2
@@ -49,7 +50,13 @@ def leader_of(masters: list[PoolProcess]) -> tuple[PoolProcess, PoolProcess]:
 def pool(etcd: EtcdCluster, tmp_path: Path) -> Iterator[tuple[list[PoolProcess], str]]:
     masters = [ha_master(etcd), ha_master(etcd)]
     spec = ",".join(p.address for p in masters)
-    node = start_node(node_config(tmp_path, spec, "32MiB"))
+    try:
+        node = start_node(node_config(tmp_path, spec, "32MiB"))
+    except RuntimeError as exc:  # what the masters said is what explains it
+        for p in masters:
+            p.stop()
+        logs = "\n".join(f"master {p.address}:\n" + "\n".join(list(p.lines)[-20:]) for p in masters)
+        raise RuntimeError(f"{exc}\n{logs}") from None
     try:
         # the node registered with the leader, and the leader recorded it in etcd
         keys = Etcd(parse_endpoints(etcd.endpoints))
@@ -147,3 +154,33 @@ def test_a_link_never_uses_a_leader_older_than_one_it_has_seen(
     with pytest.raises(TransferError, match="no master"):
         fenced.call(m.Exists("k"))
     fenced.close()
+
+
+def test_masters_on_an_etcd_that_answers_slowly_elect_one_that_serves(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    # every etcd reply 300 ms late (a slow disk's fsync): a master is elected, keeps its
+    # lease, and a node and a client work through it
+    host, port = etcd.endpoints.split(",")[0].rsplit(":", 1)
+    with SlowRelay((host, int(port)), 0.3) as relay:
+        flags = ("--segment_size", "0", "--enable_ha", "--etcd_endpoints", relay.endpoint,
+                 "--ha_lease_ttl", str(TTL_S))  # fmt: skip
+        masters = [start_master(*flags), start_master(*flags)]
+        try:
+            leader, _ = leader_of(masters)
+            epoch = who(leader.address).epoch
+            spec = ",".join(p.address for p in masters)
+            node = start_node(node_config(tmp_path, spec, "32MiB"))
+            try:
+                with Client(spec) as client:
+                    client.put("k", b"v" * 1000)
+                    assert client.get("k") == b"v" * 1000
+                time.sleep(2 * TTL_S)  # two lease lengths: renewals kept up
+                assert who(leader.address).role == "leader"
+                assert who(leader.address).epoch == epoch
+                assert all(p.proc.poll() is None for p in masters)
+            finally:
+                node.stop()
+        finally:
+            for p in masters:
+                p.stop()
