@@ -23,6 +23,27 @@ def open_engine(config: dict[str, Any], *, put_retry_s: float = 0.2) -> Mooncake
     return MooncakeEngine(parse_mooncake_config(config), timeout_s=5, put_retry_s=put_retry_s)
 
 
+def open_store_pool(config: dict[str, Any], path: str) -> Any:
+    """The pool vLLM's store connector opens for ``"backend": "mooncake"`` when
+    MOONCAKE_CONFIG_PATH names ``config`` (written to ``path``): the connector's own
+    settings parse and opener, as in an instance."""
+    import json
+    import os
+
+    from kvpool.config.kv_transfer import parse_store_config
+    from kvpool.config.node import load_any_node_config
+    from kvpool.connectors.store.pool import open_pool
+
+    with open(path, "w") as out:
+        json.dump(config, out)
+    os.environ.pop("KVPOOL_CONFIG_PATH", None)
+    os.environ["MOONCAKE_CONFIG_PATH"] = path
+    settings = parse_store_config(
+        "kv_both", {"backend": "mooncake"}, env=os.environ, load_node=load_any_node_config
+    )
+    return open_pool(settings)
+
+
 def get_parts(engine: MooncakeEngine, keys: list[str], sizes: list[list[int]]) -> tuple[list, list]:
     parts = [[bytearray(n) for n in ns] for ns in sizes]
     got = engine.batch_get_parts(keys, parts)
@@ -54,8 +75,15 @@ class NamespacedEngine:
     def __init__(self, ns: Namespace, ref: Ref, *, owns_namespace: bool = False) -> None:
         self.ns, self.ref, self._owns = ns, ref, owns_namespace
         self.engine = ns.call(ref, "__getattribute__", "engine")
-        self.pins = ns.call(ref, "__getattribute__", "pins")
-        self.probes_lease = ns.call(ref, "__getattribute__", "probes_lease")
+
+    # the engine's own traits (the store connector's view of it has none): asked when used
+    @property
+    def pins(self) -> bool:
+        return self.ns.call(self.ref, "__getattribute__", "pins")
+
+    @property
+    def probes_lease(self) -> bool:
+        return self.ns.call(self.ref, "__getattribute__", "probes_lease")
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.ns.call(self.ref, "batch_exists", list(keys))

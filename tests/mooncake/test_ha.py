@@ -1,5 +1,6 @@
 """Mooncake's own HA under kvpool's tools: two ``mooncake_master --enable_ha`` on one etcd,
-kvpool's Mooncake engine following the leader through ``etcd://``, the leader SIGKILLed.
+the store connector's Mooncake pool following the leader through ``etcd://``, the leader
+SIGKILLed.
 
 Everything runs in a private network namespace (kvpool.testing.mooncake): etcd on its
 127.0.0.1, both masters, the engine, and ``kvpool status`` / ``kvpool doctor`` as an
@@ -174,7 +175,12 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
                 {"10.0.0.9": "127.0.0.1", "4GB": "32MB", "512MB": "16MB"}
             )
         )
-        engine = NamespacedEngine(ns, ns.new("tests.mooncake.host:open_engine", config))
+        # opened as vLLM's store connector opens it ("backend": "mooncake",
+        # MOONCAKE_CONFIG_PATH naming docs/ha.md's file): the connector follows the leader
+        engine = NamespacedEngine(
+            ns,
+            ns.new("tests.mooncake.host:open_store_pool", config, str(log_dir / "mooncake.json")),
+        )
         yield Pool(ns, etcd, masters, engine, log_dir)
         engine.close()
 
