@@ -23,10 +23,10 @@ def open_engine(config: dict[str, Any], *, put_retry_s: float = 0.2) -> Mooncake
     return MooncakeEngine(parse_mooncake_config(config), timeout_s=5, put_retry_s=put_retry_s)
 
 
-def open_store_pool(config: dict[str, Any], path: str) -> Any:
+def open_store_pool(config: dict[str, Any], path: str, *, lookups: bool = False) -> Any:
     """The pool vLLM's store connector opens for ``"backend": "mooncake"`` when
     MOONCAKE_CONFIG_PATH names ``config`` (written to ``path``): the connector's own
-    settings parse and opener, as in an instance."""
+    settings parse and opener, as in an instance (``lookups``: its scheduler half's)."""
     import json
     import os
 
@@ -41,7 +41,7 @@ def open_store_pool(config: dict[str, Any], path: str) -> Any:
     settings = parse_store_config(
         "kv_both", {"backend": "mooncake"}, env=os.environ, load_node=load_any_node_config
     )
-    return open_pool(settings)
+    return open_pool(settings, lookups=lookups)
 
 
 def get_parts(engine: MooncakeEngine, keys: list[str], sizes: list[list[int]]) -> tuple[list, list]:

@@ -94,6 +94,7 @@ class Pool:
     etcd: str  # host:port
     masters: dict[str, subprocess.Popen[bytes]]  # RPC address -> its mooncake_master
     engine: NamespacedEngine
+    lookups: NamespacedEngine  # the store connector's scheduler half: no segment of its own
     log_dir: Path
 
     def kvpool(self, *argv: str) -> tuple[int, str, str]:
@@ -181,7 +182,17 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
             ns,
             ns.new("tests.mooncake.host:open_store_pool", config, str(log_dir / "mooncake.json")),
         )
-        yield Pool(ns, etcd, masters, engine, log_dir)
+        lookups = NamespacedEngine(
+            ns,
+            ns.new(
+                "tests.mooncake.host:open_store_pool",
+                config,
+                str(log_dir / "mooncake.json"),
+                lookups=True,
+            ),
+        )
+        yield Pool(ns, etcd, masters, engine, lookups, log_dir)
+        lookups.close()
         engine.close()
 
 
@@ -204,6 +215,7 @@ def test_kvpool_follows_mooncakes_leader_across_a_failover(pool: Pool) -> None:
     assert engine.batch_put_parts(["before"], [[_payload(1)]]) == [None]
     assert _get(engine, "before") == (OBJECT, _payload(1))
     assert engine.health()["leader"] == A
+    assert pool.lookups.batch_exists(["before"]) == [True]
     shown = pool.status_json(etcd_spec)
     assert shown["leader"] == A and shown["standbys_known"] is False, shown
     assert shown["facts"]["metrics_address"] == A_METRICS  # 9003 beside A is A's
@@ -252,6 +264,13 @@ def test_kvpool_follows_mooncakes_leader_across_a_failover(pool: Pool) -> None:
     # never wrong bytes
     assert _get(engine, "before")[0] == MISS
     assert engine.batch_exists(["before", "after"]) == [False, True]
+    # the scheduler half's client followed too: it sees what the new leader holds
+    wait_until(
+        lambda: pool.lookups.batch_exists(["before", "after"]) == [False, True],
+        timeout_s=FAILOVER_BOUND_S,
+        interval_s=0.2,
+        what="the lookups client follows the new leader" + pool.logs(),
+    )
     assert engine.health()["leader"] == B
 
     # status and doctor name the new leader (a larger view) and the dead master
