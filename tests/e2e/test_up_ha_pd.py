@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +19,13 @@ import pytest
 from kvpool import Client
 from kvpool.ops.up.tiny_model import sample_text
 from tests.docs.blocks import doc_block
-from tests.e2e.test_up_stack import REPO, START_TIMEOUT_S, _read_lines, _wait_ready, post_json
+from tests.e2e.test_up_stack import (
+    START_TIMEOUT_S,
+    _start_up,
+    _stop_up,
+    _wait_ready,
+    post_json,
+)
 from tests.ops.up.helpers import up_argv
 from tests.waiting import wait_until
 
@@ -43,28 +47,13 @@ def ha_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     # vLLM's own prefix cache off: a repeated prompt's prefix then comes from the pool,
     # through whichever master leads
     argv += ["--start-timeout", str(START_TIMEOUT_S), "--vllm-args=--no-enable-prefix-caching"]
-    proc = subprocess.Popen(
-        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "COLUMNS": "250"},
-    )  # fmt: skip
-    lines: list[str] = []
-    reader = threading.Thread(target=_read_lines, args=(proc, lines), daemon=True)
-    reader.start()
+    proc, lines, reader = _start_up(argv)
     try:
         info = _wait_ready(proc, state, lines, reader)
         info["lines"] = lines
         yield info
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-        reader.join(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        _stop_up(proc, reader)
 
 
 def complete(proxy: str, prompt: str) -> str:

@@ -28,7 +28,7 @@ import pytest
 
 from kvpool.ops.up.lifecycle import STATE_FILE
 from kvpool.ops.up.tiny_model import sample_text
-from tests.e2e.test_up_stack import descendants, still_alive
+from tests.e2e.test_up_stack import _stop_up, descendants, still_alive
 from tests.ops.up.helpers import metric, ns_http, unshared
 from tests.waiting import wait_until
 
@@ -186,12 +186,4 @@ def test_up_engine_mooncake_serves_hits_the_pool_and_stops_clean(
         assert "listen on every interface" in out and "master_key_count" in out
         assert not (state / STATE_FILE).exists()
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait(timeout=30)
-        reader.join(10)
-        up.stdout.close()
+        _stop_up(up, reader)
