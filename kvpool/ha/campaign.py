@@ -192,7 +192,7 @@ class Campaign:
             self.on_view(self.address, self.epoch, self._masters())
             return
         # one transaction: the election and what a winner needs, in one round trip
-        created, current, revision, (masters_kv, nodes_kv) = self.etcd.create_and_list(
+        created, current, revision, (masters_kv, nodes_kv) = self.etcd.create(
             self.keys.leader,
             json.dumps({"address": self.address}),
             self.lease,

@@ -108,21 +108,17 @@ class Etcd:
     def delete(self, key: str) -> None:
         self._post("/v3/kv/deleterange", {"key": _b64(key)})
 
-    def create(self, key: str, value: str, lease: int) -> tuple[bool, KeyValue | None, int]:
-        """Put ``key`` only if it does not exist (one transaction): (created, the key as
-        it stands when it was not, the store's revision after the call).  A created
-        key's create revision is that revision."""
-        created, current, revision, _ = self.create_and_list(key, value, lease, ())
-        return created, current, revision
-
-    def create_and_list(
-        self, key: str, value: str, lease: int, prefixes: Sequence[str]
+    def create(
+        self, key: str, value: str, lease: int, lists: Sequence[str] = ()
     ) -> tuple[bool, KeyValue | None, int, list[list[KeyValue]]]:
-        """:meth:`create`, and the keys under each of ``prefixes`` as they stand after it,
-        in the same transaction: one round trip where a slow etcd makes each one count."""
-        lists = [
+        """Put ``key`` only if it does not exist, and read the keys under each prefix of
+        ``lists``, in one transaction (one round trip, where a slow etcd makes each count):
+        (created, the key as it stands when it was not, the store's revision after the
+        call, each prefix's keys after it).  A created key's create revision is that
+        revision."""
+        ranges = [
             {"request_range": {"key": _b64(prefix), "range_end": _prefix_end(prefix)}}
-            for prefix in prefixes
+            for prefix in lists
         ]
         reply = self._post(
             "/v3/kv/txn",
@@ -137,9 +133,9 @@ class Etcd:
                 ],
                 "success": [
                     {"request_put": {"key": _b64(key), "value": _b64(value), "lease": str(lease)}},
-                    *lists,
+                    *ranges,
                 ],
-                "failure": [{"request_range": {"key": _b64(key)}}, *lists],
+                "failure": [{"request_range": {"key": _b64(key)}}, *ranges],
             },
         )
         revision = int(reply["header"]["revision"])

@@ -76,10 +76,10 @@ class LosesFirstWinningReply(Etcd):
 
     lost_one = False
 
-    def create_and_list(
-        self, key: str, value: str, lease: int, prefixes: Any
+    def create(
+        self, key: str, value: str, lease: int, lists: Any = ()
     ) -> tuple[bool, KeyValue | None, int, list[list[KeyValue]]]:
-        reply = super().create_and_list(key, value, lease, prefixes)
+        reply = super().create(key, value, lease, lists)
         if reply[0] and not self.lost_one:
             self.lost_one = True
             raise PeerTimeout("etcd did not answer (the reply was lost)")

@@ -19,9 +19,9 @@ def test_endpoints_take_commas_semicolons_and_urls() -> None:
 def test_only_one_of_two_creates_a_key_and_its_lease_takes_it_away(etcd: EtcdCluster) -> None:
     client = Etcd(parse_endpoints(etcd.endpoints))
     a, b = client.grant(5), client.grant(5)
-    won, _, revision = client.create("/t/leader", "a", a)
+    won, _, revision, _ = client.create("/t/leader", "a", a)
     assert won
-    lost, current, _ = client.create("/t/leader", "b", b)
+    lost, current, _, _ = client.create("/t/leader", "b", b)
     assert not lost and current is not None
     assert (current.value, current.create_revision, current.lease) == ("a", revision, a)
     client.put("/t/masters/a", "x", a)
@@ -30,7 +30,7 @@ def test_only_one_of_two_creates_a_key_and_its_lease_takes_it_away(etcd: EtcdClu
     client.revoke(a)
     assert client.get("/t/leader") is None and client.get_prefix("/t/masters/") == []
     assert client.keepalive(a) == 0  # an ended lease is not renewed
-    won, _, later = client.create("/t/leader", "b", b)
+    won, _, later, _ = client.create("/t/leader", "b", b)
     assert won and later > revision  # the next leader's epoch is larger
 
 
@@ -45,19 +45,19 @@ def test_a_dead_endpoint_is_skipped_and_none_alive_is_a_transfer_error(
         Etcd(parse_endpoints(dead)).get("/t/k")
 
 
-def test_create_and_list_reads_prefixes_in_the_same_transaction(etcd: EtcdCluster) -> None:
+def test_create_reads_prefixes_in_the_same_transaction(etcd: EtcdCluster) -> None:
     client = Etcd(parse_endpoints(etcd.endpoints))
     a, b = client.grant(5), client.grant(5)
     client.put("/t/nodes/n1", "x")
     client.put("/t/masters/a", "x", a)
-    won, current, revision, (masters, nodes) = client.create_and_list(
+    won, current, revision, (masters, nodes) = client.create(
         "/t/leader", "a", a, ("/t/masters/", "/t/nodes/")
     )
     assert won and current is None
     assert [kv.key for kv in masters] == ["/t/masters/a"]
     assert [kv.key for kv in nodes] == ["/t/nodes/n1"]
     client.put("/t/masters/b", "x", b)
-    lost, current, _, (masters, nodes) = client.create_and_list(
+    lost, current, _, (masters, nodes) = client.create(
         "/t/leader", "b", b, ("/t/masters/", "/t/nodes/")
     )
     assert not lost and current is not None
