@@ -197,13 +197,28 @@ class Client(Closing):
         view = byte_view(buffer)
         if not len(view):
             raise _empty(key)
+        copies = self.replica_num if replica_num is None else replica_num
+        # a new leader that took over between the put's start and its end never saw the
+        # reservation: the put is done again there, once (a failover is a delay)
+        if self._put_once(key, view, parent, copies) and self._put_once(key, view, parent, copies):
+            raise StaleWrite(f"{key}: the master's leader changed twice during the put")
+
+    put = put_from
+
+    def _leader_epoch(self) -> int:
+        """The highest leader epoch this client's link has seen (0 without HA masters)."""
+        return int(getattr(self.link, "epoch", 0))
+
+    def _put_once(self, key: str, view: memoryview, parent: str | None, copies: int) -> bool:
+        """One put's start, writes and end.  True when its end met a newer leader than
+        its start, which did not know the reservation; StaleWrite when the reservation
+        is gone under the same leader (it expired or was revoked)."""
         digest = 0
 
         def hash_value() -> None:
             nonlocal digest
             digest = checksum(view)
 
-        copies = self.replica_num if replica_num is None else replica_num
         start = m.PutStart(self.client_id, key, len(view), parent, copies)
         overlap = self.link.pipelined and len(view) <= self.overlap_checksum_max
         placement = self.link.call(start, hash_value if overlap else None)
@@ -211,7 +226,8 @@ class Client(Closing):
             raise placement.to_exception()
         assert isinstance(placement, m.Placement)
         if not placement.placed:
-            return  # already stored: same key, same content
+            return False  # already stored: same key, same content
+        epoch = self._leader_epoch()  # of the leader that granted the reservation
         if not overlap:
             hash_value()
         noted = True
@@ -238,9 +254,13 @@ class Client(Closing):
         if failure is not None and len(unwritten) == len(every):
             self._revoke(key)
             raise failure
-        self.call(m.PutEnd(self.client_id, key, digest, noted, unwritten))
-
-    put = put_from
+        try:
+            self.call(m.PutEnd(self.client_id, key, digest, noted, unwritten))
+        except StaleWrite:
+            if self._leader_epoch() == epoch:
+                raise
+            return True
+        return False
 
     def _report_corrupt(self, placement: m.Placement) -> None:
         """This copy failed its checksum: the master drops it (the owner is fine)."""
@@ -281,7 +301,13 @@ class Client(Closing):
                 sent.append(i)
         if sent:
             copies = self.replica_num if replica_num is None else replica_num
-            self._batch_put(keys, views, parents, sent, results, copies)
+            epoch = self._batch_put(keys, views, parents, sent, results, copies)
+            stale = [i for i in sent if isinstance(results[i], StaleWrite)]
+            if stale and self._leader_epoch() != epoch:
+                # as put_from: a new leader never saw these reservations; once more there
+                for i in stale:
+                    results[i] = None
+                self._batch_put(keys, views, parents, stale, results, copies)
         for i, key in enumerate(keys):
             j = first.get(key, i)
             if j != i and len(views[i]):
@@ -296,8 +322,9 @@ class Client(Closing):
         sent: list[int],
         results: list[KVPoolError | None],
         copies: int = 0,
-    ) -> None:
-        """The two round trips of :meth:`batch_put` for ``keys[i] for i in sent``."""
+    ) -> int:
+        """The two round trips of :meth:`batch_put` for ``keys[i] for i in sent``; the
+        epoch of the leader that granted the reservations."""
         chained = [parents[i] for i in sent] if parents is not None and any(parents) else []
         digests: dict[int, int] = {}
 
@@ -315,6 +342,7 @@ class Client(Closing):
         if isinstance(reply, Error):
             raise reply.to_exception()
         assert isinstance(reply, m.Placements)
+        epoch = self._leader_epoch()
         # each node's writes: (key's index, the copy of it that node is to hold)
         by_node: dict[str, list[tuple[int, m.Placement]]] = {}
         copies_of: dict[int, int] = {}  # key's index -> its copies to write
@@ -380,6 +408,7 @@ class Client(Closing):
             for i, ok in zip(written, ended.values, strict=True):
                 if not ok:
                     results[i] = StaleWrite(f"{keys[i]}: the reservation expired")
+        return epoch
 
     # ------------------------------------------------------------------------------- reads
     def get_into(self, key: str, buffer: Any) -> int:

@@ -6,14 +6,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from kvpool import Client, NotLeader, TransferError
+from kvpool import Client, NotLeader, StaleWrite, TransferError
 from kvpool.client.leader_link import LeaderLink
 from kvpool.config.masters import parse_masters
+from kvpool.datapath.data_ops import DataOp, OpResult, WriteOp
+from kvpool.datapath.transport import DataPath, transport_named
 from kvpool.ha.campaign import ClusterKeys
 from kvpool.ha.etcd import Etcd, parse_endpoints
 from kvpool.protocol import messages as m
@@ -184,3 +186,76 @@ def test_masters_on_an_etcd_that_answers_slowly_elect_one_that_serves(
         finally:
             for p in masters:
                 p.stop()
+
+
+class AfterAWrite:
+    """TCP, except that once a write has reached the node ``then`` runs (once): what
+    happens between a put's start and its end, made certain."""
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        self.then: Callable[[], None] | None = then
+        self.inner = transport_named("tcp")
+
+    def connect(self, address: str) -> DataPath:
+        return _PathThen(self, self.inner.connect(address))
+
+
+class _PathThen:
+    def __init__(self, transport: AfterAWrite, path: DataPath) -> None:
+        self.transport, self.path = transport, path
+
+    def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
+        done = self.path.run(ops)
+        if self.transport.then is not None and any(isinstance(op, WriteOp) for op in ops):
+            then, self.transport.then = self.transport.then, None
+            then()
+        return done
+
+    def close(self) -> None:
+        self.path.close()
+
+
+def kill_the_leader(masters: list[PoolProcess]) -> Callable[[], None]:
+    """SIGKILL the leading master and wait until the other leads."""
+
+    def kill() -> None:
+        leader, standby = leader_of(masters)
+        epoch = who(leader.address).epoch
+        os.kill(leader.proc.pid, signal.SIGKILL)
+        leader.proc.wait(10)
+        wait_until(lambda: who(standby.address).epoch > epoch, 20, what="the other leads")
+
+    return kill
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["put", "batch_put"])
+def test_a_put_whose_leader_died_between_its_start_and_end_is_put_again(
+    pool: tuple[list[PoolProcess], str], batch: bool
+) -> None:
+    masters, spec = pool
+    value = b"w" * 4096
+    leader, _ = leader_of(masters)
+    epoch = who(leader.address).epoch
+    with Client(spec, transport=AfterAWrite(kill_the_leader(masters))) as client:
+        if batch:
+            assert client.batch_put(["a", "b"], [value, value]) == [None, None]
+        else:
+            client.put("a", value)  # no StaleWrite: a failover is a delay
+        assert isinstance(client.link, LeaderLink)
+        assert client.link.epoch > epoch  # it did span a failover
+    with Client(spec) as reader:
+        assert reader.get("a") == value
+        if batch:
+            assert reader.get("b") == value
+
+
+def test_a_reservation_gone_under_the_same_leader_is_still_refused(
+    pool: tuple[list[PoolProcess], str],
+) -> None:
+    _, spec = pool
+    revoke: list[Callable[[], None]] = []
+    with Client(spec, transport=AfterAWrite(lambda: revoke[0]())) as client:
+        revoke.append(lambda: client.call(m.PutRevoke(client.client_id, "late")))
+        with pytest.raises(StaleWrite):
+            client.put("late", b"x" * 4096)
+        assert not client.exists("late")
