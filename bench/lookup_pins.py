@@ -183,7 +183,7 @@ def serve(sched: StoreScheduler, worker: StoreWorker, req: Req, opts: Options) -
     n = req.num_tokens
     block_ids = list(range(n // BS + 1))
     hit, _ = sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, block_ids, hit)
+    sched.update_state_after_alloc(req, (block_ids,), hit)
     plan = sched.build_plan(step(req.request_id, block_ids, hit, n - hit, new=True))
     time.sleep(opts.delay_steps * opts.step_ms / 1000)  # admitted now, loaded steps later
     worker.start_loads(StorePlan(loads=plan.loads))

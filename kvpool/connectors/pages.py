@@ -58,19 +58,21 @@ class PagedCaches:
         tensors: Mapping[str, Any] | None = None,
     ) -> None:
         for name, arr in layers.items():
-            if arr.ndim != 4 or arr.dtype != np.uint8 or not arr.flags.c_contiguous:
+            if arr.ndim != 4 or arr.dtype != np.uint8 or not _blocks_contiguous(arr):
                 raise ConfigError(
-                    f"{connector}: layer {name} is not a contiguous "
-                    "[num_blocks, heads, block_size, row] byte view"
+                    f"{connector}: layer {name} is not a [num_blocks, heads, block_size, row]"
+                    " byte view with contiguous blocks"
                 )
         self._geometry({name: arr.shape for name, arr in layers.items()}, connector)
         self._layers = dict(layers)
         # [num_blocks, layer_page_bytes] views of the same memory, for whole-block copies
-        self._blocks = [arr.reshape(self.num_blocks, -1) for arr in self._layers.values()]
+        # (a block may be followed by padding: a hybrid model's state blocks are padded
+        # to the attention page, so the rows keep the block stride)
+        self._blocks = [_rows(arr) for arr in self._layers.values()]
         # the same rows as the CPU tensors the arrays view (``tensors``, same order), so
         # that an engine can find the tensor a row lies in (Mooncake registers it in place)
         self._block_tensors = (
-            None if tensors is None else [t.reshape(self.num_blocks, -1) for t in tensors.values()]
+            None if tensors is None else [_tensor_rows(t) for t in tensors.values()]
         )
 
     def _geometry(self, shapes: Mapping[str, tuple[int, ...]], connector: str) -> None:
@@ -153,6 +155,29 @@ class PagedCaches:
                     np.copyto(kv[block], pages[j, i])
 
 
+def _blocks_contiguous(arr: np.ndarray[Any, Any]) -> bool:
+    """Whether each block's bytes are contiguous (blocks may be spaced further apart)."""
+    if arr.flags.c_contiguous:
+        return True
+    return len(arr) > 0 and arr[0].flags.c_contiguous and arr.strides[0] >= arr[0].nbytes
+
+
+def _rows(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``[num_blocks, block_bytes]`` over the same memory (never a copy)."""
+    if arr.flags.c_contiguous:
+        return arr.reshape(len(arr), -1)
+    return np.lib.stride_tricks.as_strided(
+        arr, shape=(len(arr), arr[0].nbytes), strides=(arr.strides[0], 1)
+    )
+
+
+def _tensor_rows(t: Any) -> Any:
+    """A byte tensor's ``[num_blocks, block_bytes]`` rows over the same memory."""
+    if t.is_contiguous():
+        return t.reshape(t.shape[0], -1)
+    return t.as_strided((t.shape[0], t[0].numel()), (t.stride(0), 1))
+
+
 def page_view(page: np.ndarray[Any, Any]) -> memoryview:
     """A writable byte view of one staged page (what a pool reads into or writes from)."""
     buffer: Any = page  # NumPy arrays export the buffer protocol; its stubs do not say so
@@ -166,14 +191,21 @@ def block_pages(
 ) -> PagedCaches:
     """The store connector's view: whole blocks of any layout with blocks first.
 
-    Layers must agree in shape and dtype (one page is one block of every layer) and be
-    contiguous.  A layout other than the two of :class:`PagedCaches` is one head of one row per
-    block: whole-block copies need nothing more.  ``staged``: see :func:`_staged`.
+    Layers must agree in shape and dtype (one page is one block of every layer), and each
+    block's bytes be contiguous (blocks may lie further apart than their size).  A layout
+    other than the two of :class:`PagedCaches` is one head of one row per block:
+    whole-block copies need nothing more.  ``staged``: see :func:`_staged`.
     """
     import torch
 
     if not kv_caches:
         raise ConfigError(f"{STORE}: vLLM registered no KV cache tensors")
+    for name, t in kv_caches.items():
+        if not isinstance(t, torch.Tensor):  # a device Mamba layer: [conv, ssm] tensors
+            raise ConfigError(
+                f"{STORE}: layer {name}'s KV cache is {len(t)} separate tensors; the store"
+                " connector moves one tensor per layer (vLLM's CPU layout)"
+            )
     first = next(iter(kv_caches.values()))
     layers = {}
     for name, t in kv_caches.items():
@@ -182,12 +214,14 @@ def block_pages(
                 f"{STORE}: layer {name} has KV shape {tuple(t.shape)} {t.dtype}, unlike"
                 f" {tuple(first.shape)} {first.dtype}; mixed layouts are unsupported"
             )
-        if not t.is_contiguous():
-            raise ConfigError(f"{STORE}: layer {name}'s KV cache is not contiguous")
+        if not t.is_contiguous() and not (
+            t.dim() > 1 and t[0].is_contiguous() and t.stride(0) >= t[0].numel()
+        ):
+            raise ConfigError(f"{STORE}: layer {name}'s KV cache blocks are not contiguous")
         if t.dim() == 3:
             t = t.unsqueeze(1)
         elif t.dim() != 4:
-            t = t.reshape(t.shape[0], 1, 1, -1)
+            t = t.as_strided((t.shape[0], 1, 1, t[0].numel()), (t.stride(0), 0, 0, 1))
         layers[name] = t.detach().view(torch.uint8)
     return _build(layers, STORE, staged)
 

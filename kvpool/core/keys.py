@@ -13,7 +13,15 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["KEY_BYTES", "BlockKey", "KeyNamespace", "chunk_keys", "group_key", "layer_key"]
+__all__ = [
+    "KEY_BYTES",
+    "BlockKey",
+    "KeyNamespace",
+    "cache_group_key",
+    "chunk_keys",
+    "group_key",
+    "layer_key",
+]
 
 KEY_BYTES = 16
 _MAX_TOKEN_ID = 2**32 - 1
@@ -137,6 +145,16 @@ def group_key(key: BlockKey, group: int) -> BlockKey:
 def layer_key(key: BlockKey, layer: int) -> BlockKey:
     """The key of layer ``layer`` of the object ``key`` (a chunk's or a group's)."""
     return _derived(key, layer, "layer", b"kvpool-layer-v1")
+
+
+# - A hybrid model (sliding-window, linear-attention or Mamba layers beside full attention)
+#   has several of vLLM's KV cache groups, each with its own blocks: one chunk is then an
+#   object family per group.  :func:`cache_group_key` derives group ``g``'s chunk key under a
+#   fourth personalisation, before any KV-head group or layer split; the namespace's layout
+#   names every group's spec, so a model change is another chain altogether.
+def cache_group_key(key: BlockKey, cache_group: int) -> BlockKey:
+    """The key of chunk ``key`` in KV cache group ``cache_group`` of a hybrid model."""
+    return _derived(key, cache_group, "cache group", b"kvpool-kvgrp-v1")
 
 
 def _derived(key: BlockKey, index: int, what: str, person: bytes) -> BlockKey:

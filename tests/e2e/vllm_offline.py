@@ -14,6 +14,8 @@ SPEC: {"model": dir, "kv_transfer_config": {...} | null, "prefix_caching": bool,
 - {"op": "damage", "mode": "remove" | "corrupt", "count": int} → damages the most recently
   stored objects of the embedded pool (through the test double wrapped around it);
 - {"op": "settle"} → waits for the saves handed off so far (after a generate that did not);
+- {"op": "reset"} → empties vLLM's own prefix cache (a hybrid model with Mamba state needs
+  prefix caching on, so a repeat would hit it instead of the pool);
 - {"op": "pending"} → save batches the workers still have queued or are putting;
 - {"op": "stats"} → the store connector's counters so far (vLLM's Prometheus registry, and
   what each generate's end took from the workers: saves end off the step, so the runner
@@ -23,7 +25,8 @@ SPEC: {"model": dir, "kv_transfer_config": {...} | null, "prefix_caching": bool,
   (e.g. tests.e2e.mooncake_steps: damage a Mooncake object, read the master's metrics).
 SPEC's optional "tensor_parallel_size" (1) runs that many TP ranks (worker processes; give
 each a core with VLLM_CPU_OMP_THREADS_BIND, e.g. "0|1").
-SPEC's optional "load_format" ("auto") is vLLM's (``dummy``: random weights, no files).
+SPEC's optional "load_format" ("auto") is vLLM's (``dummy``: random weights, no files);
+"dtype" ("float32") and "max_model_len" (2048) are vLLM's too.
 SPEC's optional "pool_size" is the embedded test pool's size in bytes (256 MiB).
 SPEC's optional "setup": ["pkg.mod:function", ...] are called before the engine starts.
 """
@@ -103,9 +106,9 @@ def main(spec_path: str) -> int:
         kwargs["attention_config"] = {"backend": spec["attention_backend"]}
     llm = LLM(
         model=spec["model"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         enforce_eager=True,
-        max_model_len=2048,
+        max_model_len=int(spec.get("max_model_len", 2048)),
         kv_cache_memory_bytes=spec.get("kv_cache_bytes", 32 << 20),
         enable_prefix_caching=bool(spec.get("prefix_caching", False)),
         disable_log_stats=False,
@@ -167,6 +170,8 @@ def main(spec_path: str) -> int:
             for key, n in flushed.items():
                 counts[key] = counts.get(key, 0.0) + n
             results.append(counts)
+        elif op == "reset":  # empty vLLM's own prefix cache: the next hit is the pool's
+            results.append({"reset": bool(llm.reset_prefix_cache())})
         elif op == "settle":  # wait for the saves handed off so far
             settle()
             results.append({"settled": True})

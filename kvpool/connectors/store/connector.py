@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 
@@ -33,7 +34,8 @@ from kvpool.config.kv_transfer import (
 )
 from kvpool.config.node import load_any_node_config
 from kvpool.connectors.stats import CounterStatsHooks, register_connector
-from kvpool.connectors.store.groups import HeadGroups
+from kvpool.connectors.store import hybrid
+from kvpool.connectors.store.groups import CacheGroups, HeadGroups
 from kvpool.connectors.store.lookup import LookupClient, LookupServer, channel_path
 from kvpool.connectors.store.plan import StorePlan
 from kvpool.connectors.store.pool import PoolHandle, open_pool
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KVPoolStoreConnector",
     "StoreConnectorMetadata",
+    "cache_groups_for",
     "flush_saves",
     "head_groups_for",
     "namespace_for",
@@ -86,23 +89,28 @@ def _is_mla(vllm_config: VllmConfig) -> bool:
 
 
 def _spec(kv_cache_config: KVCacheConfig) -> Any:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"{CONNECTOR_NAME}: the model has {len(groups)} KV cache groups (hybrid"
-            " attention); the store connector supports models with one group"
-        )
-    spec: Any = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
-        raise ConfigError(f"{CONNECTOR_NAME}: KV cache kind {kind} is not supported")
-    return spec
+    """The one group's spec of a plain model (one group of full attention or MLA)."""
+    if not hybrid.is_plain(kv_cache_config):
+        raise ConfigError(f"{CONNECTOR_NAME}: not a model with one KV cache group of attention")
+    return kv_cache_config.kv_cache_groups[0].kv_cache_spec
+
+
+def cache_groups_for(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: StoreConfig
+) -> CacheGroups:
+    """The model's KV cache groups as the connector stores them: a plain model's one group
+    (its head groups, see :func:`head_groups_for`), or a hybrid model's groups
+    (:mod:`~kvpool.connectors.store.hybrid`), each refused in one line if it cannot be."""
+    if hybrid.is_plain(kv_cache_config):
+        layers = kv_cache_config.kv_cache_groups[0].layer_names
+        return CacheGroups.single(head_groups_for(vllm_config, kv_cache_config, config), layers)
+    return hybrid.cache_groups(vllm_config, kv_cache_config, config)[0]
 
 
 def head_groups_for(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: StoreConfig
 ) -> HeadGroups:
-    """How this instance's KV heads split into pool objects (see the groups module).
+    """How a plain model's KV heads split into pool objects (see the groups module).
 
     MLA keeps one latent "head" that every rank holds whole: one group, written by rank 0.
     Otherwise the model's KV heads, ``head_group_size`` per object (default: one with a
@@ -133,20 +141,30 @@ def namespace_for(
     and the number of layers — never the TP size or rank: a chunk's key is the same in
     every TP layout, and each KV-head group is its own object under it.  (Keys written
     before head groups carried the rank and size: another namespace, so a miss, never
-    wrong bytes.)
+    wrong bytes.)  A hybrid model's layout names each KV cache group's spec instead.
     """
     from vllm.platforms import current_platform
 
-    spec = _spec(kv_cache_config)
-    groups = head_groups_for(vllm_config, kv_cache_config, config)
-    layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
-    layout = (
-        f"{current_platform.device_type}:{type(spec).__name__}:H{groups.num_kv_heads}"
-        f":g{groups.group_size}"
-        f":d{spec.head_size}x{getattr(spec, 'head_size_v', spec.head_size)}:L{layers}"
-    )
     served = vllm_config.model_config.served_model_name
     model_id = config.model_id or (served[0] if isinstance(served, list) else served) or ""
+    if not hybrid.is_plain(kv_cache_config):
+        stored, layout = hybrid.cache_groups(vllm_config, kv_cache_config, config)
+        first = kv_cache_config.kv_cache_groups[stored[0].group_id].kv_cache_spec
+        return KeyNamespace(
+            model=model_id or vllm_config.model_config.model,
+            kv_dtype=str(vllm_config.cache_config.cache_dtype),  # each group's is in layout
+            chunk_size=first.block_size,
+            layout=layout,
+            tenant=config.tenant,
+        )
+    spec = _spec(kv_cache_config)
+    heads = head_groups_for(vllm_config, kv_cache_config, config)
+    layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+    layout = (
+        f"{current_platform.device_type}:{type(spec).__name__}:H{heads.num_kv_heads}"
+        f":g{heads.group_size}"
+        f":d{spec.head_size}x{getattr(spec, 'head_size_v', spec.head_size)}:L{layers}"
+    )
     return KeyNamespace(
         model=model_id or vllm_config.model_config.model,
         kv_dtype=str(spec.dtype).removeprefix("torch."),
@@ -161,7 +179,7 @@ def namespace_for(
 # with consumer_is_to_put.  Saves run off the engine step (.saves): the pages are copied
 # out in wait_for_save and put by a writer thread, so no block is held past its step;
 # async_saves: false puts them in the step.
-class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1):
+class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1, SupportsHMA):
     """A vLLM v1 KV connector that keeps KV in the kvpool pool, keyed by prefix."""
 
     _cache_hit_source = HIT_SOURCE_HOST
@@ -190,9 +208,12 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
                 f" tensor_parallel_size is {tp_size} (one process per rank); use backend"
                 " kvpool with a master"
             )
+        groups = cache_groups_for(vllm_config, kv_cache_config, config)
+        if groups.hybrid:
+            config = self._for_hybrid(config, kv_cache_config)
         self._config = config
+        self._hybrid = groups.hybrid
         namespace = namespace_for(vllm_config, kv_cache_config, config)
-        groups = head_groups_for(vllm_config, kv_cache_config, config)
         where = config.master or "in-process"
 
         channel = channel_path(
@@ -262,6 +283,23 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
             "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
         )
 
+    @staticmethod
+    def _for_hybrid(config: StoreConfig, kv_cache_config: KVCacheConfig) -> StoreConfig:
+        """A hybrid model's settings: vLLM takes its failed loads only per request
+        (failed_recving, which ends an async load), so loads are async and whole."""
+        from dataclasses import replace
+
+        for line in hybrid.describe_groups(kv_cache_config):
+            logger.info("[%s] KV cache %s", CONNECTOR_NAME, line)
+        if not config.load_async or config.use_layerwise:
+            logger.warning(
+                "[%s] hybrid model: loads are asynchronous and whole (load_async true,"
+                " use_layerwise false), the only loads whose failure vLLM can take back"
+                " for a model with several KV cache groups",
+                CONNECTOR_NAME,
+            )
+        return replace(config, load_async=True, use_layerwise=False)
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss
@@ -314,14 +352,18 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
+        done = self._worker.finished_loads(finished_req_ids)
+        if not self._hybrid:
+            return KVConnectorTransferResults(finished_recving=done)
+        # a hybrid model's failed loads go back per request (vLLM recomputes it whole)
         return KVConnectorTransferResults(
-            finished_recving=self._worker.finished_loads(finished_req_ids)
+            finished_recving=done, failed_recving=self._worker.take_failed_requests()
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         self._worker.finish_layer_loads()
-        return self._worker.take_invalid_block_ids()
+        return self._worker.take_invalid_block_ids()  # always empty for a hybrid model
 
     def get_kv_connector_stats(self) -> KVPoolStoreStats | None:
         if self._worker is not None:
@@ -351,7 +393,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        block_ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
         self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -361,6 +403,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.on_load_errors(connector_output.invalid_block_ids or ())
+        self._scheduler.on_failed_loads(getattr(connector_output, "failed_recving", None) or ())
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -368,6 +411,12 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         assert self._scheduler is not None
         self._scheduler.request_finished(request)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # saves copy their pages out in the step that computed them: no block is kept
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
 
 def flush_saves(timeout_s: float = 30.0) -> dict[str, int]:

@@ -1,21 +1,23 @@
-"""KV-head groups: the unit the store connector keys, saves and loads (pure: no I/O, no vLLM).
+"""What one chunk is in the pool: objects per KV cache group and KV-head group (pure).
 
-One pool object holds one chunk of one *head group* (``group_size`` consecutive KV heads of
-the model, every layer), keyed by the chunk's key and the group's index — never by the
-writer's TP rank or size.  So an instance of any TP layout finds what an instance of
-another layout wrote: TP rank ``r`` of ``tp_size`` loads exactly the groups of the heads it
-holds (vLLM's sharding, :func:`kvpool.config.topology.local_heads`), whoever wrote them.
+A model has one or more of vLLM's *KV cache groups* (:class:`CacheGroup`: one for Llama-style
+and MLA models, several for hybrid ones, each with its own blocks).  Within a cache group one
+pool object holds one chunk of one *head group* (:class:`HeadGroups`: ``group_size``
+consecutive KV heads, every layer of the cache group), keyed by the chunk's key and the
+group's index — never by the writer's TP rank or size, so an instance of any TP layout finds
+what another layout wrote.  No I/O and no vLLM here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.config.topology import local_heads
-from kvpool.core.keys import BlockKey, group_key, layer_key
+from kvpool.core.keys import BlockKey, cache_group_key, group_key, layer_key
 from kvpool.errors import ConfigError
 
-__all__ = ["GroupSlot", "HeadGroups"]
+__all__ = ["CacheGroup", "CacheGroups", "GroupSlot", "HeadGroups", "HitRule", "prefix_hit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,3 +129,99 @@ class HeadGroups:
     def keys(self, chain: list[BlockKey]) -> tuple[tuple[str, ...], ...]:
         """Every column's pool keys of ``chain`` (``[column][chunk]``)."""
         return tuple(tuple(self.column_key(k, c) for k in chain) for c in range(self.num_columns))
+
+
+# A cache group's *kind* decides which of its chunks a save writes and a load needs:
+# - "attention": a block holds its chunk's KV at a fixed position (full, sliding-window,
+#   chunked-local attention, MLA and its indexer): every full chunk is saved as it is
+#   computed; a load fills the blocks vLLM allocated for the hit (it leaves the chunks a
+#   window no longer sees unallocated).
+# - "state": a recurrent state (Mamba, linear attention) exists only at a block boundary,
+#   in a block vLLM names when it caches it: only those states are saved, and a hit at
+#   chunk n needs only the state ending there.
+ATTENTION = "attention"
+STATE = "state"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """One of vLLM's KV cache groups, as the store connector keys and moves it."""
+
+    group_id: int  # vLLM's index of the group (block ids come per group, in this order)
+    kind: str  # ATTENTION or STATE
+    heads: HeadGroups  # its objects per chunk (a state group: one per TP rank)
+    layers: tuple[str, ...] = ()  # its layers' names in vLLM's order
+    tag: str = ""  # its spec, as the key namespace names it
+
+    def __post_init__(self) -> None:
+        if self.kind not in (ATTENTION, STATE):
+            raise ConfigError(f"KV cache group {self.group_id}: unknown kind {self.kind!r}")
+
+
+#: (which chunks of each cache group the pool holds, chunks at most) -> chunks a hit covers
+HitRule = Callable[[Sequence[Sequence[bool]], int], int]
+
+
+def prefix_hit(present: Sequence[Sequence[bool]], limit: int) -> int:
+    """The hit of groups that need every chunk before the hit (full attention): the
+    leading run every group holds."""
+    hit = limit
+    for row in present:
+        run = 0
+        for held in row[:hit]:
+            if not held:
+                break
+            run += 1
+        hit = min(hit, run)
+    return max(hit, 0)
+
+
+# Rules:
+# - One group (every model before hybrid attention): its objects keep the keys they always
+#   had, the chunk key itself or its head groups' and layers' sub-keys.
+# - A hybrid model (several groups, or one that is not plain attention): group g's chunk
+#   key is kvpool.core.keys.cache_group_key(key, group_id) before any head-group or layer
+#   split, so two groups never share a key; the namespace's
+#   layout names every group's tag, so a changed model is a miss, never another model's KV.
+# - A hit is the longest prefix *every* group can restore, as the model's own prefix cache
+#   decides it (``rule``: a window needs only its tail, a state only the block at the hit).
+@dataclass(frozen=True, slots=True)
+class CacheGroups:
+    """Every KV cache group of a model the store connector saves and loads."""
+
+    groups: tuple[CacheGroup, ...]
+    rule: HitRule = prefix_hit
+    # shaped by vLLM's hybrid KV cache manager (any model but one group of full attention
+    # or MLA): null blocks a group does not need, per-request load failures, group keys
+    hybrid: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("the store connector needs at least one KV cache group")
+
+    @classmethod
+    def single(cls, heads: HeadGroups | None = None, layers: Sequence[str] = ()) -> CacheGroups:
+        """A model with one KV cache group of attention (``heads``: its head groups)."""
+        return cls((CacheGroup(0, ATTENTION, heads or HeadGroups(), tuple(layers)),))
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.groups)
+
+    def __getitem__(self, index: int) -> CacheGroup:
+        return self.groups[index]
+
+    @property
+    def tp_size(self) -> int:
+        return self.groups[0].heads.tp_size
+
+    def chunk_key(self, key: BlockKey, index: int) -> BlockKey:
+        """Group ``index``'s key of chunk ``key`` (the chunk key itself with one group)."""
+        return key if not self.hybrid else cache_group_key(key, self.groups[index].group_id)
+
+    def keys(self, index: int, chain: Sequence[BlockKey]) -> tuple[tuple[str, ...], ...]:
+        """Group ``index``'s pool keys of ``chain``, ``[column][chunk]``."""
+        heads = self.groups[index].heads
+        return heads.keys([self.chunk_key(k, index) for k in chain])

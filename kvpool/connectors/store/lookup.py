@@ -4,8 +4,9 @@ With ``backend: embedded`` the pool lives inside vLLM's worker process, but look
 from the scheduler, which ``vllm serve`` runs in another process (EngineCore).  The worker
 therefore answers ``prefix_lookup`` on a Unix socket, and the scheduler half asks there;
 it also takes and ends the pins of a request's hit there (``pin``, ``release``), since the
-scheduler pins what its lookup found.  (With a master, both halves talk to the master and
-this channel is not used.)
+scheduler pins what its lookup found, and answers ``batch_exists`` for a hybrid model's
+lookups, which need every chunk of every KV cache group.  (With a master, both halves
+talk to the master and this channel is not used.)
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ __all__ = [
     "LookupClient",
     "LookupServer",
     "PinKeys",
+    "Present",
+    "Probe",
     "ReleasePins",
     "channel_path",
     "private_dir",
@@ -47,11 +50,17 @@ __all__ = [
 
 
 # Wire format: kvpool's frames (kvpool.protocol.codec), one request per round trip on a
-# persistent connection: a Lookup (the keys), a PinKeys or a ReleasePins, answered by a
-# Found (how many leading keys are present, pinned, or released) or a Failed (the worker's
-# error message).
+# persistent connection: a Lookup (the keys), a Probe, a PinKeys or a ReleasePins, answered
+# by a Found (how many leading keys are present, pinned, or released), a Present (one flag
+# per probed key) or a Failed (the worker's error message).
 class Lookup(msgspec.Struct, frozen=True, tag=True):
     """How many leading ``keys`` does the pool hold?"""
+
+    keys: list[str]
+
+
+class Probe(msgspec.Struct, frozen=True, tag=True):
+    """Which of ``keys`` does the pool hold?"""
 
     keys: list[str]
 
@@ -74,6 +83,12 @@ class Found(msgspec.Struct, frozen=True, tag=True):
     count: int
 
 
+class Present(msgspec.Struct, frozen=True, tag=True):
+    """One byte per probed key: 1 when the pool holds it."""
+
+    flags: bytes
+
+
 class Failed(msgspec.Struct, frozen=True, tag=True):
     """The lookup raised in the worker (the scheduler counts it as a miss)."""
 
@@ -81,10 +96,9 @@ class Failed(msgspec.Struct, frozen=True, tag=True):
 
 
 # A lookup of a 1M-token prompt is ~300 KiB; anything over 64 MiB is junk.
-LOOKUP_CODEC: Codec[Lookup | PinKeys | ReleasePins] = Codec(
-    Lookup | PinKeys | ReleasePins, max_body=64 << 20, max_payload=0
-)
-REPLY_CODEC: Codec[Found | Failed] = Codec(Found | Failed, max_payload=0)
+_Request = Lookup | Probe | PinKeys | ReleasePins
+LOOKUP_CODEC: Codec[_Request] = Codec(_Request, max_body=64 << 20, max_payload=0)
+REPLY_CODEC: Codec[Found | Present | Failed] = Codec(Found | Present | Failed, max_payload=0)
 # Once a request has started, the rest of it must arrive within this long.
 _REQUEST_TIMEOUT_S = 30.0
 #: connections served at once (the scheduler holds one; more are a bug or a flood)
@@ -154,12 +168,14 @@ def _peer_uid(conn: socket.socket) -> int:
     return int(_UCRED.unpack(creds)[1])
 
 
-def _answer(pool: PoolLookups, request: Lookup | PinKeys | ReleasePins) -> int:
+def _answer(pool: PoolLookups, request: _Request) -> Found | Present:
     if isinstance(request, Lookup):
-        return pool.prefix_lookup(request.keys)
+        return Found(int(pool.prefix_lookup(request.keys)))
+    if isinstance(request, Probe):
+        return Present(bytes(bytearray(map(bool, pool.batch_exists(request.keys)))))
     if isinstance(request, PinKeys):
-        return pool.pin(request.keys, request.owner, request.ttl_ms)
-    return pool.release(request.owner)
+        return Found(int(pool.pin(request.keys, request.owner, request.ttl_ms)))
+    return Found(int(pool.release(request.owner)))
 
 
 # At most max_connections are served at once (the scheduler needs one; each holds a
@@ -278,12 +294,12 @@ class LookupServer:
                     return
                 if got is None:
                     return
-                reply: Found | Failed
+                reply: Found | Present | Failed
                 if isinstance(got, framing.BadRequest):
                     reply = Failed(f"ProtocolError: {got.error}")
                 else:
                     try:
-                        reply = Found(int(_answer(self._pool, got[0])))
+                        reply = _answer(self._pool, got[0])
                     except Exception as exc:  # the scheduler treats any error as a miss
                         reply = Failed(f"{type(exc).__name__}: {exc}")
                 try:
@@ -304,8 +320,8 @@ class LookupServer:
 
 class LookupClient(Closing):
     """The scheduler's view of the embedded pool over the channel: a
-    :class:`~kvpool.engines.PoolLookups` that answers ``prefix_lookup``, ``pin`` and
-    ``release``."""
+    :class:`~kvpool.engines.PoolLookups` that answers ``prefix_lookup``, ``batch_exists``,
+    ``pin`` and ``release``."""
 
     engine = "embedded"
 
@@ -325,15 +341,29 @@ class LookupClient(Closing):
             raise TransferError(f"lookup channel {path} not reachable: {exc}") from exc
 
     def prefix_lookup(self, keys: Sequence[str]) -> int:
-        return self._ask(Lookup(list(keys)))
+        return self._count(Lookup(list(keys)))
 
     def pin(self, keys: Sequence[str], owner: str, ttl_ms: int) -> int:
-        return self._ask(PinKeys(list(keys), owner, ttl_ms)) if keys else 0
+        return self._count(PinKeys(list(keys), owner, ttl_ms)) if keys else 0
 
     def release(self, owner: str) -> int:
-        return self._ask(ReleasePins(owner))
+        return self._count(ReleasePins(owner))
 
-    def _ask(self, request: Lookup | PinKeys | ReleasePins) -> int:
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        reply = self._ask(Probe(list(keys)))
+        if not isinstance(reply, Present) or len(reply.flags) != len(keys):
+            raise ProtocolError(f"lookup channel {self._path}: a probe's answer does not fit")
+        return [bool(flag) for flag in reply.flags]
+
+    def _count(self, request: _Request) -> int:
+        reply = self._ask(request)
+        if not isinstance(reply, Found):
+            raise ProtocolError(f"lookup channel {self._path}: a count was expected")
+        return reply.count
+
+    def _ask(self, request: _Request) -> Found | Present:
         try:
             reply, _ = framing.call(self._sock, LOOKUP_CODEC, REPLY_CODEC, request, self._timeout_s)
         except PeerTimeout as exc:
@@ -342,11 +372,7 @@ class LookupClient(Closing):
             raise TransferError(f"lookup channel {self._path}: {exc}") from exc
         if isinstance(reply, Failed):
             raise TransferError(f"{type(request).__name__} failed in the worker: {reply.message}")
-        return reply.count
-
-    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        """Not carried by the channel: the scheduler looks up group by group instead."""
-        raise NotImplementedError("the lookup channel only answers lookups")
+        return reply
 
     def health(self) -> dict[str, Any]:
         return {"lookup_channel": self._path}

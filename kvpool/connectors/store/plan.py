@@ -1,8 +1,9 @@
 """What the store connector's scheduler half tells its worker half each step.
 
 Plain frozen dataclasses (picklable; vLLM ships them to worker processes): one
-:class:`LoadSpec` per request whose pool hit is to be copied into its blocks, one
-:class:`SaveSpec` per request with newly completed blocks to write to the pool.
+:class:`LoadSpec` per request and KV cache group whose pool hit is to be copied into its
+blocks, one :class:`SaveSpec` per request and group with newly completed blocks to write
+to the pool.  A model with one KV cache group (group 0) has one of each per request.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ __all__ = ["LoadSpec", "SaveSpec", "StorePlan"]
 # columns of the heads it holds, and the scheduler computed them all anyway to check that
 # every column of a chunk is present.  Block block_ids[i] holds chunk keys[column][i]: one
 # pool object per (chunk, column) holding that group's heads of every layer of the block,
-# or of the column's one layer.
+# or of the column's one layer.  ``group`` is the KV cache group the blocks belong to (its
+# position in the connector's CacheGroups): a hybrid model's request loads and saves one
+# spec per group, each with that group's blocks, and a load of a request is all of them.
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     """Copy the pool objects ``keys[column]`` into the engine blocks ``block_ids``.
@@ -32,6 +35,7 @@ class LoadSpec:
     keys: tuple[tuple[str, ...], ...]
     is_async: bool
     owners: tuple[str, ...] = ()
+    group: int = 0
 
     def __post_init__(self) -> None:
         if any(len(rank_keys) != len(self.block_ids) for rank_keys in self.keys):
@@ -50,6 +54,7 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     keys: tuple[tuple[str, ...], ...]
     parents: tuple[str | None, ...]
+    group: int = 0
 
     def __post_init__(self) -> None:
         if any(len(rank_keys) != len(self.block_ids) for rank_keys in self.keys):

@@ -37,6 +37,7 @@ class SaveBatch:
     parts: list[list[Any]]
     parents: list[str | None]
     pages: list[int]
+    group: int = 0  # the KV cache group the pages are of (its position)
 
 
 # Rules:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from kvpool.connectors.store.groups import HeadGroups
+from kvpool.connectors.store.groups import STATE, CacheGroups, HeadGroups
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
@@ -31,20 +31,21 @@ _WARN_EVERY_S = 30.0
 
 
 def _present_prefix(pool: PoolLookups, keys: Sequence[Sequence[str]]) -> int:
-    """Leading chunks present for every group (probing only: no lease is taken)."""
+    """Leading chunks present for every column (probing only: no lease is taken)."""
     if len(keys) == 1:
         return pool.prefix_lookup(keys[0])
-    # Several groups: one round trip for all of them instead of one per group.
-    try:
-        flags = pool.batch_exists([k for group_keys in keys for k in group_keys])
-    except NotImplementedError:  # the embedded pool's lookup channel: one lookup per group
-        return min(pool.prefix_lookup(group_keys) for group_keys in keys)
     n = len(keys[0])
     found = n
-    for group in range(len(keys)):
-        row = flags[group * n : (group + 1) * n]
+    for row in _present(pool, keys):
         found = min(found, row.index(False) if False in row else n)
     return found
+
+
+def _present(pool: PoolLookups, keys: Sequence[Sequence[str]]) -> list[list[bool]]:
+    """Which chunks each column's keys name the pool holds: one round trip for all."""
+    flags = pool.batch_exists([k for column in keys for k in column])
+    n = len(keys[0]) if keys else 0
+    return [list(flags[c * n : (c + 1) * n]) for c in range(len(keys))]
 
 
 def pin_owner(scope: str, req_id: str, rank: int, generation: int = 1) -> str:
@@ -71,13 +72,15 @@ class _Request:
 
     req_id: str
     request: Any  # vLLM's Request: its token ids grow as decode proceeds
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per cache group
     keys: list[BlockKey] = field(default_factory=list)  # the chain: one key per full chunk
     namespace: KeyNamespace | None = None  # None: not cacheable by tokens
     local_tokens: int = 0  # vLLM's own prefix-cache hit at lookup time
     saved_blocks: int = 0  # blocks [0, saved_blocks) are in the pool or being written
+    # state groups (hybrid models): the chunks whose state the pool holds or is given
+    states: set[tuple[int, int]] = field(default_factory=set)
     query_tokens: int = 0  # the last lookup's query size, until vLLM admits the request
-    load: LoadSpec | None = None  # the last load planned, to map failed blocks back
+    loads: tuple[LoadSpec, ...] = ()  # the last load planned, to map failed blocks back
     pinned: bool = False  # holds pins the scheduler must release (not handed to a load)
     pin_generation: int = 0  # of the owners: one more for each set handed to a load
 
@@ -87,10 +90,15 @@ class _Request:
 
 # Rules:
 # - Keys come from kvpool.core.keys.chunk_keys over the request's token ids, one chain
-#   whatever the TP layout, and one pool object per chunk and KV-head group (.groups);
-#   never from vLLM's block hashes (seeded per process).
-# - A chunk is a hit only if every group is present (the reader's ranks together need
-#   every head): the hit is the minimum over groups.
+#   whatever the TP layout, and one pool object per chunk, KV cache group and KV-head group
+#   (.groups); never from vLLM's block hashes (seeded per process).
+# - A chunk is a hit only if every head group is present (the reader's ranks together need
+#   every head).  With several KV cache groups (a hybrid model) the hit is what the
+#   groups' rule allows (CacheGroups.rule: vLLM's own, a window needing only its tail and
+#   a recurrent state only the block at the hit), and each group loads only the blocks
+#   vLLM allocated for it (it leaves the rest null).
+# - A hybrid model's state groups save only the states vLLM names at block boundaries
+#   (its boundary-state hand-offs, vLLM ≥ 0.32): a state block holds no position-fixed KV.
 # - A synchronous hit leaves at least one token to compute (vLLM needs a token to sample
 #   from); the hit is also capped the same way for async loads, which keeps one rule.
 # - A request saves each full block once; blocks the pool already held at lookup time are
@@ -114,10 +122,13 @@ class StoreScheduler:
         logger: logging.Logger,
         pin_hits: bool = True,
         pin_scope: str | None = None,
-        groups: HeadGroups | None = None,
+        groups: CacheGroups | HeadGroups | None = None,
     ) -> None:
         self._ns = namespace
-        self._groups = groups or HeadGroups()
+        if not isinstance(groups, CacheGroups):  # one KV cache group: its head groups
+            groups = CacheGroups.single(groups)
+        self._cache_groups = groups
+        self._groups = groups[0].heads  # the one group's head groups (hybrid: unused)
         self._bs = namespace.chunk_size
         self._pool = pool
         self._saves = saves
@@ -171,18 +182,60 @@ class StoreScheduler:
             state.keys.extend(chunk_keys(tokens, state.namespace, parent))
         return state.keys[:n_blocks]
 
-    def _rank_keys(self, chain: Sequence[BlockKey]) -> list[list[str]]:
-        """Per rank, the pool keys of the columns it loads for ``chain``, column by column."""
-        groups = self._groups
-        return [
-            [
-                groups.column_key(k, c)
-                for slot in groups.reads(rank)
-                for c in groups.columns(slot)
-                for k in chain
+    def _rank_keys(
+        self, chain: Sequence[BlockKey], held: Sequence[Sequence[bool]] | None = None
+    ) -> list[list[str]]:
+        """Per rank, the pool keys of the columns it loads for ``chain``, column by column
+        (every cache group's; ``held[g][i]``: only the chunks group g holds)."""
+        out: list[list[str]] = [[] for _ in range(self._cache_groups.tp_size)]
+        for g, group in enumerate(self._cache_groups):
+            heads = group.heads
+            chunks = [
+                self._cache_groups.chunk_key(k, g)
+                for i, k in enumerate(chain)
+                if held is None or held[g][i]
             ]
-            for rank in range(groups.tp_size)
+            for rank in range(heads.tp_size):
+                out[rank].extend(
+                    heads.column_key(k, c)
+                    for slot in heads.reads(rank)
+                    for c in heads.columns(slot)
+                    for k in chunks
+                )
+        return out
+
+    def _probe(self, keys: list[BlockKey]) -> tuple[int, list[list[bool]] | None]:
+        """Chunks of ``keys`` present for every column, counted from the start (one KV
+        cache group), or (hybrid) the presence of each group's chunks, with -1."""
+        if not self._cache_groups.hybrid:
+            found = self._pool.call(partial(_present_prefix, keys=self._groups.keys(keys)))
+            return found, None
+        columns = [self._cache_groups.keys(g, keys) for g in range(len(self._cache_groups))]
+        flat = [column for group in columns for column in group]
+        rows = self._pool.call(partial(_present, keys=flat))
+        present: list[list[bool]] = []
+        for group in columns:
+            taken, rows = rows[: len(group)], rows[len(group) :]
+            present.append([all(flags) for flags in zip(*taken, strict=True)])
+        return -1, present
+
+    def _hybrid_hit(
+        self, state: _Request, present: list[list[bool]], local: int, limit: int
+    ) -> int:
+        """The hit, in chunks, of a hybrid model: chunks vLLM holds count as held."""
+        held = [[i < local or p for i, p in enumerate(row)] for row in present]
+        # what the pool holds needs no save: attention groups from the leading run they
+        # all hold, state groups chunk by chunk
+        runs = [
+            row.index(False) if False in row else len(row)
+            for row, group in zip(held, self._cache_groups, strict=True)
+            if group.kind != STATE
         ]
+        state.saved_blocks = max(state.saved_blocks, min(runs, default=0))
+        for g, group in enumerate(self._cache_groups):
+            if group.kind == STATE:
+                state.states.update((g, i) for i, p in enumerate(present[g]) if p)
+        return max(0, min(self._cache_groups.rule(held, limit), limit))
 
     # ------------------------------------------------------------------ lookup
 
@@ -203,7 +256,7 @@ class StoreScheduler:
         keys = self._keys_upto(state, n_tokens // self._bs)
         state.query_tokens = 0
         try:
-            found = self._pool.call(partial(_present_prefix, keys=self._groups.keys(keys)))
+            found, present = self._probe(keys)
         except Exception as exc:  # any pool failure is a miss, never a failed request
             self.counters["lookup_errors"] += 1
             self._warn(f"lookup failed, treating as a miss: {type(exc).__name__}: {exc}")
@@ -211,10 +264,14 @@ class StoreScheduler:
         # Counted when vLLM admits the request (update_state_after_alloc): a request that
         # waits for memory is asked about again each step and must not count twice.
         state.query_tokens = n_tokens - num_computed_tokens
-        state.saved_blocks = max(state.saved_blocks, found)
-        hit_blocks = max(0, min(found, usable_blocks))
+        local = num_computed_tokens // self._bs
+        if present is None:
+            state.saved_blocks = max(state.saved_blocks, found)
+            hit_blocks = max(0, min(found, usable_blocks))
+        else:
+            hit_blocks = self._hybrid_hit(state, present, local, usable_blocks)
         if self._pin_hits and hit_blocks * self._bs > num_computed_tokens:
-            hit_blocks = self._pin_hit(state, keys, num_computed_tokens // self._bs, hit_blocks)
+            hit_blocks = self._pin_hit(state, keys, local, hit_blocks, present)
         new_tokens = hit_blocks * self._bs - num_computed_tokens
         if new_tokens <= 0:
             return 0, False
@@ -222,7 +279,7 @@ class StoreScheduler:
 
     def _owners(self, state: _Request) -> tuple[str, ...]:
         gen = state.pin_generation
-        ranks = range(self._groups.tp_size)
+        ranks = range(self._cache_groups.tp_size)
         return tuple(pin_owner(self._scope, state.req_id, r, gen) for r in ranks)
 
     # A hit is pinned for its request (owner: pin_owner, one per rank, named in the LoadSpec
@@ -233,14 +290,23 @@ class StoreScheduler:
     # when the request finishes or aborts, or at the TTL, whichever comes first.  A block gone
     # between the probe and the pin shortens the hit (asked again, now that the rest is
     # pinned); a failed pin leaves the hit unprotected.
-    def _pin_hit(self, state: _Request, keys: list[BlockKey], first: int, hit: int) -> int:
+    def _pin_hit(
+        self,
+        state: _Request,
+        keys: list[BlockKey],
+        first: int,
+        hit: int,
+        present: list[list[bool]] | None = None,
+    ) -> int:
         """Pin chunks [first, hit) of every group for the request, each rank's groups under
         its own owner; the hit that stays (shorter
-        when a chunk went away between the probe and the pin)."""
+        when a chunk went away between the probe and the pin).  A hybrid model pins the
+        chunks each cache group holds in that range (``present``)."""
         if not state.pinned:  # a new set of pins (the last one, if any, went to a load)
             state.pinned = True  # from now on something may be pinned: released at the end
             state.pin_generation += 1
-        wanted = self._rank_keys(keys[first:hit])
+        held = None if present is None else [row[first:hit] for row in present]
+        wanted = self._rank_keys(keys[first:hit], held)
         try:
             counts = self._pool.call(partial(_pin_ranks, keys=wanted, owners=self._owners(state)))
         except Exception as exc:  # an unprotected hit is still a hit
@@ -248,15 +314,18 @@ class StoreScheduler:
             self._warn(f"pin failed, the hit is not protected: {type(exc).__name__}: {exc}")
             return hit
         # in blocks, like the other counters: a block is pinned once per rank's group
-        self.counters["pinned_blocks"] += sum(counts) // self._groups.reads_per_chunk
+        per_chunk = sum(g.heads.reads_per_chunk for g in self._cache_groups)
+        self.counters["pinned_blocks"] += sum(counts) // per_chunk
         if all(n == len(w) for n, w in zip(counts, wanted, strict=True)):
             return hit
         # A chunk left between the probe and the pin; the pinned ones cannot leave now, so
         # a second probe gives a hit that stays.
         try:
-            found = self._pool.call(partial(_present_prefix, keys=self._groups.keys(keys[:hit])))
+            found, again = self._probe(keys[:hit])
         except Exception:
             return first
+        if again is not None:
+            found = self._hybrid_hit(state, again, first, hit)
         return max(first, min(hit, found))
 
     def _release(self, state: _Request) -> None:
@@ -271,9 +340,10 @@ class StoreScheduler:
             self._warn(f"release of pins failed, they end at their TTL: {exc}")
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
     ) -> None:
-        """Plan the load of ``num_external_tokens`` into the blocks vLLM just allocated."""
+        """Plan the load of ``num_external_tokens`` into the blocks vLLM just allocated
+        (``block_ids``: one list per vLLM KV cache group)."""
         state = self._state(request)
         if state.query_tokens:
             self.counters["lookups"] += 1
@@ -291,19 +361,36 @@ class StoreScheduler:
         first = state.local_tokens // self._bs
         end = first + num_external_tokens // self._bs
         keys = self._keys_upto(state, end)
-        spec = LoadSpec(
-            req_id=state.req_id,
-            block_ids=tuple(block_ids[first:end]),
-            keys=self._groups.keys(keys[first:end]),
-            is_async=self._load_async,
-            owners=self._owners(state) if state.pinned else (),
-        )
+        owners = self._owners(state) if state.pinned else ()
+        specs = []
+        for g, group in enumerate(self._cache_groups):
+            ids = list(block_ids[group.group_id][first:end])
+            # vLLM leaves null (block 0) what a group does not need for the hit: the
+            # chunks a window no longer sees, every state but the last
+            chunks = [i for i, b in enumerate(ids) if b or not self._cache_groups.hybrid]
+            if not chunks:
+                continue
+            columns = self._cache_groups.keys(g, [keys[first + i] for i in chunks])
+            specs.append(
+                LoadSpec(
+                    req_id=state.req_id,
+                    block_ids=tuple(ids[i] for i in chunks),
+                    keys=columns,
+                    is_async=self._load_async,
+                    owners=owners,
+                    group=g,
+                )
+            )
         state.pinned = False  # the workers release them once they have loaded
-        state.load = spec
+        state.loads = tuple(specs)
         self._pending_loads = [s for s in self._pending_loads if s.req_id != state.req_id]
-        self._pending_loads.append(spec)
+        self._pending_loads.extend(specs)
 
     # ------------------------------------------------------------------ per step
+
+    def _group_ids(self, ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """vLLM's per-group block lists, in the order of this connector's cache groups."""
+        return [list(ids[g.group_id]) for g in self._cache_groups]
 
     def build_plan(self, scheduler_output: Any) -> StorePlan:
         """This step's loads and saves; resets the pending loads."""
@@ -313,7 +400,7 @@ class StoreScheduler:
             state = self._requests.get(new.req_id)
             if state is None:  # not seen by lookup (should not happen): save nothing for it
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = self._group_ids(new.block_ids)
             scheduled.append((state, new.num_computed_tokens + num_scheduled.get(new.req_id, 0)))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -322,36 +409,101 @@ class StoreScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                state.block_ids = self._group_ids(new_ids) if new_ids is not None else []
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                for mine, more in zip(state.block_ids, self._group_ids(new_ids), strict=True):
+                    mine.extend(more)
             scheduled.append((state, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)))
-        saves = [s for s in (self._save_spec(st, done) for st, done in scheduled) if s is not None]
+        # vLLM ≥ 0.32 offers a producer its current block tables (a window frees and nulls
+        # blocks in place, which the append-only mirror above cannot see) and the exact
+        # blocks of the recurrent states it caches: a hybrid model saves from those.
+        tables = getattr(scheduler_output, "kv_connector_block_state", None)
+        saves: list[SaveSpec] = []
+        for state, done in scheduled:
+            if self._cache_groups.hybrid and tables is not None:
+                current = tables.get_block_ids(state.req_id)
+                if current is not None:
+                    state.block_ids = self._group_ids(current)
+            saves.extend(self._save_specs(state, done))
+        if self._cache_groups.hybrid and tables is not None:
+            saves.extend(self._state_saves(tables.boundary_state_offloads))
         loads, self._pending_loads = self._pending_loads, []
         return StorePlan(loads=tuple(loads), saves=tuple(saves))
 
-    def _save_spec(self, state: _Request, computed_after_step: int) -> SaveSpec | None:
-        if not self._saves or state.namespace is None:
-            return None
+    def _save_specs(self, state: _Request, computed_after_step: int) -> list[SaveSpec]:
+        """The saves of the blocks this step completes (attention groups; one cache group:
+        that group's)."""
+        if not self._saves or state.namespace is None or not state.block_ids:
+            return []
         full = min(
             computed_after_step // self._bs,
-            len(state.block_ids),
+            min(len(ids) for ids in state.block_ids),
             len(state.tokens()) // self._bs,
         )
         start = state.saved_blocks
         if full <= start:
-            return None
+            return []
         keys = self._keys_upto(state, full)
         state.saved_blocks = full
-        return SaveSpec(
-            req_id=state.req_id,
-            block_ids=tuple(state.block_ids[start:full]),
-            keys=self._groups.keys(keys[start:full]),
-            parents=tuple(
-                self._groups.column_key(keys[start - 1], c) if start else None
-                for c in range(self._groups.num_columns)
-            ),
-        )
+        specs = []
+        for g, group in enumerate(self._cache_groups):
+            if group.kind == STATE:
+                continue  # states are saved where vLLM names them (_state_saves)
+            ids = state.block_ids[g][start:full]
+            # a hybrid group's null blocks hold nothing (a window's skipped chunks)
+            chunks = [i for i, b in enumerate(ids) if b or not self._cache_groups.hybrid]
+            if not chunks:
+                continue
+            heads = group.heads
+            columns = self._cache_groups.keys(g, [keys[start + i] for i in chunks])
+            before = start + chunks[0] - 1
+            parent = self._cache_groups.chunk_key(keys[before], g) if before >= 0 else None
+            specs.append(
+                SaveSpec(
+                    req_id=state.req_id,
+                    block_ids=tuple(ids[i] for i in chunks),
+                    keys=columns,
+                    parents=tuple(
+                        None if parent is None else heads.column_key(parent, c)
+                        for c in range(heads.num_columns)
+                    ),
+                    group=g,
+                )
+            )
+        return specs
+
+    def _state_saves(self, offers: dict[str, list[tuple[int, int, int]]]) -> list[SaveSpec]:
+        """Saves of the recurrent states vLLM cached this step: ``offers[req_id]`` is
+        ``(vLLM group id, block id, tokens)``, the block holding the state after
+        ``tokens``.  Only whole chunks have a key; a state the pool has is not saved."""
+        position = {g.group_id: i for i, g in enumerate(self._cache_groups)}
+        specs = []
+        for req_id, entries in offers.items():
+            state = self._requests.get(req_id)
+            if not self._saves or state is None or state.namespace is None:
+                continue
+            for group_id, block_id, tokens in entries:
+                g = position.get(group_id)
+                if g is None or not block_id or tokens % self._bs or tokens <= 0:
+                    continue
+                chunk = tokens // self._bs - 1
+                if self._cache_groups[g].kind != STATE or (g, chunk) in state.states:
+                    continue
+                if len(state.tokens()) < tokens:
+                    continue
+                key = self._keys_upto(state, chunk + 1)[chunk]
+                state.states.add((g, chunk))
+                heads = self._cache_groups[g].heads
+                specs.append(
+                    SaveSpec(
+                        req_id=req_id,
+                        block_ids=(block_id,),
+                        keys=self._cache_groups.keys(g, [key]),
+                        parents=(None,) * heads.num_columns,
+                        group=g,
+                    )
+                )
+        return specs
 
     def on_load_errors(self, invalid_block_ids: Iterable[int]) -> None:
         """Blocks that failed to load will be recomputed: save them again afterwards."""
@@ -359,13 +511,22 @@ class StoreScheduler:
         if not invalid:
             return
         for state in self._requests.values():
-            if state.load is None:
-                continue
-            for i, block_id in enumerate(state.load.block_ids):
+            if len(state.loads) != 1:
+                continue  # no load, or a hybrid one (failures come per request)
+            for i, block_id in enumerate(state.loads[0].block_ids):
                 if block_id in invalid:
                     first = state.local_tokens // self._bs
                     state.saved_blocks = min(state.saved_blocks, first + i)
                     break
+
+    def on_failed_loads(self, req_ids: Iterable[str]) -> None:
+        """Requests whose load failed as a whole (a hybrid model's): vLLM recomputes them
+        from the start, so everything they compute is saved again."""
+        for req_id in req_ids:
+            state = self._requests.get(req_id)
+            if state is not None and state.loads:
+                state.saved_blocks = min(state.saved_blocks, state.local_tokens // self._bs)
+                state.states.clear()
 
     def request_finished(self, request: Any) -> None:
         # A planned load stays planned even if the request was aborted meanwhile: vLLM

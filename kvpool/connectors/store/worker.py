@@ -1,7 +1,7 @@
 """The worker half of the store connector: copies pages between vLLM's KV cache and the pool.
 
-A *page* is one vLLM block of every layer (:mod:`kvpool.connectors.pages`); pages move
-whole and opaque, one pool object per KV-head group of a page
+A *page* is one vLLM block of every layer of a KV cache group (:mod:`kvpool.connectors.pages`);
+pages move whole and opaque, one pool object per KV-head group of a page
 (:mod:`~kvpool.connectors.store.groups`).  The rules are on :class:`StoreWorker`.
 """
 
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpool.connectors.pages import PagedCaches, block_pages
-from kvpool.connectors.store.groups import GroupSlot, HeadGroups
+from kvpool.connectors.store.groups import CacheGroups, GroupSlot, HeadGroups
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle, is_outage
 from kvpool.connectors.store.saves import SaveBatch, SaveQueue
@@ -67,6 +68,55 @@ class LoadResult:
     loaded: int
     failed_block_ids: frozenset[int]
     dropped: int = 0  # unreadable objects removed from the pool
+    loaded_bytes: int = 0
+
+    def __add__(self, other: LoadResult) -> LoadResult:
+        """The result of a request's loads in two KV cache groups."""
+        return LoadResult(
+            self.req_id,
+            self.loaded + other.loaded,
+            self.failed_block_ids | other.failed_block_ids,
+            self.dropped + other.dropped,
+            self.loaded_bytes + other.loaded_bytes,
+        )
+
+
+@dataclass(slots=True)
+class _View:
+    """One KV cache group's caches as this rank moves them: its pages, the head groups it
+    reads (None: the page is object 0), and whether it saves them."""
+
+    paged: PagedCaches
+    heads: HeadGroups | None
+    reads: tuple[GroupSlot, ...] | None = None
+    writer: bool = True
+
+    @property
+    def layers(self) -> int:
+        """Objects per head group and block: 1, or one per layer (use_layerwise)."""
+        return 1 if self.heads is None else self.heads.layers
+
+    @property
+    def whole(self) -> bool:
+        """Whether one object is this rank's whole page (one head group, or none, and not
+        split into layers): then it moves as one part."""
+        return (self.reads is None or len(self.reads) == 1) and self.layers == 1
+
+    @property
+    def slots(self) -> Sequence[GroupSlot | None]:
+        return (None,) if self.reads is None else self.reads
+
+    def columns(self, slot: GroupSlot | None) -> range:
+        return range(1) if slot is None or self.heads is None else self.heads.columns(slot)
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one pool object: a page, or one head group of it (of one layer,
+        layer-wise)."""
+        paged = self.paged
+        if self.reads is None or len(self.reads) == 1:
+            return paged.page_bytes // self.layers
+        return self.reads[0].count * paged.head_bytes * len(paged.names) // self.layers
 
 
 @dataclass(slots=True)
@@ -109,6 +159,12 @@ class StoreWorker:
       may reuse the blocks at once; ``async_saves: false`` puts them in the step, straight
       from the cache (a block is never freed or reused while it is written out).  A failed
       save only costs a future hit.
+    - A hybrid model (several KV cache groups, :class:`~kvpool.connectors.store.groups.CacheGroups`)
+      has a page per group: its layers' rows of a block, whatever their shapes (a recurrent
+      state's padded block included).  A request's load is its LoadSpecs, one per group,
+      run as one job: the pins are released once all have run, and a failure in any group
+      fails the request (vLLM reports a hybrid model's failed loads per request, and
+      recomputes it).
     - A request's blocks move in batches of up to ``_BATCH`` pages (all their groups), one
       engine call per batch
       (:meth:`~kvpool.engines.PoolEngine.batch_get_parts`,
@@ -141,7 +197,7 @@ class StoreWorker:
         pool: PoolHandle[PoolEngine],
         loader_pool: PoolHandle[PoolEngine],
         logger: logging.Logger,
-        groups: HeadGroups | None = None,
+        groups: CacheGroups | HeadGroups | None = None,
         save_buffer_bytes: int = 0,
         drain_s: float = 5.0,
         saver_pool: PoolHandle[PoolEngine] | None = None,
@@ -151,21 +207,21 @@ class StoreWorker:
         queued saves finish; ``saver_pool``: the writer thread's own connection (else the
         step's), so that a put in progress never holds up a load in the step."""
         self._rank = tp_rank
-        self._groups = groups  # None: one object per (chunk, rank) page, group 0
+        # None: one object per (chunk, rank) page, group 0 (tests and benches)
+        self._cache_groups = groups if isinstance(groups, CacheGroups) else None
+        self._groups = groups[0].heads if isinstance(groups, CacheGroups) else groups
         self._pool = pool
         self._loader_pool = loader_pool  # async loads run on their own connection
         self._log = logger
-        self.paged: PagedCaches | None = None
+        self._views: list[_View] = []  # one per KV cache group, once registered
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[Future[LoadResult], threading.Event]] = {}
         self._invalid: set[int] = set()
+        self._failed_requests: set[str] = set()  # hybrid: loads failed as a whole
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self._last_save_warning = -_WARN_EVERY_S
         self._staging = threading.local()  # staged caches: one page batch per thread
-        # this rank's groups (None: no groups, the page is object 0), and whether it saves them
-        self._reads: tuple[GroupSlot, ...] | None = None
-        self._writer = True
         self._save_buffer_bytes = save_buffer_bytes
         self._drain_s = drain_s
         self._saves: SaveQueue | None = None
@@ -175,44 +231,47 @@ class StoreWorker:
         self._layer_index: dict[str, int] = {}
         self._layer_executor: ThreadPoolExecutor | None = None
 
-    def _slots(self, slots: tuple[GroupSlot, ...] | None) -> Sequence[GroupSlot | None]:
-        return (None,) if slots is None else slots
+    @property
+    def paged(self) -> PagedCaches | None:
+        """The first (with one KV cache group, the only) group's pages."""
+        return self._views[0].paged if self._views else None
+
+    @paged.setter
+    def paged(self, paged: PagedCaches) -> None:
+        # tests and benches put staged pages in place of registered ones (the device path)
+        self._views[0].paged = paged
 
     @property
-    def _whole(self) -> bool:
-        """Whether one object is this rank's whole page (one group, or none, and not
-        split into layers): then it moves as one part."""
-        return (self._reads is None or len(self._reads) == 1) and self._layers == 1
+    def _hybrid(self) -> bool:
+        """A hybrid model's caches: one page per group, failures per request."""
+        return self._cache_groups is not None and self._cache_groups.hybrid
 
     @property
     def _layers(self) -> int:
         """Objects per group and block: 1, or one per layer (use_layerwise)."""
         return 1 if self._groups is None else self._groups.layers
 
-    def _columns(self, slot: GroupSlot | None) -> range:
-        return range(1) if slot is None or self._groups is None else self._groups.columns(slot)
-
     @property
     def object_bytes(self) -> int:
-        """Bytes of one pool object: a page, or one group of it (of one layer, layer-wise)."""
-        assert self.paged is not None
-        if self._reads is None or len(self._reads) == 1:
-            return self.paged.page_bytes // self._layers
-        return self._reads[0].count * self.paged.head_bytes * len(self.paged.names) // self._layers
+        """Bytes of one pool object of the first KV cache group."""
+        assert self._views
+        return self._views[0].object_bytes
 
-    def _split_layers(self, parts: list[list[Any]]) -> list[list[Any]]:
+    @staticmethod
+    def _split_layers(view: _View, parts: list[list[Any]]) -> list[list[Any]]:
         """Layer-wise, each object's L layer parts become L objects of one part each."""
-        if self._layers == 1:
+        if view.layers == 1:
             return parts
         return [[part] for object_parts in parts for part in object_parts]
 
     def _pages(
-        self, paged: PagedCaches, block_ids: Sequence[int], slots: Sequence[GroupSlot | None]
+        self, view: _View, block_ids: Sequence[int], slots: Sequence[GroupSlot | None]
     ) -> tuple[list[list[Any]], Any]:
         """The parts of the objects of ``block_ids`` (each block's ``slots`` in turn): the
         cache's own rows (CPU), or this thread's reused staging pages (device caches;
         returned too, to scatter or gather)."""
-        whole = self._whole
+        paged = view.paged
+        whole = view.whole
         if not paged.staged:
             return [
                 paged.block_parts(b) if whole or slot is None
@@ -230,29 +289,47 @@ class StoreWorker:
         ], host  # fmt: skip
 
     def _stage(self, paged: PagedCaches) -> tuple[Any, torch.Tensor]:
-        """This thread's staging pages (device caches): ``_BATCH`` pages, allocated once."""
-        pages = getattr(self._staging, "pages", None)
+        """This thread's staging pages of ``paged`` (device caches): ``_BATCH`` pages,
+        allocated once."""
+        stages = getattr(self._staging, "pages", None)
+        if stages is None:
+            stages = self._staging.pages = {}
+        pages = stages.get(id(paged))
         if pages is None:
             host = paged.new_pages(_BATCH)
             # a CPU tensor over the same memory: an engine that registers big CPU
             # tensors (Mooncake, from 16 MiB) then moves the staging in place
-            pages = self._staging.pages = (host, torch.from_numpy(host))
+            pages = stages[id(paged)] = (host, torch.from_numpy(host))
         return pages
 
     def register(
         self, kv_caches: Mapping[str, torch.Tensor], *, staged: bool | None = None
     ) -> None:
-        """Take vLLM's caches (``staged``: see :func:`~kvpool.connectors.pages.block_pages`)."""
-        self.paged = block_pages(kv_caches, staged=staged)
-        self._reads, self._writer = self._layout(self.paged)
-        self._layer_index = {name: i for i, name in enumerate(self.paged.names)}
-        if self._layers > 1 and self._layers != len(self.paged.names):
+        """Take vLLM's caches (``staged``: see :func:`~kvpool.connectors.pages.block_pages`):
+        with several KV cache groups, each group's layers are its own pages."""
+        if self._cache_groups is None or not self._cache_groups.hybrid:
+            self._views = [self._view(block_pages(kv_caches, staged=staged), self._groups)]
+        else:
+            views = []
+            for group in self._cache_groups:
+                missing = [name for name in group.layers if name not in kv_caches]
+                if missing:
+                    raise ConfigError(
+                        f"[KVPoolStoreConnector] KV cache group {group.group_id}: vLLM"
+                        f" registered no KV cache for layers {missing}"
+                    )
+                layers = {name: kv_caches[name] for name in group.layers}
+                views.append(self._view(block_pages(layers, staged=staged), group.heads))
+            self._views = views
+        paged = self._views[0].paged
+        self._layer_index = {name: i for i, name in enumerate(paged.names)}
+        if self._layers > 1 and self._layers != len(paged.names):
             raise ConfigError(
-                f"[KVPoolStoreConnector] use_layerwise: the KV cache has {len(self.paged.names)}"
+                f"[KVPoolStoreConnector] use_layerwise: the KV cache has {len(paged.names)}"
                 f" layers but the scheduler keyed {self._layers}"
             )
 
-        self._start_saves(self.paged)
+        self._start_saves()
         # the pool opened with the KV caches (the guide's "every node registers memory":
         # a Mooncake worker's segment is in the pool before its first request)
         if not self._pool.open():
@@ -262,40 +339,48 @@ class StoreWorker:
                 self._pool.last_error,
             )
 
-    def _layout(self, paged: PagedCaches) -> tuple[tuple[GroupSlot, ...] | None, bool]:
-        """This rank's groups, and whether it saves them (a rank that holds the same heads
-        as a lower one does not).  One group is the whole page: it moves as one part per
-        layer, as without groups."""
-        if self._groups is None:
-            return None, True
-        reads, writes = self._groups.reads(self._rank), self._groups.writes(self._rank)
+    def _view(self, paged: PagedCaches, heads: HeadGroups | None) -> _View:
+        """One group's pages, the head groups this rank reads, and whether it saves them (a
+        rank that holds the same heads as a lower one does not).  One head group is the
+        whole page: it moves as one part per layer, as without groups."""
+        if heads is None:
+            return _View(paged, None)
+        reads, writes = heads.reads(self._rank), heads.writes(self._rank)
         held = sum(slot.count for slot in reads)
         if held != paged.num_heads and len(reads) > 1:
             raise ConfigError(
                 f"[KVPoolStoreConnector] TP rank {self._rank}'s KV cache shows"
                 f" {paged.num_heads} KV heads per block but the head groups give it {held}"
-                f" ({self._groups}): this KV cache layout cannot be split by head; set"
+                f" ({heads}): this KV cache layout cannot be split by head; set"
                 f' kv_connector_extra_config "head_group_size": {held} (one object per rank,'
                 " shared only with instances of the same TP size)"
             )
-        return reads, bool(writes)
+        return _View(paged, heads, reads, bool(writes))
 
-    def _start_saves(self, paged: PagedCaches) -> None:
+    def _start_saves(self) -> None:
         """The save queue and its staging, when saves run off the step (and this rank
-        writes at all)."""
-        if not self._save_buffer_bytes or not self._writer or self._saves is not None:
+        writes at all).  A slot holds one page of the largest group (hybrid models)."""
+        if not self._save_buffer_bytes or self._saves is not None:
             return
-        capacity = self._save_buffer_bytes // paged.page_bytes
+        if not any(view.writer for view in self._views):
+            return
+        page_bytes = max(view.paged.page_bytes for view in self._views)
+        capacity = self._save_buffer_bytes // page_bytes
         if capacity == 0:
             self._log.warning(
                 "[KVPoolStoreConnector] save_buffer_size %d bytes holds no page of %d bytes;"
                 " saving in the engine step (raise save_buffer_size to save off the step)",
                 self._save_buffer_bytes,
-                paged.page_bytes,
+                page_bytes,
             )
             return
+        host = (
+            self._views[0].paged.new_pages(capacity)
+            if not self._hybrid
+            else np.empty((capacity, page_bytes), dtype=np.uint8)
+        )
         self._saves = SaveQueue(
-            paged.new_pages(capacity),
+            host,
             write=partial(self._put, handle=self._saver_pool),
             counters=self.counters,
             lock=self._lock,
@@ -306,20 +391,22 @@ class StoreWorker:
 
     def start_loads(self, plan: StorePlan) -> None:
         layered = self._layers > 1 and self.paged is not None
-        if layered and (specs := tuple(s for s in plan.loads if not s.is_async)):
-            self._start_layer_loads(specs)
+        if layered and (sync := tuple(s for s in plan.loads if not s.is_async)):
+            self._start_layer_loads(sync)
+        requests: dict[str, list[LoadSpec]] = {}  # a request's specs: one per cache group
         for spec in plan.loads:
             if not spec.is_async and layered:
                 continue  # in the layer-wise job
-            if not spec.is_async:
-                result = self._load(spec, self._pool, None)
-                self._record(result)
+            requests.setdefault(spec.req_id, []).append(spec)
+        for req_id, specs in requests.items():
+            if not specs[0].is_async:
+                self._record(self._load(specs, self._pool, None))
                 continue
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-store-load")
             cancel = threading.Event()
-            future = self._executor.submit(self._load, spec, self._loader_pool, cancel)
-            self._inflight[spec.req_id] = (future, cancel)
+            future = self._executor.submit(self._load, specs, self._loader_pool, cancel)
+            self._inflight[req_id] = (future, cancel)
 
     def _start_layer_loads(self, specs: tuple[LoadSpec, ...]) -> None:
         """Read this step's ``specs`` layer by layer in the background (see the rules)."""
@@ -365,23 +452,44 @@ class StoreWorker:
         return unpin
 
     def _load(
-        self, spec: LoadSpec, handle: PoolHandle[PoolEngine], cancel: threading.Event | None
+        self,
+        specs: Sequence[LoadSpec],
+        handle: PoolHandle[PoolEngine],
+        cancel: threading.Event | None,
     ) -> LoadResult:
-        unpin = self._unpinner(spec, handle)
+        """One request's loads (one spec per KV cache group), its pins released once all
+        have run; the first failure ends the request's load (a hybrid model recomputes it
+        whole)."""
+        unpin = self._unpinner(specs[0], handle)
         try:
-            if self._layers == 1:
-                return self._copy(spec, handle, cancel, unpin)
-            reader = self._copy_layers(spec, handle, unpin)
-            while True:  # an async load: layer after layer, nobody waits on one
-                if cancel is not None and cancel.is_set():
-                    return LoadResult(spec.req_id, 0, frozenset())  # aborted: nobody reads
-                try:
-                    next(reader)
-                except StopIteration as done:
-                    result: LoadResult = done.value
-                    return result
+            result = self._load_one(specs[0], handle, cancel, unpin)
+            for spec in specs[1:]:
+                if result.failed_block_ids:
+                    failed = frozenset(b for s in specs[1:] for b in s.block_ids)
+                    return result + LoadResult(spec.req_id, 0, failed)
+                result += self._load_one(spec, handle, cancel, unpin)
+            return result
         finally:
             unpin()
+
+    def _load_one(
+        self,
+        spec: LoadSpec,
+        handle: PoolHandle[PoolEngine],
+        cancel: threading.Event | None,
+        unpin: Callable[[], None],
+    ) -> LoadResult:
+        if self._layers == 1:
+            return self._copy(spec, handle, cancel, unpin)
+        reader = self._copy_layers(spec, handle, unpin)
+        while True:  # an async load: layer after layer, nobody waits on one
+            if cancel is not None and cancel.is_set():
+                return LoadResult(spec.req_id, 0, frozenset())  # aborted: nobody reads
+            try:
+                next(reader)
+            except StopIteration as done:
+                result: LoadResult = done.value
+                return result
 
     def _load_layers(
         self,
@@ -429,11 +537,12 @@ class StoreWorker:
         cancel: threading.Event | None,
         unpin: Callable[[], None],
     ) -> LoadResult:
-        paged = self.paged
-        if paged is None:
+        if not self._views:
             return LoadResult(spec.req_id, 0, frozenset(spec.block_ids))
-        slots = self._slots(self._reads)
-        keys = self._object_keys(spec.keys, slots)
+        view = self._views[spec.group]
+        paged = view.paged
+        slots = view.slots
+        keys = self._object_keys(view, spec.keys, slots)
         per = len(slots)  # objects per block
         loaded = 0
         for start in range(0, len(spec.block_ids), _BATCH):
@@ -442,8 +551,8 @@ class StoreWorker:
                 return LoadResult(spec.req_id, loaded, frozenset())
             batch = keys[start * per : (start + _BATCH) * per]
             block_ids = spec.block_ids[start : start + _BATCH]
-            parts, staging = self._pages(paged, block_ids, slots)
-            good_objects, failure = self._read(handle, batch, parts)
+            parts, staging = self._pages(view, block_ids, slots)
+            good_objects, failure = self._read(handle, batch, parts, view.object_bytes)
             good = good_objects // per  # a block is good when all its groups are
             if staging is not None:
                 paged.scatter(block_ids[:good], staging)
@@ -460,8 +569,9 @@ class StoreWorker:
                 unpin()  # the load is over, and a pinned object cannot be removed
                 dropped = int(self._drop_unreadable(handle, key, failure))
                 failed = frozenset(spec.block_ids[start + good :])
-                return LoadResult(spec.req_id, loaded, failed, dropped)
-        return LoadResult(spec.req_id, loaded, frozenset())
+                nbytes = loaded * paged.page_bytes
+                return LoadResult(spec.req_id, loaded, failed, dropped, nbytes)
+        return LoadResult(spec.req_id, loaded, frozenset(), 0, loaded * paged.page_bytes)
 
     def _copy_layers(
         self, spec: LoadSpec, handle: PoolHandle[PoolEngine], unpin: Callable[[], None]
@@ -469,21 +579,23 @@ class StoreWorker:
         """Layer-wise: every block's layer 0, then layer 1, ..., yielding after each
         layer; blocks [0, good) stay intact in every layer read so far, and a failure
         shortens ``good`` for the layers after it.  Returns the load's result."""
-        paged = self.paged
-        if paged is None:
+        if not self._views:
             return LoadResult(spec.req_id, 0, frozenset(spec.block_ids))
-        slots = self._slots(self._reads)
+        view = self._views[spec.group]
+        paged = view.paged
+        slots = view.slots
         per = len(slots)  # objects per block and layer
         good, dropped = len(spec.block_ids), 0
         # in place, a layer's blocks go in few calls; staged, as many as the staging holds
         step = _BATCH if paged.staged else _BATCH * self._layers
         for layer in range(self._layers):
-            keys = self._object_keys(spec.keys, slots, layer)
+            keys = self._object_keys(view, spec.keys, slots, layer)
             for start in range(0, good, step):
                 blocks = spec.block_ids[start : min(good, start + step)]
-                pages, host = self._pages(paged, blocks, slots)
+                pages, host = self._pages(view, blocks, slots)
                 batch = keys[start * per : (start + len(blocks)) * per]
-                n, failure = self._read(handle, batch, [[p[layer]] for p in pages])
+                parts = [[p[layer]] for p in pages]
+                n, failure = self._read(handle, batch, parts, view.object_bytes)
                 if host is not None:  # staged: this layer of the blocks read whole
                     paged.scatter(blocks[: n // per], host, layer=layer)
                 if failure is None:
@@ -498,10 +610,12 @@ class StoreWorker:
                 dropped += int(self._drop_unreadable(handle, key, failure))
                 break
             yield
-        return LoadResult(spec.req_id, good, frozenset(spec.block_ids[good:]), dropped)
+        failed = frozenset(spec.block_ids[good:])
+        return LoadResult(spec.req_id, good, failed, dropped, good * paged.page_bytes)
 
+    @staticmethod
     def _object_keys(
-        self,
+        view: _View,
         keys: Sequence[Sequence[str | None]],
         slots: Sequence[GroupSlot | None],
         layer: int | None = None,
@@ -511,19 +625,22 @@ class StoreWorker:
         columns = [
             keys[c]
             for slot in slots
-            for c in self._columns(slot)
-            if layer is None or c % self._layers == layer
+            for c in view.columns(slot)
+            if layer is None or c % view.layers == layer
         ]
         return [column[i] for i in range(len(columns[0])) for column in columns]
 
     def _read(
-        self, handle: PoolHandle[PoolEngine], keys: Sequence[str], parts: Sequence[Sequence[Any]]
+        self,
+        handle: PoolHandle[PoolEngine],
+        keys: Sequence[str],
+        parts: Sequence[Sequence[Any]],
+        page_bytes: int,
     ) -> tuple[int, Exception | None]:
-        """Read ``keys`` into their objects' ``parts``: how many leading objects are good,
-        and why the one after them is not (None when all are).  Objects from there on may
-        hold anything (a read in place): the caller reports their blocks failed."""
-        assert self.paged is not None
-        page_bytes = self.object_bytes
+        """Read ``keys`` into their objects' ``parts`` (``page_bytes`` each): how many
+        leading objects are good, and why the one after them is not (None when all are).
+        Objects from there on may hold anything (a read in place): the caller reports
+        their blocks failed."""
         try:
             sizes = handle.call(partial(_get_parts, keys=keys, parts=parts))
         except Exception as exc:
@@ -532,7 +649,7 @@ class StoreWorker:
             # An answer about one object failed the whole batch (an object larger than a
             # page): read them one by one to find which, so that the right one is dropped.
             for j in range(len(keys)):
-                _, failure = self._read(handle, keys[j : j + 1], parts[j : j + 1])
+                _, failure = self._read(handle, keys[j : j + 1], parts[j : j + 1], page_bytes)
                 if failure is not None:
                     return j, failure
             return len(keys), None
@@ -556,12 +673,14 @@ class StoreWorker:
 
     def _record(self, result: LoadResult) -> None:
         with self._lock:
-            self._invalid |= result.failed_block_ids
+            if self._hybrid and result.failed_block_ids:
+                self._failed_requests.add(result.req_id)  # vLLM takes them per request
+            else:
+                self._invalid |= result.failed_block_ids
             self.counters["loaded_blocks"] += result.loaded
             self.counters["failed_blocks"] += len(result.failed_block_ids)
             self.counters["dropped_blocks"] += result.dropped
-            if self.paged is not None:
-                self.counters["loaded_bytes"] += result.loaded * self.paged.page_bytes
+            self.counters["loaded_bytes"] += result.loaded_bytes
 
     def finished_loads(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Async loads that completed (or failed) since the last call; cancels the loads of
@@ -587,24 +706,31 @@ class StoreWorker:
             invalid, self._invalid = self._invalid, set()
         return invalid
 
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed as a whole since the last call (hybrid models:
+        vLLM's failed_recving; they are also among the finished loads)."""
+        with self._lock:
+            failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
     # ------------------------------------------------------------------ saves
 
     def save(self, plan: StorePlan) -> None:
-        paged = self.paged
-        if paged is None:
+        if not self._views:
             return
         for spec in plan.saves:
-            self._save_one(spec, paged)
+            self._save_one(spec, self._views[spec.group])
 
-    def _save_one(self, spec: SaveSpec, paged: PagedCaches) -> None:
-        if not self._writer:
+    def _save_one(self, spec: SaveSpec, view: _View) -> None:
+        if not view.writer:
             return  # a lower rank holds (and saves) the same heads
-        slots = self._slots(self._reads)
-        per = len(slots) * self._layers
-        keys = self._object_keys(spec.keys, slots)
+        paged = view.paged
+        slots = view.slots
+        per = len(slots) * view.layers
+        keys = self._object_keys(view, spec.keys, slots)
         # each group's chunk hangs off the same group's chunk before it
         parents = self._object_keys(
-            [(p, *ks[:-1]) for p, ks in zip(spec.parents, spec.keys, strict=True)], slots
+            view, [(p, *ks[:-1]) for p, ks in zip(spec.parents, spec.keys, strict=True)], slots
         )
         queue = self._saves
         size = _BATCH if queue is None else min(_BATCH, queue.capacity)
@@ -618,31 +744,42 @@ class StoreWorker:
                 parts=[],
                 parents=parents[start * per : (start + size) * per],
                 pages=[],
+                group=spec.group,
             )
             pages = None if queue is None else queue.acquire(len(block_ids))
             if queue is None or pages is None:  # synchronous (or shutting down)
-                parts, staging = self._pages(paged, block_ids, slots)
-                batch.parts = self._split_layers(parts)
+                parts, staging = self._pages(view, block_ids, slots)
+                batch.parts = self._split_layers(view, parts)
                 if staging is not None:
                     paged.gather(block_ids, staging)
                 if not self._put(batch, self._pool):
                     return
                 continue
             # off the step: copy the pages out now, put them in the writer thread
+            host, tensor = self._queue_pages(queue, paged)
             for j, first, count in queue.runs(pages):
-                paged.gather(block_ids[j : j + count], queue.host[first : first + count])
+                paged.gather(block_ids[j : j + count], host[first : first + count])
             batch.pages = pages
-            batch.parts = self._split_layers(self._staged_parts(queue, pages, slots))
+            batch.parts = self._split_layers(view, self._staged_parts(view, tensor, pages, slots))
             queue.submit(batch)
 
+    def _queue_pages(self, queue: SaveQueue, paged: PagedCaches) -> tuple[Any, torch.Tensor]:
+        """The save queue's staging seen as ``paged``'s pages, ``[slot, layer, bytes]``
+        (a hybrid model's slots fit the largest group's page: a group uses their head)."""
+        if not self._hybrid:
+            return queue.host, queue.tensor
+        shape = (queue.capacity, len(paged.names), paged.layer_page_bytes)
+        host = queue.host[:, : paged.page_bytes].reshape(shape)
+        return host, queue.tensor[:, : paged.page_bytes].view(shape)
+
+    @staticmethod
     def _staged_parts(
-        self, queue: SaveQueue, pages: Sequence[int], slots: Sequence[GroupSlot | None]
+        view: _View, tensor: torch.Tensor, pages: Sequence[int], slots: Sequence[GroupSlot | None]
     ) -> list[list[Any]]:
         """The objects' parts in the save queue's staging pages (each page's ``slots``)."""
-        assert self.paged is not None
-        tensor, hb = queue.tensor, self.paged.head_bytes
-        whole = self._whole
-        layers = range(len(self.paged.names))
+        hb = view.paged.head_bytes
+        whole = view.whole
+        layers = range(len(view.paged.names))
         return [
             [tensor[j]] if whole or slot is None
             else [tensor[j, i, slot.head_start * hb : (slot.head_start + slot.count) * hb]
@@ -653,7 +790,8 @@ class StoreWorker:
     def _put(self, batch: SaveBatch, handle: PoolHandle[PoolEngine]) -> bool:
         """Put one batch (in the step, or in the save queue's writer); False when the
         rest of its save must stop (the chain hangs off the chunk that failed)."""
-        per = len(self._slots(self._reads)) * self._layers
+        view = self._views[batch.group]
+        per = len(view.slots) * view.layers
         try:
             results = handle.call(
                 partial(_put_parts, keys=batch.keys, parts=batch.parts, parents=batch.parents)
@@ -664,7 +802,7 @@ class StoreWorker:
         saved = sum(1 for r in results if r is None)
         with self._lock:
             self.counters["saved_blocks"] += saved // per
-            self.counters["saved_bytes"] += saved * self.object_bytes
+            self.counters["saved_bytes"] += saved * view.object_bytes
         for key, error in zip(batch.keys, results, strict=True):
             # Another instance writing the same chunk right now is no failure.
             if error is not None and not isinstance(error, WriteConflict):

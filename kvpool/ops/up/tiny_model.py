@@ -26,6 +26,7 @@ __all__ = [
     "build_tiny_model",
     "main",
     "sample_text",
+    "train_tokenizer",
 ]
 
 BOS = "<s>"
@@ -142,7 +143,8 @@ def _weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _train_tokenizer(spec: TinyModelSpec, path: Path) -> None:
+def train_tokenizer(spec: TinyModelSpec, path: Path) -> None:
+    """A byte-level BPE tokenizer of ``spec.vocab_size`` tokens at ``path`` (seeded)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -238,7 +240,7 @@ def build_from_spec(path: str | Path, spec: TinyModelSpec, *, weights: bool = Tr
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, indent=2)
     )
     (out / "kvpool_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2))
-    _train_tokenizer(spec, out)
+    train_tokenizer(spec, out)
     if weights:
         from safetensors.numpy import save_file
 
@@ -296,7 +298,7 @@ def build_tiny_mla_model(
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, indent=2)
     )
-    _train_tokenizer(spec, out)
+    train_tokenizer(spec, out)
     return out
 
 

@@ -76,6 +76,28 @@ def test_lookup_round_trip_and_worker_errors(tmp_path: Path) -> None:
         LookupClient(path, timeout_s=1)
 
 
+def test_the_channel_answers_which_keys_the_pool_holds(tmp_path: Path) -> None:
+    """A hybrid model's lookup needs every chunk of every KV cache group, not a leading
+    run: the channel answers batch_exists in one round trip."""
+    pool = FakePool()
+    pool.objects.update({"a": b"1", "c": b"3"})
+    path = str(tmp_path / "ch.sock")
+    server = LookupServer(path, pool, LOG)
+    try:
+        client = LookupClient(path, timeout_s=5)
+        assert client.batch_exists(["a", "b", "c", "d"]) == [True, False, True, False]
+        assert client.batch_exists([]) == []
+        calls = pool.calls["batch_exists"]
+        assert client.batch_exists(["c"] * 1000) == [True] * 1000
+        assert pool.calls["batch_exists"] == calls + 1
+        pool.down = True
+        with pytest.raises(TransferError, match="Probe failed in the worker"):
+            client.batch_exists(["a"])
+        client.close()
+    finally:
+        server.close()
+
+
 def test_the_channel_speaks_kvpools_frames(tmp_path: Path) -> None:
     pool = FakePool()
     pool.objects["a"] = b"1"

@@ -91,7 +91,7 @@ def store(pool: PoolEngine | FakePool, tokens: Sequence[int] = TOKENS) -> list[s
 def admit(sched: StoreScheduler, req: Req, block_ids: list[int]) -> StorePlan:
     """Look the request up and let vLLM admit it with the hit; this step's plan."""
     hit, _ = sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, block_ids, hit)
+    sched.update_state_after_alloc(req, (block_ids,), hit)
     return sched.build_plan(step(new=[(req.request_id, block_ids, hit, len(TOKENS) - hit)]))
 
 
@@ -109,7 +109,7 @@ def test_a_lookup_pins_the_hit_for_its_request_and_the_load_releases_it() -> Non
     assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
     assert pool.pinned() == set(keys) and set(pool.pins) == {OWNER}
     assert pool.fill() == 0  # other traffic cannot evict what the request is about to load
-    sched.update_state_after_alloc(req, [4, 5, 6, 7], 12)
+    sched.update_state_after_alloc(req, ([4, 5, 6, 7],), 12)
     plan = sched.build_plan(step(new=[("r", [4, 5, 6, 7], 12, 1)]))
     (load,) = plan.loads
     assert load.owners == (OWNER,)
@@ -160,7 +160,7 @@ def test_admitted_without_a_load_releases_at_once() -> None:
     sched = scheduler(pool)
     req = Req("r", TOKENS)
     assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
-    sched.update_state_after_alloc(req, [], 0)  # vLLM chose not to load (e.g. no blocks)
+    sched.update_state_after_alloc(req, ([],), 0)  # vLLM chose not to load (e.g. no blocks)
     assert pool.pinned() == set()
 
 
@@ -315,7 +315,7 @@ def test_pinned_blocks_survive_a_fill_that_would_evict_them() -> None:
         results = fill_with_others(engine, 12, "other")
         assert results[:3] == [None] * 3 and all(isinstance(r, NoSpace) for r in results[3:])
         assert engine.batch_exists(keys) == [True] * 3
-        sched.update_state_after_alloc(req, [4, 5, 6, 7], 12)
+        sched.update_state_after_alloc(req, ([4, 5, 6, 7],), 12)
         plan = sched.build_plan(step(new=[("r", [4, 5, 6, 7], 12, 1)]))
         w.start_loads(plan)
         assert w.take_invalid_block_ids() == set() and w.counters["loaded_blocks"] == 3

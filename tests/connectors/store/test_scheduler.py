@@ -84,7 +84,7 @@ def test_miss_then_save_plan_with_key_chain() -> None:
     sched = make(pool)
     req = Req("a", range(10))  # 2 full blocks + 2 tokens
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    sched.update_state_after_alloc(req, [], 0)
+    sched.update_state_after_alloc(req, ([],), 0)
     plan = sched.build_plan(step(new=[("a", [7, 8, 9], 0, 10)]))
     assert plan.loads == ()
     (save,) = plan.saves
@@ -110,7 +110,7 @@ def test_hit_leaves_one_token_and_plans_the_load() -> None:
     # All 3 blocks are cached, but one token must be left to compute: 2 blocks.
     assert sched.get_num_new_matched_tokens(req, 0) == (8, False)
     assert sched.get_num_new_matched_tokens(req, 4) == (4, False)  # local hit of 1 block
-    sched.update_state_after_alloc(req, [5, 6, 7], 4)
+    sched.update_state_after_alloc(req, ([5, 6, 7],), 4)
     plan = sched.build_plan(step(new=[("b", [5, 6, 7], 8, 4)]))
     (load,) = plan.loads
     keys = [k.hex for k in chunk_keys(tokens, NS)]
@@ -146,7 +146,7 @@ def test_every_head_group_must_hold_the_chunk() -> None:
     sched = make(pool, groups=groups)
     req = Req("d", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (8, False)
-    sched.update_state_after_alloc(req, [1, 2, 3, 4, 5], 8)
+    sched.update_state_after_alloc(req, ([1, 2, 3, 4, 5],), 8)
     (load,) = sched.build_plan(step(new=[("d", [1, 2, 3, 4, 5], 8, 9)])).loads
     assert len(load.keys) == 2 and load.keys[0] != load.keys[1]
     chain = chunk_keys(tokens, NS)[:2]
@@ -166,26 +166,11 @@ def test_group_keys_do_not_depend_on_the_readers_tp_size() -> None:
         sched = make(pool, groups=HeadGroups(2, 1, tp))
         req = Req("e", tokens)
         assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
-        sched.update_state_after_alloc(req, [1, 2, 3, 4, 5], 16)
+        sched.update_state_after_alloc(req, ([1, 2, 3, 4, 5],), 16)
         (load,) = sched.build_plan(step(new=[("e", [1, 2, 3, 4, 5], 16, 1)])).loads
         assert len(load.owners) == tp  # one pin owner per rank
         plans.append(load.keys)
     assert plans[0] == plans[1]
-
-
-def test_embedded_lookup_channel_probes_group_by_group() -> None:
-    """The embedded pool's lookup channel has no batch_exists: one lookup per group."""
-
-    class NoBatch(FakePool):
-        def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-            raise NotImplementedError("the lookup channel only answers lookups")
-
-    pool = NoBatch()
-    tokens = list(range(17))
-    fill_group(pool, tokens, 0, upto=4)
-    fill_group(pool, tokens, 1, upto=3)
-    sched = make(pool, groups=HeadGroups(2, 1, 1))
-    assert sched.get_num_new_matched_tokens(Req("f", tokens), 0) == (12, False)
 
 
 def test_dead_pool_is_a_miss_and_probing_takes_no_lease() -> None:
@@ -222,7 +207,7 @@ def test_failed_load_moves_the_save_mark_back() -> None:
     sched = make(pool)
     req = Req("i", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
-    sched.update_state_after_alloc(req, [3, 4, 5, 6], 12)
+    sched.update_state_after_alloc(req, ([3, 4, 5, 6],), 12)
     sched.build_plan(step(new=[("i", [3, 4, 5, 6], 12, 1)]))
     sched.on_load_errors({5})
     # vLLM recomputes from block index 2; after that step the blocks are saved again.
@@ -249,7 +234,7 @@ def test_unaligned_external_hit_is_rejected() -> None:
     req = Req("k", range(20))
     sched.get_num_new_matched_tokens(req, 0)
     with pytest.raises(ValueError, match="block-aligned"):
-        sched.update_state_after_alloc(req, [1, 2, 3], 5)
+        sched.update_state_after_alloc(req, ([1, 2, 3],), 5)
 
 
 def test_lora_and_cache_salt_get_their_own_keys_and_multimodal_is_skipped() -> None:
