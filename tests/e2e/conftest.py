@@ -62,6 +62,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``hybrid_model_dir(kind)``: a tiny hybrid model (kvpool.ops.up.tiny_hybrid), built
+    once per session and kind, in a process of its own (transformers stays out of this
+    one)."""
+    built: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            path = tmp_path_factory.mktemp(kind)
+            argv = [sys.executable, "-m", "kvpool.ops.up.tiny_hybrid", str(path), "--kind", kind]
+            subprocess.run(argv, cwd=REPO, check=True, capture_output=True, timeout=300)
+            built[kind] = path
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def run_offline(tmp_path_factory: pytest.TempPathFactory) -> RunOffline:
     """``run_offline(spec, env=..., enter=...)``: run one offline engine through
     ``spec["steps"]``; ``enter`` maps the command line first (a namespace's ``command``)."""

@@ -77,7 +77,7 @@ class DamagingPool:
         self.held_puts = 0  # puts that waited at the gate
 
     def damage(self, mode: str, count: int, start: int = 1) -> dict[str, Any]:
-        keys = self.stored[start : start + count]
+        keys = self.stored[start:][:count]  # start < 0: counted from the last one stored
         for key in keys:
             if mode == "remove":
                 self.inner.remove(key)

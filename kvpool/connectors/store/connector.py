@@ -291,13 +291,13 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
 
         for line in hybrid.describe_groups(kv_cache_config):
             logger.info("[%s] KV cache %s", CONNECTOR_NAME, line)
-        if not config.load_async or config.use_layerwise:
-            logger.warning(
-                "[%s] hybrid model: loads are asynchronous and whole (load_async true,"
-                " use_layerwise false), the only loads whose failure vLLM can take back"
-                " for a model with several KV cache groups",
-                CONNECTOR_NAME,
-            )
+        logger.info(
+            "[%s] hybrid model: loads are asynchronous and whole (load_async true,"
+            " use_layerwise false), the only loads whose failure vLLM takes back for a"
+            " hybrid model%s",
+            CONNECTOR_NAME,
+            " (use_layerwise is ignored)" if config.use_layerwise else "",
+        )
         return replace(config, load_async=True, use_layerwise=False)
 
     @property

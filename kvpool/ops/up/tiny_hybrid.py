@@ -90,6 +90,20 @@ HYBRID_KINDS: dict[str, dict[str, Any]] = {
 }
 
 
+def _long_memory(model: Any) -> None:
+    """Slow every linear-attention layer's decay: with the usual initialisation a tiny
+    gated delta-net forgets its state within a few tokens, so a lost or wrong state would
+    not change the answer and a test could not tell a restored state from a missing one."""
+    import torch
+
+    with torch.no_grad():
+        for layer in getattr(model.model, "layers", []):
+            attn = getattr(layer, "linear_attn", None)
+            if attn is not None:
+                attn.A_log.fill_(-4.6)  # exp: 0.01
+                attn.dt_bias.fill_(-2.0)
+
+
 def build_tiny_hybrid_model(path: str | Path, kind: str, *, seed: int = 0) -> Path:
     """Write the tiny ``kind`` model directory at ``path`` (see :data:`HYBRID_KINDS`) and
     return it; the same arguments always give the same weights."""
@@ -106,7 +120,9 @@ def build_tiny_hybrid_model(path: str | Path, kind: str, *, seed: int = 0) -> Pa
     )
     model_class = getattr(transformers, config["architectures"][0])
     torch.manual_seed(seed)
-    model = model_class(hf_config).to(getattr(torch, config["torch_dtype"]))
+    model = model_class(hf_config)
+    _long_memory(model)
+    model = model.to(getattr(torch, config["torch_dtype"]))
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))  # exactly ours
     (out / "generation_config.json").write_text(
