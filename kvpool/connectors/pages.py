@@ -23,7 +23,7 @@ from kvpool.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PagedCaches", "block_pages", "byte_pages", "page_view"]
+__all__ = ["CacheSet", "PagedCaches", "block_pages", "byte_pages", "page_view"]
 
 
 class PagedCaches:
@@ -74,6 +74,26 @@ class PagedCaches:
         self._block_tensors = (
             None if tensors is None else [_tensor_rows(t) for t in tensors.values()]
         )
+
+    @property
+    def groups(self) -> tuple[PagedCaches, ...]:
+        """The KV cache groups' pages: this one (see :class:`CacheSet`)."""
+        return (self,)
+
+    def of(self, layers: Sequence[str]) -> PagedCaches:
+        """The pages that hold ``layers`` (all of one group): these, if they have them."""
+        known = set(self.names)
+        unknown = [name for name in layers if name not in known]
+        if unknown or not layers:
+            raise ConfigError(f"unknown layers {unknown[:3]} (different models on P and D?)")
+        return self
+
+    @property
+    def block_stride(self) -> int:
+        """Bytes from one block of a layer to the next: the page, or more when each block
+        is padded (a hybrid model's state blocks are padded to the attention page)."""
+        blocks = getattr(self, "_blocks", None)  # staged caches move pages, never in place
+        return int(blocks[0].strides[0]) if blocks else self.layer_page_bytes
 
     def _geometry(self, shapes: Mapping[str, tuple[int, ...]], connector: str) -> None:
         """Sizes from the layers' ``[num_blocks, heads, block_size, row]`` byte shapes."""
@@ -178,6 +198,30 @@ def _tensor_rows(t: Any) -> Any:
     return t.as_strided((t.shape[0], t[0].numel()), (t.stride(0), 1))
 
 
+class CacheSet:
+    """A hybrid model's KV caches: one :class:`PagedCaches` per KV cache group (its layers
+    share a shape, other groups' do not), found by layer name.  A P→D pull names the layers
+    of one group, whose geometry (heads, page bytes, block stride) it then uses."""
+
+    def __init__(self, groups: Sequence[PagedCaches]) -> None:
+        if not groups:
+            raise ConfigError("a cache set needs at least one KV cache group")
+        self.groups: tuple[PagedCaches, ...] = tuple(groups)
+        self._group_of = {name: g for g in self.groups for name in g.names}
+        self.names: list[str] = [name for g in self.groups for name in g.names]
+        self.staged = any(g.staged for g in self.groups)
+
+    def of(self, layers: Sequence[str]) -> PagedCaches:
+        """The group that holds every one of ``layers``."""
+        groups = {id(self._group_of[n]) for n in layers if n in self._group_of}
+        unknown = [name for name in layers if name not in self._group_of]
+        if unknown or not layers:
+            raise ConfigError(f"unknown layers {unknown[:3]} (different models on P and D?)")
+        if len(groups) != 1:
+            raise ConfigError(f"layers {list(layers)[:3]}... lie in {len(groups)} KV cache groups")
+        return self._group_of[layers[0]]
+
+
 def page_view(page: np.ndarray[Any, Any]) -> memoryview:
     """A writable byte view of one staged page (what a pool reads into or writes from)."""
     buffer: Any = page  # NumPy arrays export the buffer protocol; its stubs do not say so
@@ -227,12 +271,17 @@ def block_pages(
 
 
 def byte_pages(
-    kv_caches: Mapping[str, torch.Tensor], block_size: int, *, staged: bool | None = None
+    kv_caches: Mapping[str, torch.Tensor],
+    block_size: int,
+    *,
+    staged: bool | None = None,
+    state: bool = False,
 ) -> PagedCaches:
     """The transfer connector's view: page slices per head range.
 
     On CPU the arrays share memory with vLLM's tensors: pulls write straight into the KV
-    cache.  ``staged``: see :func:`_staged`.
+    cache.  ``staged``: see :func:`_staged`.  ``state``: the layers keep a recurrent state
+    (one row per block, maybe padded), not ``block_size`` tokens of attention.
     """
     import torch
 
@@ -240,12 +289,17 @@ def byte_pages(
     for name, tensor in kv_caches.items():
         if tensor.dim() == 3:
             tensor = tensor.unsqueeze(1)
-        if tensor.dim() != 4 or not tensor.is_contiguous():
+        blocks_contiguous = tensor.dim() > 1 and (
+            tensor.is_contiguous()
+            or (tensor[0].is_contiguous() and tensor.stride(0) >= tensor[0].numel())
+        )
+        if tensor.dim() != 4 or not blocks_contiguous:
             raise ConfigError(
                 f"{TRANSFER}: layer {name} has an unsupported KV cache layout "
-                f"{tuple(tensor.shape)} (expected contiguous [blocks, heads, block_size, row])"
+                f"{tuple(tensor.shape)} (expected [blocks, heads, block_size, row] with"
+                " contiguous blocks)"
             )
-        if tensor.shape[2] != block_size:
+        if tensor.shape[2] != block_size and not state:
             raise ConfigError(
                 f"{TRANSFER}: layer {name} stores {tensor.shape[2]} tokens per kernel "
                 f"block but the scheduler's block size is {block_size}; use a --block-size "

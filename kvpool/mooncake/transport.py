@@ -20,7 +20,7 @@ import numpy as np
 
 from kvpool.closing import Closing
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
-from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.connectors.transfer.kv_port import PullListener, dial
 from kvpool.connectors.transfer.transport import PullHandler
 from kvpool.datapath.framing import recv_frame, send_frame
@@ -69,7 +69,7 @@ class EngineTransport:
         self._protocol = protocol
         self._device = device_name
         self._timeout_s = transfer_timeout_s
-        self._caches: PagedCaches | None = None
+        self._caches: PagedCaches | CacheSet | None = None
         self._mover: EngineMover | None = None
         self._bases: dict[str, int] = {}  # layer -> address of its block 0, head 0
         self._listener = PullListener(
@@ -85,13 +85,19 @@ class EngineTransport:
         """Decode connections refused for their credential."""
         return self._listener.refused_auth
 
-    def register(self, caches: PagedCaches) -> None:
+    def register(self, caches: PagedCaches | CacheSet) -> None:
         """Start the engine and register each layer's cache tensor with it, once."""
         mover = EngineMover.start(self._hostname, self._protocol, self._device, self._timeout_s)
-        bases = {name: _address(caches.page(name, 0, 0, caches.num_heads)) for name in caches.names}
-        length = caches.num_blocks * caches.layer_page_bytes
-        # Layers that share one tensor (vLLM's KV sharing) are registered once.
-        mover.register([(addr, length) for addr in sorted(set(bases.values()))])
+        bases: dict[str, int] = {}
+        regions: dict[int, int] = {}  # address -> length
+        for group in caches.groups:  # a hybrid model: each KV cache group's geometry
+            for name in group.names:
+                bases[name] = addr = _address(group.page(name, 0, 0, group.num_heads))
+                length = group.num_blocks * group.block_stride
+                regions[addr] = max(regions.get(addr, 0), length)
+        # Layers that share one tensor (vLLM's KV sharing, a hybrid model's groups) are
+        # registered once.
+        mover.register(sorted(regions.items()))
         self._caches, self._mover, self._bases = caches, mover, bases
         logger.info(
             "%s Transfer Engine %s over %s: %d KV cache regions registered",
@@ -124,12 +130,12 @@ class EngineTransport:
     def _lend_pages(self, conn: socket.socket, pull: Pull, deadline: float) -> int | None:
         """P's side of an admitted pull: say where the page slices lie, then wait for D
         to have read them with its engine (``None``: it could not)."""
-        caches, mover = self._caches, self._mover
-        assert caches is not None and mover is not None
+        assert self._caches is not None and self._mover is not None
+        caches, mover = self._caches.of(pull.layers), self._mover  # the pull's group
         pages = Pages(
             endpoint=mover.endpoint,
             layer_addrs=[self._bases[name] for name in pull.layers],
-            block_stride=caches.layer_page_bytes,
+            block_stride=caches.block_stride,
             head_bytes=caches.head_bytes,
         )
         send_frame(conn, ENGINE_REPLY_CODEC, pages, None, deadline)
@@ -156,7 +162,7 @@ class EngineLink(Closing):
     def __init__(
         self,
         sock: socket.socket,
-        caches: PagedCaches,
+        caches: PagedCaches | CacheSet,
         mover: EngineMover,
         bases: dict[str, int],
     ) -> None:
@@ -196,7 +202,7 @@ class EngineLink(Closing):
     ) -> tuple[list[int], list[int], list[int]]:
         """(local, remote, length) of the engine requests: one per page slice, or per run
         of slices that lie back to back in both caches (whole blocks, consecutive ids)."""
-        caches = self._caches
+        caches = self._caches.of(pull.layers)
         if len(pages.layer_addrs) != len(pull.layers) or pages.head_bytes != caches.head_bytes:
             raise ProtocolError(
                 f"prefill's pages ({len(pages.layer_addrs)} layers of {pages.head_bytes}-byte"
@@ -215,7 +221,7 @@ class EngineLink(Closing):
         size = pull.head_count * caches.head_bytes
         src_head = pull.head_start * pages.head_bytes
         dst_head = dst_start * caches.head_bytes
-        stride = caches.layer_page_bytes
+        stride = caches.block_stride
         local: list[int] = []
         remote: list[int] = []
         lengths: list[int] = []

@@ -49,6 +49,10 @@ class Pull(msgspec.Struct, tag="pull", frozen=True):
     dst_tp_size: int
     page_bytes: int  # bytes of one page slice as D computes it; P checks it matches its own
     group: str | None = None  # D's pairing group (engine_id); None when D has none
+    # A hybrid model's request is one pull per KV cache group (each group has its own
+    # blocks and page geometry); only the last of a D rank's pulls is final, and P holds
+    # the blocks until the final one is served.
+    final: bool = True
 
 
 # ``PullDone`` is not the master's ``Release`` (a read lease given back): it tells P that

@@ -142,6 +142,7 @@ def main(spec_path: str) -> int:
             results.append(
                 {
                     "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "texts": [o.outputs[0].text for o in outs],
                     "finish": [o.outputs[0].finish_reason for o in outs],
                     "cached": [o.num_cached_tokens for o in outs],
                 }

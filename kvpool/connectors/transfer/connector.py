@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvpool.config import (
@@ -30,7 +31,7 @@ from kvpool.config import (
     config_path_from_env,
 )
 from kvpool.config.node import MooncakeNodeConfig, load_any_node_config
-from kvpool.connectors.pages import byte_pages
+from kvpool.connectors.pages import CacheSet, byte_pages
 from kvpool.connectors.stats import CounterStatsHooks, register_connector
 from kvpool.connectors.transfer.jobs import TransferJobs
 from kvpool.connectors.transfer.scheduler import TransferScheduler
@@ -88,9 +89,22 @@ def _dp_rank(parallel: Any) -> int:
     return int(parallel.data_parallel_rank if index is None else index)
 
 
+def _cache_groups(kv_cache_config: KVCacheConfig | None) -> tuple[list[list[str]], frozenset[int]]:
+    """Each KV cache group's layers, and which groups keep a recurrent state (Mamba,
+    linear attention: one state per request and rank, not pages of tokens)."""
+    if kv_cache_config is None:
+        return [], frozenset()
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    states = frozenset(i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec))
+    return [list(g.layer_names) for g in groups], states
+
+
 # P pushes nothing: D pulls from P's kv_port after P has answered, so P's engine never
-# waits on D.
-class KVPoolTransferConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1):
+# waits on D.  A hybrid model (several KV cache groups, vLLM's hybrid KV cache manager on)
+# moves every group: P holds each group's blocks, D pulls them group by group.
+class KVPoolTransferConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1, SupportsHMA):
     """vLLM connector for P→D KV transfer (pull by D from P's ``kv_port``; TCP by default)."""
 
     _cache_hit_source = HIT_SOURCE_P2P
@@ -115,7 +129,8 @@ class KVPoolTransferConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase
         )
         parallel = vllm_config.parallel_config
         self._block_size = int(vllm_config.cache_config.block_size)
-        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        self._group_layers, self._state_groups = _cache_groups(kv_cache_config)
+        groups = max(len(self._group_layers), 1)
         self._single_group = groups == 1
         self._scheduler: TransferScheduler | None = None
         self._worker: TransferWorker | None = None
@@ -126,6 +141,7 @@ class KVPoolTransferConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase
                 tp_size=parallel.tensor_parallel_size,
                 dp_rank=_dp_rank(parallel),
                 num_kv_cache_groups=groups,
+                state_groups=self._state_groups,
             )
         else:
             self._worker = TransferWorker(
@@ -163,6 +179,13 @@ class KVPoolTransferConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._single_group:
+            return self._sched().request_finished(request, block_ids[0] if block_ids else [])
+        return self._sched().request_finished(request, block_ids)
+
     # -- worker side -------------------------------------------------------------------
 
     def _work(self) -> TransferWorker:
@@ -170,7 +193,18 @@ class KVPoolTransferConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work().register(byte_pages(kv_caches, self._block_size))
+        if self._single_group:
+            self._work().register(byte_pages(kv_caches, self._block_size))
+            return
+        groups = [
+            byte_pages(
+                {name: kv_caches[name] for name in layers},
+                self._block_size,
+                state=index in self._state_groups,
+            )
+            for index, layers in enumerate(self._group_layers)
+        ]
+        self._work().register(CacheSet(groups), self._state_groups)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

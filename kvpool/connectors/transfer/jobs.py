@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["HoldJob", "RecvJob", "ReleaseJob", "TransferJobs"]
+__all__ = ["GroupPull", "HoldJob", "RecvJob", "ReleaseJob", "TransferJobs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,10 +21,22 @@ class HoldJob:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupPull:
+    """A hybrid model's KV cache group ``group`` (its index): P's blocks
+    ``remote_block_ids`` into D's ``local_block_ids``, block for block."""
+
+    group: int
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class RecvJob:
     """D: pull the prompt KV of ``request_id`` from P into ``local_block_ids``.
 
-    ``remote_block_ids`` are P's blocks for the same token range, block for block.
+    ``remote_block_ids`` are P's blocks for the same token range, block for block.  A
+    hybrid model's job names its KV cache groups' blocks in ``groups`` instead (then
+    ``local_block_ids`` are all of them, for reporting, and ``remote_block_ids`` empty).
     """
 
     request_id: str
@@ -35,6 +47,7 @@ class RecvJob:
     remote_port: int  # port of P's TP rank 0 of its DP engine; rank r listens on port + r
     remote_tp_size: int
     remote_engine_id: str
+    groups: tuple[GroupPull, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

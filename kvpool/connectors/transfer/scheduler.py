@@ -13,7 +13,7 @@ from typing import Any
 
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig, pairing_group
 from kvpool.config.topology import Topology, rank_port
-from kvpool.connectors.transfer.jobs import HoldJob, RecvJob, ReleaseJob, TransferJobs
+from kvpool.connectors.transfer.jobs import GroupPull, HoldJob, RecvJob, ReleaseJob, TransferJobs
 
 __all__ = ["PARAM_KEYS", "TransferScheduler"]
 
@@ -73,8 +73,29 @@ def _layout_problem(params: dict[str, Any], peer: Topology) -> str | None:
     return None
 
 
+def _block_lists_problem(blocks: Any, groups: int) -> str | None:
+    """Why ``remote_block_ids`` are not what this D's model needs: a list of block ids (one
+    KV cache group), or one such list per group (a hybrid model)."""
+
+    def ids(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(b, int) for b in value)
+
+    if groups == 1:
+        return None if ids(blocks) else "remote_block_ids must be a list of block ids"
+    if not isinstance(blocks, list) or len(blocks) != groups or not all(map(ids, blocks)):
+        return (
+            f"remote_block_ids must be {groups} lists of block ids, one per KV cache group"
+            " (the prefill serves another model?)"
+        )
+    return None
+
+
 def _remote_problem(
-    params: dict[str, Any], block_size: int, group: str | None, peer: Topology | None = None
+    params: dict[str, Any],
+    block_size: int,
+    group: str | None,
+    peer: Topology | None = None,
+    groups: int = 1,
 ) -> str | None:
     """Why this D should not pull with ``params`` (``None``: it should)."""
     missing = [key for key in _REQUIRED if key not in params]
@@ -84,9 +105,9 @@ def _remote_problem(
         problem = _layout_problem(params, peer)
         if problem is not None:
             return problem
-    blocks = params["remote_block_ids"]
-    if not isinstance(blocks, list) or not all(isinstance(b, int) for b in blocks):
-        return "remote_block_ids must be a list of block ids"
+    problem = _block_lists_problem(params["remote_block_ids"], groups)
+    if problem is not None:
+        return problem
     remote_block_size = params.get("remote_block_size", block_size)
     if remote_block_size != block_size:
         return f"prefill block size {remote_block_size} differs from this decode's {block_size}"
@@ -126,12 +147,15 @@ class TransferScheduler:
         tp_size: int,
         dp_rank: int,
         num_kv_cache_groups: int = 1,
+        state_groups: frozenset[int] = frozenset(),
     ) -> None:
         self.config = config
         self.block_size = block_size
         self.tp_size = tp_size
         self.dp_rank = dp_rank
         self.num_kv_cache_groups = num_kv_cache_groups
+        self.state_groups = state_groups  # a hybrid model's groups of recurrent state
+        self._local_hits: dict[str, int] = {}  # D: vLLM's own hit, at lookup
         self._jobs = TransferJobs()
         self._warned: set[str] = set()
         # the prefill side's layout as this D's config describes it (kv_both: its own
@@ -144,10 +168,15 @@ class TransferScheduler:
         params = request.kv_transfer_params
         if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
             return False
-        problem = _remote_problem(params, self.block_size, self.config.group, self._peer)
-        if problem is None and self.num_kv_cache_groups != 1:
+        problem = _remote_problem(
+            params, self.block_size, self.config.group, self._peer, self.num_kv_cache_groups
+        )
+        if problem is None and self.state_groups and params["tp_size"] != self.tp_size:
             problem = (
-                f"{self.num_kv_cache_groups} KV cache groups (hybrid models) are not supported"
+                f"the prefill runs tp_size {params['tp_size']} and this decode"
+                f" {self.tp_size}: a recurrent state (KV cache groups"
+                f" {sorted(self.state_groups)}) is split by rank and moves only between"
+                " equal TP sizes"
             )
         if problem is not None:
             if problem not in self._warned:  # once per kind of problem, not per request
@@ -170,10 +199,12 @@ class TransferScheduler:
         if isinstance(remote, int) and not isinstance(remote, bool) and remote >= 0:
             num_tokens = min(num_tokens, remote)  # absent: a P from before the key
         count = num_tokens - num_computed_tokens
+        self._local_hits[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        local_hit = self._local_hits.pop(request.request_id, 0)
         if not params or not params.get("do_remote_prefill"):
             return
         should_pull = self._should_pull(request)
@@ -188,6 +219,9 @@ class TransferScheduler:
         if num_external_tokens == 0:
             # Nothing to load (another connector or the local cache has it all): let P go.
             self._jobs.releases.append(self._release(request.request_id, params))
+            return
+        if self.num_kv_cache_groups > 1:
+            self._jobs.recvs.append(self._group_job(request, params, blocks, local_hit))
             return
         (local,) = blocks.get_unhashed_block_ids_all_groups()
         # Blocks vLLM already had (a local prefix hit) lead the list; P's blocks for the
@@ -209,6 +243,45 @@ class TransferScheduler:
             )
         )
 
+    def _group_job(
+        self, request: Any, params: dict[str, Any], blocks: Any, local_hit: int
+    ) -> RecvJob:
+        """A hybrid model's pull: per KV cache group, each block vLLM allocated for the
+        load (not null: a window's skipped chunks are) paired with P's block at the same
+        position; a state group's one state with P's last one (the state after all the
+        tokens P computed, wherever each side's manager keeps it)."""
+        skip = local_hit // self.block_size  # chunks vLLM had: not pulled
+        groups = []
+        for g, (mine, theirs) in enumerate(
+            zip(blocks.get_block_ids(), params["remote_block_ids"], strict=True)
+        ):
+            if g in self.state_groups:
+                mine_live = [b for b in mine if b]
+                theirs_live = [b for b in theirs if b]
+                pairs = list(zip(mine_live[-1:], theirs_live[-1:], strict=False))
+                if len(mine_live) and not theirs_live:
+                    pairs = [(mine_live[-1], 0)]  # the worker fails it: P kept no state
+            else:
+                pairs = [
+                    (b, theirs[i] if i < len(theirs) else 0)
+                    for i, b in enumerate(mine[: len(theirs)])
+                    if i >= skip and b
+                ]
+            if pairs:
+                local, remote = zip(*pairs, strict=True)
+                groups.append(GroupPull(g, tuple(local), tuple(remote)))
+        return RecvJob(
+            request_id=request.request_id,
+            local_block_ids=tuple(b for group in groups for b in group.local_block_ids),
+            remote_block_ids=(),
+            remote_request_id=str(params["remote_request_id"]),
+            remote_host=str(params["remote_host"]),
+            remote_port=int(params["remote_port"]),
+            remote_tp_size=int(params["tp_size"]),
+            remote_engine_id=str(params["remote_engine_id"]),
+            groups=tuple(groups),
+        )
+
     def _release(self, request_id: str, params: dict[str, Any]) -> ReleaseJob:
         return ReleaseJob(
             request_id=request_id,
@@ -221,30 +294,38 @@ class TransferScheduler:
     # -- P ---------------------------------------------------------------------------
 
     def request_finished(
-        self, request: Any, block_ids: list[int]
+        self, request: Any, block_ids: list[int] | tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks (a hybrid model: one list per group)."""
+        self._local_hits.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not params:
             return False, None
         if params.get("do_remote_prefill") and self.config.is_consumer:
             # D: finished (aborted) before it was ever scheduled; P still holds the blocks.
             params["do_remote_prefill"] = False
-            if _remote_problem(params, self.block_size, self.config.group) is None:
+            groups = self.num_kv_cache_groups
+            if _remote_problem(params, self.block_size, self.config.group, None, groups) is None:
                 self._jobs.releases.append(self._release(request.request_id, params))
             return False, None
         if not params.get("do_remote_decode") or not self.config.is_producer:
             return False, None
         status = getattr(request.status, "name", str(request.status))
-        if status not in _FINISHED_OK or not block_ids:
+        lists: list[list[int]] = (
+            [list(ids) for ids in block_ids] if isinstance(block_ids, tuple) else [list(block_ids)]
+        )
+        hybrid = len(lists) > 1
+        held = [b for ids in lists for b in ids if b or not hybrid]
+        if status not in _FINISHED_OK or not held:
             return False, None  # aborted or errored: nothing for a D to pull
-        self._jobs.holds.append(HoldJob(request.request_id, tuple(block_ids)))
+        self._jobs.holds.append(HoldJob(request.request_id, tuple(dict.fromkeys(held))))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
             "remote_host": self.config.kv_host,
             "remote_port": rank_port(self.config.kv_port, self.dp_rank, self.tp_size, 0),
-            "remote_block_ids": list(block_ids),
+            "remote_block_ids": lists if hybrid else lists[0],
             "remote_request_id": request.request_id,
             "remote_block_size": self.block_size,
             "remote_dp_rank": self.dp_rank,

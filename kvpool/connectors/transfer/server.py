@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig
-from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.connectors.transfer.state import SendTracker
 from kvpool.connectors.transfer.transport import KVTransport
 from kvpool.errors import ConfigError
@@ -54,10 +54,10 @@ class PullServer:
         self._tracker = tracker
         self._cond = cond
         self._count = count
-        self._caches: PagedCaches | None = None
+        self._caches: PagedCaches | CacheSet | None = None
         self._waiting = 0  # pulls that arrived before their hold (under cond)
 
-    def start(self, caches: PagedCaches) -> None:
+    def start(self, caches: PagedCaches | CacheSet) -> None:
         """Serve ``caches`` (already registered with the transport) on the rank's port."""
         self._caches = caches
         try:
@@ -94,6 +94,9 @@ class PullServer:
         # one for a while, and it should carry these counts.
         self._count(served_pulls=1, served_bytes=nbytes)
         with self._cond:
+            if not pull.final:  # more of this D rank's pulls (KV cache groups) follow
+                self._tracker.add_sent(pull.request_id, nbytes)
+                return
             freed = self._tracker.mark_done(pull.request_id, pull.dst_rank, nbytes)
             self._cond.notify_all()  # a step waiting for news reports the release now
         logger.info(
@@ -156,18 +159,21 @@ class PullServer:
             finally:
                 self._waiting -= 1
 
-    def _check_pull(self, pull: Pull, held: tuple[int, ...], caches: PagedCaches) -> str | None:
+    def _check_pull(
+        self, pull: Pull, held: tuple[int, ...], cache_set: PagedCaches | CacheSet
+    ) -> str | None:
         if not set(pull.block_ids) <= set(held):
             return f"blocks {sorted(set(pull.block_ids) - set(held))} are not this request's"
         if pull.head_start < 0 or pull.head_count <= 0:
             return f"bad head range {pull.head_start}+{pull.head_count}"
+        try:
+            caches = cache_set.of(pull.layers)  # one KV cache group's layers
+        except ConfigError as exc:
+            return str(exc)
         if pull.head_start + pull.head_count > caches.num_heads:
             return (
                 f"heads {pull.head_start}+{pull.head_count} exceed this rank's {caches.num_heads}"
             )
-        unknown = [name for name in pull.layers if name not in caches.names]
-        if unknown or not pull.layers:
-            return f"unknown layers {unknown[:3]} (different models on P and D?)"
         if pull.page_bytes != pull.head_count * caches.head_bytes:
             return (
                 f"page size differs: decode expects {pull.page_bytes} bytes per page slice, "

@@ -81,6 +81,12 @@ class SendTracker:
         while len(self._released) > self.REMEMBER_RELEASED:
             self._released.popitem(last=False)
 
+    def add_sent(self, request_id: str, nbytes: int) -> None:
+        """Bytes of a pull that is not a D rank's last (a hybrid model's group)."""
+        held = self._held.get(request_id)
+        if held is not None:
+            held.bytes_sent += nbytes
+
     def mark_done(self, request_id: str, dst_rank: int, nbytes: int = 0) -> bool:
         """D rank ``dst_rank`` has its data (or released it); ``True`` if that freed the request."""
         held = self._held.get(request_id)

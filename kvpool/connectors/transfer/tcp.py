@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 
 from kvpool.closing import Closing
-from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.connectors.transfer.kv_port import PullListener, dial
 from kvpool.connectors.transfer.transport import PullHandler
 from kvpool.datapath.framing import recv_exactly_into, recv_frame, send_frame
@@ -50,7 +50,7 @@ class TcpTransport:
         # with a credential every connection opens with the handshake (.auth)
         self._credential = credential
         self._client_id = client_id
-        self._caches: PagedCaches | None = None
+        self._caches: PagedCaches | CacheSet | None = None
         self._listener = PullListener(
             requests=PULL_REQUEST_CODEC,
             replies=PULL_REPLY_CODEC,
@@ -64,7 +64,7 @@ class TcpTransport:
         """Decode connections refused for their credential."""
         return self._listener.refused_auth
 
-    def register(self, caches: PagedCaches) -> None:
+    def register(self, caches: PagedCaches | CacheSet) -> None:
         self._caches = caches
 
     def close(self) -> None:
@@ -87,8 +87,8 @@ class TcpTransport:
 
     def _send_pages(self, conn: socket.socket, pull: Pull, deadline: float) -> int:
         """P's side of an admitted pull: each layer's header, then its page slices."""
-        caches = self._caches
-        assert caches is not None
+        assert self._caches is not None
+        caches = self._caches.of(pull.layers)  # the pull's KV cache group (admitted)
         page_bytes = pull.head_count * caches.head_bytes
         layer_bytes = page_bytes * len(pull.block_ids)
         for index, name in enumerate(pull.layers):
@@ -102,7 +102,7 @@ class TcpTransport:
 class TcpLink(Closing):
     """One D → P connection; a context manager that closes the socket."""
 
-    def __init__(self, sock: socket.socket, caches: PagedCaches) -> None:
+    def __init__(self, sock: socket.socket, caches: PagedCaches | CacheSet) -> None:
         self._sock = sock
         self._caches = caches
 
@@ -110,7 +110,7 @@ class TcpLink(Closing):
         self._sock.close()
 
     def pull(self, pull: Pull, block_ids: Sequence[int], dst_start: int, deadline: float) -> int:
-        sock, caches = self._sock, self._caches
+        sock, caches = self._sock, self._caches.of(pull.layers)
         send_frame(sock, PULL_REQUEST_CODEC, pull, None, deadline)
         total = 0
         for index, name in enumerate(pull.layers):

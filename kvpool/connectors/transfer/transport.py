@@ -14,7 +14,7 @@ from typing import Protocol
 
 from kvpool.config.fabrics import ENGINE_PROTOCOLS, TRANSPORT_ENGINE, TRANSPORT_KVPOOL
 from kvpool.config.kv_transfer import TransferConfig
-from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.errors import ConfigError, TransferError
 from kvpool.named import resolve
 from kvpool.protocol.pull import Pull, PullDone
@@ -97,7 +97,7 @@ class KVTransport(Protocol):
     #: the node config's ``protocol`` this transport answers to
     name: str
 
-    def register(self, caches: PagedCaches) -> None: ...
+    def register(self, caches: PagedCaches | CacheSet) -> None: ...
 
     def serve(self, host: str, port: int, handler: PullHandler) -> None:
         """Start answering pulls on ``host:port``; ``OSError`` when it cannot listen."""

@@ -17,9 +17,11 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
+
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig, connector_credential
 from kvpool.config.topology import expected_pullers, local_heads, plan_pulls, rank_port
-from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.connectors.transfer.jobs import RecvJob, ReleaseJob, TransferJobs
 from kvpool.connectors.transfer.server import PullServer
 from kvpool.connectors.transfer.state import RecvResults, SendTracker
@@ -94,7 +96,8 @@ class TransferWorker:
                 config.kv_host, credential, config.insecure, key=TRANSFER_CONNECTOR
             )
         self._transport = make_transport(config, credential) if transport is None else transport
-        self._caches: PagedCaches | None = None
+        self._caches: PagedCaches | CacheSet | None = None
+        self._state_groups: frozenset[int] = frozenset()  # a hybrid model's per-rank state
         self._cond = threading.Condition()
         self._tracker = SendTracker()
         self._recv = RecvResults()
@@ -131,16 +134,22 @@ class TransferWorker:
 
     # -- life cycle ------------------------------------------------------------------
 
-    def register(self, caches: PagedCaches) -> None:
-        """Take the KV caches; on P, start serving them.  Logs the guide's §8.2 line."""
+    def register(
+        self, caches: PagedCaches | CacheSet, state_groups: frozenset[int] = frozenset()
+    ) -> None:
+        """Take the KV caches (a hybrid model's: one group each, ``state_groups`` those
+        holding a recurrent state per rank); on P, start serving them.  Logs the guide's
+        §8.2 line."""
         mine = local_heads(self.rank.total_kv_heads, self.rank.tp_size, self.rank.tp_rank)
-        if caches.num_heads != len(mine):
-            raise ConfigError(
-                f"{TRANSFER_CONNECTOR}: KV cache holds {caches.num_heads} heads per block but TP "
-                f"rank {self.rank.tp_rank}/{self.rank.tp_size} of {self.rank.total_kv_heads} KV "
-                f"heads should hold {len(mine)}"
-            )
+        for index, group in enumerate(caches.groups):
+            if index not in state_groups and group.num_heads != len(mine):
+                raise ConfigError(
+                    f"{TRANSFER_CONNECTOR}: KV cache holds {group.num_heads} heads per block"
+                    f" but TP rank {self.rank.tp_rank}/{self.rank.tp_size} of"
+                    f" {self.rank.total_kv_heads} KV heads should hold {len(mine)}"
+                )
         self._caches = caches
+        self._state_groups = state_groups
         self._transport.register(caches)
         if self.config.is_producer:
             self._server.start(caches)
@@ -346,6 +355,9 @@ class TransferWorker:
         caches = self._caches
         if caches is None:
             raise TransferError("KV caches are not registered yet")
+        if job.groups:
+            return self._pull_groups(job, caches)
+        caches = caches.groups[0]  # one KV cache group
         if len(job.local_block_ids) != len(job.remote_block_ids):
             raise TransferError(
                 f"{len(job.local_block_ids)} local blocks but {len(job.remote_block_ids)} remote"
@@ -369,6 +381,57 @@ class TransferWorker:
             port = job.remote_port + piece.src_rank
             with self._connect(job.remote_host, port, deadline) as link:
                 total += link.pull(pull, job.local_block_ids, piece.dst_start, deadline)
+            ports.append(port)
+        return total, ports
+
+    def _pull_groups(self, job: RecvJob, caches: PagedCaches | CacheSet) -> tuple[int, list[int]]:
+        """A hybrid model's pulls: each KV cache group's blocks with its own geometry, in
+        one connection per P rank; the last pull to a rank is final (P frees after it).
+        Attention groups split by head as above; a state group is one object per rank,
+        read from the P rank of the same index (the scheduler checked both TP sizes)."""
+        for group in job.groups:
+            ids = (*group.local_block_ids, *group.remote_block_ids)
+            if len(group.local_block_ids) != len(group.remote_block_ids) or 0 in ids:
+                raise TransferError(
+                    f"KV cache group {group.group}: local blocks {list(group.local_block_ids)}"
+                    f" do not pair with the prefill's {list(group.remote_block_ids)}"
+                )
+        deadline = deadline_after(self.config.transfer_timeout_ms / 1000)
+        total, ports = 0, []
+        pieces = plan_pulls(
+            self.rank.total_kv_heads, job.remote_tp_size, self.rank.tp_size, self.rank.tp_rank
+        )
+        for piece in pieces:
+            pulls: list[tuple[Pull, tuple[int, ...], int]] = []
+            for group in job.groups:
+                pages = caches.groups[group.group]
+                if group.group in self._state_groups:
+                    if piece.src_rank != self.rank.tp_rank:
+                        continue  # this rank's state lies on the prefill rank of its index
+                    start, count, dst = 0, pages.num_heads, 0
+                else:
+                    start, count, dst = piece.src_start, piece.count, piece.dst_start
+                pull = Pull(
+                    request_id=job.remote_request_id,
+                    block_ids=list(group.remote_block_ids),
+                    head_start=start,
+                    head_count=count,
+                    layers=pages.names,
+                    dst_rank=self.rank.tp_rank,
+                    dst_tp_size=self.rank.tp_size,
+                    page_bytes=count * pages.head_bytes,
+                    group=self.config.group,
+                    final=False,
+                )
+                pulls.append((pull, group.local_block_ids, dst))
+            if not pulls:
+                continue
+            last, local, dst = pulls[-1]
+            pulls[-1] = (msgspec.structs.replace(last, final=True), local, dst)
+            port = job.remote_port + piece.src_rank
+            with self._connect(job.remote_host, port, deadline) as link:
+                for pull, local, dst in pulls:
+                    total += link.pull(pull, local, dst, deadline)
             ports.append(port)
         return total, ports
 
