@@ -167,6 +167,8 @@ class VllmCommand:
     kv_transfer_config: str | None
     topology: Topology | None
     port: int | None
+    # the switches among its flags that decide the KV cache's shape (hybrid models)
+    switches: frozenset[str] = frozenset()
 
 
 _OPTION_ALIASES = {
@@ -181,6 +183,17 @@ _OPTION_ALIASES = {
     "--port": "port",
     "--model": "model",
 }
+
+
+# vLLM's flags that turn its hybrid KV cache manager off, or decide whether a Mamba
+# state is kept at block boundaries (what kvpool's store connector saves)
+_SWITCHES = frozenset(
+    {
+        "--disable-hybrid-kv-cache-manager",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+    }
+)
 
 
 def command_argv(text: str, programs: Sequence[str]) -> list[str]:
@@ -203,6 +216,7 @@ def parse_vllm_command(command: str) -> VllmCommand:
     argv = command_argv(command, ("serve",))
     found: dict[str, str] = {}
     positional: list[str] = []
+    switches: set[str] = set()
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -217,6 +231,8 @@ def parse_vllm_command(command: str) -> VllmCommand:
             found[alias] = value
         elif not token.startswith("-"):
             positional.append(token)
+        elif name.replace("_", "-") in _SWITCHES:
+            switches.add(name.replace("_", "-"))
         i += 1
     model = found.get("model")
     if model is None and "serve" in positional:
@@ -230,4 +246,4 @@ def parse_vllm_command(command: str) -> VllmCommand:
         raise ConfigError(f"vLLM command: a parallel size or port is not a number: {exc}") from None
     # No parallel flag: the layout is set elsewhere (a compose file, a wrapper), so unknown.
     topology = Topology(dp, tp) if ("tp" in found or "dp" in found) else None
-    return VllmCommand(model, found.get("kv"), topology, port)
+    return VllmCommand(model, found.get("kv"), topology, port, frozenset(switches))

@@ -131,3 +131,11 @@ def test_a_topology_block_reads_as_the_connectors_read_it() -> None:
     assert isinstance(told, str) and '"decode"' in told and "unknown key" in told
     told = spec({"dp_size": 0, "tp_size": 4}).topology("decode")
     assert isinstance(told, str) and "dp_size" in told
+
+
+def test_a_vllm_command_keeps_the_switches_that_shape_its_kv_cache() -> None:
+    command = parse_vllm_command(
+        "vllm serve /m --enable_prefix_caching --disable-hybrid-kv-cache-manager"
+        " --enforce-eager --kv-transfer-config '{}'"
+    )
+    assert command.switches == {"--enable-prefix-caching", "--disable-hybrid-kv-cache-manager"}

@@ -49,12 +49,17 @@ class Side:
     side: str  # "prefill" | "decode" | "both"
     config: KVTransferConfig
     own_topology: Topology | None = None  # from its vLLM command line, when given
+    switches: frozenset[str] | None = None  # its vLLM command's switches (None: no command)
 
     @staticmethod
-    def infer(config: KVTransferConfig, own_topology: Topology | None = None) -> Side:
+    def infer(
+        config: KVTransferConfig,
+        own_topology: Topology | None = None,
+        switches: frozenset[str] | None = None,
+    ) -> Side:
         """For a config given without saying which side it is: its top-level role decides."""
         side = _SIDE_OF_ROLE.get(config.top.role or "", "prefill")
-        return Side(side, config, own_topology)
+        return Side(side, config, own_topology, switches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,18 @@ class ModelInfo:
     model_type: str
     is_mla: bool
     reason: str
+    # its kinds of KV cache, as vLLM groups them ("full attention", "sliding window 4096",
+    # "Mamba/linear-attention state", ...): more than one, or a window or a state, is a
+    # hybrid model, which needs vLLM's hybrid KV cache manager
+    kv_kinds: tuple[str, ...] = ("full attention",)
+
+    @property
+    def has_state(self) -> bool:
+        return any("state" in kind for kind in self.kv_kinds)
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.kv_kinds) > 1 or self.kv_kinds[0] not in ("full attention", "MLA")
 
 
 def model_info(config: Mapping[str, Any]) -> ModelInfo:
@@ -74,11 +91,60 @@ def model_info(config: Mapping[str, Any]) -> ModelInfo:
     if isinstance(text_config, Mapping):  # multimodal wrappers nest the LM's config
         config = {**config, **text_config}
     model_type = str(config.get("model_type", "unknown"))
+    kinds = kv_kinds(config)
     if config.get("kv_lora_rank") not in (None, 0):
-        return ModelInfo(model_type, True, f"kv_lora_rank={config['kv_lora_rank']} (MLA)")
+        return ModelInfo(model_type, True, f"kv_lora_rank={config['kv_lora_rank']} (MLA)", kinds)
     if model_type in _MLA_MODEL_TYPES:
-        return ModelInfo(model_type, True, f"model_type {model_type} uses MLA")
-    return ModelInfo(model_type, False, f"model_type {model_type} has no kv_lora_rank (not MLA)")
+        return ModelInfo(model_type, True, f"model_type {model_type} uses MLA", kinds)
+    reason = f"model_type {model_type} has no kv_lora_rank (not MLA)"
+    return ModelInfo(model_type, False, reason, kinds)
+
+
+_LAYER_TYPES = {
+    "full_attention": "full attention",
+    "attention": "full attention",
+    "sliding_attention": "sliding window",
+    "chunked_attention": "chunked local attention",
+    "linear_attention": "Mamba/linear-attention state",
+    "mamba": "Mamba/linear-attention state",
+}
+
+
+def kv_kinds(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The kinds of KV cache a model's ``config.json`` describes, in the order met: from
+    ``layer_types`` (Gemma 3, gpt-oss, Qwen3-Next), Nemotron-H's
+    ``hybrid_override_pattern``, Jamba's ``attn_layer_period``, MLA's ``kv_lora_rank``
+    (and DeepSeek-V3.2's sparse indexer, ``index_topk``), a model-wide ``sliding_window``."""
+    window = config.get("sliding_window")
+    found: list[str] = []
+
+    def add(kind: str) -> None:
+        if kind == "sliding window" and window:
+            kind = f"sliding window {window}"
+        if kind not in found:
+            found.append(kind)
+
+    if config.get("kv_lora_rank") not in (None, 0):
+        add("MLA")
+        if config.get("index_topk"):
+            add("MLA sparse indexer")
+    layer_types = config.get("layer_types")
+    pattern = config.get("hybrid_override_pattern")
+    if isinstance(layer_types, list) and layer_types:
+        for kind in layer_types:
+            add(_LAYER_TYPES.get(str(kind), str(kind)))
+    elif isinstance(pattern, str) and pattern:
+        for symbol in pattern:
+            if symbol == "M":
+                add("Mamba/linear-attention state")
+            elif symbol == "*":
+                add("full attention")
+    elif config.get("attn_layer_period"):
+        add("full attention")
+        add("Mamba/linear-attention state")
+    elif window and not found:
+        add("sliding window")
+    return tuple(found) or ("full attention",)
 
 
 def _where(side: Side, entry: ConnectorSpec) -> str:
@@ -420,6 +486,59 @@ def check_engine_id(sides: Sequence[Side]) -> Check | None:
     return pass_("connector.engine_id[pair]", f"P and D share engine_id {ids['prefill']!r}")
 
 
+# Connectors of vLLM's own that declare SupportsHMA (vLLM 0.32), besides kvpool's two and
+# MultiConnector (which does when every child does).
+_HMA_CONNECTORS = frozenset(
+    {
+        "MultiConnector",
+        "MooncakeConnector",
+        "MooncakeStoreConnector",
+        "NixlConnector",
+        "OffloadingConnector",
+        "LMCacheMPConnector",
+    }
+)
+
+
+def check_kv_cache_groups(side: Side, model: ModelInfo) -> Check:
+    """The model's kinds of KV cache, and whether vLLM's hybrid KV cache manager stays on
+    with this instance's connectors and flags (vLLM turns it off for any connector that
+    does not declare SupportsHMA: a model with a recurrent state then does not start, and
+    a sliding-window model keeps every layer's KV for the whole context)."""
+    name = f"connector.kv_cache_groups[{side.side}]"
+    kinds = ", ".join(model.kv_kinds)
+    if not model.hybrid:
+        return pass_(name, f"{model.model_type}: one kind of KV cache ({kinds}); HMA not needed")
+    off: list[str] = []
+    switches = side.switches or frozenset()
+    if "--disable-hybrid-kv-cache-manager" in switches:
+        off.append("--disable-hybrid-kv-cache-manager is set")
+    for entry in side.config.entries:
+        known = entry.name in KVPOOL_CONNECTORS or entry.name in _HMA_CONNECTORS
+        if not known and entry.name not in GUIDE_CONNECTORS:
+            off.append(f"{entry.name} does not declare vLLM's SupportsHMA")
+    if off:
+        effect = (
+            "the model will not start (its recurrent state needs HMA)"
+            if model.has_state
+            else "its window layers keep KV for the whole context (less KV cache)"
+        )
+        return (fail if model.has_state else warn)(
+            name,
+            f"{model.model_type} is hybrid ({kinds}) but vLLM turns its hybrid KV cache"
+            f" manager off: {'; '.join(off)}: {effect}",
+            "drop --disable-hybrid-kv-cache-manager; use kvpool's connectors (both keep HMA on)",
+        )
+    if model.has_state and side.switches is not None and "--enable-prefix-caching" not in switches:
+        return warn(
+            name,
+            f"{model.model_type} keeps a recurrent state ({kinds}); without prefix caching vLLM"
+            " keeps no state at block boundaries, and KVPoolStoreConnector refuses to start",
+            "add --enable-prefix-caching (vLLM then sets --mamba-cache-mode align)",
+        )
+    return pass_(name, f"{model.model_type} is hybrid ({kinds}); HMA stays on with its connectors")
+
+
 def connector_checks(
     sides: Sequence[Side], model: ModelInfo | None, *, same_host: bool = True
 ) -> list[Check]:
@@ -436,6 +555,8 @@ def connector_checks(
         for optional in (check_load_async(side), check_consumer_is_to_put(side, model)):
             if optional is not None:
                 results.append(optional)
+        if model is not None:
+            results.append(check_kv_cache_groups(side, model))
     engine = check_engine_id(sides)
     if engine is not None:
         results.append(engine)

@@ -96,7 +96,12 @@ def _add_side(
         )
         return None
     topology = getattr(command, "topology", None)
-    side = Side(side_name, config, topology) if side_name else Side.infer(config, topology)
+    switches = getattr(command, "switches", None)
+    side = (
+        Side(side_name, config, topology, switches)
+        if side_name
+        else Side.infer(config, topology, switches)
+    )
     if any(s.side == side.side for s in gathered.sides):
         gathered.input_errors.append(
             fail(f"input.{label}", f"a second {side.side} config was given", "give one per side")

@@ -15,6 +15,7 @@ from kvpool.ops.doctor.checks_connector import (
     check_consumer_is_to_put,
     check_engine_id,
     check_failure_policy,
+    check_kv_cache_groups,
     check_kv_ports,
     check_load_async,
     check_lookup_rpc_ports,
@@ -303,3 +304,81 @@ def test_engine_ids_that_differ_within_a_pair_warn() -> None:
     d["engine_id"] = "group-a"
     same = check_engine_id([side("prefill", p), side("decode", d)])
     assert same is not None and same.status is Status.PASS
+
+
+# ------------------------------------------------------------------ hybrid models (HMA)
+
+GEMMA3 = {
+    "model_type": "gemma3_text",
+    "sliding_window": 1024,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+}
+QWEN3_NEXT = {
+    "model_type": "qwen3_next",
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "kinds"),
+    [
+        (GEMMA3, ("sliding window 1024", "full attention")),
+        (QWEN3_NEXT, ("Mamba/linear-attention state", "full attention")),
+        (
+            {"model_type": "nemotron_h", "hybrid_override_pattern": "M-M*-M"},
+            ("Mamba/linear-attention state", "full attention"),
+        ),
+        (
+            {"model_type": "jamba", "attn_layer_period": 8},
+            ("full attention", "Mamba/linear-attention state"),
+        ),
+        (
+            {"model_type": "deepseek_v32", "kv_lora_rank": 512, "index_topk": 2048},
+            ("MLA", "MLA sparse indexer"),
+        ),
+        (MLA_MODEL, ("MLA",)),
+        (GQA_MODEL, ("full attention",)),
+    ],
+)
+def test_the_kinds_of_kv_cache_a_model_config_describes(
+    config: dict[str, Any], kinds: tuple[str, ...]
+) -> None:
+    assert model_info(config).kv_kinds == kinds
+
+
+def hybrid_side(child: str = "KVPoolStoreConnector", *switches: str) -> Side:
+    modules = {"KVPoolStoreConnector": "kvpool.connectors.store"}
+    config = {
+        "kv_connector": child,
+        "kv_role": "kv_both",
+        **({"kv_connector_module_path": modules[child]} if child in modules else {}),
+    }
+    return Side("both", parse_kv_transfer_config(config), None, frozenset(switches))
+
+
+def test_a_hybrid_model_keeps_hma_on_with_kvpools_connectors() -> None:
+    check = check_kv_cache_groups(hybrid_side(), model_info(GEMMA3))
+    assert check.status is Status.PASS and "sliding window 1024, full attention" in check.message
+    state = check_kv_cache_groups(
+        hybrid_side("KVPoolStoreConnector", "--enable-prefix-caching"), model_info(QWEN3_NEXT)
+    )
+    assert state.status is Status.PASS
+    plain = check_kv_cache_groups(hybrid_side(), model_info(GQA_MODEL))
+    assert plain.status is Status.PASS and "HMA not needed" in plain.message
+
+
+def test_what_turns_hma_off_is_named_and_costs_what_it_costs() -> None:
+    flag = hybrid_side("KVPoolStoreConnector", "--disable-hybrid-kv-cache-manager")
+    window = check_kv_cache_groups(flag, model_info(GEMMA3))
+    assert window.status is Status.WARN and "--disable-hybrid-kv-cache-manager" in window.message
+    foreign = check_kv_cache_groups(hybrid_side("SomeOtherConnector"), model_info(QWEN3_NEXT))
+    assert foreign.status is Status.FAIL and "will not start" in foreign.message
+    assert "SomeOtherConnector does not declare" in foreign.message
+
+
+def test_a_state_model_without_prefix_caching_is_told_to_turn_it_on() -> None:
+    check = check_kv_cache_groups(hybrid_side(), model_info(QWEN3_NEXT))
+    assert check.status is Status.WARN and "--enable-prefix-caching" in check.fix
+    # a bare --kv-transfer-config (no command line): nothing is known of the flags
+    bare = Side("both", hybrid_side().config)
+    assert check_kv_cache_groups(bare, model_info(QWEN3_NEXT)).status is Status.PASS
