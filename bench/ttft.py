@@ -121,7 +121,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
             **kwargs,
         )
     except Exception as exc:  # a hybrid model that needs HMA does not start without it
-        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        reason = " ".join(str(exc).split())  # one line for the table
+        return {"error": f"{type(exc).__name__}: {reason[:200]}"}
     cache = llm.llm_engine.vllm_config.cache_config
     if spec.get("capacity_only"):
         return {

@@ -462,6 +462,8 @@ class StoreWorker:
         whole)."""
         unpin = self._unpinner(specs[0], handle)
         try:
+            if self._hybrid and not any(self._views[s.group].paged.staged for s in specs):
+                return self._copy_groups(specs, handle, cancel, unpin)
             result = self._load_one(specs[0], handle, cancel, unpin)
             for spec in specs[1:]:
                 if result.failed_block_ids:
@@ -471,6 +473,47 @@ class StoreWorker:
             return result
         finally:
             unpin()
+
+    def _copy_groups(
+        self,
+        specs: Sequence[LoadSpec],
+        handle: PoolHandle[PoolEngine],
+        cancel: threading.Event | None,
+        unpin: Callable[[], None],
+    ) -> LoadResult:
+        """A hybrid model's load, every group's objects in the same engine calls (a
+        group may have only a few small objects: a window's last blocks, one state), read
+        in place into the CPU cache.  A failure fails the request (vLLM recomputes it)."""
+        req_id = specs[0].req_id
+        every = frozenset(b for spec in specs for b in spec.block_ids)
+        keys: list[str] = []
+        parts: list[Sequence[Any]] = []
+        sizes: list[int] = []
+        nbytes = 0
+        for spec in specs:
+            view = self._views[spec.group]
+            spec_parts, _ = self._pages(view, spec.block_ids, view.slots)
+            keys += self._object_keys(view, spec.keys, view.slots)
+            parts += spec_parts
+            sizes += [view.object_bytes] * len(spec_parts)
+            nbytes += len(spec.block_ids) * view.paged.page_bytes
+        step = _BATCH * 4  # objects per engine call: many are small here
+        for start in range(0, len(keys), step):
+            if cancel is not None and cancel.is_set():
+                return LoadResult(req_id, 0, frozenset())  # aborted: nobody reads them
+            end = start + step
+            good, failure = self._read(handle, keys[start:end], parts[start:end], sizes[start:end])
+            if failure is not None:
+                key = keys[start + good]
+                self._log.warning(
+                    "[KVPoolStoreConnector] load of %s for request %s failed: %s: %s",
+                    key, req_id, type(failure).__name__, failure,
+                )  # fmt: skip
+                unpin()  # the load is over, and a pinned object cannot be removed
+                dropped = int(self._drop_unreadable(handle, key, failure))
+                return LoadResult(req_id, 0, every, dropped)
+        loaded = sum(len(spec.block_ids) for spec in specs)
+        return LoadResult(req_id, loaded, frozenset(), 0, nbytes)
 
     def _load_one(
         self,
@@ -635,12 +678,13 @@ class StoreWorker:
         handle: PoolHandle[PoolEngine],
         keys: Sequence[str],
         parts: Sequence[Sequence[Any]],
-        page_bytes: int,
+        page_bytes: int | Sequence[int],
     ) -> tuple[int, Exception | None]:
-        """Read ``keys`` into their objects' ``parts`` (``page_bytes`` each): how many
-        leading objects are good, and why the one after them is not (None when all are).
-        Objects from there on may hold anything (a read in place): the caller reports
-        their blocks failed."""
+        """Read ``keys`` into their objects' ``parts`` (``page_bytes`` each, or each its
+        own): how many leading objects are good, and why the one after them is not (None
+        when all are).  Objects from there on may hold anything (a read in place): the
+        caller reports their blocks failed."""
+        sizes_wanted = [page_bytes] * len(keys) if isinstance(page_bytes, int) else page_bytes
         try:
             sizes = handle.call(partial(_get_parts, keys=keys, parts=parts))
         except Exception as exc:
@@ -649,15 +693,16 @@ class StoreWorker:
             # An answer about one object failed the whole batch (an object larger than a
             # page): read them one by one to find which, so that the right one is dropped.
             for j in range(len(keys)):
-                _, failure = self._read(handle, keys[j : j + 1], parts[j : j + 1], page_bytes)
+                one = sizes_wanted[j : j + 1]
+                _, failure = self._read(handle, keys[j : j + 1], parts[j : j + 1], one)
                 if failure is not None:
                     return j, failure
             return len(keys), None
-        for j, n in enumerate(sizes):
+        for j, (n, want) in enumerate(zip(sizes, sizes_wanted, strict=True)):
             if n == MISS:
                 return j, ObjectNotFound(f"{keys[j]}: missing, corrupt or unreachable")
-            if n != page_bytes:
-                return j, ChecksumMismatch(f"object {keys[j]} has {n} bytes, expected {page_bytes}")
+            if n != want:
+                return j, ChecksumMismatch(f"object {keys[j]} has {n} bytes, expected {want}")
         return len(keys), None
 
     def _drop_unreadable(self, handle: PoolHandle[PoolEngine], key: str, exc: Exception) -> bool:

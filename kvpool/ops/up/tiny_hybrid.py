@@ -112,7 +112,7 @@ BENCH: dict[str, Any] = {
     "num_attention_heads": 16,
     "num_key_value_heads": 4,
     "head_dim": 64,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 32768,
 }
 _BENCH_KIND: dict[str, dict[str, Any]] = {
     "gemma3": {"sliding_window": 512, "query_pre_attn_scalar": 64},
