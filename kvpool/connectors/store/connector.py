@@ -209,6 +209,9 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
                 " kvpool with a master"
             )
         groups = cache_groups_for(vllm_config, kv_cache_config, config)
+        # a hybrid model's loads are async for vLLM; unless asked for (load_async: true)
+        # they run in the engine step all the same, as fast as synchronous ones
+        inline_async = groups.hybrid and not config.load_async
         if groups.hybrid:
             config = self._for_hybrid(config, kv_cache_config)
         self._config = config
@@ -262,6 +265,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
                 groups=groups,
                 save_buffer_bytes=config.save_buffer_size if config.async_saves else 0,
                 drain_s=config.pool_timeout_ms / 1000,
+                inline_async=inline_async,
             )
             if config.backend == "embedded":
                 shared = open_pool(config)
@@ -292,9 +296,9 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         for line in hybrid.describe_groups(kv_cache_config):
             logger.info("[%s] KV cache %s", CONNECTOR_NAME, line)
         logger.info(
-            "[%s] hybrid model: loads are asynchronous and whole (load_async true,"
-            " use_layerwise false), the only loads whose failure vLLM takes back for a"
-            " hybrid model%s",
+            "[%s] hybrid model: loads are asynchronous and whole (use_layerwise false),"
+            " the only loads whose failure vLLM takes back for a hybrid model; they run in"
+            " the engine step unless load_async is true%s",
             CONNECTOR_NAME,
             " (use_layerwise is ignored)" if config.use_layerwise else "",
         )

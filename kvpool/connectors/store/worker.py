@@ -201,6 +201,7 @@ class StoreWorker:
         save_buffer_bytes: int = 0,
         drain_s: float = 5.0,
         saver_pool: PoolHandle[PoolEngine] | None = None,
+        inline_async: bool = False,
     ) -> None:
         """``save_buffer_bytes``: staging for saves off the step (0: saves in the step,
         see :mod:`~kvpool.connectors.store.saves`); ``drain_s``: how long shutdown lets
@@ -218,6 +219,7 @@ class StoreWorker:
         self._inflight: dict[str, tuple[Future[LoadResult], threading.Event]] = {}
         self._invalid: set[int] = set()
         self._failed_requests: set[str] = set()  # hybrid: loads failed as a whole
+        self._inline_async = inline_async
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self._last_save_warning = -_WARN_EVERY_S
@@ -401,6 +403,14 @@ class StoreWorker:
         for req_id, specs in requests.items():
             if not specs[0].is_async:
                 self._record(self._load(specs, self._pool, None))
+                continue
+            if self._inline_async:  # async for vLLM, done in this step all the same
+                done: Future[LoadResult] = Future()
+                try:
+                    done.set_result(self._load(specs, self._pool, None))
+                except Exception as exc:  # reported as a crashed load, never lost
+                    done.set_exception(exc)
+                self._inflight[req_id] = (done, threading.Event())
                 continue
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-store-load")

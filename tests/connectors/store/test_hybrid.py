@@ -367,3 +367,19 @@ def test_a_failure_in_any_group_fails_the_request_not_its_blocks() -> None:
     wait_until(lambda: loader.finished_loads(set()) == {"r"}, 10)
     assert loader.take_failed_requests() == {"r"}
     assert loader.take_invalid_block_ids() == set()  # vLLM refuses them for hybrid models
+
+
+def test_an_inline_async_load_is_done_by_the_step_that_starts_it() -> None:
+    """A hybrid model's loads are async for vLLM but run in the engine step: no loader
+    thread waits for cores that vLLM's own threads keep busy."""
+    pool = FakePool()
+    src, dst = caches(1), caches(10)
+    save, load = plans(((5,), (3, 4)))
+    worker(pool, src).save(save)
+    loader = worker(pool, dst, inline_async=True)
+    loader.start_loads(load)
+    # the bytes are in place before start_loads returns, and the very next poll reports it
+    assert torch.equal(dst["attn.0"][3:5], src["attn.0"][0:2])
+    assert torch.equal(dst["ssm.1"][5], src["ssm.1"][2])
+    assert loader.finished_loads(set()) == {"r"}
+    assert loader.finished_loads(set()) == set()  # once
