@@ -15,6 +15,7 @@ Runs (the smallest set that covers the store connector's behaviours on Mooncake)
   ``global_segment_size`` is pool capacity, a corrupt object and a removed one are misses;
 - offline ``kv_consumer`` with ``load_async``, ``consumer_is_to_put`` and policy ``fail``:
   decode write-back makes the next turn hit; only the request with a corrupt block errors;
+- offline ``kv_both`` on hybrid models (Gemma 3, Qwen3-Next): a repeat loads every group;
 - the production guide's §5.2 P and §5.3 D (MultiConnector: the transfer connector P→D over
   kvpool's TCP, the store connector on Mooncake) under ``vllm serve`` behind ``kvpool
   proxy``, with different ``PYTHONHASHSEED``s: P/D outputs equal plain, D reads what P
@@ -352,6 +353,43 @@ def wait_for(what: str, check: Any, timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
+# kind: (dtype, prefix caching, prompt words, tokens a repeat hits)
+HYBRID = {"gemma3": ("float32", False, 700, 640), "qwen3_next": ("bfloat16", True, 1700, 1536)}
+
+
+@pytest.mark.parametrize("kind", sorted(HYBRID))
+def test_a_hybrid_model_on_mooncake_loads_every_group(
+    kind: str, hybrid_model_dir: Any, run_offline: RunOffline, pool: Pool
+) -> None:
+    """Gemma 3's window groups and Qwen3-Next's state groups in Mooncake Store: a repeat
+    (vLLM's own cache emptied first) loads every group and answers as a plain instance."""
+    dtype, caching, words, hit = HYBRID[kind]
+    model = str(hybrid_model_dir(kind))
+    prompt = sample_text(words, seed=31)
+    plain = run_offline(
+        {"model": model, "dtype": dtype, "prefix_caching": caching, "steps": [gen(prompt)]}
+    )
+    repeat = [{"op": "reset"}, gen(prompt)] if caching else [gen(prompt)]
+    run = offline(
+        run_offline,
+        pool,
+        {
+            "model": model,
+            "dtype": dtype,
+            "prefix_caching": caching,
+            "kv_cache_bytes": 64 << 20,
+            "kv_transfer_config": store_config("recompute"),
+            "steps": [gen(prompt), *repeat, STATS],
+        },
+    )
+    out = [r for r in run.results if "tokens" in r]
+    stats = run.results[-1]
+    assert "Turning off hybrid kv cache manager" not in run.log
+    assert out[0]["tokens"][0] == out[1]["tokens"][0] == plain.results[0]["tokens"][0]
+    assert out[1]["cached"] == [hit] and stats["hit_tokens"] == hit
+    assert stats["failed_blocks"] == 0 and stats["loaded_blocks"] > hit // 384
+
+
 @pytest.mark.timeout(600)  # two vllm serve starts on a shared machine
 def test_guides_pd_on_mooncake_shares_the_pool_and_survives_the_master(
     tiny_model_dir: Path, pool: Pool, reference: dict[str, list[int]]
@@ -434,40 +472,3 @@ def test_guides_pd_on_mooncake_shares_the_pool_and_survives_the_master(
     )
     assert prefill.metric("vllm:external_prefix_cache_hits_total") == p_hits
     assert decode.metric("vllm:kvpool_store_hit_tokens_total") == 2 * BLOCK
-
-
-# kind: (dtype, prefix caching, prompt words, tokens a repeat hits)
-HYBRID = {"gemma3": ("float32", False, 700, 640), "qwen3_next": ("bfloat16", True, 1700, 1536)}
-
-
-@pytest.mark.parametrize("kind", sorted(HYBRID))
-def test_a_hybrid_model_on_mooncake_loads_every_group(
-    kind: str, hybrid_model_dir: Any, run_offline: RunOffline, pool: Pool
-) -> None:
-    """Gemma 3's window groups and Qwen3-Next's state groups in Mooncake Store: a repeat
-    (vLLM's own cache emptied first) loads every group and answers as a plain instance."""
-    dtype, caching, words, hit = HYBRID[kind]
-    model = str(hybrid_model_dir(kind))
-    prompt = sample_text(words, seed=31)
-    plain = run_offline(
-        {"model": model, "dtype": dtype, "prefix_caching": caching, "steps": [gen(prompt)]}
-    )
-    repeat = [{"op": "reset"}, gen(prompt)] if caching else [gen(prompt)]
-    run = offline(
-        run_offline,
-        pool,
-        {
-            "model": model,
-            "dtype": dtype,
-            "prefix_caching": caching,
-            "kv_cache_bytes": 64 << 20,
-            "kv_transfer_config": store_config("recompute"),
-            "steps": [gen(prompt), *repeat, STATS],
-        },
-    )
-    out = [r for r in run.results if "tokens" in r]
-    stats = run.results[-1]
-    assert "Turning off hybrid kv cache manager" not in run.log
-    assert out[0]["tokens"][0] == out[1]["tokens"][0] == plain.results[0]["tokens"][0]
-    assert out[1]["cached"] == [hit] and stats["hit_tokens"] == hit
-    assert stats["failed_blocks"] == 0 and stats["loaded_blocks"] > hit // 384
