@@ -21,7 +21,7 @@ from kvpool.net import DEFAULT_MASTER_PORT
 
 __all__ = ["build_parser", "main"]
 
-_POLICIES = ["round_robin", "least_inflight", "prefix_affinity"]
+_POLICIES = ["round_robin", "least_inflight", "prefix_affinity", "kv_aware", "least_loaded"]
 
 
 def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
@@ -72,9 +72,26 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_flag(
         p,
         "policy",
-        default="round_robin",
+        default=None,
         choices=_POLICIES,
-        help="how to pick the prefill endpoint (and the decode one, see --decode-policy)",
+        help="how to pick the prefill endpoint (and the decode one, see --decode-policy);"
+        " default: kv_aware with --kv-events, else round_robin",
+    )
+    add_flag(
+        p,
+        "kv_events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT[,REPLAY]",
+        help="a prefill's KV events: its URL, the ZMQ endpoint its vLLM publishes on"
+        " (--kv-events-config) and, optionally, its replay endpoint (repeatable)",
+    )
+    add_flag(
+        p,
+        "kv_max_blocks",
+        type=int,
+        default=200_000,
+        help="kv_aware remembers at most this many blocks per instance and for the pool",
     )
     add_flag(
         p,
@@ -147,6 +164,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
     from kvpool.ops.serve import run_proxy
     from kvpool.proxy import ProxyConfig
     from kvpool.proxy.auth import resolve_api_keys, resolve_upstream_key
+    from kvpool.proxy.kv_feed import parse_event_source
 
     api_keys = resolve_api_keys(args.api_key, args.api_key_file, os.environ)
     upstream_key = resolve_upstream_key(
@@ -158,8 +176,10 @@ def _run_proxy(args: argparse.Namespace) -> int:
             decode=tuple(args.decode),
             host=args.host,
             port=args.port,
-            policy=args.policy,
+            policy=args.policy or ("kv_aware" if args.kv_events else "round_robin"),
             decode_policy=args.decode_policy,
+            kv_events=tuple(parse_event_source(text) for text in args.kv_events),
+            kv_max_blocks=args.kv_max_blocks,
             prefix_chars=args.prefix_chars,
             connect_timeout_s=args.connect_timeout,
             read_timeout_s=args.read_timeout,
@@ -231,8 +251,8 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "dtype", help="vLLM --dtype (float32 for the small model, else auto)")
     add_flag(p, "served_model_name", help="the model name requests use")
     add_flag(
-        p, "policy", default="round_robin",
-        choices=_POLICIES, help="proxy routing",
+        p, "policy", default="kv_aware",
+        choices=_POLICIES, help="proxy routing (kv_aware: from the prefills' KV events)",
     )  # fmt: skip
     add_flag(p, "cpus", help="cores for the vLLM instances, e.g. 0,1 (default: all usable)")
     add_flag(

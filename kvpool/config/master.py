@@ -179,6 +179,14 @@ class MasterConfig:
     tenant_quota: str = _flag(
         "", _string, "per-tenant byte quotas, NAME=SIZE[,NAME=SIZE...] (e.g. teamA=8GB)"
     )
+    kv_events_endpoint: str = _flag(
+        "",
+        _string,
+        "ZMQ PUB endpoint for the pool's KV events (vLLM's format), e.g. tcp://*:5570; none: off",
+    )
+    kv_events_replay_endpoint: str = _flag(
+        "", _string, "ZMQ ROUTER endpoint replaying missed KV event batches"
+    )
     tls_cert: str = _flag("", _string, "PEM certificate: TLS on the RPC/HTTP port and segment")
     tls_key: str = _flag("", _string, "PEM private key of --tls_cert")
     tls_ca: str = _flag(

@@ -17,7 +17,7 @@ import signal
 import socket
 import ssl
 import time
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
 
@@ -43,6 +43,10 @@ from kvpool.security.secret import load_credential, require_credential
 from kvpool.security.tls import ENV_CA
 
 __all__ = ["RPC_BUFFER_LIMIT", "RPC_REQUEST_CODEC", "MasterServer", "RpcBuffers", "run_master"]
+
+
+if TYPE_CHECKING:
+    from kvpool.master.kv_events import PoolEventPublisher
 
 log = logging.getLogger("kvpool.master")
 
@@ -468,6 +472,8 @@ class MasterServer:
         self.tenancy.credential = self.credential  # the grants' key
         # TLS (off unless --tls_* are set): files checked before anything binds
         self.tls = cfg.tls.server_context()
+        if cfg.kv_events_endpoint:  # a bad endpoint fails here, before anything is served
+            self.service.kv_events = self._kv_events(cfg)
         # dialling nodes (copies, demotions) verifies them with --tls_ca, else KVPOOL_TLS_CA
         dial = cfg.tls
         if not dial.ca and os.environ.get(ENV_CA):
@@ -538,6 +544,25 @@ class MasterServer:
         self._tick_task = asyncio.create_task(self._tick_loop())
         if cfg.enable_ha:
             self._campaign(loop)
+
+    @staticmethod
+    def _kv_events(cfg: MasterConfig) -> PoolEventPublisher:
+        """The pool's KV events publisher; a bad endpoint is a one-line ConfigError."""
+        from kvpool.master.kv_events import PoolEventPublisher
+
+        try:
+            events = PoolEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint)
+        except Exception as exc:  # zmq.ZMQError: an address in use, a malformed endpoint
+            raise ConfigError(
+                f"--kv_events_endpoint {cfg.kv_events_endpoint}"
+                f" (--kv_events_replay_endpoint {cfg.kv_events_replay_endpoint or 'none'}):"
+                f" {exc}"
+            ) from None
+        log.info(
+            "publishing the pool's KV events on %s (replay: %s)",
+            events.endpoint, events.replay_endpoint or "none",
+        )  # fmt: skip
+        return events
 
     def _campaign(self, loop: asyncio.AbstractEventLoop) -> None:
         """Campaign on etcd; the leadership is changed on the loop, where it is read."""
@@ -625,6 +650,9 @@ class MasterServer:
         if self.storage is not None:
             self.storage.close()
         self.service.close()
+        if self.service.kv_events is not None:
+            self.service.kv_events.close()
+            self.service.kv_events = None
         if not quiet:
             log.info("kvpool master stopped")
 

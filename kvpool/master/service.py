@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.core.index import (
     CopyLost,
@@ -47,6 +47,9 @@ from kvpool.node.storage import LocalStorage
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok, error_reply
 from kvpool.security.credentials import check_tenant_name
+
+if TYPE_CHECKING:
+    from kvpool.master.kv_events import PoolEventPublisher
 
 __all__ = ["Endpoint", "Later", "MasterService", "PutKey", "monotonic_ms"]
 
@@ -117,6 +120,8 @@ class MasterService:
         self.tenants = TenantBook()
         #: called with the key of each object the index drops (a layer's accounting)
         self.drop_watchers: list[Callable[[str], None]] = []
+        #: the pool's KV events (kvpool.master.kv_events), when the server publishes them
+        self.kv_events: PoolEventPublisher | None = None
         clients = self.clients
         self._put = self.puts(self.put_key, may_wait=False)
         self._put_or_wait = self.puts(self.put_key, may_wait=True)
@@ -258,9 +263,14 @@ class MasterService:
                     self.metrics.demote_failures.inc()
                 else:
                     self.metrics.offloads.inc()
+                    if self.kv_events is not None:  # memory tier -> SSD tier
+                        self.kv_events.removed(event.key)
+                        self.kv_events.stored(event.key, ssd=True)
             elif isinstance(event, Dropped):
                 for watch in self.drop_watchers:
                     watch(event.key)
+                if self.kv_events is not None:
+                    self.kv_events.removed(event.key, ssd=event.tier is Tier.SSD)
                 self.metrics.dropped.labels(reason=event.reason, tier=event.tier.value).inc()
                 if event.reason == "evicted":
                     self.metrics.evictions.labels(tier=event.tier.value).inc()
@@ -387,6 +397,8 @@ class MasterService:
         if lost:
             self._apply(lost)
         self.metrics.puts.inc()
+        if self.kv_events is not None:
+            self.kv_events.stored(key)
         for loc in self.index.copies_of(key):
             self.outbox.add(loc.client_id, (key, loc.segment_id, loc.offset, loc.size, checksum))
 

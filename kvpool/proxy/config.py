@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from kvpool.errors import ConfigError
 from kvpool.proxy.auth import ENV_API_KEY_FILE, check_key
+from kvpool.proxy.kv_feed import EventSource
 from kvpool.proxy.routing import ROUTING_POLICIES
 from kvpool.security.secret import is_loopback
 
@@ -60,6 +61,10 @@ class ProxyConfig:
     # "prefill": the client gets P's token at once and D continues from it; "decode":
     # D answers the original request and the client gets D's tokens only (two full legs)
     first_token_from: str = "prefill"
+    # kv_aware: each prefill's KV event stream (kvpool.proxy.kv_feed.EventSource), and how
+    # many blocks the proxy remembers per instance and for the pool
+    kv_events: tuple[EventSource, ...] = ()
+    kv_max_blocks: int = 200_000
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -76,6 +81,21 @@ class ProxyConfig:
         for flag, policy in (("--policy", self.policy), ("--decode-policy", self.decode_policy)):
             if policy is not None and policy not in ROUTING_POLICIES:
                 raise ConfigError(f"{flag}: {policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
+        if self.policy == "kv_aware" and not self.kv_events:
+            raise ConfigError(
+                "--policy kv_aware: give each prefill's KV events with --kv-events"
+                " URL=ENDPOINT[,REPLAY] (vLLM's --kv-events-config)"
+            )
+        sources = tuple(
+            EventSource(normalize_url("--kv-events", s.url), s.endpoint, s.replay)
+            for s in self.kv_events
+        )
+        object.__setattr__(self, "kv_events", sources)
+        unknown = sorted({s.url for s in sources} - set(prefill))
+        if unknown:
+            raise ConfigError(f"--kv-events: {unknown} are not --prefill endpoints")
+        if self.kv_max_blocks < 1:
+            raise ConfigError(f"--kv-max-blocks: must be at least 1, got {self.kv_max_blocks}")
         if self.first_token_from not in FIRST_TOKEN_FROM:
             raise ConfigError(
                 f"--first-token-from: {self.first_token_from!r} is not one of "
@@ -121,4 +141,6 @@ class ProxyConfig:
     def effective_decode_policy(self) -> str:
         if self.decode_policy is not None:
             return self.decode_policy
+        if self.policy == "kv_aware":  # D reads P's KV: only its load matters
+            return "least_loaded"
         return "least_inflight" if self.policy == "prefix_affinity" else self.policy

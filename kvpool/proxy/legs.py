@@ -16,7 +16,7 @@ from aiohttp import web
 
 from kvpool.proxy.metrics import ProxyMetrics
 from kvpool.proxy.openai import error_body, stream_error_event, upstream_error
-from kvpool.proxy.routing import Upstream, UpstreamGroup
+from kvpool.proxy.routing import Route, Upstream, UpstreamGroup
 from kvpool.proxy.splice import Splice
 
 __all__ = ["STATUS_KEY", "TIMEOUT_ERRORS", "Legs", "json_error"]
@@ -99,7 +99,7 @@ class Legs:
         path: str,
         payload: dict[str, Any],
         headers: dict[str, str],
-        key: bytes | None,
+        route: Route | None,
     ) -> tuple[Upstream, aiohttp.ClientResponse] | web.Response:
         """Send to one endpoint of the group, trying the next one on a connect failure.
         On success the upstream is acquired and the response is 200; the caller releases."""
@@ -107,7 +107,12 @@ class Legs:
         tried: set[str] = set()
         last_error = ""
         while True:
-            up = group.pick(key, frozenset(tried))
+            if route is None:
+                up = group.pick(None, frozenset(tried))
+            else:
+                up = group.pick(route.key, frozenset(tried), route.prompt)
+                if up is not None and route.on_pick is not None:
+                    route.on_pick(up)  # before anything else picks: the prediction is its
             if up is None:
                 if tried:
                     return json_error(502, f"no {group.role} endpoint reachable: {last_error}")
@@ -144,11 +149,11 @@ class Legs:
             return json_error(resp.status, message, type_, upstream=up.url)
 
     async def prefill_reply(
-        self, path: str, payload: dict[str, Any], headers: dict[str, str], key: bytes | None
+        self, path: str, payload: dict[str, Any], headers: dict[str, str], route: Route | None
     ) -> dict[str, Any] | web.Response:
         """P's whole reply, a JSON object, or the error to answer."""
         started = time.perf_counter()
-        opened = await self._open(self.prefill, path, payload, headers, key)
+        opened = await self._open(self.prefill, path, payload, headers, route)
         if isinstance(opened, web.Response):
             return opened
         up, resp = opened
@@ -169,6 +174,8 @@ class Legs:
             return json_error(
                 502, f"prefill endpoint {up.url} sent a reply that is not a JSON object"
             )
+        if route is not None and route.on_reply is not None:
+            route.on_reply(up, reply)
         return reply
 
     def kv_of(self, reply: dict[str, Any]) -> dict[str, Any] | None:
@@ -184,9 +191,9 @@ class Legs:
         return None
 
     async def prefill_leg(
-        self, path: str, payload: dict[str, Any], headers: dict[str, str], key: bytes | None
+        self, path: str, payload: dict[str, Any], headers: dict[str, str], route: Route | None
     ) -> dict[str, Any] | web.Response | None:
-        reply = await self.prefill_reply(path, payload, headers, key)
+        reply = await self.prefill_reply(path, payload, headers, route)
         return reply if isinstance(reply, web.Response) else self.kv_of(reply)
 
     async def spliced_stream(

@@ -73,5 +73,56 @@ class ProxyMetrics:
             registry=r,
         )
 
+        # kv_aware routing (kvpool.proxy.kv_feed): per prefill instance ("pool": the pool)
+        self.kv_events = Counter(
+            "kvpool_proxy_kv_events",
+            "KV events received from each instance's stream.",
+            ["instance"],
+            registry=r,
+        )
+        self.kv_events_malformed = Counter(
+            "kvpool_proxy_kv_events_malformed",
+            "KV event messages that could not be read, dropped.",
+            ["instance"],
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            "kvpool_proxy_kv_index_blocks",
+            "Blocks each instance's own cache holds as its events say, and the pool's.",
+            ["instance"],
+            registry=r,
+        )
+        self.kv_index_resets = Counter(
+            "kvpool_proxy_kv_index_resets",
+            "Times an instance's index started afresh (restart, lost events, mispredictions).",
+            ["instance"],
+            registry=r,
+        )
+        self.kv_trusted = Gauge(
+            "kvpool_proxy_kv_events_trusted",
+            "1 while an instance's events are used for routing, 0 while it is routed by load.",
+            ["instance"],
+            registry=r,
+        )
+        self.predicted_hit_tokens = Counter(
+            "kvpool_proxy_predicted_hit_tokens",
+            "Prompt tokens kv_aware expected the chosen instance to hit (own cache or pool).",
+            ["instance"],
+            registry=r,
+        )
+        self.actual_hit_tokens = Counter(
+            "kvpool_proxy_actual_hit_tokens",
+            "Prompt tokens the chosen instance reported cached (vLLM's prefix cache and"
+            " connector hits), beside the predicted ones.",
+            ["instance"],
+            registry=r,
+        )
+        self.mispredictions = Counter(
+            "kvpool_proxy_kv_mispredictions",
+            "Routed requests that hit more than a block less than predicted.",
+            ["instance"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

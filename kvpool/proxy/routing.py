@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from kvpool.proxy.block_index import BlockIndex
+
 __all__ = [
     "ROUTING_POLICIES",
+    "KvAware",
     "LeastInflight",
+    "LeastLoaded",
     "PrefixAffinity",
+    "Prompt",
     "RoundRobin",
+    "Route",
     "RoutingPolicy",
     "Upstream",
     "UpstreamGroup",
@@ -30,12 +36,40 @@ __all__ = [
 
 @dataclass
 class Upstream:
-    """One OpenAI-compatible endpoint (a vLLM instance) and what the proxy knows of it."""
+    """One OpenAI-compatible endpoint (a vLLM instance) and what the proxy knows of it:
+    its health and requests in flight, and (fed by the server) its own load as its
+    ``/metrics`` says and the blocks its KV events say it holds."""
 
     url: str
     healthy: bool = True
     inflight: int = 0
     last_error: str = ""
+    waiting: int = 0  # vllm:num_requests_waiting
+    running: int = 0  # vllm:num_requests_running
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1
+    blocks: BlockIndex | None = None  # its own cache, from its KV events
+    trusted: bool = True  # whether its events match what it serves (see kv_feed)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request's prompt as the KV-aware policy sees it: its full blocks' content keys
+    (:func:`kvpool.proxy.block_index.content_keys`) and its length in tokens."""
+
+    keys: tuple[bytes, ...]
+    tokens: int
+
+
+@dataclass(slots=True)
+class Route:
+    """How one request is routed to its prefill: the ``prefix_affinity`` key, the
+    ``kv_aware`` prompt, and what to call once an endpoint is picked (with the policy's
+    prediction for it) and once it has answered (with its reply)."""
+
+    key: bytes | None = None
+    prompt: Prompt | None = None
+    on_pick: Callable[[Upstream], None] | None = None
+    on_reply: Callable[[Upstream, dict[str, Any]], None] | None = None
 
 
 class RoutingPolicy(Protocol):
@@ -43,7 +77,9 @@ class RoutingPolicy(Protocol):
 
     name: str
 
-    def choose(self, candidates: Sequence[Upstream], key: bytes | None) -> Upstream: ...
+    def choose(
+        self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
+    ) -> Upstream: ...
 
 
 class RoundRobin:
@@ -54,7 +90,9 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, candidates: Sequence[Upstream], key: bytes | None) -> Upstream:
+    def choose(
+        self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
+    ) -> Upstream:
         chosen = candidates[self._turn % len(candidates)]
         self._turn += 1
         return chosen
@@ -69,7 +107,9 @@ class LeastInflight:
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, candidates: Sequence[Upstream], key: bytes | None) -> Upstream:
+    def choose(
+        self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
+    ) -> Upstream:
         fewest = min(c.inflight for c in candidates)
         tied = [c for c in candidates if c.inflight == fewest]
         chosen = tied[self._turn % len(tied)]
@@ -95,18 +135,109 @@ class PrefixAffinity:
     def __init__(self) -> None:
         self._fallback = LeastInflight()
 
-    def choose(self, candidates: Sequence[Upstream], key: bytes | None) -> Upstream:
+    def choose(
+        self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
+    ) -> Upstream:
         if not key:
             return self._fallback.choose(candidates, None)
         return max(candidates, key=lambda c: (_score(key, c.url), c.url))
 
 
-_ROUTING_POLICIES: Mapping[str, type[RoundRobin] | type[LeastInflight] | type[PrefixAffinity]] = (
+class LeastLoaded:
+    """The endpoint with the least work ahead: requests in flight through this proxy and
+    waiting in its queue (``/metrics``), then the fuller KV cache last.  Ties rotate.
+    A decode instance's choice under ``kv_aware``."""
+
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(
+        self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
+    ) -> Upstream:
+        def load(c: Upstream) -> tuple[int, float]:
+            return c.inflight + c.waiting, round(c.kv_usage, 2)
+
+        least = min(load(c) for c in candidates)
+        tied = [c for c in candidates if load(c) == least]
+        chosen = tied[self._turn % len(tied)]
+        self._turn += 1
+        return chosen
+
+
+# The KV-aware choice estimates each candidate's prefill work in blocks:
+#
+#   cost = blocks to compute + load_cost × blocks to load from the pool + queue + pressure
+#
+# - blocks to compute: the prompt's full blocks beyond what the candidate's own cache
+#   holds and beyond what the pool holds, whichever is longer (its KV events say the
+#   first, the pool's the second; a candidate whose events are not trusted holds nothing);
+# - blocks to load: what the pool adds beyond the candidate's own hit, at ``load_cost`` of
+#   a computed block (a load is memory bandwidth, a prefill is compute);
+# - queue: every request ahead of this one there (in flight through this proxy, waiting in
+#   its queue), each worth ``queue_share`` of an average prompt's blocks;
+# - pressure: a KV cache over 90 % full evicts what it holds (and may preempt).
+# The least cost wins; ties go to fewer in flight, then rotate.  Without a prompt (no
+# token ids) or with no candidate's events, it is least-loaded.
+class KvAware:
+    """Routes a prompt where its prefill costs least, from what each instance's cache
+    and the shared pool hold and how loaded each instance is."""
+
+    name = "kv_aware"
+
+    def __init__(
+        self,
+        pool: BlockIndex | None = None,
+        *,
+        load_cost: float = 0.1,
+        queue_share: float = 0.5,
+    ) -> None:
+        self.pool = pool
+        self.load_cost = load_cost
+        self.queue_share = queue_share
+        self._avg_blocks = 8.0
+        self._fallback = LeastLoaded()
+        self._turn = 0
+        # what the last choice expected of each candidate: url -> (own hit, pool hit), blocks
+        self.predicted: dict[str, tuple[int, int]] = {}
+
+    def choose(
+        self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
+    ) -> Upstream:
+        self.predicted = {}
+        if prompt is None or not any(c.blocks is not None for c in candidates):
+            return self._fallback.choose(candidates, key)
+        n = len(prompt.keys)
+        self._avg_blocks = 0.9 * self._avg_blocks + 0.1 * max(n, 1)
+        pool_hit = self.pool.prefix(prompt.keys) if self.pool is not None else 0
+        costs = []
+        for c in candidates:
+            own = c.blocks.prefix(prompt.keys) if c.blocks is not None and c.trusted else 0
+            self.predicted[c.url] = (own, pool_hit)
+            compute = n - max(own, pool_hit)
+            loaded = max(0, pool_hit - own)
+            queue = (c.inflight + c.waiting) * self.queue_share * self._avg_blocks
+            pressure = self._avg_blocks if c.kv_usage > 0.9 else 0.0
+            costs.append(compute + self.load_cost * loaded + queue + pressure)
+        best = min(costs)
+        tied = [c for c, cost in zip(candidates, costs, strict=True) if cost - best < 1e-9]
+        fewest = min(c.inflight for c in tied)
+        tied = [c for c in tied if c.inflight == fewest]
+        chosen = tied[self._turn % len(tied)]
+        self._turn += 1
+        return chosen
+
+
+_POLICY_CLASSES = type[RoundRobin] | type[LeastInflight] | type[PrefixAffinity]
+_ROUTING_POLICIES: Mapping[str, _POLICY_CLASSES | type[KvAware] | type[LeastLoaded]] = (
     MappingProxyType(
         {
             RoundRobin.name: RoundRobin,
             LeastInflight.name: LeastInflight,
             PrefixAffinity.name: PrefixAffinity,
+            KvAware.name: KvAware,
+            LeastLoaded.name: LeastLoaded,
         }
     )
 )
@@ -142,14 +273,17 @@ class UpstreamGroup:
         return [u for u in self.upstreams if u.healthy]
 
     def pick(
-        self, key: bytes | None = None, exclude: frozenset[str] = frozenset()
+        self,
+        key: bytes | None = None,
+        exclude: frozenset[str] = frozenset(),
+        prompt: Prompt | None = None,
     ) -> Upstream | None:
         """The endpoint for the next request, or ``None`` when no healthy one is left
         (``exclude`` holds the urls this request already failed on)."""
         candidates = [u for u in self.upstreams if u.healthy and u.url not in exclude]
         if not candidates:
             return None
-        return self.policy.choose(candidates, key)
+        return self.policy.choose(candidates, key, prompt)
 
     def acquire(self, upstream: Upstream) -> None:
         upstream.inflight += 1

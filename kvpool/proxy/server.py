@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpool.proxy.auth import ApiKeys
+from kvpool.proxy.block_index import BlockIndex, content_keys
 from kvpool.proxy.config import ProxyConfig
 from kvpool.proxy.first_token import (
     decode_request as continuation_request,
@@ -37,6 +38,7 @@ from kvpool.proxy.first_token import (
     splittable,
 )
 from kvpool.proxy.health import HealthChecker
+from kvpool.proxy.kv_feed import KvFeed
 from kvpool.proxy.legs import STATUS_KEY, TIMEOUT_ERRORS, Legs, json_error
 from kvpool.proxy.metrics import ProxyMetrics
 from kvpool.proxy.openai import (
@@ -48,7 +50,15 @@ from kvpool.proxy.openai import (
     upstream_error,
     validate_request,
 )
-from kvpool.proxy.routing import UpstreamGroup, make_routing_policy, prefix_key
+from kvpool.proxy.routing import (
+    KvAware,
+    Prompt,
+    Route,
+    Upstream,
+    UpstreamGroup,
+    make_routing_policy,
+    prefix_key,
+)
 from kvpool.proxy.splice import Splice
 
 __all__ = ["ProxyServer"]
@@ -85,11 +95,29 @@ class ProxyServer:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.metrics = ProxyMetrics()
-        self.prefill = UpstreamGroup("prefill", config.prefill, make_routing_policy(config.policy))
+        # kv_aware: what each prefill's own cache and the pool hold, from their KV events
+        self.pool_blocks = BlockIndex(config.kv_max_blocks) if config.kv_events else None
+        policy = (
+            KvAware(self.pool_blocks)
+            if config.policy == "kv_aware"
+            else make_routing_policy(config.policy)
+        )
+        self.prefill = UpstreamGroup("prefill", config.prefill, policy)
         self.decode = UpstreamGroup(
             "decode", config.decode, make_routing_policy(config.effective_decode_policy)
         )
         self._use_key = config.policy == "prefix_affinity"
+        self._feed: KvFeed | None = None
+        self._tokenize_turn = 0
+        if self.pool_blocks is not None:
+            upstreams = {u.url: u for g in (self.prefill, self.decode) for u in g.upstreams}
+            self._feed = KvFeed(
+                config.kv_events,
+                upstreams,
+                self.pool_blocks,
+                self.metrics,
+                max_blocks=config.kv_max_blocks,
+            )
         self._keys = ApiKeys(config.api_keys) if config.api_keys else None
         self._open_paths = _OPEN_PATHS | ({"/metrics"} if config.open_metrics else set())
         upstream_key = config.effective_upstream_key
@@ -148,6 +176,8 @@ class ProxyServer:
             await self.stop()
             raise
         await self._health.start()
+        if self._feed is not None:
+            await self._feed.start(self._session)
 
     @property
     def port(self) -> int:
@@ -166,6 +196,8 @@ class ProxyServer:
         await self._health.poll_once()
 
     async def stop(self) -> None:
+        if self._feed is not None:
+            await self._feed.stop()
         if self._health is not None:
             await self._health.stop()
             self._health = None
@@ -286,6 +318,7 @@ class ProxyServer:
         }
         path = _PATHS[kind]
         key = prefix_key(body, self.config.prefix_chars) if self._use_key else None
+        route = await self._route_of(kind, body, key, headers)
 
         if self.config.first_token_from == "prefill":
             problem = refusal(body)
@@ -293,10 +326,12 @@ class ProxyServer:
                 self.metrics.errors.labels("request", "bad_request").inc()
                 return json_error(400, problem)
             if splittable(kind, body):
-                return await self._first_from_prefill(kind, request, body, headers, key)
+                return await self._first_from_prefill(kind, request, body, headers, route)
         assert self._legs is not None
         started = time.perf_counter()
-        kv_or_error = await self._legs.prefill_leg(path, prefill_request(kind, body), headers, key)
+        kv_or_error = await self._legs.prefill_leg(
+            path, prefill_request(kind, body), headers, route
+        )
         if isinstance(kv_or_error, web.Response):
             return kv_or_error
         payload = decode_request(body, kv_or_error or None)
@@ -311,13 +346,13 @@ class ProxyServer:
         request: web.Request,
         body: dict[str, Any],
         headers: dict[str, str],
-        key: bytes | None,
+        route: Route,
     ) -> web.StreamResponse:
         """P's token first, D continuing from it (``--first-token-from prefill``)."""
         assert self._legs is not None
         legs, path, stream = self._legs, _PATHS[kind], bool(body.get("stream"))
         started = time.perf_counter()
-        reply = await legs.prefill_reply(path, prefill_request_for(kind, body), headers, key)
+        reply = await legs.prefill_reply(path, prefill_request_for(kind, body), headers, route)
         if isinstance(reply, web.Response):
             return reply
         prefill_s = time.perf_counter() - started
@@ -342,6 +377,71 @@ class ProxyServer:
             return d_reply
         return web.json_response(merge_whole(kind, body, first, d_reply), headers=timing)
 
+    async def _route_of(
+        self, kind: str, body: dict[str, Any], key: bytes | None, headers: dict[str, str]
+    ) -> Route:
+        """How this request is routed: with ``kv_aware``, its prompt's blocks (token ids
+        from a prefill's ``/tokenize``) and the feedback of what the chosen one hit."""
+        feed = self._feed
+        if feed is None or not isinstance(self.prefill.policy, KvAware):
+            return Route(key)
+        block_size = next((u.blocks.block_size for u in self.prefill.upstreams
+                           if u.blocks is not None and u.blocks.block_size), None)  # fmt: skip
+        if block_size is None:  # no events yet: least loaded
+            return Route(key)
+        tokens = await self._tokenize(kind, body, headers)
+        if tokens is None:
+            return Route(key)
+        keys = tuple(content_keys(tokens, block_size))
+        predicted: dict[str, tuple[int, int]] = {}
+        policy = self.prefill.policy
+
+        def on_pick(up: Upstream) -> None:
+            predicted[up.url] = policy.predicted.get(up.url, (0, 0))
+
+        def on_reply(up: Upstream, reply: dict[str, Any]) -> None:
+            feed.observe(up.url, predicted.get(up.url, (0, 0)), keys, block_size, _cached(reply))
+
+        return Route(key, Prompt(keys, len(tokens)), on_pick, on_reply)
+
+    async def _tokenize(
+        self, kind: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> list[int] | None:
+        """The prompt's token ids as the prefills see them: given, or from one of them."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        healthy = self.prefill.healthy()
+        if not healthy or self._session is None:
+            return None
+        ask: dict[str, Any] = {"model": body.get("model")}
+        if kind == "chat":
+            ask.update(messages=body.get("messages"), add_generation_prompt=True)
+            for field in ("chat_template", "chat_template_kwargs", "add_generation_prompt"):
+                if field in body:
+                    ask[field] = body[field]
+        elif isinstance(prompt, str):
+            ask["prompt"] = prompt
+        else:
+            return None
+        up = healthy[self._tokenize_turn % len(healthy)]
+        self._tokenize_turn += 1
+        try:
+            async with self._session.post(
+                up.url + "/tokenize",
+                json=ask,
+                headers={k: v for k, v in headers.items() if k != "Content-Type"},
+                timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s),
+            ) as reply:
+                if reply.status != 200:
+                    return None
+                tokens = (await reply.json()).get("tokens")
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return None
+        return tokens
+
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         """P and D get the proxy's upstream key when it has one (the client's key is the
         proxy's, not theirs), else the client's own ``Authorization`` as it came."""
@@ -350,3 +450,12 @@ class ProxyServer:
         if "Authorization" in request.headers:
             return {"Authorization": request.headers["Authorization"]}
         return {}
+
+
+def _cached(reply: dict[str, Any]) -> int | None:
+    """The prompt tokens P's reply says were cached (vLLM's prefix cache and connector
+    hits; ``--enable-prompt-tokens-details``), or None when it does not say."""
+    usage = reply.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else None

@@ -103,6 +103,9 @@ class StubUpstream:
     # as vLLM >= 0.30: a whole reply carries prompt_token_ids and token_ids when asked
     # (``return_token_ids``), so the proxy starts answers with P's token
     token_ids: bool = False
+    # as vLLM with --enable-prompt-tokens-details: the reply says what it had cached
+    cached_tokens: int | None = None
+    waiting: int = 0  # vllm:num_requests_waiting on /metrics
     _runner: web.AppRunner | None = None
     _disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -116,6 +119,8 @@ class StubUpstream:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/_stub/received", self._received)
         self._runner = web.AppRunner(
             app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
@@ -144,6 +149,21 @@ class StubUpstream:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{model_name="{MODEL}"}} {self.waiting}\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.1\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize, for a byte-level stand-in: one token per byte of the text."""
+        body = await request.json()
+        text = body.get("prompt") if "prompt" in body else prompt_text(body)
+        return web.json_response({"tokens": list(str(text).encode()), "count": len(text)})
 
     async def _models(self, request: web.Request) -> web.Response:
         model = {"id": MODEL, "object": "model", "created": 0, "owned_by": self.name}
@@ -198,7 +218,9 @@ class StubUpstream:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            usage = {"prompt_tokens": 3, "completion_tokens": len(tokens)}
+            usage: dict[str, Any] = {"prompt_tokens": 3, "completion_tokens": len(tokens)}
+            if self.cached_tokens is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
             reply = {**base, "choices": [choice], "usage": usage, "kv_transfer_params": kv_out}
             if self.token_ids and body.get("return_token_ids"):
                 choice["token_ids"] = list(range(100, 100 + len(tokens)))

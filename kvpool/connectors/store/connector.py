@@ -51,7 +51,10 @@ from kvpool.engines import PoolEngine, PoolLookups
 from kvpool.errors import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -245,6 +248,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         self._worker: StoreWorker | None = None
         self._lookup_server: LookupServer | None = None
         if role == KVConnectorRole.SCHEDULER:
+            events = getattr(vllm_config, "kv_events_config", None)
             self._scheduler = StoreScheduler(
                 namespace=namespace,
                 pool=handle(lookups),
@@ -252,6 +256,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
                 load_async=config.load_async,
                 logger=logger,
                 groups=groups,
+                events=bool(events and events.enable_kv_cache_events),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -415,6 +420,28 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
         assert self._scheduler is not None
         self._scheduler.request_finished(request)
         return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The pool's side of this instance's KV events: the chunks it saved (medium CPU,
+        kvpool's memory tier) and the ones it dropped as unreadable, keyed by kvpool's
+        chunk keys, with their tokens (a router keys blocks by tokens)."""
+        if self._scheduler is None:
+            return
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+        for chunk in self._scheduler.take_events():
+            if chunk.removed:
+                yield BlockRemoved(block_hashes=[chunk.key], medium="CPU")
+                continue
+            yield BlockStored(
+                block_hashes=[chunk.key],
+                parent_block_hash=chunk.parent,
+                token_ids=list(chunk.tokens),
+                block_size=len(chunk.tokens),
+                lora_id=None,
+                medium="CPU",
+                lora_name=None,
+            )
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -25,7 +25,7 @@ from kvpool.connectors.store.pool import PoolHandle
 from kvpool.core.keys import BlockKey, KeyNamespace, chunk_keys
 from kvpool.engines import POOL_TTL, PoolLookups
 
-__all__ = ["StoreScheduler", "pin_owner"]
+__all__ = ["SavedChunk", "StoreScheduler", "pin_owner"]
 
 _WARN_EVERY_S = 30.0
 
@@ -46,6 +46,18 @@ def _present(pool: PoolLookups, keys: Sequence[Sequence[str]]) -> list[list[bool
     flags = pool.batch_exists([k for column in keys for k in column])
     n = len(keys[0]) if keys else 0
     return [list(flags[c * n : (c + 1) * n]) for c in range(len(keys))]
+
+
+@dataclass(frozen=True, slots=True)
+class SavedChunk:
+    """A chunk this instance is putting into the pool, as a KV event says it (vLLM's
+    ``BlockStored``, medium CPU): its key, its parent's (None at the prompt's start), its
+    tokens; or, ``removed``, a chunk found unreadable and dropped."""
+
+    key: bytes
+    parent: bytes | None
+    tokens: tuple[int, ...]
+    removed: bool = False
 
 
 def pin_owner(scope: str, req_id: str, rank: int, generation: int = 1) -> str:
@@ -123,7 +135,10 @@ class StoreScheduler:
         pin_hits: bool = True,
         pin_scope: str | None = None,
         groups: CacheGroups | HeadGroups | None = None,
+        events: bool = False,
     ) -> None:
+        """``events``: keep a :class:`SavedChunk` per chunk saved or dropped, for vLLM's KV
+        events (:meth:`take_events`)."""
         self._ns = namespace
         if not isinstance(groups, CacheGroups):  # one KV cache group: its head groups
             groups = CacheGroups.single(groups)
@@ -140,6 +155,7 @@ class StoreScheduler:
         self._pending_loads: list[LoadSpec] = []
         self.counters: Counter[str] = Counter()
         self._last_warning = -_WARN_EVERY_S
+        self._events: list[SavedChunk] | None = [] if events else None
 
     # ------------------------------------------------------------------ keys
 
@@ -445,6 +461,7 @@ class StoreScheduler:
             return []
         keys = self._keys_upto(state, full)
         state.saved_blocks = full
+        self._note_saved(state, keys, start, full)
         specs = []
         for g, group in enumerate(self._cache_groups):
             if group.kind == STATE:
@@ -471,6 +488,28 @@ class StoreScheduler:
                 )
             )
         return specs
+
+    # The pool's KV events are the scheduler's: vLLM's MultiConnector passes a child's
+    # scheduler events on (take_events) but not its workers' (the production guide's layout
+    # runs this connector under it).  A chunk counts as saved when planned; a save that
+    # then fails only makes a router predict a hit that is not there, which it notices.
+    # Requests with a namespace of their own (LoRA, cache_salt, tenants) say nothing: a
+    # router that keys blocks by tokens alone would take their blocks for anyone's.
+    def _note_saved(self, state: _Request, keys: Sequence[BlockKey], start: int, end: int) -> None:
+        if self._events is None or state.namespace is not self._ns:
+            return
+        tokens = state.tokens()
+        for i in range(start, end):
+            parent = keys[i - 1].digest if i else None
+            chunk = tuple(tokens[i * self._bs : (i + 1) * self._bs])
+            self._events.append(SavedChunk(keys[i].digest, parent, chunk))
+
+    def take_events(self) -> list[SavedChunk]:
+        """The chunks saved and dropped since the last call (see :class:`SavedChunk`)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def _state_saves(self, offers: dict[str, list[tuple[int, int, int]]]) -> list[SaveSpec]:
         """Saves of the recurrent states vLLM cached this step: ``offers[req_id]`` is
@@ -517,6 +556,7 @@ class StoreScheduler:
                 if block_id in invalid:
                     first = state.local_tokens // self._bs
                     state.saved_blocks = min(state.saved_blocks, first + i)
+                    self._note_dropped(state, first + i)
                     break
 
     def on_failed_loads(self, req_ids: Iterable[str]) -> None:
@@ -527,6 +567,12 @@ class StoreScheduler:
             if state is not None and state.loads:
                 state.saved_blocks = min(state.saved_blocks, state.local_tokens // self._bs)
                 state.states.clear()
+                self._note_dropped(state, state.local_tokens // self._bs)
+
+    def _note_dropped(self, state: _Request, chunk: int) -> None:
+        """A load failed from ``chunk`` on: the pool no longer has it as it was."""
+        if self._events is not None and state.namespace is self._ns and chunk < len(state.keys):
+            self._events.append(SavedChunk(state.keys[chunk].digest, None, (), removed=True))
 
     def request_finished(self, request: Any) -> None:
         # A planned load stays planned even if the request was aborted meanwhile: vLLM

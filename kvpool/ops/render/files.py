@@ -195,11 +195,26 @@ def _proxy_sh(inv: Inventory, key_flags: list[str]) -> str:
     for role in ("prefill", "decode"):
         for host in inv.role(role):
             argv += [f"--{role}", f"http://{host.address}:{host.http_port}"]
-    argv += ["--policy", "prefix_affinity", *key_flags]
+    # kv_aware routing on every prefill's KV events (one stream per DP engine)
+    for host in inv.role("prefill"):
+        for rank in range(host.topology.dp_size):
+            events, replay = kv_events_ports(host)
+            argv += [
+                "--kv-events",
+                f"http://{host.address}:{host.http_port}="
+                f"tcp://{host.address}:{events + rank},tcp://{host.address}:{replay + rank}",
+            ]
+    argv += ["--policy", "kv_aware", *key_flags]
     comment = "kvpool proxy: run where clients arrive"
     if "--api-key-file" in key_flags:
         comment += f"; copy {render_secrets.PROXY_KEY} to {inv.config_dir} there (mode 600)"
     return _script(comment, argv)
+
+
+def kv_events_ports(host: Host) -> tuple[int, int]:
+    """A prefill's KV events port and replay port (vLLM adds each DP engine's rank):
+    its HTTP port + 1000 and + 2000."""
+    return host.http_port + 1000, host.http_port + 2000
 
 
 def _serve_sh(inv: Inventory, host: Host, kv: Mapping[str, Any]) -> dict[str, str]:
@@ -212,6 +227,16 @@ def _serve_sh(inv: Inventory, host: Host, kv: Mapping[str, Any]) -> dict[str, st
         "--data-parallel-size", str(host.topology.dp_size),
         "--kv-transfer-config", json.dumps(kv, separators=(",", ":")),
     ]  # fmt: skip
+    if host.role == "prefill":  # the proxy's kv_aware routing reads them
+        events, replay = kv_events_ports(host)
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events}",
+            "replay_endpoint": f"tcp://*:{replay}",
+        }
+        serve += ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+        serve += ["--enable-prompt-tokens-details"]
     text = _script(
         f"{host.role} instance on {host.name} ({host.address}); more vLLM flags: sh serve.sh FLAGS",
         serve,

@@ -93,7 +93,7 @@ class UpOptions:
     max_model_len: int = 2048
     dtype: str | None = None  # None: float32 for the tiny model, vLLM's "auto" otherwise
     served_model_name: str | None = None
-    policy: str = "round_robin"
+    policy: str = "kv_aware"
     cpus: tuple[int, ...] = (0,)  # cores to share among the vLLM instances
     connect_timeout_ms: int = 2000  # one host: a dead prefill should cost seconds
     transfer_timeout_ms: int = 10000

@@ -366,6 +366,17 @@ def _vllm_spec(
     ]  # fmt: skip
     if chat_template is not None:
         argv += ["--chat-template", str(chat_template)]
+    if role == "prefill":
+        # kv_aware routing: the proxy reads what each prefill's cache holds from its KV
+        # events, and what it hit from its replies
+        endpoint, replay = kv_events_endpoints(opts, role, index)
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay,
+        }
+        argv += ["--kv-events-config", json.dumps(events), "--enable-prompt-tokens-details"]
     argv += opts.vllm_args
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": core,
@@ -397,15 +408,26 @@ def _vllm_spec(
     )
 
 
+def kv_events_endpoints(opts: UpOptions, role: str, index: int) -> tuple[str, str]:
+    """Where a prefill instance publishes its KV events, and its replay socket: Unix
+    sockets in the state directory (nothing listens on a port)."""
+    base = opts.state_dir.resolve() / "kv-events"
+    return f"ipc://{base}-{role}-{index}", f"ipc://{base}-{role}-{index}-replay"
+
+
 def _proxy_spec(opts: UpOptions, processes: Sequence[ProcessSpec], logs: Path) -> ProcessSpec:
     prefill = [p.url for p in processes if p.role == "prefill"]
     decode = [p.url for p in processes if p.role == "decode"]
     url = f"http://{opts.host}:{opts.proxy_port}"
+    events = []
+    for index, prefill_url in enumerate(prefill):
+        endpoint, replay = kv_events_endpoints(opts, "prefill", index)
+        events += ["--kv-events", f"{prefill_url}={endpoint},{replay}"]
     argv = (
         opts.python, "-m", "kvpool", "proxy",
         "--host", opts.host, "--port", str(opts.proxy_port),
         "--prefill", *prefill, "--decode", *decode,
-        "--policy", opts.policy, "--health-interval", "1",
+        "--policy", opts.policy, "--health-interval", "1", *events,
     )  # fmt: skip
     return ProcessSpec(
         name="proxy",
