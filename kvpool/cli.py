@@ -88,6 +88,12 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_flag(
         p,
+        "kv_no_pool",
+        action="store_true",
+        help="kv_aware weighs the instances' own caches only, not what the pool holds",
+    )
+    add_flag(
+        p,
         "kv_max_blocks",
         type=int,
         default=200_000,
@@ -180,6 +186,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
             decode_policy=args.decode_policy,
             kv_events=tuple(parse_event_source(text) for text in args.kv_events),
             kv_max_blocks=args.kv_max_blocks,
+            kv_pool=not args.kv_no_pool,
             prefix_chars=args.prefix_chars,
             connect_timeout_s=args.connect_timeout,
             read_timeout_s=args.read_timeout,

@@ -65,6 +65,7 @@ class ProxyConfig:
     # many blocks the proxy remembers per instance and for the pool
     kv_events: tuple[EventSource, ...] = ()
     kv_max_blocks: int = 200_000
+    kv_pool: bool = True  # kv_aware counts the pool's holdings (False: own caches only)
 
     def __post_init__(self) -> None:
         if not self.prefill:

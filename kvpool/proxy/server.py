@@ -98,7 +98,7 @@ class ProxyServer:
         # kv_aware: what each prefill's own cache and the pool hold, from their KV events
         self.pool_blocks = BlockIndex(config.kv_max_blocks) if config.kv_events else None
         policy = (
-            KvAware(self.pool_blocks)
+            KvAware(self.pool_blocks if config.kv_pool else None)
             if config.policy == "kv_aware"
             else make_routing_policy(config.policy)
         )
