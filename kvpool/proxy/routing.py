@@ -54,10 +54,12 @@ class Upstream:
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """A request's prompt as the KV-aware policy sees it: its full blocks' content keys
-    (:func:`kvpool.proxy.block_index.content_keys`) and its length in tokens."""
+    (:func:`kvpool.proxy.block_index.content_keys`), its length in tokens, and when it
+    is routed (seconds on the server's monotonic clock)."""
 
     keys: tuple[bytes, ...]
     tokens: int
+    now: float = 0.0
 
 
 @dataclass(slots=True)
@@ -172,11 +174,14 @@ class LeastLoaded:
 #
 # - blocks to compute: the prompt's full blocks beyond what the candidate's own cache
 #   holds and beyond what the pool holds, whichever is longer (its KV events say the
-#   first, the pool's the second; a candidate whose events are not trusted holds nothing);
+#   first, the pool's the second; a candidate whose events are not trusted holds nothing).
+#   What the candidate was just sent counts as held for ``pending_s``: its events come
+#   only once it has computed it, and a tenant's next request must not go elsewhere
+#   meanwhile;
 # - blocks to load: what the pool adds beyond the candidate's own hit, at ``load_cost`` of
 #   a computed block (a load is memory bandwidth, a prefill is compute);
-# - queue: every request ahead of this one there (in flight through this proxy, waiting in
-#   its queue), each worth ``queue_share`` of an average prompt's blocks;
+# - queue: the work ahead of this request there (in flight through this proxy, waiting in
+#   its queue), each request worth the blocks the recent ones were expected to compute;
 # - pressure: a KV cache over 90 % full evicts what it holds (and may preempt).
 # The least cost wins; ties go to fewer in flight, then rotate.  Without a prompt (no
 # token ids) or with no candidate's events, it is least-loaded.
@@ -191,16 +196,43 @@ class KvAware:
         pool: BlockIndex | None = None,
         *,
         load_cost: float = 0.1,
-        queue_share: float = 0.5,
+        pending_s: float = 10.0,
+        max_pending: int = 100_000,
     ) -> None:
         self.pool = pool
         self.load_cost = load_cost
-        self.queue_share = queue_share
-        self._avg_blocks = 8.0
+        self.pending_s = pending_s
+        self.max_pending = max_pending
+        self._work = 4.0  # blocks a request is expected to compute (recent average)
         self._fallback = LeastLoaded()
         self._turn = 0
+        # url -> content key -> until when it counts as held (sent, not yet in its events)
+        self._pending: dict[str, dict[bytes, float]] = {}
         # what the last choice expected of each candidate: url -> (own hit, pool hit), blocks
         self.predicted: dict[str, tuple[int, int]] = {}
+
+    def _sent(self, url: str, keys: Sequence[bytes], now: float) -> int:
+        """How many of ``keys`` from the first on were sent to ``url`` lately."""
+        pending = self._pending.get(url)
+        if not pending:
+            return 0
+        n = 0
+        for key in keys:
+            if pending.get(key, 0.0) <= now:
+                break
+            n += 1
+        return n
+
+    def _remember(self, url: str, keys: Sequence[bytes], now: float) -> None:
+        pending = self._pending.setdefault(url, {})
+        if len(pending) + len(keys) > self.max_pending:  # the expired go first, then all
+            for key in [k for k, until in pending.items() if until <= now]:
+                del pending[key]
+            if len(pending) + len(keys) > self.max_pending:
+                pending.clear()
+        until = now + self.pending_s
+        for key in keys:
+            pending[key] = until
 
     def choose(
         self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
@@ -208,24 +240,30 @@ class KvAware:
         self.predicted = {}
         if prompt is None or not any(c.blocks is not None for c in candidates):
             return self._fallback.choose(candidates, key)
-        n = len(prompt.keys)
-        self._avg_blocks = 0.9 * self._avg_blocks + 0.1 * max(n, 1)
-        pool_hit = self.pool.prefix(prompt.keys) if self.pool is not None else 0
-        costs = []
+        keys, now = prompt.keys, prompt.now
+        n = len(keys)
+        pool_hit = self.pool.prefix(keys) if self.pool is not None else 0
+        costs, computes = [], []
         for c in candidates:
-            own = c.blocks.prefix(prompt.keys) if c.blocks is not None and c.trusted else 0
+            own = 0
+            if c.blocks is not None and c.trusted:  # what it says, and what it was sent
+                own = max(c.blocks.prefix(keys), self._sent(c.url, keys, now))
             self.predicted[c.url] = (own, pool_hit)
             compute = n - max(own, pool_hit)
             loaded = max(0, pool_hit - own)
-            queue = (c.inflight + c.waiting) * self.queue_share * self._avg_blocks
-            pressure = self._avg_blocks if c.kv_usage > 0.9 else 0.0
+            queue = (c.inflight + c.waiting) * self._work
+            pressure = n if c.kv_usage > 0.9 else 0.0
             costs.append(compute + self.load_cost * loaded + queue + pressure)
+            computes.append(compute)
         best = min(costs)
-        tied = [c for c, cost in zip(candidates, costs, strict=True) if cost - best < 1e-9]
-        fewest = min(c.inflight for c in tied)
-        tied = [c for c in tied if c.inflight == fewest]
-        chosen = tied[self._turn % len(tied)]
+        tied = [i for i, cost in enumerate(costs) if cost - best < 1e-9]
+        fewest = min(candidates[i].inflight for i in tied)
+        tied = [i for i in tied if candidates[i].inflight == fewest]
+        index = tied[self._turn % len(tied)]
         self._turn += 1
+        chosen = candidates[index]
+        self._work = 0.9 * self._work + 0.1 * max(computes[index], 1)
+        self._remember(chosen.url, keys, now)
         return chosen
 
 

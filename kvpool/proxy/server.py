@@ -402,7 +402,7 @@ class ProxyServer:
         def on_reply(up: Upstream, reply: dict[str, Any]) -> None:
             feed.observe(up.url, predicted.get(up.url, (0, 0)), keys, block_size, _cached(reply))
 
-        return Route(key, Prompt(keys, len(tokens)), on_pick, on_reply)
+        return Route(key, Prompt(keys, len(tokens), time.monotonic()), on_pick, on_reply)
 
     async def _tokenize(
         self, kind: str, body: dict[str, Any], headers: dict[str, str]

@@ -87,3 +87,15 @@ def test_least_loaded_counts_the_queue_then_kv_usage() -> None:
         Upstream("http://c", inflight=2),
     ]
     assert policy.choose(ups, None).url == "http://a"
+
+
+def test_what_an_instance_was_just_sent_counts_as_held_until_its_events_come() -> None:
+    """A tenant's second request, sent before its first one's blocks are in the first
+    instance's events, still goes there (for pending_s)."""
+    policy = KvAware(pending_s=10)
+    ups = upstreams(0, 0)
+    first = policy.choose(ups, None, Prompt(KEYS, len(TOKENS), now=0.0))
+    first.inflight = 1  # still computing it: a blind policy would go elsewhere now
+    assert policy.choose(ups, None, Prompt(KEYS, len(TOKENS), now=1.0)) is first
+    # long after, with nothing in its events, it holds nothing: load decides
+    assert policy.choose(ups, None, Prompt(KEYS, len(TOKENS), now=30.0)) is not first

@@ -142,10 +142,10 @@ def test_an_instance_whose_events_lie_is_routed_by_load_until_they_hold(tmp_path
             assert await f.ask(PROMPT) == 0
             # the reply showed the events wrong: 0 is not trusted, so load decides
             assert not f.proxy.prefill.upstreams[0].trusted
-            f.prefills[1].waiting = 0
-            f.prefills[0].waiting = 0
-            chosen = {await f.ask(PROMPT + str(i)) for i in range(4)}
-            assert chosen == {0, 1}  # rotates: nobody's cache counts
+            f.prefills[0].waiting = 3  # busier: what it claims to hold no longer counts
+            await f.holds(0, PROMPT)
+            await asyncio.sleep(1.5)  # a metrics poll has seen the queue
+            assert [await f.ask(PROMPT + str(i)) for i in range(3)] == [1, 1, 1]
 
     run(scenario())
 
