@@ -15,6 +15,10 @@ row reuses another's prompts):
 - ``kv_aware``: from the prefills' KV events, their own caches and the pool's holdings;
 - ``kv_aware, no pool``: the same, weighing the instances' own caches only.
 
+``--pool off`` runs the rows on a stack without kvpool's store connector (the transfer
+connector alone, as a fleet without a shared pool has it), where a prefix an instance does
+not hold itself is computed again.
+
 Per row, from the prefills' own ``/metrics`` (deltas over the row): prompt tokens, those
 their own prefix cache hit, those their store connector loaded from the pool, and the rest
 — the tokens the prefills computed; hit ratio; client-side TTFT p50/p90; completed
@@ -83,6 +87,8 @@ def start_stack(args: argparse.Namespace, state: Path) -> tuple[Any, Any]:
         cpus=usable_cpus(), vllm_args=("--load-format", "dummy"), python=sys.executable,
     )  # fmt: skip
     plan = make_plan(resolve_ports(opts))
+    if args.pool == "off":
+        plan = without_store(plan)
     for d in plan.dirs:
         d.mkdir(parents=True, exist_ok=True)
     for path, text in plan.files.items():
@@ -97,6 +103,21 @@ def start_stack(args: argparse.Namespace, state: Path) -> tuple[Any, Any]:
         sup.stop_all()
         raise
     return plan, sup
+
+
+def without_store(plan: Any) -> Any:
+    """The plan with each vLLM instance's MultiConnector down to its transfer child."""
+    processes = []
+    for spec in plan.processes:
+        argv = list(spec.argv)
+        if "--kv-transfer-config" in argv:
+            i = argv.index("--kv-transfer-config") + 1
+            config = json.loads(argv[i])
+            children = config["kv_connector_extra_config"]["connectors"]
+            (transfer,) = [c for c in children if "Transfer" in c["kv_connector"]]
+            argv[i] = json.dumps({**transfer, "kv_load_failure_policy": "recompute"})
+        processes.append(replace(spec, argv=tuple(argv)))
+    return replace(plan, processes=tuple(processes))
 
 
 def start_proxy(
@@ -233,7 +254,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f" {platform.python_version()}. {args.prefills} prefills + 1 decode (bench model,"
         f" {args.layers} layers, dummy weights); {args.tenants} tenants, system prompts of"
         f" {args.system_words} words, questions of {args.question_words}; {args.requests}"
-        f" requests per row, open-loop at {args.rate}/s.",
+        f" requests per row, open-loop at {args.rate}/s; the pool {args.pool}.",
         "",
         "| policy | prompt tokens | own-cache hits | pool hits | computed | hit ratio"
         " | TTFT p50 (s) | TTFT p90 (s) | completed | errors |",
@@ -278,6 +299,9 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pool", choices=("on", "off"), default="on", help="off: no store connector"
+    )
     parser.add_argument(
         "--rows",
         type=lambda t: set(t.split(",")),
