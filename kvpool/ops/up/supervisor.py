@@ -145,6 +145,9 @@ class Supervisor:
 
         Returns False if ``should_stop()`` turned true (a signal); raises
         :class:`StartupFailed` naming the first process that exited or timed out.
+        A process of an earlier stage that exits meanwhile fails the start too: a
+        health URL can be answered by a stranger on the same port (a process that
+        then dies binding it), and the later stage would wait for it forever.
         """
         start = time.monotonic()
         deadline = start + timeout_s
@@ -152,15 +155,16 @@ class Supervisor:
         while pending:
             if should_stop():
                 return False
-            for r in list(pending):
+            for r in self.running:
                 code = r.proc.poll()
-                if code is not None:
+                if code is not None and not r.reported_exit:
                     r.reported_exit = True
                     raise StartupFailed(
                         r.spec.name,
                         f"exited with {describe_exit(code)} while starting",
                         r.spec.log_path,
                     )
+            for r in list(pending):
                 if http_get(r.spec.health_url, timeout_s=2.0).ok:
                     r.healthy_after_s = time.monotonic() - r.started
                     pending.remove(r)

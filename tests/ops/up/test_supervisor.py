@@ -113,6 +113,19 @@ def test_a_process_that_exits_while_starting_is_named_with_its_log(
     assert "cannot bind port 1234" in info.value.log_path.read_text()
 
 
+def test_an_earlier_stage_that_dies_fails_the_start_of_a_later_one(
+    tmp_path: Path, sup: Supervisor
+) -> None:
+    # A prefill whose health URL a stranger answered, then died binding its port: the
+    # proxy's stage would wait for a healthy prefill until the start timeout.
+    early = sup.start(spec(tmp_path, "prefill", "print('Address already in use'); exit(1)"))
+    wait_until(lambda: early.proc.poll() is not None)
+    late = sup.start(spec(tmp_path, "proxy", "import time; time.sleep(300)", stage=1))
+    with pytest.raises(StartupFailed, match="prefill: exited with exit status 1") as info:
+        sup.wait_healthy([late], 300)
+    assert "Address already in use" in info.value.log_path.read_text()
+
+
 def test_a_process_that_never_gets_healthy_times_out(tmp_path: Path, sup: Supervisor) -> None:
     running = sup.start(spec(tmp_path, "silent", "import time; time.sleep(300)"))
     with pytest.raises(StartupFailed, match="silent: not healthy after 1 s"):
