@@ -9,14 +9,14 @@ conversation trace of docs/benchmarks.md).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 from kvpool.core.prefix_nodes import (
     ORPHAN,
     QUEUED,
     RUN,
+    Fifo,
     Node,
     detach,
     new_node,
@@ -152,11 +152,9 @@ class PrefixAwarePolicy(Generic[K]):
         # chain (root ... leaf, the order a request reads and writes its prefix) is held
         # apart in ``_run`` and placed deepest-first when it ends, so within a request the
         # tail is older than the head and LRU order trims chains from the tail.
-        self._queues: list[OrderedDict[K, Node[K]]] = [OrderedDict() for _ in self._weights]
-        # Cached head of each queue (None: look it up), so a choice costs one score per
-        # class instead of one iterator per class.
-        self._heads: list[Node[K] | None] = [None] * len(self._weights)
-        self._orphans: OrderedDict[K, Node[K]] = OrderedDict()
+        nodes = self._nodes
+        self._queues: list[Fifo[K]] = [Fifo(nodes) for _ in self._weights]
+        self._orphans: Fifo[K] = Fifo(nodes)
         self._run: list[Node[K]] = []
         self._clock = 0
         # (class, weight, queue) for the one-victim path, which scans every class; made
@@ -203,11 +201,9 @@ class PrefixAwarePolicy(Generic[K]):
             c = node.cls
             self._hits[c] += 1.0
             self._lives[c] += self._clock - node.stamp
-            del self._queues[c][key]
-            if self._heads[c] is node:
-                self._heads[c] = None
+            self._queues[c].remove(node)
         else:
-            del self._orphans[key]
+            self._orphans.remove(node)
         node.where = RUN
         run = self._run
         if run and node.parent is not run[-1]:
@@ -222,13 +218,11 @@ class PrefixAwarePolicy(Generic[K]):
         if where == QUEUED:  # the usual case: an evicted victim (_unqueue, inline)
             c = node.cls
             self._lives[c] += self._clock - node.stamp
-            del self._queues[c][key]
-            if self._heads[c] is node:
-                self._heads[c] = None
+            self._queues[c].remove(node)
         elif where == RUN:
             self._run.remove(node)
         else:
-            del self._orphans[key]
+            self._orphans.remove(node)
         for root in detach(self._nodes, node):
             self._orphan_subtree(root)
         if self._ghost_factor:
@@ -245,13 +239,10 @@ class PrefixAwarePolicy(Generic[K]):
             clock = self._clock
             best: Node[K] | None = None
             best_score = -1.0
-            heads = self._heads
-            for c, weight, queue in self._classes:
-                head = heads[c]
+            for weight, queue in self._classes:
+                head = queue.head
                 if head is None:
-                    if not queue:
-                        continue
-                    head = heads[c] = next(iter(queue.values()))
+                    continue
                 score = (clock - head.stamp) * weight
                 if score > best_score:
                     best, best_score = head, score
@@ -263,7 +254,7 @@ class PrefixAwarePolicy(Generic[K]):
         chosen: dict[Node[K], int] = {}  # node -> how many of its children are in ``out``
         passed: list[Node[K]] = []  # evictable nodes passed over for their children
         if self._orphans:
-            take_in_order(self._orphans.values(), count, can_evict, out, chosen, passed)
+            take_in_order(self._orphans, count, can_evict, out, chosen, passed)
         if len(out) < count:
             self._take_weighted(count, can_evict, out, chosen, passed)
         if len(out) < count and self._run:
@@ -274,20 +265,6 @@ class PrefixAwarePolicy(Generic[K]):
         return out
 
     # ---------------------------------------------------------------------- internals
-    def _unqueue(self, node: Node[K]) -> None:
-        c = node.cls
-        del self._queues[c][node.key]
-        if self._heads[c] is node:
-            self._heads[c] = None
-
-    def _head(self, c: int) -> Node[K] | None:
-        head = self._heads[c]
-        if head is None:
-            queue = self._queues[c]
-            if queue:
-                head = self._heads[c] = next(iter(queue.values()))
-        return head
-
     def _place_run(self) -> None:
         clock = self._clock
         top = self._top
@@ -297,14 +274,14 @@ class PrefixAwarePolicy(Generic[K]):
             node.stamp = clock
             if node.orphan:
                 node.where = ORPHAN
-                self._orphans[node.key] = node
+                self._orphans.append(node)
             else:
                 node.where = QUEUED
                 reads = node.reads
                 # never-read: 0 at the end of its chain, else 1; read n times: n + 1
                 c = (reads + 1 if reads < top else top) if reads else (1 if node.children else 0)
                 node.cls = c
-                queues[c][node.key] = node
+                queues[c].append(node)
         self._clock = clock
         self._run.clear()
         if clock >= self._reweigh_at and self._adaptive:
@@ -334,17 +311,17 @@ class PrefixAwarePolicy(Generic[K]):
         self._reweigh_at = self._clock + max(REWEIGH_MIN, int(REWEIGH_FACTOR * self._most))
         self._classes = self._class_table()
 
-    def _class_table(self) -> tuple[tuple[int, float, OrderedDict[K, Node[K]]], ...]:
-        return tuple(zip(range(len(self._queues)), self._weights, self._queues, strict=True))
+    def _class_table(self) -> tuple[tuple[float, Fifo[K]], ...]:
+        return tuple(zip(self._weights, self._queues, strict=True))
 
     def _orphan_subtree(self, root: Node[K]) -> None:
         """A subtree lost its parent: no block in it can be a prefix hit here any more, so
         all of it moves to the orphan queue, deepest first."""
         for node in orphans_below(self._nodes, root):
             if node.where == QUEUED:
-                self._unqueue(node)
+                self._queues[node.cls].remove(node)
                 node.where = ORPHAN
-                self._orphans[node.key] = node
+                self._orphans.append(node)
 
     def _take_weighted(
         self,
@@ -357,19 +334,16 @@ class PrefixAwarePolicy(Generic[K]):
         """Repeatedly take the queue head with the largest ``age * weight``.  A node
         whose children are still cached is passed over, not moved: its descendants go
         first.  Runs are placed deepest-first, so that is rare."""
-        queues = self._queues
+        nodes = self._nodes
         weights = self._weights
         clock = self._clock
-        heads = [self._head(c) for c in range(len(queues))]
-        iters: list[Iterator[Node[K]] | None] = [None] * len(queues)
+        heads = [queue.head for queue in self._queues]
         taken = -1  # the class whose head was just taken; advanced only if we go on
         while len(out) < count:
             if taken >= 0:
-                it = iters[taken]
-                if it is None:
-                    it = iters[taken] = iter(queues[taken].values())
-                    next(it)  # the head itself
-                heads[taken] = next(it, None)
+                was = heads[taken]
+                assert was is not None
+                heads[taken] = None if was.newer is None else nodes[was.newer]
             best = -1
             best_score = -1.0
             for c, head in enumerate(heads):

@@ -17,6 +17,7 @@ from kvpool.core.prefix_nodes import (
     RUN,
     Node,
     detach,
+    kid_keys,
     new_node,
     orphans_below,
     take_in_order,
@@ -172,7 +173,7 @@ class QueuePolicy(Generic[K]):
         for node in self._nodes.values():
             if node.where == QUEUED and node.children:
                 counts[node.cls] += 1
-            assert node.children == len(node.kids or ()), node.key
+            assert node.children == len(list(kid_keys(node))), node.key
         assert counts == self._parents, (counts, self._parents)
 
     # ---------------------------------------------------------------------- internals
