@@ -11,8 +11,8 @@ Time is a parameter (``now_ms``); the index never reads a clock.
 
 from __future__ import annotations
 
-import heapq
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -116,7 +116,10 @@ class ObjectIndex:
         }
         self._mem_policy = self._policies[_MEMORY]
         self._ssd_policy = self._policies[_SSD]
-        self._writer_heap: list[tuple[int, str, str]] = []  # (expiry, key, writer), lazy
+        # PENDING objects in expiry order (every writer gets the same TTL): a put leaves
+        # it when it ends, so it holds the writes in flight only.  (A heap of every put's
+        # expiry held each object for the TTL after its end: 100 bytes an object.)
+        self._writing: OrderedDict[str, ObjectRecord] = OrderedDict()
         self._evictable_at = 0
         self._evictable_fn: Callable[[str], bool] | None = None
         # Counts kept as objects change, so that metrics, the status page and eviction
@@ -125,7 +128,6 @@ class ObjectIndex:
         # Per tier, as [memory, SSD] lists indexed by ``tier is _SSD`` (a bool is an int):
         # a dict keyed by Tier hashed the enum in Python code twice per put and eviction.
         self._ready: list[int] = [0, 0]  # READY objects per tier
-        self._pending = 0  # PENDING objects (all in memory segments)
         self._demoting = 0  # DEMOTING objects
         self._deferred: set[str] = set()  # owners whose demotions are copied later
         self._stalled: set[str] = set()  # ... and whose copies stopped being answered
@@ -223,11 +225,11 @@ class ObjectIndex:
         seg, extent = placed
         expiry = now_ms + self.config.writer_ttl_ms
         loc = Location(seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length)
-        record = objects[key] = ObjectRecord(
-            key, _PENDING, seg, extent, parent, writer, expiry, _location=loc
-        )
-        self._pending += 1
-        heapq.heappush(self._writer_heap, (expiry, key, writer))
+        if parent is not None:  # the parent's own key string: one copy of each key kept
+            above = objects.get(parent)
+            parent = above.key if above is not None else parent
+        record = objects[key] = ObjectRecord(key, _PENDING, seg, extent, parent, writer, expiry)
+        self._writing[key] = record
         copies = replicas or self.config.replica_num
         if copies <= 1:
             return Reservation(key, loc, expiry), events
@@ -259,13 +261,15 @@ class ObjectIndex:
                 raise StaleWrite(f"{key}: no copy of it was written")
         obj.state = _READY
         obj.checksum = checksum
-        self._pending -= 1
+        obj.writer_expiry_ms = 0  # read only while PENDING: its int is freed
+        del self._writing[key]
+        # obj.key, not ``key``: the policy keeps the record's string, not a second copy
         if obj.segment.tier is _MEMORY:
             self._ready[0] += 1
-            self._mem_policy.on_insert(key, obj.parent)
+            self._mem_policy.on_insert(obj.key, obj.parent)
         else:
             self._ready[1] += 1
-            self._ssd_policy.on_insert(key, obj.parent)
+            self._ssd_policy.on_insert(obj.key, obj.parent)
         return lost
 
     def put_revoke(self, key: str, writer: str) -> None:
@@ -505,7 +509,7 @@ class ObjectIndex:
     def count(self, tier: Tier | None = None, state: State = State.READY) -> int:
         """Objects in ``state`` (in ``tier``, or all); kept, not scanned."""
         if state is State.PENDING:
-            return self._pending if tier is None or tier is _MEMORY else 0
+            return len(self._writing) if tier is None or tier is _MEMORY else 0
         if state is State.DEMOTING:
             return self._demoting if tier is None or tier is _MEMORY else 0
         return sum(self._ready) if tier is None else self._ready[tier is _SSD]
@@ -550,14 +554,16 @@ class ObjectIndex:
         for seg in self.registry.segments.values():
             seg.space.check()
             assert seg.space.used == per_segment.get(seg.segment_id, 0), seg.segment_id
-            live = {(e.offset, e.length) for e in seg.space.live_extents()}
-            mine = extents.get(seg.segment_id, set())
-            assert live == mine, f"{seg.segment_id}: extents and objects disagree"
+            assert seg.space.taken_runs() == _runs(extents.get(seg.segment_id, set())), (
+                f"{seg.segment_id}: extents and objects disagree"
+            )
         objects = list(self._objects.values())
         for tier in Tier:
             ready = sum(1 for o in objects if o.state is State.READY and o.segment.tier is tier)
             assert self._ready[tier is _SSD] == ready, f"{tier.value}: READY count kept wrong"
-        assert self._pending == sum(1 for o in objects if o.state is State.PENDING)
+        pending = [o for o in objects if o.state is State.PENDING]
+        assert list(self._writing.values()) == sorted(pending, key=lambda o: o.writer_expiry_ms)
+        assert all(self._writing[o.key] is o for o in pending)
         assert self._demoting == sum(1 for o in objects if o.state is State.DEMOTING)
         assert not any(o.holds for o in objects if o.state is State.PENDING)
         self._holds.check(self._objects)
@@ -570,18 +576,13 @@ class ObjectIndex:
         return obj
 
     def _expire_writers(self, now_ms: int, events: list[Event]) -> None:
-        heap = self._writer_heap
-        while heap and heap[0][0] <= now_ms:
-            expiry, key, writer = heapq.heappop(heap)
-            obj = self._objects.get(key)
-            if (
-                obj is not None
-                and obj.state is State.PENDING
-                and obj.writer == writer
-                and obj.writer_expiry_ms == expiry
-            ):
-                self.stats.revoked_writes += 1
-                events.append(self._drop(obj, "writer_expired"))
+        writing = self._writing
+        while writing:
+            obj = next(iter(writing.values()))  # O(1): an OrderedDict keeps its head
+            if obj.writer_expiry_ms > now_ms:
+                return
+            self.stats.revoked_writes += 1
+            events.append(self._drop(obj, "writer_expired"))
 
     def _expire_holds(self, now_ms: int) -> None:
         self.stats.expired_leases += self._holds.expire(now_ms)
@@ -807,7 +808,7 @@ class ObjectIndex:
             if release_space and obj.target is not None:
                 obj.target[0].space.release(obj.target[1])
         else:
-            self._pending -= 1
+            del self._writing[key]
         if obj.holds:
             self._holds.clear(obj)
         return Dropped(key, seg.tier, reason, seg.client_id, also)
@@ -912,6 +913,18 @@ class ObjectIndex:
             return False
         obj.replicas = [*(obj.replicas or ()), (seg, extent)]
         return True
+
+
+def _runs(extents: set[tuple[int, int]]) -> list[Extent]:
+    """Non-overlapping (offset, length) pairs as maximal runs (touching ones merged)."""
+    runs: list[Extent] = []
+    for offset, length in sorted(extents):
+        if runs and runs[-1].end == offset:
+            runs[-1] = Extent(runs[-1].offset, runs[-1].length + length)
+        else:
+            assert not runs or runs[-1].end < offset, f"extents overlap at {offset}"
+            runs.append(Extent(offset, length))
+    return runs
 
 
 def _location(seg: Segment, extent: Extent) -> Location:

@@ -54,6 +54,8 @@ class Holds:
         """Hold ``obj`` for ``owner`` until ``expiry`` (or later, if it held it already);
         returns the hold's expiry."""
         holds = obj.holds
+        if holds is None:
+            holds = obj.holds = {}
         before = holds.get(owner)
         if before is None:
             if not holds:
@@ -78,7 +80,7 @@ class Holds:
         obj = owned.pop(key, None)
         if not owned:
             del self._by_owner[owner]
-        if obj is not None and obj.holds.pop(owner, None) is not None:
+        if obj is not None and obj.holds and obj.holds.pop(owner, None) is not None:
             self._unheld(obj)
 
     def release_owner(self, owner: str) -> int:
@@ -87,7 +89,7 @@ class Holds:
         if owned is None:
             return 0
         for obj in owned.values():
-            if obj.holds.pop(owner, None) is not None:
+            if obj.holds and obj.holds.pop(owner, None) is not None:
                 self._unheld(obj)
         return len(owned)
 
@@ -99,7 +101,7 @@ class Holds:
             expiry, key, owner = heapq.heappop(heap)
             owned = self._by_owner.get(owner)
             obj = owned.get(key) if owned is not None else None
-            if obj is not None and obj.holds.get(owner) == expiry:
+            if obj is not None and obj.holds and obj.holds.get(owner) == expiry:
                 expired += 1
                 self.release(key, owner)
         return expired
@@ -107,17 +109,19 @@ class Holds:
     def clear(self, obj: ObjectRecord) -> None:
         """``obj`` leaves the index, or may no longer be read (a copy in flight): every
         hold of it ends.  Only for an object with holds."""
+        holds = obj.holds
+        assert holds, f"{obj.key} has no holds to clear"
         self._held[obj.segment.tier is _SSD] -= 1
-        self.entries -= len(obj.holds)
+        self.entries -= len(holds)
         by_owner = self._by_owner
         key = obj.key
-        for owner in obj.holds:
+        for owner in holds:
             owned = by_owner.get(owner)
             if owned is not None:
                 owned.pop(key, None)
                 if not owned:
                     del by_owner[owner]
-        obj.holds = {}
+        obj.holds = None
 
     def moved_to_ssd(self, obj: ObjectRecord) -> None:
         """``obj`` moved from memory to SSD with its holds (a demotion)."""
@@ -131,15 +135,17 @@ class Holds:
         for tier in Tier:
             held = sum(1 for o in records if o.holds and o.segment.tier is tier)
             assert self._held[tier is _SSD] == held, f"{tier.value}: held count kept wrong"
-        assert self.entries == sum(len(o.holds) for o in records)
+        assert self.entries == sum(len(o.holds or ()) for o in records)
         assert self.entries == sum(len(owned) for owned in self._by_owner.values())
         for owner, owned in self._by_owner.items():
             assert owned, f"{owner}: an empty entry kept"
             for key, obj in owned.items():
-                assert objects.get(key) is obj and owner in obj.holds, f"{owner}: {key} stale"
+                holds = obj.holds or {}
+                assert objects.get(key) is obj and owner in holds, f"{owner}: {key} stale"
 
     def _unheld(self, obj: ObjectRecord) -> None:
         """One hold entry of ``obj`` was just removed."""
         self.entries -= 1
         if not obj.holds:
             self._held[obj.segment.tier is _SSD] -= 1
+            obj.holds = None  # an empty dict is 64 bytes an object

@@ -174,9 +174,10 @@ class IndexStats:
 
 class ObjectRecord(msgspec.Struct, gc=False):
     """One object of the index (mutable: the index changes it in place).  A Struct rather
-    than a slotted dataclass: one is made per put, and a Struct is built in C (its empty
-    ``holds`` dict included: msgspec copies an empty default per instance).  Not tracked
-    by the GC (see the comment above :class:`Location`)."""
+    than a slotted dataclass: one is made per put, and a Struct is built in C.  Not tracked
+    by the GC (see the comment above :class:`Location`).  It keeps nothing that can be made
+    again when asked (its :class:`Location`) or that most objects never have (``holds``
+    is None until the first lease): at millions of objects every field is master memory."""
 
     key: str
     state: State
@@ -186,27 +187,20 @@ class ObjectRecord(msgspec.Struct, gc=False):
     writer: str
     writer_expiry_ms: int
     checksum: int = 0
-    holds: dict[str, int] = {}  # owner -> expiry (leases and pins)
+    holds: dict[str, int] | None = None  # owner -> expiry (leases and pins); None: none
     # DEMOTING: the SSD segment and extent reserved for the copy (the memory extent stays)
     target: tuple[Segment, Extent] | None = None
-    # location() made once (a put and every read of the object return it); move() clears it
-    _location: Location | None = None
     # the object's other copies, each in a memory segment of another owner (None: one
     # copy, the usual case).  Only memory objects have them: a demotion keeps one.
     replicas: list[tuple[Segment, Extent]] | None = None
 
     def location(self) -> Location:
-        loc = self._location
-        if loc is None:
-            s, e = self.segment, self.extent
-            loc = self._location = Location(s.segment_id, s.client_id, s.tier, e.offset, e.length)
-        return loc
+        s, e = self.segment, self.extent
+        return Location(s.segment_id, s.client_id, s.tier, e.offset, e.length)
 
     def move(self, segment: Segment, extent: Extent) -> None:
-        """The object now lives at ``extent`` of ``segment`` (demotion); use this, not
-        assignment, so that location() is made again."""
+        """The object now lives at ``extent`` of ``segment`` (demotion)."""
         self.segment, self.extent = segment, extent
-        self._location = None
 
     def copies(self) -> list[tuple[Segment, Extent]]:
         """Every copy, the one reads are granted first."""
@@ -214,6 +208,7 @@ class ObjectRecord(msgspec.Struct, gc=False):
         return [first] if self.replicas is None else [first, *self.replicas]
 
     def held(self, now_ms: int) -> bool:
-        if not self.holds:  # the common case, and on the eviction hot path
+        holds = self.holds
+        if not holds:  # the common case, and on the eviction hot path
             return False
-        return any(exp > now_ms for exp in self.holds.values())
+        return any(exp > now_ms for exp in holds.values())

@@ -22,10 +22,12 @@ class Extent(msgspec.Struct, frozen=True, gc=False):
 
 
 # Invariants (checked by ``check()`` and by the property tests):
-# - live extents never overlap, and every extent lies inside [0, capacity);
-# - free extents never overlap and are coalesced: no two free extents touch;
-# - ``used`` equals the sum of the lengths of live extents, and
-#   ``used + sum(free lengths) == capacity``.
+# - free extents never overlap, lie inside [0, capacity) and are coalesced: no two free
+#   extents touch;
+# - ``used + sum(free lengths) == capacity``.
+# Only the free space is kept: what is taken is known from its owner (the index's record
+# of each object), and a release is checked against the free map (no byte of it may be
+# free).  A map of live extents cost 50 bytes an object, the index's largest after keys.
 #
 # Allocation is first-fit by offset, with an exact-size shortcut: KV objects of one model
 # all have the same size, so a freed extent of exactly the requested length is reused in
@@ -43,7 +45,9 @@ class ExtentAllocator:
         self._free_len: dict[int, int] = {0: capacity} if capacity else {}
         # exact-size shortcut: length -> offsets of free extents of that length
         self._by_len: dict[int, set[int]] = {capacity: {0}} if capacity else {}
-        self._live: dict[int, int] = {}
+        # one int object per length handed out (bounded), not one per extent: a length
+        # decoded from a request is a new 32-byte int each time
+        self._lengths: dict[int, int] = {}
 
     @property
     def free(self) -> int:
@@ -60,6 +64,12 @@ class ExtentAllocator:
         """Take ``length`` bytes; None when no single free extent is large enough."""
         if length <= 0:
             raise ValueError(f"length must be positive, got {length}")
+        lengths = self._lengths
+        known = lengths.get(length)
+        if known is not None:
+            length = known
+        elif len(lengths) < 64:
+            lengths[length] = length
         exact = self._by_len.get(length)
         if exact:  # the usual case: every KV object of a model has one size
             offset = next(iter(exact))
@@ -76,7 +86,6 @@ class ExtentAllocator:
             self._drop_free(offset)
             if size > length:
                 self._add_free(offset + length, size - length)
-        self._live[offset] = length
         self.used += length
         return Extent(offset, length)
 
@@ -97,17 +106,14 @@ class ExtentAllocator:
             self._add_free(start, extent.offset - start)
         if start + size > extent.end:
             self._add_free(extent.end, start + size - extent.end)
-        self._live[extent.offset] = extent.length
         self.used += extent.length
         return True
 
     def release(self, extent: Extent) -> None:
         """Give an extent back, merging it with free neighbours."""
-        offset, length = extent.offset, extent.length
-        live = self._live
-        if live.get(offset) != length:
+        if not self.is_taken(extent):
             raise ValueError(f"{extent} is not a live extent of this segment")
-        del live[offset]
+        offset, length = extent.offset, extent.length
         self.used -= length
         i = bisect.bisect_left(self._free_offsets, offset)
         if i < len(self._free_offsets):
@@ -123,28 +129,41 @@ class ExtentAllocator:
                 self._drop_free(prev)
         self._add_free(offset, length)
 
-    def live_extents(self) -> list[Extent]:
-        return [Extent(o, n) for o, n in sorted(self._live.items())]
+    def is_taken(self, extent: Extent) -> bool:
+        """Whether every byte of ``extent`` is inside the segment and none is free."""
+        offset, end = extent.offset, extent.end
+        if extent.length <= 0 or offset < 0 or end > self.capacity:
+            return False
+        offsets = self._free_offsets
+        i = bisect.bisect_right(offsets, offset)  # the first free extent after offset
+        if i > 0 and offsets[i - 1] + self._free_len[offsets[i - 1]] > offset:
+            return False
+        return i == len(offsets) or offsets[i] >= end
+
+    def taken_runs(self) -> list[Extent]:
+        """The taken space as maximal runs (neighbouring live extents merged)."""
+        runs, pos = [], 0
+        for o in self._free_offsets:
+            if o > pos:
+                runs.append(Extent(pos, o - pos))
+            pos = o + self._free_len[o]
+        if pos < self.capacity:
+            runs.append(Extent(pos, self.capacity - pos))
+        return runs
 
     def free_extents(self) -> list[Extent]:
         return [Extent(o, self._free_len[o]) for o in self._free_offsets]
 
     def check(self) -> None:
         """Assert the invariants in the comment above the class (used by tests)."""
-        spans = sorted(
-            [(o, n, "live") for o, n in self._live.items()]
-            + [(o, self._free_len[o], "free") for o in self._free_offsets]
-        )
-        pos = 0
-        prev_kind = ""
-        for offset, length, kind in spans:
-            assert offset == pos, f"gap or overlap at {offset} (expected {pos})"
-            assert length > 0
-            assert not (kind == prev_kind == "free"), f"uncoalesced free extents at {offset}"
+        pos = -1
+        for offset in self._free_offsets:
+            length = self._free_len[offset]
+            assert length > 0 and offset >= 0, f"bad free extent at {offset}"
+            assert offset > pos, f"overlapping or uncoalesced free extents at {offset}"
             pos = offset + length
-            prev_kind = kind
-        assert pos == self.capacity, f"extents end at {pos}, capacity {self.capacity}"
-        assert self.used == sum(self._live.values())
+        assert pos <= self.capacity, f"free space ends at {pos}, capacity {self.capacity}"
+        assert self.used + sum(self._free_len.values()) == self.capacity
         assert self._free_offsets == sorted(self._free_len)
         assert all(self._free_len[o] == n for n, offs in self._by_len.items() for o in offs)
 
