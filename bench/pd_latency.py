@@ -17,8 +17,10 @@ work.  Then, ``--requests`` rounds, each round sending in a shuffled order to:
 - ``P``       the prefill instance alone (the same server, no ``kv_transfer_params``);
 - ``D``       the decode instance alone: a plain instance, the D-alone baseline;
 
-one *repeated* prompt (the same every round, so prefix-cached everywhere after a warm-up)
-and one *fresh* prompt (never seen by any instance: a full prefill).  TTFT is the time from
+one *repeated* prompt (the same every round, so prefix-cached everywhere after a warm-up),
+one *fresh* prompt (never seen by any instance: a full prefill) and one *split* prompt, a
+repeated one whose first answer token ends inside a multi-byte character (found at the
+start among ``--split-tries`` prompts; the proxy mends D's first text).  TTFT is the time from
 sending the streaming request to its first content chunk (the first SSE ``data:`` event
 that carries a choice).  Each request has ``--timeout`` seconds; a failed or timed-out
 request is counted, never waited on beyond that.
@@ -55,7 +57,7 @@ TARGETS = ("proxy", "proxy-seq", "P", "D")
 # the target of docs/benchmarks.md: first token through the proxy vs straight to P
 TARGET_ADDED_MS = 5.0
 TARGET_P99_OVER_P50 = 2.0
-KINDS = ("repeated", "fresh")
+KINDS = ("repeated", "fresh", "split")
 # the parts of a proxied request, as the table names them
 PARTS = {
     "prefill": "P leg ms",
@@ -260,6 +262,20 @@ async def ttft(
     return out
 
 
+async def find_split(session: Any, url: str, args: argparse.Namespace) -> str | None:
+    """A prompt whose first answer token (greedy, on ``url``) ends inside a character."""
+    from kvpool.ops.up.tiny_model import sample_text
+
+    for i in range(args.split_tries):
+        prompt = sample_text(args.words, seed=20_000 + i)
+        body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            text = (await resp.json())["choices"][0]["text"]
+        if not text or text.endswith("\ufffd"):
+            return prompt
+    return None
+
+
 async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
     import aiohttp
 
@@ -270,17 +286,25 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
     samples: list[dict[str, Any]] = []
     run = f"{os.getpid()}-{int(time.time())}"
     async with aiohttp.ClientSession() as session:
-        for target in TARGETS:  # warm-up: the repeated prompt cached everywhere, pools open
+        split = await find_split(session, urls["P"], args)
+        kinds = [k for k in KINDS if k != "split" or split is not None]
+        if split is None:
+            print(f"no split first token in {args.split_tries} prompts", file=sys.stderr)
+        for target in TARGETS:  # warm-up: the repeated prompts cached everywhere, pools open
             for j in range(2):
-                await ttft(session, urls[target], repeated, args, f"warm-{run}-{target}-{j}")
+                for name, prompt in (("r", repeated), ("s", split)):
+                    if prompt is not None:
+                        rid = f"warm-{run}-{target}-{name}{j}"
+                        await ttft(session, urls[target], prompt, args, rid)
         for i in range(args.requests):
-            order = [(k, t) for k in KINDS for t in TARGETS]
+            order = [(k, t) for k in kinds for t in TARGETS]
             rng.shuffle(order)
             for kind, target in order:
                 # fresh: a distinct prefix, no block in common with any other prompt
                 seed = 10_000 + len(TARGETS) * i + TARGETS.index(target)
                 fresh = f"{i} {target} " + sample_text(args.words, seed=seed)
-                prompt = repeated if kind == "repeated" else fresh
+                prompt = {"repeated": repeated, "fresh": fresh, "split": split}[kind]
+                assert prompt is not None
                 rid = f"b-{run}-{i}-{kind}-{target}"
                 s = await ttft(session, urls[target], prompt, args, rid)
                 s.update(kind=kind, target=target, round=i)
@@ -376,7 +400,7 @@ def pull_times(log: Path) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=20, help="rounds (each: 6 requests)")
+    p.add_argument("--requests", type=int, default=20, help="rounds (each: 12 requests)")
     p.add_argument("--words", type=int, default=300, help="prompt length in words")
     p.add_argument("--layers", type=int, default=2, help="layers of the bench preset")
     p.add_argument("--max-tokens", type=int, default=4)
@@ -397,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--attach", metavar="DIR", help="measure the stack a --hold run keeps")
     p.add_argument("--shuffle-seed", type=int, default=0)
+    p.add_argument("--split-tries", type=int, default=60, help="prompts tried for 'split'")
     p.add_argument("--markdown", action="store_true", help="print the table only")
     p.add_argument("--keep", action="store_true", help="keep the state directory (logs)")
     args = p.parse_args(argv)

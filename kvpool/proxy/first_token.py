@@ -5,7 +5,8 @@ P computes the prompt's KV and samples the first token, which goes to the client
 D gets the prompt's token ids plus that token (completions: as the prompt; chat: as vLLM's
 ``kv_transfer_params["prompt_token_ids"]``) and one token less to make, so it continues
 the same answer from P's KV.  Whatever D cannot continue (structured output, penalties on
-output tokens, echo) is served the sequential way; n > 1 is refused.
+output tokens, echo) is served the sequential way; n > 1 is refused.  A token that ends
+inside a character is mended: see :func:`mended_text`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from kvpool.proxy.stops import stop_strings, straddling_stop
 
 __all__ = [
     "FirstToken",
+    "can_mend",
     "decode_request",
-    "ends_in_a_whole_character",
     "ends_the_answer",
     "first_token",
     "fix_usage",
+    "mended_text",
     "merge_whole",
     "p_only_reply",
     "prefill_request_for",
@@ -111,6 +113,10 @@ class FirstToken:
     prompt_token_ids: list[int]
     finish_reason: str | None
     kv_transfer_params: dict[str, Any] | None
+    # P's token ends inside a multi-byte character (byte-level BPE splits rarer CJK
+    # characters and emoji): it shows no text yet, as on a plain instance, and D's first
+    # text must be mended (:func:`mended_text`)
+    split: bool = False
 
 
 def _ints(value: Any) -> list[int] | None:
@@ -137,13 +143,18 @@ def first_token(kind: str, reply: Any) -> FirstToken | None:
     if not prompt_ids or token_ids is None:
         return None
     kv = reply.get("kv_transfer_params")
+    text = text or ""
+    # vLLM holds back a token's text until its character is whole: "" (or U+FFFD where
+    # it flushed at the end) is a token inside a character
+    split = bool(token_ids) and (not text or text.endswith("\ufffd"))
     return FirstToken(
         reply=reply,
-        text=text or "",
+        text="" if split else text,
         token_ids=token_ids,
         prompt_token_ids=prompt_ids,
         finish_reason=choice.get("finish_reason"),
         kv_transfer_params=kv if isinstance(kv, dict) else None,
+        split=split,
     )
 
 
@@ -153,12 +164,26 @@ def ends_the_answer(kind: str, body: dict[str, Any], first: FirstToken) -> bool:
     return first.finish_reason != "length" or _limit(kind, body) == 1 or not first.token_ids
 
 
-def ends_in_a_whole_character(first: FirstToken) -> bool:
-    """Whether D can be sent P's token as the end of its prompt.  A byte-level token that
-    is part of a multi-byte character decodes to nothing (or U+FFFD) on its own, and a D
-    whose prompt ends inside a character detokenizes its first output together with the
-    whole prompt (vLLM 0.32's DecodeStream priming); then D answers the sequential way."""
-    return bool(first.text) and not first.text.endswith("\ufffd")
+def can_mend(body: dict[str, Any]) -> bool:
+    """Whether D's answer can be mended after a split first token.  D's detokenizer, primed
+    with a prompt that ends inside a character, gives its first text together with the
+    whole prompt's (vLLM 0.32's DecodeStream priming): the proxy replaces that one piece
+    (:func:`mended_text`), but D has already matched stop strings and counted logprob
+    text offsets against it, so such requests take the sequential way."""
+    return not stop_strings(body) and body.get("logprobs") in (None, False)
+
+
+def mended_text(seen: str, tail: str, prompt: str | None = None) -> str | None:
+    """D's first text as a plain instance gives it.  ``seen``: what D sent (the prompt's
+    text, then the answer's); ``tail``: the answer's tokens so far detokenized on their
+    own (P's and D's); ``prompt``: the prompt's tokens detokenized, asked for only when
+    ``tail`` is not the end of ``seen`` (a tokenizer whose decoding depends on context).
+    None: neither fits, and the caller must not guess."""
+    if seen.endswith(tail):
+        return tail
+    if prompt is not None and seen.startswith(prompt):
+        return seen[len(prompt) :]
+    return None
 
 
 def decode_request(kind: str, body: dict[str, Any], first: FirstToken) -> dict[str, Any]:
@@ -171,6 +196,8 @@ def decode_request(kind: str, body: dict[str, Any], first: FirstToken) -> dict[s
     if isinstance(min_tokens, int) and min_tokens > 0:
         request["min_tokens"] = max(0, min_tokens - len(first.token_ids))
     ids = [*first.prompt_token_ids, *first.token_ids]
+    if first.split:
+        request["return_token_ids"] = True  # D's tokens, for mending its first text
     kv = dict(first.kv_transfer_params or {})
     if kind == COMPLETIONS:
         request["prompt"] = ids
@@ -233,15 +260,20 @@ def merge_logprobs(kind: str, first: Any, then: Any, offset: int) -> Any:
 
 
 def merge_whole(
-    kind: str, body: dict[str, Any], first: FirstToken, d_reply: dict[str, Any]
+    kind: str,
+    body: dict[str, Any],
+    first: FirstToken,
+    d_reply: dict[str, Any],
+    mended: str | None = None,
 ) -> dict[str, Any]:
-    """One whole answer from P's token and D's whole reply."""
+    """One whole answer from P's token and D's whole reply (``mended``: the answer's
+    whole text after a split first token, see :func:`mended_text`)."""
     reply = copy.deepcopy(d_reply)
     choice = reply["choices"][0]
     p_choice = first.reply["choices"][0]
     holder = choice if kind == COMPLETIONS else choice.setdefault("message", {})
     key = "text" if kind == COMPLETIONS else "content"
-    then = holder.get(key) or ""
+    then = (holder.get(key) or "") if mended is None else mended
     holder[key] = first.text + then
     hit = straddling_stop(first.text, then, stop_strings(body))
     if hit is not None:  # begun by P's token, so D could not see it

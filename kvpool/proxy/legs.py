@@ -14,6 +14,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from kvpool.proxy.first_token import FirstToken, mended_text
 from kvpool.proxy.metrics import ProxyMetrics
 from kvpool.proxy.openai import error_body, stream_error_event, upstream_error
 from kvpool.proxy.routing import Route, Upstream, UpstreamGroup
@@ -249,6 +250,10 @@ class Legs:
         try:
             async for chunk in resp.content.iter_any():
                 data = splice.feed(chunk)
+                while splice.wants is not None:  # D's first text after a split first token
+                    ids, seen = splice.wants
+                    text = await self.mend(up.url, payload, splice.first, ids, seen, headers)
+                    data += splice.mend(text)
                 if data:
                     await out.write(data)
                 if splice.done:
@@ -265,9 +270,10 @@ class Legs:
             self.metrics.decode_seconds.observe(time.perf_counter() - started)
 
     async def decode_whole(
-        self, path: str, payload: dict[str, Any], headers: dict[str, str]
-    ) -> dict[str, Any] | web.Response:
-        """D's whole reply as a JSON object, or the error to answer."""
+        self, path: str, payload: dict[str, Any], headers: dict[str, str], first: FirstToken
+    ) -> tuple[dict[str, Any], str | None] | web.Response:
+        """D's whole reply as a JSON object, with its whole text mended after a split first
+        token (else None), or the error to answer."""
         started = time.perf_counter()
         opened = await self._open(self.decode, path, payload, headers, None)
         if isinstance(opened, web.Response):
@@ -288,7 +294,56 @@ class Legs:
         if not isinstance(reply, dict) or not reply.get("choices"):
             self.metrics.errors.labels("decode", "bad_reply").inc()
             return json_error(502, f"decode endpoint {up.url} sent a reply without choices")
-        return reply
+        if not first.split:
+            return reply, None
+        choice = reply["choices"][0]
+        seen = (
+            choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content")
+        )
+        ids = [*first.token_ids, *(choice.get("token_ids") or [])]
+        return reply, await self.mend(up.url, payload, first, ids, seen or "", headers)
+
+    async def mend(
+        self,
+        url: str,
+        payload: dict[str, Any],
+        first: FirstToken,
+        ids: list[int],
+        seen: str,
+        headers: dict[str, str],
+    ) -> str:
+        """D's text ``seen`` as a plain instance gives it, after a split first token: the
+        answer's tokens ``ids`` detokenized by the instance at ``url`` (its ``/detokenize``),
+        checked against ``seen`` (:func:`~kvpool.proxy.first_token.mended_text`)."""
+        model = payload.get("model")
+        tail = await self._detokenize(url, model, ids, headers)
+        text = None if tail is None else mended_text(seen, tail)
+        if text is None:
+            prompt = await self._detokenize(url, model, first.prompt_token_ids, headers)
+            text = mended_text(seen, tail or "", prompt)
+        if text is None:
+            # never D's text as it came: it begins with the whole prompt's
+            self.metrics.errors.labels("decode", "unmended").inc()
+            log.warning("could not mend the first text of a split first token from %s", url)
+            text = tail or ""
+        return text
+
+    async def _detokenize(
+        self, url: str, model: Any, ids: list[int], headers: dict[str, str]
+    ) -> str | None:
+        ask = {"model": model, "tokens": ids}
+        try:
+            async with self.session.post(
+                url + "/detokenize",
+                json=ask,
+                headers={k: v for k, v in headers.items() if k != "Content-Type"},
+            ) as reply:
+                if reply.status != 200:
+                    return None
+                text = (await reply.json()).get("prompt")
+        except (*UPSTREAM_ERRORS, ValueError):
+            return None
+        return text if isinstance(text, str) else None
 
     async def decode_leg(
         self,

@@ -117,6 +117,14 @@ class ProxyMetrics:
             ["instance"],
             registry=r,
         )
+        self.first_token = Counter(
+            "kvpool_proxy_first_token",
+            "How answers began with P's token: spliced (D continued it), mended (it ended"
+            " inside a character: D's first text was mended), p_only (it ended the answer),"
+            " sequential (D answered the whole request).",
+            ["path"],
+            registry=r,
+        )
         self.mispredictions = Counter(
             "kvpool_proxy_kv_mispredictions",
             "Routed requests that hit more than a block less than predicted.",

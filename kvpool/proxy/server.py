@@ -25,10 +25,7 @@ from kvpool.proxy.auth import ApiKeys
 from kvpool.proxy.block_index import BlockIndex, content_keys
 from kvpool.proxy.config import ProxyConfig
 from kvpool.proxy.first_token import (
-    decode_request as continuation_request,
-)
-from kvpool.proxy.first_token import (
-    ends_in_a_whole_character,
+    can_mend,
     ends_the_answer,
     first_token,
     merge_whole,
@@ -36,6 +33,9 @@ from kvpool.proxy.first_token import (
     prefill_request_for,
     refusal,
     splittable,
+)
+from kvpool.proxy.first_token import (
+    decode_request as continuation_request,
 )
 from kvpool.proxy.health import HealthChecker
 from kvpool.proxy.kv_feed import KvFeed
@@ -358,24 +358,29 @@ class ProxyServer:
         prefill_s = time.perf_counter() - started
         first = first_token(kind, reply)
         ends = first is not None and ends_the_answer(kind, body, first)
-        if first is None or not (ends or ends_in_a_whole_character(first)):
-            # a vLLM that does not return token ids, or P's token is part of a character:
-            # D answers the whole request (the sequential way)
+        if first is None or (first.split and not ends and not can_mend(body)):
+            # a vLLM that does not return token ids, or P's token is part of a character
+            # and the request has what mending cannot honour: D answers the whole request
+            # (the sequential way)
+            self.metrics.first_token.labels("sequential").inc()
             payload = decode_request(body, legs.kv_of(reply))
             return await legs.decode_leg(request, path, payload, headers, stream, prefill_s)
         if not ends and first.kv_transfer_params is None:
             legs.kv_of(reply)  # counted: D recomputes the prompt
         d_payload = None if ends else continuation_request(kind, body, first)
+        path_taken = "p_only" if ends else "mended" if first.split else "spliced"
+        self.metrics.first_token.labels(path_taken).inc()
         if stream:
             splice = Splice(kind, body, first)
             return await legs.spliced_stream(request, path, d_payload, headers, splice, prefill_s)
         timing = {"Server-Timing": f"prefill;dur={prefill_s * 1000:.1f}"}
         if d_payload is None:
             return web.json_response(p_only_reply(kind, body, first), headers=timing)
-        d_reply = await legs.decode_whole(path, d_payload, headers)
-        if isinstance(d_reply, web.Response):
-            return d_reply
-        return web.json_response(merge_whole(kind, body, first, d_reply), headers=timing)
+        whole = await legs.decode_whole(path, d_payload, headers, first)
+        if isinstance(whole, web.Response):
+            return whole
+        d_reply, mended = whole
+        return web.json_response(merge_whole(kind, body, first, d_reply, mended), headers=timing)
 
     async def _route_of(
         self, kind: str, body: dict[str, Any], key: bytes | None, headers: dict[str, str]

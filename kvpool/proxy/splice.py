@@ -1,9 +1,10 @@
 """The client's stream when the answer starts with P's token: P's token as the first SSE
 events, then D's events made to read as one answer.  Pure: bytes in, bytes out.
 
-D's events change in four ways: chat's opening role-only event is dropped (P's events
+D's events change in five ways: chat's opening role-only event is dropped (P's events
 opened the answer), usage counts P's token as output, completions' ``text_offset`` moves
-past P's text, and a stop string straddling the two texts ends the answer (:mod:`stops`).
+past P's text, a stop string straddling the two texts ends the answer (:mod:`stops`), and
+after a split first token D's first text waits for its mending (:attr:`Splice.wants`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class Splice:
         self._buffer = b""
         self._d_pieces = 0  # D's events that carried text: its tokens, for a cut answer
         self.done = False
+        # A split first token: the answer's token ids until D's first text, which is held
+        # (``_held``) while the caller detokenizes ``wants`` = (those ids, D's text) and
+        # hands back the mended text (:meth:`mend`).
+        self._ids: list[int] | None = list(first.token_ids) if first.split else None
+        self._held: dict[str, Any] | None = None
+        self.wants: tuple[list[int], str] | None = None
 
     # -- P's part ----------------------------------------------------------------------
 
@@ -93,7 +100,7 @@ class Splice:
         """D's next bytes → the client's; :attr:`done` once the answer has ended."""
         self._buffer += data
         out = b""
-        while not self.done and b"\n\n" in self._buffer:
+        while not self.done and self.wants is None and b"\n\n" in self._buffer:
             raw, self._buffer = self._buffer.split(b"\n\n", 1)
             out += self._one(raw)
         return out
@@ -118,9 +125,41 @@ class Splice:
         choices = obj.get("choices") or []
         if self.kind == CHAT and choices and self._role_only(choices[0]):
             return b""
+        if self._ids is not None and choices and self._hold(obj, choices[0]):
+            return b""
+        return self._rewrite(obj, choices)
+
+    def mend(self, text: str) -> bytes:
+        """The held event with D's first text replaced by ``text``, then whatever of D's
+        bytes came after it."""
+        obj, self._held, self.wants, self._ids = self._held, None, None, None
+        assert obj is not None, "mend() without a held event"
+        choice = obj["choices"][0]
+        holder = choice if self.kind == COMPLETIONS else choice.get("delta") or {}
+        holder["text" if self.kind == COMPLETIONS else "content"] = text
+        return self._rewrite(obj, obj["choices"]) + self.feed(b"")
+
+    def _hold(self, obj: dict[str, Any], choice: Any) -> bool:
+        """Mending: count D's token ids; hold the event with D's first text."""
+        assert self._ids is not None
+        if not isinstance(choice, dict):
+            return False
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self._ids.extend(ids)
+        holder = choice if self.kind == COMPLETIONS else choice.get("delta") or {}
+        piece = holder.get("text" if self.kind == COMPLETIONS else "content")
+        if not isinstance(piece, str) or not piece:
+            return False
+        self._held, self.wants = obj, (list(self._ids), piece)
+        return True
+
+    def _rewrite(self, obj: dict[str, Any], choices: list[Any]) -> bytes:
         cut = None
         for choice in choices[:1]:
             choice.pop("prompt_token_ids", None)
+            if not self.body.get("return_token_ids"):
+                choice.pop("token_ids", None)  # asked for by the proxy (mending), not the client
             cut = self._choice(choice)
         if cut is not None:
             choices[0]["finish_reason"], choices[0]["stop_reason"] = "stop", cut

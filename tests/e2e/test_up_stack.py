@@ -54,6 +54,8 @@ CHAT = [{"role": "user", "content": sample_text(40, seed=23)}]
 LOAD_PROMPTS = [sample_text(20 + 15 * i, seed=100 + i) for i in range(12)]
 AFTER_KILL_PROMPTS = [sample_text(50, seed=200 + i) for i in range(3)]
 LONG_PROMPT = sample_text(20, seed=300)  # decoded at length while its decode instance dies
+# prompts tried, in order, for one whose first answer token ends inside a character
+SPLIT_CANDIDATES = [sample_text(10 + i % 30, seed=400 + i) for i in range(200)]
 
 _REFERENCE = """
 import json, sys
@@ -67,6 +69,14 @@ if __name__ == "__main__":
              for p in spec["prompts"]}
     chat = llm.chat(spec["chat"], params, use_tqdm=False, chat_template=spec["template"])
     texts["chat"] = chat[0].outputs[0].text
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    firsts = llm.generate(spec["split_candidates"], one, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(spec["split_candidates"], firsts):
+        if tok.decode(out.outputs[0].token_ids).endswith("\ufffd"):
+            texts["split"] = prompt
+            texts[prompt] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+            break
     print("REFERENCE=" + json.dumps(texts))
 """
 
@@ -81,6 +91,7 @@ def reference(tiny_model_dir: Path) -> dict[str, str]:
         "prompts": [*PROMPTS, *LOAD_PROMPTS, *AFTER_KILL_PROMPTS],
         "chat": CHAT,
         "template": CHAT_TEMPLATE,
+        "split_candidates": SPLIT_CANDIDATES,
     }
     env = {
         **os.environ,
@@ -376,6 +387,13 @@ def master_metric(stack: Stack, name: str) -> float:
     )
 
 
+def proxy_metric(stack: Stack, sample: str) -> float:
+    with urllib.request.urlopen(stack.proxy + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(sample + " "))  # fmt: skip
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -445,6 +463,25 @@ def test_completion_and_streamed_chat_equal_a_plain_instance(
         interval_s=0.5,
         what="a block of the long prompt in the pool",
     )
+
+
+def test_a_first_token_inside_a_character_is_mended_to_a_plain_instances_answer(
+    stack: Stack, reference: dict[str, str]
+) -> None:
+    # P's token is part of a character: it goes out at once with no text, D's first text
+    # (which vLLM gives together with the prompt's) is mended, streamed and whole
+    prompt = reference.get("split")
+    assert prompt is not None, "no candidate prompt's first token split a character"
+    assert "\ufffd" not in reference[prompt]
+    before = proxy_metric(stack, 'kvpool_proxy_first_token_total{path="mended"}')
+    whole = post_json(stack.proxy + "/v1/completions", completion_body(prompt))
+    assert whole["choices"][0]["text"] == reference[prompt]
+    assert "token_ids" not in whole["choices"][0]  # the proxy's own, not the client's
+    streamed = stream(stack.proxy, "/v1/completions", completion_body(prompt))
+    assert streamed.status == 200 and streamed.done and not streamed.errors, streamed
+    assert streamed.text == reference[prompt]
+    after = proxy_metric(stack, 'kvpool_proxy_first_token_total{path="mended"}')
+    assert after == before + 2
 
 
 def test_concurrent_streaming_clients_get_no_errors_and_right_answers(

@@ -8,7 +8,6 @@ import msgspec
 
 from kvpool.proxy.first_token import (
     decode_request,
-    ends_in_a_whole_character,
     ends_the_answer,
     first_token,
     fix_usage,
@@ -77,10 +76,13 @@ def test_d_continues_from_the_prompt_ids_plus_ps_token() -> None:
     assert "max_tokens" not in d  # no cap: vLLM's default reaches the same end
 
 
-def test_a_token_inside_a_multibyte_character_is_not_continued() -> None:
-    for text, whole in ((" Hel", True), ("", False), ("ab\ufffd", False)):
+def test_a_token_inside_a_multibyte_character_shows_no_text_yet() -> None:
+    for text, split in ((" Hel", False), ("", True), ("ab\ufffd", True)):
         first = first_token(COMPLETIONS, p_reply(text))
-        assert first is not None and ends_in_a_whole_character(first) is whole
+        assert first is not None and first.split is split
+        assert first.text == ("" if split else text)
+        d = decode_request(COMPLETIONS, {"prompt": "x", "max_tokens": 5}, first)
+        assert d.get("return_token_ids", False) is split  # D's ids, to mend its first text
 
 
 def test_a_reply_without_token_ids_is_not_a_first_token() -> None:
