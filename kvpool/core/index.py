@@ -331,6 +331,14 @@ class ObjectIndex:
         obj = self._objects.get(key)
         return obj is not None and obj.state is not _PENDING
 
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        """:meth:`exists` of each key.  In C when no write is in flight (the usual case of
+        a lookup storm): a PENDING object is among the objects and in ``_writing``."""
+        objects, writing = self._objects, self._writing
+        if not writing:
+            return list(map(objects.__contains__, keys))
+        return [k in objects and k not in writing for k in keys]
+
     def prefix_lookup(self, keys: Sequence[str]) -> int:
         """How many leading keys are stored (READY, or DEMOTING); takes no lease."""
         objects = self._objects

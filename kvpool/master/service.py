@@ -478,8 +478,7 @@ class MasterService:
         return m.Bools([self.index.exists(req.key)])
 
     def _batch_exists(self, req: m.BatchExists, now: int) -> m.Bools:
-        exists = self.index.exists
-        return m.Bools([exists(k) for k in req.keys])
+        return m.Bools(self.index.batch_exists(req.keys))
 
     def _prefix_lookup(self, req: m.PrefixLookup, now: int) -> m.Count:
         n = self.index.prefix_lookup(req.keys)

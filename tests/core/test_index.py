@@ -446,3 +446,15 @@ def test_counts_are_kept_through_puts_reads_demotions_and_drops_without_a_tick()
     idx.remove_client("node")
     assert idx.count() == 0 and idx.active_leases(60) == 0
     idx.check()
+
+
+def test_batch_exists_answers_as_exists_with_and_without_writes_in_flight() -> None:
+    idx = make(1000)
+    put(idx, "a")
+    put(idx, "b")
+    keys = ["a", "c", "b", "p"]
+    assert idx.batch_exists(keys) == [True, False, True, False]
+    idx.put_start("p", 10, "w", 0)  # in flight: not there yet
+    assert idx.batch_exists(keys) == [idx.exists(k) for k in keys] == [True, False, True, False]
+    idx.put_end("p", "w", 0)
+    assert idx.batch_exists(keys) == [True, False, True, True]
