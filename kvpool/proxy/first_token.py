@@ -176,14 +176,15 @@ def can_mend(body: dict[str, Any]) -> bool:
 def mended_text(seen: str, tail: str, prompt: str | None = None) -> str | None:
     """D's first text as a plain instance gives it.  ``seen``: what D sent (the prompt's
     text, then the answer's); ``tail``: the answer's tokens so far detokenized on their
-    own (P's and D's); ``prompt``: the prompt's tokens detokenized, asked for only when
-    ``tail`` is not the end of ``seen`` (a tokenizer whose decoding depends on context).
-    None: neither fits, and the caller must not guess."""
+    own (P's and D's); ``prompt``: the prompt's tokens detokenized.  None: ``tail`` is not
+    the end of ``seen`` and ``prompt`` is needed.  A ``seen`` that does not begin with
+    the prompt's text needs no mending: P's token was a special one (BOS, skipped from
+    the text, which is why it showed none), and D's detokenizer was primed as usual."""
     if seen.endswith(tail):
         return tail
-    if prompt is not None and seen.startswith(prompt):
-        return seen[len(prompt) :]
-    return None
+    if prompt is None:
+        return None
+    return seen[len(prompt) :] if prompt and seen.startswith(prompt) else seen
 
 
 def decode_request(kind: str, body: dict[str, Any], first: FirstToken) -> dict[str, Any]:

@@ -320,9 +320,10 @@ class Legs:
         text = None if tail is None else mended_text(seen, tail)
         if text is None:
             prompt = await self._detokenize(url, model, first.prompt_token_ids, headers)
-            text = mended_text(seen, tail or "", prompt)
+            if prompt is not None:
+                text = mended_text(seen, tail or "\0", prompt)
         if text is None:
-            # never D's text as it came: it begins with the whole prompt's
+            # D's text may begin with the whole prompt's: never send it as it came
             self.metrics.errors.labels("decode", "unmended").inc()
             log.warning("could not mend the first text of a split first token from %s", url)
             text = tail or ""

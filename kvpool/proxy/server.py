@@ -12,6 +12,7 @@ One request, two legs (the production guide's §1.1; API keys: :mod:`kvpool.prox
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 import uuid
 from typing import Any
@@ -21,6 +22,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvpool.errors import ConfigError
 from kvpool.proxy.auth import ApiKeys
 from kvpool.proxy.block_index import BlockIndex, content_keys
 from kvpool.proxy.config import ProxyConfig
@@ -172,6 +174,14 @@ class ProxyServer:
         site = web.TCPSite(self._runner, cfg.host, cfg.port)
         try:
             await site.start()
+        except OSError as exc:
+            await self.stop()
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"--port {cfg.port}: {cfg.host}:{cfg.port} is already in use (another"
+                    " kvpool proxy?); stop it or choose another --port"
+                ) from None
+            raise
         except BaseException:
             await self.stop()
             raise

@@ -236,7 +236,8 @@ def stack(reference: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
             break
         except AssertionError as exc:
             _stop_up(proc, reader)
-            exited = proc.returncode is not None and "Address already in use" in str(exc)
+            busy = "already in use" in str(exc).lower()  # vLLM's, uvloop's, kvpool's words
+            exited = proc.returncode is not None and busy
             if attempt == 2 or not exited:
                 raise
     try:
@@ -472,7 +473,6 @@ def test_a_first_token_inside_a_character_is_mended_to_a_plain_instances_answer(
     # (which vLLM gives together with the prompt's) is mended, streamed and whole
     prompt = reference.get("split")
     assert prompt is not None, "no candidate prompt's first token split a character"
-    assert "\ufffd" not in reference[prompt]
     before = proxy_metric(stack, 'kvpool_proxy_first_token_total{path="mended"}')
     whole = post_json(stack.proxy + "/v1/completions", completion_body(prompt))
     assert whole["choices"][0]["text"] == reference[prompt]
@@ -495,7 +495,7 @@ def test_concurrent_streaming_clients_get_no_errors_and_right_answers(
     assert len(results) == len(LOAD_PROMPTS)
     bad = [(p[:30], r) for p, r in results if r.status != 200 or not r.done or r.errors]
     assert bad == []
-    wrong = [p[:30] for p, r in results if r.text != reference[p]]
+    wrong = [(p[:30], r.text, reference[p]) for p, r in results if r.text != reference[p]]
     assert wrong == []
 
 

@@ -201,3 +201,13 @@ def test_offload_with_no_ssd_tier_anywhere_is_warned_about_when_it_evicts() -> N
                 client.put(f"fill-{i}", bytes(512 << 10))
         line = proc.wait_for_line(r"WARNING .*no SSD tier is registered")
     assert "dropped, not demoted" in line
+
+
+# -- kvpool proxy --------------------------------------------------------------------
+
+
+def test_proxy_on_a_busy_port_says_so_in_one_line(busy_port: int) -> None:
+    argv = ("proxy", "--port", str(busy_port), "--prefill", "http://127.0.0.1:9",
+            "--decode", "http://127.0.0.1:9")  # fmt: skip
+    line = assert_one_line_exit_2(argv, names="--port")
+    assert "already in use" in line

@@ -117,8 +117,10 @@ def test_d_is_asked_for_its_token_ids_only_for_a_split_token(tok: Tokenizer) -> 
 def test_mending_checks_what_it_replaces() -> None:
     assert mended_text("the prompt 世", "世") == "世"
     # a tokenizer whose lone tokens decode otherwise: the prompt's text is cut instead
+    assert mended_text("the prompt 世", "▁世") is None  # the prompt's text is needed
     assert mended_text("the prompt 世", "▁世", "the prompt ") == "世"
-    assert mended_text("the prompt 世", "x", "another ") is None
+    # P's token was BOS (no text, skipped): D's detokenizer was primed as usual
+    assert mended_text("psneeds", "<s>psneeds", "<s>the prompt ") == "psneeds"
 
 
 def test_what_d_matched_against_its_first_text_takes_the_sequential_way() -> None:
