@@ -264,8 +264,8 @@ class StoreScheduler:
         if state.namespace is None:
             return 0, False
         n_tokens = int(request.num_tokens)
-        usable_blocks = (n_tokens - 1) // self._bs
-        if usable_blocks * self._bs <= num_computed_tokens:
+        usable_blocks = self._usable_blocks(n_tokens)
+        if min(usable_blocks * self._bs, n_tokens - 1) <= num_computed_tokens:
             return 0, False
         # Probe every full block (not just the usable ones) so that a block the pool holds
         # is not written again after the request computes it.
@@ -288,10 +288,20 @@ class StoreScheduler:
             hit_blocks = self._hybrid_hit(state, present, local, usable_blocks)
         if self._pin_hits and hit_blocks * self._bs > num_computed_tokens:
             hit_blocks = self._pin_hit(state, keys, local, hit_blocks, present)
-        new_tokens = hit_blocks * self._bs - num_computed_tokens
+        new_tokens = min(hit_blocks * self._bs, n_tokens - 1) - num_computed_tokens
         if new_tokens <= 0:
             return 0, False
         return new_tokens, self._load_async
+
+    def _usable_blocks(self, n_tokens: int) -> int:
+        """The most blocks a hit may load.  vLLM must compute a prompt's last token; its
+        own cache therefore never reuses the last block, and computes all of it again.  A
+        prompt that ends on a block boundary loads its last block from the pool instead
+        and computes only the last token (one token where vLLM's own hit computes a
+        block).  Not for a hybrid model: a state or a window is at block boundaries only."""
+        if n_tokens % self._bs == 0 and not self._cache_groups.hybrid:
+            return n_tokens // self._bs
+        return (n_tokens - 1) // self._bs
 
     def _owners(self, state: _Request) -> tuple[str, ...]:
         gen = state.pin_generation
@@ -369,13 +379,18 @@ class StoreScheduler:
         if num_external_tokens <= 0:
             self._release(state)  # vLLM admitted it without a load: the pins served nothing
             return
-        if state.local_tokens % self._bs or num_external_tokens % self._bs:
+        # aligned, or the whole prompt but its last token (:meth:`_usable_blocks`)
+        upto = state.local_tokens + num_external_tokens
+        whole = (
+            upto + 1 == int(request.num_tokens) and self._usable_blocks(upto + 1) * self._bs > upto
+        )
+        if state.local_tokens % self._bs or (num_external_tokens % self._bs and not whole):
             raise ValueError(
                 f"store connector: hit of {num_external_tokens} tokens after"
                 f" {state.local_tokens} local ones is not block-aligned ({self._bs})"
             )
         first = state.local_tokens // self._bs
-        end = first + num_external_tokens // self._bs
+        end = -(-upto // self._bs)
         keys = self._keys_upto(state, end)
         owners = self._owners(state) if state.pinned else ()
         specs = []

@@ -107,18 +107,22 @@ def test_hit_leaves_one_token_and_plans_the_load() -> None:
     fill(pool, tokens)
     sched = make(pool)
     req = Req("b", tokens)
-    # All 3 blocks are cached, but one token must be left to compute: 2 blocks.
-    assert sched.get_num_new_matched_tokens(req, 0) == (8, False)
-    assert sched.get_num_new_matched_tokens(req, 4) == (4, False)  # local hit of 1 block
-    sched.update_state_after_alloc(req, ([5, 6, 7],), 4)
-    plan = sched.build_plan(step(new=[("b", [5, 6, 7], 8, 4)]))
+    # All 3 blocks are cached and one token must be left to compute: the last block is
+    # loaded all the same, and vLLM computes one token (its own cache recomputes 4).
+    assert sched.get_num_new_matched_tokens(req, 0) == (11, False)
+    assert sched.get_num_new_matched_tokens(req, 4) == (7, False)  # local hit of 1 block
+    sched.update_state_after_alloc(req, ([5, 6, 7],), 7)
+    plan = sched.build_plan(step(new=[("b", [5, 6, 7], 11, 1)]))
     (load,) = plan.loads
     keys = [k.hex for k in chunk_keys(tokens, NS)]
-    assert load.block_ids == (6,) and load.keys == ((keys[1],),) and not load.is_async
+    assert load.block_ids == (6, 7) and load.keys == ((keys[1], keys[2]),) and not load.is_async
+    # A prompt that does not end on a block boundary loads its full blocks only.
+    assert make(pool).get_num_new_matched_tokens(Req("c", [*tokens, 1]), 0) == (12, False)
+    assert make(pool).get_num_new_matched_tokens(Req("d", tokens[:11]), 0) == (8, False)
     # The third block was in the pool at lookup: it is not written again.
     assert plan.saves == ()
     # Counted once, at admission, with what vLLM took (not at each lookup).
-    assert sched.counters["hit_tokens"] == 4 and sched.counters["lookups"] == 1
+    assert sched.counters["hit_tokens"] == 7 and sched.counters["lookups"] == 1
     assert sched.counters["query_tokens"] == 8
     # A later step must not re-emit the load.
     assert sched.build_plan(step(cached=[("b", None, 12, 1)])).loads == ()
@@ -196,8 +200,11 @@ def test_consumer_without_put_saves_nothing() -> None:
 def test_short_prompt_skips_the_pool() -> None:
     pool = FakePool()
     sched = make(pool)
-    assert sched.get_num_new_matched_tokens(Req("h", range(4)), 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(Req("h", range(3)), 0) == (0, False)
     assert pool.calls["prefix_lookup"] == 0
+    # one whole block: its first three tokens can come from the pool
+    fill(pool, range(4))
+    assert sched.get_num_new_matched_tokens(Req("i", range(4)), 0) == (3, False)
 
 
 def test_failed_load_moves_the_save_mark_back() -> None:
