@@ -75,6 +75,12 @@ class NodeDataPath(Closing):
             self._routes[segment_id] = chosen
         return chosen
 
+    def prepare(self, segment_id: str, shm_name: str = "") -> None:
+        """Set up now what the first op on ``segment_id`` would: the connection to its
+        owner and, on the same host, its mapping (:meth:`route`)."""
+        if self.route(segment_id, shm_name) == "tcp":
+            self.tcp.connect()
+
     def forget(self, segment_id: str) -> None:
         """Drop the cached route (the segment was removed or its node restarted)."""
         with self._lock:

@@ -36,6 +36,13 @@ class ClientEngine:
         self.client = client
         self._staging = StagingPages()
 
+    def warm(self) -> None:
+        """A master's pool: connect to and map its memory segments now (Client.warm), so
+        the first hit of a fresh worker costs what later ones do.  The embedded pool's
+        are in this process already."""
+        if self.engine == "kvpool":
+            self.client.warm()
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.client.batch_exists(keys) if keys else []
 

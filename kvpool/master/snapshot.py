@@ -77,10 +77,14 @@ def _segments(service: MasterService) -> list[dict[str, Any]]:
         if seg.tier is not Tier.MEMORY:
             continue
         state, warmed = service.clients.warmth_of(seg.segment_id) or ("unknown", 0)
+        endpoint = service.clients.endpoints.get(seg.segment_id)
         out.append(
             {
                 "segment_id": seg.segment_id,
                 "client_id": seg.client_id,
+                # where its bytes are read (a client's warm() connects to it ahead)
+                "data_address": endpoint.data_address if endpoint is not None else "",
+                "shm_name": endpoint.shm_name if endpoint is not None else "",
                 "capacity": seg.capacity,
                 "used": seg.capacity - seg.space.free,
                 "warm": state,

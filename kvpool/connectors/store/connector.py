@@ -237,7 +237,11 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
             )
 
         def pool() -> PoolEngine:
-            return open_pool(config)
+            engine = open_pool(config)
+            warm = getattr(engine, "warm", None)
+            if warm is not None:  # what a first read would set up, now (Client.warm)
+                warm()
+            return engine
 
         def lookups() -> PoolLookups:
             if config.backend == "embedded":  # the pool lives in the worker: ask it there

@@ -333,7 +333,10 @@ class StoreWorker:
 
         self._start_saves()
         # the pool opened with the KV caches (the guide's "every node registers memory":
-        # a Mooncake worker's segment is in the pool before its first request)
+        # a Mooncake worker's segment is in the pool before its first request), and the
+        # async loads' connection too: a fresh instance's first hit sets nothing up
+        if self._loader_pool is not self._pool:
+            self._loader_pool.open()
         if not self._pool.open():
             self._log.warning(
                 "[KVPoolStoreConnector] pool not reachable at start (%s); trying again at"

@@ -256,7 +256,8 @@ def test_staged_caches_reuse_one_staging_batch_per_thread() -> None:
 
 def test_registering_the_caches_opens_the_pool() -> None:
     """A worker's pool is open from the start (on Mooncake: its segment is in the pool
-    before the first request), and one that cannot be reached is tried again later."""
+    before the first request), the async loads' connection too (a fresh instance's first
+    hit sets nothing up), and one that cannot be reached is tried again later."""
     opened: list[FakePool] = []
 
     def opener() -> FakePool:
@@ -271,4 +272,4 @@ def test_registering_the_caches_opens_the_pool() -> None:
     )
     assert opened == []
     worker.register(kv_caches(1))
-    assert len(opened) == 1
+    assert len(opened) == 2  # the worker's and the loader's
