@@ -183,7 +183,12 @@ def test_the_page_deploys_the_cluster_and_its_checks_pass(deployment: Deployment
     d_log = d_server[1]
 
     answer = json.loads(d.run("proxy", "multihost.proxy.completion"))
-    assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8, answer
+    # max_tokens 8 reached, or an end of sequence sampled before it (the page's request
+    # samples at the model's temperature: its first token is P's, the rest D's)
+    choice, made = answer["choices"][0], answer["usage"]["completion_tokens"]
+    assert choice["text"] and (made == 8 or (choice["finish_reason"] == "stop" and made < 8)), (
+        answer
+    )
     # the KV reached D from P's host through the transfer connector
     deadline = time.monotonic() + 30
     while f"from {p0}:30000" not in d_log.read_text():
