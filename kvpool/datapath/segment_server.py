@@ -176,11 +176,6 @@ class SegmentServer(Serving):
         with self._lock:
             self._segments[segment_id] = segment
 
-    def remove_segment(self, segment_id: str) -> Segment | None:
-        """Stop serving ``segment_id``; the caller closes the returned segment."""
-        with self._lock:
-            return self._segments.pop(segment_id, None)
-
     def _segment(self, segment_id: str) -> Segment:
         with self._lock:
             segment = self._segments.get(segment_id)

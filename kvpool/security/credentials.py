@@ -202,12 +202,6 @@ class Credential:
         """The role this credential opens a master connection as."""
         return "tenant" if self.is_tenant else "client"
 
-    @property
-    def client_name(self) -> str:
-        """What this credential says as its id in a ``client_role`` handshake ("" for
-        the cluster secret: any id will do)."""
-        return self.tenant
-
     def tenant_key_of(self, tenant: str) -> bytes:
         """The key of tenant ``tenant``: derived from the secret, or this tenant's own."""
         if self.secret:
