@@ -46,10 +46,11 @@ _DEFAULT_NAME = re.compile(r"^kvpool-(\d+)-[0-9a-f]{12}$")
 # - Pages are populated up front (:mod:`kvpool.storage.pages`): in the owner at creation
 #   or soon after (:meth:`Segment.warm_in_background`), and in every process that
 #   attaches (in the background there: a reader's first copy must not wait for a whole
-#   segment's pages, kvpool.datapath.shm).  A first write to a page otherwise costs a page fault in *each* process
-#   that touches it: a 1 MiB copy into untouched pages took ~9x one into pages written
-#   before.  ``posix_fallocate`` already committed the memory; populating adds the page
-#   tables (2 MiB per GiB per process) and moves the zeroing to start-up.
+#   segment's pages, kvpool.datapath.shm).  A first write to a page otherwise costs a
+#   page fault in *each* process that touches it: a 1 MiB copy into untouched pages took
+#   ~9x one into pages written before.  ``posix_fallocate`` already committed the
+#   memory; populating adds the page tables (2 MiB per GiB per process) and moves the
+#   zeroing to start-up.
 _populate = populate  # create()/attach() take a ``populate`` flag that shadows it
 
 
