@@ -173,14 +173,15 @@ def can_mend(body: dict[str, Any]) -> bool:
     return not stop_strings(body) and body.get("logprobs") in (None, False)
 
 
-def mended_text(seen: str, tail: str, prompt: str | None = None) -> str | None:
+def mended_text(seen: str, tail: str | None, prompt: str | None = None) -> str | None:
     """D's first text as a plain instance gives it.  ``seen``: what D sent (the prompt's
     text, then the answer's); ``tail``: the answer's tokens so far detokenized on their
-    own (P's and D's); ``prompt``: the prompt's tokens detokenized.  None: ``tail`` is not
-    the end of ``seen`` and ``prompt`` is needed.  A ``seen`` that does not begin with
-    the prompt's text needs no mending: P's token was a special one (BOS, skipped from
-    the text, which is why it showed none), and D's detokenizer was primed as usual."""
-    if seen.endswith(tail):
+    own (P's and D's; None: not known); ``prompt``: the prompt's tokens detokenized.
+    None: ``tail`` is not the end of ``seen`` and ``prompt`` is needed.  A ``seen`` that
+    does not begin with the prompt's text needs no mending: P's token was a special one
+    (BOS, skipped from the text, which is why it showed none), and D's detokenizer was
+    primed as usual."""
+    if tail is not None and seen.endswith(tail):
         return tail
     if prompt is None:
         return None

@@ -317,11 +317,11 @@ class Legs:
         checked against ``seen`` (:func:`~kvpool.proxy.first_token.mended_text`)."""
         model = payload.get("model")
         tail = await self._detokenize(url, model, ids, headers)
-        text = None if tail is None else mended_text(seen, tail)
+        text = mended_text(seen, tail)
         if text is None:
             prompt = await self._detokenize(url, model, first.prompt_token_ids, headers)
             if prompt is not None:
-                text = mended_text(seen, tail or "\0", prompt)
+                text = mended_text(seen, tail, prompt)
         if text is None:
             # D's text may begin with the whole prompt's: never send it as it came
             self.metrics.errors.labels("decode", "unmended").inc()
