@@ -21,10 +21,9 @@ from kvpool.ops.up.tiny_model import sample_text
 from tests.docs.blocks import doc_block
 from tests.e2e.test_up_stack import (
     START_TIMEOUT_S,
-    _start_up,
     _stop_up,
-    _wait_ready,
     post_json,
+    start_ready,
 )
 from tests.ops.up.helpers import up_argv
 from tests.waiting import wait_until
@@ -47,9 +46,8 @@ def ha_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     # vLLM's own prefix cache off: a repeated prompt's prefix then comes from the pool,
     # through whichever master leads
     argv += ["--start-timeout", str(START_TIMEOUT_S), "--vllm-args=--no-enable-prefix-caching"]
-    proc, lines, reader = _start_up(argv)
+    proc, lines, reader, info = start_ready(argv, state)
     try:
-        info = _wait_ready(proc, state, lines, reader)
         info["lines"] = lines
         yield info
     finally:

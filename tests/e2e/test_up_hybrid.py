@@ -20,10 +20,9 @@ from tests.e2e.conftest import RunOffline
 from tests.e2e.test_up_stack import (
     START_TIMEOUT_S,
     Stack,
-    _start_up,
     _stop_up,
-    _wait_ready,
     post_json,
+    start_ready,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -70,9 +69,8 @@ def hybrid(
     if flags:
         argv += [f"--vllm-args={flags}"]
     argv[0] = str(Path(sys.executable).parent / "kvpool")
-    proc, lines, reader = _start_up(argv)
+    proc, lines, reader, info = start_ready(argv, state)
     try:
-        info = _wait_ready(proc, state, lines, reader)
         yield Stack(proc, state, info, lines, reader=reader), model.name, prompts, reference
     finally:
         _stop_up(proc, reader)

@@ -19,10 +19,9 @@ from kvpool.ops.up.tiny_model import sample_text
 from tests.e2e.test_up_stack import (
     START_TIMEOUT_S,
     Stack,
-    _start_up,
     _stop_up,
-    _wait_ready,
     post_json,
+    start_ready,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -38,9 +37,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         argv += [flag, "0"]
     argv += ["--prefill-kv-port", "0", "--decode-kv-port", "0", "--prefill-instances", "2"]
     argv += ["--start-timeout", str(START_TIMEOUT_S)]
-    proc, lines, reader = _start_up(argv)
+    proc, lines, reader, info = start_ready(argv, state)
     try:
-        yield Stack(proc, state, _wait_ready(proc, state, lines, reader), lines, reader=reader)
+        yield Stack(proc, state, info, lines, reader=reader)
     finally:
         _stop_up(proc, reader)
 

@@ -226,26 +226,33 @@ def stack(reference: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
     argv = [*up_argv(readme), "--state-dir", str(state)]
     argv += [arg for flag in ports for arg in (flag, "0")]
     argv += ["--decode-instances", "2", "--start-timeout", str(START_TIMEOUT_S)]
-    # Port 0 gives free ports from the kernel's ephemeral range, where any outgoing
-    # connection of the other test worker may take one before vLLM binds it (seconds
-    # later): a start that died of exactly that is tried once more, on new ports.
-    for attempt in (1, 2):
-        proc, lines, reader = _start_up(argv)
-        try:
-            info = _wait_ready(proc, state, lines, reader)
-            break
-        except AssertionError as exc:
-            _stop_up(proc, reader)
-            busy = "already in use" in str(exc).lower()  # vLLM's, uvloop's, kvpool's words
-            exited = proc.returncode is not None and busy
-            if attempt == 2 or not exited:
-                raise
+    proc, lines, reader, info = start_ready(argv, state)
     try:
         stack = Stack(proc, state, info, lines, reader=reader)
         stack.children = descendants(proc.pid)
         yield stack
     finally:
         _stop_up(proc, reader)
+
+
+def start_ready(
+    argv: list[str], state: Path
+) -> tuple[subprocess.Popen[str], list[str], threading.Thread, dict[str, Any]]:
+    """``kvpool up`` started and ready: its process, its output so far, and its state.
+
+    Port 0 gives free ports from the kernel's ephemeral range, where any outgoing
+    connection of the other test worker may take one before vLLM binds it (seconds
+    later): a start that died of exactly that is tried once more, on new ports."""
+    for attempt in (1, 2):
+        proc, lines, reader = _start_up(argv)
+        try:
+            return proc, lines, reader, _wait_ready(proc, state, lines, reader)
+        except AssertionError as exc:
+            _stop_up(proc, reader)
+            busy = "already in use" in str(exc).lower()  # vLLM's, uvloop's, kvpool's words
+            if attempt == 2 or proc.returncode is None or not busy:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _stop_up(proc: subprocess.Popen[str], reader: threading.Thread) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -46,17 +47,28 @@ class StartupFailed(KVPoolError):
         self.log_path = log_path
 
 
+# An exception's last line, as Python prints it, maybe behind vLLM's "(EngineCore pid=N) "
+_RAISED = re.compile(r"^(?:\([^)]*\) )?(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?::|$)")
+
+
 def log_tail(path: Path, lines: int = 30) -> str:
-    """The last lines of a log file ('' if there is none)."""
+    """The last lines of a log file ('' if there is none), after the exceptions raised
+    earlier than those lines: vLLM's front end ends with "Engine core initialization failed.
+    See root cause above", and the cause is the engine core's exception, further up."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
+            f.seek(max(0, size - 256 * 1024))
             text = f.read().decode(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+    every = text.splitlines()
+    tail = every[-lines:]
+    causes = list(dict.fromkeys(x for x in every[:-lines] if _RAISED.match(x)))[-3:]
+    if not causes:
+        return "\n".join(tail)
+    return "\n".join(["raised earlier in the log:", *causes, "...", *tail])
 
 
 @dataclass

@@ -17,7 +17,7 @@ import pytest
 from kvpool.ops.up.plan import (
     ProcessSpec,
 )
-from kvpool.ops.up.supervisor import StartupFailed, Supervisor
+from kvpool.ops.up.supervisor import StartupFailed, Supervisor, log_tail
 from tests.ops.up.helpers import REPO, gone
 from tests.waiting import wait_until
 
@@ -201,3 +201,21 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
         if parent.stdout is not None:
             parent.stdout.close()
     wait_until(lambda: gone(kid), what="the child outlived its SIGKILLed supervisor")
+
+
+def test_a_failed_start_shows_the_exception_raised_above_the_last_lines(tmp_path: Path) -> None:
+    # what a vLLM whose engine core failed prints: the cause, then the front end's own
+    # traceback ending in "See root cause above"
+    lines = ["INFO starting"]
+    lines += ["(EngineCore pid=7) Traceback (most recent call last):"]
+    lines += ["(EngineCore pid=7) OSError: [Errno 98] Address already in use"]
+    lines += [f"  frame {i}" for i in range(40)]
+    lines += ["RuntimeError: Engine core initialization failed. See root cause above."]
+    log = tmp_path / "prefill-1.log"
+    log.write_text("\n".join(lines) + "\n")
+    shown = log_tail(log, 30).splitlines()
+    assert shown[1] == "(EngineCore pid=7) OSError: [Errno 98] Address already in use"
+    assert shown[-1].startswith("RuntimeError: Engine core initialization failed")
+    assert "  frame 11" in shown and "  frame 10" not in shown  # then the last 30 lines
+    log.write_text("\n".join(lines[-5:]) + "\n")  # nothing raised above: the tail alone
+    assert log_tail(log, 30).splitlines() == lines[-5:]
