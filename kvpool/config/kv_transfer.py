@@ -68,6 +68,7 @@ STORE_EXTRA_KEYS = (
     "head_group_size",
     "async_saves",
     "save_buffer_size",
+    "read_your_writes",
     "replica_num",
     "use_layerwise",
 )
@@ -98,6 +99,7 @@ class StoreConfig:
     head_group_size: int = 0  # 0: the backend's default (see the table above)
     async_saves: bool = True  # saves off the engine step (False: in the step)
     save_buffer_size: int = _DEFAULT_SAVE_BUFFER  # staging for saves off the step
+    read_your_writes: bool = True  # an answer leaves once its saves are in the pool
     replica_num: int = 0  # copies of each saved block (0: the pool's default)
     use_layerwise: bool = False  # one object per layer; sync loads hand vLLM layer by layer
 
@@ -219,6 +221,9 @@ def parse_store_config(
         use_layerwise=parse_bool_value(extra.get("use_layerwise", False), key="use_layerwise"),
         save_buffer_size=parse_size(
             extra.get("save_buffer_size", _DEFAULT_SAVE_BUFFER), key="save_buffer_size"
+        ),
+        read_your_writes=parse_bool_value(
+            extra.get("read_your_writes", True), key="read_your_writes"
         ),
     )
 

@@ -464,3 +464,30 @@ def test_layer_wise_objects_hit_fail_per_layer_and_answer_the_same(
         assert s3["failed_blocks"] - s2["failed_blocks"] == 2
         assert s3["loaded_blocks"] - s2["loaded_blocks"] == 1
         assert zeroed["tokens"][0] != reference[LONG]  # wrong KV would show
+
+
+def test_an_answered_prompt_hits_at_once_through_a_master(
+    tiny_model_dir: Path, run_offline: RunOffline, kvpool_master: Master
+) -> None:
+    """Read-your-writes: the prompt sent again the moment its answer is back hits the
+    pool (nothing waits for the saves in between), as a P/D prefill's ``max_tokens: 1``
+    answer and as an answer that ends while decoding."""
+    extra = {"backend": "kvpool", "master": kvpool_master.address}
+    at_once = [
+        {"op": "generate", "prompts": [p], "max_tokens": n, "settle": False}
+        for p, n in ((LONG, 1), (LONG, 1), (OTHER, MAX_TOKENS), (OTHER, 1))
+    ]
+    run = run_offline(
+        {
+            "model": str(tiny_model_dir),
+            "pool": "none",
+            "prefix_caching": False,  # vLLM's own prefix cache must not answer instead
+            "kv_transfer_config": store_config(**extra),
+            "steps": [*at_once, STATS],
+        }
+    )
+    first, again, other, other_again, stats = run.results
+    assert "read_your_writes=true" in run.log
+    assert first["cached"] == [0] and again["cached"] == [384]
+    assert other["cached"] == [0] and other_again["cached"] == [256]
+    assert stats["late_commits"] == 0 and stats["save_errors"] == 0

@@ -92,3 +92,19 @@ def test_a_tenants_later_requests_go_where_its_system_prompt_is_cached(fleet: St
         v for k, v in total.items() if "predicted" in k
     )
     assert "kv_aware" in fleet.log("proxy") or "policy=kv_aware" in fleet.log("proxy")
+
+
+def test_a_prompt_answered_by_one_prefill_hits_at_once_on_the_other(fleet: Stack) -> None:
+    """Read-your-writes across instances: the moment prefill-0 has answered a prompt (a
+    P/D prefill's ``max_tokens: 1``), prefill-1, which never saw it, loads its full blocks
+    from the pool (its own prefix cache is empty for it)."""
+    prompt = sample_text(700, seed=77)
+    urls = [fleet.info["processes"][f"prefill-{i}"]["url"] for i in range(2)]
+    cached = []
+    for url in urls:  # one after the other, nothing in between
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        usage = post_json(url + "/v1/completions", body)["usage"]
+        cached.append((usage["prompt_tokens_details"] or {}).get("cached_tokens", 0))
+        blocks = usage["prompt_tokens"] // 128
+    assert cached[0] == 0 and blocks >= 4
+    assert cached[1] >= 128 * (blocks - 1), cached  # at most the last block computed

@@ -261,6 +261,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
                 logger=logger,
                 groups=groups,
                 events=bool(events and events.enable_kv_cache_events),
+                read_your_writes=config.read_your_writes,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -275,6 +276,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
                 save_buffer_bytes=config.save_buffer_size if config.async_saves else 0,
                 drain_s=config.pool_timeout_ms / 1000,
                 inline_async=inline_async,
+                commit_timeout_s=config.pool_timeout_ms / 1000,
             )
             if config.backend == "embedded":
                 shared = open_pool(config)
@@ -282,7 +284,8 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
                 self._lookup_server = LookupServer(channel, shared, logger)
         logger.info(
             "[%s] role=%s, backend=%s, master=%s, load_async=%s, consumer_is_to_put=%s,"
-            " async_saves=%s, use_layerwise=%s, lookup_rpc_port=%d, block_size=%d, half=%s",
+            " async_saves=%s, read_your_writes=%s, use_layerwise=%s, lookup_rpc_port=%d,"
+            " block_size=%d, half=%s",
             CONNECTOR_NAME,
             config.role,
             config.backend,
@@ -290,6 +293,7 @@ class KVPoolStoreConnector(ConnectorHooks, CounterStatsHooks, KVConnectorBase_V1
             str(config.load_async).lower(),
             str(config.consumer_is_to_put).lower(),
             str(config.async_saves).lower(),
+            str(config.read_your_writes).lower(),
             str(config.use_layerwise).lower(),
             config.lookup_rpc_port,
             namespace.chunk_size,

@@ -65,7 +65,12 @@ class SaveSpec:
 
 @dataclass(frozen=True, slots=True)
 class StorePlan:
-    """One step's work for the worker half."""
+    """One step's work for the worker half.
+
+    ``commit``: the requests whose answer may end with this step; every save of theirs
+    handed off so far is in the pool before the step returns (read-your-writes: a client
+    that has the answer finds the prefix from any instance)."""
 
     loads: tuple[LoadSpec, ...] = ()
     saves: tuple[SaveSpec, ...] = ()
+    commit: tuple[str, ...] = ()

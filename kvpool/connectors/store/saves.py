@@ -80,6 +80,7 @@ class SaveQueue:
         self._free = list(range(self.capacity))
         self._queue: deque[SaveBatch] = deque()
         self._busy = False  # the writer holds a batch
+        self._unsaved: Counter[str] = Counter()  # batches queued or being put, per request
         self._closed = False
         self._failed_save = -1  # the save whose put failed: its later batches are skipped
         self._thread = threading.Thread(target=self._run, name="kvpool-store-save", daemon=True)
@@ -121,6 +122,7 @@ class SaveQueue:
                 self._count("skipped_blocks", len(batch.pages))
                 return
             self._queue.append(batch)
+            self._unsaved[batch.req_id] += 1
             self._cv.notify_all()
 
     def _run(self) -> None:
@@ -148,6 +150,7 @@ class SaveQueue:
                 with self._cv:
                     self._free.extend(batch.pages)
                     self._busy = False
+                    self._unsaved -= Counter({batch.req_id: 1})  # drops what reaches 0
                     self._cv.notify_all()
 
     @property
@@ -161,6 +164,14 @@ class SaveQueue:
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout_s)
 
+    def wait_saved(self, req_ids: Sequence[str], timeout_s: float) -> bool:
+        """Wait until no batch of ``req_ids`` is queued or being put (put or failed);
+        False at the timeout."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: not any(r in self._unsaved for r in req_ids), timeout_s
+            )
+
     def close(self, drain_s: float) -> bool:
         """Finish what is queued within ``drain_s``, then drop the rest; whether the
         writer is done.  A put still in progress is left to end on its own (a daemon
@@ -170,6 +181,7 @@ class SaveQueue:
             self._closed = True
             dropped = sum(len(b.pages) for b in self._queue)
             self._queue.clear()
+            self._unsaved.clear()
             self._cv.notify_all()
         if dropped:
             self._count("skipped_blocks", dropped)

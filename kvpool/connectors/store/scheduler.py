@@ -136,9 +136,12 @@ class StoreScheduler:
         pin_scope: str | None = None,
         groups: CacheGroups | HeadGroups | None = None,
         events: bool = False,
+        read_your_writes: bool = True,
     ) -> None:
         """``events``: keep a :class:`SavedChunk` per chunk saved or dropped, for vLLM's KV
-        events (:meth:`take_events`)."""
+        events (:meth:`take_events`); ``read_your_writes``: name the requests whose saves a
+        step must see committed (:attr:`StorePlan.commit`)."""
+        self._read_your_writes = read_your_writes
         self._ns = namespace
         if not isinstance(groups, CacheGroups):  # one KV cache group: its head groups
             groups = CacheGroups.single(groups)
@@ -426,12 +429,14 @@ class StoreScheduler:
     def build_plan(self, scheduler_output: Any) -> StorePlan:
         """This step's loads and saves; resets the pending loads."""
         scheduled: list[tuple[_Request, int]] = []
+        before: dict[str, int] = {}  # computed tokens before this step
         num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:  # not seen by lookup (should not happen): save nothing for it
                 continue
             state.block_ids = self._group_ids(new.block_ids)
+            before[new.req_id] = new.num_computed_tokens
             scheduled.append((state, new.num_computed_tokens + num_scheduled.get(new.req_id, 0)))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -444,6 +449,7 @@ class StoreScheduler:
             elif new_ids is not None:
                 for mine, more in zip(state.block_ids, self._group_ids(new_ids), strict=True):
                     mine.extend(more)
+            before[req_id] = cached.num_computed_tokens[i]
             scheduled.append((state, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)))
         # vLLM ≥ 0.32 offers a producer its current block tables (a window frees and nulls
         # blocks in place, which the append-only mirror above cannot see) and the exact
@@ -458,8 +464,26 @@ class StoreScheduler:
             saves.extend(self._save_specs(state, done))
         if self._cache_groups.hybrid and tables is not None:
             saves.extend(self._state_saves(tables.boundary_state_offloads))
+        commit = tuple(
+            s.req_id for s, done in scheduled if self._may_end(s, before[s.req_id], done)
+        )
         loads, self._pending_loads = self._pending_loads, []
-        return StorePlan(loads=tuple(loads), saves=tuple(saves))
+        return StorePlan(loads=tuple(loads), saves=tuple(saves), commit=commit)
+
+    def _may_end(self, state: _Request, before: int, done: int) -> bool:
+        """Whether the request's answer may be complete after this step, with saves of its
+        own in the pool's way (read-your-writes).  Not its first token's step unless that
+        is its last allowed one (a P/D prefill's ``max_tokens: 1``): waiting there would
+        add the last chunk's put to every TTFT, and the step after it waits instead."""
+        if not self._read_your_writes or not state.saved_blocks:
+            return False
+        prompt = int(state.request.num_prompt_tokens)
+        if done < prompt:
+            return False
+        if before >= prompt:  # decoding: any step may sample its last token
+            return True
+        left = getattr(state.request, "max_tokens", None)
+        return isinstance(left, int) and left - int(state.request.num_output_tokens) <= 1
 
     def _save_specs(self, state: _Request, computed_after_step: int) -> list[SaveSpec]:
         """The saves of the blocks this step completes (attention groups; one cache group:

@@ -31,6 +31,9 @@ COUNTERS = (
     "save_errors",
     "save_waits",
     "skipped_blocks",
+    "commit_waits",
+    "commit_wait_us",
+    "late_commits",
 )
 
 

@@ -158,7 +158,9 @@ class StoreWorker:
       (:mod:`~kvpool.connectors.store.saves`), so the step does not wait on the pool and vLLM
       may reuse the blocks at once; ``async_saves: false`` puts them in the step, straight
       from the cache (a block is never freed or reused while it is written out).  A failed
-      save only costs a future hit.
+      save only costs a future hit.  A step whose plan names requests in ``commit`` (their
+      answer may end with it) waits, at most ``commit_timeout_s``, until their saves are
+      put or failed: an answered prompt is in the pool for every instance (read-your-writes).
     - A hybrid model (several KV cache groups, :class:`~kvpool.connectors.store.groups.CacheGroups`)
       has a page per group: its layers' rows of a block, whatever their shapes (a recurrent
       state's padded block included).  A request's load is its LoadSpecs, one per group,
@@ -202,11 +204,14 @@ class StoreWorker:
         drain_s: float = 5.0,
         saver_pool: PoolHandle[PoolEngine] | None = None,
         inline_async: bool = False,
+        commit_timeout_s: float = 10.0,
     ) -> None:
         """``save_buffer_bytes``: staging for saves off the step (0: saves in the step,
         see :mod:`~kvpool.connectors.store.saves`); ``drain_s``: how long shutdown lets
         queued saves finish; ``saver_pool``: the writer thread's own connection (else the
-        step's), so that a put in progress never holds up a load in the step."""
+        step's), so that a put in progress never holds up a load in the step;
+        ``commit_timeout_s``: how long a step waits for the saves of requests it may end."""
+        self._commit_timeout_s = commit_timeout_s
         self._rank = tp_rank
         # None: one object per (chunk, rank) page, group 0 (tests and benches)
         self._cache_groups = groups if isinstance(groups, CacheGroups) else None
@@ -778,6 +783,31 @@ class StoreWorker:
             return
         for spec in plan.saves:
             self._save_one(spec, self._views[spec.group])
+        if plan.commit and self._saves is not None:
+            self._commit(plan.commit, self._saves)
+
+    def _commit(self, req_ids: Sequence[str], queue: SaveQueue) -> None:
+        """Wait until the saves of ``req_ids`` are put (or failed), so that their answers
+        leave the engine with their prefixes in the pool."""
+        started = time.perf_counter()
+        if queue.wait_saved(req_ids, 0):
+            return
+        done = queue.wait_saved(req_ids, self._commit_timeout_s)
+        waited_us = int((time.perf_counter() - started) * 1e6)
+        with self._lock:
+            self.counters["commit_waits"] += 1
+            self.counters["commit_wait_us"] += waited_us
+            if not done:
+                self.counters["late_commits"] += 1
+        now = time.monotonic()
+        if not done and now - self._last_save_warning >= _WARN_EVERY_S:  # one per outage
+            self._last_save_warning = now
+            self._log.warning(
+                "[KVPoolStoreConnector] saves of %s not in the pool after %.1fs: their"
+                " answers go out first (the prefix is found once the puts end)",
+                ",".join(req_ids),
+                self._commit_timeout_s,
+            )
 
     def _save_one(self, spec: SaveSpec, view: _View) -> None:
         if not view.writer:

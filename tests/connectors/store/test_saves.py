@@ -160,3 +160,40 @@ def test_shutdown_is_bounded_and_counts_what_it_did_not_save() -> None:
     worker.shutdown()
     assert worker.counters["skipped_blocks"] == 1 and pool.objects == {}
     pool.gate.set()  # the hung put ends; nothing is saved after shutdown
+
+
+def test_a_step_that_may_end_an_answer_returns_once_its_saves_are_in_the_pool() -> None:
+    """Read-your-writes: a step whose plan names a request in ``commit`` returns only once
+    that request's saves are put, so its answer never reaches a client before its prefix
+    reaches the pool; another request's saves are not waited for."""
+    pool = GatedPool()
+    worker = async_worker(pool, kv_caches(1))
+    spec = SaveSpec("r", (3, 0), (keys(2),), (None,))
+    step = threading.Thread(target=worker.save, args=(StorePlan(saves=(spec,), commit=("r",)),))
+    step.start()
+    assert pool.entered.wait(10)
+    step.join(0.3)
+    assert step.is_alive() and pool.objects == {}  # the step waits on the put
+    other = threading.Thread(target=worker.save, args=(StorePlan(commit=("someone else",)),))
+    other.start()
+    other.join(10)
+    assert not other.is_alive()  # nothing of its own in flight: no wait
+    pool.gate.set()
+    step.join(10)
+    assert not step.is_alive() and len(pool.objects) == 2
+    assert worker.counters["commit_waits"] == 1 and worker.counters["late_commits"] == 0
+    worker.shutdown()
+
+
+def test_a_put_that_never_ends_holds_the_answer_only_until_the_timeout() -> None:
+    """A hung pool costs one step at most ``commit_timeout_s``: the answer goes out, the
+    late commit is counted, and the object is not in the pool (a miss, not a hit)."""
+    pool = GatedPool()  # never opened until the end
+    worker = async_worker(pool, kv_caches(1))
+    worker._commit_timeout_s = 0.2
+    worker.save(StorePlan(saves=(SaveSpec("r", (1,), (keys(1),), (None,)),), commit=("r",)))
+    assert worker.counters["late_commits"] == 1 and pool.objects == {}
+    assert worker.counters["commit_wait_us"] >= 200_000
+    worker._drain_s = 0.1
+    worker.shutdown()
+    pool.gate.set()

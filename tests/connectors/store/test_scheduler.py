@@ -25,12 +25,18 @@ class Req:
         self.prompt_embeds = None
         self.lora_request = None
         self.cache_salt: str | None = None
+        self.num_prompt_tokens = len(self.all_token_ids)  # as vLLM's Request counts
+        self.max_tokens = 16
         for name, value in extra.items():
             setattr(self, name, value)
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
 
 def make(
@@ -99,6 +105,51 @@ def test_miss_then_save_plan_with_key_chain() -> None:
     (save,) = plan.saves
     keys = [k.hex for k in chunk_keys(list(range(12)), NS)]
     assert save.block_ids == (9,) and save.keys == ((keys[2],),) and save.parents == (keys[1],)
+
+
+def test_a_step_that_may_end_an_answer_names_its_request_for_commit() -> None:
+    # A P/D prefill (max_tokens 1) ends with the step that completes its prompt: that
+    # step's saves must be in the pool before its answer leaves.
+    pool = FakePool()
+    sched = make(pool)
+    pd = Req("pd", range(10), max_tokens=1)
+    sched.get_num_new_matched_tokens(pd, 0)
+    sched.update_state_after_alloc(pd, ([1, 2, 3],), 0)
+    plan = sched.build_plan(step(new=[("pd", [1, 2, 3], 0, 10)]))
+    assert plan.saves and plan.commit == ("pd",)
+    # A chunked prompt: the first chunk's step answers nothing yet.
+    chunked = Req("chunked", range(10), max_tokens=1)
+    sched.get_num_new_matched_tokens(chunked, 0)
+    sched.update_state_after_alloc(chunked, ([4, 5, 6],), 0)
+    plan = sched.build_plan(step(new=[("chunked", [4, 5, 6], 0, 8)]))
+    assert plan.saves and plan.commit == ()
+    assert sched.build_plan(step(cached=[("chunked", None, 8, 2)])).commit == ("chunked",)
+    # A request that goes on decoding: its first token's step does not wait (that would
+    # add the put to its TTFT); any step after it may be its last, and waits.
+    chat = Req("chat", range(10))
+    sched.get_num_new_matched_tokens(chat, 0)
+    sched.update_state_after_alloc(chat, ([7, 8, 9],), 0)
+    assert sched.build_plan(step(new=[("chat", [7, 8, 9], 0, 10)])).commit == ()
+    chat.all_token_ids.append(10)
+    assert sched.build_plan(step(cached=[("chat", None, 10, 1)])).commit == ("chat",)
+    # Nothing saved, nothing to wait for; and read_your_writes off never waits.
+    short = Req("short", range(3), max_tokens=1)
+    sched.get_num_new_matched_tokens(short, 0)
+    sched.update_state_after_alloc(short, ([10],), 0)
+    assert sched.build_plan(step(new=[("short", [10], 0, 3)])).commit == ()
+    off = StoreScheduler(
+        namespace=NS,
+        pool=PoolHandle(lambda: pool, reconnect_interval_s=60, describe="fake"),
+        saves=True,
+        load_async=False,
+        logger=logging.getLogger("test"),
+        read_your_writes=False,
+    )
+    again = Req("again", range(20, 30), max_tokens=1)
+    off.get_num_new_matched_tokens(again, 0)
+    off.update_state_after_alloc(again, ([1, 2, 3],), 0)
+    plan = off.build_plan(step(new=[("again", [1, 2, 3], 0, 10)]))
+    assert plan.saves and plan.commit == ()
 
 
 def test_hit_leaves_one_token_and_plans_the_load() -> None:
