@@ -211,6 +211,28 @@ def test_kv_both_on_mooncake_loads_from_the_pool_and_misses_damaged_objects(
     assert m2["master_key_count"] == m1["master_key_count"]
 
 
+def test_an_answered_prompt_hits_at_once_on_mooncake(
+    tiny_model_dir: Path, run_offline: RunOffline, pool: Pool
+) -> None:
+    """Read-your-writes on Mooncake: the prompt sent again the moment its answer is back
+    (nothing waits for the saves in between) loads its full blocks from Mooncake."""
+    prompt = sample_text(400, seed=91)  # three full blocks no other test saves
+    at_once = {"op": "generate", "prompts": [prompt], "max_tokens": 1, "settle": False}
+    run = offline(
+        run_offline,
+        pool,
+        {
+            "model": str(tiny_model_dir),
+            "kv_transfer_config": store_config("recompute"),
+            "steps": [at_once, at_once, STATS],
+        },
+    )
+    first, again, stats = run.results
+    assert "backend=mooncake" in run.log and "read_your_writes=true" in run.log
+    assert first["cached"] == [0] and again["cached"] == [3 * BLOCK]
+    assert stats["late_commits"] == 0 and stats["save_errors"] == 0
+
+
 def test_consumer_write_back_and_policy_fail_on_mooncake(
     tiny_model_dir: Path, run_offline: RunOffline, pool: Pool, reference: dict[str, Any]
 ) -> None:
