@@ -7,6 +7,9 @@ One run measures, on the same dummy-weight model and the same machine:
                         from kvpool through KVPoolStoreConnector (in-process pool);
 - ``pool hit (master)``  the same through a real ``kvpool master`` on 127.0.0.1 (memory
                         tier: the master's own segment, read over same-host shared memory);
+- ``pool hit (master, read_your_writes off)``  the same on a master of its own, with
+                        the connector's commit wait off: its cold column beside the
+                        master row's is what read-your-writes costs a cold request;
 - ``... layer-wise``     the embedded and master rows again with ``use_layerwise``: one
                         object per layer, read layer by layer while the forward pass runs
                         (the load's seconds are then those of its background read);
@@ -36,14 +39,19 @@ process-wide connector state); each takes ``--repeats`` fresh prompts, measures 
 hit per prompt (``--settle`` seconds apart, so that a connector that saves in the
 background has saved), and reports medians.  Ratios are against ``cold`` of the same process.
 
+Each row also reports the *first hit* (the first prompt's hit: the fresh worker's first
+load), the prompt sent again *at once* after its cold answer (no pause: read-your-writes)
+with the tokens it found cached, and the hit's ratio to the floor (``vLLM prefix cache``);
+a second table breaks each kvpool hit into its parts (:class:`bench.ttft_load.Phases`).
 Each row with a connector also reports the *load rate* of a hit: the bytes of the request's
 blocks that came from the pool over the seconds of the connector's own load call for that
 request, beside memcpy of as many bytes in the same process (:mod:`bench.ttft_load` says
 exactly what is timed).
 
     .venv/bin/python bench/ttft.py [--tokens 3072] [--repeats 3] [--layers 4]
-        [--rows local,embedded,embedded-layerwise,master,master-layerwise,ssd,mooncake,
-                vllm-mooncake-store,lmcache,offloading,hma-off] [--model gemma3] [--markdown]
+        [--rows local,embedded,embedded-layerwise,master,master-nowait,master-layerwise,
+                ssd,mooncake,vllm-mooncake-store,lmcache,offloading,hma-off]
+        [--model gemma3] [--markdown]
 
 ``--model gemma3`` or ``qwen3_next`` runs a hybrid model (kvpool.ops.up.tiny_hybrid at its
 bench size) instead: its rows also say how many tokens of KV cache vLLM allocated, with
@@ -83,7 +91,14 @@ if str(REPO) not in sys.path:  # run as a script: bench.* and kvpool from this t
     sys.path.insert(0, str(REPO))
 
 from bench import _netns  # noqa: E402
-from bench.ttft_load import GIB, LoadTimer, memcpy_gib_s, page_bytes  # noqa: E402
+from bench.ttft_load import (  # noqa: E402
+    GIB,
+    LoadTimer,
+    Phases,
+    memcpy_gib_s,
+    page_bytes,
+    xxh3_gib_s,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -92,7 +107,7 @@ if TYPE_CHECKING:
 
 MARK = "TTFT_RESULT "
 ROWS = (
-    "local", "embedded", "embedded-layerwise", "master", "master-layerwise", "ssd",
+    "local", "embedded", "embedded-layerwise", "master", "master-nowait", "master-layerwise", "ssd",
     "mooncake", "vllm-mooncake-store", "lmcache", "offloading", "hma-off",
 )  # fmt: skip
 MODELS = ("llama", "gemma3", "qwen3_next")
@@ -110,6 +125,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     kwargs: dict[str, Any] = {}
     timer = None
+    phases = None
+    connector = (spec["connector"] or {}).get("kv_connector")
+    if connector in (None, "KVPoolStoreConnector") and not spec.get("lmcache"):
+        phases = Phases()  # where a hit's time goes (kvpool's own calls, engine steps)
     if spec.get("lmcache"):
         _llvmlite_without_dunders()
     if spec["connector"] is not None:
@@ -151,10 +170,13 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     page = page_bytes(llm)
     cold: list[float] = []
     hit: list[float] = []
+    repeat: list[float] = []  # sent the moment the cold answer is back
+    repeat_cached: list[int] = []
+    breakdown: list[dict[str, tuple[int, float]]] = []
     loads: list[dict[str, float]] = []
     for i in range(spec["repeats"]):
         prompt = sample_text(spec["tokens"], seed=1000 + i)
-        for bucket in (cold, hit):
+        for bucket in (cold, repeat, hit) if spec.get("repeat") else (cold, hit):
             if bucket is hit and spec.get("push_out"):
                 # Another prompt of the same size, so the pool's small memory tier must make
                 # room: the first prompt's blocks move to the SSD tier before its hit.
@@ -165,11 +187,19 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                 time.sleep(spec["settle_s"])
                 if spec.get("reset_before_hit"):  # the hit must be the connector's
                     llm.reset_prefix_cache()
+            if bucket is repeat and spec.get("reset_before_hit"):
+                llm.reset_prefix_cache()
             if timer is not None:
                 timer.take()  # only the measured request's load counts
+            if phases is not None:
+                phases.take()
             t0 = time.perf_counter()
             out = llm.generate([prompt], params, use_tqdm=False)
             bucket.append(time.perf_counter() - t0)
+            if bucket is repeat:
+                repeat_cached.append(out[0].num_cached_tokens or 0)
+            if bucket is hit and phases is not None:
+                breakdown.append(phases.take())
         if timer is not None:
             count, seconds = timer.take()
             nbytes = (out[0].num_cached_tokens or 0) // block_size * page
@@ -179,6 +209,11 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "cold": cold,
         "hit": hit,
+        "repeat": repeat,
+        "repeat_cached": repeat_cached,
+        "breakdown": breakdown,
+        "xxh3_gib_s": xxh3_gib_s(request_bytes) if timer is not None else None,
+        "request_bytes": request_bytes,
         "kv_tokens": getattr(cache, "kv_cache_size_tokens", None),
         "prompt_tokens": n_prompt,
         "cached": out[0].num_cached_tokens,
@@ -388,6 +423,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         "repeats": args.repeats,
         "kv_bytes": 512 << 20,
         "settle_s": args.settle,
+        "repeat": True,
         **model_spec,
     }
     runs: list[tuple[str, dict[str, Any]]] = []
@@ -408,6 +444,16 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         master, address = _start_master(workdir)
         remote = _store({"backend": "kvpool", "master": address})
         runs.append(("pool hit (master)", {"connector": remote, "prefix_caching": False}))
+    extra_masters = []
+    if "master-nowait" in args.rows:  # what read-your-writes costs a cold request
+        # its own master: the master row's prompts (the same ones) must not be hits here
+        nowait_master, nowait_address = _start_master(workdir)
+        extra_masters.append(nowait_master)
+        nowait = _store({"backend": "kvpool", "master": nowait_address, "read_your_writes": False})
+        runs.append(
+            ("pool hit (master, read_your_writes off)",
+             {"connector": nowait, "prefix_caching": False})
+        )  # fmt: skip
     if "master-layerwise" in args.rows:
         if master is None:
             master, address = _start_master(workdir)
@@ -416,6 +462,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             ("pool hit (master, layer-wise)", {"connector": layered, "prefix_caching": False})
         )
     masters = [master] if master is not None else []
+    masters += extra_masters
     if "ssd" in args.rows:
         # A memory tier smaller than two prompts' KV, so every hit is read back from SSD.
         ssd_master, ssd_address = _start_master(
@@ -554,10 +601,13 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         " KV tokens = the KV cache vLLM allocated, in tokens.",
         *skipped,
         "",
-        "| configuration | cold TTFT (s) | hit TTFT (s) | hit / cold | tokens from cache"
+        "| configuration | cold TTFT (s) | hit TTFT (s) | hit / cold | hit / floor"
+        " | tokens from cache | first hit (s) | at once (s) | at once, cached"
         " | load (GiB/s) | memcpy (GiB/s) | load / memcpy | KV tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    floor = next((r for r in ran if r["name"] == "vLLM prefix cache"), None)
+    floor_s = statistics.median(floor["hit"]) if floor else None
     for r in results:
         if "error" in r:
             lines.append(f"| {r['name']} | does not start: {r['error']} |||||||| ")
@@ -571,10 +621,17 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         else:
             load = "— | — | —"
         tokens = f"{r['kv_tokens']:,}" if r.get("kv_tokens") else "—"
-        lines.append(
-            f"| {name} | {cold:.3f} | {hit:.3f} | {hit / cold:.3f} | {r['cached']} | {load}"
-            f" | {tokens} |"
+        vs_floor = f"{hit / floor_s:.2f}" if floor_s else "—"
+        repeat = r.get("repeat") or []
+        at_once = f"{statistics.median(repeat):.3f}" if repeat else "—"
+        at_once_cached = (
+            f"{int(statistics.median(r['repeat_cached']))}" if r.get("repeat_cached") else "—"
         )
+        lines.append(
+            f"| {name} | {cold:.3f} | {hit:.3f} | {hit / cold:.3f} | {vs_floor} | {r['cached']}"
+            f" | {r['hit'][0]:.3f} | {at_once} | {at_once_cached} | {load} | {tokens} |"
+        )
+    lines += _breakdown(ran)
     if capacity:
         lines += [
             "",
@@ -590,6 +647,42 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             else:
                 lines.append(f"| {r['name']} | {r['kv_tokens']:,} | {r['concurrency']:.2f} |")
     return "\n".join(lines)
+
+
+def _breakdown(ran: list[dict[str, Any]]) -> list[str]:
+    """Where a hit's time goes, medians over the row's hits (see bench/ttft_load.py)."""
+    rows = [r for r in ran if r.get("breakdown")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Where a hit's time goes (medians over the hits; ms): the scheduler's lookup, the"
+        " worker's load, within it the master round trips and the data path's reads (copy"
+        " and checksum), xxh3 and memcpy of the request's bytes alone, and the engine"
+        " steps the request took:",
+        "",
+        "| configuration | hit TTFT | lookup | load | master calls | master | reads"
+        " | xxh3 alone | memcpy alone | engine steps |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def med(r: dict[str, Any], name: str, at: int) -> float:
+        return statistics.median(b[name][at] for b in r["breakdown"])
+
+    for r in rows:
+        nbytes = r["request_bytes"]
+        xxh3 = nbytes / (r["xxh3_gib_s"] * GIB) * 1e3 if r.get("xxh3_gib_s") else None
+        memcpy = nbytes / (r["memcpy_gib_s"] * GIB) * 1e3 if r.get("memcpy_gib_s") else None
+        reads = med(r, "data", 1) + med(r, "data (in-process)", 1)
+        lines.append(
+            f"| {r['name']} | {statistics.median(r['hit']) * 1e3:.1f}"
+            f" | {med(r, 'lookup', 1) * 1e3:.1f} | {med(r, 'load', 1) * 1e3:.1f}"
+            f" | {med(r, 'master', 0):.0f} | {med(r, 'master', 1) * 1e3:.1f}"
+            f" | {reads * 1e3:.1f}"
+            f" | {'—' if xxh3 is None else f'{xxh3:.1f}'}"
+            f" | {'—' if memcpy is None else f'{memcpy:.1f}'} | {med(r, 'steps', 0):.0f} |"
+        )
+    return lines
 
 
 def main() -> int:

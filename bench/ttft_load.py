@@ -14,7 +14,11 @@ request, bytes of the blocks that came from the pool, and memcpy of as many byte
   × 2 × head_size × 4`` bytes (float32), the same for both connectors: only blocks vLLM
   counts as loaded (a failed block is recomputed and not counted).
 - **memcpy**: ``bench.baselines.memcpy`` of one request's bytes between two page-aligned
-  buffers, in the same process right after the prompts, median of :data:`MEMCPY_ROUNDS`.
+  buffers, in the same process right after the prompts, median of :data:`MEMCPY_ROUNDS`;
+  **xxh3** the checksum kvpool computes over those bytes, timed the same way.
+- **Phases** (kvpool's store connector): :class:`Phases` sums, per request, the seconds
+  in the scheduler's lookup, the worker's load, the master round trips and the data
+  path's reads (copy and checksum together) within it, and counts the engine's steps.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LoadTimer", "memcpy_gib_s", "page_bytes"]
+__all__ = ["LoadTimer", "Phases", "memcpy_gib_s", "page_bytes", "xxh3_gib_s"]
 
 MEMCPY_ROUNDS = 20
 GIB = float(1 << 30)
@@ -71,12 +75,69 @@ class LoadTimer:
         return len(taken), sum(taken)
 
 
+# What a kvpool hit spends its time in (see the module docstring): name -> the call.
+_PHASES: dict[str, tuple[str, str, str]] = {
+    "lookup": ("kvpool.connectors.store.scheduler", "StoreScheduler", "get_num_new_matched_tokens"),
+    "load": ("kvpool.connectors.store.worker", "StoreWorker", "_load"),
+    "master": ("kvpool.client.client", "Client", "call"),
+    "data": ("kvpool.datapath.path", "NodeDataPath", "run"),
+    "data (in-process)": ("kvpool.datapath.in_process", "InProcessPath", "run"),
+    "steps": ("vllm.v1.engine.core", "EngineCore", "step"),
+}
+
+
+class Phases:
+    """Calls and seconds in each of :data:`_PHASES` since the last :meth:`take`."""
+
+    def __init__(self) -> None:
+        import importlib
+
+        self._calls: dict[str, list[float]] = {name: [] for name in _PHASES}
+        for name, (module, cls_name, method) in _PHASES.items():
+            cls = getattr(importlib.import_module(module), cls_name)
+            setattr(cls, method, self._timed(name, getattr(cls, method)))
+
+    def _timed(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        seconds = self._calls[name]
+
+        @functools.wraps(call)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                seconds.append(time.perf_counter() - t0)
+
+        return timed
+
+    def take(self) -> dict[str, tuple[int, float]]:
+        """name -> (calls, seconds) since the last call."""
+        out = {}
+        for name, calls in self._calls.items():
+            out[name] = (len(calls), sum(calls))
+            calls.clear()
+        return out
+
+
 def page_bytes(llm: Any) -> int:
     """Bytes of one block of every layer in this engine's (float32, CPU) KV cache."""
     config = llm.llm_engine.vllm_config
     model, parallel = config.model_config, config.parallel_config
     per_token = model.get_num_kv_heads(parallel) * 2 * model.get_head_size() * 4
     return int(model.get_num_layers(parallel) * config.cache_config.block_size * per_token)
+
+
+def xxh3_gib_s(nbytes: int) -> float:
+    from kvpool.storage.checksum import checksum
+
+    data = bytearray(nbytes)
+    checksum(data)
+    seconds = []
+    for _ in range(MEMCPY_ROUNDS):
+        t0 = time.perf_counter()
+        checksum(data)
+        seconds.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(seconds) / GIB
 
 
 def memcpy_gib_s(nbytes: int) -> float:

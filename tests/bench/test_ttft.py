@@ -53,6 +53,15 @@ def test_mooncake_rows_beside_kvpools_with_hits_load_rates_and_their_own_namespa
         assert load["loads"] >= 1 and load["seconds"] > 0, r
         assert load["bytes"] == 2 * (1 * 128 * 4 * 2 * 64 * 4), r  # 2 pages of 1 layer
         assert r["memcpy_gib_s"] > 0, r
+        (at_once,) = r["repeat"]
+        assert 0 < at_once < 600, r
+    # kvpool's rows: sent again the moment its answer is back, the prompt hits the pool
+    # (read-your-writes), and the hit's time is broken into its parts
+    for r in results[:2]:
+        assert r["repeat_cached"] == [256], r
+        ((hit_phases),) = r["breakdown"]
+        assert hit_phases["load"][0] >= 1 and hit_phases["lookup"][0] >= 1, r
+        assert hit_phases["steps"][0] >= 1, r
     embedded, kvpool_mc, vllm_mc = (r["netns"] for r in results)
     assert embedded == here
     assert len({here, kvpool_mc, vllm_mc}) == 3, "each Mooncake row runs in its own namespace"
@@ -60,13 +69,19 @@ def test_mooncake_rows_beside_kvpools_with_hits_load_rates_and_their_own_namespa
     args = argparse.Namespace(layers=1, repeats=1)
     lines = table(results, args).splitlines()
     assert lines[0].startswith("Date: ") and "Machine: " in lines[0], lines[0]
-    rows = {c[0]: c[1:] for c in (ln.strip("|").split("|") for ln in lines[4:])}
+    end = lines.index("", 4)
+    rows = {c[0]: c[1:] for c in (ln.strip("|").split("|") for ln in lines[4:end])}
     assert [name.strip() for name in rows] == ROWS
     for cells in rows.values():
-        cold, hit, ratio, cached, rate, memcpy, vs_memcpy, kv_tokens = (c.strip() for c in cells)
+        cold, hit, ratio, floor, cached, first, at_once, at_once_cached, *rest = cells
+        assert at_once_cached.strip() in ("256", "0"), cells  # the peer may miss
+        rate, memcpy, vs_memcpy, kv_tokens = (c.strip() for c in rest)
         assert re.match(r"^[\d,]+$", kv_tokens), cells
-        assert all(NUMBER.match(c) for c in (cold, hit, ratio, rate, memcpy, vs_memcpy)), cells
-        assert cached == "256", cells
+        numbers = (cold, hit, ratio, first, at_once, rate, memcpy, vs_memcpy)
+        assert all(NUMBER.match(c.strip()) for c in numbers), cells
+        assert cached.strip() == "256" and floor.strip() == "—", cells  # no floor row ran
+    breakdown = [ln for ln in lines[end:] if ln.startswith("| pool hit")]
+    assert [ln.split("|")[1].strip() for ln in breakdown] == ROWS[:2]
 
 
 def test_without_the_wheel_the_mooncake_rows_are_left_out_with_a_line(tmp_path: Path) -> None:
