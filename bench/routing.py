@@ -67,8 +67,9 @@ _COUNTERS = (
 )
 
 
-def start_stack(args: argparse.Namespace, state: Path) -> tuple[Any, Any]:
-    """``kvpool up``'s plan (3 prefills, 1 decode) on the bench model, every stage up."""
+def start_stack(args: argparse.Namespace, state: Path, adjust: Any = None) -> tuple[Any, Any]:
+    """``kvpool up``'s plan (``args.prefills`` prefills, 1 decode) on the bench model,
+    every stage up; ``adjust`` may change the plan first."""
     from kvpool.ops.up.lifecycle import resolve_ports, usable_cpus
     from kvpool.ops.up.options import UpOptions
     from kvpool.ops.up.plan import make_plan
@@ -89,6 +90,8 @@ def start_stack(args: argparse.Namespace, state: Path) -> tuple[Any, Any]:
     plan = make_plan(resolve_ports(opts))
     if args.pool == "off":
         plan = without_store(plan)
+    if adjust is not None:
+        plan = adjust(plan)
     for d in plan.dirs:
         d.mkdir(parents=True, exist_ok=True)
     for path, text in plan.files.items():

@@ -667,7 +667,7 @@ def _breakdown(ran: list[dict[str, Any]]) -> list[str]:
     ]
 
     def med(r: dict[str, Any], name: str, at: int) -> float:
-        return statistics.median(b[name][at] for b in r["breakdown"])
+        return float(statistics.median(b[name][at] for b in r["breakdown"]))
 
     for r in rows:
         nbytes = r["request_bytes"]
