@@ -3,8 +3,9 @@
 - the kvpool source files whose code runs while one ``Client.put`` and one ``Client.get``
   run against a master (client and master side, TCP and shared memory);
 - the module docstrings' lines, and how many modules open with 20 lines or more;
-- the largest modules;
-- the duplicate pairs the ``duplicates`` command finds in kvpool/ (where it is installed).
+- the largest modules, and the largest classes by method count;
+- the duplicate pairs the ``duplicates`` command finds in kvpool/ and in the whole tree
+  (tests and benches included), where it is installed.
 
 Usage: .venv/bin/python scripts/house_metrics.py [--markdown]
 """
@@ -44,11 +45,24 @@ def largest(n: int = 5) -> list[tuple[int, str]]:
     return sorted(sizes, reverse=True)[:n]
 
 
-def duplicate_pairs() -> str:
+def largest_classes(n: int = 5) -> list[tuple[int, str]]:
+    """The classes with the most methods (functions defined in their body)."""
+    sizes = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = [
+                    f for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                ]
+                sizes.append((len(methods), node.name))
+    return sorted(sizes, reverse=True)[:n]
+
+
+def duplicate_pairs(where: Path = PACKAGE) -> str:
     if shutil.which("duplicates") is None:
         return "n/a (no duplicates command)"
     out = subprocess.run(
-        ["duplicates", "--repo", str(PACKAGE), "--seconds", "60", "--most", "1"],
+        ["duplicates", "--repo", str(where), "--seconds", "120", "--most", "1"],
         capture_output=True,
         text=True,
         check=False,
@@ -83,8 +97,8 @@ class _Files:
 
 def put_get_files() -> dict[str, tuple[int, int]]:
     """{transport: (files of a put, files of a get)} with the master in this process."""
-    from kvpool.config.master import MasterConfig
     from kvpool.client.client import Client
+    from kvpool.config.master import MasterConfig
     from kvpool.master.server import MasterServer
 
     files = _Files()
@@ -140,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("module docstring lines (modules opening with >= 20)", f"{total} ({long})"),
         ("largest modules", ", ".join(f"{name} {n}" for n, name in largest())),
+        ("largest classes (methods)", ", ".join(f"{name} {n}" for n, name in largest_classes())),
         ("duplicate pairs in kvpool/ (`duplicates`)", duplicate_pairs()),
+        ("duplicate pairs in the whole tree", duplicate_pairs(ROOT)),
     ]
     for name, value in rows:
         print(f"| {name} | {value} |" if args.markdown else f"{name}: {value}")
