@@ -1,9 +1,9 @@
 """What a client asks of a data path: a list of small frozen operations.
 
-A data path (:class:`~kvpool.datapath.transport.DataPath`) has one call,
-``run(ops) -> results``, for a single transfer and a batch alike: :class:`WriteOp`,
-:class:`ReadOp` and :class:`SsdReadOp`, each with one result in order
-(:data:`OpResult`).  The rules every data path keeps are beside :class:`Runs`.
+A data path (:class:`DataPath`) has one call, ``run(ops) -> results``, for a single
+transfer and a batch alike: :class:`WriteOp`, :class:`ReadOp` and :class:`SsdReadOp`,
+each with one result in order (:data:`OpResult`).  The rules every data path keeps are
+beside :class:`DataPath`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from kvpool.storage.buffers import byte_view, writable_byte_view
 
 __all__ = [
     "DataOp",
+    "DataPath",
     "OpResult",
     "ReadOp",
-    "Runs",
     "SsdReadOp",
     "WriteOp",
     "read",
@@ -100,10 +100,18 @@ def sole_result(results: Sequence[OpResult]) -> OpResult:
 #   goes in a later list.  Reads of one segment that share a ``running`` checksum update
 #   it in list order (each path keeps a segment's reads in order), so its digest is the
 #   one of their bytes end to end.
-class Runs(Protocol):
-    """Anything that runs op lists: every data path, and a node's segment connection."""
+class DataPath(Protocol):
+    """What a client needs from a connection to one storage owner: every data path, and
+    a node's segment connection."""
 
-    def run(self, ops: Sequence[DataOp]) -> list[OpResult]: ...
+    def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
+        """Move the ops' bytes: one result per op, a failure of the whole list raised
+        (the rules above).  Each path keeps its fast way: over TCP a list's writes (or
+        reads) go in pipelined ranged requests, a checked read is hashed as its bytes
+        land and a noted write carries its tag; shared memory is copied into directly."""
+        ...
+
+    def close(self) -> None: ...
 
 
 # One transfer of one shape, over any path's ``run`` (tests, benchmarks, tools): written
@@ -112,41 +120,41 @@ class Runs(Protocol):
 Item = tuple[str, int, Any]  # (segment_id, offset, buffer)
 
 
-def write(path: Runs, segment_id: str, offset: int, buffer: Any, **note: Any) -> int:
+def write(path: DataPath, segment_id: str, offset: int, buffer: Any, **note: Any) -> int:
     """``buffer`` to ``(segment_id, offset)``; the bytes written.  ``note``: ``key`` and
     ``checksum``, as :class:`WriteOp`'s."""
     sole_result(path.run([WriteOp(segment_id, offset, buffer, **note)]))
     return len(byte_view(buffer))
 
 
-def read_into(path: Runs, segment_id: str, offset: int, buffer: Any) -> int:
+def read_into(path: DataPath, segment_id: str, offset: int, buffer: Any) -> int:
     """Fill ``buffer`` from ``(segment_id, offset)``; the bytes read."""
     sole_result(path.run([ReadOp(segment_id, offset, buffer)]))
     return len(writable_byte_view(buffer))
 
 
-def read(path: Runs, segment_id: str, offset: int, length: int) -> bytes:
+def read(path: DataPath, segment_id: str, offset: int, length: int) -> bytes:
     """A copy of ``length`` bytes at ``(segment_id, offset)``."""
     buf = bytearray(length)
     read_into(path, segment_id, offset, buf)
     return bytes(buf)
 
 
-def read_checked(path: Runs, segment_id: str, offset: int, buffer: Any) -> int:
+def read_checked(path: DataPath, segment_id: str, offset: int, buffer: Any) -> int:
     """:func:`read_into`, returning the checksum of the bytes that landed."""
     digest = sole_result(path.run([ReadOp(segment_id, offset, buffer, checked=True)]))
     assert isinstance(digest, int)
     return digest
 
 
-def ssd_read_into(path: Runs, key: str, buffer: Any) -> int:
+def ssd_read_into(path: DataPath, key: str, buffer: Any) -> int:
     """Fill ``buffer`` (exactly the object's size) from the owner's SSD tier."""
     sole_result(path.run([SsdReadOp(key, buffer)]))
     return len(writable_byte_view(buffer))
 
 
 def write_many(
-    path: Runs, items: Sequence[Item], notes: Sequence[tuple[str, int]] | None = None
+    path: DataPath, items: Sequence[Item], notes: Sequence[tuple[str, int]] | None = None
 ) -> list[OpResult]:
     """One list of writes; ``notes``: each item's ``(key, checksum)`` tag."""
     if notes is None:
@@ -155,11 +163,11 @@ def write_many(
     return path.run([WriteOp(*item, key=k, checksum=c) for item, (k, c) in tagged])
 
 
-def read_many_into(path: Runs, items: Sequence[Item]) -> list[OpResult]:
+def read_many_into(path: DataPath, items: Sequence[Item]) -> list[OpResult]:
     """One list of reads."""
     return path.run([ReadOp(*item) for item in items])
 
 
-def read_many_checked(path: Runs, items: Sequence[Item]) -> list[OpResult]:
+def read_many_checked(path: DataPath, items: Sequence[Item]) -> list[OpResult]:
     """One list of checked reads: each result is the checksum of what landed."""
     return path.run([ReadOp(*item, checked=True) for item in items])

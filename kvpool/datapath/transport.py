@@ -9,11 +9,10 @@ fabric (Mooncake's Transfer Engine, RDMA) is one more class with ``connect``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 from kvpool.config.peer import PLAIN_PEER, PeerSettings
-from kvpool.datapath.data_ops import DataOp, OpResult
+from kvpool.datapath.data_ops import DataPath
 from kvpool.datapath.path import NodeDataPath
 from kvpool.errors import ConfigError
 from kvpool.net import split_address
@@ -26,20 +25,6 @@ __all__ = [
     "Transport",
     "transport_named",
 ]
-
-
-class DataPath(Protocol):
-    """What a client needs from a connection to one storage owner."""
-
-    def run(self, ops: Sequence[DataOp]) -> list[OpResult]:
-        """Move the ops' bytes: one result per op, a failure of the whole list raised
-        (the rules: :mod:`kvpool.datapath.data_ops`).  Each path keeps its fast way:
-        over TCP a list's writes (or reads) go in pipelined ranged requests, a checked
-        read is hashed as its bytes land and a noted write carries its tag; shared
-        memory is copied into directly."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class Transport(Protocol):
