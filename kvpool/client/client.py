@@ -9,8 +9,8 @@ import os
 import ssl
 import threading
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from kvpool.client.leader_link import master_link
 from kvpool.client.master_link import CLOSE_SETTLE_S, MasterLink
@@ -41,6 +41,8 @@ from kvpool.storage.checksum import Hasher, checksum, hasher
 __all__ = ["CLOSE_SETTLE_S", "OVERLAP_CHECKSUM_MAX", "Client"]
 
 log = logging.getLogger("kvpool.client")
+
+_T = TypeVar("_T")  # what a batch read fills per key: a buffer, or a list of parts
 
 # A put hashes its value while PutStart is in flight (the round trip is spent waiting
 # anyway), under the metadata lock; beyond this size hashing outlasts a round trip and
@@ -413,18 +415,36 @@ class Client(Closing):
         return epoch
 
     # ------------------------------------------------------------------------------- reads
+    # Every read is leased: Get (BatchGet for several keys) grants read leases to an owner
+    # of the call's own, the bytes come straight from a segment and are checked against
+    # the placement's checksum (each copy's verdict: _verdict), a key whose copy failed
+    # and that has other copies is asked for again, and the leases are released (posted).
+    def get(self, key: str) -> bytes:
+        """The object's bytes; ObjectNotFound on a miss."""
+        return bytes(self._leased_read(key, lambda size: memoryview(bytearray(size))))
+
     def get_into(self, key: str, buffer: Any) -> int:
         """Fill the front of ``buffer`` with the object; returns its size.
 
         Raises ObjectNotFound on a miss, including a corrupt or unreachable copy.
         """
-        owner = f"{self.client_id}#{next(self._reads)}"
+        return len(self._leased_read(key, lambda _size: writable_byte_view(buffer)))
+
+    def _read_owner(self) -> str:
+        """A fresh owner for one call's read leases."""
+        return f"{self.client_id}#{next(self._reads)}"
+
+    def _leased_read(self, key: str, target: Callable[[int], memoryview]) -> memoryview:
+        """One key under a read lease: ``Get``, a copy read into ``target(size)``
+        (:meth:`_read_a_copy`), the lease released; the view of the bytes read."""
+        owner = self._read_owner()
         placement = self.call(m.Get(owner, key))
         assert isinstance(placement, m.Placement)
         if not placement.placed:
             raise ObjectNotFound(key)
         try:
-            return self._read_a_copy(owner, placement, writable_byte_view(buffer))
+            dst = target(placement.size)
+            return dst[: self._read_a_copy(owner, placement, dst)]
         finally:
             self._finish_read(owner, key)
 
@@ -448,6 +468,8 @@ class Client(Closing):
         self._post(m.Release(owner, [key]))
 
     def _read(self, placement: m.Placement, dst: memoryview) -> int:
+        """One copy into the front of ``dst``: its size, or ObjectNotFound (the copy's
+        :meth:`_verdict` was given)."""
         size = placement.size
         if len(dst) < size:
             raise ValueError(f"buffer of {len(dst)} bytes is too small for {size}")
@@ -459,44 +481,42 @@ class Client(Closing):
             if p.tier == "ssd"
             else ReadOp(p.segment_id, p.offset, target, shm_name=p.shm_name, checked=True)
         )
+        outcome: OpResult
         try:
-            digest = sole_result(path.run([op]))
-            if digest is None:  # an SSD read: hashed once it is in
-                digest = checksum(target)
-        except ChecksumMismatch as exc:
-            # the node answered: its copy is corrupt, the node itself is fine (reporting a
-            # failure would drop every object it holds): only that copy goes
-            self._report_corrupt(placement)
-            raise ObjectNotFound(f"{placement.key}: {exc}") from exc
-        except (TransferError, PeerTimeout) as exc:
-            self._report(placement, exc)
-            raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc
-        except ObjectNotFound:
-            # the owner answered that it does not have the copy the index lists (an SSD
-            # file gone behind the pool's back): that copy goes, as a corrupt one does
-            self._post(self._corrupt_report(placement))
-            raise
+            outcome = sole_result(path.run([op]))
+            if outcome is None:  # an SSD read: hashed once it is in
+                outcome = checksum(target)
         except KVPoolError as exc:
-            raise ObjectNotFound(f"{placement.key}: read failed ({exc})") from exc
-        if digest != placement.checksum:
+            outcome = exc  # this copy's, whether the op or the whole list failed
+        if self._verdict(placement, outcome):
+            return size
+        if isinstance(outcome, ObjectNotFound):
+            raise outcome
+        if not isinstance(outcome, KVPoolError):
+            raise ObjectNotFound(f"{p.key}: checksum mismatch")
+        why = str(outcome) if isinstance(outcome, ChecksumMismatch) else f"read failed ({outcome})"
+        raise ObjectNotFound(f"{p.key}: {why}") from outcome
+
+    def _verdict(self, placement: m.Placement, outcome: OpResult, *, report: bool = True) -> bool:
+        """Whether one copy's read is good: ``outcome`` is the checksum of what landed,
+        or the error the read met.  A bad read is a miss, never wrong bytes.  A copy that
+        failed its checksum, or that its owner answered it does not have (an SSD file
+        gone behind the pool's back), is reported: the master drops that copy, and the
+        owner, which answered, is fine.  A failed transfer reports the owner (unless
+        ``report`` is False: done already), and the master drops every object it holds."""
+        if isinstance(outcome, int):
+            if outcome == placement.checksum:
+                return True
             self._report_corrupt(placement)
             log.warning("%s failed its checksum: treated as a miss", placement.key)
-            raise ObjectNotFound(f"{placement.key}: checksum mismatch")
-        return size
-
-    def get(self, key: str) -> bytes:
-        """The object's bytes; ObjectNotFound on a miss."""
-        owner = f"{self.client_id}#{next(self._reads)}"
-        placement = self.call(m.Get(owner, key))
-        assert isinstance(placement, m.Placement)
-        if not placement.placed:
-            raise ObjectNotFound(key)
-        try:
-            buf = bytearray(placement.size)
-            self._read_a_copy(owner, placement, memoryview(buf))
-            return bytes(buf)
-        finally:
-            self._finish_read(owner, key)
+        elif isinstance(outcome, ChecksumMismatch):
+            self._report_corrupt(placement)
+        elif isinstance(outcome, TransferError | PeerTimeout):
+            if report:
+                self._report(placement, outcome)
+        elif isinstance(outcome, ObjectNotFound):
+            self._post(self._corrupt_report(placement))
+        return False
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         """Read several objects; the size read per key, or -1 for a miss.
@@ -507,18 +527,43 @@ class Client(Closing):
         ReleaseOwner.  A buffer too small for its object raises ValueError before any
         byte moves.
         """
-        owner = f"{self.client_id}#{next(self._reads)}"
+        return self._leased_batch(keys, buffers, self._read_batch)
+
+    def batch_get_into_parts(
+        self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]
+    ) -> list[int]:
+        """Read each object straight into its parts (writable byte views, end to end):
+        the object's size, or -1 for a miss (missing, corrupt, unreachable, or not
+        exactly the parts' total size).
+
+        Each part is its own read at its offset within the object, so the bytes go from
+        the segment into the parts with no staging buffer (one copy over shared memory;
+        over TCP they are received into the parts).  The object's checksum is computed
+        over the parts in order as they land (the reads share one running xxh3, which
+        equals the whole object's, see :class:`~kvpool.datapath.data_ops.ReadOp`): on
+        a mismatch the key is a miss and the parts hold unspecified bytes, which the
+        caller treats as unwritten.  An SSD copy is read whole, then copied into the
+        parts.  One metadata round trip, one pipelined transfer per owner.
+        """
+        return self._leased_batch(keys, parts, self._read_parts_batch)
+
+    def _leased_batch(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[_T],
+        read: Callable[[Sequence[m.Placement], Sequence[_T]], list[int]],
+    ) -> list[int]:
+        """Several keys under one owner's read leases: ``BatchGet``, ``read(placements,
+        targets)`` (the size per key, -1 for a miss), the keys whose copy failed and
+        that have others asked for again and read the same way (at most one round per
+        further copy; the failed copies were reported, so the master grants others),
+        the leases released in one posted ReleaseOwner."""
+        owner = self._read_owner()
         reply = self.call(m.BatchGet(owner, list(keys)))
         assert isinstance(reply, m.Placements)
         try:
-            sizes = self._read_batch(reply.items, buffers)
-            self._other_copies(
-                owner,
-                keys,
-                reply.items,
-                sizes,
-                lambda ps, idx: self._read_batch(ps, [buffers[i] for i in idx]),
-            )
+            sizes = read(reply.items, targets)
+            self._other_copies(owner, keys, reply.items, sizes, targets, read)
             return sizes
         finally:
             self._post(m.ReleaseOwner(owner))
@@ -529,11 +574,12 @@ class Client(Closing):
         keys: Sequence[str],
         placements: Sequence[m.Placement],
         sizes: list[int],
-        read: Any,
+        targets: Sequence[_T],
+        read: Callable[[Sequence[m.Placement], Sequence[_T]], list[int]],
     ) -> None:
         """The keys of a batch whose copy failed and that have another: asked for again
         (the failed copies were reported, so the master grants others) and read with
-        ``read(placements, indices)``; at most one round per further copy."""
+        ``read``; at most one round per further copy."""
         again = [i for i, p in enumerate(placements) if sizes[i] < 0 and p.placed and p.copies > 1]
         rounds = max((placements[i].copies for i in again), default=1) - 1
         for _ in range(rounds):
@@ -541,7 +587,7 @@ class Client(Closing):
                 return
             reply = self.call(m.BatchGet(owner, [keys[i] for i in again]))
             assert isinstance(reply, m.Placements)
-            got: list[int] = read(reply.items, again)
+            got = read(reply.items, [targets[i] for i in again])
             for i, size in zip(again, got, strict=True):
                 sizes[i] = size
             again = [
@@ -582,10 +628,8 @@ class Client(Closing):
         indices: list[int],
         sizes: list[int],
     ) -> None:
-        """One owner's share of a batch read: one pipelined transfer, then the same
-        verdicts per value as :meth:`_read` (a miss, never wrong bytes)."""
-        first = placements[indices[0]]
-        path = self._path(first)
+        """One owner's share of a batch read: one pipelined transfer, then each value's
+        :meth:`_verdict`."""
         reads: list[DataOp] = [
             ReadOp(
                 placements[i].segment_id,
@@ -596,14 +640,21 @@ class Client(Closing):
             )
             for i in indices
         ]
+        done = self._run_reads(placements[indices[0]], reads)
+        if done is not None:
+            self._judge(placements, indices, done, sizes)
+
+    def _run_reads(self, first: m.Placement, reads: list[DataOp]) -> list[OpResult] | None:
+        """One owner's list of reads (``first``: a placement on that owner); None when
+        the whole list failed (each of its keys a miss; a failed transfer reported)."""
+        path = self._path(first)
         try:
-            done = path.run(reads)
+            return path.run(reads)
         except (TransferError, PeerTimeout) as exc:
             self._report(first, exc)
-            return
         except KVPoolError:
-            return
-        self._judge(placements, indices, done, sizes)
+            pass
+        return None
 
     def _judge(
         self,
@@ -612,57 +663,12 @@ class Client(Closing):
         outcomes: Sequence[OpResult],
         sizes: list[int],
     ) -> None:
-        """Each read object's verdict, as :meth:`_read`'s (a miss, never wrong bytes):
-        its outcome is the checksum of what landed, or the error its read met."""
-        reported = False
+        """Each read object's :meth:`_verdict`; its size in ``sizes`` when good."""
+        reported = False  # one report per owner is enough: it drops the node
         for i, outcome in zip(indices, outcomes, strict=True):
-            placement = placements[i]
-            if isinstance(outcome, int):
-                if outcome == placement.checksum:
-                    sizes[i] = placement.size
-                else:
-                    self._report_corrupt(placement)
-                    log.warning("%s failed its checksum: treated as a miss", placement.key)
-            elif isinstance(outcome, ChecksumMismatch):
-                self._report_corrupt(placement)
-            elif isinstance(outcome, TransferError | PeerTimeout):
-                if not reported:  # one report per owner is enough: it drops the node
-                    reported = True
-                    self._report(placement, outcome)
-            elif isinstance(outcome, ObjectNotFound):
-                self._post(self._corrupt_report(placement))
-
-    def batch_get_into_parts(
-        self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]
-    ) -> list[int]:
-        """Read each object straight into its parts (writable byte views, end to end):
-        the object's size, or -1 for a miss (missing, corrupt, unreachable, or not
-        exactly the parts' total size).
-
-        Each part is its own read at its offset within the object, so the bytes go from
-        the segment into the parts with no staging buffer (one copy over shared memory;
-        over TCP they are received into the parts).  The object's checksum is computed
-        over the parts in order as they land (the reads share one running xxh3, which
-        equals the whole object's, see :class:`~kvpool.datapath.data_ops.ReadOp`): on
-        a mismatch the key is a miss and the parts hold unspecified bytes, which the
-        caller treats as unwritten.  An SSD copy is read whole, then copied into the
-        parts.  One metadata round trip, one pipelined transfer per owner.
-        """
-        owner = f"{self.client_id}#{next(self._reads)}"
-        reply = self.call(m.BatchGet(owner, list(keys)))
-        assert isinstance(reply, m.Placements)
-        try:
-            sizes = self._read_parts_batch(reply.items, parts)
-            self._other_copies(
-                owner,
-                keys,
-                reply.items,
-                sizes,
-                lambda ps, idx: self._read_parts_batch(ps, [parts[i] for i in idx]),
-            )
-            return sizes
-        finally:
-            self._post(m.ReleaseOwner(owner))
+            if self._verdict(placements[i], outcome, report=not reported):
+                sizes[i] = placements[i].size
+            reported = reported or _owner_failed(outcome)
 
     def _read_parts_batch(
         self, placements: Sequence[m.Placement], parts: Sequence[Sequence[memoryview]]
@@ -692,8 +698,6 @@ class Client(Closing):
     ) -> None:
         """One owner's share of :meth:`batch_get_into_parts`: one list of reads (one per
         part), then per object the verdicts of :meth:`_judge`."""
-        first = placements[indices[0]]
-        path = self._path(first)
         reads: list[DataOp] = []
         spans: list[tuple[int, int, Hasher]] = []  # each object's ops, reads[start:end]
         for i in indices:
@@ -704,12 +708,8 @@ class Client(Closing):
                     reads.append(ReadOp(p.segment_id, at, view, p.shm_name, running=running))
                 at += len(view)
             spans.append((start, len(reads), running))
-        try:
-            done = path.run(reads)
-        except (TransferError, PeerTimeout) as exc:
-            self._report(first, exc)
-            return
-        except KVPoolError:
+        done = self._run_reads(placements[indices[0]], reads)
+        if done is None:
             return
         outcomes: list[OpResult] = []
         for start, end, running in spans:
@@ -797,6 +797,13 @@ class Client(Closing):
             self._paths.clear()
         for path in paths:
             path.close()
+
+
+def _owner_failed(outcome: OpResult) -> bool:
+    """Whether a read met its owner's failure (unreachable, timed out), not its copy's."""
+    return isinstance(outcome, TransferError | PeerTimeout) and not isinstance(
+        outcome, ChecksumMismatch
+    )
 
 
 def _scatter_into(whole: Any, views: Sequence[memoryview]) -> None:
