@@ -162,12 +162,7 @@ class Channel(Generic[S, R]):
         if self._tls:
             self._send_tls(buffers)
             return
-        try:
-            sent = self.sock.sendmsg(buffers)
-        except BlockingIOError:
-            raise PeerTimeout("timed out sending: the peer stopped reading") from None
-        except OSError as exc:
-            raise TransferError(f"connection failed while sending: {exc}") from None
+        sent = self._sendmsg(buffers)
         if sent < len(head) + length:  # interrupted or timed out part-way: finish it
             self._send_rest([memoryview(b) for b in buffers], sent)
 
@@ -202,12 +197,17 @@ class Channel(Generic[S, R]):
                 return
             if time.monotonic() > deadline:
                 raise PeerTimeout("timed out sending: the peer reads too slowly")
-            try:
-                sent = self.sock.sendmsg(buffers)
-            except BlockingIOError:
-                raise PeerTimeout("timed out sending: the peer stopped reading") from None
-            except OSError as exc:
-                raise TransferError(f"connection failed while sending: {exc}") from None
+            sent = self._sendmsg(buffers)
+
+    def _sendmsg(self, buffers: Sequence[bytes | memoryview]) -> int:
+        """One ``sendmsg`` of ``buffers``: the bytes sent, a failure as the data plane's
+        error (a send timeout is the peer's: it stopped reading)."""
+        try:
+            return self.sock.sendmsg(buffers)
+        except BlockingIOError:
+            raise PeerTimeout("timed out sending: the peer stopped reading") from None
+        except OSError as exc:
+            raise TransferError(f"connection failed while sending: {exc}") from None
 
     # -- receiving ----------------------------------------------------------------
 
