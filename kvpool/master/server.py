@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 from aiohttp import web
 
 from kvpool.config import MasterConfig
+from kvpool.config.peer import ServeSettings
 from kvpool.core.index import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
@@ -515,8 +516,7 @@ class MasterServer:
                 ssd_path=ssd_path,
                 ssd_limit=cfg.ssd_offload_limit if ssd_path else 0,
                 names=MASTER_SETTINGS,
-                credential=self.credential,
-                tls=self.tls,
+                listen=ServeSettings(credential=self.credential, tls=self.tls),
                 warmup=cfg.segment_warmup,
             )
             self.storage.start()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kvpool.client.client import Client
 from kvpool.config import NodeConfig
+from kvpool.config.peer import ServeSettings
 from kvpool.errors import ConfigError, KVPoolError, UnknownClient
 from kvpool.node.storage import LocalStorage, RestoreEntry, restore_in_batches
 from kvpool.protocol import messages as m
@@ -120,11 +121,11 @@ class NodeService:
             config.global_segment_size,
             host=bind_host or config.local_hostname,
             data_port=data_port,
-            timeout_s=config.timeouts.transfer_timeout_ms / 1000,
             ssd_path=config.ssd_offload_path if ssd else "",
             ssd_limit=config.ssd_offload_limit if ssd else 0,
-            credential=credential,
-            tls=tls.server_context(),
+            listen=ServeSettings(
+                config.timeouts.transfer_timeout_ms / 1000, credential, tls.server_context()
+            ),
             warmup=config.segment_warmup,
         )
         self.master = Client(

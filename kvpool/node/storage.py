@@ -12,15 +12,14 @@ import contextlib
 import errno
 import logging
 import os
-import ssl
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvpool.config.peer import PLAIN_SERVE, ServeSettings
 from kvpool.core.index import Demote
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.datapath.shm import host_token
 from kvpool.errors import ChecksumMismatch, ConfigError, KVPoolError, NoSpace, ProtocolError
-from kvpool.security.credentials import Credential
 from kvpool.storage.pages import Warmth
 from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
 from kvpool.storage.ssd import SsdStore
@@ -173,16 +172,16 @@ class LocalStorage:
         data_port: int = 0,
         ssd_path: str = "",
         ssd_limit: int = 0,
-        timeout_s: float = 10.0,
         names: SettingNames = SettingNames(),
         serve: bool = True,
-        credential: Credential | None = None,
-        tls: ssl.SSLContext | None = None,
+        listen: ServeSettings = PLAIN_SERVE,
         warmup: str = "background",
     ) -> None:
         """``serve=False``: an in-process pool that never starts the data server, so no
-        port is bound for it (:meth:`start` would bind one then).  ``warmup``: when the
-        segment's pages are faulted in (:data:`~kvpool.config.values.WARMUP_MODES`)."""
+        port is bound for it (:meth:`start` would bind one then).  ``listen``: how the
+        data port admits peers (timeout, credential, TLS); it proves itself as
+        ``client_id``.  ``warmup``: when the segment's pages are faulted in
+        (:data:`~kvpool.config.values.WARMUP_MODES`)."""
         self.client_id = client_id
         self.segment_id = f"{client_id}/mem"
         self.ssd_segment_id = f"{client_id}/ssd"
@@ -190,11 +189,11 @@ class LocalStorage:
         self.server = SegmentServer(
             host,
             data_port,
-            timeout_s=timeout_s,
+            timeout_s=listen.timeout_s,
             host_token=self.host_token,
-            credential=credential,
+            credential=listen.credential,
             server_id=client_id,
-            tls=tls,
+            tls=listen.tls,
         )
         try:
             if serve:
