@@ -9,10 +9,8 @@ event loop: one slow or stopped node must not stop the master serving everyone e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import queue
-import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +20,6 @@ from kvpool.config.peer import PeerSettings
 from kvpool.core.index import Demote
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import KVPoolError
-from kvpool.security.credentials import Credential
 
 __all__ = ["NodeLinks"]
 
@@ -93,10 +90,11 @@ class NodeLinks(Closing):
     def timeout_s(self) -> float:
         return self.peer.timeout_s
 
-    def secure(self, credential: Credential | None, tls: ssl.SSLContext | None) -> None:
-        """Prove ``credential`` to each node's data port (the master holds the cluster
-        secret) and verify it with ``tls`` (None: plain TCP); before the first link."""
-        self.peer = dataclasses.replace(self.peer, credential=credential, tls=tls)
+    def secure(self, peer: PeerSettings) -> None:
+        """Dial each node's data port with ``peer`` from now on: the server knows the
+        cluster secret (proved to each node) and its TLS context (verifying it) only once
+        it starts; before the first link."""
+        self.peer = peer
 
     def _worker(self, address: str) -> _NodeWorker:
         worker = self._workers.get(address)

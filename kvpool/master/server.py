@@ -479,7 +479,10 @@ class MasterServer:
         dial = cfg.tls
         if not dial.ca and os.environ.get(ENV_CA):
             dial = dataclasses.replace(dial, ca=os.environ[ENV_CA])
-        self.service.node_copies.links.secure(self.credential, dial.client_context())
+        links = self.service.node_copies.links
+        links.secure(
+            dataclasses.replace(links.peer, credential=self.credential, tls=dial.client_context())
+        )
         listener = _listen(cfg.host, cfg.port)
         try:
             await self._start_on(listener)
