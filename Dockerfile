@@ -19,8 +19,8 @@ RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         python3 python3-venv \
         libibverbs1 ibverbs-providers librdmacm1 libnuma1 libcurl4 \
-    && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv /opt/kvpool
+    && rm -rf /var/lib/apt/lists/*
+# /opt/kvpool is the venv that kvpool runs from; each stage that runs pip makes its own
 ENV PATH=/opt/kvpool/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
@@ -29,14 +29,22 @@ ENV PATH=/opt/kvpool/bin:$PATH \
 FROM python AS wheel
 COPY pyproject.toml README.md /src/
 COPY kvpool /src/kvpool
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist /src
+RUN python3 -m venv /opt/kvpool \
+    && pip wheel --no-cache-dir --no-deps --wheel-dir /dist /src
 
-FROM python
+# Installed in a stage of its own, and only the environment copied on: a wheel copied into
+# the image's own stage stays in that layer, though a later `rm` hides it.  (Not `RUN
+# --mount=type=bind,from=wheel`: podman 4.3's buildah mounts nothing when that stage is
+# cached.)
+FROM python AS install
 ARG EXTRAS=mooncake
 COPY --from=wheel /dist /dist
-RUN pip install --no-cache-dir "$(echo /dist/kvpool-*.whl)${EXTRAS:+[$EXTRAS]}" \
-    && rm -rf /dist \
-    && kvpool --version
+RUN python3 -m venv /opt/kvpool \
+    && pip install --no-cache-dir "$(echo /dist/kvpool-*.whl)${EXTRAS:+[$EXTRAS]}"
+
+FROM python
+COPY --from=install /opt/kvpool /opt/kvpool
+RUN kvpool --version
 # Root, as the Compose file needs it: the cluster secret is a host file of mode 600
 # (kvpool refuses a wider one) that Compose mounts with its owner; the SSD tier is a host
 # folder; with `ipc: host` vLLM's processes share /dev/shm.  Another user works once those

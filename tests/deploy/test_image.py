@@ -3,9 +3,10 @@
 Every run checks what the Dockerfile's steps rely on, on this machine: what it copies is
 in the build context, the Debian packages it installs exist, and they hold every system
 library Mooncake's wheel loads (found with ldd; libcurl4 was missing once).  Where podman
-runs, a slow test builds the image for real FROM a Debian made here (mmdebstrap) and
-runs `kvpool --version`, Mooncake's import and a `kvpool master` that a client uses.
-scripts/setup.sh installs no podman: the base and the build take minutes.
+runs, a slow test builds the image for real FROM a Debian made here (mmdebstrap), checks
+that no layer ships the wheel, and runs `kvpool --version`, Mooncake's import and a
+`kvpool master` that a client uses.  scripts/setup.sh installs no podman: the base and
+the build take minutes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import tarfile
 import tomllib
 import urllib.request
 import uuid
@@ -272,6 +274,27 @@ def base_image(podman: Podman, folder: Path) -> str:
     return BASE_TAG
 
 
+def layer_files(podman: Podman, image: str, folder: Path) -> list[str]:
+    """The paths in every layer of ``image``, as a push or a save ships them: a file
+    that a later layer deletes is still in the layer that added it."""
+    saved = folder / "saved"
+    podman("image", "save", "--quiet", "--format", "oci-dir", "--output", str(saved), image,
+           timeout=300)  # fmt: skip
+    blobs = saved / "blobs" / "sha256"
+
+    def blob(digest: str) -> Path:
+        return blobs / digest.removeprefix("sha256:")
+
+    (entry,) = json.loads((saved / "index.json").read_text())["manifests"]
+    manifest = json.loads(blob(entry["digest"]).read_text())
+    names: list[str] = []
+    for layer in manifest["layers"]:
+        with tarfile.open(blob(layer["digest"])) as tar:  # compressed or not
+            names += tar.getnames()
+    shutil.rmtree(saved)  # the whole image: too big to keep in pytest's folders
+    return names
+
+
 @contextlib.contextmanager
 def container_master(podman: Podman) -> Iterator[PoolProcess]:
     """``kvpool master`` in the image, on the host's network as in Compose; a /dev/shm of
@@ -304,6 +327,9 @@ def test_image_builds_and_serves(tmp_path: Path) -> None:
     if old and old != new:  # the last run's image, superseded; its cached layers stay
         with contextlib.suppress(AssertionError):
             podman("rmi", old)
+    wheels = [n for n in layer_files(podman, IMAGE_TAG, tmp_path) if n.endswith(".whl")]
+    # Debian's python3-venv brings pip's and setuptools' wheels (/usr/share/python-wheels)
+    assert not [n for n in wheels if "kvpool-" in n], f"a layer ships the wheel: {wheels}"
 
     assert podman("run", "--rm", IMAGE_TAG, "--version").strip() == "kvpool 0.1.0"
     probe = "import mooncake.store, kvpool; print(kvpool.__file__)"
