@@ -98,6 +98,27 @@ if ! command -v etcd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
         echo "warning: could not install etcd; the HA master tests will fail" >&2
     fi
 fi
+# The Dockerfile is built and run for real (tests/deploy/test_image.py): Debian's podman,
+# runc, and mmdebstrap, which makes the test's Debian base.  podman is told to use runc:
+# it takes crun where both are installed, and crun fails on hybrid cgroups ("cgroups in
+# hybrid mode not supported"), which runc runs on.  A drop-in of our own, so that an
+# /etc/containers/containers.conf that was there before is left as it is.
+missing=()
+for pkg in podman runc mmdebstrap; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})) && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } \
+        || echo "warning: could not install ${missing[*]}; the image test will fail" >&2
+fi
+runc_conf=/etc/containers/containers.conf.d/50-kvpool-runc.conf
+if command -v podman >/dev/null 2>&1 && command -v runc >/dev/null 2>&1 && [[ ! -e "$runc_conf" ]]; then
+    if mkdir -p "${runc_conf%/*}" && printf '[engine]\nruntime = "runc"\n' >"$runc_conf"; then
+        echo "podman set to use runc ($runc_conf)"
+    else
+        echo "warning: could not write $runc_conf; podman may pick crun" >&2
+    fi
+fi
 # Another vLLM beside .venv's, in a venv of its own (the same torch CPU wheel, which pip
 # takes from its cache or PIP_FIND_LINKS: about 3 min and 3.5 GiB each, nearly all of it
 # vLLM's own dependencies).  kvpool is installed editable, as in .venv.
