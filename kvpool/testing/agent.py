@@ -28,6 +28,7 @@ from typing import IO, Any
 from kvpool.closing import Closing
 from kvpool.errors import PeerTimeout
 from kvpool.named import resolve
+from kvpool.testing import lifetime
 
 __all__ = ["STOP_S", "Agent", "Ref", "kill_group", "serve"]
 
@@ -81,7 +82,7 @@ class Agent(Closing):
         log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log")  # noqa: SIM115
         ours, theirs = mpc.Pipe()
         try:
-            proc = subprocess.Popen(
+            proc = lifetime.popen(
                 [*prefix, sys.executable, "-c", _CODE, str(theirs.fileno()), setup],
                 pass_fds=[theirs.fileno()],
                 env={**os.environ, **env},

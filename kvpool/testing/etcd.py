@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool.closing import Closing
+from kvpool.testing import lifetime
 
 __all__ = ["EtcdCluster", "EtcdMember", "etcd_binary", "free_port"]
 
@@ -78,7 +79,7 @@ class EtcdMember(Closing):
         ]  # fmt: skip
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = lifetime.popen(argv, stdout=log, stderr=subprocess.STDOUT)
         return self
 
     def healthy(self) -> bool:

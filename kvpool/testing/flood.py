@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvpool.net import split_address
 from kvpool.security.handshake import AUTH_MAGIC
+from kvpool.testing import lifetime
 
 __all__ = ["Flood", "FloodProcess", "main"]
 
@@ -96,7 +97,7 @@ class FloodProcess:
     ) -> None:
         argv = [*addresses, "--idle", str(idle), "--slow", str(slow), "--seconds", "300"]
         argv += ["--http"] if http else []
-        self.proc = subprocess.Popen(
+        self.proc = lifetime.popen(
             [sys.executable, "-m", "kvpool.testing.flood", *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

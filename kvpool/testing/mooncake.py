@@ -25,6 +25,7 @@ from typing import Any
 from kvpool.closing import Closing
 from kvpool.mooncake.wheel import INSTALL_HINT, wheel_dir
 from kvpool.net import http_get
+from kvpool.testing import lifetime
 from kvpool.testing.agent import Agent, Ref, kill_group
 
 __all__ = [
@@ -127,7 +128,7 @@ class MooncakeMaster:
         ]
         self.log_path = log_path or os.devnull
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = lifetime.popen(argv, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ready_timeout_s
         while not (
             master_up(self.metrics_address, self.rpc_address)
@@ -213,7 +214,7 @@ class Namespace(Closing):
         """Start ``argv`` inside the namespace in a session of its own; :meth:`close`
         kills its process group if it is still there (a test that failed halfway)."""
         self.run("os:getpid")  # the namespace is still there
-        proc = subprocess.Popen(self.command(*argv), start_new_session=True, **kwargs)
+        proc = lifetime.popen(self.command(*argv), start_new_session=True, **kwargs)
         self._started.append(proc)
         return proc
 

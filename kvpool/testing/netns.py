@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.closing import Closing
+from kvpool.testing import lifetime
 from kvpool.testing.agent import Agent, kill_group
 
 __all__ = [
@@ -147,7 +148,7 @@ class Topology(Closing):
     def popen(self, host: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         """Start ``argv`` on ``host`` in a session of its own; :meth:`close` kills its
         process group if it is still there."""
-        proc = subprocess.Popen(self.command(host, *argv), start_new_session=True, **kwargs)
+        proc = lifetime.popen(self.command(host, *argv), start_new_session=True, **kwargs)
         self._started.append(proc)
         return proc
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool.closing import Closing
+from kvpool.testing import lifetime
 
 __all__ = [
     "PoolProcess",
@@ -49,7 +50,7 @@ class PoolProcess(Closing):
         self.argv = argv
         full_env = dict(os.environ, **(env or {}))
         full_env.setdefault("PYTHONUNBUFFERED", "1")
-        self.proc = subprocess.Popen(
+        self.proc = lifetime.popen(
             [*(program or (sys.executable, "-m", "kvpool")), *argv],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
