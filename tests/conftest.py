@@ -17,11 +17,12 @@ by rewriting node ids, which pytest 9 no longer reads: its groups are silently i
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
 
-from kvpool.testing import shm
+from kvpool.testing import lifetime, shm
 
 # folders under tests/ → their unit of work
 HEAVY = {"e2e": "vllm", "bench": "stacks", "multihost": "stacks", "soak": "stacks"}
@@ -75,6 +76,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     folder's conftest is never loaded in it.  Each worker wrote its file under its own
     basetemp, a folder of this one (one process: the file is in this one)."""
     base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    if config.stash.get(_SWEPT, None):
+        terminalreporter.section("processes left by an earlier, killed run (killed)")
+        terminalreporter.write_line(" ".join(map(str, config.stash[_SWEPT])))
     if config.stash.get(_SHM_LEFT, None):
         terminalreporter.section("/dev/shm: files that appeared during the run", red=True)
         for line in config.stash[_SHM_LEFT]:
@@ -87,6 +91,28 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         terminalreporter.section("multi-host: time to detect and to recover (s)")
         for scenario, numbers in timings.items():
             terminalreporter.write_line(f"{scenario}: {json.dumps(numbers)}")
+
+
+# ------------------------------------------------------------------ no orphans
+# Every process of the run (pytest, each xdist worker) marks what it starts, however it
+# starts it (kvpool.testing.lifetime); children started through lifetime.popen also get
+# SIGTERM when it dies.  A run killed from outside (a CI time-out, SIGKILL) can still leave
+# a grandchild or a hung child: the next run kills those at its start, by PID, and lists
+# them.
+_SWEPT = pytest.StashKey[list[int]]()
+_MARK_BEFORE = pytest.StashKey[str | None]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_MARK_BEFORE] = lifetime.claim()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    before = config.stash.get(_MARK_BEFORE, None)
+    if before is None:
+        os.environ.pop(lifetime.MARK, None)
+    else:
+        os.environ[lifetime.MARK] = before
 
 
 # ------------------------------------------------------------------ /dev/shm, as found
@@ -105,6 +131,8 @@ _SHM_LEFT = pytest.StashKey[list[str]]()
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if _runs_the_session(session.config):
+        # before the snapshot: what the leftovers held is then not this run's
+        session.config.stash[_SWEPT] = lifetime.sweep()
         session.config.stash[_SHM_BEFORE] = shm.snapshot()
 
 

@@ -72,6 +72,7 @@ _INTERNAL = {
     "KVPOOL_HOST_NETNS": "bench/ and kvpool.testing mark the namespace a child runs in",
     "KVPOOL_ERROR": "the wire code of KVPoolError (kvpool/errors.py), not a variable",
     "KVPOOL_CONNECTORS": "a constant's name in kvpool.ops.kvconfig, not a variable",
+    "KVPOOL_TEST_RUN": "kvpool.testing.lifetime marks what a test run starts",
 }
 
 
