@@ -35,6 +35,7 @@ import yaml
 from kvpool.client.client import Client
 from kvpool.net import free_port
 from kvpool.security.credentials import Credential
+from kvpool.testing import lifetime
 from kvpool.testing.processes import PoolProcess, start_master
 from tests.deploy.doc_commands import bash, for_this_master, kvpool_on_path
 from tests.deploy.grafana import dashboard, exprs
@@ -68,7 +69,7 @@ class Prometheus:
         executable = prometheus_path()
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log: BinaryIO = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
+        self.proc = lifetime.popen(
             [
                 executable,
                 f"--config.file={config}",

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from kvpool.net import free_port
+from kvpool.testing import lifetime
 from tests.docs.blocks import ROOT, doc_block
 from tests.waiting import wait_until
 
@@ -64,7 +65,7 @@ def test_the_pool_alone_answers_the_guides_check_status_and_the_client(tmp_path:
     # The master and status lines name no port (they take the default): the port is the one
     # flag the test adds to each.  The master runs in the background, as in a second shell.
     with log.open("w") as out:
-        master = subprocess.Popen(
+        master = lifetime.popen(
             [*shlex.split(serve, comments=True), "--port", port],
             cwd=ROOT, env=_fresh_shell_env(), stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvpool.ops.up.tiny_model import build_tiny_model
-from kvpool.testing import processes, shm
+from kvpool.testing import lifetime, processes, shm
 from kvpool.testing.agent import kill_group
 from kvpool.testing.processes import PoolProcess
 
@@ -95,8 +95,8 @@ def run_offline(tmp_path_factory: pytest.TempPathFactory) -> RunOffline:
         spec_path = workdir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         argv = [sys.executable, "-m", "tests.e2e.vllm_offline", str(spec_path)]
-        proc = subprocess.run(
-            argv if enter is None else enter(*argv),
+        proc = subprocess.run(  # tied: a killed run does not leave it computing
+            lifetime.tie(argv if enter is None else enter(*argv)),
             cwd=REPO,
             env=vllm_env(env),
             capture_output=True,
@@ -196,7 +196,7 @@ def start_vllm_server(
     full_env.update(env or {})
     before = shm.snapshot()
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(
+        proc = lifetime.popen(
             args,
             cwd=REPO,
             env=full_env,

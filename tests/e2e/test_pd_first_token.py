@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from kvpool.ops.up.tiny_model import sample_text
+from kvpool.testing import lifetime
 from tests.e2e.conftest import Master, start_master
 from tests.e2e.test_pd_transfer import (
     GUIDE_DECODE,
@@ -61,7 +62,7 @@ def _start_proxy(
     port = _free_port()
     log = stack_logs / f"{name}.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(
+        proc = lifetime.popen(
             [sys.executable, "-m", "kvpool", "proxy", "--host", "127.0.0.1",
              "--port", str(port), "--prefill", p.url, "--decode", d.url, *flags],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,

@@ -35,7 +35,7 @@ import pytest
 
 from kvpool.connectors.vllm_compat import HIT_SOURCE_P2P
 from kvpool.ops.up.tiny_model import sample_text
-from kvpool.testing import shm
+from kvpool.testing import lifetime, shm
 from kvpool.testing.agent import kill_group
 from tests.e2e.conftest import Master, start_master
 
@@ -262,7 +262,7 @@ def start_server(
     }
     before = shm.snapshot()
     with log.open("wb") as out:
-        proc = subprocess.Popen(
+        proc = lifetime.popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     server = Server(name, port, proc, log, str(model), before)
@@ -518,7 +518,7 @@ def test_kvpool_proxy_streams_the_pairs_answer(pd: PDPair, reference: dict[str, 
     port = _free_port()
     log = pd.logs / "proxy.log"
     with log.open("wb") as out:
-        proxy = subprocess.Popen(
+        proxy = lifetime.popen(
             [
                 sys.executable,
                 "-m",

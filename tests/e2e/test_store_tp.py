@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from kvpool.ops.up.tiny_model import build_tiny_mla_model, sample_text
-from kvpool.testing import shm
+from kvpool.testing import lifetime, shm
 from kvpool.testing.agent import kill_group
 from kvpool.testing.processes import PoolProcess
 from tests.e2e.conftest import REPO, RESULT_MARK, vllm_env
@@ -58,7 +58,7 @@ def run_engine(spec: dict[str, Any], workdir: Path, env: dict[str, str]) -> tupl
     log_path = workdir / "log.txt"
     before = shm.snapshot()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(
+        proc = lifetime.popen(
             [sys.executable, "-m", "tests.e2e.vllm_offline", str(spec_path)],
             cwd=REPO,
             env=vllm_env(env),

@@ -51,6 +51,7 @@ from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
 from kvpool.ops.doctor.checks import Status
 from kvpool.ops.render import parse_inventory, render
 from kvpool.ops.up.tiny_model import sample_text
+from kvpool.testing import lifetime
 from tests.e2e.conftest import Master, start_master
 from tests.e2e.test_pd_transfer import (
     GUIDE_DECODE,
@@ -158,7 +159,7 @@ def _launch(
         "KVPOOL_TRANSFER_TIMEOUT_MS": "120000",
     }
     with log.open("wb") as out:
-        proc = subprocess.Popen(
+        proc = lifetime.popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     COMMANDS[str(log)] = shlex.join(cmd)
@@ -189,7 +190,7 @@ def _start_proxy(prefill: Server, decode: Server, logs: Path) -> Server:
         "--prefill", prefill.url, "--decode", decode.url,
     ]  # fmt: skip
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = lifetime.popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     proxy = Server("proxy", port, proc, log, decode.model_name)
     deadline = time.monotonic() + 60
     while True:

@@ -28,6 +28,7 @@ import pytest
 
 from kvpool.ops.up.lifecycle import STATE_FILE
 from kvpool.ops.up.tiny_model import sample_text
+from kvpool.testing import lifetime
 from tests.e2e.test_up_stack import _stop_up, descendants, still_alive
 from tests.ops.up.helpers import metric, ns_http, unshared
 from tests.waiting import wait_until
@@ -109,7 +110,7 @@ def test_up_engine_mooncake_serves_hits_the_pool_and_stops_clean(
     argv += ["--start-timeout", str(START_TIMEOUT_S)]
     for flag in ("master", "metrics", "proxy", "prefill", "decode", "prefill-kv", "decode-kv"):
         argv += [f"--{flag}-port", "0"]
-    up = subprocess.Popen(
+    up = lifetime.popen(
         unshared(argv),
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -36,6 +36,7 @@ import pytest
 from kvpool.ops.up.lifecycle import STATE_FILE
 from kvpool.ops.up.plan import CHAT_TEMPLATE
 from kvpool.ops.up.tiny_model import sample_text
+from kvpool.testing import lifetime
 from tests.docs.blocks import doc_block
 from tests.ops.up.helpers import up_argv
 from tests.waiting import wait_until
@@ -269,7 +270,7 @@ def _stop_up(proc: subprocess.Popen[str], reader: threading.Thread) -> None:
 
 
 def _start_up(argv: list[str]) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
-    proc = subprocess.Popen(
+    proc = lifetime.popen(
         argv,
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -25,6 +25,7 @@ import pytest
 from kvpool.client.client import Client
 from kvpool.errors import ObjectNotFound
 from kvpool.master.status_page import PAGE_PATH, page_html
+from kvpool.testing import lifetime
 from kvpool.testing.processes import PoolProcess, start_master
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ class Browser:
         self.profile = tmp / "chromium-profile"
         self.profile.mkdir()
         self.log = open(tmp / "chromium.log", "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
+        self.proc = lifetime.popen(
             [executable, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
             stdout=self.log,
             stderr=subprocess.STDOUT,

@@ -29,6 +29,7 @@ from kvpool.ops.up.lifecycle import STATE_FILE, run
 from kvpool.ops.up.options import UpOptions, options_from_args
 from kvpool.ops.up.plan import make_plan, planned_ports, ready_text
 from kvpool.ops.up.supervisor import Supervisor
+from kvpool.testing import lifetime
 from tests.ops.up.helpers import REPO, gone, metric, ns_http, unshared
 from tests.waiting import wait_until
 
@@ -200,7 +201,7 @@ def test_up_no_vllm_runs_mooncake_master_in_a_namespace_and_stops_it(tmp_path: P
     state = tmp_path / "state"
     argv = [sys.executable, "-m", "kvpool", "up", "--engine", "mooncake", "--no-vllm"]
     argv += ["--state-dir", str(state), "--master-port", "0", "--metrics-port", "0"]
-    up = subprocess.Popen(
+    up = lifetime.popen(
         unshared(argv),
         cwd=REPO,
         stdout=subprocess.PIPE,

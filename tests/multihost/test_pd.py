@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from kvpool.ops.up.tiny_model import build_tiny_model, sample_text
+from kvpool.testing import lifetime
 from kvpool.testing.agent import Agent
 from kvpool.testing.netns import Topology
 from tests.e2e.conftest import vllm_env
@@ -89,7 +90,7 @@ class Stack:
 def _reference(model: Path, prompts: list[str]) -> subprocess.Popen[str]:
     env = vllm_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0"})
     argv = [sys.executable, "-c", _REFERENCE, str(model), str(MAX_TOKENS), json.dumps(prompts)]
-    return subprocess.Popen(
+    return lifetime.popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
 

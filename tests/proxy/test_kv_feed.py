@@ -18,6 +18,7 @@ from kvpool.proxy.block_index import BlockIndex, content_keys
 from kvpool.proxy.kv_feed import EventSource, KvFeed, Sequencer, parse_event_source
 from kvpool.proxy.metrics import ProxyMetrics
 from kvpool.proxy.routing import Upstream
+from kvpool.testing import lifetime
 from tests.proxy.harness import REPO, run
 
 URL = "http://127.0.0.1:1"
@@ -145,7 +146,7 @@ class Publisher:
 
     def __init__(self, endpoint: str, replay: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_NO_USAGE_STATS": "1"}
-        self.proc = subprocess.Popen(
+        self.proc = lifetime.popen(
             [sys.executable, "-W", "ignore", "-m", "tests.proxy.vllm_publisher", endpoint, replay],
             cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip

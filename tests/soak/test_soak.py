@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 
 from kvpool.net import http_get
+from kvpool.testing import lifetime
 from kvpool.testing.processes import PoolProcess, start_master, start_node
 from tests.waiting import wait_until
 
@@ -134,7 +135,7 @@ def start_clients(
             f"--stop-file={stop_file}",
             f"--out={out}",
         ]
-        proc = subprocess.Popen(
+        proc = lifetime.popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
         )
         clients.append((proc, out))

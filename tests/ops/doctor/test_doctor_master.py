@@ -16,6 +16,7 @@ from kvpool.net import http_get
 from kvpool.ops.doctor import DoctorOptions, format_text, probes, run_doctor
 from kvpool.ops.doctor.checks import Status
 from kvpool.ops.render import parse_inventory, render, write_rendered
+from kvpool.testing import lifetime
 from tests.ops.helpers import MLA_MODEL, free_port_range
 
 
@@ -33,7 +34,7 @@ def real_master(tmp_path: Path) -> Iterator[str]:
         "--segment_size",
         "16MiB",
     ]
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    proc = lifetime.popen(argv, stdout=log, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

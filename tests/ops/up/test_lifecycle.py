@@ -17,6 +17,7 @@ from rich.console import Console
 
 from kvpool.ops.up.lifecycle import STATE_FILE, run
 from kvpool.ops.up.options import UpOptions
+from kvpool.testing import lifetime
 from tests.docs.blocks import doc_block
 from tests.ops.up.helpers import REPO, gone, up_argv
 from tests.waiting import wait_until
@@ -53,7 +54,7 @@ PYTHON_UP = (sys.executable, "-m", "kvpool", "up")
 
 
 def start_up(*flags: str, command: Sequence[str] = PYTHON_UP) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return lifetime.popen(
         [*command, *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
