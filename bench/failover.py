@@ -142,7 +142,7 @@ def leads(master: PoolProcess) -> bool:
 
     with Client(master.address) as c:
         who = c.link.call(m.WhoLeads())
-    return isinstance(who, m.Leadership) and who.role == "leader"
+    return isinstance(who, m.LeaderInfo) and who.role == "leader"
 
 
 def single_rounds(rounds: int, work: Path) -> list[tuple[float, int, int]]:

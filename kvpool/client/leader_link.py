@@ -142,7 +142,7 @@ class LeaderLink:
             who = link.call(m.WhoLeads())
         except KVPoolError:
             who = None
-        if isinstance(who, m.Leadership) and who.role == "leader" and who.epoch >= self.epoch:
+        if isinstance(who, m.LeaderInfo) and who.role == "leader" and who.epoch >= self.epoch:
             return  # warming up: the same master, again shortly
         self._lost(address, "it does not lead")
 
@@ -188,7 +188,7 @@ class LeaderLink:
                 with self._lock:
                     self._down[address] = time.monotonic() + DOWN_S
                 continue
-            if not isinstance(who, m.Leadership):
+            if not isinstance(who, m.LeaderInfo):
                 continue
             if who.role in ("leader", "single"):
                 if who.epoch < self.epoch:

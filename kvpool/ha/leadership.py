@@ -83,10 +83,10 @@ class Leadership:
     def warm(self, now: float) -> bool:
         return not self.warming or now >= self.warm_until
 
-    def who(self, now: float) -> m.Leadership:
+    def who(self, now: float) -> m.LeaderInfo:
         role = self.role if self.role != "leader" or self.leading(now) else "gone"
         leader = self.leader if role in ("single", "leader", "standby") else ""
-        return m.Leadership(
+        return m.LeaderInfo(
             role,
             self.epoch,
             leader,

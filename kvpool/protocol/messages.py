@@ -26,7 +26,7 @@ __all__ = [
     "Get",
     "Heartbeat",
     "HeartbeatReply",
-    "Leadership",
+    "LeaderInfo",
     "MasterReply",
     "MasterRequest",
     "Ok",
@@ -60,7 +60,7 @@ __all__ = [
 #     PutStart → Placement ; PutEnd ; PutRevoke        two-phase write
 #     Get → Placement (with a read lease) ; Release    read
 #     Exists / BatchExists / PrefixLookup              probes: never lease
-#     WhoLeads → Leadership                            which master leads (any answers)
+#     WhoLeads → LeaderInfo                            which master leads (any answers)
 #     Remove ; Pin ; ReleaseOwner                      holds and removal
 #     ReportFailure                                    a transfer to a segment failed
 #     ReportCorrupt                                    a copy failed its checksum
@@ -294,7 +294,9 @@ class WhoLeads(msgspec.Struct, frozen=True, tag=True):
     each new connection and after every ``NOT_LEADER`` refusal."""
 
 
-class Leadership(msgspec.Struct, frozen=True, tag=True):
+# Its wire tag keeps the name it was first sent under; the class is named apart from
+# kvpool.ha.leadership.Leadership, the master's own gate that answers with it.
+class LeaderInfo(msgspec.Struct, frozen=True, tag="Leadership"):
     """A master's answer to :class:`WhoLeads`."""
 
     role: str  # "leader", "standby", or "single" (no election: it always leads)
@@ -339,7 +341,7 @@ MasterReply = (
     | Count
     | StatsReply
     | Ok
-    | Leadership
+    | LeaderInfo
     | Error
 )
 

@@ -34,10 +34,10 @@ def ha_master(etcd: EtcdCluster, *flags: str) -> PoolProcess:
     )  # fmt: skip
 
 
-def who(address: str) -> m.Leadership:
+def who(address: str) -> m.LeaderInfo:
     with Client(address) as client:
         reply = client.link.call(m.WhoLeads())
-    assert isinstance(reply, m.Leadership)
+    assert isinstance(reply, m.LeaderInfo)
     return reply
 
 

@@ -16,7 +16,7 @@ def refused(reply: object) -> bool:
 def test_a_single_master_always_serves_and_says_it_leads() -> None:
     gate = Leadership("10.0.0.1:50088")
     assert gate.answer(PUT, 0.0) is None
-    assert gate.answer(m.WhoLeads(), 0.0) == m.Leadership(
+    assert gate.answer(m.WhoLeads(), 0.0) == m.LeaderInfo(
         "single", 0, "10.0.0.1:50088", "10.0.0.1:50088"
     )
 
@@ -29,7 +29,7 @@ def test_a_standby_refuses_all_but_who_leads_and_names_the_leader() -> None:
     reply = gate.answer(PUT, 0.0)
     assert refused(reply) and "the leader is a:1" in reply.message  # type: ignore[union-attr]
     who = gate.answer(m.WhoLeads(), 0.0)
-    assert who == m.Leadership("standby", 7, "a:1", "b:1", standbys=["b:1"])
+    assert who == m.LeaderInfo("standby", 7, "a:1", "b:1", standbys=["b:1"])
 
 
 def test_a_leader_serves_only_until_its_lease_and_never_after_losing_it() -> None:
