@@ -15,6 +15,7 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import PurePath
+from types import MappingProxyType
 from typing import Any
 
 from kvpool.config.values import (
@@ -29,21 +30,32 @@ from kvpool.config.values import (
     parse_warmup,
     require_str,
 )
-from kvpool.core.eviction import EVICTION_POLICIES, EVICTION_POLICY_ALIASES
-from kvpool.core.objects import MAX_REPLICAS
 from kvpool.errors import ConfigError
 from kvpool.security.tls import TLSConfig
 
-_ALIAS_OF = {policy: alias for alias, policy in EVICTION_POLICY_ALIASES.items()}
+# What --eviction_policy and --replica_num accept.  Named here, not imported: config sits
+# below core (docs/architecture.md), and tests/config/test_master.py holds these equal to
+# the policies kvpool.core.eviction builds and kvpool.core.objects.MAX_REPLICAS.
+#: the eviction policies, by the names --eviction_policy takes
+POLICY_FLAG_VALUES = ("lru", "prefix_aware", "s3fifo", "s3fifo_tree", "arc", "arc_tree")
+#: --eviction_policy values that are not a policy's own name, and the policy each means
+POLICY_FLAG_ALIASES: Mapping[str, str] = MappingProxyType({"default": "prefix_aware"})
+#: the most copies --replica_num may ask for
+REPLICA_FLAG_MAX = 8
+
+_ALIAS_OF = {policy: alias for alias, policy in POLICY_FLAG_ALIASES.items()}
 # the --eviction_policy values, each alias beside the policy it means
 _POLICY_CHOICES = ", ".join(
-    f"{n} (alias: {_ALIAS_OF[n]})" if n in _ALIAS_OF else n for n in EVICTION_POLICIES
+    f"{n} (alias: {_ALIAS_OF[n]})" if n in _ALIAS_OF else n for n in POLICY_FLAG_VALUES
 )
 
 __all__ = [
     "MASTER_FLAGS",
     "MOONCAKE_MASTER_DEFAULTS",
     "MOONCAKE_MASTER_FIELDS",
+    "POLICY_FLAG_ALIASES",
+    "POLICY_FLAG_VALUES",
+    "REPLICA_FLAG_MAX",
     "Flag",
     "MasterCommand",
     "MasterConfig",
@@ -224,15 +236,15 @@ class MasterConfig:
             raise ConfigError("--default_kv_lease_ttl: must be positive milliseconds (e.g. 11000)")
         if self.client_ttl <= 0:
             raise ConfigError("--client_ttl: must be positive seconds (e.g. 120)")
-        if not 1 <= self.replica_num <= MAX_REPLICAS:
+        if not 1 <= self.replica_num <= REPLICA_FLAG_MAX:
             raise ConfigError(
-                f"--replica_num: must be 1 to {MAX_REPLICAS} copies, got {self.replica_num}"
+                f"--replica_num: must be 1 to {REPLICA_FLAG_MAX} copies, got {self.replica_num}"
             )
         if self.segment_size < 0 or self.ssd_offload_limit <= 0:
             raise ConfigError("--segment_size/--ssd_offload_limit: must be positive sizes")
         parse_warmup(self.segment_warmup, key="--segment_warmup")
         self._check_ha()
-        if self.eviction_policy not in (*EVICTION_POLICIES, *EVICTION_POLICY_ALIASES):
+        if self.eviction_policy not in (*POLICY_FLAG_VALUES, *POLICY_FLAG_ALIASES):
             raise ConfigError(
                 f"--eviction_policy: unknown {self.eviction_policy!r}; use one of {_POLICY_CHOICES}"
             )

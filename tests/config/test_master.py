@@ -9,13 +9,19 @@ from kvpool.config import (
     MasterConfig,
     parse_node_config,
 )
-from kvpool.config.master import MASTER_FLAGS
+from kvpool.config.master import (
+    MASTER_FLAGS,
+    POLICY_FLAG_ALIASES,
+    POLICY_FLAG_VALUES,
+    REPLICA_FLAG_MAX,
+)
 from kvpool.core.eviction import (
     EVICTION_POLICIES,
     EVICTION_POLICY_ALIASES,
     canonical_eviction_policy,
     make_eviction_policy,
 )
+from kvpool.core.objects import MAX_REPLICAS
 from kvpool.errors import ConfigError
 
 
@@ -124,6 +130,14 @@ def test_every_eviction_policy_and_alias_is_a_master_flag_value() -> None:
         assert make_eviction_policy(config.eviction_policy).name == (
             canonical_eviction_policy(name)
         )
+
+
+def test_the_flags_name_what_the_core_implements() -> None:
+    """config names the policies and the replica limit itself (it sits below core): the
+    names must stay the core's, no more and no fewer."""
+    assert POLICY_FLAG_VALUES == EVICTION_POLICIES
+    assert dict(POLICY_FLAG_ALIASES) == dict(EVICTION_POLICY_ALIASES)
+    assert REPLICA_FLAG_MAX == MAX_REPLICAS
 
 
 def test_flags_that_would_do_nothing_are_named_in_warnings() -> None:
