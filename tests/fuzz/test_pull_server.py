@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpool.config.peer import PeerSettings
 from kvpool.connectors.transfer.jobs import HoldJob, TransferJobs
-from kvpool.connectors.transfer.tcp import TcpTransport
+from kvpool.connectors.transfer.tcp import TcpPullTransport
 from kvpool.connectors.transfer.worker import TransferWorker
 from kvpool.datapath.framing import deadline_after
 from kvpool.protocol.pull import PULL_REPLY_CODEC, PULL_REQUEST_CODEC, Pull, PullDone
@@ -71,7 +72,7 @@ def assert_prefill_serves(
     request = f"p-probe-{next(_requests)}"
     worker.submit(TransferJobs(holds=[HoldJob(request, (3, 1))]))
     d_caches, d_kv = caches(HEADS, seed=None)
-    transport = TcpTransport(transfer_timeout_s=10)
+    transport = TcpPullTransport(PeerSettings(10))
     transport.register(d_caches)
     page_bytes = PAGE_BYTES
     pull = Pull(request, [3, 1], 0, HEADS, list(LAYERS), 0, 1, page_bytes, "group-a")

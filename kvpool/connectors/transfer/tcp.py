@@ -1,7 +1,7 @@
 """kvpool's TCP transport for P→D pulls: the default :class:`~.transport.KVTransport`.
 
 The pages ride the pull connection itself (:mod:`kvpool.protocol.pull`; the connection,
-the handshake and the requests are :mod:`.kv_port`'s).  P answers an admitted pull with
+the handshake and the requests are :mod:`.pull_port`'s).  P answers an admitted pull with
 each layer's page slices, sent straight from the KV caches with ``sendall`` of a
 memoryview; D receives them with ``recv_into`` straight into its KV caches.  No staging
 copy on either side: one page slice is contiguous in both caches (caches in device memory
@@ -16,8 +16,9 @@ import time
 from collections.abc import Sequence
 
 from kvpool.closing import Closing
+from kvpool.config.peer import PeerSettings
 from kvpool.connectors.pages import CacheSet, PagedCaches
-from kvpool.connectors.transfer.kv_port import PullListener, dial
+from kvpool.connectors.transfer.pull_port import PullPort
 from kvpool.connectors.transfer.transport import PullHandler
 from kvpool.datapath.framing import recv_exactly_into, recv_frame, send_frame
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
@@ -30,60 +31,51 @@ from kvpool.protocol.pull import (
     PullDone,
     Refused,
 )
-from kvpool.security.credentials import Credential
 
-__all__ = ["TcpLink", "TcpTransport"]
+__all__ = ["TcpPullLink", "TcpPullTransport"]
 
 
-class TcpTransport:
-    """Pulls over plain TCP sockets, one thread per decode connection on P."""
+class TcpPullTransport:
+    """P→D pulls over plain TCP sockets, one thread per decode connection on P (not the
+    data plane's :class:`kvpool.datapath.transport.TcpTransport`)."""
 
     name = "tcp"
 
-    def __init__(
-        self,
-        *,
-        transfer_timeout_s: float,
-        credential: Credential | None = None,
-        client_id: str = "decode",
-    ) -> None:
-        # with a credential every connection opens with the handshake (.auth)
-        self._credential = credential
-        self._client_id = client_id
+    def __init__(self, peer: PeerSettings) -> None:
+        # with a credential every connection opens with the handshake (.pull_port)
         self._caches: PagedCaches | CacheSet | None = None
-        self._listener = PullListener(
+        self._port = PullPort(
             requests=PULL_REQUEST_CODEC,
             replies=PULL_REPLY_CODEC,
-            timeout_s=transfer_timeout_s,
-            credential=credential,
+            peer=peer,
             move=self._send_pages,
         )
 
     @property
     def refused_auth(self) -> int:
         """Decode connections refused for their credential."""
-        return self._listener.refused_auth
+        return self._port.refused_auth
 
     def register(self, caches: PagedCaches | CacheSet) -> None:
         self._caches = caches
 
     def close(self) -> None:
-        self._listener.close()
+        self._port.close()
 
     # -- D ---------------------------------------------------------------------------
 
-    def connect(self, host: str, port: int, timeout_s: float) -> TcpLink:
+    def connect(self, host: str, port: int, timeout_s: float) -> TcpPullLink:
         if self._caches is None:
             raise TransferError("KV caches are not registered yet")
-        sock = dial(host, port, timeout_s, self._credential, self._client_id)
-        return TcpLink(sock, self._caches)
+        sock = self._port.dial(host, port, timeout_s)
+        return TcpPullLink(sock, self._caches)
 
     # -- P ---------------------------------------------------------------------------
 
     def serve(self, host: str, port: int, handler: PullHandler) -> None:
         if self._caches is None:
             raise TransferError("KV caches are not registered yet")
-        self._listener.start(host, port, handler)
+        self._port.listen(host, port, handler)
 
     def _send_pages(self, conn: socket.socket, pull: Pull, deadline: float) -> int:
         """P's side of an admitted pull: each layer's header, then its page slices."""
@@ -99,7 +91,7 @@ class TcpTransport:
         return layer_bytes * len(pull.layers)
 
 
-class TcpLink(Closing):
+class TcpPullLink(Closing):
     """One D → P connection; a context manager that closes the socket."""
 
     def __init__(self, sock: socket.socket, caches: PagedCaches | CacheSet) -> None:

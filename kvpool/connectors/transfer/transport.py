@@ -2,9 +2,9 @@
 
 The transfer worker decides *what* moves (which request, blocks and heads, from which P
 rank); a :class:`KVTransport` moves it.  kvpool's TCP (:mod:`.tcp`) is the default;
-Mooncake's Transfer Engine (:mod:`kvpool.mooncake.transport`: RDMA, or the engine's own
-TCP) is the other, chosen by the node config's ``protocol`` and ``transport``
-(:func:`make_transport`).
+Mooncake's Transfer Engine (:mod:`.engine`: RDMA, or the engine's own TCP) is the other,
+chosen by the node config's ``protocol`` and ``transport`` (:func:`make_transport`).
+Both run their connections on one :class:`~.pull_port.PullPort`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Protocol
 
 from kvpool.config.fabrics import ENGINE_PROTOCOLS, TRANSPORT_ENGINE, TRANSPORT_KVPOOL
 from kvpool.config.kv_transfer import TransferConfig
+from kvpool.config.peer import PeerSettings
 from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.errors import ConfigError, TransferError
-from kvpool.named import resolve
 from kvpool.protocol.pull import Pull, PullDone
 from kvpool.security.credentials import Credential
 
@@ -85,7 +85,8 @@ class KVTransport(Protocol):
     - :meth:`PeerLink.close`, :meth:`close`.
 
     With a credential, each transport opens every ``kv_port`` connection with the pool's
-    handshake (:mod:`kvpool.security.kv_port`), before the first pull frame.
+    handshake (:mod:`kvpool.security.kv_port`), before the first pull frame
+    (:mod:`.pull_port`, shared by both).
 
     Rules every transport keeps: every wait is bounded (a deadline or the configured
     timeouts), a refusal by P surfaces on D as :class:`~kvpool.errors.TransferError`
@@ -108,37 +109,31 @@ class KVTransport(Protocol):
     def close(self) -> None: ...
 
 
-def _client_id(config: TransferConfig) -> str:
-    return f"decode {config.engine_id}" if config.engine_id else "decode"
+def _peer(config: TransferConfig, credential: Credential | None) -> PeerSettings:
+    """How this rank's pull port answers and dials: the transfer timeout bounds each
+    exchange, and a D proves its credential as its engine's decode."""
+    client_id = f"decode {config.engine_id}" if config.engine_id else "decode"
+    return PeerSettings(config.transfer_timeout_ms / 1000, credential, client_id)
 
 
+# Each is imported when chosen: the implementations import this module's interface, and
+# the Transfer Engine's pulls import the ``mooncake`` wheel only when the caches are
+# registered (kvpool.mooncake.mover).
 def _tcp(config: TransferConfig, credential: Credential | None) -> KVTransport:
-    # Imported when chosen: the implementation imports this module's interface.
-    from kvpool.connectors.transfer.tcp import TcpTransport
+    from kvpool.connectors.transfer.tcp import TcpPullTransport
 
-    return TcpTransport(
-        transfer_timeout_s=config.transfer_timeout_ms / 1000,
-        credential=credential,
-        client_id=_client_id(config),
-    )
-
-
-#: Mooncake's Transfer Engine transport, by name: kvpool.mooncake plugs into this module
-#: (it imports the interface above), so it is imported only when chosen, and the
-#: ``mooncake`` wheel itself only when the caches are registered
-ENGINE_TRANSPORT = "kvpool.mooncake.transport:EngineTransport"
+    return TcpPullTransport(_peer(config, credential))
 
 
 def _engine(config: TransferConfig, credential: Credential | None) -> KVTransport:
-    transport: KVTransport = resolve(ENGINE_TRANSPORT)(
+    from kvpool.connectors.transfer.engine import EngineTransport
+
+    return EngineTransport(
         hostname=config.kv_host,
         protocol=config.protocol,
         device_name=config.device_name,
-        transfer_timeout_s=config.transfer_timeout_ms / 1000,
-        credential=credential,
-        client_id=_client_id(config),
+        peer=_peer(config, credential),
     )
-    return transport
 
 
 # (transport, protocol) -> factory; a new fabric is one more entry (and the node config's

@@ -16,8 +16,9 @@ import pytest
 
 from kvpool.config.kv_transfer import TransferConfig
 from kvpool.connectors.pages import PagedCaches
+from kvpool.connectors.transfer.engine import EngineTransport
 from kvpool.connectors.transfer.jobs import HoldJob, ReleaseJob, TransferJobs
-from kvpool.connectors.transfer.tcp import TcpTransport
+from kvpool.connectors.transfer.tcp import TcpPullTransport
 from kvpool.connectors.transfer.transport import (
     TRANSPORTS,
     PeerUnreachable,
@@ -26,7 +27,6 @@ from kvpool.connectors.transfer.transport import (
 )
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 from kvpool.errors import ConfigError, TransferError
-from kvpool.mooncake.transport import EngineTransport
 from kvpool.protocol.pull import Pull, PullDone
 from tests.connectors.transfer.helpers import LAYERS, caches, config, recv_job, wait_results
 
@@ -147,8 +147,8 @@ def test_an_unreachable_peer_is_a_failed_load_without_a_pull_done(pair: tuple) -
 def test_tcp_is_the_default_and_the_engine_takes_rdma_and_the_switch() -> None:
     cfg: TransferConfig = config("kv_consumer", 30100)
     transport = make_transport(cfg)
-    assert isinstance(transport, TcpTransport) and transport.name == "tcp"
-    assert isinstance(make_transport(replace(cfg, transport="kvpool")), TcpTransport)
+    assert isinstance(transport, TcpPullTransport) and transport.name == "tcp"
+    assert isinstance(make_transport(replace(cfg, transport="kvpool")), TcpPullTransport)
     # nothing of Mooncake starts until the caches are registered (in a namespace)
     for changed in (replace(cfg, protocol="rdma"), replace(cfg, transport="transfer_engine")):
         engine = make_transport(changed)

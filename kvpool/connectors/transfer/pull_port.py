@@ -1,9 +1,10 @@
-"""A prefill's ``kv_port`` as every transport runs it: all of a pull but how pages move.
+"""A rank's pull port (its ``kv_port``) as every transport runs it: all but how pages move.
 
-P (:class:`PullListener`) accepts decode connections on the rank's port and answers their
-requests; D (:func:`dial`) opens one connection to a P rank, bounded, handshake included.
-Both transports' codecs carry ``Pull``, ``PullDone``, ``Done`` and ``Refused``; anything
-else a request codec carries is answered ``Refused`` outside a pull.
+One :class:`PullPort` per transport, made from the rank's :class:`PeerSettings`: P
+(:meth:`PullPort.listen`) accepts decode connections on the rank's port and answers their
+requests; D (:meth:`PullPort.dial`) opens one connection to a P rank, bounded, handshake
+included.  Both transports' codecs carry ``Pull``, ``PullDone``, ``Done`` and ``Refused``;
+anything else a request codec carries is answered ``Refused`` outside a pull.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
+from kvpool.config.peer import PeerSettings
 from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
 from kvpool.datapath.framing import (
     BadRequest,
@@ -23,14 +25,13 @@ from kvpool.datapath.framing import (
     tune_socket,
 )
 from kvpool.datapath.server import ThreadedServer
-from kvpool.errors import KVPoolError
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.protocol.codec import Codec
 from kvpool.protocol.pull import Done, Pull, PullDone, Refused
 from kvpool.security.admission import Admission
-from kvpool.security.credentials import Credential
 from kvpool.security.kv_port import decode_admission, open_to_prefill
 
-__all__ = ["ACCEPT_POLL_S", "IDLE_S", "MovePages", "PullListener", "dial"]
+__all__ = ["ACCEPT_POLL_S", "IDLE_S", "MovePages", "PullPort"]
 
 logger = logging.getLogger("vllm.kvpool.transfer")
 _PREFIX = f"[{TRANSFER_CONNECTOR}]"
@@ -49,28 +50,30 @@ MovePages = Callable[[socket.socket, Pull, float], int | None]
 # with the credential handshake (kvpool.security.kv_port), then answers requests until the
 # decode closes, idles IDLE_S, breaks the stream or P stops.  The transport's PullHandler
 # admits or refuses each pull; the transport's own MovePages moves an admitted one's
-# pages, and Done follows what it moved.
-class PullListener:
-    """Accepts decode connections on a P rank's ``kv_port`` and answers their requests."""
+# pages, and Done follows what it moved.  The peer settings' timeout bounds each exchange
+# on P; D's dial takes the time left of its own connect bound.  The port carries no TLS
+# (docs/security.md): settings with a TLS context are refused, never silently dropped.
+class PullPort:
+    """A rank's pull port: P listens on its ``kv_port``, D dials a P rank's."""
 
     def __init__(
         self,
         *,
         requests: Codec[Any],
         replies: Codec[Any],
-        timeout_s: float,
-        credential: Credential | None,
+        peer: PeerSettings,
         move: MovePages,
     ) -> None:
+        if peer.tls is not None:
+            raise ConfigError("kv_port: a pull port carries no TLS; pass peer settings without one")
         self._requests = requests
         self._replies = replies
-        self._timeout_s = timeout_s
-        self._credential = credential
+        self._peer = peer
         self._move = move
         self.refused_auth = 0  # decode connections refused for their credential
         self._server: ThreadedServer | None = None
 
-    def start(self, host: str, port: int, handler: PullHandler) -> None:
+    def listen(self, host: str, port: int, handler: PullHandler) -> None:
         """Listen on ``host:port``; ``OSError`` when it cannot."""
         server = ThreadedServer(
             host,
@@ -79,11 +82,33 @@ class PullListener:
             name="kvpool-kv",
             backlog=None,
             accept_poll_s=ACCEPT_POLL_S,
-            admission=self._admission if self._credential is not None else None,
+            admission=self._admission if self._peer.credential is not None else None,
             on_refused=self._refused,
         )
         server.start()
         self._server = server
+
+    def dial(self, host: str, port: int, timeout_s: float) -> socket.socket:
+        """D's connection to the P rank on ``host:port``, bounded by ``timeout_s``, with the
+        handshake when the settings carry a credential (proved as their ``client_id``);
+        :class:`PeerUnreachable` when nothing answers."""
+        if timeout_s <= 0:
+            raise PeerUnreachable(f"no time left to connect to {host}:{port}")
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+        except TimeoutError:
+            raise PeerUnreachable(f"connecting to prefill {host}:{port} timed out") from None
+        except OSError as exc:
+            raise PeerUnreachable(f"cannot connect to prefill {host}:{port}: {exc}") from None
+        tune_socket(sock)
+        credential = self._peer.credential
+        if credential is not None:
+            try:
+                open_to_prefill(sock, credential, self._peer.client_id, timeout_s, f"{host}:{port}")
+            except BaseException:
+                sock.close()
+                raise
+        return sock
 
     def close(self) -> None:
         if self._server is not None:
@@ -95,10 +120,10 @@ class PullListener:
         tune_socket(conn)  # with a credential, the waiting room has run the handshake
         while not self._server.stopping:
             try:
-                got = recv_request(conn, self._requests, self._timeout_s, idle_timeout=IDLE_S)
+                got = recv_request(conn, self._requests, self._peer.timeout_s, idle_timeout=IDLE_S)
                 if got is None:
                     return
-                deadline = deadline_after(self._timeout_s)
+                deadline = deadline_after(self._peer.timeout_s)
                 if isinstance(got, BadRequest):  # another version? say so, keep serving
                     self._reply(conn, Refused(f"bad request: {got.error}"), deadline)
                     continue
@@ -116,9 +141,9 @@ class PullListener:
                 return
 
     def _admission(self) -> Admission:
-        assert self._server is not None and self._credential is not None
+        assert self._server is not None and self._peer.credential is not None
         where = f"{self._server.host}:{self._server.port}"
-        return decode_admission(self._credential, where, self._replies)
+        return decode_admission(self._peer.credential, where, self._replies)
 
     def _refused(self, reason: str) -> None:
         self.refused_auth += 1
@@ -141,27 +166,3 @@ class PullListener:
 
     def _reply(self, conn: socket.socket, reply: Done | Refused, deadline: float) -> None:
         send_frame(conn, self._replies, reply, None, deadline)
-
-
-def dial(
-    host: str, port: int, timeout_s: float, credential: Credential | None, client_id: str
-) -> socket.socket:
-    """D's connection to the P rank on ``host:port``, bounded by ``timeout_s``, with the
-    handshake when there is a ``credential``; :class:`PeerUnreachable` when nothing
-    answers."""
-    if timeout_s <= 0:
-        raise PeerUnreachable(f"no time left to connect to {host}:{port}")
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-    except TimeoutError:
-        raise PeerUnreachable(f"connecting to prefill {host}:{port} timed out") from None
-    except OSError as exc:
-        raise PeerUnreachable(f"cannot connect to prefill {host}:{port}: {exc}") from None
-    tune_socket(sock)
-    if credential is not None:
-        try:
-            open_to_prefill(sock, credential, client_id, timeout_s, f"{host}:{port}")
-        except BaseException:
-            sock.close()
-            raise
-    return sock

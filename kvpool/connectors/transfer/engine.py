@@ -1,5 +1,5 @@
 """P→D pulls over Mooncake's Transfer Engine: the transfer connector's
-:class:`~kvpool.connectors.transfer.transport.KVTransport` on Mooncake.
+:class:`~.transport.KVTransport` on :class:`kvpool.mooncake.mover.EngineMover`.
 
 Chosen by the node config (``kvpool.config.fabrics``): ``protocol: rdma``, or ``tcp`` with
 ``"transport": "transfer_engine"``.  kvpool's pull conversation
@@ -20,8 +20,9 @@ import numpy as np
 
 from kvpool.closing import Closing
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
+from kvpool.config.peer import PeerSettings
 from kvpool.connectors.pages import CacheSet, PagedCaches
-from kvpool.connectors.transfer.kv_port import PullListener, dial
+from kvpool.connectors.transfer.pull_port import PullPort
 from kvpool.connectors.transfer.transport import PullHandler
 from kvpool.datapath.framing import recv_frame, send_frame
 from kvpool.errors import KVPoolError, ProtocolError, TransferError
@@ -34,7 +35,6 @@ from kvpool.protocol.engine_pull import (
     Unread,
 )
 from kvpool.protocol.pull import Done, Pull, PullDone, Refused
-from kvpool.security.credentials import Credential
 
 __all__ = ["EngineLink", "EngineTransport"]
 
@@ -56,34 +56,29 @@ class EngineTransport:
         hostname: str,
         protocol: str,
         device_name: str,
-        transfer_timeout_s: float,
-        credential: Credential | None = None,
-        client_id: str = "decode",
+        peer: PeerSettings,
     ) -> None:
-        # with a credential every control connection opens with the handshake (.auth);
-        # the engine's own data ports take none
-        self._credential = credential
-        self._client_id = client_id
+        # with a credential every control connection opens with the handshake
+        # (.pull_port); the engine's own data ports take none
         self.name = f"{protocol} (Mooncake Transfer Engine)"
         self._hostname = hostname
         self._protocol = protocol
         self._device = device_name
-        self._timeout_s = transfer_timeout_s
+        self._timeout_s = peer.timeout_s
         self._caches: PagedCaches | CacheSet | None = None
         self._mover: EngineMover | None = None
         self._bases: dict[str, int] = {}  # layer -> address of its block 0, head 0
-        self._listener = PullListener(
+        self._port = PullPort(
             requests=ENGINE_REQUEST_CODEC,
             replies=ENGINE_REPLY_CODEC,
-            timeout_s=transfer_timeout_s,
-            credential=credential,
+            peer=peer,
             move=self._lend_pages,
         )
 
     @property
     def refused_auth(self) -> int:
         """Decode connections refused for their credential."""
-        return self._listener.refused_auth
+        return self._port.refused_auth
 
     def register(self, caches: PagedCaches | CacheSet) -> None:
         """Start the engine and register each layer's cache tensor with it, once."""
@@ -108,7 +103,7 @@ class EngineTransport:
         )
 
     def close(self) -> None:
-        self._listener.close()
+        self._port.close()
         if self._mover is not None:
             self._mover.close()
 
@@ -117,7 +112,7 @@ class EngineTransport:
     def connect(self, host: str, port: int, timeout_s: float) -> EngineLink:
         if self._caches is None or self._mover is None:
             raise TransferError("KV caches are not registered yet")
-        sock = dial(host, port, timeout_s, self._credential, self._client_id)
+        sock = self._port.dial(host, port, timeout_s)
         return EngineLink(sock, self._caches, self._mover, self._bases)
 
     # -- P ---------------------------------------------------------------------------
@@ -125,7 +120,7 @@ class EngineTransport:
     def serve(self, host: str, port: int, handler: PullHandler) -> None:
         if self._caches is None:
             raise TransferError("KV caches are not registered yet")
-        self._listener.start(host, port, handler)
+        self._port.listen(host, port, handler)
 
     def _lend_pages(self, conn: socket.socket, pull: Pull, deadline: float) -> int | None:
         """P's side of an admitted pull: say where the page slices lie, then wait for D
