@@ -8,6 +8,7 @@ Mooncake's Transfer Engine themselves are tested side by side in test_transports
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -15,9 +16,11 @@ import numpy as np
 import pytest
 
 from kvpool.config.kv_transfer import TransferConfig
+from kvpool.config.peer import PeerSettings
 from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.transfer.engine import EngineTransport
 from kvpool.connectors.transfer.jobs import HoldJob, ReleaseJob, TransferJobs
+from kvpool.connectors.transfer.pull_port import PullPort
 from kvpool.connectors.transfer.tcp import TcpPullTransport
 from kvpool.connectors.transfer.transport import (
     TRANSPORTS,
@@ -27,7 +30,7 @@ from kvpool.connectors.transfer.transport import (
 )
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 from kvpool.errors import ConfigError, TransferError
-from kvpool.protocol.pull import Pull, PullDone
+from kvpool.protocol.pull import PULL_REPLY_CODEC, PULL_REQUEST_CODEC, Pull, PullDone
 from tests.connectors.transfer.helpers import LAYERS, caches, config, recv_job, wait_results
 
 
@@ -163,3 +166,22 @@ def test_tcp_is_the_default_and_the_engine_takes_rdma_and_the_switch() -> None:
         make_transport(replace(cfg, protocol="rdma", transport="kvpool"))
     with pytest.raises(ConfigError, match=r"^protocol: .*'carrier'"):
         make_transport(replace(cfg, protocol="carrier"))
+
+
+def test_a_pull_port_takes_its_settings_whole_and_refuses_tls() -> None:
+    """Both transports' pull port is made from the rank's PeerSettings; kv_port carries no
+    TLS, so settings with a TLS context are refused rather than silently dropped."""
+    plain = PullPort(
+        requests=PULL_REQUEST_CODEC,
+        replies=PULL_REPLY_CODEC,
+        peer=PeerSettings(5.0, None, "decode e1"),
+        move=lambda conn, pull, deadline: 0,
+    )
+    plain.close()  # never listened: nothing to close
+    with pytest.raises(ConfigError, match=r"^kv_port: .*no TLS"):
+        PullPort(
+            requests=PULL_REQUEST_CODEC,
+            replies=PULL_REPLY_CODEC,
+            peer=PeerSettings(5.0, tls=ssl.create_default_context()),
+            move=lambda conn, pull, deadline: 0,
+        )
