@@ -18,9 +18,9 @@ from kvpool.config.master import (
 )
 from kvpool.config.node import parse_mooncake_config
 from kvpool.errors import ConfigError
+from kvpool.mooncake.doctor import config_findings
 from kvpool.ops.doctor import DoctorOptions, run_doctor
-from kvpool.ops.doctor.checks import Check, Status
-from kvpool.ops.doctor.checks_mooncake import check_mooncake_config
+from kvpool.ops.doctor.checks import Check, Status, as_checks
 from kvpool.ops.doctor.probes import rdma_devices
 
 
@@ -132,7 +132,9 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
 
 def test_a_missing_rdma_device_fails_naming_it_and_the_fix() -> None:
     config = parse_mooncake_config(GUIDE_RDMA)
-    check = by_name(check_mooncake_config("x", config, ("mlx5_0", "mlx5_1")))["config.device_name"]
+    check = by_name(as_checks(config_findings("x", config, ("mlx5_0", "mlx5_1"))))[
+        "config.device_name"
+    ]
     assert check.status is Status.FAIL
     assert "ibp8s0f0" in check.message and "mlx5_0" in check.message
     assert "mlx5_0" in check.fix and "/sys/class/infiniband" in check.fix
@@ -141,18 +143,21 @@ def test_a_missing_rdma_device_fails_naming_it_and_the_fix() -> None:
 def test_no_rdma_stack_at_all_fails_with_the_way_out() -> None:
     config = parse_mooncake_config(GUIDE_RDMA)
     for devices in (None, ()):
-        check = by_name(check_mooncake_config("x", config, devices))["config.device_name"]
+        check = by_name(as_checks(config_findings("x", config, devices)))["config.device_name"]
         assert check.status is Status.FAIL and "no RDMA device" in check.message
         assert '"protocol": "tcp"' in check.fix
 
 
 def test_present_devices_pass_and_tcp_needs_none() -> None:
     two = parse_mooncake_config({**GUIDE_RDMA, "device_name": "mlx5_0,mlx5_1"})
-    check = by_name(check_mooncake_config("x", two, ("mlx5_0", "mlx5_1")))["config.device_name"]
+    check = by_name(as_checks(config_findings("x", two, ("mlx5_0", "mlx5_1"))))[
+        "config.device_name"
+    ]
     assert check.status is Status.PASS
     tcp = parse_mooncake_config({**GUIDE_RDMA, "protocol": "tcp"})
     assert (
-        by_name(check_mooncake_config("x", tcp, None))["config.device_name"].status is Status.PASS
+        by_name(as_checks(config_findings("x", tcp, None)))["config.device_name"].status
+        is Status.PASS
     )
 
 

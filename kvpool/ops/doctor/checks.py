@@ -1,11 +1,17 @@
-"""The result of one doctor check, and the vocabulary every check module shares."""
+"""The result of one doctor check, and the vocabulary every check module shares.
+
+A part below ops that judges its own facts (an engine's adapter, say) writes lines of the
+same shape without importing doctor: :func:`as_checks` takes them into the report as is.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["Check", "Status", "fail", "pass_", "skip", "warn"]
+__all__ = ["Check", "CheckLine", "Status", "as_checks", "fail", "pass_", "skip", "warn"]
 
 
 class Status(enum.Enum):
@@ -50,3 +56,25 @@ def fail(name: str, message: str, fix: str) -> Check:
 
 def skip(name: str, message: str) -> Check:
     return Check(name, Status.SKIP, message)
+
+
+class CheckLine(Protocol):
+    """A check judged below ops: a :class:`Check`'s fields, its status as the
+    :class:`Status` value's text."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def message(self) -> str: ...
+
+    @property
+    def fix(self) -> str: ...
+
+
+def as_checks(lines: Iterable[CheckLine]) -> list[Check]:
+    """Lines judged below ops, as the report's checks, in their order."""
+    return [Check(line.name, Status(line.status), line.message, line.fix) for line in lines]

@@ -19,14 +19,11 @@ from kvpool.config import (
     NodeConfig,
 )
 from kvpool.config.node import MooncakeNodeConfig
+from kvpool.mooncake import doctor as mooncake_doctor
+from kvpool.mooncake.doctor import MOONCAKE_RPC_PORT
 from kvpool.mooncake.master import MooncakeMasterFacts
 from kvpool.net import split_address
-from kvpool.ops.doctor.checks import Check, fail, pass_, skip, warn
-from kvpool.ops.doctor.checks_mooncake import (
-    MOONCAKE_RPC_PORT,
-    check_mooncake_config,
-    check_mooncake_master,
-)
+from kvpool.ops.doctor.checks import Check, as_checks, fail, pass_, skip, warn
 
 __all__ = [
     "ConfigFileFacts",
@@ -104,7 +101,8 @@ def check_config_file(facts: ConfigFileFacts) -> list[Check]:
             )
         )
     if facts.mooncake is not None and facts.error is None:
-        return results + check_mooncake_config(facts.source, facts.mooncake, facts.rdma_devices)
+        judged = mooncake_doctor.config_findings(facts.source, facts.mooncake, facts.rdma_devices)
+        return results + as_checks(judged)
     if facts.error is not None or facts.node is None:
         results.append(fail("config.file", f"{facts.source}: {facts.error}", _fix_for(facts)))
         return results
@@ -238,7 +236,7 @@ def check_master(facts: MasterFacts | None) -> list[Check]:
         ]
     results = [pass_("master.reachable", f"TCP connect to {addr} succeeded")]
     if facts.mooncake is not None:
-        return results + check_mooncake_master(addr, facts.mooncake)
+        return results + as_checks(mooncake_doctor.master_findings(addr, facts.mooncake))
     if facts.mooncake_rpc:
         results.append(
             fail(

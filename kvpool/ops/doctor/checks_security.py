@@ -1,6 +1,6 @@
 """Doctor's checks of the pool's credentials on kvpool's engine (pure: facts in, checks out).
 
-On Mooncake, :func:`kvpool.ops.doctor.checks_mooncake.check_mooncake_security` speaks
+On Mooncake, :func:`kvpool.mooncake.doctor.security_finding` speaks
 instead: it has no credentials to check.
 """
 

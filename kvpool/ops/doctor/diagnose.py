@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from kvpool.config import MasterConfig, NodeConfig, Timeouts
 from kvpool.config.master import MOONCAKE_MASTER_DEFAULTS
-from kvpool.ops.doctor.checks import Check, skip
+from kvpool.mooncake import doctor as mooncake_doctor
+from kvpool.ops.doctor.checks import Check, as_checks, skip
 from kvpool.ops.doctor.checks_connector import Side, connector_checks
 from kvpool.ops.doctor.checks_host import (
     check_peer_reachable,
@@ -18,7 +19,6 @@ from kvpool.ops.doctor.checks_host import (
     check_timeouts,
     check_vllm_version,
 )
-from kvpool.ops.doctor.checks_mooncake import check_mooncake_leadership, check_mooncake_security
 from kvpool.ops.doctor.checks_node import (
     check_config_file,
     check_cross_node,
@@ -117,7 +117,7 @@ def diagnose(g: Gathered) -> list[Check]:
     checks.append(check_local_hostname(either, g.hostname_error))
     checks.append(check_master_address(either, g.master_arg))
     if g.mooncake_ha is not None:
-        checks.append(check_mooncake_leadership(g.mooncake_ha))
+        checks += as_checks([mooncake_doctor.leadership_finding(g.mooncake_ha)])
     leadership = check_leadership(g.leadership)
     checks += [leadership] if leadership is not None else []
     checks += check_master(g.master)
@@ -125,7 +125,7 @@ def diagnose(g: Gathered) -> list[Check]:
     checks += [registered] if registered is not None else []
     checks += check_master_flags(g.master_config, g.master_config_error, engine=engine)
     if engine == "mooncake":
-        checks.append(check_mooncake_security())
+        checks += as_checks([mooncake_doctor.security_finding()])
     else:
         checks += _security_checks(g, node)
     guide_names = any(e.is_guide_name for s in g.sides for e in s.config.entries)
