@@ -5,7 +5,7 @@ expiry and eviction (inline for a put, in watermark rounds on ``tick``), and ret
 their effects (:class:`Dropped`, :class:`Demote`) as values; its class docstring draws
 the life cycle and lists the invariants ``check()`` asserts.  It owns a
 :class:`~kvpool.core.leases.Holds` (leases and pins) and a
-:class:`~kvpool.core.placement.Placement` (each tier's segments and the room in them).
+:class:`~kvpool.core.placement.Placer` (each tier's segments and the room in them).
 Time is a parameter (``now_ms``); the index never reads a clock.
 """
 
@@ -33,8 +33,8 @@ from kvpool.core.objects import (
     Reservation,
     State,
 )
-from kvpool.core.placement import Placement
-from kvpool.core.registry import Registry, Segment, Tier
+from kvpool.core.placement import Placer
+from kvpool.core.registry import Registry, SegmentRecord, Tier
 from kvpool.core.space import Extent
 from kvpool.errors import (
     ObjectBusy,
@@ -110,7 +110,7 @@ class ObjectIndex:
         self.stats = IndexStats()
         self._objects: dict[str, ObjectRecord] = {}
         self._holds = Holds()
-        self._placement = Placement(self.registry)
+        self._placer = Placer(self.registry)
         self._policies: dict[Tier, EvictionPolicy[Any]] = {
             t: make_eviction_policy(self.config.policy) for t in Tier
         }
@@ -151,18 +151,18 @@ class ObjectIndex:
         """Add a segment; ``placeable=False`` keeps new objects out of it until
         :meth:`open_segment` (its owner first re-announces what it holds, see ``restore``)."""
         self.registry.add_segment(client_id, segment_id, capacity, tier, placeable)
-        self._placement.segments_changed()
+        self._placer.segments_changed()
 
     def open_segment(self, segment_id: str) -> None:
         """New objects may be placed in ``segment_id`` from now on."""
         self.registry.segment(segment_id).placeable = True
-        self._placement.segments_changed()
+        self._placer.segments_changed()
 
     def remove_client(self, client_id: str, reason: str = "expired_client") -> list[Event]:
         """Drop a client, its segments and every object in them at once; an object with
         a copy on another owner stays, with the copies left."""
         segments = {s.segment_id for s in self.registry.drop(client_id)}
-        self._placement.segments_changed()
+        self._placer.segments_changed()
         gone = [o for o in self._objects.values() if _touches(o, segments)]
         events: list[Event] = []
         for obj in gone:
@@ -208,9 +208,9 @@ class ObjectIndex:
         placed = self._allocate(_MEMORY, size, now_ms, events)
         if placed is None:
             self.stats.put_failures_no_space += 1
-            placement = self._placement
-            memory = placement.segments(_MEMORY)
-            if placement.leaving_total and placement.room_coming(memory, size):
+            placer = self._placer
+            memory = placer.segments(_MEMORY)
+            if placer.leaving_total and placer.room_coming(memory, size):
                 raise NoRoom(
                     f"no room for {size} bytes yet: objects are being copied to their "
                     "node's SSD tier to make it",
@@ -428,10 +428,10 @@ class ObjectIndex:
         Memory bytes of copies in flight count as gone (or a round would demote
         everything while they copy).  Afterwards the tier is under its watermark unless
         everything left in it is leased, pinned or pending."""
-        placement = self._placement
-        capacity, used = placement.usage(tier)
+        placer = self._placer
+        capacity, used = placer.usage(tier)
         limit = self.config.high_watermark * capacity
-        if capacity == 0 or used - placement.leaving_of(tier) < limit:
+        if capacity == 0 or used - placer.leaving_of(tier) < limit:
             return []
         policy = self._policies[tier]
         evictable = self._evictable_count(tier, now_ms)
@@ -445,16 +445,13 @@ class ObjectIndex:
             for key in victims:
                 self._evict(self._objects[key], now_ms, events)
                 evicted += 1
-                if (
-                    evicted >= want
-                    and placement.usage(tier)[1] - placement.leaving_of(tier) < limit
-                ):
+                if evicted >= want and placer.usage(tier)[1] - placer.leaving_of(tier) < limit:
                     return events
         return events
 
     def usage(self, tier: Tier) -> tuple[int, int]:
         """(capacity, used) bytes over every segment of a tier."""
-        return self._placement.usage(tier)
+        return self._placer.usage(tier)
 
     # ------------------------------------------------------------- demotion, copies in flight
     def defer_copies(self, owner: str) -> None:
@@ -558,7 +555,7 @@ class ObjectIndex:
                 assert self.registry.segments.get(seg.segment_id) is seg, f"{obj.key}: dead"
                 per_segment[seg.segment_id] = per_segment.get(seg.segment_id, 0) + ext.length
                 extents.setdefault(seg.segment_id, set()).add((ext.offset, ext.length))
-        self._placement.check(leaving)
+        self._placer.check(leaving)
         for seg in self.registry.segments.values():
             seg.space.check()
             assert seg.space.used == per_segment.get(seg.segment_id, 0), seg.segment_id
@@ -613,7 +610,7 @@ class ObjectIndex:
         self._evictable_at, self._evictable_fn = now_ms, can_evict
         return can_evict
 
-    def _evictable_in(self, seg: Segment, now_ms: int) -> Callable[[str], bool]:
+    def _evictable_in(self, seg: SegmentRecord, now_ms: int) -> Callable[[str], bool]:
         can_evict = self._evictable(now_ms)
         return lambda k: can_evict(k) and self._objects[k].segment is seg
 
@@ -623,12 +620,12 @@ class ObjectIndex:
 
     def _allocate(
         self, tier: Tier, size: int, now_ms: int, events: list[Event]
-    ) -> tuple[Segment, Extent] | None:
+    ) -> tuple[SegmentRecord, Extent] | None:
         """Find room in ``tier``, evicting inline (best victims first) while that helps:
         a put fails only when nothing evictable is left that would make room, or when
         copies in flight will make it (then evicting more would only demote more)."""
-        placement = self._placement
-        segments = placement.segments(tier)
+        placer = self._placer
+        segments = placer.segments(tier)
         policy = self._mem_policy if tier is _MEMORY else self._ssd_policy
         # One victim at a time: KV objects are mostly of one size, so one eviction
         # usually makes exactly the room needed (and asking for more costs checks).
@@ -647,7 +644,7 @@ class ObjectIndex:
                     extent = space.allocate(size)
                     if extent is not None:
                         return only, extent
-                if placement.leaving_total and placement.room_coming(segments, size):
+                if placer.leaving_total and placer.room_coming(segments, size):
                     return None
                 victims = policy.choose_victims(1, self._evictable(now_ms))
                 if not victims:
@@ -679,10 +676,10 @@ class ObjectIndex:
         if not any(s.capacity >= size for s in segments):
             return None
         while True:
-            placed = placement.fit(segments, size)
+            placed = placer.fit(segments, size)
             if placed is not None:
                 return placed
-            if placement.leaving_total and placement.room_coming(segments, size):
+            if placer.leaving_total and placer.room_coming(segments, size):
                 return None
             if not self._evict_one(policy, now_ms, events):
                 return None
@@ -734,10 +731,10 @@ class ObjectIndex:
 
     def _ssd_room(
         self, obj: ObjectRecord, now_ms: int, events: list[Event]
-    ) -> tuple[Segment, Extent] | None:
+    ) -> tuple[SegmentRecord, Extent] | None:
         """An SSD extent on the same client as ``obj`` (it copies the bytes locally)."""
         owner = obj.segment.client_id
-        for seg in self._placement.owner_segments(_SSD, owner):
+        for seg in self._placer.owner_segments(_SSD, owner):
             while True:
                 extent = seg.space.allocate(obj.extent.length)
                 if extent is not None:
@@ -751,7 +748,7 @@ class ObjectIndex:
         return None
 
     def _start_copy(
-        self, obj: ObjectRecord, dst: tuple[Segment, Extent], events: list[Event]
+        self, obj: ObjectRecord, dst: tuple[SegmentRecord, Extent], events: list[Event]
     ) -> None:
         """A deferred demotion: DEMOTING, both extents held, its memory bytes leaving."""
         self._mem_policy.on_remove(obj.key)
@@ -760,7 +757,7 @@ class ObjectIndex:
             self._holds.clear(obj)
         obj.state = _DEMOTING
         obj.target = dst
-        self._placement.leave(obj.segment.segment_id, obj.extent.length)
+        self._placer.leave(obj.segment.segment_id, obj.extent.length)
         self._demoting += 1
         self.stats.demotions += 1
         seg, extent = dst
@@ -792,7 +789,7 @@ class ObjectIndex:
 
     def _end_copy(self, obj: ObjectRecord) -> None:
         """The copy of a DEMOTING object is over, done or not: its bytes left."""
-        self._placement.left(obj.segment.segment_id, obj.extent.length)
+        self._placer.left(obj.segment.segment_id, obj.extent.length)
         self._demoting -= 1
 
     def _drop(self, obj: ObjectRecord, reason: str, release_space: bool = True) -> Dropped:
@@ -824,7 +821,7 @@ class ObjectIndex:
     # ---------------------------------------------------------------- internals: replicas
     def _place_replicas(
         self, obj: ObjectRecord, want: int, now_ms: int, events: list[Event]
-    ) -> list[tuple[Segment, Extent]] | None:
+    ) -> list[tuple[SegmentRecord, Extent]] | None:
         """Up to ``want`` more copies of ``obj``, each in a memory segment of an owner
         that holds none yet, on a host that holds none first (then the most free room).
         Room is made by evicting from the chosen segment only."""
@@ -832,9 +829,9 @@ class ObjectIndex:
         host = self.registry.host_of
         owners = {obj.segment.client_id}
         hosts = {host(obj.segment.client_id)}
-        chosen: list[tuple[Segment, Extent]] = []
+        chosen: list[tuple[SegmentRecord, Extent]] = []
         for _ in range(want):
-            others = [s for s in self._placement.segments(_MEMORY) if s.client_id not in owners]
+            others = [s for s in self._placer.segments(_MEMORY) if s.client_id not in owners]
             if not others:
                 break
             others.sort(key=lambda s: (host(s.client_id) in hosts, -s.space.free))
@@ -854,8 +851,8 @@ class ObjectIndex:
         return chosen or None
 
     def _room_in(
-        self, seg: Segment, size: int, now_ms: int, events: list[Event]
-    ) -> tuple[Segment, Extent] | None:
+        self, seg: SegmentRecord, size: int, now_ms: int, events: list[Event]
+    ) -> tuple[SegmentRecord, Extent] | None:
         """An extent of ``size`` in memory segment ``seg``, evicting objects with a copy
         there while that helps (never when copies in flight will make the room)."""
         if seg.space.capacity < size:
@@ -870,7 +867,7 @@ class ObjectIndex:
             extent = seg.space.allocate(size)
             if extent is not None:
                 return seg, extent
-            if self._placement.leaving_total and self._placement.room_coming([seg], size):
+            if self._placer.leaving_total and self._placer.room_coming([seg], size):
                 return None
             victims = self._mem_policy.choose_victims(1, here)
             if not victims:
@@ -905,7 +902,7 @@ class ObjectIndex:
             return []
         return [CopyLost(obj.key, owner, reason) for owner in gone]
 
-    def _restore_copy(self, obj: ObjectRecord, seg: Segment, offset: int, size: int) -> bool:
+    def _restore_copy(self, obj: ObjectRecord, seg: SegmentRecord, offset: int, size: int) -> bool:
         """A node re-announces another copy of a READY memory object: kept as a replica
         at exactly its extent (False: not a copy the index can keep)."""
         copies = obj.copies()
@@ -935,7 +932,7 @@ def _runs(extents: set[tuple[int, int]]) -> list[Extent]:
     return runs
 
 
-def _location(seg: Segment, extent: Extent) -> Location:
+def _location(seg: SegmentRecord, extent: Extent) -> Location:
     return Location(seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length)
 
 

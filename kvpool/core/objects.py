@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvpool.core.registry import Segment, Tier
+from kvpool.core.registry import SegmentRecord, Tier
 from kvpool.core.space import Extent
 from kvpool.errors import NoSpace
 
@@ -181,7 +181,7 @@ class ObjectRecord(msgspec.Struct, gc=False):
 
     key: str
     state: State
-    segment: Segment
+    segment: SegmentRecord
     extent: Extent
     parent: str | None
     writer: str
@@ -189,20 +189,20 @@ class ObjectRecord(msgspec.Struct, gc=False):
     checksum: int = 0
     holds: dict[str, int] | None = None  # owner -> expiry (leases and pins); None: none
     # DEMOTING: the SSD segment and extent reserved for the copy (the memory extent stays)
-    target: tuple[Segment, Extent] | None = None
+    target: tuple[SegmentRecord, Extent] | None = None
     # the object's other copies, each in a memory segment of another owner (None: one
     # copy, the usual case).  Only memory objects have them: a demotion keeps one.
-    replicas: list[tuple[Segment, Extent]] | None = None
+    replicas: list[tuple[SegmentRecord, Extent]] | None = None
 
     def location(self) -> Location:
         s, e = self.segment, self.extent
         return Location(s.segment_id, s.client_id, s.tier, e.offset, e.length)
 
-    def move(self, segment: Segment, extent: Extent) -> None:
+    def move(self, segment: SegmentRecord, extent: Extent) -> None:
         """The object now lives at ``extent`` of ``segment`` (demotion)."""
         self.segment, self.extent = segment, extent
 
-    def copies(self) -> list[tuple[Segment, Extent]]:
+    def copies(self) -> list[tuple[SegmentRecord, Extent]]:
         """Every copy, the one reads are granted first."""
         first = (self.segment, self.extent)
         return [first] if self.replicas is None else [first, *self.replicas]

@@ -1,17 +1,18 @@
-"""Placement: the segments of each tier that an object may go to, and the room in them.
+"""Where objects may go: the segments of each tier, and the room in them.
 
-:class:`Placement` is the index's view of the registry's segments per tier (kept until
+:class:`Placer` is the index's view of the registry's segments per tier (kept until
 segments change), the free space in them, and the memory bytes *leaving* them: copies in
 flight to an SSD tier, which will free that room once done.  What leaves to make room
-(victims, demotions) is the index's life cycle, not this module's.
+(victims, demotions) is the index's life cycle, not this module's.  (The wire's answer to
+a put or read, ``protocol.messages.Placement``, is another thing.)
 """
 
 from __future__ import annotations
 
-from kvpool.core.registry import Registry, Segment, Tier
+from kvpool.core.registry import Registry, SegmentRecord, Tier
 from kvpool.core.space import Extent
 
-__all__ = ["Placement"]
+__all__ = ["Placer"]
 
 # Module names for the enum members the hot paths test (a global load, not an attribute
 # lookup on the enum class, and never an enum hash: dict lookups keyed by Tier hash it in
@@ -19,14 +20,14 @@ __all__ = ["Placement"]
 _MEMORY = Tier.MEMORY
 
 
-class Placement:
+class Placer:
     """Where objects of each tier of ``registry`` can go (see the module docstring)."""
 
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
         # each tier's segments, kept until segments_changed()
-        self._mem_segments: list[Segment] | None = None
-        self._ssd_segments: list[Segment] | None = None
+        self._mem_segments: list[SegmentRecord] | None = None
+        self._ssd_segments: list[SegmentRecord] | None = None
         self._leaving: dict[str, int] = {}  # memory segment -> bytes of its copies in flight
         self.leaving_total = 0  # their sum (read on every inline eviction: an attribute)
 
@@ -34,7 +35,7 @@ class Placement:
         """A segment was added, opened or dropped: make the tiers' lists again."""
         self._mem_segments = self._ssd_segments = None
 
-    def segments(self, tier: Tier) -> list[Segment]:
+    def segments(self, tier: Tier) -> list[SegmentRecord]:
         """``registry.tier_segments(tier)``, made again only after segments change."""
         # two attributes rather than a dict keyed by Tier: an Enum's hash is Python code
         if tier is _MEMORY:
@@ -47,7 +48,7 @@ class Placement:
                 segs = self._ssd_segments = self._registry.tier_segments(tier)
         return segs
 
-    def owner_segments(self, tier: Tier, owner: str) -> list[Segment]:
+    def owner_segments(self, tier: Tier, owner: str) -> list[SegmentRecord]:
         """The segments of ``tier`` that client ``owner`` contributes."""
         return [s for s in self.segments(tier) if s.client_id == owner]
 
@@ -57,7 +58,7 @@ class Placement:
         return sum(s.capacity for s in segs), sum(s.space.used for s in segs)
 
     @staticmethod
-    def fit(segments: list[Segment], size: int) -> tuple[Segment, Extent] | None:
+    def fit(segments: list[SegmentRecord], size: int) -> tuple[SegmentRecord, Extent] | None:
         """Allocate in the segment with the most free space that has a large enough hole."""
         if len(segments) > 1:  # one segment (the usual case) needs no ordering
             segments = sorted(segments, key=lambda s: s.space.free, reverse=True)
@@ -88,7 +89,7 @@ class Placement:
         them as gone, or it would demote everything while they copy)."""
         return self.leaving_total if tier is _MEMORY else 0
 
-    def room_coming(self, segments: list[Segment], size: int) -> bool:
+    def room_coming(self, segments: list[SegmentRecord], size: int) -> bool:
         """Copies in flight will make room for ``size`` bytes in one of ``segments``."""
         leaving = self._leaving
         return any(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kvpool.core.space import ExtentAllocator
 from kvpool.errors import PoolError, UnknownClient, UnknownSegment
 
-__all__ = ["ClientInfo", "Registry", "Segment", "Tier"]
+__all__ = ["ClientInfo", "Registry", "SegmentRecord", "Tier"]
 
 
 class Tier(enum.Enum):
@@ -24,7 +24,11 @@ class Tier(enum.Enum):
 
 
 @dataclass(slots=True)
-class Segment:
+class SegmentRecord:
+    """The index's record of a segment a client contributes: its id, owner, tier and the
+    extents taken in it (the bytes themselves live in the owner's mapping,
+    ``kvpool.storage.segment.Segment``)."""
+
     segment_id: str
     client_id: str
     tier: Tier
@@ -54,7 +58,7 @@ class Registry:
     def __init__(self, client_ttl_ms: int) -> None:
         self.client_ttl_ms = client_ttl_ms
         self.clients: dict[str, ClientInfo] = {}
-        self.segments: dict[str, Segment] = {}
+        self.segments: dict[str, SegmentRecord] = {}
 
     def register(self, client_id: str, now_ms: int, address: str = "") -> bool:
         """Register or refresh; True when the client was not known (new or re-registering)."""
@@ -75,7 +79,7 @@ class Registry:
 
     def add_segment(
         self, client_id: str, segment_id: str, capacity: int, tier: Tier, placeable: bool = True
-    ) -> Segment:
+    ) -> SegmentRecord:
         info = self.clients.get(client_id)
         if info is None:
             raise UnknownClient(f"client {client_id!r} is not registered; register first")
@@ -84,12 +88,12 @@ class Registry:
             if seg.client_id == client_id and seg.capacity == capacity and seg.tier == tier:
                 return seg  # re-adding the same segment is harmless
             raise PoolError(f"segment id {segment_id!r} is already registered")
-        seg = Segment(segment_id, client_id, tier, ExtentAllocator(capacity), placeable)
+        seg = SegmentRecord(segment_id, client_id, tier, ExtentAllocator(capacity), placeable)
         self.segments[segment_id] = seg
         info.segment_ids.append(segment_id)
         return seg
 
-    def segment(self, segment_id: str) -> Segment:
+    def segment(self, segment_id: str) -> SegmentRecord:
         seg = self.segments.get(segment_id)
         if seg is None:
             raise UnknownSegment(f"segment {segment_id!r} is not registered")
@@ -102,7 +106,7 @@ class Registry:
             if now_ms >= c.last_seen_ms + self.client_ttl_ms
         ]
 
-    def drop(self, client_id: str) -> list[Segment]:
+    def drop(self, client_id: str) -> list[SegmentRecord]:
         """Forget a client; returns its segments (the caller drops their objects)."""
         info = self.clients.pop(client_id, None)
         if info is None:
@@ -117,6 +121,6 @@ class Registry:
         host = address.rpartition(":")[0]
         return host or f"client {client_id}"
 
-    def tier_segments(self, tier: Tier) -> list[Segment]:
+    def tier_segments(self, tier: Tier) -> list[SegmentRecord]:
         """The segments of ``tier`` that new objects may be placed in."""
         return [s for s in self.segments.values() if s.tier is tier and s.placeable]

@@ -74,7 +74,7 @@ class IndexMachine(RuleBasedStateMachine):
         self._observe(self.idx.tick(self.now))
         for tier in Tier:
             capacity, used = self.idx.usage(tier)
-            used -= self.idx._placement.leaving_of(tier)  # copies in flight count as gone
+            used -= self.idx._placer.leaving_of(tier)  # copies in flight count as gone
             if capacity and used >= self.idx.config.high_watermark * capacity:
                 # still over: then nothing evictable may be left in the tier
                 assert self.idx._evictable_count(tier, self.now) == 0
