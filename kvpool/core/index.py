@@ -4,9 +4,9 @@
 expiry and eviction (inline for a put, in watermark rounds on ``tick``), and returns
 their effects (:class:`Dropped`, :class:`Demote`) as values; its class docstring draws
 the life cycle and lists the invariants ``check()`` asserts.  It owns a
-:class:`~kvpool.core.leases.Holds` (leases and pins) and a
-:class:`~kvpool.core.placement.Placer` (each tier's segments and the room in them).
-Time is a parameter (``now_ms``); the index never reads a clock.
+:class:`~kvpool.core.leases.Holds` (leases and pins), a :class:`~kvpool.core.placement.Placer`
+(each tier's segments and the room in them) and :class:`~kvpool.core.replicas.Replicas`
+(objects' other copies).  Time is a parameter (``now_ms``); the index never reads a clock.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from kvpool.core.objects import (
 )
 from kvpool.core.placement import Placer
 from kvpool.core.registry import Registry, SegmentRecord, Tier
+from kvpool.core.replicas import Replicas, touches
 from kvpool.core.space import Extent
 from kvpool.errors import (
     ObjectBusy,
@@ -111,6 +112,7 @@ class ObjectIndex:
         self._objects: dict[str, ObjectRecord] = {}
         self._holds = Holds()
         self._placer = Placer(self.registry)
+        self._replicas = Replicas(self.registry, self._placer, self.stats)
         self._policies: dict[Tier, EvictionPolicy[Any]] = {
             t: make_eviction_policy(self.config.policy) for t in Tier
         }
@@ -163,12 +165,12 @@ class ObjectIndex:
         a copy on another owner stays, with the copies left."""
         segments = {s.segment_id for s in self.registry.drop(client_id)}
         self._placer.segments_changed()
-        gone = [o for o in self._objects.values() if _touches(o, segments)]
+        gone = [o for o in self._objects.values() if touches(o, segments)]
         events: list[Event] = []
         for obj in gone:
             if obj.replicas is not None:
                 dead = [s.client_id for s, _ in obj.copies() if s.segment_id in segments]
-                if self._lose_copies(obj, segments, release=False):
+                if self._replicas.lose(obj, segments, release=False):
                     events.extend(CopyLost(obj.key, owner, reason) for owner in dead)
                     continue
             events.append(self._drop(obj, reason, release_space=False))
@@ -236,7 +238,9 @@ class ObjectIndex:
         if copies > MAX_REPLICAS:
             self._drop(record, "revoked")
             raise PoolError(f"{key}: replica_num must be in [1, {MAX_REPLICAS}], got {copies}")
-        more = record.replicas = self._place_replicas(record, copies - 1, now_ms, events)
+        more = record.replicas = self._replicas.place(
+            record, copies - 1, lambda seg, size: self._room_in(seg, size, now_ms, events)
+        )
         others = () if more is None else tuple(_location(s, e) for s, e in more)
         return Reservation(key, loc, expiry, others), events
 
@@ -255,7 +259,7 @@ class ObjectIndex:
             obj = self._pending_of(key, writer)  # raises StaleWrite
         lost: list[Event] = []
         if unwritten:
-            lost = self._copies_lost(obj, set(unwritten), "unwritten")
+            lost = self._replicas.lost(obj, set(unwritten), "unwritten")
             if obj.segment.segment_id in unwritten:  # no copy was written
                 self._drop(obj, "revoked")
                 raise StaleWrite(f"{key}: no copy of it was written")
@@ -308,7 +312,7 @@ class ObjectIndex:
             for copy_seg, copy_ext in known.copies():
                 if copy_seg is seg:
                     return seg.tier is Tier.SSD or copy_ext.offset == offset
-            return self._restore_copy(known, seg, offset, size)
+            return self._replicas.restore(known, seg, offset, size)
         if size <= 0:
             return False
         if seg.tier is Tier.SSD:
@@ -404,7 +408,7 @@ class ObjectIndex:
         if not any(s.segment_id == segment_id and e.offset == offset for s, e in obj.copies()):
             return None
         if obj.replicas is not None:
-            lost = self._copies_lost(obj, {segment_id}, "corrupt")
+            lost = self._replicas.lost(obj, {segment_id}, "corrupt")
             if lost:
                 return lost[0]
         return self._drop(obj, "corrupt")
@@ -540,12 +544,7 @@ class ObjectIndex:
         leaving: dict[str, int] = {}
         for obj in self._objects.values():
             taken = obj.copies()
-            if obj.replicas is not None:
-                owners = {seg.client_id for seg, _ in taken}
-                assert obj.replicas and len(owners) == len(taken), f"{obj.key}: bad replicas"
-                assert all(seg.tier is _MEMORY for seg, _ in taken), f"{obj.key}: replica tier"
-                assert obj.state is not State.DEMOTING, f"{obj.key}: a demotion keeps one copy"
-                assert all(e.length == obj.extent.length for _, e in taken), obj.key
+            self._replicas.check(obj)
             if obj.state is State.DEMOTING:
                 assert obj.target is not None and not obj.holds, f"{obj.key}: bad copy"
                 taken.append(obj.target)
@@ -709,7 +708,7 @@ class ObjectIndex:
             dst = None if stalled else self._ssd_room(obj, now_ms, events)
             if dst is not None and obj.replicas is not None:  # the SSD copy is the one kept
                 others = {seg.segment_id for seg, _ in obj.replicas}
-                events.extend(self._copies_lost(obj, others, "demoted"))
+                events.extend(self._replicas.lost(obj, others, "demoted"))
             if dst is not None and owner in self._deferred:
                 self._start_copy(obj, dst, events)
                 return
@@ -799,10 +798,7 @@ class ObjectIndex:
         del self._objects[key]
         also: tuple[str, ...] = ()
         if obj.replicas is not None:
-            also = tuple(s.client_id for s, _ in obj.replicas)
-            if release_space:
-                for other, extent in obj.replicas:
-                    other.space.release(extent)
+            also = self._replicas.leave(obj, release_space)
         if release_space:
             seg.space.release(obj.extent)
         if obj.state is _READY:
@@ -818,38 +814,7 @@ class ObjectIndex:
             self._holds.clear(obj)
         return Dropped(key, seg.tier, reason, seg.client_id, also)
 
-    # ---------------------------------------------------------------- internals: replicas
-    def _place_replicas(
-        self, obj: ObjectRecord, want: int, now_ms: int, events: list[Event]
-    ) -> list[tuple[SegmentRecord, Extent]] | None:
-        """Up to ``want`` more copies of ``obj``, each in a memory segment of an owner
-        that holds none yet, on a host that holds none first (then the most free room).
-        Room is made by evicting from the chosen segment only."""
-        size = obj.extent.length
-        host = self.registry.host_of
-        owners = {obj.segment.client_id}
-        hosts = {host(obj.segment.client_id)}
-        chosen: list[tuple[SegmentRecord, Extent]] = []
-        for _ in range(want):
-            others = [s for s in self._placer.segments(_MEMORY) if s.client_id not in owners]
-            if not others:
-                break
-            others.sort(key=lambda s: (host(s.client_id) in hosts, -s.space.free))
-            placed = next(
-                ((s, e) for s in others for e in (s.space.allocate(size),) if e is not None),
-                None,
-            )
-            if placed is None:
-                placed = self._room_in(others[0], size, now_ms, events)
-            if placed is None:
-                break
-            chosen.append(placed)
-            owners.add(placed[0].client_id)
-            hosts.add(host(placed[0].client_id))
-        if len(chosen) < want:
-            self.stats.replicas_short += 1
-        return chosen or None
-
+    # ------------------------------------------------------- internals: room for a replica
     def _room_in(
         self, seg: SegmentRecord, size: int, now_ms: int, events: list[Event]
     ) -> tuple[SegmentRecord, Extent] | None:
@@ -874,51 +839,6 @@ class ObjectIndex:
                 return None
             self._evict(objects[victims[0]], now_ms, events)
 
-    def _lose_copies(self, obj: ObjectRecord, segment_ids: set[str], release: bool) -> bool:
-        """Forget ``obj``'s copies in ``segment_ids`` (their space freed if ``release``).
-        False, and nothing changed, when no copy would be left."""
-        copies = obj.copies()
-        keep = [c for c in copies if c[0].segment_id not in segment_ids]
-        if not keep:
-            return False
-        if len(keep) == len(copies):
-            return True
-        if release:
-            for seg, extent in copies:
-                if seg.segment_id in segment_ids:
-                    seg.space.release(extent)
-        self.stats.replicas_lost += len(copies) - len(keep)
-        first_seg, first_extent = keep[0]
-        if first_seg is not obj.segment:
-            obj.move(first_seg, first_extent)
-        obj.replicas = keep[1:] or None
-        return True
-
-    def _copies_lost(self, obj: ObjectRecord, segment_ids: set[str], reason: str) -> list[Event]:
-        """:meth:`_lose_copies` with their space freed, as events for their owners; []
-        when no copy would be left (the caller drops the object)."""
-        gone = [s.client_id for s, _ in obj.copies() if s.segment_id in segment_ids]
-        if not gone or not self._lose_copies(obj, segment_ids, release=True):
-            return []
-        return [CopyLost(obj.key, owner, reason) for owner in gone]
-
-    def _restore_copy(self, obj: ObjectRecord, seg: SegmentRecord, offset: int, size: int) -> bool:
-        """A node re-announces another copy of a READY memory object: kept as a replica
-        at exactly its extent (False: not a copy the index can keep)."""
-        copies = obj.copies()
-        if (
-            seg.tier is not _MEMORY
-            or obj.segment.tier is not _MEMORY
-            or len(copies) >= MAX_REPLICAS
-            or any(s.client_id == seg.client_id for s, _ in copies)
-        ):
-            return False
-        extent = Extent(offset, size)
-        if not seg.space.take(extent):
-            return False
-        obj.replicas = [*(obj.replicas or ()), (seg, extent)]
-        return True
-
 
 def _runs(extents: set[tuple[int, int]]) -> list[Extent]:
     """Non-overlapping (offset, length) pairs as maximal runs (touching ones merged)."""
@@ -934,10 +854,3 @@ def _runs(extents: set[tuple[int, int]]) -> list[Extent]:
 
 def _location(seg: SegmentRecord, extent: Extent) -> Location:
     return Location(seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length)
-
-
-def _touches(obj: ObjectRecord, segment_ids: set[str]) -> bool:
-    """``obj`` has a copy in one of ``segment_ids``."""
-    if obj.segment.segment_id in segment_ids:
-        return True
-    return obj.replicas is not None and any(s.segment_id in segment_ids for s, _ in obj.replicas)
