@@ -3,10 +3,10 @@
 :class:`ObjectIndex` takes two-phase puts, reads under leases and pins, removals, client
 expiry and eviction (inline for a put, in watermark rounds on ``tick``), and returns
 their effects (:class:`Dropped`, :class:`Demote`) as values; its class docstring draws
-the life cycle and lists the invariants ``check()`` asserts.  It owns a
-:class:`~kvpool.core.leases.Holds` (leases and pins), a :class:`~kvpool.core.placement.Placer`
-(each tier's segments and the room in them) and :class:`~kvpool.core.replicas.Replicas`
-(objects' other copies).  Time is a parameter (``now_ms``); the index never reads a clock.
+the life cycle and lists the invariants ``check()`` asserts.  It composes
+:class:`~kvpool.core.leases.Holds` (leases and pins), :class:`~kvpool.core.placement.Placer`
+(each tier's segments and room), :class:`~kvpool.core.replicas.Replicas` (other copies) and
+:class:`~kvpool.core.demotion.Demotions` (copies to SSD).  Time is a parameter (``now_ms``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpool.core.demotion import Demotions
 from kvpool.core.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.core.leases import Holds
 from kvpool.core.objects import (
@@ -113,6 +114,7 @@ class ObjectIndex:
         self._holds = Holds()
         self._placer = Placer(self.registry)
         self._replicas = Replicas(self.registry, self._placer, self.stats)
+        self._demotions = Demotions(self._placer)
         self._policies: dict[Tier, EvictionPolicy[Any]] = {
             t: make_eviction_policy(self.config.policy) for t in Tier
         }
@@ -130,9 +132,6 @@ class ObjectIndex:
         # Per tier, as [memory, SSD] lists indexed by ``tier is _SSD`` (a bool is an int):
         # a dict keyed by Tier hashed the enum in Python code twice per put and eviction.
         self._ready: list[int] = [0, 0]  # READY objects per tier
-        self._demoting = 0  # DEMOTING objects
-        self._deferred: set[str] = set()  # owners whose demotions are copied later
-        self._stalled: set[str] = set()  # ... and whose copies stopped being answered
 
     # ----------------------------------------------------------------- clients, segments
     def register_client(self, client_id: str, now_ms: int, address: str = "") -> bool:
@@ -459,36 +458,23 @@ class ObjectIndex:
 
     # ------------------------------------------------------------- demotion, copies in flight
     def defer_copies(self, owner: str) -> None:
-        """``owner`` (a node) copies its demotions while the index serves others.
-
-        Its demoted objects are DEMOTING, invisible, and hold both their memory extent and
-        their SSD extent until the caller reports the copy :meth:`demote_done` or
-        :meth:`demote_abandoned`, so the memory is never reused under a copy and the SSD
-        copy is never read before it exists.  Their memory bytes are *leaving*: an
-        eviction round counts them as gone, and a put that only they would make room for
-        stops evicting and fails with ``NoRoom(coming=True)``, for the caller to retry when
-        they are done, instead of demoting the whole tier for one object."""
-        self._deferred.add(owner)
+        """``owner`` (a node) copies its demotions while the index serves others: they
+        are DEMOTING until reported :meth:`demote_done` or :meth:`demote_abandoned`
+        (:meth:`~kvpool.core.demotion.Demotions.defer`)."""
+        self._demotions.defer(owner)
 
     def stall_copies(self, owner: str, stalled: bool) -> None:
         """``owner`` stopped answering copies (its victims are dropped, not demoted), or
         answered again."""
-        if stalled:
-            self._stalled.add(owner)
-        else:
-            self._stalled.discard(owner)
+        self._demotions.stall(owner, stalled)
 
     def demote_done(self, event: Demote) -> bool:
         """The owner copied an ``in_flight`` demotion: READY on SSD, its memory extent
         free.  False when the object is no longer that copy's (abandoned, dropped)."""
-        obj = self._copying(event)
-        if obj is None or obj.target is None:
+        obj = self._demotions.reported(self._objects, event)
+        if obj is None:
             return False
-        seg, extent = obj.target
-        self._end_copy(obj)
-        obj.segment.space.release(obj.extent)
-        obj.move(seg, extent)
-        obj.target = None
+        self._demotions.done(obj)
         obj.state = _READY
         self._ready[1] += 1  # SSD
         self._ssd_policy.on_insert(obj.key, obj.parent)
@@ -498,7 +484,7 @@ class ObjectIndex:
         """An ``in_flight`` copy failed, or its owner did not answer in time: the object
         is gone, both extents free (a late copy is refused by the owner's checksum check
         if the memory was rewritten meanwhile).  None when it was no longer that copy's."""
-        obj = self._copying(event)
+        obj = self._demotions.reported(self._objects, event)
         if obj is None:
             return None
         self.stats.demote_failures += 1
@@ -520,7 +506,7 @@ class ObjectIndex:
         if state is State.PENDING:
             return len(self._writing) if tier is None or tier is _MEMORY else 0
         if state is State.DEMOTING:
-            return self._demoting if tier is None or tier is _MEMORY else 0
+            return self._demotions.in_flight if tier is None or tier is _MEMORY else 0
         return sum(self._ready) if tier is None else self._ready[tier is _SSD]
 
     def location_of(self, key: str) -> Location | None:
@@ -541,20 +527,16 @@ class ObjectIndex:
         by tests)."""
         per_segment: dict[str, int] = {}
         extents: dict[str, set[tuple[int, int]]] = {}  # segment -> objects' extents
-        leaving: dict[str, int] = {}
+        self._demotions.check(self._objects)
         for obj in self._objects.values():
             taken = obj.copies()
             self._replicas.check(obj)
-            if obj.state is State.DEMOTING:
-                assert obj.target is not None and not obj.holds, f"{obj.key}: bad copy"
+            if obj.target is not None:  # DEMOTING: its SSD extent is taken too
                 taken.append(obj.target)
-                sid = obj.segment.segment_id
-                leaving[sid] = leaving.get(sid, 0) + obj.extent.length
             for seg, ext in taken:
                 assert self.registry.segments.get(seg.segment_id) is seg, f"{obj.key}: dead"
                 per_segment[seg.segment_id] = per_segment.get(seg.segment_id, 0) + ext.length
                 extents.setdefault(seg.segment_id, set()).add((ext.offset, ext.length))
-        self._placer.check(leaving)
         for seg in self.registry.segments.values():
             seg.space.check()
             assert seg.space.used == per_segment.get(seg.segment_id, 0), seg.segment_id
@@ -568,7 +550,6 @@ class ObjectIndex:
         pending = [o for o in objects if o.state is State.PENDING]
         assert list(self._writing.values()) == sorted(pending, key=lambda o: o.writer_expiry_ms)
         assert all(self._writing[o.key] is o for o in pending)
-        assert self._demoting == sum(1 for o in objects if o.state is State.DEMOTING)
         assert not any(o.holds for o in objects if o.state is State.PENDING)
         self._holds.check(self._objects)
 
@@ -704,26 +685,25 @@ class ObjectIndex:
         Demote instead, and the object is DEMOTING until the copy is reported."""
         if obj.segment.tier is _MEMORY and self.config.enable_offload:
             owner = obj.segment.client_id
-            stalled = owner in self._stalled
-            dst = None if stalled else self._ssd_room(obj, now_ms, events)
-            if dst is not None and obj.replicas is not None:  # the SSD copy is the one kept
-                others = {seg.segment_id for seg, _ in obj.replicas}
-                events.extend(self._replicas.lost(obj, others, "demoted"))
-            if dst is not None and owner in self._deferred:
-                self._start_copy(obj, dst, events)
-                return
+            demotions = self._demotions
+            dst = None if demotions.stalled(owner) else self._ssd_room(obj, now_ms, events)
             if dst is not None:
-                seg, extent = dst
-                src = obj.location()
+                if obj.replicas is not None:  # the SSD copy is the one kept
+                    others = {seg.segment_id for seg, _ in obj.replicas}
+                    events.extend(self._replicas.lost(obj, others, "demoted"))
                 self._mem_policy.on_remove(obj.key)
-                obj.segment.space.release(obj.extent)
-                self._ready[0] -= 1  # memory -> SSD
-                self._ready[1] += 1
-                self._holds.moved_to_ssd(obj)  # only expired ones, or it would not be evicted
-                obj.move(seg, extent)
-                self._ssd_policy.on_insert(obj.key, obj.parent)
+                self._ready[0] -= 1  # memory
                 self.stats.demotions += 1
-                events.append(Demote(obj.key, src, obj.location(), obj.checksum))
+                if demotions.deferred(owner):
+                    if obj.holds:  # expired ones only (or it would not be a victim)
+                        self._holds.clear(obj)  # none may read it while it is copied
+                    obj.state = _DEMOTING
+                    events.append(demotions.start(obj, dst))
+                    return
+                self._ready[1] += 1  # -> SSD
+                self._holds.moved_to_ssd(obj)  # only expired ones, or it would not be evicted
+                events.append(demotions.now(obj, dst))
+                self._ssd_policy.on_insert(obj.key, obj.parent)
                 return
         self.stats.evictions += 1
         events.append(self._drop(obj, "evicted"))
@@ -746,50 +726,13 @@ class ObjectIndex:
                     events.append(self._drop(self._objects[key], "evicted"))
         return None
 
-    def _start_copy(
-        self, obj: ObjectRecord, dst: tuple[SegmentRecord, Extent], events: list[Event]
-    ) -> None:
-        """A deferred demotion: DEMOTING, both extents held, its memory bytes leaving."""
-        self._mem_policy.on_remove(obj.key)
-        self._ready[0] -= 1  # memory
-        if obj.holds:  # expired ones only (or it would not be a victim): none may read it
-            self._holds.clear(obj)
-        obj.state = _DEMOTING
-        obj.target = dst
-        self._placer.leave(obj.segment.segment_id, obj.extent.length)
-        self._demoting += 1
-        self.stats.demotions += 1
-        seg, extent = dst
-        dst_loc = Location(seg.segment_id, seg.client_id, seg.tier, extent.offset, extent.length)
-        events.append(Demote(obj.key, obj.location(), dst_loc, obj.checksum, True))
-
-    def _copying(self, event: Demote) -> ObjectRecord | None:
-        obj = self._objects.get(event.key)
-        if obj is None or obj.state is not _DEMOTING or obj.target is None:
-            return None
-        seg, extent = obj.target
-        if seg.segment_id != event.dst.segment_id or extent.offset != event.dst.offset:
-            return None
-        return obj
-
     def _take_back(self, obj: ObjectRecord) -> None:
-        """A DEMOTING object is wanted again: READY in memory, its SSD extent free.  Its
-        memory was never reused under the copy, so its bytes are still there; the copy's
-        report finds the object no longer copying (``_copying``) and changes nothing."""
-        assert obj.target is not None
-        self._end_copy(obj)
-        seg, extent = obj.target
-        seg.space.release(extent)
-        obj.target = None
+        """A DEMOTING object is wanted again: READY in memory, its SSD extent free."""
+        self._demotions.take_back(obj)
         obj.state = _READY
         self._ready[0] += 1  # memory
         self._mem_policy.on_insert(obj.key, obj.parent)
         self.stats.copies_taken_back += 1
-
-    def _end_copy(self, obj: ObjectRecord) -> None:
-        """The copy of a DEMOTING object is over, done or not: its bytes left."""
-        self._placer.left(obj.segment.segment_id, obj.extent.length)
-        self._demoting -= 1
 
     def _drop(self, obj: ObjectRecord, reason: str, release_space: bool = True) -> Dropped:
         """An object leaves: its space, its counts, its policy entry and its holds."""
@@ -805,9 +748,7 @@ class ObjectIndex:
             self._ready[seg.tier is _SSD] -= 1
             (self._mem_policy if seg.tier is _MEMORY else self._ssd_policy).on_remove(key)
         elif obj.state is _DEMOTING:
-            self._end_copy(obj)
-            if release_space and obj.target is not None:
-                obj.target[0].space.release(obj.target[1])
+            self._demotions.leave(obj, release_space)
         else:
             del self._writing[key]
         if obj.holds:
