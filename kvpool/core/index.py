@@ -2,8 +2,8 @@
 
 :class:`ObjectIndex` takes two-phase puts, reads under leases and pins, removals, client
 expiry and eviction (inline for a put, in watermark rounds on ``tick``), and returns
-their effects (:class:`Dropped`, :class:`Demote`) as values; its class docstring draws
-the life cycle and lists the invariants ``check()`` asserts.  It composes
+their effects (:class:`Dropped`, :class:`Demote`) as values; :data:`LIFE_CYCLE` below is
+its objects' life cycle, with the invariants ``check()`` asserts.  It composes
 :class:`~kvpool.core.leases.Holds` (leases and pins), :class:`~kvpool.core.placement.Placer`
 (each tier's segments and room), :class:`~kvpool.core.replicas.Replicas` (other copies) and
 :class:`~kvpool.core.demotion.Demotions` (copies to SSD).  Time is a parameter (``now_ms``).
@@ -47,6 +47,7 @@ from kvpool.errors import (
 )
 
 __all__ = [
+    "LIFE_CYCLE",
     "MAX_REPLICAS",
     "CopyLost",
     "Demote",
@@ -68,42 +69,88 @@ __all__ = [
 _READY, _PENDING, _DEMOTING = State.READY, State.PENDING, State.DEMOTING
 _MEMORY, _SSD = Tier.MEMORY, Tier.SSD
 
+# The object life cycle: (state, event) -> the state after it; None is "not in the index"
+# (before a put or a restore, and gone: its space reclaimed).  Every change of an object's
+# state goes through _move, which raises on a pair not listed here.
+LIFE_CYCLE: dict[tuple[State | None, str], State | None] = {
+    # a put: reserved, written, then visible
+    (None, "put_start"): _PENDING,
+    (_PENDING, "put_end"): _READY,
+    (_PENDING, "revoked"): None,  # put_revoke, the writer's own retry, no copy written
+    (_PENDING, "writer_expired"): None,
+    (None, "restore"): _READY,  # a node re-announces what it holds (a master restarted)
+    # a stored object leaves
+    (_READY, "evicted"): None,
+    (_READY, "removed"): None,
+    (_READY, "corrupt"): None,  # a reader found this copy failing its checksum
+    # demotion (offload) to the owner's SSD tier
+    (_READY, "demoted"): _READY,  # copied at once: it lives at its SSD extent now
+    (_READY, "demote_failed"): None,  # ... and that copy failed
+    (_READY, "copy_started"): _DEMOTING,  # its owner (a node) copies it later
+    (_DEMOTING, "copy_done"): _READY,  # on SSD, its memory extent free
+    (_DEMOTING, "taken_back"): _READY,  # read or pinned meanwhile: in memory again
+    (_DEMOTING, "demote_failed"): None,  # the copy failed, or was not answered in time
+    (_DEMOTING, "removed"): None,
+    # its owner left (expired, restarted, or a transfer to it failed)
+    (_PENDING, "client_gone"): None,
+    (_READY, "client_gone"): None,
+    (_DEMOTING, "client_gone"): None,
+}
+# Invariants (tested per transition, by property tests over random operation sequences,
+# and by check() where a scan can see them):
+# - a PENDING object is invisible: exists, prefix_lookup and get see READY only;
+# - every object holds exactly one live extent in a registered segment (a replicated one,
+#   one per copy), and a segment's used bytes equal the sum of its objects' sizes;
+# - an object with an unexpired read lease or pin is never evicted, demoted or removed;
+# - a DEMOTING object holds its memory and its SSD extent until its copy is reported;
+#   probes see it, and a read or pin takes it back (the pool never answers "not found"
+#   for bytes it still holds), the copy's report then ignored;
+# - probes (exists, prefix_lookup) never take or renew a lease;
+# - after an eviction round a tier is at or below its high watermark, unless every
+#   object left in it is leased, pinned or pending;
+# - a put that needs space evicts inline; it fails with NoSpace only when nothing
+#   evictable is left that would make room;
+# - a copy a reader found corrupt leaves at once, leases or not (its bytes are wrong for
+#   everyone, and a reader overtaken by a later use of the extent fails its own checksum):
+#   lookups stop counting it and the next put of the key stores it again;
+# - an object has at least one byte: an empty value is refused (PoolError), never stored.
+
+# LIFE_CYCLE keyed by the state's name: a tuple holding an enum member hashes it in
+# Python code, twice as slow as the whole lookup by name.
+_NEXT = {(None if s is None else s.name, e): after for (s, e), after in LIFE_CYCLE.items()}
+_STATES = {s for s, _ in LIFE_CYCLE if s is not None}
+
+
+def _move(obj: ObjectRecord, event: str) -> State | None:
+    """``obj`` takes ``event``: its state after it, set on it (None: it leaves the index,
+    and the caller removes it).  A pair not in :data:`LIFE_CYCLE` is the index's own bug."""
+    try:
+        after = _NEXT[obj.state._name_, event]
+    except KeyError:
+        raise AssertionError(f"{obj.key}: {obj.state.name} takes no {event!r}") from None
+    if after is not None:
+        obj.state = after
+    return after
+
+
+def _entered(event: str) -> State:
+    """The state an object enters the index in by ``event``."""
+    after = LIFE_CYCLE[None, event]
+    assert after is not None, event
+    return after
+
+
+# The states new objects enter in: a lookup from None has one answer, taken once.
+_PUT, _RESTORED = _entered("put_start"), _entered("restore")
+
 
 class ObjectIndex:
     """All objects of the pool: their placement, leases, pins and eviction order.
 
-    Object life cycle::
-
-        put_start ──> PENDING ──put_end──> READY ──evict / remove / client expiry──> gone
-                         │                   │  └─drop_corrupt (a read failed its checksum)──> gone
-                         │                   │
-                         └─put_revoke / writer lease expiry──> gone (space reclaimed)
-                                             └─(offload) demote: memory extent -> SSD extent
-                                               (a node's copy: READY ─> DEMOTING ─done─> READY
-                                                on SSD; abandoned or failed ─> gone)
-
-    Invariants (tested per transition and by property tests over random operation
-    sequences; ``check()`` asserts those that a scan can see):
-
-    - a PENDING object is invisible: ``exists``, ``prefix_lookup`` and ``get`` see READY
-      only;
-    - every object holds exactly one live extent in a registered segment, and a segment's
-      used bytes equal the sum of its objects' sizes;
-    - an object with an unexpired read lease or pin is never evicted, demoted or removed;
-    - a DEMOTING object holds its memory and its SSD extent until its copy is reported
-      done (then it is READY on SSD) or abandoned (then it is gone); probes see it, and a
-      read or pin of it takes it back: READY in memory, the copy's report then ignored
-      (the pool never answers "not found" for bytes it still holds);
-    - probes (``exists``, ``prefix_lookup``) never take or renew a lease;
-    - after an eviction round a tier is at or below its high watermark, unless every
-      object left in it is leased, pinned or pending;
-    - a put that needs space evicts inline; it fails with NoSpace only when nothing
-      evictable is left that would make room;
-    - a copy a reader found corrupt leaves at once, leases or not (its bytes are wrong for
-      everyone, and a reader overtaken by a later use of the extent fails its own
-      checksum): lookups stop counting it and the next put of the key stores it again;
-    - an object has at least one byte: an empty value is refused (PoolError), never
-      stored.
+    Each object's state follows :data:`LIFE_CYCLE` (with the invariants listed there):
+    PENDING while a put writes it, READY once visible, DEMOTING while its owner copies it
+    to SSD.  Public methods take objects through it; the effects (:class:`Dropped`,
+    :class:`Demote`, :class:`CopyLost`) are returned for the caller to carry out.
     """
 
     def __init__(self, config: IndexConfig | None = None) -> None:
@@ -172,7 +219,7 @@ class ObjectIndex:
                 if self._replicas.lose(obj, segments, release=False):
                     events.extend(CopyLost(obj.key, owner, reason) for owner in dead)
                     continue
-            events.append(self._drop(obj, reason, release_space=False))
+            events.append(self._drop(obj, reason, release_space=False, event="client_gone"))
         return events
 
     # ----------------------------------------------------------------------------- writes
@@ -229,7 +276,7 @@ class ObjectIndex:
         if parent is not None:  # the parent's own key string: one copy of each key kept
             above = objects.get(parent)
             parent = above.key if above is not None else parent
-        record = objects[key] = ObjectRecord(key, _PENDING, seg, extent, parent, writer, expiry)
+        record = objects[key] = ObjectRecord(key, _PUT, seg, extent, parent, writer, expiry)
         self._writing[key] = record
         copies = replicas or self.config.replica_num
         if copies <= 1:
@@ -262,7 +309,7 @@ class ObjectIndex:
             if obj.segment.segment_id in unwritten:  # no copy was written
                 self._drop(obj, "revoked")
                 raise StaleWrite(f"{key}: no copy of it was written")
-        obj.state = _READY
+        _move(obj, "put_end")
         obj.checksum = checksum
         obj.writer_expiry_ms = 0  # read only while PENDING: its int is freed
         del self._writing[key]
@@ -323,7 +370,7 @@ class ObjectIndex:
             extent = Extent(offset, size)
             if not seg.space.take(extent):
                 return False
-        self._objects[key] = ObjectRecord(key, State.READY, seg, extent, parent, "", 0, checksum)
+        self._objects[key] = ObjectRecord(key, _RESTORED, seg, extent, parent, "", 0, checksum)
         self._ready[seg.tier is _SSD] += 1
         self._policies[seg.tier].on_insert(key, parent)
         return True
@@ -475,7 +522,7 @@ class ObjectIndex:
         if obj is None:
             return False
         self._demotions.done(obj)
-        obj.state = _READY
+        _move(obj, "copy_done")
         self._ready[1] += 1  # SSD
         self._ssd_policy.on_insert(obj.key, obj.parent)
         return True
@@ -523,12 +570,13 @@ class ObjectIndex:
         return obj.state if obj is not None else None
 
     def check(self) -> None:
-        """Assert the class's invariants that a scan can see, and every kept count (used
-        by tests)."""
+        """Assert the invariants that a scan can see (each object in a state of
+        :data:`LIFE_CYCLE`), and every kept count (used by tests)."""
         per_segment: dict[str, int] = {}
         extents: dict[str, set[tuple[int, int]]] = {}  # segment -> objects' extents
         self._demotions.check(self._objects)
         for obj in self._objects.values():
+            assert obj.state in _STATES, f"{obj.key}: {obj.state} is not in LIFE_CYCLE"
             taken = obj.copies()
             self._replicas.check(obj)
             if obj.target is not None:  # DEMOTING: its SSD extent is taken too
@@ -638,6 +686,7 @@ class ObjectIndex:
                     events.append(self._drop(victim, "evicted"))
                     continue
                 # _drop of a READY victim (can_evict said so) of this tier's one segment
+                _move(victim, "evicted")
                 key = victim.key
                 extent = victim.extent
                 del objects[key]
@@ -697,9 +746,10 @@ class ObjectIndex:
                 if demotions.deferred(owner):
                     if obj.holds:  # expired ones only (or it would not be a victim)
                         self._holds.clear(obj)  # none may read it while it is copied
-                    obj.state = _DEMOTING
+                    _move(obj, "copy_started")
                     events.append(demotions.start(obj, dst))
                     return
+                _move(obj, "demoted")
                 self._ready[1] += 1  # -> SSD
                 self._holds.moved_to_ssd(obj)  # only expired ones, or it would not be evicted
                 events.append(demotions.now(obj, dst))
@@ -729,13 +779,17 @@ class ObjectIndex:
     def _take_back(self, obj: ObjectRecord) -> None:
         """A DEMOTING object is wanted again: READY in memory, its SSD extent free."""
         self._demotions.take_back(obj)
-        obj.state = _READY
+        _move(obj, "taken_back")
         self._ready[0] += 1  # memory
         self._mem_policy.on_insert(obj.key, obj.parent)
         self.stats.copies_taken_back += 1
 
-    def _drop(self, obj: ObjectRecord, reason: str, release_space: bool = True) -> Dropped:
-        """An object leaves: its space, its counts, its policy entry and its holds."""
+    def _drop(
+        self, obj: ObjectRecord, reason: str, release_space: bool = True, event: str = ""
+    ) -> Dropped:
+        """An object leaves by ``event`` (its ``reason`` where none is given): its space,
+        its counts, its policy entry and its holds."""
+        _move(obj, event or reason)
         key = obj.key
         seg = obj.segment
         del self._objects[key]

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.index import Demote, Dropped, IndexConfig, ObjectIndex, State
+from kvpool.core import index as index_module
+from kvpool.core.index import LIFE_CYCLE, Demote, Dropped, IndexConfig, ObjectIndex, State
 from kvpool.core.registry import Tier
 from kvpool.errors import (
     NoSpace,
@@ -28,6 +29,25 @@ def put(
     res, _ = idx.put_start(key, size, "w", now, parent)
     assert res is not None
     idx.put_end(key, "w", now, checksum=7)
+
+
+# ------------------------------------------------------------------------ life cycle
+def test_every_state_of_the_life_cycle_is_entered_and_left() -> None:
+    entered = {after for after in LIFE_CYCLE.values() if after is not None}
+    left = {state for (state, _), after in LIFE_CYCLE.items() if after is None}
+    assert entered == left == set(State)
+    born = {after for (state, _), after in LIFE_CYCLE.items() if state is None}
+    assert born == {State.PENDING, State.READY}  # a put, or a node's restore
+
+
+def test_a_transition_the_life_cycle_does_not_list_is_refused() -> None:
+    idx = make()
+    idx.put_start("k", 10, "w", 0)
+    record = idx._objects["k"]
+    with pytest.raises(AssertionError, match="PENDING takes no 'evicted'"):
+        index_module._move(record, "evicted")
+    assert idx.state_of("k") is State.PENDING
+    idx.check()
 
 
 # ------------------------------------------------------------------ two-phase writes
