@@ -17,7 +17,6 @@ from kvpool.client.master_link import CLOSE_SETTLE_S, MasterLink
 from kvpool.closing import Closing
 from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
-from kvpool.datapath.tenant_path import TenantTransport
 from kvpool.datapath.transport import DataPath, Transport, transport_named
 from kvpool.errors import (
     ChecksumMismatch,
@@ -37,6 +36,7 @@ from kvpool.security.secret import load_credential
 from kvpool.security.tls import TLSConfig
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.storage.checksum import Hasher, checksum, hasher
+from kvpool.tenancy.data_path import TenantTransport
 
 __all__ = ["CLOSE_SETTLE_S", "OVERLAP_CHECKSUM_MAX", "Client"]
 
@@ -96,7 +96,7 @@ class Client(Closing):
     with the handshake of :mod:`kvpool.security.handshake`; without one, none does (a pool on
     loopback with no secret).  A tenant's credential (``kvpool-tenant:...``) makes this a
     client of that tenant only: the master keeps its keys in the tenant's namespace, and its
-    bytes move over TCP with the master's grants (:mod:`kvpool.datapath.tenant_path`).
+    bytes move over TCP with the master's grants (:mod:`kvpool.tenancy.data_path`).
 
     Thread-safe: metadata calls are serialised on one connection; data paths are per node.
     """

@@ -16,10 +16,7 @@ import logging
 import socket
 import ssl
 import threading
-import time
 from collections.abc import Callable
-
-from msgspec import structs
 
 from kvpool.closing import Serving
 from kvpool.datapath import framing
@@ -56,7 +53,7 @@ from kvpool.protocol.data import (
     error_reply,
 )
 from kvpool.security.admission import Admission
-from kvpool.security.credentials import Credential, check_grant, ssd_subject
+from kvpool.security.credentials import Credential
 from kvpool.security.handshake import AUTH_MAGIC, Identity, refusal
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore
@@ -66,6 +63,8 @@ __all__ = [
     "DATA_MAX_CONNECTIONS",
     "MAX_RANGES",
     "SSD_READ_BUDGET",
+    "Handle",
+    "RequestCheck",
     "SegmentServer",
     "ServerStats",
 ]
@@ -82,6 +81,16 @@ SSD_READ_BUDGET = 256 << 20
 #: Ranges per SegmentReadMany / SegmentWriteMany (a reply's views go in one sendmsg,
 #: which takes at most 1024 buffers).
 MAX_RANGES = 512
+
+_Channel = Channel[DataReply, DataRequest]
+#: One request served: ``(channel, request, its payload's length)`` -> the reply and its
+#: payload.  A connection's is chosen once, when it is admitted.
+_Served = tuple[DataReply, memoryview | list[memoryview] | None]
+Handle = Callable[[_Channel, DataRequest, int], _Served]
+#: What a request must pass before it is served: the request as served, or it raises the
+#: AuthError refusing it.  Made per tenant connection: ``(node key, tenant) -> check``
+#: (:func:`kvpool.tenancy.grants.tenant_check`).
+RequestCheck = Callable[[DataRequest], DataRequest]
 
 
 # Rules:
@@ -109,12 +118,12 @@ MAX_RANGES = 512
 #   :mod:`kvpool.security.handshake` in role ``data``, proving the key of the node that serves
 #   (``server_id``); a peer that skips it or fails it gets an
 #   :class:`~kvpool.errors.AuthError` reply and is closed, and nothing else is read from it.
-# - A tenant's connection (role ``tenant-data``, the tenant's data key) may only read or
-#   write ranges and read SSD objects by key, and each request must carry the master's
-#   grant for exactly that tenant, operation and range (or key), unexpired
-#   (:func:`kvpool.security.credentials.check_grant`: one HMAC per request, none per frame).
-#   A request without one gets an ``AuthError`` reply naming it, the payload of a
-#   refused write is drained, and the connection goes on.
+# - A tenant's connection (role ``tenant-data``, the tenant's data key) is admitted only
+#   where ``tenants`` is given; its requests pass the check that makes for it (the
+#   master's grants, :mod:`kvpool.tenancy.grants`) before they are served.  A refused one
+#   gets an ``AuthError`` reply, the payload of a refused write is drained, and the
+#   connection goes on.  Which handling a connection gets is chosen once, at admission:
+#   the plain path tests nothing per request.
 class SegmentServer(Serving):
     """Serves reads and writes of registered segments over TCP.
 
@@ -136,11 +145,15 @@ class SegmentServer(Serving):
         credential: Credential | None = None,
         server_id: str = "",
         tls: ssl.SSLContext | None = None,
+        tenants: Callable[[bytes, str], RequestCheck] | None = None,
     ) -> None:
+        """``tenants``: the check of a tenant connection's requests, made from this
+        node's key and the tenant (None: tenants are refused at the handshake)."""
         self.host = host
         self.tls = tls
         self.credential = credential
         self.server_id = server_id
+        self.tenants = tenants
         self._node_key = b""  # this server's node key, for checking tenants' grants
         # told of every tagged write once its bytes are in: segment id, key, offset,
         # length, checksum (the node's catalog notes it; see SegmentWrite)
@@ -237,14 +250,12 @@ class SegmentServer(Serving):
         with a credential, the waiting room has run the handshake (``identity``)."""
         framing.tune_socket(conn)
         keepalive(conn)
-        tenant = ""
+        handle: Handle = self._handle
         if identity is not None and identity.role == "tenant-data":
-            tenant = identity.client_id
-        channel: Channel[DataReply, DataRequest] = Channel(
-            conn, DATA_REPLY_CODEC, DATA_REQUEST_CODEC, self.timeout_s
-        )
+            handle = self._checked(self._tenant_check(identity.client_id))
+        channel: _Channel = Channel(conn, DATA_REPLY_CODEC, DATA_REQUEST_CODEC, self.timeout_s)
         try:
-            while not self._server.stopping and self._serve_one(channel, tenant):
+            while not self._server.stopping and self._serve_one(channel, handle):
                 pass
         except ProtocolError as exc:
             # Bad header: the stream cannot be resynchronised.  Say why, then close.
@@ -264,7 +275,8 @@ class SegmentServer(Serving):
             "KVPOOL_SECRET_FILE (or KVPOOL_SECRET) to this cluster's secret"
         )
         refuse_plain = DATA_REPLY_CODEC.encode(error_reply(plain))
-        return Admission(self.credential, self.server_id, ("data", "tenant-data"), refuse_plain)
+        roles = ("data", "tenant-data") if self.tenants is not None else ("data",)
+        return Admission(self.credential, self.server_id, roles, refuse_plain)
 
     def _refused_auth(self, reason: str) -> None:
         self.stats.add("refused_auth")
@@ -272,45 +284,27 @@ class SegmentServer(Serving):
         if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
             log.warning("data connection refused (%d so far): %s", n, reason)
 
-    def _granted(self, tenant: str, request: DataRequest) -> DataRequest:
-        """A tenant's request as served (its segment ids without the grants), or the
-        AuthError that refuses it.  A batch is checked range by range, each against its
-        own grant, before any byte moves."""
-        if isinstance(request, SegmentReadMany):
-            ranges = [(self._check(tenant, s, "r", o, n), o, n) for s, o, n in request.ranges]
-            return structs.replace(request, ranges=ranges)
-        if isinstance(request, SegmentWriteMany):  # its notes go, as a single write's tag
-            ranges = [(self._check(tenant, s, "w", o, n), o, n) for s, o, n in request.ranges]
-            return structs.replace(request, ranges=ranges, notes=[])
-        if isinstance(request, SsdRead):  # by key: ``@tenant/key#grant``
-            key, sep, grant = request.key.rpartition("#")
-            if not sep:
-                grant = ""
-            self._check(tenant, f"{ssd_subject(key)}#{grant}", "s", 0, request.length)
-            return structs.replace(request, key=key)
-        if not isinstance(request, SegmentRead | SegmentWrite):
-            raise AuthError(
-                f"tenant {tenant}: {type(request).__name__} is not open to a tenant's "
-                "connection (reads and writes with a grant only)"
-            )
-        op = "w" if isinstance(request, SegmentWrite) else "r"
-        segment_id = self._check(tenant, request.segment_id, op, request.offset, request.length)
-        if isinstance(request, SegmentWrite):
-            # a tenant's keys are the master's to scope: it may not note one here
-            return structs.replace(request, segment_id=segment_id, key="", checksum=0)
-        return structs.replace(request, segment_id=segment_id)
-
-    def _check(self, tenant: str, granted_id: str, op: str, offset: int, length: int) -> str:
-        """The segment id of ``granted_id`` (``segment#grant``) once its grant lets
-        ``tenant`` do ``op`` on that range."""
-        assert self.credential is not None
-        segment_id, _, grant = granted_id.partition("#")
+    def _tenant_check(self, tenant: str) -> RequestCheck:
+        """The check of ``tenant``'s requests (admitted only where ``tenants`` is set)."""
+        assert self.credential is not None and self.tenants is not None
         node_key = self._node_key
         if not node_key:  # derived once: the grants of every request are MACed with it
             node_key = self._node_key = self.credential.node_key_of(self.server_id)
-        now_ms = time.time_ns() // 1_000_000
-        check_grant(node_key, tenant, segment_id, grant, op, offset, length, now_ms)
-        return segment_id
+        return self.tenants(node_key, tenant)
+
+    def _checked(self, check: RequestCheck) -> Handle:
+        """The handling of a connection whose every request passes ``check`` first."""
+
+        def handle(channel: _Channel, request: DataRequest, payload_length: int) -> _Served:
+            try:
+                request = check(request)
+            except AuthError:
+                self.stats.add("refused_grants")
+                channel.discard_payload(payload_length)
+                raise
+            return self._handle(channel, request, payload_length)
+
+        return handle
 
     def _reply(
         self,
@@ -325,8 +319,9 @@ class SegmentServer(Serving):
         else:
             channel.send(reply, payload)
 
-    def _serve_one(self, channel: Channel[DataReply, DataRequest], tenant: str = "") -> bool:
-        """Handle one request; ``False`` when the peer closed cleanly."""
+    def _serve_one(self, channel: _Channel, handle: Handle) -> bool:
+        """Handle one request with ``handle`` (the connection's, chosen at admission);
+        ``False`` when the peer closed cleanly."""
         got = channel.recv_request(self.idle_timeout_s)
         if got is None:
             return False
@@ -337,14 +332,7 @@ class SegmentServer(Serving):
         request, payload_length = got
         self.stats.add("requests")
         try:
-            if tenant:
-                try:
-                    request = self._granted(tenant, request)
-                except AuthError:
-                    self.stats.add("refused_grants")
-                    channel.discard_payload(payload_length)
-                    raise
-            reply, payload = self._handle(channel, request, payload_length)
+            reply, payload = handle(channel, request, payload_length)
         except ChecksumMismatch as exc:  # a corrupt SSD object: a miss, not a broken link
             self._reply(channel, error_reply(exc))
             return True

@@ -37,6 +37,16 @@ class Later:
         self.deadline_ms = deadline_ms
         self.deliver: Callable[[m.MasterReply], None] | None = None
 
+    def then(self, out: Callable[[m.MasterReply], m.MasterReply]) -> None:
+        """Give the reply, once there is one, through ``out`` (a layer's view of it)."""
+        retry = self.retry
+
+        def mapped(final: bool) -> m.MasterReply | None:
+            reply = retry(final)
+            return None if reply is None else out(reply)
+
+        self.retry = mapped
+
 
 class Copies:
     """The node copies in flight.

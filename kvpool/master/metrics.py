@@ -4,21 +4,17 @@ production guide's §8.1 check, ``curl …/metrics | grep -E "kv_cache|connected
 written.
 
 Every ratio has its denominator exported next to it: hits with lookups, used bytes with
-capacity.  Per-tenant series (``kvpool_tenant_*``, label ``tenant``) exist for the
-tenants the master knows only: those with a quota and those that proved their key.
+capacity.  The per-tenant series (``kvpool_tenant_*``) are the tenant layer's, registered
+here when it is installed (:mod:`kvpool.tenancy.metrics`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvpool.core.tenants import TenantBook
     from kvpool.master.service import MasterService
 
 __all__ = ["LabelCache", "MasterMetrics", "counter_total"]
@@ -175,14 +171,10 @@ class MasterMetrics:
             registry=r,
         )
 
-        self.tenants = _TenantCollector()
-        r.register(self.tenants)
-
     def refresh(self, master: MasterService) -> None:
         """Copy gauges from the index (cheap; called on each tick and before a scrape)."""
         from kvpool.core.registry import Tier
 
-        self.tenants.book = master.tenants
         idx = master.index
         self.blocks.set(idx.count())
         self.connected.set(master.rpc_connections + len(master.clients.local))
@@ -213,43 +205,3 @@ class MasterMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _TenantCollector(Collector):
-    """Per-tenant series, read from the master's :class:`~kvpool.core.tenants.TenantBook`
-    at scrape time.  Only tenants the book keeps (configured with a quota, or that
-    proved their key) have series, so a key's name never makes a label."""
-
-    def __init__(self) -> None:
-        self.book: TenantBook | None = None
-
-    def describe(self) -> list[Any]:
-        return []  # unchecked: the families depend on the tenants there are
-
-    def collect(self) -> Iterator[Any]:
-        tenants = self.book.tenants if self.book is not None else {}
-        gauges = (
-            ("kvpool_tenant_bytes", "bytes a tenant holds (reserved and stored)", "bytes"),
-            ("kvpool_tenant_objects", "READY objects of a tenant", "objects"),
-            ("kvpool_tenant_quota_bytes", "a tenant's byte quota (0: none)", "quota"),
-        )
-        for name, doc, attr in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["tenant"])
-            for tenant, usage in sorted(tenants.items()):
-                family.add_metric([tenant], getattr(usage, attr))
-            yield family
-        counters = (
-            ("kvpool_tenant_hits", "a tenant's get requests that found the object", "hits"),
-            ("kvpool_tenant_misses", "a tenant's get requests that found nothing", "misses"),
-            (
-                "kvpool_tenant_evictions",
-                "a tenant's objects evicted to make room for its own puts (quota)",
-                "evictions",
-            ),
-            ("kvpool_tenant_quota_refusals", "a tenant's puts refused over quota", "refused"),
-        )
-        for name, doc, attr in counters:
-            counter = CounterMetricFamily(name, doc, labels=["tenant"])
-            for tenant, usage in sorted(tenants.items()):
-                counter.add_metric([tenant], getattr(usage, attr))
-            yield counter

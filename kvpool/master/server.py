@@ -17,6 +17,7 @@ import signal
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
@@ -31,7 +32,6 @@ from kvpool.ha.etcd import Etcd, parse_endpoints
 from kvpool.ha.leadership import Leadership
 from kvpool.master.http import build_app
 from kvpool.master.service import Later, MasterService
-from kvpool.master.tenancy import TenantMaster, parse_tenant_quotas
 from kvpool.node.storage import MASTER_SETTINGS, LocalStorage
 from kvpool.protocol import messages as m
 from kvpool.protocol.codec import MAGIC, Codec, FrameDecoder
@@ -42,6 +42,7 @@ from kvpool.security.handshake import AUTH_MAGIC, Identity
 from kvpool.security.master_handshake import AuthProtocol, Owners, no_secret_refusal, plain_refusal
 from kvpool.security.secret import load_credential, require_credential
 from kvpool.security.tls import ENV_CA
+from kvpool.tenancy.master import TenantMaster, parse_tenant_quotas
 
 __all__ = ["RPC_BUFFER_LIMIT", "RPC_REQUEST_CODEC", "MasterServer", "RpcBuffers", "run_master"]
 
@@ -74,6 +75,11 @@ SNIFF_TIMEOUT_S = 5.0
 MAX_PRE_AUTH = 4096
 
 
+#: What answers one connection's requests, chosen when it is admitted: the master's own
+#: ``submit``, or the tenant layer's handler of one tenant's connection.
+Serve = Callable[[MasterRequest], MasterReply | Later]
+
+
 class RpcBuffers:
     """What the RPC connections hold of unfinished requests, together (one event loop
     thread: a plain counter)."""
@@ -95,6 +101,9 @@ class _RpcProtocol(asyncio.Protocol):
       and close.  A bad body costs that frame only.
     - A request begun must be complete within ``frame_timeout_s`` (a peer trickling a
       4 MiB body one byte at a time holds no buffer for long).
+    - What answers its requests (``serve``) is chosen once, when it is admitted: the
+      master's own ``submit``, or a tenant's handler (:meth:`MasterServer.rpc_admitted`).
+      Nothing asks per request whose connection it is.
     """
 
     def __init__(
@@ -104,17 +113,12 @@ class _RpcProtocol(asyncio.Protocol):
         frame_timeout_s: float = RPC_FRAME_TIMEOUT_S,
         identity: Identity | None = None,
         owners: Owners | None = None,
-        tenancy: TenantMaster | None = None,
+        serve: Serve | None = None,
     ) -> None:
         self.identity = identity  # who the handshake proved (None: no credential here)
-        # a tenant's connection: served by the tenant layer, in that tenant's namespace
-        tenant = identity is not None and identity.role == "tenant"
-        self.tenant = identity.client_id if identity is not None and tenant else ""
-        if tenant and tenancy is None:
-            raise ValueError(f"tenant {self.tenant}'s connection needs the tenant layer")
-        self.tenancy = tenancy if tenant else None
-        self.owners = owners
+        self.owners = owners  # the storage owners' ids it may claim (None: no check)
         self.service = service
+        self.serve: Serve = serve or service.submit
         self.buffers = buffers
         self.frame_timeout_s = frame_timeout_s
         self.decoder: FrameDecoder[MasterRequest] = FrameDecoder(RPC_REQUEST_CODEC)
@@ -198,15 +202,12 @@ class _RpcProtocol(asyncio.Protocol):
                 if early is not None:
                     self.transport.write(MASTER_REPLY_CODEC.encode(early))
                     continue
-                if self.tenancy is not None:
-                    reply = self.tenancy.submit(self.tenant, message)
-                else:
-                    if self.owners is not None:
-                        refused = self.owners.check(self, self.identity, message)
-                        if refused is not None:
-                            self._refuse(refused)
-                            return
-                    reply = self.service.submit(message)
+                if self.owners is not None:
+                    refused = self.owners.check(self, self.identity, message)
+                    if refused is not None:
+                        self._refuse(refused)
+                        return
+                reply = self.serve(message)
                 if gate.ha:
                     self._served(gate, message, reply)
                 if isinstance(reply, Later):
@@ -433,16 +434,11 @@ class MasterServer:
     def rpc_admitted(self, transport: asyncio.Transport, identity: Identity, rest: bytes) -> None:
         """A handshake succeeded: the connection is RPC from now on, as ``identity``."""
         self.admitted(transport)
-        if identity.role == "tenant":
-            self.tenancy.admit(identity.client_id)
-        proto = _RpcProtocol(
-            self.service,
-            self.rpc_buffers,
-            self.rpc_frame_timeout_s,
-            identity,
-            self.owners,
-            self.tenancy,
-        )
+        args = (self.service, self.rpc_buffers, self.rpc_frame_timeout_s, identity)
+        if identity.role == "tenant":  # all of it in the tenant's namespace: no owners
+            proto = _RpcProtocol(*args, serve=self.tenancy.connection(identity.client_id))
+        else:
+            proto = _RpcProtocol(*args, self.owners)
         transport.set_protocol(proto)
         proto.connection_made(transport)
         if rest:
@@ -469,7 +465,7 @@ class MasterServer:
             )
         require_credential(cfg.host, self.credential, cfg.insecure, key="--host")
         for tenant, quota in parse_tenant_quotas(cfg.tenant_quota).items():
-            self.service.tenants.set_quota(tenant, quota)
+            self.tenancy.book.set_quota(tenant, quota)
         self.tenancy.credential = self.credential  # the grants' key
         # TLS (off unless --tls_* are set): files checked before anything binds
         self.tls = cfg.tls.server_context()

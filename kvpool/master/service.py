@@ -27,9 +27,7 @@ from kvpool.core.index import (
     ObjectIndex,
 )
 from kvpool.core.registry import Tier
-from kvpool.core.tenants import TenantBook
 from kvpool.errors import (
-    ConfigError,
     KVPoolError,
     NoSpace,
     ObjectNotFound,
@@ -46,7 +44,6 @@ from kvpool.node.catalog import Outbox
 from kvpool.node.storage import LocalStorage
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok, error_reply
-from kvpool.security.credentials import check_tenant_name
 
 if TYPE_CHECKING:
     from kvpool.master.kv_events import PoolEventPublisher
@@ -115,9 +112,6 @@ class MasterService:
         self.leadership = Leadership(address="")
         #: told of each storage node that registers (an HA leader records it in etcd)
         self.on_node_joined: Callable[[str, str], None] | None = None
-        # per-tenant quotas (the operator's SetQuota) and usage (kept by the tenant
-        # layer, kvpool.master.tenancy, for /metrics); empty: no tenants
-        self.tenants = TenantBook()
         #: called with the key of each object the index drops (a layer's accounting)
         self.drop_watchers: list[Callable[[str], None]] = []
         #: the pool's KV events (kvpool.master.kv_events), when the server publishes them
@@ -147,7 +141,7 @@ class MasterService:
             m.ReportFailure: clients.report_failure,
             m.ReportCorrupt: self._report_corrupt,
             m.Stats: self._stats,
-            m.SetQuota: self._set_quota,
+            m.SetQuota: self._no_quotas,  # the tenant layer's, where it is installed
             # the server's gate answers it first; this serves the in-process link
             m.WhoLeads: lambda _req, _now: self.leadership.who(time.monotonic()),
         }
@@ -181,11 +175,29 @@ class MasterService:
         reply: m.MasterReply | None = self.handle(request, self._put_or_wait)
         return reply
 
-    def submit(self, request: m.MasterRequest, via: Handler | None = None) -> m.MasterReply | Later:
+    def submit(self, request: m.MasterRequest) -> m.MasterReply | Later:
         """As :meth:`handle`, but some replies wait (:meth:`NodeCopies.submit
-        <kvpool.master.node_copies.NodeCopies.submit>`); ``via``: a layer over this
-        service that answers it (a tenant's)."""
-        return self.node_copies.submit(request, via or self)
+        <kvpool.master.node_copies.NodeCopies.submit>`)."""
+        return self.node_copies.submit(request, self)
+
+    def submit_via(
+        self, request: m.MasterRequest, via: Handler, out: Callable[[m.MasterReply], m.MasterReply]
+    ) -> m.MasterReply | Later:
+        """As :meth:`submit`, answered by a layer over this service (``via``, a
+        tenant's), whose ``out`` gives each reply back, a held one's too."""
+        reply = self.node_copies.submit(request, via)
+        if isinstance(reply, Later):
+            reply.then(out)
+            return reply
+        return out(reply)
+
+    def serve(self, kind: type, handler: Callable[[Any, int], Any]) -> None:
+        """Answer requests of ``kind`` with a layer's ``handler`` from now on (the tenant
+        layer's ``SetQuota``: kvpool.tenancy)."""
+        if kind not in self._handlers:
+            raise ValueError(f"{kind.__name__} is not a master request")
+        self._handlers[kind] = handler
+        self._routes.pop(kind, None)
 
     def settle(self, expire: bool = False) -> None:
         """Apply what nodes reported, and answer the held replies that can be."""
@@ -510,15 +522,10 @@ class MasterService:
     def _stats(self, req: m.Stats, now: int) -> m.StatsReply:
         return m.StatsReply(self.snapshot())
 
-    def _set_quota(self, req: m.SetQuota, now: int) -> m.Count:
-        # who may send it is the tenant layer's rule (master_tenants.py): the operator only
-        try:
-            check_tenant_name(req.tenant, "tenant")
-            self.tenants.set_quota(req.tenant, req.quota_bytes)
-        except (ConfigError, ValueError) as exc:
-            raise PoolError(str(exc)) from None
-        log.info("tenant %s: quota set to %d bytes", req.tenant, req.quota_bytes)
-        return m.Count(self.tenants.tenants[req.tenant].bytes)
+    def _no_quotas(self, req: m.SetQuota, now: int) -> m.Count:
+        # quotas are the tenant layer's (kvpool.tenancy.master), which `kvpool master`
+        # installs over this service: a service without it keeps none
+        raise PoolError(f"tenant {req.tenant}: this pool has no tenant layer to keep quotas")
 
     # ----------------------------------------------------------------------------- status
     def snapshot(self) -> dict[str, Any]:

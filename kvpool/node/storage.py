@@ -23,6 +23,7 @@ from kvpool.errors import ChecksumMismatch, ConfigError, KVPoolError, NoSpace, P
 from kvpool.storage.pages import Warmth
 from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
 from kvpool.storage.ssd import SsdStore
+from kvpool.tenancy.grants import tenant_check
 
 __all__ = [
     "MASTER_SETTINGS",
@@ -194,6 +195,7 @@ class LocalStorage:
             credential=listen.credential,
             server_id=client_id,
             tls=listen.tls,
+            tenants=tenant_check,  # a tenant's connections: each request with its grant
         )
         try:
             if serve:

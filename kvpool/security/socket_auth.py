@@ -59,7 +59,7 @@ def authenticate(
     all (it may be another protocol's server)."""
     deadline = deadline_after(timeout_s)
     if credential.data_key and role == "data":
-        # a tenant's key to one node's data port (kvpool.datapath.tenant_path)
+        # a tenant's key to one node's data port (kvpool.tenancy.data_path)
         role, client_id = "tenant-data", credential.tenant
     side = ClientHandshake(credential, role, client_id)
     reader = FrameReader()

@@ -18,6 +18,7 @@ from kvpool.protocol.data import Error, SegmentWriteMany
 from kvpool.security.credentials import Credential, make_grant, tenant_data_key
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
+from kvpool.tenancy.grants import tenant_check
 
 SECRET = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
 
@@ -75,7 +76,9 @@ def test_a_tenants_tag_is_ignored() -> None:
     node_key = cluster.node_key_of("node-a")
     notes: list[Note] = []
     with Segment.create(1 << 20) as segment:
-        server = SegmentServer(timeout_s=5.0, credential=cluster, server_id="node-a")
+        server = SegmentServer(
+            timeout_s=5.0, credential=cluster, server_id="node-a", tenants=tenant_check
+        )
         server.add_segment("node-a/mem", segment)
         server.on_write = lambda *note: notes.append(note)
         server.start()

@@ -12,9 +12,9 @@ from kvpool.core.index import Demote, IndexConfig, State
 from kvpool.master.copies import Later
 from kvpool.master.node_links import QUEUE_DEPTH, NodeLinks
 from kvpool.master.service import MasterService
-from kvpool.master.tenancy import tenant_request
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error, Ok
+from kvpool.tenancy.master import tenant_request
 from tests.waiting import wait_until
 
 NODE = "node-h-1"

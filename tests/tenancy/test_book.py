@@ -1,10 +1,10 @@
-"""kvpool.core.tenants: namespaces and per-tenant accounting, without a master."""
+"""kvpool.tenancy.book: namespaces and per-tenant accounting, without a master."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpool.core.tenants import TenantBook, scoped, tenant_of, unscoped
+from kvpool.tenancy.book import TenantBook, scoped, tenant_of, unscoped
 
 
 def test_scoped_keys_name_their_tenant_and_only_it() -> None:

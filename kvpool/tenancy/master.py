@@ -1,24 +1,26 @@
-"""Tenancy, a layer over the master: :class:`TenantMaster` serves a tenant connection's
-requests in that tenant's namespace, keeps its quota and usage, and gives its replies
-back with keys as it sent them and grants for its bytes.
+"""Tenancy, a layer over the master: :class:`TenantMaster` owns the tenants' book and
+quotas (the operator's ``SetQuota``), serves a tenant connection's requests in that
+tenant's namespace, and gives its replies back with keys as it sent them and grants for
+its bytes.
 
 A connection that proved a tenant key (handshake role ``tenant``, its id the tenant's
-name) is that tenant's.  The cluster secret's connections never pass through here (no
-copy, no rewrite): the operator's and single-tenant pools' path is the master's own.
+name) is that tenant's, and the server gives it this layer's handler when it admits it.
+The cluster secret's connections never pass through here (no copy, no rewrite).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from msgspec import structs
 
 from kvpool.config.values import parse_size
-from kvpool.core.tenants import TenantBook, scoped, tenant_of, unscoped
+from kvpool.core.index import ObjectIndex
 from kvpool.errors import AuthError, ConfigError, KVPoolError, PoolError, QuotaExceeded
-from kvpool.master.copies import Later
-from kvpool.master.service import MasterService
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Ok, error_reply
 from kvpool.security.credentials import (
@@ -28,17 +30,56 @@ from kvpool.security.credentials import (
     ssd_subject,
     tenant_data_key,
 )
+from kvpool.tenancy.book import TenantBook, scoped, tenant_of, unscoped
+from kvpool.tenancy.grants import GRANT_SEP
+from kvpool.tenancy.metrics import TenantCollector
 
 __all__ = [
     "GRANT_SEP",
+    "Master",
     "TenantMaster",
     "grant_op",
     "parse_tenant_quotas",
     "tenant_request",
 ]
 
-#: between a segment id and the grant a tenant's placement carries with it
-GRANT_SEP = "#"
+log = logging.getLogger("kvpool.master")
+
+#: a request handler of the master: ``(request, now)`` -> its reply
+_Handler = Callable[[Any, int], Any]
+
+
+class Master(Protocol):
+    """What the tenant layer uses of the master it is over
+    (:class:`kvpool.master.service.MasterService`, which imports nothing of tenants)."""
+
+    index: ObjectIndex
+    metrics: Any  # its put_failures counter counts the puts refused over quota
+    drop_watchers: list[Callable[[str], None]]
+
+    def puts(self, put_key: Callable[..., m.Placement | None], *, may_wait: bool) -> _Handler: ...
+
+    def handle(
+        self, request: m.MasterRequest, handler: _Handler | None = None
+    ) -> m.MasterReply: ...
+
+    def submit_via(self, request: m.MasterRequest, via: Any, out: Any) -> Any: ...
+
+    def serve(self, kind: type, handler: _Handler) -> None: ...
+
+    def put_key(
+        self,
+        client_id: str,
+        key: str,
+        size: int,
+        parent: str | None,
+        now: int,
+        may_wait: bool,
+        replica_num: int = 0,
+    ) -> m.Placement | None: ...
+
+    def remove(self, key: str, now: int) -> None: ...
+
 
 #: what only the cluster secret may send
 OPERATOR_REQUESTS = (m.SetQuota, m.ReportFailure)
@@ -77,7 +118,7 @@ def tenant_request(tenant: str, request: Any) -> Any:
     AuthError that refuses it.
 
     Every key it sends, every parent key, and every writer and lease-owner id, is put
-    into the tenant's namespace (:func:`kvpool.core.tenants.scoped`): the client cannot
+    into the tenant's namespace (:func:`kvpool.tenancy.book.scoped`): the client cannot
     name another tenant's object, writer or lease, so it cannot read, overwrite, remove,
     probe, pin, release or revoke one.  Operator requests (``SetQuota``; ``ReportFailure``,
     which drops a whole storage owner) and a node's own requests are refused; the
@@ -129,51 +170,60 @@ def grant_op(request: Any) -> str:
 class TenantMaster:
     """The tenants' side of one master (see the module docstring).
 
-    It answers the master's :class:`~kvpool.master.node_copies.Handler` for the
-    tenants' (scoped) requests: their puts make room inside the tenant first, and what
-    the master answers is counted in the tenant's usage (:meth:`_account`).  Objects
-    that leave the index otherwise (evicted, expired, removed) reach it through the
-    master's ``drop_watchers``, which :meth:`over` installs it in.
+    It owns the tenants' :class:`~kvpool.tenancy.book.TenantBook`: each tenant's quota
+    (``--tenant_quota``, the operator's ``SetQuota``) and usage.  It answers the
+    master's :class:`~kvpool.master.node_copies.Handler` for the tenants' (scoped)
+    requests: their puts make room inside the tenant first, and what the master answers
+    is counted in the tenant's usage (:meth:`_account`).  Objects that leave the index
+    otherwise (evicted, expired, removed) reach it through the master's
+    ``drop_watchers``, which :meth:`over` installs it in.
     """
 
-    def __init__(self, service: MasterService, credential: Credential | None) -> None:
+    def __init__(self, service: Master, credential: Credential | None) -> None:
         self.service = service
-        self.book = service.tenants
+        self.book = TenantBook()
         self.credential = credential  # the cluster secret: makes the grants (None: none)
         self._put = service.puts(self._put_key, may_wait=False)
         self._put_or_wait = service.puts(self._put_key, may_wait=True)
 
     @classmethod
-    def over(cls, service: MasterService, credential: Credential | None) -> TenantMaster:
-        """The tenant layer over ``service``, installed for the drops it must count."""
+    def over(cls, service: Master, credential: Credential | None) -> TenantMaster:
+        """The tenant layer over ``service``, installed for what it keeps: the drops it
+        must count, the operator's ``SetQuota``, its series on the master's /metrics."""
         layer = cls(service, credential)
         service.drop_watchers.append(layer.book.dropped)
+        service.serve(m.SetQuota, layer._set_quota)
+        service.metrics.registry.register(TenantCollector(layer.book))
         return layer
 
-    def admit(self, tenant: str) -> None:
-        """A connection proved ``tenant``'s key: its series on /metrics from now on."""
+    def connection(self, tenant: str) -> Callable[[m.MasterRequest], Any]:
+        """The handler of a connection that proved ``tenant``'s key, chosen once when the
+        server admits it; the tenant has its series on /metrics from now on."""
         self.book.add(tenant)
+        return functools.partial(self.submit, tenant)
 
-    def submit(self, tenant: str, request: m.MasterRequest) -> m.MasterReply | Later:
-        """One request from ``tenant``'s connection: its reply, or a :class:`Later` the
-        server holds (a put, as for anyone), whose reply is mapped back too."""
+    def submit(self, tenant: str, request: m.MasterRequest) -> Any:
+        """One request from ``tenant``'s connection: its reply, or the master's ``Later``
+        that the server holds (a put, as for anyone), whose reply is mapped back too."""
         op = grant_op(request)
         inside = tenant_request(tenant, request)
         if isinstance(inside, KVPoolError):  # refused; the link stays open
             return error_reply(inside)
         if isinstance(inside, m.Stats):
             return self.stats(tenant)
-        reply = self.service.submit(inside, via=self)
-        if isinstance(reply, Later):
-            retry = reply.retry
+        return self.service.submit_via(inside, self, lambda reply: self.reply(tenant, reply, op))
 
-            def mapped(final: bool) -> m.MasterReply | None:
-                out = retry(final)
-                return None if out is None else self.reply(tenant, out, op)
-
-            reply.retry = mapped
-            return reply
-        return self.reply(tenant, reply, op)
+    def _set_quota(self, req: m.SetQuota, now: int) -> m.Count:
+        """The operator's ``SetQuota`` (the master's handler of it, see :meth:`over`).
+        Only the cluster secret's connections reach it: :func:`tenant_request` refuses
+        it to a tenant's."""
+        try:
+            check_tenant_name(req.tenant, "tenant")
+            self.book.set_quota(req.tenant, req.quota_bytes)
+        except (ConfigError, ValueError) as exc:
+            raise PoolError(str(exc)) from None
+        log.info("tenant %s: quota set to %d bytes", req.tenant, req.quota_bytes)
+        return m.Count(self.book.tenants[req.tenant].bytes)
 
     # ------------------------------------------------------- the master's Handler, scoped
     def handle(self, request: m.MasterRequest) -> m.MasterReply:
@@ -260,7 +310,7 @@ class TenantMaster:
         """``reply`` with keys as ``tenant`` sent them, and each memory placement's
         segment id carrying the grant of ``op`` (``r``, ``w``) and the tenant's key to
         the owner's data port: ``<segment id>#<grant>#<data key>``.  A tenant's data
-        path (:mod:`kvpool.datapath.tenant_path`) takes them apart; everything between
+        path (:mod:`kvpool.tenancy.data_path`) takes them apart; everything between
         passes the segment id through unchanged."""
         if isinstance(reply, m.Placement):
             return self._granted(tenant, reply, op)

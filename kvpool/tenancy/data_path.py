@@ -3,10 +3,10 @@ master's grant.
 
 A tenant holds no node key, so it cannot open a node's data port the way a holder of
 the cluster secret does.  The master hands it, inside each memory placement's segment
-id, ``<segment id>#<grant>#<data key>`` (:mod:`kvpool.master.tenancy`); this path opens
+id, ``<segment id>#<grant>#<data key>`` (:mod:`kvpool.tenancy.master`); this path opens
 the connection with the data key (handshake role ``tenant-data``) and sends each
 request's segment id with its grant, never the key; the node checks the grant before it
-serves a byte (:mod:`kvpool.datapath.segment_server`).
+serves a byte (:mod:`kvpool.tenancy.grants`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ from msgspec import structs
 
 from kvpool.closing import Closing
 from kvpool.config.peer import PeerSettings
-from kvpool.core.tenants import scoped
 from kvpool.datapath.data_ops import DataOp, OpResult, SsdReadOp, WriteOp
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import PoolError
 from kvpool.net import split_address
 from kvpool.security.credentials import Credential
+from kvpool.tenancy.book import scoped
+from kvpool.tenancy.grants import GRANT_SEP as _SEP
 
 __all__ = ["TenantDataPath", "TenantTransport"]
-
-_SEP = "#"
 
 
 def _split(segment_id: str) -> tuple[str, str]:
