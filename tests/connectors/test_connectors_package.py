@@ -1,7 +1,6 @@
 from __future__ import annotations
 
-import subprocess
-import sys
+from kvpool.testing.fresh import run_python
 
 
 def test_package_import_is_lazy_and_names_resolve() -> None:
@@ -14,11 +13,5 @@ def test_package_import_is_lazy_and_names_resolve() -> None:
         "except AttributeError as exc:\n"
         "    print(exc)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
+    out = run_python(code, check=True)
     assert "has no attribute 'Nope'" in out.stdout

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import importlib
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from kvpool.testing.fresh import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -57,11 +57,5 @@ def test_a_documented_path_resolves(path: str) -> None:
         "        value = getattr(value, attr)\n"
         "    break\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    done = run_python(code)
     assert done.returncode == 0, f"{path} ({DOCUMENTED[path]}): {done.stderr[-2000:]}"

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from kvpool.testing.fresh import run_python
+
 DOCUMENTED = (
     '{"kv_connector": "KVPoolStoreConnector",'
     ' "kv_connector_module_path": "kvpool.connectors.store"}'
@@ -27,13 +29,7 @@ def test_documented_json_resolves_the_class_as_vllm_does() -> None:
         "transfer = sorted(m for m in sys.modules if m.startswith('kvpool.connectors.transfer'))\n"
         "print(json.dumps(transfer))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
+    out = run_python(code, check=True)
     assert json.loads(out.stdout.splitlines()[-1]) == []  # the transfer connector stays out
 
 
