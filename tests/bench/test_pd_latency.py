@@ -11,6 +11,7 @@ import pytest
 from bench.pd_latency import _REPORTED, percentile, server_timing, summarize, table
 from kvpool.connectors.transfer.jobs import HoldJob, TransferJobs
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
+from kvpool.testing.closes import closed_at_end
 from tests.connectors.transfer.helpers import caches, config, free_port, recv_job, wait_results
 
 
@@ -62,10 +63,8 @@ def test_rows_compare_the_proxy_with_each_direct_target_of_the_same_kind() -> No
 
 @pytest.fixture
 def workers() -> Iterator[list[TransferWorker]]:
-    made: list[TransferWorker] = []
-    yield made
-    for w in made:
-        w.close()
+    with closed_at_end(TransferWorker) as made:
+        yield made
 
 
 def test_d_traces_how_many_steps_a_load_took_to_be_reported(

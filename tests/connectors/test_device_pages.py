@@ -25,6 +25,7 @@ from kvpool.connectors.transfer.jobs import HoldJob, TransferJobs
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 from kvpool.engines import PoolEngine, open_engine
 from kvpool.errors import ConfigError
+from kvpool.testing.closes import closed_at_end
 from kvpool.testing.mooncake import Namespace
 from tests.connectors.transfer.helpers import config, free_port, recv_job, wait_results
 from tests.mooncake.host import mooncake_json
@@ -172,10 +173,8 @@ def test_a_receive_that_fails_half_way_writes_nothing() -> None:
 
 @pytest.fixture
 def workers() -> Iterator[list[TransferWorker]]:
-    made: list[TransferWorker] = []
-    yield made
-    for w in made:
-        w.close()
+    with closed_at_end(TransferWorker) as made:
+        yield made
 
 
 def transfer_rank(
