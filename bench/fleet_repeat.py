@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: kvpool and bench from this tree
     sys.path.insert(0, str(REPO))
 
+from bench import _cli  # noqa: E402
 from bench.routing import start_stack  # noqa: E402
 from bench.ttft import _machine  # noqa: E402
 
@@ -130,7 +131,7 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--tokens", type=int, default=1650)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--layers", type=int, default=4)
@@ -142,8 +143,7 @@ def main() -> int:
     for row, (name, on) in enumerate(ROWS.items()):
         results[name] = measure_row(args, on, row)
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
-    print(table(results, args) if args.markdown else json.dumps(results, indent=2))
-    return 0
+    return _cli.report(results, args, table)
 
 
 if __name__ == "__main__":

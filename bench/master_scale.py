@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: bench.* and kvpool from this tree
     sys.path.insert(0, str(ROOT))
 
+from bench import _cli  # noqa: E402
+
 BATCH = 64
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
 
@@ -269,7 +271,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 def main() -> int:
     from kvpool.testing import mooncake
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--objects", default="100000,1000000")
     parser.add_argument("--size", default="1KiB")
     parser.add_argument("--clients", type=int, default=4)
@@ -288,8 +290,7 @@ def main() -> int:
         for engine in args.engines.split(","):
             rows.append(measure(engine, n, size_of(args.size), args))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(table(rows, args) if args.markdown else json.dumps(rows, indent=2))
-    return 0
+    return _cli.report(rows, args, table)
 
 
 if __name__ == "__main__":

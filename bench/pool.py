@@ -51,6 +51,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import _cli
 from bench.baselines import memcpy, raw_tcp
 from kvpool.client.client import Client
 from kvpool.config.peer import PeerSettings
@@ -429,10 +430,7 @@ def print_table(rows: list[Row], meta: list[tuple[str, float, float]], markdown:
             (label, r.name, f"{ops * r.size / (1 << 30):.2f}", f"{ops:,.0f}", ratio, r.baseline)
         )
     if markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for ln in lines:
-            print("| " + " | ".join(ln) + " |")
+        _cli.markdown_table(header, lines)
         print("\n| metadata op | p50 µs | p99 µs |\n|---|---|---|")
         for name, p50, p99 in meta:
             print(f"| {name} | {p50:.0f} | {p99:.0f} |")

@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: kvpool from this tree
     sys.path.insert(0, str(REPO))
 
+from bench import _cli  # noqa: E402
 from bench.pd_latency import percentile  # noqa: E402
 
 ROWS: dict[str, tuple[str, ...]] = {
@@ -289,7 +290,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--prefills", type=int, default=3)
     parser.add_argument("--tenants", type=int, default=6)
     parser.add_argument("--system-words", type=int, default=500)
@@ -314,8 +315,7 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     results = measure(args)
-    print(table(results, args) if args.markdown else json.dumps(results, indent=2))
-    return 0
+    return _cli.report(results, args, table)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: bench.* and kvpool from this tree
     sys.path.insert(0, str(REPO))
 
+from bench import _cli  # noqa: E402
+
 MARK = "SAVE_STEP_RESULT "
 ROWS = ("embedded-sync", "embedded-async", "master-sync", "master-async")
 GIB = 1 << 30
@@ -193,7 +195,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--tokens", type=int, default=3072)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=4)
@@ -206,14 +208,8 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true", help="print the docs table")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if unknown := args.rows - set(ROWS):
-        parser.error(f"--rows: unknown {','.join(sorted(unknown))}; choose from {','.join(ROWS)}")
-    if args.child:
-        print(MARK + json.dumps(_child(json.loads(args.child))), flush=True)
-        return 0
-    results = measure(args)
-    print(table(results, args) if args.markdown else json.dumps(results, indent=2))
-    return 0
+    _cli.check_rows(parser, args.rows, ROWS)
+    return _cli.run_or_child(args, MARK, _child, measure, table)
 
 
 if __name__ == "__main__":

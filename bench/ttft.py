@@ -90,7 +90,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: bench.* and kvpool from this tree
     sys.path.insert(0, str(REPO))
 
-from bench import _netns  # noqa: E402
+from bench import _cli, _netns  # noqa: E402
 from bench.ttft_load import (  # noqa: E402
     GIB,
     LoadTimer,
@@ -686,7 +686,7 @@ def _breakdown(ran: list[dict[str, Any]]) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--tokens", type=int, default=3072)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
@@ -722,14 +722,8 @@ def main() -> int:
             else {"local", "embedded", "master", "mooncake", "vllm-mooncake-store"}
             | {"offloading", "hma-off"}
         )
-    if unknown := args.rows - set(ROWS):
-        parser.error(f"--rows: unknown {','.join(sorted(unknown))}; choose from {','.join(ROWS)}")
-    if args.child:
-        print(MARK + json.dumps(_child(json.loads(args.child))), flush=True)
-        return 0
-    results = measure(args)
-    print(table(results, args) if args.markdown else json.dumps(results, indent=2))
-    return 0
+    _cli.check_rows(parser, args.rows, ROWS)
+    return _cli.run_or_child(args, MARK, _child, measure, table)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: bench.* and kvpool from this tree
     sys.path.insert(0, str(ROOT))
 
+from bench import _cli  # noqa: E402
 from bench.pool import _percentiles, raw_tcp  # noqa: E402
 from bench.vs_mooncake_sides import KvpoolSide, MooncakeSide, Side, pythonpath  # noqa: E402
 from kvpool.testing.mooncake import MooncakeMissing, Namespace, mooncake_binary  # noqa: E402
@@ -328,10 +329,7 @@ def print_table(result: Result, markdown: bool) -> None:
     rows, meta = table(result)
     for header, lines in ((HEADER, rows), (META_HEADER, meta)):
         if markdown:
-            print("| " + " | ".join(header) + " |")
-            print("|" + "---|" * len(header))
-            for ln in lines:
-                print("| " + " | ".join(ln) + " |")
+            _cli.markdown_table(header, lines)
         else:
             widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=True)]
             for ln in (header, *lines):

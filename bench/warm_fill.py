@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import _cli
 from kvpool.client.client import Client
 from kvpool.config.values import WARMUP_MODES, parse_size
 from kvpool.net import http_get
@@ -153,10 +154,7 @@ def print_tables(
     ]
     for head, body in ((header, lines), (start_header, start_lines)):
         if markdown:
-            print("| " + " | ".join(head) + " |")
-            print("|" + "---|" * len(head))
-            for ln in body:
-                print("| " + " | ".join(ln) + " |")
+            _cli.markdown_table(head, body)
         else:
             for ln in [head, *body]:
                 print("  ".join(f"{cell:>16}" for cell in ln))
