@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["check_rows", "markdown_table", "parser", "report", "run_or_child"]
+__all__ = ["check_rows", "child_result", "markdown_table", "parser", "report", "run_or_child"]
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -43,6 +44,16 @@ def run_or_child(
         print(mark + json.dumps(child(json.loads(args.child))), flush=True)
         return 0
     return report(measure(args), args, table)
+
+
+def child_result(proc: subprocess.CompletedProcess[str], mark: str, name: str) -> dict[str, Any]:
+    """The result a ``--child`` run printed after ``mark``; RuntimeError with its stderr's
+    tail when it printed none."""
+    for line in proc.stdout.splitlines():
+        if line.startswith(mark):
+            result: dict[str, Any] = json.loads(line[len(mark) :])
+            return result
+    raise RuntimeError(f"{name} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
 def markdown_table(head: Sequence[str], body: Iterable[Sequence[str]]) -> None:

@@ -186,7 +186,6 @@ def start_stack(args: argparse.Namespace, state: Path) -> tuple[Any, Any]:
     from kvpool.ops.up.lifecycle import resolve_ports, usable_cpus
     from kvpool.ops.up.options import UpOptions
     from kvpool.ops.up.plan import make_plan
-    from kvpool.ops.up.supervisor import Supervisor
     from kvpool.ops.up.tiny_model import PRESETS, build_from_spec
 
     model = build_from_spec(
@@ -206,23 +205,31 @@ def start_stack(args: argparse.Namespace, state: Path) -> tuple[Any, Any]:
         python=sys.executable,
     )  # fmt: skip
     plan = make_plan(resolve_ports(opts))
-    for d in plan.dirs:
-        d.mkdir(parents=True, exist_ok=True)
-    for path, text in plan.files.items():
-        path.write_text(text)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env["KVPOOL_TRANSFER_TRACE"] = "1"  # D's log: steps between a pull's end and its report
     if args.idle_wait_ms is not None:  # the transfer connector's, on both instances
         env["KVPOOL_IDLE_WAIT_MS"] = str(args.idle_wait_ms)
+    return plan, launch_plan(plan, env, args.start_timeout)
+
+
+def launch_plan(plan: Any, env: dict[str, str], start_timeout: float) -> Any:
+    """Lay out ``plan``'s folders and files, then start its stages in order, each one
+    healthy before the next; the supervisor (everything started stopped on a failure)."""
+    from kvpool.ops.up.supervisor import Supervisor
+
+    for d in plan.dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    for path, text in plan.files.items():
+        path.write_text(text)
     sup = Supervisor(base_env=env)
     try:
         for stage in plan.stages:
             started = [sup.start(spec) for spec in stage]
-            sup.wait_healthy(started, args.start_timeout)
+            sup.wait_healthy(started, start_timeout)
     except BaseException:
         sup.stop_all()
         raise
-    return plan, sup
+    return sup
 
 
 # -- the requests ----------------------------------------------------------------------

@@ -49,7 +49,7 @@ if str(REPO) not in sys.path:  # run as a script: kvpool from this tree
     sys.path.insert(0, str(REPO))
 
 from bench import _cli  # noqa: E402
-from bench.pd_latency import percentile  # noqa: E402
+from bench.pd_latency import launch_plan, percentile  # noqa: E402
 
 ROWS: dict[str, tuple[str, ...]] = {
     "round_robin": ("--policy", "round_robin"),
@@ -74,7 +74,6 @@ def start_stack(args: argparse.Namespace, state: Path, adjust: Any = None) -> tu
     from kvpool.ops.up.lifecycle import resolve_ports, usable_cpus
     from kvpool.ops.up.options import UpOptions
     from kvpool.ops.up.plan import make_plan
-    from kvpool.ops.up.supervisor import Supervisor
     from kvpool.ops.up.tiny_model import PRESETS, build_from_spec
 
     model = build_from_spec(
@@ -93,20 +92,8 @@ def start_stack(args: argparse.Namespace, state: Path, adjust: Any = None) -> tu
         plan = without_store(plan)
     if adjust is not None:
         plan = adjust(plan)
-    for d in plan.dirs:
-        d.mkdir(parents=True, exist_ok=True)
-    for path, text in plan.files.items():
-        path.write_text(text)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    sup = Supervisor(base_env=env)
-    try:
-        for stage in plan.stages:
-            started = [sup.start(spec) for spec in stage]
-            sup.wait_healthy(started, args.start_timeout)
-    except BaseException:
-        sup.stop_all()
-        raise
-    return plan, sup
+    return plan, launch_plan(plan, env, args.start_timeout)
 
 
 def without_store(plan: Any) -> Any:

@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:  # run as a script: bench.* and kvpool from this t
     sys.path.insert(0, str(REPO))
 
 from bench import _cli  # noqa: E402
+from bench.ttft import _store  # noqa: E402
 
 MARK = "SAVE_STEP_RESULT "
 ROWS = ("embedded-sync", "embedded-async", "master-sync", "master-async")
@@ -104,26 +105,12 @@ def _reported(name: str) -> float:
     )
 
 
-def _store(extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVPoolStoreConnector",
-        "kv_connector_module_path": "kvpool.connectors.store",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"lookup_rpc_port": "0", **extra},
-    }
-
-
 def _run_child(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     argv = [sys.executable, __file__, "--child", json.dumps(spec)]
     proc = subprocess.run(
         argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARK):
-            result: dict[str, Any] = json.loads(line[len(MARK) :])
-            return result
-    raise RuntimeError(f"{spec['name']} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return _cli.child_result(proc, MARK, spec["name"])
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -258,11 +258,7 @@ def _run_child(spec: dict[str, Any], env: dict[str, str], workdir: Path) -> dict
         timeout=1800,
         check=False,
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARK):
-            result: dict[str, Any] = json.loads(line[len(MARK) :])
-            return result
-    raise RuntimeError(f"{spec['name']} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return _cli.child_result(proc, MARK, spec["name"])
 
 
 def _store(extra: dict[str, Any]) -> dict[str, Any]:
