@@ -19,12 +19,7 @@ import pytest
 from kvpool import Client
 from kvpool.ops.up.tiny_model import sample_text
 from tests.docs.blocks import doc_block
-from tests.e2e.test_up_stack import (
-    START_TIMEOUT_S,
-    _stop_up,
-    post_json,
-    start_ready,
-)
+from tests.e2e.up_stack import START_TIMEOUT_S, post_json, running
 from tests.ops.up.helpers import up_argv
 from tests.waiting import wait_until
 
@@ -46,12 +41,9 @@ def ha_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     # vLLM's own prefix cache off: a repeated prompt's prefix then comes from the pool,
     # through whichever master leads
     argv += ["--start-timeout", str(START_TIMEOUT_S), "--vllm-args=--no-enable-prefix-caching"]
-    proc, lines, reader, info = start_ready(argv, state)
-    try:
-        info["lines"] = lines
-        yield info
-    finally:
-        _stop_up(proc, reader)
+    with running(argv, state) as stack:
+        stack.info["lines"] = stack.lines
+        yield stack.info
 
 
 def complete(proxy: str, prompt: str) -> str:

@@ -17,13 +17,7 @@ import pytest
 
 from kvpool.ops.up.tiny_model import sample_text
 from tests.e2e.conftest import RunOffline
-from tests.e2e.test_up_stack import (
-    START_TIMEOUT_S,
-    Stack,
-    _stop_up,
-    post_json,
-    start_ready,
-)
+from tests.e2e.up_stack import START_TIMEOUT_S, Stack, post_json, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -69,11 +63,8 @@ def hybrid(
     if flags:
         argv += [f"--vllm-args={flags}"]
     argv[0] = str(Path(sys.executable).parent / "kvpool")
-    proc, lines, reader, info = start_ready(argv, state)
-    try:
-        yield Stack(proc, state, info, lines, reader=reader), model.name, prompts, reference
-    finally:
-        _stop_up(proc, reader)
+    with running(argv, state) as stack:
+        yield stack, model.name, prompts, reference
 
 
 def complete(stack: Stack, model: str, prompt: str) -> dict[str, Any]:

@@ -18,9 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +26,12 @@ import pytest
 
 from kvpool.ops.up.lifecycle import STATE_FILE
 from kvpool.ops.up.tiny_model import sample_text
-from kvpool.testing import lifetime
-from tests.e2e.test_up_stack import _stop_up, descendants, still_alive
+from tests.e2e.up_stack import descendants, offline_reference, start_up, still_alive, stop_up
 from tests.ops.up.helpers import metric, ns_http, unshared
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300.0
 MAX_TOKENS = 12
 MODEL = "tiny-llama"
@@ -43,42 +39,10 @@ MODEL = "tiny-llama"
 THROUGH_PROXY = sample_text(300, seed=41)
 PREFILL_ONLY = sample_text(300, seed=42)
 
-_REFERENCE = """
-import json, sys
-from vllm import LLM, SamplingParams
-if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
-    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=2048,
-              kv_cache_memory_bytes=64 << 20, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
-    texts = {p: llm.generate([p], params, use_tqdm=False)[0].outputs[0].text
-             for p in spec["prompts"]}
-    print("REFERENCE=" + json.dumps(texts))
-"""
-
 
 def reference_texts(model: Path, prompts: list[str]) -> dict[str, str]:
     """Greedy outputs of one plain offline vLLM engine (no connector, no Mooncake)."""
-    spec = {"model": str(model), "max_tokens": MAX_TOKENS, "prompts": prompts}
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", _REFERENCE, json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("REFERENCE=")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
-    texts: dict[str, str] = json.loads(lines[-1].removeprefix("REFERENCE="))
-    return texts
+    return offline_reference({"model": str(model), "max_tokens": MAX_TOKENS, "prompts": prompts})
 
 
 def netns(pid: int) -> int:
@@ -99,6 +63,11 @@ def scrape(pid: int, url: str, name: str) -> float:
     return metric(text, name)
 
 
+def at_least(pid: int, url: str, name: str, least: float, what: str) -> None:
+    """Until the metric ``name`` at ``url`` has reached ``least`` (``what`` it shows)."""
+    wait_until(lambda: scrape(pid, url, name) >= least, 30, interval_s=0.5, what=f"{what} ({name})")
+
+
 @pytest.mark.timeout(900)
 def test_up_engine_mooncake_serves_hits_the_pool_and_stops_clean(
     tiny_model_dir: Path, tmp_path: Path
@@ -110,22 +79,11 @@ def test_up_engine_mooncake_serves_hits_the_pool_and_stops_clean(
     argv += ["--start-timeout", str(START_TIMEOUT_S)]
     for flag in ("master", "metrics", "proxy", "prefill", "decode", "prefill-kv", "decode-kv"):
         argv += [f"--{flag}-port", "0"]
-    up = lifetime.popen(
-        unshared(argv),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "COLUMNS": "250"},
-    )
-    lines: list[str] = []
-    assert up.stdout is not None
-    reader = threading.Thread(target=lambda: lines.extend(up.stdout or []), daemon=True)
-    reader.start()
+    up, lines, reader = start_up(unshared(argv))
     try:
 
         def ready() -> dict[str, Any] | None:
-            assert up.poll() is None, f"kvpool up exited with {up.returncode}:\n" + "".join(lines)
+            assert up.poll() is None, f"kvpool up exited with {up.returncode}:\n" + "\n".join(lines)
             try:
                 info: dict[str, Any] = json.loads((state / STATE_FILE).read_text())
             except (OSError, ValueError):
@@ -140,37 +98,23 @@ def test_up_engine_mooncake_serves_hits_the_pool_and_stops_clean(
         # every process of the stack runs in the test's namespace, none in the host's
         assert netns(up.pid) != netns(os.getpid())
         assert {netns(pid) for pid in started} == {netns(up.pid)}, started
-        wait_until(lambda: "kvpool up: ready" in "".join(lines), 10, what="the ready line")
+        wait_until(lambda: "kvpool up: ready" in "\n".join(lines), 10, what="the ready line")
 
         # through the proxy (P prefills and stores, D decodes), and the same prompt again
         proxy, master = info["proxy"], info["master"]
         assert complete(up.pid, proxy, THROUGH_PROXY) == reference[THROUGH_PROXY]
         assert complete(up.pid, proxy, THROUGH_PROXY) == reference[THROUGH_PROXY]
-        wait_until(
-            lambda: scrape(up.pid, master, "master_key_count") >= 2,
-            30,
-            interval_s=0.5,
-            what="the prompt's blocks in Mooncake (master_key_count)",
-        )
+        at_least(up.pid, master, "master_key_count", 2, "the prompt's blocks in Mooncake")
         assert scrape(up.pid, master, "master_active_clients") >= 2
 
         # a prompt only P has seen: D finds its blocks in Mooncake and loads them
         prefill, decode = procs["prefill-0"]["url"], procs["decode-0"]["url"]
         keys = scrape(up.pid, master, "master_key_count")
         complete(up.pid, prefill, PREFILL_ONLY, max_tokens=1)
-        wait_until(
-            lambda: scrape(up.pid, master, "master_key_count") >= keys + 2,
-            30,
-            interval_s=0.5,
-            what="P's blocks of the new prompt in Mooncake",
-        )
+        at_least(up.pid, master, "master_key_count", keys + 2, "P's blocks of the new prompt")
         assert complete(up.pid, decode, PREFILL_ONLY) == reference[PREFILL_ONLY]
-        wait_until(
-            lambda: scrape(up.pid, decode, "vllm:kvpool_store_loaded_blocks_total") >= 2,
-            30,
-            interval_s=0.5,
-            what="D's store connector loading P's blocks from Mooncake",
-        )
+        loaded = "vllm:kvpool_store_loaded_blocks_total"
+        at_least(up.pid, decode, loaded, 2, "D's store connector loading P's blocks")
         assert scrape(up.pid, decode, "vllm:kvpool_store_failed_blocks_total") == 0
 
         # SIGTERM: everything it started stops, mooncake_master included
@@ -179,7 +123,7 @@ def test_up_engine_mooncake_serves_hits_the_pool_and_stops_clean(
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=120)
         reader.join(30)
-        out = "".join(lines)
+        out = "\n".join(lines)
         assert up.returncode == 0, out
         assert still_alive(started) == [], out
         for name in ("proxy", "prefill-0", "decode-0", "master"):
@@ -187,4 +131,4 @@ def test_up_engine_mooncake_serves_hits_the_pool_and_stops_clean(
         assert "listen on every interface" in out and "master_key_count" in out
         assert not (state / STATE_FILE).exists()
     finally:
-        _stop_up(up, reader)
+        stop_up(up, reader)

@@ -16,13 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.ops.up.tiny_model import sample_text
-from tests.e2e.test_up_stack import (
-    START_TIMEOUT_S,
-    Stack,
-    _stop_up,
-    post_json,
-    start_ready,
-)
+from tests.e2e.up_stack import START_TIMEOUT_S, Stack, post_json, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -37,11 +31,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         argv += [flag, "0"]
     argv += ["--prefill-kv-port", "0", "--decode-kv-port", "0", "--prefill-instances", "2"]
     argv += ["--start-timeout", str(START_TIMEOUT_S)]
-    proc, lines, reader, info = start_ready(argv, state)
-    try:
-        yield Stack(proc, state, info, lines, reader=reader)
-    finally:
-        _stop_up(proc, reader)
+    with running(argv, state) as stack:
+        yield stack
 
 
 def served(stack: Stack) -> list[float]:
