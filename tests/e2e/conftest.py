@@ -139,14 +139,14 @@ def kvpool_master(tmp_path: Path) -> Iterator[Master]:
         master.kill()
 
 
-@dataclass
-class VllmServer:
-    """A real ``vllm.entrypoints.openai.api_server`` in its own process group."""
+class Instance:
+    """What the tests reach a server process by (a vLLM API server, a proxy), which runs in
+    a process group of its own; the dataclasses below name these fields."""
 
     port: int
     proc: subprocess.Popen[bytes]
     log: Path
-    shm_before: set[str] = field(default_factory=set)  # /dev/shm at its start
+    shm_before: set[str]  # /dev/shm at its start
 
     @property
     def url(self) -> str:
@@ -154,6 +154,21 @@ class VllmServer:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        # killed, not stopped: the shared memory it held is ours to remove
+        if kill_group(self.proc, grace_s=30, leader_first=True):
+            shm.remove_orphans(self.shm_before)
+
+
+@dataclass
+class VllmServer(Instance):
+    """A real ``vllm.entrypoints.openai.api_server`` in its own process group."""
+
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    shm_before: set[str] = field(default_factory=set)  # /dev/shm at its start
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
         request = urllib.request.Request(
@@ -169,11 +184,6 @@ class VllmServer:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as reply:
             text: str = reply.read().decode()
             return text
-
-    def stop(self) -> None:
-        # killed, not stopped: the shared memory it held is ours to remove
-        if kill_group(self.proc, grace_s=30, leader_first=True):
-            shm.remove_orphans(self.shm_before)
 
 
 def start_vllm_server(

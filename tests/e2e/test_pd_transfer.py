@@ -36,8 +36,8 @@ import pytest
 from kvpool.connectors.vllm_compat import HIT_SOURCE_P2P
 from kvpool.ops.up.tiny_model import sample_text
 from kvpool.testing import lifetime, shm
-from kvpool.testing.agent import kill_group
-from tests.e2e.conftest import Master, start_master
+from tests.e2e.conftest import Instance, Master, start_master
+from tests.ops.helpers import GUIDE_DECODE, GUIDE_PREFILL
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -90,60 +90,6 @@ def _free_port(count: int = 1) -> int:
     raise RuntimeError(f"no {count} consecutive free ports below {high + count} on 127.0.0.1")
 
 
-# The production guide's §5.2 and §5.3 --kv-transfer-config, verbatim.
-GUIDE_PREFILL = """{
-"kv_connector": "MultiConnector",
-"kv_role": "kv_producer",
-"kv_load_failure_policy": "recompute",
-"kv_connector_extra_config": {
-"connectors": [
-{
-"kv_connector": "MooncakeConnectorV1",
-"kv_role": "kv_producer",
-"kv_port": "30000",
-"kv_connector_extra_config": {
-"prefill": {"dp_size": 4, "tp_size": 8},
-"decode": {"dp_size": 8, "tp_size": 4}
-}
-},
-{
-"kv_connector": "AscendStoreConnector",
-"kv_role": "kv_producer",
-"kv_connector_extra_config": {
-"lookup_rpc_port": "0",
-"backend": "mooncake"
-}
-}
-]
-}
-}"""
-GUIDE_DECODE = """{
-"kv_connector": "MultiConnector",
-"kv_role": "kv_consumer",
-"kv_load_failure_policy": "recompute",
-"kv_connector_extra_config": {
-"connectors": [
-{
-"kv_connector": "MooncakeConnectorV1",
-"kv_role": "kv_consumer",
-"kv_port": "30100",
-"kv_connector_extra_config": {
-"prefill": {"dp_size": 4, "tp_size": 8},
-"decode": {"dp_size": 8, "tp_size": 4}
-}
-},
-{
-"kv_connector": "AscendStoreConnector",
-"kv_role": "kv_consumer",
-"kv_connector_extra_config": {
-"lookup_rpc_port": "0",
-"load_async": true,
-"backend": "mooncake"
-}
-}
-]
-}
-}"""
 KVPOOL_CLASSES = {
     "MooncakeConnectorV1": ("KVPoolTransferConnector", "kvpool.connectors.transfer"),
     "AscendStoreConnector": ("KVPoolStoreConnector", "kvpool.connectors.store"),
@@ -166,20 +112,13 @@ def kvpool_config(seed_json: str, kv_port: int) -> dict[str, Any]:
 
 
 @dataclass
-class Server:
+class Server(Instance):
     name: str
     port: int
     proc: subprocess.Popen[bytes]
     log: Path
     model_name: str
     shm_before: set[str] = field(default_factory=set)  # /dev/shm at its start
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -199,10 +138,6 @@ class Server:
                 return
             time.sleep(0.1)
         raise AssertionError(f"{self.name}: processes still alive 30 s after SIGKILL")
-
-    def stop(self) -> None:
-        if kill_group(self.proc, grace_s=30, leader_first=True):
-            shm.remove_orphans(self.shm_before)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:

@@ -85,6 +85,62 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+# The production guide's §5.2 and §5.3 --kv-transfer-config, verbatim.
+GUIDE_PREFILL = """{
+"kv_connector": "MultiConnector",
+"kv_role": "kv_producer",
+"kv_load_failure_policy": "recompute",
+"kv_connector_extra_config": {
+"connectors": [
+{
+"kv_connector": "MooncakeConnectorV1",
+"kv_role": "kv_producer",
+"kv_port": "30000",
+"kv_connector_extra_config": {
+"prefill": {"dp_size": 4, "tp_size": 8},
+"decode": {"dp_size": 8, "tp_size": 4}
+}
+},
+{
+"kv_connector": "AscendStoreConnector",
+"kv_role": "kv_producer",
+"kv_connector_extra_config": {
+"lookup_rpc_port": "0",
+"backend": "mooncake"
+}
+}
+]
+}
+}"""
+GUIDE_DECODE = """{
+"kv_connector": "MultiConnector",
+"kv_role": "kv_consumer",
+"kv_load_failure_policy": "recompute",
+"kv_connector_extra_config": {
+"connectors": [
+{
+"kv_connector": "MooncakeConnectorV1",
+"kv_role": "kv_consumer",
+"kv_port": "30100",
+"kv_connector_extra_config": {
+"prefill": {"dp_size": 4, "tp_size": 8},
+"decode": {"dp_size": 8, "tp_size": 4}
+}
+},
+{
+"kv_connector": "AscendStoreConnector",
+"kv_role": "kv_consumer",
+"kv_connector_extra_config": {
+"lookup_rpc_port": "0",
+"load_async": true,
+"backend": "mooncake"
+}
+}
+]
+}
+}"""
+
+
 # The production guide's §5.2 / §5.3 configurations, with kvpool's class names and module paths.
 GUIDE_P: dict[str, Any] = {
     "kv_connector": "MultiConnector",

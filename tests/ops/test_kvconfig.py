@@ -13,36 +13,12 @@ from kvpool.ops.kvconfig import (
     parse_kv_transfer_text,
     parse_vllm_command,
 )
-from tests.ops.helpers import guide_p, guideify
+from tests.ops.helpers import GUIDE_PREFILL, guide_p, guideify
 
 # The production guide's §5.2 command exactly as printed: JSON spanning lines inside single quotes.
-GUIDE_PREFILL_COMMAND = """vllm serve /workspace/GLM-5.2-w8a8 \\
---kv-transfer-config '{
-"kv_connector": "MultiConnector",
-"kv_role": "kv_producer",
-"kv_load_failure_policy": "recompute",
-"kv_connector_extra_config": {
-"connectors": [
-{
-"kv_connector": "MooncakeConnectorV1",
-"kv_role": "kv_producer",
-"kv_port": "30000",
-"kv_connector_extra_config": {
-"prefill": {"dp_size": 4, "tp_size": 8},
-"decode": {"dp_size": 8, "tp_size": 4}
-}
-},
-{
-"kv_connector": "AscendStoreConnector",
-"kv_role": "kv_producer",
-"kv_connector_extra_config": {
-"lookup_rpc_port": "0",
-"backend": "mooncake"
-}
-}
-]
-}
-}'"""
+GUIDE_PREFILL_COMMAND = (
+    f"vllm serve /workspace/GLM-5.2-w8a8 \\\n--kv-transfer-config '{GUIDE_PREFILL}'"
+)
 
 
 def test_the_guides_command_line_is_read_as_a_shell_would() -> None:
