@@ -47,9 +47,10 @@ def release_puts() -> dict[str, Any]:
     return {"held_puts": pool.held_puts}
 
 
-def corrupt_in_place(pool: EmbeddedPool, key: str) -> None:
-    """Flip the first bytes of ``key``'s stored copy (found as any reader finds it)."""
-    placement = pool.call(m.Get("test-damage", key))
+def corrupt_in_place(pool: EmbeddedPool, key: str, client: str = "test-damage") -> None:
+    """Flip the first bytes of ``key``'s stored copy (found as any reader finds it, leased
+    to ``client`` meanwhile)."""
+    placement = pool.call(m.Get(client, key))
     assert isinstance(placement, m.Placement) and placement.placed, key
     try:
         segment = pool.storage.segment
@@ -58,7 +59,7 @@ def corrupt_in_place(pool: EmbeddedPool, key: str) -> None:
         segment.read_into(placement.offset, memoryview(original))
         segment.write(placement.offset, bytes(b ^ 0xFF for b in original))
     finally:
-        pool.call(m.Release("test-damage", [key]))
+        pool.call(m.Release(client, [key]))
 
 
 class DamagingPool:

@@ -31,6 +31,7 @@ from kvpool.protocol import messages as m
 from kvpool.storage.segment import Segment
 from kvpool.testing.mooncake import Namespace
 from kvpool.testing.processes import start_master
+from tests.e2e.damage import corrupt_in_place
 
 OBJECT_SIZE = 4 << 20  # Mooncake's smallest segment (16 MiB) holds exactly CAPACITY
 CAPACITY = 4  # objects of OBJECT_SIZE a pool holds
@@ -81,16 +82,7 @@ def embedded() -> Iterator[Harness]:
     pool = EmbeddedPool(CAPACITY * OBJECT_SIZE, config=config)
 
     def corrupt(key: str) -> None:
-        placement = pool.call(m.Get("contract-damage", key))
-        assert isinstance(placement, m.Placement) and placement.placed, key
-        try:
-            segment = pool.storage.segment
-            assert segment is not None
-            original = bytearray(64)
-            segment.read_into(placement.offset, memoryview(original))
-            segment.write(placement.offset, bytes(b ^ 0xFF for b in original))
-        finally:
-            pool.call(m.Release("contract-damage", [key]))
+        corrupt_in_place(pool, key, "contract-damage")
 
     engine = EmbeddedEngine(pool)
     try:
