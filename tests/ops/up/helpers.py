@@ -7,6 +7,8 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -23,6 +25,18 @@ def up_argv(command: str) -> list[str]:
     argv = shlex.split(after, comments=True)
     assert argv[1:2] == ["up"], command
     return argv
+
+
+@contextmanager
+def reaped(up: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``up`` for the block; if it still runs when the block ends (an assertion failed, a
+    wait ran out), it is killed and reaped, so that no test leaves a stack behind."""
+    try:
+        yield up
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.communicate(timeout=10)
 
 
 def gone(pid: int) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvpool import Client
 from tests.docs.blocks import doc_block
-from tests.ops.up.helpers import REPO, gone, up_argv
+from tests.ops.up.helpers import REPO, gone, reaped, up_argv
 from tests.ops.up.test_lifecycle import read_state, start_up
 from tests.waiting import wait_until
 
@@ -36,7 +36,7 @@ def test_up_ha_survives_a_killed_leader_and_restarts_it(tmp_path: Path) -> None:
         "--state-dir", str(state), "--master-port", "0", "--standby-port", "0",
         "--etcd-port", "0", command=[sys.executable, "-m", "kvpool", *argv[1:]],
     )  # fmt: skip
-    try:
+    with reaped(up):
         info = read_state(state, up.pid)
         procs = info["processes"]
         assert isinstance(procs, dict) and {"etcd", "master", "master-b", "node"} <= set(procs)
@@ -72,10 +72,6 @@ def test_up_ha_survives_a_killed_leader_and_restarts_it(tmp_path: Path) -> None:
         )
         up.send_signal(signal.SIGTERM)
         out, _ = up.communicate(timeout=90)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.communicate(timeout=10)
     assert up.returncode == 0, out
     assert f"kvpool up: {leader} restarted as a standby" in out, out
     assert all(gone(p["pid"]) for p in read_procs(procs, again))

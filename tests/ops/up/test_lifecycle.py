@@ -19,7 +19,7 @@ from kvpool.ops.up.lifecycle import STATE_FILE, run
 from kvpool.ops.up.options import UpOptions
 from kvpool.testing import lifetime
 from tests.docs.blocks import doc_block
-from tests.ops.up.helpers import REPO, gone, up_argv
+from tests.ops.up.helpers import REPO, gone, reaped, up_argv
 from tests.waiting import wait_until
 
 
@@ -85,7 +85,7 @@ def test_up_no_vllm_serves_the_guides_metrics_and_stops_clean(tmp_path: Path) ->
     # for the master (the default 50088 may be taken in CI)
     (command,) = doc_block("quickstart.no-vllm").commands()
     up = start_up("--state-dir", str(state), "--master-port", "0", command=up_argv(command))
-    try:
+    with reaped(up):
         info = read_state(state, up.pid)
         master = info["master"]
         assert isinstance(master, str)
@@ -116,10 +116,6 @@ def test_up_no_vllm_serves_the_guides_metrics_and_stops_clean(tmp_path: Path) ->
         assert third.returncode == 2 and "--master-port: 127.0.0.1:" in third.stderr
         up.send_signal(signal.SIGTERM)
         out, _ = up.communicate(timeout=60)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.communicate(timeout=10)
     assert up.returncode == 0, out
     assert "kvpool up: ready" in out and "master     stopped" in out
     # what the page says it prints: the metrics curl, and the node config for your vLLM
@@ -140,26 +136,18 @@ def _run_no_vllm(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, objec
 
 def test_ctrl_c_stops_the_stack(tmp_path: Path) -> None:
     up, _, master_pid = _run_no_vllm(tmp_path)
-    try:
+    with reaped(up):
         up.send_signal(signal.SIGINT)
         out, _ = up.communicate(timeout=60)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.communicate(timeout=10)
     assert up.returncode == 0, out
     assert "master     stopped" in out and gone(master_pid)
 
 
 def test_a_dead_master_ends_the_stack(tmp_path: Path) -> None:
     up, _, master_pid = _run_no_vllm(tmp_path)
-    try:
+    with reaped(up):
         os.kill(master_pid, signal.SIGKILL)
         out, _ = up.communicate(timeout=60)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.communicate(timeout=10)
     assert up.returncode == 1, out
     assert "master exited (signal SIGKILL)" in out
     assert "the master is gone; stopping the stack" in out
