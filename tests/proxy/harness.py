@@ -18,7 +18,18 @@ import aiohttp
 from kvpool.proxy import ProxyConfig, ProxyServer
 from tests.proxy.stub_upstream import StubUpstream
 
-__all__ = ["REPO", "Stack", "StubProcess", "parse_sse", "proxy_stack", "read_sse", "run"]
+__all__ = [
+    "REPO",
+    "Stack",
+    "StubProcess",
+    "parse_sse",
+    "proxy_over",
+    "proxy_process",
+    "proxy_stack",
+    "read_sse",
+    "run",
+    "streamed",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -27,6 +38,41 @@ T = TypeVar("T")
 def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
     """Run one scenario; every scenario is bounded in time."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def proxy_process(
+    args: list[str], env: dict[str, str]
+) -> tuple[asyncio.subprocess.Process, str]:
+    """``kvpool proxy --port 0 ARGS`` as a child process, and the first line it printed
+    (``kvpool proxy listening on URL …``; empty when it stopped without listening)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvpool", "proxy", "--port", "0", *args,
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    return proc, line
+
+
+@asynccontextmanager
+async def proxy_over(
+    p: StubUpstream, d: StubUpstream, args: list[str], env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    """The stubs ``p`` and ``d`` started, and a :func:`proxy_process` in front of them with
+    ``args`` added; on the way out a proxy still running is killed, and the stubs stop."""
+    await p.start()
+    await d.start()
+    proc: asyncio.subprocess.Process | None = None
+    try:
+        proc, line = await proxy_process(["--prefill", p.url, "--decode", d.url, *args], env or {})
+        yield proc, line
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await p.stop()
+        await d.stop()
 
 
 @dataclass
@@ -81,6 +127,15 @@ async def proxy_stack(
 async def read_sse(resp: aiohttp.ClientResponse) -> tuple[str, bool, list[dict[str, Any]]]:
     """(joined text, saw [DONE], parsed events) of an OpenAI SSE stream."""
     return parse_sse(await resp.read())
+
+
+async def streamed(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
+    """``body`` streamed from ``url``'s /v1/completions: the text, once ``[DONE]`` came."""
+    async with session.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        text, done, _ = await read_sse(resp)
+        assert done
+        return text
 
 
 def parse_sse(raw: bytes) -> tuple[str, bool, list[dict[str, Any]]]:

@@ -4,8 +4,6 @@ without a key is refused before anything binds, as a one-line error with exit st
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -14,7 +12,7 @@ import pytest
 from kvpool.errors import ConfigError
 from kvpool.proxy import ProxyConfig, ProxyServer
 from kvpool.proxy.auth import resolve_api_keys, resolve_upstream_key
-from tests.proxy.harness import REPO, run
+from tests.proxy.harness import proxy_over, proxy_process, run
 from tests.proxy.stub_upstream import StubUpstream
 
 KEY = "sk-kvpool-0123456789abcdef0123"
@@ -82,19 +80,6 @@ def test_key_files_refused_with_the_fix(tmp_path: Path) -> None:
         resolve_api_keys([], "", {"KVPOOL_API_KEY_FILE": str(tmp_path / "missing")})
 
 
-async def _proxy_process(
-    args: list[str], env: dict[str, str]
-) -> tuple[asyncio.subprocess.Process, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvpool", "proxy", "--port", "0", *args,
-        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(REPO), **env},
-    )  # fmt: skip
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    return proc, line
-
-
 @pytest.mark.parametrize(
     ("args", "says"),
     [
@@ -107,7 +92,7 @@ async def _proxy_process(
 )
 def test_cli_refuses_with_one_line_and_exit_2(args: list[str], says: str) -> None:
     async def scenario() -> None:
-        proc, line = await _proxy_process(
+        proc, line = await proxy_process(
             [*args, "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"], {}
         )
         _, err = await asyncio.wait_for(proc.communicate(), 30)
@@ -123,12 +108,8 @@ def test_cli_refuses_with_one_line_and_exit_2(args: list[str], says: str) -> Non
 def test_cli_proxy_with_a_key_from_the_environment(tmp_path: Path) -> None:
     async def scenario() -> None:
         p, d = StubUpstream(name="p0", api_key=KEY), StubUpstream(name="d0", api_key=KEY)
-        await p.start()
-        await d.start()
-        proc: asyncio.subprocess.Process | None = None
-        try:
-            env = {"KVPOOL_API_KEY_FILE": _key_file(tmp_path, KEY + "\n")}
-            proc, line = await _proxy_process(["--prefill", p.url, "--decode", d.url], env)
+        env = {"KVPOOL_API_KEY_FILE": _key_file(tmp_path, KEY + "\n")}
+        async with proxy_over(p, d, [], env) as (proc, line):
             assert line.startswith("kvpool proxy listening on "), line
             assert "auth=api-key" in line and KEY not in line
             url = line.split()[4] + "/v1/completions"
@@ -142,12 +123,6 @@ def test_cli_proxy_with_a_key_from_the_environment(tmp_path: Path) -> None:
             assert len(p.received) == len(d.received) == 1
             proc.terminate()
             assert await asyncio.wait_for(proc.wait(), 20) == 0
-        finally:
-            if proc is not None and proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            await p.stop()
-            await d.stop()
 
     run(scenario())
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import aiohttp
 
 from kvpool.proxy import ProxyConfig, ProxyServer
-from tests.proxy.harness import StubProcess, proxy_stack, read_sse, run
+from tests.proxy.harness import StubProcess, proxy_stack, read_sse, run, streamed
 from tests.proxy.stub_upstream import StubUpstream, reference_text
 from tests.waiting import async_wait_until
 
@@ -37,13 +36,6 @@ def test_failing_health_poll_takes_endpoint_out_and_recovery_puts_it_back() -> N
 
 
 def test_decode_killed_mid_stream_fails_that_request_and_the_rest_go_on() -> None:
-    async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
-        async with session.post(url + "/v1/completions", json={**body, "stream": True}) as r:
-            assert r.status == 200
-            text, done, _ = await read_sse(r)
-            assert done
-            return text
-
     async def scenario() -> None:
         d0 = StubProcess("d0", token_delay_s=0.05)
         d1 = StubProcess("d1", token_delay_s=0.0)
@@ -78,13 +70,13 @@ def test_decode_killed_mid_stream_fails_that_request_and_the_rest_go_on() -> Non
             # later requests are served by the remaining decode, all of them correct
             short = {"prompt": "next", "max_tokens": 4}
             for _ in range(6):
-                assert await stream(session, proxy.url, short) == reference_text(short)
+                assert await streamed(session, proxy.url, short) == reference_text(short)
             # d0 comes back on the same port; its /health brings it back into rotation
             d0 = StubProcess("d0", port=d0.port)
             await d0.start()
             await async_wait_until(lambda: proxy is not None and proxy.decode.get(d0.url).healthy)
             for _ in range(4):
-                assert await stream(session, proxy.url, short) == reference_text(short)
+                assert await streamed(session, proxy.url, short) == reference_text(short)
             async with session.get(d0.url + "/_stub/received") as r:
                 assert len((await r.json())["received"]) >= 1
         finally:

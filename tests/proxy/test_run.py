@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 
@@ -11,42 +10,18 @@ import aiohttp
 import pytest
 
 from kvpool.proxy import ProxyConfig, ProxyServer, serve
-from tests.proxy.harness import REPO, parse_sse, run
+from tests.proxy.harness import REPO, parse_sse, proxy_over, run
 from tests.proxy.stub_upstream import StubUpstream, reference_text
-
-
-async def _start_proxy(*args: str) -> tuple[asyncio.subprocess.Process, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "kvpool",
-        "proxy",
-        "--port",
-        "0",
-        *args,
-        cwd=REPO,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    assert line.startswith("kvpool proxy listening on "), line
-    return proc, line.split()[4]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_cli_proxy_serves_and_finishes_in_flight_stream_on_signal(sig: signal.Signals) -> None:
     async def scenario() -> None:
         p, d = StubUpstream(name="p0"), StubUpstream(name="d0", token_delay_s=0.02)
-        await p.start()
-        await d.start()
-        proc: asyncio.subprocess.Process | None = None
-        try:
-            proc, url = await _start_proxy(
-                "--prefill", p.url, "--decode", d.url, "--policy", "prefix_affinity",
-                "--read-timeout", "30", "--health_interval=0.5",
-            )  # fmt: skip
+        flags = ["--policy", "prefix_affinity", "--read-timeout", "30", "--health_interval=0.5"]
+        async with proxy_over(p, d, flags) as (proc, line):
+            assert line.startswith("kvpool proxy listening on "), line
+            url = line.split()[4]
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
                 body = {"prompt": "graceful", "max_tokens": 40, "stream": True}
                 async with s.post(url + "/v1/completions", json=body) as resp:
@@ -58,12 +33,6 @@ def test_cli_proxy_serves_and_finishes_in_flight_stream_on_signal(sig: signal.Si
             assert done
             assert reference_text(body).endswith(text)
             assert await asyncio.wait_for(proc.wait(), 20) == 0
-        finally:
-            if proc is not None and proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            await p.stop()
-            await d.stop()
 
     run(scenario())
 

@@ -6,7 +6,6 @@ import asyncio
 import socket
 from typing import Any
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.proxy.harness import Stack, proxy_stack, read_sse, run
@@ -410,11 +409,3 @@ def test_concurrent_streaming_load_has_no_errors_and_exact_outputs() -> None:
             assert sum(errors) == 0
 
     run(scenario(), timeout=120)
-
-
-async def _streamed(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
-    async with session.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
-        assert resp.status == 200
-        text, done, _ = await read_sse(resp)
-        assert done
-        return text
