@@ -58,6 +58,24 @@ def _send(sock: socket.socket, data: bytes) -> None:
         sock.sendall(data)
 
 
+def _received(sock: socket.socket) -> Iterator[bytes | None]:
+    """What ``sock`` receives within :data:`BOUND_S`, chunk by chunk; a last ``None`` when
+    the server closed (or reset) the connection, nothing more when the time ran out."""
+    deadline = time.monotonic() + BOUND_S
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            return
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            yield None
+            return
+        yield chunk
+
+
 def send_and_close(address: tuple[str, int] | str, data: bytes) -> Outcome:
     """Send ``data``, half-close, and read until EOF (at most :data:`BOUND_S`)."""
     with connect(address) as sock:
@@ -67,16 +85,8 @@ def send_and_close(address: tuple[str, int] | str, data: bytes) -> Outcome:
         except OSError:
             return Outcome(b"", True)
         received = bytearray()
-        deadline = time.monotonic() + BOUND_S
-        while (left := deadline - time.monotonic()) > 0:
-            sock.settimeout(left)
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                break
-            except ConnectionResetError:
-                return Outcome(bytes(received), True)
-            if not chunk:
+        for chunk in _received(sock):
+            if chunk is None:
                 return Outcome(bytes(received), True)
             received += chunk
         return Outcome(bytes(received), False)
@@ -97,16 +107,8 @@ def send_and_read(
         _send(sock, data)
         decoder: FrameDecoder[Any] = FrameDecoder(codec)
         replies: list[Any] = []
-        deadline = time.monotonic() + BOUND_S
-        while (left := deadline - time.monotonic()) > 0:
-            sock.settimeout(left)
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                break
-            except ConnectionResetError:
-                return replies, True
-            if not chunk:
+        for chunk in _received(sock):
+            if chunk is None:
                 return replies, True
             decoder.feed(chunk)
             replies += [f.message for f in decoder.frames()]
