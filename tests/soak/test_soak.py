@@ -36,7 +36,7 @@ import pytest
 
 from kvpool.net import http_get
 from kvpool.testing import lifetime
-from kvpool.testing.processes import PoolProcess, start_master, start_node
+from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,24 +49,6 @@ CLIENT_MAX_OPS = 200_000
 SAMPLE_S = 0.25
 MAX_SAMPLES = 2_000  # bounds the sampler even if the clients never end
 ROOT = Path(__file__).resolve().parents[2]  # the clients run ``-m tests.soak.traffic`` here
-
-
-def node_config(tmp_path: Path, master: str) -> Path:
-    path = tmp_path / "mooncake.json"
-    path.write_text(
-        json.dumps(
-            {
-                "local_hostname": "127.0.0.1",
-                "metadata_server": master,
-                "protocol": "tcp",
-                "global_segment_size": "2MiB",
-                "enable_ssd_offload": True,
-                "ssd_offload_path": str(tmp_path / "node-ssd"),
-                "ssd_offload_limit": "24MiB",
-            }
-        )
-    )
-    return path
 
 
 def master_usage(pid: int) -> tuple[int, int]:
@@ -152,6 +134,11 @@ def offloads(master: PoolProcess) -> int:
     return int(stats(master)["stats"]["offloads"])
 
 
+def offloads_reach(master: PoolProcess, count: int, what: str) -> None:
+    """Until the master has demoted ``count`` objects in all (bounded by a phase)."""
+    wait_until(lambda: offloads(master) >= count, PHASE_TIMEOUT_S, interval_s=0.2, what=what)
+
+
 def serves(master: PoolProcess, node: PoolProcess) -> bool:
     """The master lists ``node``'s data address with its segments."""
     return any(c["address"] == node.address and c["segments"] for c in stats(master)["clients"])
@@ -167,7 +154,8 @@ def test_soak_mixed_traffic_with_a_node_killed_and_restarted(tmp_path: Path) -> 
         "--client_ttl=2",
     )
     with start_master(*flags, env=env, log_path=tmp_path / "master.log") as master:
-        config = node_config(tmp_path, master.address)
+        ssd = {"ssd_offload_path": str(tmp_path / "node-ssd"), "ssd_offload_limit": "24MiB"}
+        config = node_config(tmp_path, master.address, "2MiB", enable_ssd_offload=True, **ssd)
         node = start_node(config)
         killed = node.pid  # its /dev/shm segment is removed at the end if still there
         stop_file = tmp_path / "stop"
@@ -176,23 +164,13 @@ def test_soak_mixed_traffic_with_a_node_killed_and_restarted(tmp_path: Path) -> 
         sampler.start()
         try:
             wait_until(lambda: serves(master, node), PHASE_TIMEOUT_S, what="the node joined")
-            wait_until(
-                lambda: offloads(master) >= OFFLOADS_BEFORE_KILL,
-                PHASE_TIMEOUT_S,
-                interval_s=0.2,
-                what="demotions under the clients' traffic",
-            )
+            offloads_reach(master, OFFLOADS_BEFORE_KILL, "demotions under the clients' traffic")
             # the node dies without a word, then comes back on the same SSD directory
             node.kill()
             node = start_node(config)
             wait_until(lambda: serves(master, node), PHASE_TIMEOUT_S, what="the node rejoined")
             target = offloads(master) + OFFLOADS_AFTER_RESTART
-            wait_until(
-                lambda: offloads(master) >= target,
-                PHASE_TIMEOUT_S,
-                interval_s=0.2,
-                what="demotions after the node's restart",
-            )
+            offloads_reach(master, target, "demotions after the node's restart")
             stop_file.touch()
             outputs = []
             for proc, _ in clients:
