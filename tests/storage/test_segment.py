@@ -104,18 +104,26 @@ def test_close_with_a_live_view_still_unlinks(segment: Segment) -> None:
     del view
 
 
-def test_segments_of_killed_processes_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+def _segment_in_child(directory: Path, then: str = "") -> subprocess.CompletedProcess[str]:
+    """A child process that creates a segment in ``directory``, prints its name, then runs
+    ``then`` (with ``os`` imported)."""
     code = (
         "import os, sys\n"
         "from pathlib import Path\n"
         "from kvpool.storage.segment import Segment\n"
         "s = Segment.create(4096, directory=Path(sys.argv[1]))\n"
         "print(s.name, flush=True)\n"
-        "os.kill(os.getpid(), 9)\n"
     )
-    child = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    return subprocess.run(
+        [sys.executable, "-c", code + then, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
+
+
+def test_segments_of_killed_processes_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    child = _segment_in_child(tmp_path, then="os.kill(os.getpid(), 9)\n")
     assert child.returncode == -9
     dead_name = child.stdout.strip()
     assert (tmp_path / dead_name).exists()  # SIGKILL skipped close()
@@ -309,16 +317,7 @@ def test_a_segment_being_created_is_not_taken_for_a_dead_one(tmp_path: Path) -> 
 
 def test_an_owner_that_exits_without_close_leaves_no_segment(tmp_path: Path) -> None:
     # a program that forgets close() must not hold shared memory until reboot
-    code = (
-        "import sys\n"
-        "from pathlib import Path\n"
-        "from kvpool.storage.segment import Segment\n"
-        "s = Segment.create(4096, directory=Path(sys.argv[1]))\n"
-        "print(s.name, flush=True)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
-    )
+    done = _segment_in_child(tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith("kvpool-")
     assert list(tmp_path.iterdir()) == []
