@@ -47,6 +47,19 @@ def vllm_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def store_config(
+    role: str = "kv_both", policy: str = "recompute", backend: str = "embedded", **extra: Any
+) -> dict[str, Any]:
+    """kvpool's store connector as a ``--kv-transfer-config`` (``extra``: its own keys)."""
+    return {
+        "kv_connector": "KVPoolStoreConnector",
+        "kv_connector_module_path": "kvpool.connectors.store",
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"lookup_rpc_port": "1", "backend": backend, **extra},
+    }
+
+
 @dataclass
 class OfflineRun:
     results: list[Any]

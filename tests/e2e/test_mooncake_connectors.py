@@ -39,6 +39,7 @@ import pytest
 from kvpool.ops.up.tiny_model import sample_text
 from kvpool.testing.mooncake import Namespace, Ref
 from tests.e2e.conftest import REPO, RunOffline, vllm_env
+from tests.e2e.conftest import store_config as kvpool_store_config
 from tests.e2e.test_pd_transfer import GUIDE_DECODE, GUIDE_PREFILL, kvpool_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -124,13 +125,7 @@ METRICS_STEP = call("master_metrics", METRICS)
 
 
 def store_config(policy: str, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVPoolStoreConnector",
-        "kv_connector_module_path": "kvpool.connectors.store",
-        "kv_role": role,
-        "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {"lookup_rpc_port": "1", "backend": "mooncake", **extra},
-    }
+    return kvpool_store_config(role, policy, "mooncake", **extra)
 
 
 @pytest.fixture(scope="module")

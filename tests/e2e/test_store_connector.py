@@ -18,7 +18,14 @@ import pytest
 from kvpool.client.client import Client
 from kvpool.ops.up.tiny_model import sample_text
 from kvpool.testing.processes import node_config, start_node
-from tests.e2e.conftest import Master, RunOffline, free_port, start_master, start_vllm_server
+from tests.e2e.conftest import (
+    Master,
+    RunOffline,
+    free_port,
+    start_master,
+    start_vllm_server,
+    store_config,
+)
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -26,16 +33,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 LONG = sample_text(400, seed=9)  # ~400 tokens: three full 128-token blocks and a tail
 OTHER = sample_text(300, seed=10)
 MAX_TOKENS = 12
-
-
-def store_config(role: str = "kv_both", policy: str = "recompute", **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVPoolStoreConnector",
-        "kv_connector_module_path": "kvpool.connectors.store",
-        "kv_role": role,
-        "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {"lookup_rpc_port": "1", "backend": "embedded", **extra},
-    }
 
 
 def gen(*prompts: str) -> dict[str, Any]:
