@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvpool.ops.up.tiny_model import sample_text
-from tests.e2e.conftest import Master, RunOffline, start_master
+from tests.e2e.conftest import Master, RunOffline, start_master, store_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -62,16 +62,6 @@ DAMAGE_FROM_END = {"gemma3": -26, "qwen3_next": -3}
 
 def gen(prompt: str) -> dict[str, Any]:
     return {"op": "generate", "prompts": [prompt], "max_tokens": MAX_TOKENS}
-
-
-def store_config(**extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVPoolStoreConnector",
-        "kv_connector_module_path": "kvpool.connectors.store",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"lookup_rpc_port": "1", "backend": "embedded", **extra},
-    }
 
 
 STATS = {"op": "stats"}
