@@ -4,6 +4,8 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,19 @@ from tests.connectors.store.fake_pool import FakePool
 LOG = logging.getLogger("test")
 
 
+@contextmanager
+def lookup_server(tmp_path: Path, objects: dict[str, bytes]) -> Iterator[tuple[FakePool, str]]:
+    """A lookup server over a fake pool holding ``objects``: (the pool, its socket path)."""
+    pool = FakePool()
+    pool.objects.update(objects)
+    path = str(tmp_path / "ch.sock")
+    server = LookupServer(path, pool, LOG)
+    try:
+        yield pool, path
+    finally:
+        server.close()
+
+
 def test_channel_names_differ_per_instance_even_with_equal_engine_ids(tmp_path: Path) -> None:
     p = channel_path(
         instance_id="1", engine_id="pd-0", dp_rank=0, lookup_rpc_port=0, root=str(tmp_path)
@@ -45,11 +60,7 @@ def test_channel_names_differ_per_instance_even_with_equal_engine_ids(tmp_path: 
 
 
 def test_lookup_round_trip_and_worker_errors(tmp_path: Path) -> None:
-    pool = FakePool()
-    pool.objects.update({"a": b"1", "b": b"2"})
-    path = str(tmp_path / "ch.sock")
-    server = LookupServer(path, pool, LOG)
-    try:
+    with lookup_server(tmp_path, {"a": b"1", "b": b"2"}) as (pool, path):
         client = LookupClient(path, timeout_s=5)
         assert client.prefix_lookup(["a", "b", "c"]) == 2
         assert client.prefix_lookup(["c", "a"]) == 0
@@ -69,8 +80,6 @@ def test_lookup_round_trip_and_worker_errors(tmp_path: Path) -> None:
         second = LookupClient(path, timeout_s=5)
         assert second.prefix_lookup(["a"]) == 1
         second.close()
-    finally:
-        server.close()
     assert not Path(path).exists()
     with pytest.raises(TransferError, match="not reachable"):
         LookupClient(path, timeout_s=1)
@@ -79,11 +88,7 @@ def test_lookup_round_trip_and_worker_errors(tmp_path: Path) -> None:
 def test_the_channel_answers_which_keys_the_pool_holds(tmp_path: Path) -> None:
     """A hybrid model's lookup needs every chunk of every KV cache group, not a leading
     run: the channel answers batch_exists in one round trip."""
-    pool = FakePool()
-    pool.objects.update({"a": b"1", "c": b"3"})
-    path = str(tmp_path / "ch.sock")
-    server = LookupServer(path, pool, LOG)
-    try:
+    with lookup_server(tmp_path, {"a": b"1", "c": b"3"}) as (pool, path):
         client = LookupClient(path, timeout_s=5)
         assert client.batch_exists(["a", "b", "c", "d"]) == [True, False, True, False]
         assert client.batch_exists([]) == []
@@ -94,16 +99,10 @@ def test_the_channel_answers_which_keys_the_pool_holds(tmp_path: Path) -> None:
         with pytest.raises(TransferError, match="Probe failed in the worker"):
             client.batch_exists(["a"])
         client.close()
-    finally:
-        server.close()
 
 
 def test_the_channel_speaks_kvpools_frames(tmp_path: Path) -> None:
-    pool = FakePool()
-    pool.objects["a"] = b"1"
-    path = str(tmp_path / "ch.sock")
-    server = LookupServer(path, pool, LOG)
-    try:
+    with lookup_server(tmp_path, {"a": b"1"}) as (_, path):
         with socket.socket(socket.AF_UNIX) as raw:
             raw.connect(path)
             # A frame of the right shape whose body is not a Lookup is answered, not fatal.
@@ -126,5 +125,3 @@ def test_the_channel_speaks_kvpools_frames(tmp_path: Path) -> None:
         # the scheduler half's part of a pool, and only that: it moves nothing
         assert isinstance(client, PoolLookups) and not isinstance(client, PoolEngine)
         client.close()
-    finally:
-        server.close()
