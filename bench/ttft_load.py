@@ -45,6 +45,20 @@ _LOAD_CALLS: dict[str, tuple[str, str, str]] = {
 }
 
 
+def timed(call: Callable[..., Any], record: Callable[[float], object]) -> Callable[..., Any]:
+    """``call``, wrapped to hand the seconds each call took to ``record``."""
+
+    @functools.wraps(call)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - t0)
+
+    return wrapper
+
+
 class LoadTimer:
     """Seconds spent in a connector's per-request load call since the last :meth:`take`."""
 
@@ -56,18 +70,8 @@ class LoadTimer:
         module, cls_name, method = _LOAD_CALLS[connector]
         cls = getattr(importlib.import_module(module), cls_name)
         self._seconds: list[float] = []
-        setattr(cls, method, self._timed(getattr(cls, method)))
-
-    def _timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(call)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                self._seconds.append(time.perf_counter() - t0)  # list.append is atomic
-
-        return timed
+        # the list is looked up at each call: take() swaps it; list.append is atomic
+        setattr(cls, method, timed(getattr(cls, method), lambda s: self._seconds.append(s)))
 
     def take(self) -> tuple[int, float]:
         """(loads, their seconds) since the last call."""
@@ -95,20 +99,7 @@ class Phases:
         self._calls: dict[str, list[float]] = {name: [] for name in _PHASES}
         for name, (module, cls_name, method) in _PHASES.items():
             cls = getattr(importlib.import_module(module), cls_name)
-            setattr(cls, method, self._timed(name, getattr(cls, method)))
-
-    def _timed(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        seconds = self._calls[name]
-
-        @functools.wraps(call)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                seconds.append(time.perf_counter() - t0)
-
-        return timed
+            setattr(cls, method, timed(getattr(cls, method), self._calls[name].append))
 
     def take(self) -> dict[str, tuple[int, float]]:
         """name -> (calls, seconds) since the last call."""
