@@ -15,7 +15,14 @@ from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.worker import StoreWorker
 from kvpool.errors import KVPoolError
 from tests.connectors.store.fake_pool import FakePool
-from tests.connectors.store.test_worker import keys, kv_caches, load_plan, make, save_plan
+from tests.connectors.store.test_worker import (
+    keys,
+    kv_caches,
+    load_back,
+    load_plan,
+    make,
+    save_plan,
+)
 from tests.waiting import wait_until
 
 PAGE = 3 * 2 * 4 * 6 * 4  # layers x heads x block_size x row x float32, as kv_caches makes
@@ -80,13 +87,7 @@ def test_the_step_returns_before_the_put_and_reused_blocks_do_not_change_what_is
     pool.gate.set()
     assert worker.wait_saved(10)
     assert worker.counters["saved_blocks"] == 3 and worker.counters["save_waits"] == 0
-    dst = kv_caches(2)
-    loader = make(pool, dst)
-    loader.start_loads(load_plan((5, 6, 1), keys(3)))
-    assert loader.take_invalid_block_ids() == set()
-    for name in src:
-        for s, d in ((3, 5), (0, 6), (7, 1)):
-            assert torch.equal(dst[name][d], original[name][s])
+    load_back(pool, original)
     worker.shutdown()
 
 

@@ -55,18 +55,26 @@ def load_plan(block_ids: tuple[int, ...], ks: tuple[str, ...], is_async: bool = 
     return StorePlan(loads=(LoadSpec("r2", block_ids, (ks,), is_async),))
 
 
-def test_pages_round_trip_between_engines() -> None:
-    pool = FakePool()
-    src, dst = kv_caches(1), kv_caches(2)
-    make(pool, src).save(save_plan((3, 0, 7), keys(3)))
-    assert len(pool.objects) == 3
-    assert list(pool.parents.values()) == [None, keys(3)[0], keys(3)[1]]
+def load_back(pool: FakePool, saved: dict[str, torch.Tensor]) -> StoreWorker:
+    """Load ``keys(3)``, saved from blocks 3, 0, 7 of ``saved``, into blocks 5, 6, 1 of
+    other caches, and check every layer's pages came back whole; the loading worker."""
+    dst = kv_caches(2)
     worker = make(pool, dst)
     worker.start_loads(load_plan((5, 6, 1), keys(3)))
     assert worker.take_invalid_block_ids() == set()
-    for name in src:
+    for name in saved:
         for s, d in ((3, 5), (0, 6), (7, 1)):
-            assert torch.equal(src[name][s], dst[name][d])
+            assert torch.equal(saved[name][s], dst[name][d])
+    return worker
+
+
+def test_pages_round_trip_between_engines() -> None:
+    pool = FakePool()
+    src = kv_caches(1)
+    make(pool, src).save(save_plan((3, 0, 7), keys(3)))
+    assert len(pool.objects) == 3
+    assert list(pool.parents.values()) == [None, keys(3)[0], keys(3)[1]]
+    worker = load_back(pool, src)
     assert worker.counters["loaded_blocks"] == 3 and pool.leases == 0
 
 
