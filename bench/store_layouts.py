@@ -66,20 +66,6 @@ class Counting:
         return call
 
 
-class Req:
-    def __init__(self, req_id: str, tokens: list[int]) -> None:
-        self.request_id = req_id
-        self.all_token_ids = tokens
-        self.mm_features = None
-        self.prompt_embeds = None
-        self.lora_request = None
-        self.cache_salt = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-
 def _open(engine: str, capacity: int, stack: contextlib.ExitStack) -> Any:
     from kvpool.engines import EmbeddedEngine, MasterEngine
 
@@ -96,6 +82,7 @@ def measure(
 ) -> list[dict[str, Any]]:
     import torch
 
+    from bench.lookup_pins import Req  # vLLM's Request, as far as the scheduler reads it
     from kvpool.connectors.store.groups import HeadGroups
     from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
     from kvpool.connectors.store.pool import PoolHandle
