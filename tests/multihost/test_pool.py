@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -30,6 +31,11 @@ SIZE = 64 << 10
 #: no single operation may take longer than this (a dead peer is a timeout, not a hang)
 OP_BOUND_S = 3 * CLIENT_TIMEOUT_S
 NODE_TIMEOUT_S = NODE_TIMEOUT_MS / 1000
+
+
+def all_hit(cluster: Cluster, keys: Iterable[str], size: int) -> bool:
+    """Every one of ``keys`` is read whole from the client host."""
+    return all(cluster.on_client("get", k, size).outcome == "hit" for k in keys)  # type: ignore[attr-defined]
 
 
 def _wait(what: str, cond: Any, timeout_s: float, cluster: Cluster) -> float:
@@ -128,7 +134,7 @@ def test_node_link_cut_mid_traffic_then_restored(cluster: Cluster, record: Any) 
     )
     t_served = _wait(
         "node1's objects are read again",
-        lambda: all(cluster.on_client("get", k, SIZE).outcome == "hit" for k in cut_keys),  # type: ignore[attr-defined]
+        lambda: all_hit(cluster, cut_keys, SIZE),
         reregister_bound,
         cluster,
     )
@@ -218,7 +224,7 @@ def test_master_host_cut_off_then_restored(cluster: Cluster, record: Any) -> Non
     )
     t_served = _wait(
         "the objects put before the cut are read again",
-        lambda: all(cluster.on_client("get", k, SIZE).outcome == "hit" for k in keys),  # type: ignore[attr-defined]
+        lambda: all_hit(cluster, keys, SIZE),
         bound,
         cluster,
     )
@@ -262,7 +268,7 @@ def _slower_never_wrong(cluster: Cluster, degrade: Any, record: Any, scenario: s
     cluster.topology.unimpair("node1")
     t_served = _wait(
         "node1's objects are read again",
-        lambda: all(cluster.on_client("get", k, BIG).outcome == "hit" for k in slow_keys),  # type: ignore[attr-defined]
+        lambda: all_hit(cluster, slow_keys, BIG),
         3 * (NODE_TIMEOUT_S + HEARTBEAT_S),
         cluster,
     )
@@ -359,7 +365,7 @@ def test_client_partitioned_from_one_node(cluster: Cluster, record: Any) -> None
     topo.heal("client", "node1")
     t_served = _wait(
         "node1's objects are read again",
-        lambda: all(cluster.on_client("get", k, SIZE).outcome == "hit" for k in cut_keys),  # type: ignore[attr-defined]
+        lambda: all_hit(cluster, cut_keys, SIZE),
         # node1 may have been dropped on the client's reports just before the heal: a
         # heartbeat to register again, one to re-announce, and reads that may still each
         # wait out a timeout until then
