@@ -377,7 +377,10 @@ def test_blocks_reused_while_their_save_waits_do_not_change_what_is_stored(
         stop = {"op": "call", "target": "os:kill", "args": [node.pid, signal.SIGSTOP]}
         cont = {"op": "call", "target": "os:kill", "args": [node.pid, signal.SIGCONT]}
         unsettled = [{**gen(p), "settle": False} for p in [LONG, *OTHERS]]
+        # the saves must still wait when the six others run: no answer waits for its own
+        # (read_your_writes would hold LONG's answer until the node runs again)
         extra = {"backend": "kvpool", "master": master.address, "pool_timeout_ms": 300_000}
+        extra["read_your_writes"] = False
         run = run_offline(
             {
                 "model": str(tiny_model_dir),

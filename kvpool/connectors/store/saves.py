@@ -81,6 +81,7 @@ class SaveQueue:
         self._queue: deque[SaveBatch] = deque()
         self._busy = False  # the writer holds a batch
         self._unsaved: Counter[str] = Counter()  # batches queued or being put, per request
+        self.finished = 0  # batches the writer is done with (put, failed or skipped)
         self._closed = False
         self._failed_save = -1  # the save whose put failed: its later batches are skipped
         self._thread = threading.Thread(target=self._run, name="kvpool-store-save", daemon=True)
@@ -151,6 +152,7 @@ class SaveQueue:
                     self._free.extend(batch.pages)
                     self._busy = False
                     self._unsaved -= Counter({batch.req_id: 1})  # drops what reaches 0
+                    self.finished += 1
                     self._cv.notify_all()
 
     @property

@@ -212,6 +212,9 @@ class StoreWorker:
         step's), so that a put in progress never holds up a load in the step;
         ``commit_timeout_s``: how long a step waits for the saves of requests it may end."""
         self._commit_timeout_s = commit_timeout_s
+        # after a commit wait ran out: the writer's finished batches then (FIFO, one
+        # writer: once that count moves, the put it ran out on has ended)
+        self._stuck_at: int | None = None
         self._rank = tp_rank
         # None: one object per (chunk, rank) page, group 0 (tests and benches)
         self._cache_groups = groups if isinstance(groups, CacheGroups) else None
@@ -788,11 +791,21 @@ class StoreWorker:
 
     def _commit(self, req_ids: Sequence[str], queue: SaveQueue) -> None:
         """Wait until the saves of ``req_ids`` are put (or failed), so that their answers
-        leave the engine with their prefixes in the pool."""
+        leave the engine with their prefixes in the pool.  After a wait that ran out, no
+        step waits again until the writer has emptied its queue: a hung pool holds one
+        answer for ``commit_timeout_s``, not every answer behind it."""
         started = time.perf_counter()
         if queue.wait_saved(req_ids, 0):
             return
+        if self._stuck_at is not None:
+            if queue.finished == self._stuck_at:  # the put it ran out on has not ended
+                with self._lock:
+                    self.counters["late_commits"] += 1
+                return
+            self._stuck_at = None
         done = queue.wait_saved(req_ids, self._commit_timeout_s)
+        if not done:
+            self._stuck_at = queue.finished
         waited_us = int((time.perf_counter() - started) * 1e6)
         with self._lock:
             self.counters["commit_waits"] += 1

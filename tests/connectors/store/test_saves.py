@@ -195,6 +195,15 @@ def test_a_put_that_never_ends_holds_the_answer_only_until_the_timeout() -> None
     worker.save(StorePlan(saves=(SaveSpec("r", (1,), (keys(1),), (None,)),), commit=("r",)))
     assert worker.counters["late_commits"] == 1 and pool.objects == {}
     assert worker.counters["commit_wait_us"] >= 200_000
-    worker._drain_s = 0.1
+    # behind the hung put, the next answer does not wait again: one wait per hang
+    late = StorePlan(saves=(SaveSpec("s", (2,), (keys(1, "s"),), (None,)),), commit=("s",))
+    step = threading.Thread(target=worker.save, args=(late,))
+    step.start()
+    step.join(10)
+    assert not step.is_alive() and worker.counters["late_commits"] == 2
+    assert worker.counters["commit_waits"] == 1
+    pool.gate.set()  # the pool answers again: both puts end, and the next answer waits
+    assert worker.wait_saved(10) and len(pool.objects) == 2
+    worker.save(StorePlan(saves=(SaveSpec("t", (3,), (keys(1, "t"),), (None,)),), commit=("t",)))
+    assert len(pool.objects) == 3 and worker.counters["late_commits"] == 2
     worker.shutdown()
-    pool.gate.set()
