@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ if str(REPO) not in sys.path:  # run as a script: kvpool and bench from this tre
     sys.path.insert(0, str(REPO))
 
 from bench import _cli  # noqa: E402
-from bench.routing import start_stack  # noqa: E402
+from bench.routing import start_stack, with_kv_config  # noqa: E402
 from bench.ttft import _machine  # noqa: E402
 
 ROWS = {"read_your_writes on (default)": True, "read_your_writes off": False}
@@ -42,18 +41,14 @@ ROWS = {"read_your_writes on (default)": True, "read_your_writes off": False}
 
 def with_read_your_writes(plan: Any, on: bool) -> Any:
     """The plan with every store connector's ``read_your_writes`` set to ``on``."""
-    processes = []
-    for spec in plan.processes:
-        argv = list(spec.argv)
-        if "--kv-transfer-config" in argv:
-            i = argv.index("--kv-transfer-config") + 1
-            config = json.loads(argv[i])
-            for child in config["kv_connector_extra_config"]["connectors"]:
-                if "Store" in child["kv_connector"]:
-                    child["kv_connector_extra_config"]["read_your_writes"] = on
-            argv[i] = json.dumps(config)
-        processes.append(replace(spec, argv=tuple(argv)))
-    return replace(plan, processes=tuple(processes))
+
+    def set_it(config: dict[str, Any]) -> dict[str, Any]:
+        for child in config["kv_connector_extra_config"]["connectors"]:
+            if "Store" in child["kv_connector"]:
+                child["kv_connector_extra_config"]["read_your_writes"] = on
+        return config
+
+    return with_kv_config(plan, set_it)
 
 
 def complete(url: str, prompt: str) -> tuple[float, int]:

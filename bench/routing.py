@@ -96,19 +96,28 @@ def start_stack(args: argparse.Namespace, state: Path, adjust: Any = None) -> tu
     return plan, launch_plan(plan, env, args.start_timeout)
 
 
-def without_store(plan: Any) -> Any:
-    """The plan with each vLLM instance's MultiConnector down to its transfer child."""
+def with_kv_config(plan: Any, change: Any) -> Any:
+    """The plan with each vLLM instance's ``--kv-transfer-config`` replaced by
+    ``change(config)``."""
     processes = []
     for spec in plan.processes:
         argv = list(spec.argv)
         if "--kv-transfer-config" in argv:
             i = argv.index("--kv-transfer-config") + 1
-            config = json.loads(argv[i])
-            children = config["kv_connector_extra_config"]["connectors"]
-            (transfer,) = [c for c in children if "Transfer" in c["kv_connector"]]
-            argv[i] = json.dumps({**transfer, "kv_load_failure_policy": "recompute"})
+            argv[i] = json.dumps(change(json.loads(argv[i])))
         processes.append(replace(spec, argv=tuple(argv)))
     return replace(plan, processes=tuple(processes))
+
+
+def without_store(plan: Any) -> Any:
+    """The plan with each vLLM instance's MultiConnector down to its transfer child."""
+
+    def transfer_only(config: dict[str, Any]) -> dict[str, Any]:
+        children = config["kv_connector_extra_config"]["connectors"]
+        (transfer,) = [c for c in children if "Transfer" in c["kv_connector"]]
+        return {**transfer, "kv_load_failure_policy": "recompute"}
+
+    return with_kv_config(plan, transfer_only)
 
 
 def start_proxy(
