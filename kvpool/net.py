@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import ssl
@@ -161,6 +162,10 @@ def http_get(
             return HttpReply(reply.status, reply.read(max_bytes))
     except urllib.error.HTTPError as exc:
         return HttpReply(exc.code, b"", f"HTTP {exc.code} {exc.reason}")
+    except http.client.HTTPException as exc:
+        # Not HTTP on the other end: also what a probe of an unused ephemeral port reads
+        # when the kernel connects the socket to itself and it hears its own request.
+        return HttpReply(None, b"", f"not an HTTP answer: {exc!r}")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 
@@ -38,3 +39,24 @@ def test_port_free_sees_a_listener() -> None:
 def test_http_get_reports_a_refusal_as_a_value() -> None:
     reply = http_get(f"http://127.0.0.1:{free_port()}/health", timeout_s=2)
     assert reply.status is None and not reply.ok and reply.error
+
+
+def test_http_get_reports_an_answer_that_is_not_http_as_a_value() -> None:
+    # What `kvpool up`'s health probe read when its socket connected to itself on a port
+    # nobody listened on yet: its own request line came back as the status line.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+
+        def echo() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.sendall(conn.recv(4096))
+
+        thread = threading.Thread(target=echo, daemon=True)
+        thread.start()
+        reply = http_get(f"http://127.0.0.1:{port}/health", timeout_s=5)
+        thread.join(timeout=5)
+    assert reply.status is None and not reply.ok
+    assert "GET /health" in reply.error

@@ -10,6 +10,7 @@ of an etcd cluster being down costs one timeout, not the election.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -167,7 +168,7 @@ class Etcd:
                 # etcd answered: a refusal (an unknown lease, ...) is the same on any member
                 detail = exc.read().decode(errors="replace")[:200]
                 raise TransferError(f"etcd {url}: HTTP {exc.code}: {detail}") from None
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, http.client.HTTPException) as exc:
                 failures.append(f"{self.endpoints[at]}: {exc}")
                 continue
             if "error" in reply and "header" not in reply and "result" not in reply:

@@ -3,6 +3,7 @@ address), free ports, its own data directory, stopped by its own PID."""
 
 from __future__ import annotations
 
+import http.client
 import shutil
 import socket
 import subprocess
@@ -86,7 +87,7 @@ class EtcdMember(Closing):
         try:
             with urllib.request.urlopen(self.client_url + "/health", timeout=1.0) as reply:
                 return b'"true"' in reply.read()
-        except OSError:
+        except (OSError, http.client.HTTPException):
             return False
 
     def wait_healthy(self, timeout_s: float = 30.0) -> EtcdMember:

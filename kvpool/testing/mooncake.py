@@ -11,6 +11,7 @@ wheel is a failure, not a skip.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -242,7 +243,7 @@ def http_json(url: str, body: Any = None, timeout_s: float = 120.0) -> tuple[int
             status, raw = reply.status, reply.read()
     except urllib.error.HTTPError as exc:
         status, raw = exc.code, exc.read()
-    except OSError as exc:
+    except (OSError, http.client.HTTPException) as exc:
         return None, str(exc)
     try:
         return status, json.loads(raw)

@@ -13,6 +13,7 @@ runs its own, on a free loopback port, its config and storage in tmp_path.
 from __future__ import annotations
 
 import copy
+import http.client
 import json
 import math
 import os
@@ -93,7 +94,7 @@ class Prometheus:
         try:
             with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as reply:
                 return bool(reply.status == 200)
-        except OSError:
+        except (OSError, http.client.HTTPException):
             return False
 
     def api(self, path: str, **params: str) -> Any:

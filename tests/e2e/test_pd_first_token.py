@@ -9,6 +9,7 @@ plain instance to compare with is D itself, sent the request without
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import subprocess
@@ -76,7 +77,7 @@ def _start_proxy(
                 return proc, url
         except urllib.error.HTTPError:
             return proc, url  # it answers
-        except OSError:
+        except (OSError, http.client.HTTPException):
             assert time.monotonic() < deadline, "kvpool proxy did not start"
             time.sleep(0.2)
 

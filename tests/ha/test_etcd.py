@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 
 from kvpool.errors import TransferError
@@ -43,6 +46,24 @@ def test_a_dead_endpoint_is_skipped_and_none_alive_is_a_transfer_error(
     assert client.get("/t/k") is not None
     with pytest.raises(TransferError, match="cannot reach etcd"):
         Etcd(parse_endpoints(dead)).get("/t/k")
+
+
+def test_an_endpoint_that_does_not_speak_http_is_skipped(etcd: EtcdCluster) -> None:
+    # A connection to an unused local port can land on itself and read its own request
+    # back; that member is as good as dead, not a crash of the leader's campaign.
+    with socket.socket() as echo:
+        echo.bind(("127.0.0.1", 0))
+        echo.listen()
+
+        def answer() -> None:
+            conn, _ = echo.accept()
+            with conn:
+                conn.sendall(conn.recv(4096))
+
+        threading.Thread(target=answer, daemon=True).start()
+        client = Etcd(parse_endpoints(f"127.0.0.1:{echo.getsockname()[1]},{etcd.endpoints}"))
+        client.put("/t/echo", "v")
+    assert client.get("/t/echo") is not None
 
 
 def test_create_reads_prefixes_in_the_same_transaction(etcd: EtcdCluster) -> None:
