@@ -324,13 +324,12 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
 def start_sequential_proxy(urls: dict[str, str], state: Path) -> Any:
     """A second proxy on the same P and D, ``--first-token-from decode``; its URL goes in
     ``urls["proxy-seq"]``.  Returns the process (the caller stops it)."""
-    import socket
     import subprocess
     import urllib.request
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    from kvpool.net import free_port
+
+    port = free_port()
     log = (state / "proxy-seq.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpool", "proxy", "--port", str(port), "--prefill", urls["P"],

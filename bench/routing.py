@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ if str(REPO) not in sys.path:  # run as a script: kvpool from this tree
 
 from bench import _cli  # noqa: E402
 from bench.pd_latency import launch_plan, percentile  # noqa: E402
+from kvpool.net import free_port  # noqa: E402
 
 ROWS: dict[str, tuple[str, ...]] = {
     "round_robin": ("--policy", "round_robin"),
@@ -127,9 +127,7 @@ def start_proxy(
     ``extra`` flags (the row's policy) on a free port."""
     (spec,) = [s for stage in plan.stages for s in stage if s.role == "proxy"]
     argv = list(spec.argv)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     argv[argv.index("--port") + 1] = str(port)
     i = argv.index("--policy")
     del argv[i : i + 2]

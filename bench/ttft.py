@@ -99,6 +99,7 @@ from bench.ttft_load import (  # noqa: E402
     page_bytes,
     xxh3_gib_s,
 )
+from kvpool.net import free_port  # noqa: E402
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -339,12 +340,6 @@ def _lmcache_missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _lmcache_server(workdir: Path, env: dict[str, str], chunk: int) -> Iterator[int]:
     """An ``lmcache server`` (MP mode) on a free 127.0.0.1 port for one row; yields its port,
@@ -352,12 +347,12 @@ def _lmcache_server(workdir: Path, env: dict[str, str], chunk: int) -> Iterator[
     that vLLM's worker maps and copies blocks to and from (``engine_driven``: the CPU
     transfer mode; the default, ``lmcache_driven``, is the CUDA/NPU one, and without
     ``--shm-name`` blocks would be pickled over ZMQ)."""
-    port = _free_port()
+    port = free_port()
     shm = f"kvpool-ttft-{os.getpid()}-{port}"
     argv = [
         str(LMCACHE_VENV / "bin" / "lmcache"), "server",
         "--host", "127.0.0.1", "--port", str(port),
-        "--http-host", "127.0.0.1", "--http-port", str(_free_port()),
+        "--http-host", "127.0.0.1", "--http-port", str(free_port()),
         "--chunk-size", str(chunk),
         "--l1-size-gb", "2", "--eviction-policy", "LRU",
         "--supported-transfer-mode", "engine_driven", "--shm-name", shm,

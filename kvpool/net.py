@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import http.client
 import os
+import random
 import socket
 import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
@@ -64,7 +66,11 @@ def port_free(host: str, port: int) -> bool:
 def free_port_runs(host: str, lengths: Sequence[int], tries: int = 64) -> list[int]:
     """For each length ``n``, the first of ``n`` consecutive ports free on ``host``, no
     two runs overlapping: every port tried stays bound until all runs are found, so a
-    run is never handed out twice (a vLLM instance's ranks listen on kv_port + rank)."""
+    run is never handed out twice (a vLLM instance's ranks listen on kv_port + rank).
+
+    Ports come from below the kernel's ephemeral range where it leaves room: a port in
+    it can be taken by any outgoing connection before its server binds it, and a probe
+    of it can connect to itself."""
     held: list[socket.socket] = []
 
     def bind(port: int) -> int | None:
@@ -80,7 +86,7 @@ def free_port_runs(host: str, lengths: Sequence[int], tries: int = 64) -> list[i
     try:
         bases: list[int] = []
         for n in lengths:
-            bases.append(_free_run(bind, n, tries))
+            bases.append(_free_run(bind, n, tries, _below_ephemeral(n)))
             if bases[-1] < 0:
                 raise OSError(f"no {n} consecutive free ports on {host} in {tries} tries")
         return bases
@@ -89,22 +95,42 @@ def free_port_runs(host: str, lengths: Sequence[int], tries: int = 64) -> list[i
             probe.close()
 
 
-def _free_run(bind: Callable[[int], int | None], n: int, tries: int) -> int:
-    """The first port of ``n`` that ``bind`` could take, consecutive; -1 if none."""
+def _ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The kernel's range for outgoing connections' ports (Linux's default if unreadable)."""
+    try:
+        low, high = (int(part) for part in Path(path).read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def _below_ephemeral(n: int) -> range | None:
+    """Where a run of ``n`` starts under the ephemeral range, None if that is too small."""
+    low, _ = _ephemeral_range()
+    first, last = max(1024, low - 16384), low - n  # 16,384 ports: collisions stay rare
+    return range(first, last + 1) if last - first >= 1024 else None
+
+
+def _free_run(
+    bind: Callable[[int], int | None], n: int, tries: int, bases: range | None = None
+) -> int:
+    """The first port of ``n`` that ``bind`` could take, consecutive; -1 if none.  A base
+    is drawn from ``bases`` when given, else the kernel picks it."""
     for _ in range(tries):
-        base = bind(0)
-        if base is None:  # the kernel has no free port left to pick
-            return -1
+        base = bind(random.choice(bases) if bases is not None else 0)
+        if base is None:
+            if bases is not None:
+                continue  # taken: draw again
+            return -1  # the kernel has no free port left to pick
         if all(p <= 65535 and bind(p) is not None for p in range(base + 1, base + n)):
             return base
     return -1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free on ``host`` at this moment."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    """A port the kernel says is free on ``host`` at this moment (below the ephemeral
+    range where it can, as :func:`free_port_runs`)."""
+    return free_port_runs(host, [1])[0]
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,18 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 
-from kvpool.net import DEFAULT_MASTER_PORT, free_port, http_get, port_free, split_address
+from kvpool.net import (
+    DEFAULT_MASTER_PORT,
+    free_port,
+    free_port_runs,
+    http_get,
+    port_free,
+    split_address,
+)
 
 
 @pytest.mark.parametrize(
@@ -60,3 +68,15 @@ def test_http_get_reports_an_answer_that_is_not_http_as_a_value() -> None:
         thread.join(timeout=5)
     assert reply.status is None and not reply.ok
     assert "GET /health" in reply.error
+
+
+def test_free_port_runs_stay_below_the_ephemeral_range() -> None:
+    # An ephemeral port can be taken by any outgoing connection between choosing it and
+    # binding it (and a probe of it can connect to itself): `kvpool up`'s port 0 avoids them.
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    runs = free_port_runs("127.0.0.1", [1, 4, 2])
+    ports = [b + i for b, n in zip(runs, [1, 4, 2], strict=True) for i in range(n)]
+    assert len(set(ports)) == 7
+    assert all(1024 <= p < low for p in ports)
+    for p in ports:
+        assert port_free("127.0.0.1", p)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -13,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool.closing import Closing
+from kvpool.net import free_port
 from kvpool.testing import lifetime
 
 __all__ = ["EtcdCluster", "EtcdMember", "etcd_binary", "free_port"]
@@ -24,12 +24,6 @@ def etcd_binary() -> str:
     if found is None:
         raise RuntimeError("etcd is not installed: run scripts/setup.sh (Debian's etcd-server)")
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 class EtcdMember(Closing):

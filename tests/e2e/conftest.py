@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.net import free_port
 from kvpool.ops.up.tiny_model import build_tiny_model
 from kvpool.testing import lifetime, processes, shm
 from kvpool.testing.agent import kill_group
@@ -125,12 +125,6 @@ def run_offline(tmp_path_factory: pytest.TempPathFactory) -> RunOffline:
         raise AssertionError(f"vLLM run failed (rc={proc.returncode}):\n{log[-6000:]}")
 
     return run
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # A real ``kvpool master`` on a free port, as the pool's own tests start it.

@@ -7,7 +7,6 @@ client holding only the old secret is."""
 from __future__ import annotations
 
 import os
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import pytest
 
 from kvpool.client.client import Client
 from kvpool.errors import AuthError, KVPoolError
+from kvpool.net import free_port
 from kvpool.security.credentials import Credential
 from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
 from tests.master.auth_pool import SECRET as OLD
@@ -39,12 +39,6 @@ def _status(address: str, secret: str) -> int:
         return int(exc.code)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Rotation:
     """The pool's processes and which secret file each runs on."""
 
@@ -55,7 +49,7 @@ class Rotation:
             "both": self._file("both", f"{NEW}\n{OLD}"),
             "new": self._file("new", NEW),
         }
-        self.master_address = f"127.0.0.1:{_free_port()}"
+        self.master_address = f"127.0.0.1:{free_port()}"
         self.master: PoolProcess | None = None
         self.node: PoolProcess | None = None
         self.clients: dict[str, Client] = {}

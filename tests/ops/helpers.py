@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from kvpool.net import free_port_runs
 
 # What the master's /metrics shows (names from kvpool.master.metrics).
 METRICS = (
@@ -72,17 +73,8 @@ class StandInMaster:
 
 
 def free_ports(count: int) -> list[int]:
-    """Ports free right now, each with `count`-wide gaps unlikely to matter in tests."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``count`` distinct ports free right now."""
+    return free_port_runs("127.0.0.1", [1] * count)
 
 
 # The production guide's §5.2 and §5.3 --kv-transfer-config, verbatim.
@@ -205,24 +197,6 @@ MLA_MODEL = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "num_attention_he
 GQA_MODEL = {"model_type": "llama", "num_key_value_heads": 8, "num_attention_heads": 32}
 
 
-def free_port_range(width: int, attempts: int = 50) -> int:
-    """A base port such that [base, base + width) is free now, below Linux's ephemeral range
-    (32768+) so that other processes' outgoing connections do not land in it meanwhile."""
-    import random
-
-    rng = random.Random()
-    for _ in range(attempts):
-        base = rng.randrange(20000, 32000 - width)
-        socks = []
-        try:
-            for port in range(base, base + width):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {width} consecutive free ports found")
+def free_port_range(width: int) -> int:
+    """A base port such that [base, base + width) is free now."""
+    return free_port_runs("127.0.0.1", [width])[0]

@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from rich.console import Console
 
 from kvpool.client.client import Client
 from kvpool.errors import ObjectNotFound, ProtocolError, TransferError
+from kvpool.net import free_port
 from kvpool.ops.status import (
     PoolSnapshot,
     Ratio,
@@ -295,12 +295,6 @@ def test_status_command_finds_the_master_in_the_node_config(
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["master"] == pool.address
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_unreachable_master_is_a_clear_error() -> None:

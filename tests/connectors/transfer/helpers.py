@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
@@ -12,6 +11,7 @@ from kvpool.config.topology import Topology
 from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.transfer.jobs import RecvJob
 from kvpool.connectors.transfer.worker import RankInfo, TransferResults, TransferWorker
+from kvpool.net import free_port_runs
 from tests.waiting import wait_until
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -22,26 +22,8 @@ POLL_S = 60.0  # bound for a result to show up (a loaded CI machine); a correct 
 
 
 def free_port(span: int = 1) -> int:
-    """A base port with ``span`` free ports above it (bind-and-close; fine on 127.0.0.1)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + span > 65535:
-            continue
-        try:
-            held: list[socket.socket] = []
-            for p in range(base, base + span):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no free port range")
+    """A base port with ``span`` free ports from it."""
+    return free_port_runs("127.0.0.1", [span])[0]
 
 
 def caches(heads: int, seed: int | None) -> tuple[PagedCaches, dict[str, np.ndarray]]:

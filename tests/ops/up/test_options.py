@@ -142,7 +142,7 @@ from kvpool.cli import build_parser
 from kvpool.errors import ConfigError
 from kvpool.ops.up.lifecycle import resolve_ports
 from kvpool.ops.up.options import options_from_args
-held = socket.socket(); held.bind(("127.0.0.1", 40001)); held.listen()
+held = socket.socket(); held.bind(("127.0.0.1", 1025)); held.listen()
 args = build_parser().parse_args(["up", "--decode-kv-port", "0", "--decode-instances", "2"])
 try:
     print("resolved", resolve_ports(options_from_args(args, {}, (0,), "py")).decode_kv_port)
@@ -152,15 +152,16 @@ except ConfigError as exc:
 
 
 def test_port_0_with_no_free_run_is_refused_in_one_line() -> None:
-    # In a namespace of its own whose kernel hands out ports 40000-40001 only, with 40001
-    # taken: a free 40000 alone would put the second decode instance on a taken port.
+    # In a namespace of its own whose kernel hands out ports 1024-1025 only (no room below
+    # them either), with 1025 taken: a free 1024 alone would put the second decode
+    # instance on a taken port.
     ns = f"{run_prefix()}ports"
     subprocess.run(["ip", "netns", "add", ns], check=True, timeout=30)
     try:
         inside = ["ip", "netns", "exec", ns]
         subprocess.run([*inside, "ip", "link", "set", "lo", "up"], check=True, timeout=30)
         subprocess.run(
-            [*inside, "sysctl", "-qw", "net.ipv4.ip_local_port_range=40000 40001"],
+            [*inside, "sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 1025"],
             check=True,
             timeout=30,
         )
