@@ -1,9 +1,7 @@
-"""ARC (Megiddo and Modha, FAST '03) as an eviction policy, after vLLM's
-``vllm/v1/kv_offload/cpu/policies/arc.py``: ``"arc"`` as published, and ``"arc_tree"`` on
-the prefix tree (chains placed deepest-first, a block offered only after its cached
-children, orphans first; :class:`~kvpool.core.queue_policy.QueuePolicy`).  Two LRU lists
-(blocks read once, blocks read again), two ghost lists of the keys each one dropped, and a
-target size of the first list that ghost hits move.
+"""ARC (Megiddo and Modha, FAST '03) as an eviction policy: ``"arc"`` as published, and
+``"arc_tree"`` on the prefix tree (:class:`~kvpool.core.queue_policy.QueuePolicy`).
+Two LRU lists (blocks read once, read again), a ghost list of the keys each dropped, and a
+target size of the first list that ghost hits move; after vLLM's ``policies/arc.py``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Demotion copies: objects moved from memory to their owner's SSD tier (``enable_offload``).
 
-An owner copies at once (the master's own storage: the object moves now, and the
-:class:`Demote` is the caller's to carry out before any later reservation) or later (a
-node, :meth:`Demotions.defer`): then the object is DEMOTING, holding its memory extent and
-its SSD extent (``target``), its memory bytes *leaving* (counted by the placer), until the
-copy is reported done or abandoned, or a reader takes the object back.  An owner that
-stopped answering is *stalled*: its victims are dropped, not demoted.  Which victims go,
-and the state each object is in, are the index's.
+The master's own storage copies at once (the caller carries out the :class:`Demote` before
+any later reservation); a node copies later (:meth:`Demotions.defer`): the object is DEMOTING,
+holding both extents, its memory bytes counted as *leaving*, until the copy is done or
+abandoned or a reader takes it back.  A stalled owner's victims are dropped, not demoted.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Eviction policies: which READY objects of one tier to drop (or demote) first.
 
-One :class:`EvictionPolicy` instance per tier; :func:`make_eviction_policy` makes one by
-name.  ``"prefix_aware"`` (kvpool's default; ``"default"`` is an alias, so configs written
-before the name keep working) is :mod:`kvpool.core.prefix_aware`; ``"lru"`` (least
-recently inserted-or-read first) is the baseline; ``"s3fifo"`` / ``"s3fifo_tree"``
-(:mod:`kvpool.core.s3fifo`) and ``"arc"`` / ``"arc_tree"`` (:mod:`kvpool.core.arc`) are
-the published policies, as published and on the prefix tree.
+One :class:`EvictionPolicy` per tier, made by name (:func:`make_eviction_policy`);
+``"default"`` stays an alias of ``"prefix_aware"`` so that older configs keep working.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The object index: every object of the pool, where it lives, and its life cycle.
 
-:class:`ObjectIndex` takes two-phase puts, reads under leases and pins, removals, client
-expiry and eviction (inline for a put, in watermark rounds on ``tick``), and returns
-their effects (:class:`Dropped`, :class:`Demote`) as values; :data:`LIFE_CYCLE` below is
-its objects' life cycle, with the invariants ``check()`` asserts.  It composes
-:class:`~kvpool.core.leases.Holds` (leases and pins), :class:`~kvpool.core.placement.Placer`
-(each tier's segments and room), :class:`~kvpool.core.replicas.Replicas` (other copies) and
-:class:`~kvpool.core.demotion.Demotions` (copies to SSD).  Time is a parameter (``now_ms``).
+:class:`ObjectIndex` takes two-phase puts, leased reads, pins, removals, client expiry and
+eviction, and returns their effects (:class:`Dropped`, :class:`Demote`) as values;
+:data:`LIFE_CYCLE` below is the life cycle, with the invariants ``check()`` asserts.
 """
 
 from __future__ import annotations

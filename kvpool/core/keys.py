@@ -1,9 +1,5 @@
-"""Block keys: chained content hashes of token-id chunks.
-
-    key(i) = H(key(i-1) | tokens of chunk i)          key(-1) = H(namespace)
-
-The rules of the chain are beside :func:`chunk_keys`; one chunk's per-KV-head-group keys
-are :func:`group_key`.
+"""Block keys: chained content hashes of token-id chunks,
+``key(i) = H(key(i-1) | tokens of chunk i)`` and ``key(-1) = H(namespace)``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Holds: the read leases and pins that keep an index's objects from leaving.
 
-A lease (``ObjectIndex.get``) and a pin are one thing here, a *hold*: one expiry per
-(object, owner), kept in the object's ``holds`` (owner -> expiry).  :class:`Holds` keeps
-the rest of them: each owner's held objects (so that an aborted request releases all of
-its holds at once), their expiry order, and the counts the index reads without a scan.
+A lease and a pin are one thing here, a *hold*: one expiry per (object, owner).  Holds are
+also kept per owner, so that an aborted request releases all of its holds at once.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The values the object index works with: its config, where objects are, what it grants,
-and the effects it returns (events).  Small frozen values, no behaviour beyond trivial
-derivations.
+"""The values the object index works with: its config, locations, grants and the effects it
+returns.  Small frozen values, no behaviour beyond trivial derivations.
 """
 
 from __future__ import annotations

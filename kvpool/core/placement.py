@@ -1,10 +1,7 @@
 """Where objects may go: the segments of each tier, and the room in them.
 
-:class:`Placer` is the index's view of the registry's segments per tier (kept until
-segments change), the free space in them, and the memory bytes *leaving* them: copies in
-flight to an SSD tier, which will free that room once done.  What leaves to make room
-(victims, demotions) is the index's life cycle, not this module's.  (The wire's answer to
-a put or read, ``protocol.messages.Placement``, is another thing.)
+Room counts the memory bytes *leaving*: copies in flight to an SSD tier free it once done.
+(The wire's answer to a put or read, ``protocol.messages.Placement``, is another thing.)
 """
 
 from __future__ import annotations

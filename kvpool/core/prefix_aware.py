@@ -1,9 +1,7 @@
-"""The prefix-aware eviction policy (``"prefix_aware"``, kvpool's default; alias
-``"default"``): kvpool's policy for prefix-chained KV blocks.  It implements the
-:class:`~kvpool.core.eviction.EvictionPolicy` protocol and keeps its invariants: orphans
-first, descendants before ancestors, age weighted by reuse class, and a ghost list of
-evicted keys.  :class:`PrefixAwarePolicy` says why, with the measurements (on the Mooncake
-conversation trace of docs/benchmarks.md).
+"""The prefix-aware eviction policy (``"prefix_aware"``, kvpool's default; alias ``"default"``).
+
+Orphans first, descendants before ancestors, age weighted by reuse class, and a ghost list
+of evicted keys; :class:`PrefixAwarePolicy` says why, with the measurements.
 """
 
 from __future__ import annotations

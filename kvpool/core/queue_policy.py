@@ -1,8 +1,7 @@
-"""What the queue-based policies (:mod:`kvpool.core.s3fifo`, :mod:`kvpool.core.arc`) share:
-the table of nodes, and, in their prefix-tree variants, the parent links, runs placed
-deepest-first and orphans first, with the rule that a block is offered only after all its
-cached children.  A subclass says where a placed node goes, what a hit does, what a node's
-leaving leaves behind (ghosts), the lazy work before a choice, and its order of victims.
+"""What the queue-based policies (s3fifo, arc) share: the node table and, in their prefix-tree
+variants, parent links, runs placed deepest-first, orphans first, and a block offered only
+after all its cached children.  A subclass says where a node goes, what a hit does, what a
+node's leaving leaves behind (ghosts), and its order of victims.
 """
 
 from __future__ import annotations

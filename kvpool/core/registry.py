@@ -1,10 +1,8 @@
 """Clients and the segments they contribute.
 
-Invariants:
-- every segment belongs to exactly one registered client;
-- a client is live while ``now < last_seen + client_ttl``; the index drops an expired
-  client's segments (and the objects in them) in the same tick that notices the expiry;
-- segment ids are unique across clients.
+Invariants: every segment belongs to exactly one registered client, and segment ids are
+unique across clients; a client is live while ``now < last_seen + client_ttl``, and the
+index drops an expired client's segments (and their objects) in the tick that notices it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Replicas: an object's other copies, each in a memory segment of another owner.
 
-:class:`Replicas` places them (on other hosts first), forgets the ones lost (their owner
-left, a reader found one corrupt, a writer could not write it, a demotion kept one) while
-one copy is left, and keeps the ones a node re-announces.  The object itself (its state,
-when it leaves) is the index's; a record's ``replicas`` is None for the usual object of
-one copy.
+Placed on other hosts first; a lost one (owner left, found corrupt, not written) is forgotten
+while one copy is left.  A record's ``replicas`` is None for the usual object of one copy.
 """
 
 from __future__ import annotations

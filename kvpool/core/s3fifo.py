@@ -1,9 +1,8 @@
 """S3-FIFO (Yang et al., SOSP '23) as an eviction policy: ``"s3fifo"`` as published, and
-``"s3fifo_tree"`` on the prefix tree (chains placed deepest-first, a block offered only
-after its cached children, orphans first; :class:`~kvpool.core.queue_policy.QueuePolicy`).
-A small FIFO takes new blocks and drops the ones not read again quickly; a main FIFO with
-second chances keeps the rest; a ghost list of blocks dropped from the small one sends a
-block written again straight to the main one.
+``"s3fifo_tree"`` on the prefix tree (:class:`~kvpool.core.queue_policy.QueuePolicy`).
+A small FIFO takes new blocks and drops those not read again quickly; a main FIFO with
+second chances keeps the rest; a block in the small one's ghost list goes straight to the
+main one when written again.
 """
 
 from __future__ import annotations
