@@ -1,8 +1,7 @@
 """vLLM KV connectors: the only package of kvpool that imports vLLM.
 
-``kvpool.connectors.store.KVPoolStoreConnector`` is the prefix-cache pool (the
-production guide's §6); ``kvpool.connectors.transfer.KVPoolTransferConnector`` is direct
-P→D transfer (the guide's §5).  vLLM loads each through ``"kv_connector_module_path"``.
+``store.KVPoolStoreConnector`` is the prefix-cache pool, ``transfer.KVPoolTransferConnector``
+direct P→D transfer; vLLM loads each through ``"kv_connector_module_path"``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """KV caches in device memory (CUDA, NPU, XPU) as byte pages, copied through host staging.
 
-A socket cannot ``recv_into`` device memory and NumPy cannot view it, so
-:class:`StagedCaches` serves :class:`~kvpool.connectors.pages.PagedCaches`'s interface with
-torch copies between the device caches and host buffers.
+A socket cannot ``recv_into`` device memory and NumPy cannot view it, hence the torch
+copies between the device caches and host buffers.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """vLLM's KV cache tensors as byte pages: the one byte view both connectors use.
 
-vLLM hands a connector one tensor per layer, blocks first.  :class:`PagedCaches` views
-them as ``uint8`` arrays ``[num_blocks, heads, block_size, row]`` that share memory with
-vLLM's tensors: the store connector moves whole blocks (one pool object per page), the
-transfer connector page slices.  Build one with :func:`block_pages` (store connector) or
-:func:`byte_pages` (transfer connector); caches in device memory get
-:class:`~kvpool.connectors.device_pages.StagedCaches` instead.
+:class:`PagedCaches` views vLLM's per-layer, blocks-first tensors as ``uint8`` arrays
+``[num_blocks, heads, block_size, row]`` sharing their memory: the store connector moves
+whole blocks (one pool object per page), the transfer connector page slices.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Counter statistics shared by kvpool's connectors, in vLLM's two channels: connector stats
 (summed across workers and logged each interval) and Prometheus counters
-(``vllm:kvpool_<prefix>_<counter>_total``).  A connector names its counters once in a
-subclass; the summing, reporting and exporting live here, and so do the class-level hooks
-vLLM calls on a connector class (:class:`CounterStatsHooks`) and its registration by name
-(:func:`register_connector`).
+(``vllm:kvpool_<prefix>_<counter>_total``).  A connector names its counters in a subclass.
 """
 
 from __future__ import annotations

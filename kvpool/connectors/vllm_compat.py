@@ -1,8 +1,7 @@
 """The one place where kvpool's connectors meet differences between vLLM releases.
 
-Every supported release (:mod:`kvpool.config.vllm_versions`) is handled here, by what the
-installed vLLM has rather than by its version number, and each difference names the vLLM
-change that made it.  The connector modules import these names instead of vLLM's own.
+Each difference is detected by what the installed vLLM has, not by its version number, and
+names the vLLM change that made it; connectors import these names instead of vLLM's own.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """KVPoolStoreConnector: vLLM's KV in the pool, keyed by prefix (vllm-ascend's
-``AscendStoreConnector``, the production guide's §6).
-
-Load it in vLLM with ``"kv_connector": "KVPoolStoreConnector"`` and
-``"kv_connector_module_path": "kvpool.connectors.store"`` (this package), on its own or as
-a child of vLLM's MultiConnector.  Laid out as vLLM's own ``kv_connector/v1/offloading/``:
-:mod:`.connector` wires the scheduler half (:mod:`.scheduler`) and the worker half
-(:mod:`.worker`) to vLLM's hooks.  Settings are :mod:`kvpool.config.kv_transfer`.
+``AscendStoreConnector``), loaded by ``"kv_connector_module_path": "kvpool.connectors.store"``
+(docs/connectors.md §6); laid out as vLLM's ``kv_connector/v1/offloading/``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""KVPoolStoreConnector: vLLM's KV in kvpool, keyed by prefix (vllm-ascend's AscendStoreConnector).
-
-This module only wires the connector's halves to vLLM's hooks: the scheduler half is
-:mod:`~kvpool.connectors.store.scheduler`, the worker half
-:mod:`~kvpool.connectors.store.worker`, saves off the engine step
-:mod:`~kvpool.connectors.store.saves`; settings are :mod:`kvpool.config.kv_transfer`, and
-docs/connectors.md §6 shows how vLLM loads it.
-"""
+"""KVPoolStoreConnector's vLLM adapter: it only wires the connector's halves to vLLM's hooks."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """What one chunk is in the pool: objects per KV cache group and KV-head group (pure).
 
-A model has one or more of vLLM's *KV cache groups* (:class:`CacheGroup`: one for Llama-style
-and MLA models, several for hybrid ones, each with its own blocks).  Within a cache group one
-pool object holds one chunk of one *head group* (:class:`HeadGroups`: ``group_size``
-consecutive KV heads, every layer of the cache group), keyed by the chunk's key and the
-group's index — never by the writer's TP rank or size, so an instance of any TP layout finds
-what another layout wrote.  No I/O and no vLLM here.
+Within one of vLLM's KV cache groups, one pool object holds one chunk of one head group
+(``group_size`` consecutive KV heads, every layer), keyed by the chunk's key and the
+group's index, never by the writer's TP rank or size, so that an instance of any TP layout
+finds what another layout wrote.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """A hybrid model's KV cache groups as the store connector moves them, from vLLM's.
 
-vLLM's hybrid KV cache manager gives each kind of layer its own KV cache group (sliding
-window beside full attention, Mamba state beside attention, an MLA indexer beside its
-latent cache).  :func:`cache_groups` turns vLLM's ``KVCacheConfig`` into
-:class:`~kvpool.connectors.store.groups.CacheGroups` and refuses, in one line naming the
-group and its spec, what cannot be stored; :func:`vllm_hit_rule` is the hit rule vLLM's
-own prefix cache applies to the same groups.
+vLLM gives each kind of layer its own KV cache group (sliding window, Mamba state, an MLA
+indexer); :func:`cache_groups` refuses in one line, naming the group and its spec, what
+cannot be stored.
 """
 
 from __future__ import annotations

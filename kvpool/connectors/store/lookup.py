@@ -1,12 +1,8 @@
 """The scheduler↔worker lookup channel of the embedded backend (vllm-ascend's ``lookup_rpc_port``).
 
-With ``backend: embedded`` the pool lives inside vLLM's worker process, but lookups come
-from the scheduler, which ``vllm serve`` runs in another process (EngineCore).  The worker
-therefore answers ``prefix_lookup`` on a Unix socket, and the scheduler half asks there;
-it also takes and ends the pins of a request's hit there (``pin``, ``release``), since the
-scheduler pins what its lookup found, and answers ``batch_exists`` for a hybrid model's
-lookups, which need every chunk of every KV cache group.  (With a master, both halves
-talk to the master and this channel is not used.)
+With ``backend: embedded`` the pool lives in vLLM's worker process, but the scheduler runs
+in another (EngineCore), so the worker answers its lookups, pins and releases on a Unix
+socket.  With a master, both halves talk to the master and this channel is not used.
 """
 
 from __future__ import annotations

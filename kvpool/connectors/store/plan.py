@@ -1,9 +1,7 @@
 """What the store connector's scheduler half tells its worker half each step.
 
-Plain frozen dataclasses (picklable; vLLM ships them to worker processes): one
-:class:`LoadSpec` per request and KV cache group whose pool hit is to be copied into its
-blocks, one :class:`SaveSpec` per request and group with newly completed blocks to write
-to the pool.  A model with one KV cache group (group 0) has one of each per request.
+Plain frozen dataclasses (picklable; vLLM ships them to worker processes): a
+:class:`LoadSpec` or :class:`SaveSpec` per request and KV cache group.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """The pool as the store connector sees it: an engine, the process's shared embedded pool,
-and a reconnecting handle.
-
-The pool is a :class:`~kvpool.engines.PoolEngine` (kvpool's master, the embedded pool,
-or real Mooncake Store), opened by :func:`open_pool`; :class:`EmbeddedPools` is the
-process's embedded pool, shared by the connector's halves; :class:`PoolHandle` turns a
-dead pool into a fast error and reconnects.
+and a reconnecting handle (:class:`PoolHandle` turns a dead pool into a fast error).
 """
 
 from __future__ import annotations

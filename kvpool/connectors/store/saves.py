@@ -1,11 +1,9 @@
 """Saves off the engine step: pages copied into the connector's staging, put by one thread.
 
-``wait_for_save`` copies each page it saves into a slot of a staging buffer allocated once
-per worker (a memcpy), queues the batch and returns; a writer thread puts queued batches
-into the pool in the order they came.  Once copied the bytes belong to the connector, so
-vLLM may free, reuse or preempt the blocks at once: no block is held past its step, and
-``request_finished`` stays delay-free (a held block would also not survive a preemption,
-which frees blocks without asking the connector).
+``wait_for_save`` copies each page into a staging slot (a memcpy), queues it and returns; a
+writer thread puts batches in order.  Once copied the bytes are the connector's, so vLLM
+may free, reuse or preempt the blocks at once: no block is held past its step (a held one
+would not survive a preemption, which frees blocks without asking the connector).
 """
 
 from __future__ import annotations

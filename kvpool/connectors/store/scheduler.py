@@ -1,11 +1,8 @@
 """The scheduler half of the store connector: lookups, load plans, save plans.
 
-Runs in vLLM's engine-core process.  It never touches KV bytes: it asks the pool how long
-a request's cached prefix is (``prefix_lookup``: no lease, so probing never pins anything),
-pins the blocks it will load for that request, and each step tells the worker half which
-blocks to load and which to save.  Requests and scheduler outputs are duck-typed (the
-attributes vLLM 0.32 has), so this module imports nothing from vLLM and is tested with
-plain objects.
+Runs in vLLM's engine-core process and never touches KV bytes.  ``prefix_lookup`` takes no
+lease, so probing never pins anything; the blocks to load are pinned separately.  Requests
+are duck-typed (vLLM 0.32's attributes), so this module imports nothing from vLLM.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Hit statistics of the store connector, in vLLM's connector-stats and Prometheus channels.
-
-Both halves count; vLLM sums the worker's and the scheduler's counts each step and logs
-them (``KV Transfer metrics: lookups=..., hit_tokens=..., hit_rate=...``) and, through
-:class:`KVPoolStorePromMetrics`, exports them as ``vllm:kvpool_store_<counter>_total``.
-What each counter means: docs/connectors.md, "Store connector metrics".
+"""Hit statistics of the store connector, in vLLM's connector-stats and Prometheus channels
+(``vllm:kvpool_store_<counter>_total``); what each counter means: docs/connectors.md.
 """
 
 from __future__ import annotations

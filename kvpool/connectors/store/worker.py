@@ -1,8 +1,5 @@
-"""The worker half of the store connector: copies pages between vLLM's KV cache and the pool.
-
-A *page* is one vLLM block of every layer of a KV cache group (:mod:`kvpool.connectors.pages`);
-pages move whole and opaque, one pool object per KV-head group of a page
-(:mod:`~kvpool.connectors.store.groups`).  The rules are on :class:`StoreWorker`.
+"""The worker half of the store connector: copies pages between vLLM's KV cache and the pool,
+one pool object per KV-head group of a page; the rules are on :class:`StoreWorker`.
 """
 
 from __future__ import annotations

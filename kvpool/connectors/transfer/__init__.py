@@ -1,11 +1,8 @@
-"""KVPoolTransferConnector: direct P→D transfer of KV blocks, as vLLM's own
-``kv_connector/v1/offloading/`` is laid out.
+"""KVPoolTransferConnector: direct P→D transfer of KV blocks.
 
 vLLM loads it by ``"kv_connector_module_path": "kvpool.connectors.transfer"`` (importlib,
-then ``getattr`` of the class name), so this package exports the class.  :mod:`.connector`
-is the vLLM adapter; the halves it wires (:mod:`.scheduler`, :mod:`.worker` and what they
-use) import without vLLM.  Settings and the P/D layout are vLLM-free and live in
-:mod:`kvpool.config`.
+then ``getattr`` of the class name), so this package exports the class; only
+:mod:`.connector` imports vLLM.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """KVPoolTransferConnector: direct P→D transfer of a request's KV blocks (the guide's L1).
 
-kvpool's counterpart of ``MooncakeConnectorV1``, a vLLM v1 KV connector, loaded by module
-path alone or as a child of vLLM's own ``MultiConnector`` (docs/connectors.md §5).  This
-module is the thin vLLM adapter: the decisions live in :mod:`.scheduler`, the bytes move
-in :mod:`.worker` (D's pulls) and :mod:`.server` (P's side) through a :mod:`.transport`,
-head routing in :mod:`kvpool.config.topology`, settings in
-:mod:`kvpool.config.kv_transfer`, counters in :mod:`.stats`.
+kvpool's counterpart of ``MooncakeConnectorV1`` (docs/connectors.md §5); this module is
+the thin vLLM adapter, the decisions live in :mod:`.scheduler` and :mod:`.worker`.
 """
 
 from __future__ import annotations

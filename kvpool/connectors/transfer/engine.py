@@ -1,12 +1,8 @@
-"""P→D pulls over Mooncake's Transfer Engine: the transfer connector's
-:class:`~.transport.KVTransport` on :class:`kvpool.mooncake.mover.EngineMover`.
+"""P→D pulls over Mooncake's Transfer Engine: the transfer connector's other transport.
 
-Chosen by the node config (``kvpool.config.fabrics``): ``protocol: rdma``, or ``tcp`` with
-``"transport": "transfer_engine"``.  kvpool's pull conversation
-(:mod:`kvpool.protocol.engine_pull`, which says why D reads) runs on the ``kv_port``
-connection; only page bytes move otherwise: both sides register their KV caches once
-(:meth:`EngineTransport.register`, a region per layer tensor), P answers an admitted pull
-with where its page slices lie, D batch-reads them into its own cache and tells P.
+kvpool's pull conversation (:mod:`kvpool.protocol.engine_pull`) runs on the ``kv_port``
+connection; only page bytes go through the engine: both sides register their KV caches
+once, P answers a pull with where its page slices lie, D batch-reads them and tells P.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""What the transfer connector's scheduler half tells its worker halves each step.
-
-Plain, picklable data (the scheduler and the workers are different processes): the
-scheduler decides, the workers move bytes.  Field names follow vLLM's P/D convention
-(``remote_*`` describe the P side as D sees it).
+"""What the transfer connector's scheduler tells its workers each step (picklable data);
+``remote_*`` fields describe the P side as D sees it, as in vLLM's P/D convention.
 """
 
 from __future__ import annotations

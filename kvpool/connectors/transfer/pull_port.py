@@ -1,10 +1,8 @@
 """A rank's pull port (its ``kv_port``) as every transport runs it: all but how pages move.
 
-One :class:`PullPort` per transport, made from the rank's :class:`PeerSettings`: P
-(:meth:`PullPort.listen`) accepts decode connections on the rank's port and answers their
-requests; D (:meth:`PullPort.dial`) opens one connection to a P rank, bounded, handshake
-included.  Both transports' codecs carry ``Pull``, ``PullDone``, ``Done`` and ``Refused``;
-anything else a request codec carries is answered ``Refused`` outside a pull.
+P listens and answers decode connections' requests; D dials one bounded connection per P
+rank, handshake included.  Anything but ``Pull``, ``PullDone``, ``Done`` and ``Refused`` is
+answered ``Refused`` outside a pull.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The scheduler half of the transfer connector: decides what to hold, pull and release.
 
-No vLLM import: it reads the few request attributes it needs (``request_id``,
-``kv_transfer_params``, ``num_prompt_tokens``, ``status``) and vLLM's ``KVCacheBlocks``
-(``blocks``, ``get_unhashed_block_ids_all_groups``), so it is unit-tested with fakes.
-The P/D flow it drives is described on :class:`TransferScheduler`.
+No vLLM import: it reads a few request attributes and vLLM's ``KVCacheBlocks``, so it is
+unit-tested with fakes; the P/D flow is described on :class:`TransferScheduler`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""P's side of the transfer: the rules by which a prefill rank serves its held blocks.
-
-One server per prefill worker rank, on ``rank_port(kv_port, dp_rank, tp_size, tp_rank)``,
-the rank's ``kv_port``.  The transport (:mod:`.transport`; kvpool's TCP by default)
-carries the requests (:mod:`kvpool.protocol.pull`) and the pages; this module decides.
+"""P's side of the transfer: the rules by which a prefill rank serves its held blocks, one
+server per rank on its ``kv_port``; the transport carries requests and pages, this decides.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Book-keeping of the transfer connector's worker halves (pure: no I/O, no clock).
-
-P side: :class:`SendTracker`, which requests P holds for D and when their blocks may be
-freed.  D side: :class:`RecvResults`, the outcomes of D's pulls, drained once per step.
+"""Book-keeping of the transfer connector's worker halves (pure: no I/O, no clock): P's
+:class:`SendTracker` (which requests P holds for D, and when their blocks may be freed) and
+D's :class:`RecvResults` (its pulls' outcomes, drained once per step).
 """
 
 from __future__ import annotations

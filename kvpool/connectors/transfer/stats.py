@@ -1,9 +1,5 @@
-"""Statistics of the transfer connector, in vLLM's connector-stats and Prometheus channels.
-
-Worker ranks count; vLLM sums the counts across ranks each step, logs them
-(``KV Transfer metrics: ...``) and, through :class:`KVPoolTransferPromMetrics`, exports them
-as ``vllm:kvpool_transfer_<counter>_total`` on the instance's ``/metrics``.  What each
-counter means: docs/connectors.md, "§8.2 Log lines".
+"""Statistics of the transfer connector, in vLLM's connector-stats and Prometheus channels
+(``vllm:kvpool_transfer_<counter>_total``); the counters: docs/connectors.md §8.2.
 """
 
 from __future__ import annotations

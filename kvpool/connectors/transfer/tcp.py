@@ -1,12 +1,8 @@
 """kvpool's TCP transport for P→D pulls: the default :class:`~.transport.KVTransport`.
 
-The pages ride the pull connection itself (:mod:`kvpool.protocol.pull`; the connection,
-the handshake and the requests are :mod:`.pull_port`'s).  P answers an admitted pull with
-each layer's page slices, sent straight from the KV caches with ``sendall`` of a
-memoryview; D receives them with ``recv_into`` straight into its KV caches.  No staging
-copy on either side: one page slice is contiguous in both caches (caches in device memory
-are copied through host staging, one layer of a pull at a time:
-:mod:`kvpool.connectors.device_pages`).
+Pages ride the pull connection itself: P ``sendall``s each layer's page slices straight
+from its KV caches, D ``recv_into``s them straight into its own.  No staging copy, as one
+page slice is contiguous in both caches (device caches go through host staging).
 """
 
 from __future__ import annotations

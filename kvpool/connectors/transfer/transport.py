@@ -1,10 +1,7 @@
 """The P→D data-plane seam: how KV pages move from a prefill rank to a decode rank.
 
-The transfer worker decides *what* moves (which request, blocks and heads, from which P
-rank); a :class:`KVTransport` moves it.  kvpool's TCP (:mod:`.tcp`) is the default;
-Mooncake's Transfer Engine (:mod:`.engine`: RDMA, or the engine's own TCP) is the other,
-chosen by the node config's ``protocol`` and ``transport`` (:func:`make_transport`).
-Both run their connections on one :class:`~.pull_port.PullPort`.
+The transfer worker decides *what* moves; a :class:`KVTransport` moves it: kvpool's TCP by
+default, or Mooncake's Transfer Engine, chosen by the node config (:func:`make_transport`).
 """
 
 from __future__ import annotations

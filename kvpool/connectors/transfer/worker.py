@@ -1,9 +1,7 @@
 """The worker half of the transfer connector: P serves KV pages, D pulls them.
 
-No vLLM import: the caches are numpy ``uint8`` views of vLLM's KV tensors, so this
-module is tested with plain arrays, real sockets and real threads.  The bytes move
-through a :class:`~.transport.KVTransport` (kvpool's TCP unless the node config's
-``protocol`` names another); this module decides what moves and reports the outcome.
+No vLLM import: the caches are numpy ``uint8`` views of vLLM's KV tensors, so this module
+is tested with plain arrays, real sockets and real threads.
 """
 
 from __future__ import annotations
