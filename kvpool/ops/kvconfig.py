@@ -1,10 +1,8 @@
 """A typed view of vLLM's ``--kv-transfer-config`` and of a ``vllm serve`` command line.
 
-Pure: text in, dataclasses out.  The shapes understood are the production guide's
-§5.2/§5.3 (MultiConnector with a transfer child and a store child) and §6.3 (a single
-store connector, ``kv_both``), under kvpool's class names or Mooncake's and vllm-ascend's
-(``MooncakeConnectorV1``, ``AscendStoreConnector``).  A side's layout is the connectors'
-own :class:`~kvpool.config.Topology`, read by their own :func:`~kvpool.config.parse_topology`.
+Pure: text in, dataclasses out.  It reads the guide's MultiConnector (transfer and store
+children) and single store connector shapes, under kvpool's, Mooncake's and vllm-ascend's
+class names.
 """
 
 from __future__ import annotations

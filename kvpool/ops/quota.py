@@ -1,8 +1,5 @@
-"""``kvpool quota``: set a tenant's byte quota on a running master, and show every tenant's.
-
-``set`` sends the operator's ``SetQuota`` over the master's RPC port with the cluster
-secret; ``show`` reads the per-tenant series of the master's ``/metrics`` with the
-operator's token (docs/security.md, "Tenants").
+"""``kvpool quota``: set a tenant's byte quota on a running master, and show every tenant's
+(``set`` over the RPC port with the cluster secret, ``show`` from ``/metrics``).
 """
 
 from __future__ import annotations

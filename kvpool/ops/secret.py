@@ -1,8 +1,5 @@
-"""``kvpool secret``: make a cluster secret, and what operators and nodes derive from it.
-
-``new`` prints a fresh secret, ``token`` the master's HTTP bearer token, ``node-key`` and
-``tenant-key`` one node's or one tenant's credential (docs/security.md says what each may
-do).
+"""``kvpool secret``: make a cluster secret, and the token and keys derived from it
+(docs/security.md says what each may do).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The long-running commands: ``kvpool master``, ``kvpool node`` and ``kvpool proxy``.
 
-Each takes its config already validated and hands over to the service that owns the
-event loop (:mod:`kvpool.master` for the pool, :mod:`kvpool.proxy` for the proxy); what
-stays here is what a command does around a server: logging, and reading the node's config
-file.
+Each hands its validated config over to the service that owns the event loop; what stays
+here is logging and reading the node's config file.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """``kvpool status``: the pool at a glance in a terminal.
 
-Data comes from the master's own HTTP side on its one port: ``/api/status`` (the JSON
-snapshot: tiers, clients, index stats) and ``/metrics`` (counters the snapshot lacks: puts,
-put failures by reason, evictions per tier).  :func:`parse_snapshot` turns the two answers
-into a :class:`PoolSnapshot` and :func:`render` turns that into rich renderables; both
-are pure, so the picture is unit-tested without a master.  Only :func:`fetch_snapshot`
-and :func:`run` do I/O.  A real ``mooncake_master`` is recognised too
-(:mod:`kvpool.mooncake.master`, and :mod:`kvpool.mooncake.ha` for its own HA masters).
+It reads the master's ``/api/status`` snapshot and the counters only ``/metrics`` has;
+parsing and rendering are pure, so the picture is unit-tested without a master.  A real
+``mooncake_master`` is recognised too.
 """
 
 from __future__ import annotations

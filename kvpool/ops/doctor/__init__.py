@@ -1,11 +1,7 @@
-"""``kvpool doctor``: the production guide's troubleshooting table (§8.3) and deployment
-checklist (§9) as one command.
+"""``kvpool doctor``: the production guide's troubleshooting table and checklist as one command.
 
-    DoctorOptions ──gather (I/O)──▶ Gathered facts ──diagnose (pure)──▶ [Check] ──▶ report
-
-Only :mod:`.gather` and :mod:`.probes` read files, sockets, the environment or start
-subprocesses, every probe bounded by a timeout; :mod:`.diagnose` and the ``checks_*``
-modules are pure (the tests drive them with broken setups).
+Only :mod:`.gather` and :mod:`.probes` do I/O, every probe bounded by a timeout; the
+``checks_*`` modules and :mod:`.diagnose` are pure, so the tests drive them with broken setups.
 """
 
 from __future__ import annotations

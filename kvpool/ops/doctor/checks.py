@@ -1,7 +1,6 @@
-"""The result of one doctor check, and the vocabulary every check module shares.
-
-A part below ops that judges its own facts (an engine's adapter, say) writes lines of the
-same shape without importing doctor: :func:`as_checks` takes them into the report as is.
+"""The result of one doctor check, and the vocabulary every check module shares.  A part
+below ops (an engine's adapter) writes lines of the same shape without importing doctor;
+:func:`as_checks` takes them into the report as is.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Doctor checks over the ``--kv-transfer-config`` of a P, a D, or both (the
-production guide's §5–§7, §9).
-
-Pure functions: parsed configs and model facts in, :class:`Check` results out.
-"""
+"""Doctor checks over the ``--kv-transfer-config`` of a P, a D, or both (pure)."""
 
 from __future__ import annotations
 

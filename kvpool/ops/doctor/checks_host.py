@@ -1,8 +1,4 @@
-"""Doctor checks over this host's resources: the SSD tier, timeouts and ports
-(the production guide's §3.3, §5.1, §8.3, §9).
-
-Pure: the facts are gathered by :mod:`kvpool.ops.doctor.probes` and passed in as values.
-"""
+"""Doctor checks over this host's resources: the SSD tier, timeouts and ports (pure)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Doctor checks over one node's config file, the master it points at, the environment and
-block keys (the production guide's §4, §5.1, §8.1, §8.3, §9).
-
-Pure: the facts are gathered by :mod:`kvpool.ops.doctor.probes` and passed in as values.
-"""
+"""Doctor checks over a node's config file, its master, the environment and block keys (pure)."""
 
 from __future__ import annotations
 

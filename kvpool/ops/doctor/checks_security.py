@@ -1,7 +1,5 @@
-"""Doctor's checks of the pool's credentials on kvpool's engine (pure: facts in, checks out).
-
-On Mooncake, :func:`kvpool.mooncake.doctor.security_finding` speaks
-instead: it has no credentials to check.
+"""Doctor's checks of the pool's credentials on kvpool's engine (pure: facts in, checks out);
+on Mooncake, :func:`kvpool.mooncake.doctor.security_finding` speaks instead.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Doctor checks that run kvpool's connectors' own settings validation on the configs given,
-so doctor refuses exactly what the connectors would refuse at vLLM start-up (unknown extra
-keys, bad values) — before any vLLM is started.  Also: where P listens for D.
-
-Pure: the environment and the node config come in as values.  The connectors' settings
-live in :mod:`kvpool.config.kv_transfer`, which imports no vLLM (doctor runs on hosts
-without it).
+"""Doctor checks that run the connectors' own settings validation on the configs given, so
+doctor refuses exactly what the connectors would refuse at vLLM start-up, before any vLLM
+is started (:mod:`kvpool.config.kv_transfer` imports no vLLM for this).  Also: where P listens.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The pure half of ``kvpool doctor``: gathered facts in, the report's checks out, in
-report order.  No I/O here: every file, socket and variable was read by :mod:`.gather`,
-so the tests drive this with broken setups built as values.
+"""The pure half of ``kvpool doctor``: gathered facts in, the report's checks out, in report
+order (no I/O, so the tests drive it with broken setups built as values).
 """
 
 from __future__ import annotations

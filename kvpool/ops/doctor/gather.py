@@ -1,8 +1,6 @@
-"""The edge of ``kvpool doctor``: read every input (flags, files, the environment) and
-probe the outside world (through :mod:`.probes`) into one :class:`~.facts.Gathered`.
-
-Nothing here decides whether a fact is good or bad; :mod:`.diagnose` does, purely.  An
-input that cannot be read becomes a failed ``input.*`` check rather than a traceback.
+"""The edge of ``kvpool doctor``: read every input and probe the outside world into one
+:class:`~.facts.Gathered`; an input that cannot be read becomes a failed ``input.*`` check
+rather than a traceback.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""``kvpool config render``: per-node files from one inventory, as the production guide's §4 Ansible
-template does — with the peer topologies filled in for you.
-
-The inventory's keys and the files rendered are docs/configuration.md's reference;
-:mod:`.inventory` reads and checks the inventory, :mod:`.files` renders the files (pure),
-:mod:`.credentials` makes the cluster secret and node keys, and
-:mod:`kvpool.mooncake.render` is what differs on real Mooncake (``engine = "mooncake"``).
-:func:`render` is pure (inventory in, file texts out); :func:`run` does the reading and
-writing.
+"""``kvpool config render``: per-node files from one inventory, as the guide's §4 Ansible
+template does, with the peer topologies filled in.  :func:`render` is pure (inventory in,
+file texts out); :func:`run` reads and writes.  The reference: docs/configuration.md.
 """
 
 from __future__ import annotations

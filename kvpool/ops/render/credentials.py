@@ -1,9 +1,5 @@
-"""The credentials ``kvpool config render`` writes (docs/security.md).
-
-A cluster that other hosts reach (:attr:`Inventory.credentials`) runs on one cluster
-secret, in ``secret`` files for the master and each P/D host; a storage host gets only its
-own node key (``<host>/node.cred``).  docs/configuration.md tables the files, their modes
-and who reads them.
+"""The credentials ``kvpool config render`` writes (docs/security.md): one cluster secret for
+the master and each P/D host, and for a storage host only its own node key.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The files ``kvpool config render`` writes, from a validated inventory (pure, but for
-:func:`write_rendered` and a fresh secret when none is given): ``master.sh`` and
-``README.md``; per host ``mooncake.json``, ``kv-transfer-config.json``, ``env.sh``,
-``node.sh`` and ``serve.sh`` (a storage host: no vLLM, so no serve or connector config).
-On Mooncake the per-engine parts come from :mod:`kvpool.mooncake.render`.
+:func:`write_rendered` and a fresh secret when none is given).
 
-Credentials (:mod:`.credentials`): a cluster whose hosts other hosts reach runs on a cluster
-secret, ``secret`` (for the master, and for every P/D host: its vLLM is a client of the
-pool, and a client needs the cluster secret); a storage host gets only its own node key,
-``node.cred``.  Both are written with mode 600 (:data:`SECRET_NAMES`)."""
+A P/D host gets the cluster ``secret`` too, as its vLLM is a client of the pool; a storage
+host (no vLLM) gets only its ``node.cred`` and no serve or connector config.  Both are
+written with mode 600.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The inventory of ``kvpool config render``: one file (TOML or JSON) that describes the
-cluster; :func:`parse_inventory` validates it (pure: every mistake is a ConfigError naming
-the key), :func:`load_inventory` reads it.  docs/configuration.md has the reference."""
+"""The inventory of ``kvpool config render``: one TOML or JSON file describing the cluster,
+validated purely (every mistake a ConfigError naming the key); see docs/configuration.md.
+"""
 
 from __future__ import annotations
 

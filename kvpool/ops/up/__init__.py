@@ -1,11 +1,5 @@
-"""``kvpool up``: the whole P/D stack on one machine — master, prefill and decode vLLM
-instances, proxy — in one command, on kvpool's master or (``--engine mooncake``) on real
-Mooncake.
-
-    UpOptions ──make_plan (pure)──▶ UpPlan ──lifecycle: startup, serve, shutdown──▶ exit status
-
-:mod:`.tiny_model` is imported only when needed (``python -m kvpool.ops.up.tiny_model``
-runs it alone).
+"""``kvpool up``: the whole P/D stack on one machine (master, prefill and decode vLLM, proxy)
+in one command, on kvpool's master or (``--engine mooncake``) on real Mooncake.
 """
 
 from __future__ import annotations

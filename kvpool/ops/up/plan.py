@@ -1,9 +1,7 @@
 """``kvpool up``: the plan of the whole P/D stack on one machine, as plain data.
 
-:func:`make_plan` is pure: options in, commands, environments, ports, health URLs and the
-files to write out.  Nothing here starts a process, touches the disk or reads the clock;
-:mod:`kvpool.ops.up.supervisor` supervises the processes and
-:mod:`kvpool.ops.up.lifecycle` is the edge (startup, serve, shutdown).
+:func:`make_plan` is pure: options in; commands, environments, ports, health URLs and files
+out.  Nothing here starts a process, touches the disk or reads the clock.
 """
 
 from __future__ import annotations

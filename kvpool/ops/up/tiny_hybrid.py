@@ -1,10 +1,8 @@
 """Tiny hybrid-attention models, built locally, for the hybrid KV cache tests and benches.
 
-Real architectures vLLM-CPU serves with its hybrid KV cache manager, shrunk to a few MB,
-with seeded weights written by ``transformers`` (the model's own tensor names) and the
-tokenizer of :mod:`kvpool.ops.up.tiny_model`; :data:`HYBRID_KINDS` says what each is
-(``gemma3``: sliding window beside full attention; ``qwen3_next``: gated delta-net state
-beside full attention, bfloat16 only on CPU).
+Real architectures that vLLM-CPU serves with its hybrid KV cache manager, shrunk to a few
+MB, with seeded weights: ``gemma3`` (sliding window beside full attention) and
+``qwen3_next`` (gated delta-net state beside full attention, bfloat16 only on CPU).
 
     python -m kvpool.ops.up.tiny_hybrid PATH --kind gemma3|qwen3_next [--seed N]
 """

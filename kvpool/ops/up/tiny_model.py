@@ -1,8 +1,6 @@
-"""Build a tiny Llama model directory locally: ``kvpool up``'s model when no ``--model`` is
-given, and the model of the tests and benchmarks that run real vLLM.
-
-Nothing needs to be downloaded from a model hub: the model is made here, and the same
-arguments always give byte-identical files.
+"""Build a tiny Llama model directory locally: ``kvpool up``'s default model, and the model of
+the tests and benchmarks that run real vLLM; nothing is downloaded, and the same arguments
+always give byte-identical files.
 
     python -m kvpool.ops.up.tiny_model PATH [--preset tiny|bench] [--seed N]
 """
