@@ -1,12 +1,10 @@
 """A byte budget shared by the connection threads of one server.
 
-A server that allocates a buffer per request (a segment server reading an SSD object
-into memory before it sends it, so a corrupt file is an error and never a payload) holds
-as many such buffers as it has busy connections.  :class:`ByteBudget` bounds their sum:
-a request takes its bytes before it allocates and gives them back when the buffer is
-gone.  A request that finds no room waits, bounded, for other requests to give theirs
-back; one larger than the whole budget is let through when nothing else is held, so a
-large object is slow under load but never impossible.
+A server that allocates a buffer per request (a segment server reads an SSD object into
+memory before sending it, so a corrupt file is an error, never a payload) holds one per
+busy connection; :class:`ByteBudget` bounds their sum.  A request that finds no room waits,
+bounded; one larger than the whole budget passes when nothing else is held, so a large
+object is slow under load but never impossible.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A framed connection end with few syscalls: the fast path for segment transfers.
 
-:class:`Channel` wraps one blocking socket with a send codec and a receive codec.  It
-does what the plain functions in :mod:`kvpool.datapath.framing` do, with fewer syscalls
-per exchange, and is what :mod:`kvpool.datapath.segment_server` uses (any synchronous RPC client
-can use :meth:`Channel.call` as is).  The socket belongs to the channel afterwards:
-do not mix it with the functions in ``framing`` (they use Python-level timeouts).
+:class:`Channel` does what :mod:`kvpool.datapath.framing`'s functions do with fewer
+syscalls per exchange.  The socket belongs to the channel afterwards: do not mix it with
+``framing``'s functions (they use Python-level timeouts).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What a client asks of a data path: a list of small frozen operations.
-
-A data path (:class:`DataPath`) has one call, ``run(ops) -> results``, for a single
-transfer and a batch alike: :class:`WriteOp`, :class:`ReadOp` and :class:`SsdReadOp`,
-each with one result in order (:data:`OpResult`).  The rules every data path keeps are
-beside :class:`DataPath`.
+"""What a client asks of a data path: a list of small frozen operations, run by one call,
+``DataPath.run(ops) -> results``, for a single transfer and a batch alike (one result per
+operation, in order); the rules every data path keeps are beside :class:`DataPath`.
 """
 
 from __future__ import annotations

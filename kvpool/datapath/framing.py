@@ -1,11 +1,9 @@
 """Frames over blocking sockets, with deadlines and in-place payload receive.
 
-The codec (:mod:`kvpool.protocol.codec`) is pure; these functions are its plainest
-blocking-socket edge, for any socket and any codec (the P->D transfer worker and the
-master's client use them).  :class:`kvpool.datapath.channel.Channel` does the same with
-fewer syscalls per exchange (kernel timeouts, one ``sendmsg`` per frame, header and body
-in one ``recv``) and is what the segment data path uses; prefer it for hot request/reply
-loops (a small round trip is ~15 µs shorter on the reference VM).
+The plainest blocking-socket edge of the pure codec, for any socket and codec;
+:class:`kvpool.datapath.channel.Channel` does the same with fewer syscalls (kernel
+timeouts, one ``sendmsg`` per frame), ~15 µs shorter a small round trip: prefer it in hot
+request/reply loops.
 """
 
 from __future__ import annotations

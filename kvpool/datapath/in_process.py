@@ -1,9 +1,7 @@
 """The in-process transport: a client and the storage it reads and writes share a process.
 
-The embedded pool (:class:`~kvpool.embedded.EmbeddedPool`) holds one memory
-segment and an optional SSD tier in its own process; every transfer is a plain memory
-copy (or a file read), and nothing listens on a socket.  There is one storage owner, so
-every address leads to the same data path.
+The embedded pool's transfers are plain memory copies (or file reads), nothing listens on
+a socket, and with one storage owner every address leads to the same data path.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The blocking TCP client of a segment data server.
-
-:class:`SegmentConnection` writes and reads caller buffers (bytes-like, NumPy, CPU
-tensor) at ``(segment_id, offset)`` of a node's segments, and objects of its SSD tier:
-a list of data-path operations at once (:meth:`SegmentConnection.run`, see
-:mod:`kvpool.datapath.data_ops`; many go pipelined, in ranged requests).  Replies'
-payloads are received straight into the caller's buffer.
+"""The blocking TCP client of a segment data server: runs lists of data-path operations on a
+node's segments and SSD tier, pipelined in ranged requests, receiving replies' payloads
+straight into the caller's buffers.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""The segment data server.
-
-:class:`SegmentServer` serves :mod:`kvpool.protocol.data` requests against the
-segments a node holds.  One thread per connection with blocking sockets
-(:class:`~kvpool.datapath.server.ThreadedServer`): in CPython
-the fastest way to move large buffers, because ``recv_into`` / ``sendall`` run whole
-multi-megabyte transfers with the GIL released, where an event loop would wake per chunk.
-
-:class:`~kvpool.datapath.segment_client.SegmentConnection` is the client side.
+"""The segment data server: serves :mod:`kvpool.protocol.data` requests against the segments
+a node holds, one thread per connection (:mod:`kvpool.datapath.server` says why).
 """
 
 from __future__ import annotations

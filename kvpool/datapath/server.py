@@ -1,12 +1,8 @@
 """One listening socket, one thread per admitted connection, and a stop that is bounded.
 
-Both of kvpool's blocking TCP servers are this shape: the segment data server
-(:class:`~kvpool.datapath.segment_server.SegmentServer`) and the prefill's pull server
-(the P→D connector's ``kv_port``).  Threads rather than an event loop because their work is
-``recv_into``/``sendall`` of multi-megabyte buffers, which CPython runs with the GIL
-released; an event loop would wake per chunk.  Until a connection is admitted (its
-handshake done, or its first bytes in) it waits threadless in a
-:class:`~kvpool.datapath.waiting_room.WaitingRoom`.
+The shape of both of kvpool's blocking TCP servers (segment data, P's pull port).  Threads
+rather than an event loop because their work is ``recv_into``/``sendall`` of multi-megabyte
+buffers, which CPython runs with the GIL released; an event loop would wake per chunk.
 """
 
 from __future__ import annotations

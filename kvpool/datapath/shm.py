@@ -1,12 +1,8 @@
 """The same-host path: copy straight to and from a node's shared-memory segment.
 
-A client on the node's host attaches the segment by name (see
-:class:`~kvpool.storage.segment.Segment`) and copies with memoryview/NumPy, which
-releases the GIL for large copies.  No socket, no kernel copy, no node thread.
-
-:class:`ShmConnection` has the same ``write`` / ``read_into`` calls as
-:class:`~kvpool.datapath.segment_server.SegmentConnection`, so callers do not care which one
-they hold.  :func:`host_token` says whether two processes can share memory at all.
+A client on the node's host attaches the segment by name and copies with memoryview/NumPy,
+which releases the GIL for large copies: no socket, no kernel copy, no node thread.
+:class:`ShmConnection` has the TCP connection's calls, so callers do not care which they hold.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The client's transport seam: how its bytes reach the segments the master names.
 
-A :class:`Transport` opens a :class:`DataPath` to one storage owner (a node, or the
-master's own segment) by its data address; a data path runs lists of operations
-(:mod:`kvpool.datapath.data_ops`) with one call, ``run(ops)``.  The client holds one data
-path per owner, drops it when a transfer fails, and opens it again on next use.  Another
-fabric (Mooncake's Transfer Engine, RDMA) is one more class with ``connect``.
+A :class:`Transport` opens a :class:`DataPath` to one storage owner by its data address; the
+client holds one per owner, drops it when a transfer fails, and opens it again on next use.
+Another fabric (Mooncake's Transfer Engine, RDMA) is one more class with ``connect``.
 """
 
 from __future__ import annotations

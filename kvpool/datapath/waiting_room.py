@@ -1,10 +1,8 @@
 """Where a threaded server's new connections wait, threadless, until they earn a thread.
 
-A connection gets a thread (and one of the server's ``max_connections`` slots) only once
-its peer has proved the credential, or, on a port without one, has sent its first bytes;
-until then it sits here, in one selector thread.  So a flood of idle or slow-handshake
-connections from a peer with no credential costs a file descriptor each, never a thread
-or a slot that an authenticated peer needs.
+A connection gets a thread and a ``max_connections`` slot only once its peer has proved the
+credential (or, on a port without one, sent its first bytes), so a flood of idle
+connections without a credential costs a file descriptor each, never a thread or a slot.
 """
 
 from __future__ import annotations
