@@ -1,9 +1,6 @@
 """The P/D proxy: an OpenAI-compatible front that sends each request to a prefill
 endpoint (``max_tokens=1``), passes its token on at once, and has a decode endpoint
 continue the answer, streamed back.
-
-``routing``, ``openai``, ``first_token``, ``splice`` and ``stops`` are pure; ``server``,
-``legs``, ``health`` and ``run`` own the sockets.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The proxy's API keys: where they come from, and checking a request's ``Authorization``.
 
-The proxy speaks OpenAI's HTTP, so its credential is OpenAI's: ``Authorization: Bearer
-KEY``, as ``vllm serve --api-key`` expects (the cluster secret's handshake is for kvpool's
-own binary ports, which a client of an OpenAI API does not speak).  Pure but for reading a
-key file; the aiohttp side (the 401 reply) is in :mod:`kvpool.proxy.server`.
+OpenAI's ``Authorization: Bearer KEY`` (as ``vllm serve --api-key``), not the cluster
+secret's handshake, which is for kvpool's own binary ports that OpenAI clients do not speak.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Which prompt blocks an instance's own cache (or the pool) holds, from KV events (pure).
 
-A block is known by a *content key*: a hash chained over the token ids of every block up
-to it (:func:`content_keys`), never by vLLM's block hash, which depends on each instance's
-hash seed; so a request's blocks, each instance's and the pool's agree.  A
-:class:`BlockIndex` takes vLLM's events (``BlockStored`` with the tokens and the parent's
-hash, ``BlockRemoved``, ``AllBlocksCleared``), bounded to ``max_blocks`` (the oldest go).
+A block is known by a content key chained over the token ids up to it, never by vLLM's
+block hash, which depends on each instance's hash seed; so a request's blocks, each
+instance's and the pool's agree.  Bounded to ``max_blocks`` (the oldest go).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The answer starts with the prefill's token: what P and D are asked, and how their two
 replies become the one a plain instance gives.  Pure: dicts in, dicts out.
 
-P computes the prompt's KV and samples the first token, which goes to the client at once.
-D gets the prompt's token ids plus that token (completions: as the prompt; chat: as vLLM's
-``kv_transfer_params["prompt_token_ids"]``) and one token less to make, so it continues
-the same answer from P's KV.  Whatever D cannot continue (structured output, penalties on
-output tokens, echo) is served the sequential way; n > 1 is refused.  A token that ends
-inside a character is mended: see :func:`mended_text`.
+D gets the prompt's token ids plus P's token and one token less to make, so it continues
+the same answer from P's KV.  What D cannot continue (structured output, penalties on
+output tokens, echo) is served the sequential way; n > 1 is refused.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """What the proxy knows of each instance for ``kv_aware`` routing, and how it learns it.
 
-- **KV events**: each instance's vLLM publishes its own cache's events (and kvpool's store
-  connector its saves to the pool) on ZMQ (``--kv-events-config``); a subscriber per
-  instance feeds :class:`~kvpool.proxy.block_index.BlockIndex` es, asks the instance's
-  replay socket for a gap, and starts afresh when the instance restarts.
-- **Load**: each instance's ``/metrics`` (requests waiting and running, KV cache usage).
-- **Feedback**: what the instance's reply says it hit against what the index predicted;
-  the rules are on :class:`KvFeed`.
+Each instance's KV events over ZMQ (a subscriber per instance, replaying gaps and starting
+afresh when the instance restarts), its load from ``/metrics``, and feedback: what its
+reply says it hit against what the index predicted (the rules are on :class:`KvFeed`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The two upstream legs of a request: open one, relay one, and account for both.
-
-Used by :class:`~kvpool.proxy.server.ProxyServer`; the failure rules are listed there.
+"""The two upstream legs of a request: open one, relay one, and account for both; the
+failure rules are on :class:`~kvpool.proxy.server.ProxyServer`.
 """
 
 from __future__ import annotations

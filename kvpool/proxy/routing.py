@@ -1,9 +1,7 @@
 """Routing for the P/D proxy: which prefill (P) and decode (D) endpoint serves a request.
 
-Pure code: no I/O, no clock, no randomness.  The server owns the sockets and tells this
-module what happened (an endpoint failed, a health poll succeeded); this module only keeps
-the state and decides: :class:`UpstreamGroup` holds one role's endpoints, a
-:class:`RoutingPolicy` (:func:`make_routing_policy`) picks among the healthy ones.
+Pure (no I/O, no clock, no randomness): the server tells it what happened (an endpoint
+failed, a health poll succeeded); it keeps the state and decides.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Run the proxy until SIGINT or SIGTERM: the body of ``kvpool proxy``.
-
-``kvpool up`` can either call :func:`serve` inside its own event loop (passing a
-``stop`` event it sets itself) or start ``kvpool proxy`` as a subprocess and wait for
-``/health``; either way the proxy shuts down gracefully.
+"""Run the proxy until SIGINT or SIGTERM: the body of ``kvpool proxy``, also called inside
+``kvpool up``'s own event loop with a ``stop`` event of its own.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The P/D proxy server: an OpenAI-compatible front for prefill/decode pairs (aiohttp).
 
-One request, two legs (the production guide's §1.1; API keys: :mod:`kvpool.proxy.auth`)::
-
-    client ─► proxy ─► P   max_tokens=1, stream=false, return_token_ids,
-                │          kv_transfer_params={"do_remote_decode": true}
-    client ◄────┤      ◄─  P's token (sent on at once), its token ids, kv_transfer_params
-                └────► D   prompt ids + P's token, max_tokens - 1, P's kv_transfer_params
-    client ◄───────────    D's tokens, after P's (:mod:`kvpool.proxy.first_token`)
+One request, two legs (docs/proxy.md): P with ``max_tokens=1``, whose token goes to the
+client at once, then D with the prompt ids and P's token, whose tokens follow.
 """
 
 from __future__ import annotations

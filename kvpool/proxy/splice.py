@@ -1,10 +1,9 @@
 """The client's stream when the answer starts with P's token: P's token as the first SSE
 events, then D's events made to read as one answer.  Pure: bytes in, bytes out.
 
-D's events change in five ways: chat's opening role-only event is dropped (P's events
-opened the answer), usage counts P's token as output, completions' ``text_offset`` moves
-past P's text, a stop string straddling the two texts ends the answer (:mod:`stops`), and
-after a split first token D's first text waits for its mending (:attr:`Splice.wants`).
+D's opening role-only chat event is dropped, usage counts P's token as output,
+``text_offset`` moves past P's text, a stop string across the two texts ends the answer,
+and after a split first token D's first text waits for its mending (:attr:`Splice.wants`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Stop strings that start in P's token and end in D's text.  Pure.
 
-D is sent P's token as prompt, so it checks its stop strings against its own text only: a
-stop string begun by P's token and finished by D's first tokens is the proxy's to find.
-Streaming, P's trailing text that could begin one is held back (as vLLM holds back its
-own) until D's text shows whether it does.
+D checks its stop strings against its own text only, so one begun by P's token and
+finished by D's is the proxy's to find.  Streaming, P's trailing text that could begin one
+is held back (as vLLM holds back its own) until D's text shows whether it does.
 """
 
 from __future__ import annotations
