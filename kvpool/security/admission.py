@@ -1,10 +1,7 @@
 """The server's side of one connection's handshake as bytes in, bytes out, without sockets.
 
-:class:`Admission` tells a plain peer from a handshake by the first four bytes, runs
-:class:`~kvpool.security.handshake.ServerHandshake` on the frames, and says how many bytes
-to read next, so a caller never reads a byte of the port's own protocol.  The blocking
-caller is :func:`kvpool.security.socket_auth.admit_with`; the data port's waiting room
-(:mod:`kvpool.datapath.waiting_room`) feeds it from a non-blocking socket.
+:class:`Admission` tells a plain peer from a handshake by the first four bytes and says
+how many bytes to read next, so a caller never reads a byte of the port's own protocol.
 """
 
 from __future__ import annotations

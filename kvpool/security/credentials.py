@@ -1,9 +1,7 @@
 """Who may speak to the pool: the cluster secret, the keys derived from it, and their rules.
 
-Every key is derived from the operator's cluster secret with HMAC-SHA256, so no key is
-ever sent and none can be turned back into the secret; each role a peer claims proves one
-of them (:func:`key_for`).  The rules are beside :class:`Credential`; the handshake that
-proves a key is :mod:`kvpool.security.handshake`.
+Every key is derived from the cluster secret with HMAC-SHA256, so no key is ever sent and
+none can be turned back into the secret; the rules are beside :class:`Credential`.
 """
 
 from __future__ import annotations

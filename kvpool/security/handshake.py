@@ -1,10 +1,7 @@
 """The handshake that opens every authenticated kvpool connection, without sockets.
 
 A mutual challenge–response with HMAC-SHA256 over nonces from both sides, the server
-proving first.  :class:`ClientHandshake` and :class:`ServerHandshake` are the two sides as
-state machines fed with frames (the messages and rules are beside them);
-:class:`FrameReader` cuts frames out of received bytes.  The socket steps are
-:mod:`kvpool.security.socket_auth` (blocking) and the master's event loop.
+proving first; both sides are state machines fed with frames (the rules are beside them).
 """
 
 from __future__ import annotations

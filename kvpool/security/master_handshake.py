@@ -1,12 +1,9 @@
 """The master's side of authentication: the RPC handshake on the event loop, and who may
 speak for which id.
 
-With a credential configured, :class:`~kvpool.master.server.MasterServer` hands
-every connection that opens with the handshake's magic to :class:`AuthProtocol`, which
-runs :class:`~kvpool.security.handshake.ServerHandshake` (roles ``client``, ``node`` and
-``tenant``) and, once the peer proved its key, hands the connection, with the
-:class:`Identity` it proved, to the RPC protocol.  A connection that sends a plain RPC
-frame instead gets an ``AuthError`` reply and is closed (:func:`plain_refusal`).
+A connection that opens with the handshake's magic proves a key (roles ``client``, ``node``,
+``tenant``) before the RPC protocol gets it, with the :class:`Identity` it proved; one that
+sends a plain RPC frame instead gets an ``AuthError`` reply and is closed.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Where a process finds its credential, and when it may run without one.
 
-A credential comes from a file named by the command or the node config, then
-``KVPOOL_SECRET_FILE``, then ``KVPOOL_SECRET`` (:func:`load_credential`).  Safe by default
-(:func:`require_credential`): a server bound beyond loopback without one refuses to start.
+A file named by the command or the node config, then ``KVPOOL_SECRET_FILE``, then
+``KVPOOL_SECRET``; a server bound beyond loopback without one refuses to start.
 """
 
 from __future__ import annotations

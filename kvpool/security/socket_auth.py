@@ -1,11 +1,8 @@
 """The handshake of :mod:`kvpool.security.handshake` over a blocking socket.
 
-:func:`authenticate` is the client's step (the master link, a data connection),
-:func:`admit` the threaded servers' (a node's data port, running an
-:class:`~kvpool.security.admission.Admission`).  Both finish within their
-deadline or raise :class:`~kvpool.errors.PeerTimeout`; a refusal or a failed proof raises
-:class:`~kvpool.errors.AuthError`.  A server that refuses says why in a Refuse frame and
-the caller closes the connection.  After them, the socket carries its port's own frames.
+The client's step (:func:`authenticate`) and the threaded servers' (:func:`admit`) finish
+within their deadline or raise ``PeerTimeout``; a refusal or a failed proof raises
+``AuthError``.  After them, the socket carries its port's own frames.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """TLS on a blocking socket: the client's wrap and the threaded servers' accept step.
 
-Both run the TLS handshake within a deadline and turn ssl's errors into kvpool's: an
-untrusted certificate or a wrong host name is an :class:`~kvpool.errors.AuthError` that
-says which setting to fix; a silent or dead peer a :class:`~kvpool.errors.PeerTimeout`.
-The kvpool handshake (:mod:`kvpool.security.socket_auth`) then runs inside the TLS channel: TLS
-hides the bytes, the HMAC handshake still proves the cluster secret.
+ssl's errors become kvpool's (an ``AuthError`` naming the setting to fix, or a
+``PeerTimeout``).  The kvpool handshake still runs inside the TLS channel: TLS hides the
+bytes, the HMAC handshake proves the cluster secret.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """TLS settings for kvpool's own TCP ports: a certificate, its key and a CA bundle.
 
-Off unless configured; with none of the three set nothing changes.  A server needs
-``cert`` and ``key`` (and, with ``ca``, asks its clients for certificates signed by it:
-mutual TLS); a client needs ``ca`` to verify the server (and ``cert``/``key`` when the
-server asks for one).  ssl's errors become one-line :class:`~kvpool.errors.ConfigError`\\ s
-naming the key and the fix.
+Off unless configured.  A server needs ``cert`` and ``key`` (with ``ca``: mutual TLS); a
+client needs ``ca`` (and ``cert``/``key`` when the server asks).  ssl's errors become
+one-line config errors naming the key and the fix.
 """
 
 from __future__ import annotations
