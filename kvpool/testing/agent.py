@@ -1,12 +1,9 @@
 """A Python helper process that runs a test's calls somewhere else, driven over a pipe.
 
-:meth:`Agent.start` runs ``python`` under a command prefix (``unshare -n``, ``ip netns exec
-NS``) and talks to it over a pipe, which crosses network namespaces where sockets do not:
-:meth:`~Agent.run` calls ``"pkg.mod:func"`` there, :meth:`~Agent.new` keeps what it returns
-(a :class:`Ref`, which stands for the kept object when passed back as an argument), and
-:meth:`~Agent.call` calls a method of a kept object.  Results and exceptions come back
-pickled, each awaited at most ``timeout_s``.  On "stop" (or EOF) the helper closes what it
-kept, newest first, and exits; one that does not is killed.
+It runs under a command prefix (``unshare -n``, ``ip netns exec NS``) and talks over a
+pipe, which crosses network namespaces where sockets do not.  Results and exceptions come
+back pickled, each awaited at most ``timeout_s``; on "stop" (or EOF) the helper closes what
+it kept, newest first, and exits, or is killed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """A peer with no credential that floods ports with connections (the flood tests and
-bench/flood.py): ``idle`` ones that never send a byte, and ``slow`` ones that start the
-handshake and stall.  Run as ``python -m kvpool.testing.flood HOST:PORT... --idle N
---slow N [--http]``: it keeps that many open on each port (re-opening what the server closes, at
-most ``--reopen`` a second on each), prints one ``open`` line a second, and ends when its stdin
-closes or after ``--seconds``.
+bench/flood.py): ``idle`` ones that never send a byte, ``slow`` ones that stall in the
+handshake, re-opened as the server closes them; run as ``python -m kvpool.testing.flood``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Children that die with the test run that started them, however the run ends.
 
-:func:`popen` is ``subprocess.Popen`` through ``kvpool up``'s launcher: the child gets
-SIGTERM from the kernel when the thread that started it exits (PR_SET_PDEATHSIG).  It and
-all it starts carry :data:`MARK`, ``<pid>:<start time>`` of the run (the process that
-called :func:`claim`: each pytest process).  What a killed run left anyway (a grandchild
-such as vLLM's engine core, a hung child) is found by that mark, whose process is gone,
-and killed by PID: :func:`sweep`."""
+:func:`popen` children get SIGTERM from the kernel when their starting thread exits
+(PR_SET_PDEATHSIG) and carry :data:`MARK`, the run's ``<pid>:<start time>``; what a killed
+run left anyway (vLLM's engine core, a hung child) is found by a mark whose process is
+gone, and killed by PID (:func:`sweep`).
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Real Mooncake for tests and benchmarks, only ever inside a private network namespace.
 
-Mooncake's listeners (the Transfer Engine's RPC and data ports, the store's segment
-server) bind every interface, so no Mooncake process may run in the machine's own
-network namespace.  The test process never opens a Mooncake socket: what it tests lives
-in a :class:`Namespace`'s helper and is driven over its pipe, beside a
-:class:`MooncakeMaster` there.  Without the wheel, everything here raises
-:class:`MooncakeMissing` naming the install commands: CI installs the extra, so a missing
+Mooncake's listeners bind every interface, so no Mooncake process may run in the machine's
+own namespace; the test drives it over a :class:`Namespace` helper's pipe.  Without the
+wheel everything raises :class:`MooncakeMissing`: CI installs the extra, so a missing
 wheel is a failure, not a skip.
 """
 

@@ -1,12 +1,9 @@
 """Several test hosts on one machine: named network namespaces on a private bridge.
 
-A :class:`Topology` makes one network namespace per host (``kvp-<run>-<host>``) and one
-more for a Linux bridge that joins them, each host by a veth pair (its ``eth0``, with an
-address in a random ``10.200-250.x.0/24``, so parallel runs do not clash).  Nothing
-touches the machine's own namespace, so the test talks to its hosts only through
-processes it starts there: servers, and :class:`~kvpool.testing.agent.Agent` helpers.
-Faults (a cut cable, a partition, a lossy or slow link) are each undone by their twin.
-Everything needs root and iproute2 (``ip``, ``tc``).
+One namespace per host and one for the bridge, joined by veth pairs, in a random
+``10.200-250.x.0/24`` so that parallel runs do not clash.  Nothing touches the machine's
+own namespace, and each fault (cut, partition, lossy or slow link) is undone by its twin.
+Needs root and iproute2.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Start kvpool processes for tests and benchmarks: real processes on 127.0.0.1.
-
-``PoolProcess`` starts ``python -m kvpool <command> ... --port 0`` (or another program that
-runs kvpool: an installed ``kvpool``, ``podman run IMAGE``), waits (bounded) for the line
-announcing the bound address, and stops the process by its own PID only.
+"""Start kvpool processes for tests and benchmarks: real processes on 127.0.0.1, each with
+``--port 0``, awaited (bounded) until it announces its address, stopped by its own PID only.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What a run leaves in ``/dev/shm``: files no live process holds open or mapped.
 
-The suite checks at its end that it left nothing (tests/conftest.py); a fixture that
-kills processes with SIGKILL (vLLM's engines leave ``psm_*`` and ``vllm_dist_*`` files
-then) removes what they left with :func:`remove_orphans`.
+The suite checks at its end that it left nothing; a fixture that SIGKILLs vLLM's engines
+removes the ``psm_*`` and ``vllm_dist_*`` files they leave with :func:`remove_orphans`.
 """
 
 from __future__ import annotations

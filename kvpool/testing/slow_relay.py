@@ -1,9 +1,6 @@
-"""A TCP relay on 127.0.0.1 that holds every reply back for a fixed time: a slow peer
-(an etcd whose disk syncs slowly, a loaded host) without a network namespace or netem,
-which this kernel may lack.
-
-Each accepted connection is relayed to ``target``; bytes to the target pass at once,
-and each chunk the target sends back is released ``delay_s`` after it arrived.
+"""A TCP relay on 127.0.0.1 that holds every reply back ``delay_s``: a slow peer (an etcd
+whose disk syncs slowly, a loaded host) without a network namespace or netem, which this
+kernel may lack.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Throwaway TLS material for tests and benchmarks: a CA and certificates it signs.
 
-Made with Debian's ``openssl`` command (scripts/setup.sh installs it), so nothing beyond
-the standard library is imported.  Each certificate carries its host as a
-subjectAltName (``IP:`` for an address, ``DNS:`` otherwise), which is what
-:func:`ssl.create_default_context`'s host-name check compares with the address dialled.
+Made with Debian's ``openssl`` command, so nothing beyond the standard library is
+imported; each certificate carries its host as a subjectAltName (``IP:`` or ``DNS:``),
+which is what the host-name check compares with the address dialled.
 """
 
 from __future__ import annotations
