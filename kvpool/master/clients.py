@@ -1,6 +1,6 @@
-"""Who contributes storage to the master's pool: :class:`MasterClients`, the storage
-owners' registrations, heartbeats, segments (and the :class:`Endpoint` clients reach
-each one's bytes at), re-announcements, and the owners dropped for a failed transfer."""
+"""Who contributes storage to the master's pool: the storage owners' registrations,
+heartbeats, segments and endpoints, and the owners dropped for a failed transfer.
+"""
 
 from __future__ import annotations
 

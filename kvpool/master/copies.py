@@ -1,9 +1,7 @@
 """Demotions in flight on nodes, and the replies that wait for the room they make.
 
-A node copies a demoted object to its SSD tier on its own time (the index keeps the
-object DEMOTING meanwhile, see ``ObjectIndex.defer_copies``).  :class:`Copies` tracks
-those copies and their deadlines; a put that only copies in flight would make room for
-is answered :class:`Later`.
+A node copies a demoted object to its SSD tier on its own time (the object is DEMOTING
+meanwhile); a put that only those copies would make room for is answered :class:`Later`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The master's HTTP side: Prometheus metrics, health, and the pool snapshot as JSON.
 
-With a credential, every endpoint asks for ``Authorization: Bearer <token>``, the token
-derived from the cluster secret (``kvpool secret token``); a request without it, or with
-another, is answered 401 with one line saying how to get it.  Two exceptions: ``/health``
-answers ``{"status": "ok"}`` to anyone (a liveness probe carries no token) and the rest
-of its body only to the operator; ``/metrics`` is open when the operator started the
-master with ``--open_metrics`` (a Prometheus scraper without a token).
+With a credential, every endpoint asks for the operator's bearer token (401 otherwise, with
+one line saying how to get it), but ``/health`` answers ``{"status": "ok"}`` to anyone (a
+liveness probe carries no token) and ``/metrics`` is open under ``--open_metrics``.
 """
 
 from __future__ import annotations

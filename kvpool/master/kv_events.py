@@ -1,11 +1,8 @@
 """The pool's own KV events: what the master stores and drops, per tier, in vLLM's format.
 
-``kvpool master --kv_events_endpoint tcp://*:5570 [--kv_events_replay_endpoint ...]``
-publishes ``KVEventBatch`` es on a ZMQ PUB socket exactly as a vLLM instance does
-(:mod:`kvpool.protocol.kv_events`): ``BlockStored`` when an object becomes readable, in
-the memory tier (medium ``CPU``) or the SSD tier (``DISK``), and ``BlockRemoved`` when it
-leaves one; a ROUTER socket replays missed batches.  So an llm-d- or Dynamo-style indexer
-consumes the pool as one more tier.  Block hashes are the objects' keys (16 bytes).
+``BlockStored``/``BlockRemoved`` for the memory (``CPU``) and SSD (``DISK``) tiers on a
+ZMQ PUB socket exactly as a vLLM instance publishes them, with a ROUTER socket for
+replays, so an llm-d- or Dynamo-style indexer consumes the pool as one more tier.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The master's Prometheus metrics, in a registry of its own (several masters may share a
-process in tests).  Names keep Mooncake's ``kv_cache`` / ``connected`` words so the
-production guide's §8.1 check, ``curl …/metrics | grep -E "kv_cache|connected"``, works as
-written.
-
-Every ratio has its denominator exported next to it: hits with lookups, used bytes with
-capacity.  The per-tenant series (``kvpool_tenant_*``) are the tenant layer's, registered
-here when it is installed (:mod:`kvpool.tenancy.metrics`).
+process in tests).  Names keep Mooncake's ``kv_cache`` / ``connected`` words so the guide's
+``curl …/metrics | grep -E "kv_cache|connected"`` works as written, and every ratio has its
+denominator exported next to it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The master's own connections to storage nodes, for the work it asks of them.
 
-The master never carries object bytes, but two effects of the index happen on a node's
-own storage: a demotion (the node copies an object from its memory segment to its SSD
-tier) and the deletion of SSD files the index dropped.  None of it runs on the master's
-event loop: one slow or stopped node must not stop the master serving everyone else.
+Demotions and the deletion of dropped SSD files happen on a node's own storage.  None of
+it runs on the master's event loop: one slow or stopped node must not stop the master
+serving everyone else.
 """
 
 from __future__ import annotations

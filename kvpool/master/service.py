@@ -1,11 +1,7 @@
 """The master's request handler: the core index plus a clock, endpoints and metrics.
 
-This is the one place where wire requests meet the index and where errors become
-replies.  It is synchronous and runs on the server's event loop thread only: the index
-is never touched concurrently.  :class:`MasterService` owns two groups of handlers and
-what they keep, :class:`~kvpool.master.clients.MasterClients` (the storage
-owners) and :class:`~kvpool.master.node_copies.NodeCopies` (what it waits on nodes
-for); here are the entry points, the index's effects, puts, reads, probes and pins.
+The one place where wire requests meet the index and errors become replies.  Synchronous,
+on the server's event loop thread only, so the index is never touched concurrently.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The pool at a glance: what ``kvpool status``, ``kvpool doctor`` and the status page show.
 
-A plain JSON-able dict built from the master's index, metrics and settings; its keys are
-a contract with those readers (``tests/master/test_status_page.py`` and the ops tests
-read them).
+A plain JSON-able dict whose keys are a contract with those readers (and their tests).
 """
 
 from __future__ import annotations

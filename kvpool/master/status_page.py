@@ -1,9 +1,8 @@
 """The master's live status page: ``GET /status`` on the master's one port.
 
-The page (``static/status.html``) is self-contained HTML, CSS and vanilla JS: no CDN and
-no libraries, since cluster hosts often have no internet.  It polls ``/api/status`` and
-``/metrics`` every second and draws its charts (tier use, hit ratios, put/get throughput)
-as SVG from a history it keeps in the browser, so the master stores nothing for it.
+Self-contained HTML, CSS and vanilla JS (no CDN: cluster hosts often have no internet); it
+polls ``/api/status`` and ``/metrics`` and keeps its charts' history in the browser, so
+the master stores nothing for it.
 """
 
 from __future__ import annotations
