@@ -1,9 +1,6 @@
 """Memory Mooncake can move: the Mooncake engine's staging area and the caller's own
-registered memory.
-
-Mooncake Store reads and writes only memory registered with ``register_buffer``; two
-kinds serve :class:`~kvpool.mooncake.engine.MooncakeEngine`: :class:`Staging` (copied
-through) and :class:`Registered` (zero-copy).
+registered memory (Mooncake Store reads and writes only memory registered with
+``register_buffer``): :class:`Staging` is copied through, :class:`Registered` zero-copy.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """What doctor says about real Mooncake (pure: facts in, findings out).
 
-The production guide's §8.1 grep (``kv_cache|connected`` on port 50088) has no answer on
-real Mooncake; its facts come from the master's ``master_*`` metrics on the metrics port
-(:mod:`kvpool.mooncake.master`).  A node's Mooncake ``mooncake.json`` is checked as
-the Mooncake config it is, and doctor says plainly that the pool has no credentials of its
-own.  Each :class:`Finding` is a line of doctor's report as it stands
-(:func:`kvpool.ops.doctor.checks.as_checks`; doctor imports this package, not the reverse).
+The guide's ``kv_cache|connected`` grep has no answer on real Mooncake; its facts come
+from the master's ``master_*`` metrics.  Each :class:`Finding` is a line of doctor's
+report as it stands (doctor imports this package, not the reverse).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Mooncake's own HA (``mooncake_master --enable_ha``): which master leads, as Mooncake
-records it, for ``kvpool status``, ``kvpool doctor`` and the Mooncake engine.
-
-:func:`find_leadership` does bounded I/O (etcd's gateway, GETs of ``/health``);
-:func:`describe` and :func:`render_leadership` are pure.  What Mooncake does is below
-the imports; the operator's view is docs/ha.md's "Mooncake's own HA".
+records it, for ``kvpool status``, ``kvpool doctor`` and the Mooncake engine.  What
+Mooncake does is below the imports; the operator's view is docs/ha.md.
 """
 
 from __future__ import annotations

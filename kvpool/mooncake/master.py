@@ -1,11 +1,7 @@
 """A real ``mooncake_master`` as ``kvpool status`` and ``kvpool doctor --master`` see it.
 
-Mooncake's master speaks coro_rpc on its RPC port (``--rpc_port``, 50051) and HTTP only
-on its metrics port (``--metrics_port``, 9003): ``/health`` answers JSON with a ``role``,
-``/metrics`` is Prometheus text named ``master_*``, from which the production guide's §8.1
-facts are read (which metric gives which: docs/mooncake.md).  :func:`parse_mooncake_metrics`
-and :func:`render_mooncake` are pure; only :func:`find_mooncake_master` does I/O (bounded
-GETs).
+It speaks coro_rpc on its RPC port and HTTP only on its metrics port (9003): ``/health``
+with a ``role``, and ``/metrics`` named ``master_*`` (which gives what: docs/mooncake.md).
 """
 
 from __future__ import annotations

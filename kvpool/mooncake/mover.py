@@ -1,11 +1,8 @@
 """Mooncake's Transfer Engine as a byte mover: registered memory and batch reads.
 
-One :class:`EngineMover` per process end (one worker rank): it starts a
-``mooncake.engine.TransferEngine`` with Mooncake's peer-to-peer handshake (no metadata
-service: a peer is named ``host:rpc_port``), registers memory regions once, and reads
-byte ranges of a peer's registered memory into its own with
-``batch_transfer_sync_read``.  The fabric is the engine's ``protocol``: ``rdma`` on RDMA
-NICs (``device_name``), or the engine's own ``tcp``.
+One :class:`EngineMover` per worker rank, on Mooncake's peer-to-peer handshake (no
+metadata service: a peer is named ``host:rpc_port``); memory regions are registered once,
+and byte ranges of a peer's are read into its own, over ``rdma`` or the engine's ``tcp``.
 """
 
 from __future__ import annotations

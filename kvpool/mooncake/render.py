@@ -1,10 +1,8 @@
 """``kvpool config render --engine mooncake``: the cluster's files for real Mooncake (pure).
 
-Where the kvpool engine has one service (``kvpool master``, also the metadata service)
-and storage nodes, Mooncake has ``mooncake_master`` and Mooncake Store inside every vLLM
-process, which contributes its ``global_segment_size`` to the pool.  So the files differ:
-``master.sh`` runs ``mooncake_master``, each host's ``mooncake.json`` has Mooncake's keys,
-and there is no ``node.sh`` (docs/configuration.md lists the files).
+Mooncake has ``mooncake_master`` and Mooncake Store inside every vLLM process instead of
+kvpool's master and storage nodes, so ``master.sh`` runs ``mooncake_master``, each
+``mooncake.json`` has Mooncake's keys, and there is no ``node.sh``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``kvpool up --engine mooncake``: the parts of the plan that differ on real Mooncake (pure).
 
-On Mooncake the pool is two things kvpool's master is one of: the C++ ``mooncake_master``
-(metadata, leases, eviction; no memory of its own) and Mooncake Store inside every vLLM
-process, each contributing ``global_segment_size`` of memory and talking to its peers
-through Mooncake's Transfer Engine.
+There the pool is the C++ ``mooncake_master`` (metadata, leases, eviction; no memory) and
+Mooncake Store inside every vLLM process, each contributing ``global_segment_size``.
 """
 
 from __future__ import annotations
