@@ -1,10 +1,8 @@
 """kvpool: a KV-cache pool for LLM serving with prefill/decode disaggregation.
 
-The public API is what ``__all__`` lists; everything else is internal.  ``import kvpool``
-is cheap: the clients (:class:`Client`, :class:`AsyncClient`, :class:`EmbeddedPool`) are
-imported on first use, and nothing here imports vLLM.  The words the code and the docs use
-(block, chunk, object, page, segment, tier, extent, lease, pin) are defined, each in one
-sense, in the glossary above ``__all__``.
+The public API is what ``__all__`` lists.  ``import kvpool`` is cheap: the clients are
+imported on first use, and nothing here imports vLLM.  The words the code and the docs
+use are defined, each in one sense, in the glossary above ``__all__``.
 """
 
 from __future__ import annotations

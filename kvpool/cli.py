@@ -1,9 +1,7 @@
 """The ``kvpool`` command: parse → options → ``run(options)``.  Nothing else lives here.
 
-Each subcommand's parser sets ``run=``, a function that turns the parsed flags into that
-command's options and calls its ``run`` (:mod:`kvpool.ops`).  :func:`main` is the one
-place where a :class:`~kvpool.errors.ConfigError` becomes a one-line message on stderr
-and exit status 2.  Commands import their implementation lazily so that ``kvpool --help``
+:func:`main` is the one place where a ``ConfigError`` becomes a one-line message on stderr
+and exit status 2.  Commands import their implementation lazily, so that ``kvpool --help``
 stays fast and ``kvpool doctor`` works on a host without vLLM.
 """
 

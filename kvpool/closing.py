@@ -1,9 +1,7 @@
 """``with obj:`` closes it: the one context-manager shape of kvpool's resources.
 
-Clients, connections, segments, servers and test processes each own something that must
-be given back (a socket, a mapping, a thread, a child process) and each has one method that
-gives it back.  :class:`Closing` turns that method into the ``with`` statement's exit, so
-the shape is written once.
+Each resource (client, connection, segment, server) has one method that gives back what it
+owns; :class:`Closing` makes that method the ``with`` statement's exit, written once.
 """
 
 from __future__ import annotations

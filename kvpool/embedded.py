@@ -1,11 +1,8 @@
 """An in-process pool with no master: the same API as :class:`~kvpool.client.client.Client`.
 
-For a single node (the store connector's ``backend: embedded``) and for tests.  It *is*
-a Client, built with two in-process seams instead of sockets: its link to the master
-(:class:`InProcessMaster`) runs the master's request handler in this process behind a
-lock, and its transport (:class:`~kvpool.datapath.in_process.InProcessTransport`) copies
-bytes straight into and out of a local memory segment (and SSD tier, when given).
-Nothing listens on a socket.
+For a single node (the store connector's ``backend: embedded``) and for tests.  It *is* a
+Client, with two in-process seams instead of sockets: the master's request handler runs in
+this process behind a lock, and bytes are copied straight to and from a local segment.
 """
 
 from __future__ import annotations

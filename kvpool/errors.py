@@ -1,9 +1,8 @@
 """The one error hierarchy of kvpool.
 
-Every error kvpool raises on purpose is a subclass of :class:`KVPoolError` (whose docstring
-draws the tree), so a caller can catch the whole family with one clause and a narrower
-branch when it cares.  Errors cross the wire as ``(code, message)`` pairs;
-:func:`error_from_code` turns a pair back into the same class on the client side.
+Everything kvpool raises on purpose is a :class:`KVPoolError` (whose docstring draws the
+tree).  Errors cross the wire as ``(code, message)`` pairs; :func:`error_from_code` turns
+a pair back into the same class on the client side.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """An object by its ``"package.module:attr"`` name, imported when asked for.
 
-How a lower part reaches a higher one without an arrow to it: the engine factory names
-its adapters this way, the transfer connector its transports, and each is imported only
-when chosen (``kvpool.mooncake`` imports the parts it plugs into, never the reverse).
+How a lower part reaches a higher one without an arrow to it (an engine's adapter, a
+transport): each is imported only when chosen.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The small network helpers every part of kvpool shares (standard library only).
 
-- :data:`DEFAULT_MASTER_PORT` — the master's one port for RPC and HTTP (Mooncake's 50088
-  in the production guide).
-- :func:`split_address` — ``host:port`` / ``[v6]:port`` / bare ``host`` → (host, port).
-- :func:`port_free` / :func:`free_port` — ask the kernel whether a port can be bound, or
-  for one that can.
-- :func:`http_get` — one bounded GET whose failure is a value, not an exception, for
-  tools that report what they found (``doctor``, ``status``, ``up``'s health waits).
+:func:`http_get`'s failure is a value, not an exception, for the tools that report what
+they found (``doctor``, ``status``, ``up``'s health waits).
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ __all__ = [
     "split_address",
 ]
 
+# The master's one port for RPC and HTTP: Mooncake's 50088, as in the production guide.
 DEFAULT_MASTER_PORT = 50088
 
 

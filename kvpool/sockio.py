@@ -1,9 +1,5 @@
-"""Blocking socket reads and sends, each bounded by an absolute deadline.
-
-The plainest edge of every blocking protocol kvpool speaks (frames, the credential
-handshake, P->D pulls): a wait past its deadline is :class:`~kvpool.errors.PeerTimeout`,
-a closed or reset peer :class:`~kvpool.errors.TransferError`, a TLS alert the error
-that says why.
+"""Blocking socket reads and sends, each bounded by an absolute deadline: past it,
+``PeerTimeout``; a closed or reset peer, ``TransferError``; a TLS alert, the error saying why.
 """
 
 from __future__ import annotations
