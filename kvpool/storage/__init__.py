@@ -1,9 +1,5 @@
-"""Where pooled bytes live.
-
-- :mod:`kvpool.storage.segment` -- a shared-memory segment other local processes can attach.
-- :mod:`kvpool.storage.ssd` -- the size-capped, checksummed SSD tier.
-- :mod:`kvpool.storage.buffers` -- caller buffers (bytes, NumPy, torch) as flat byte views.
-- :mod:`kvpool.storage.checksum` -- the end-to-end checksum of an object's bytes (xxh3-64).
+"""Where pooled bytes live: shared-memory segments, the SSD tier, caller buffers as byte
+views, and the end-to-end checksum.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Turn caller buffers into flat byte views, without copying.
-
-Every data-plane API in kvpool accepts "a buffer": ``bytes``, ``bytearray``,
-``memoryview``, ``mmap``, a NumPy array, or a CPU torch tensor.  This module is the
-one place that turns such an object into a one-dimensional, C-contiguous
-``memoryview`` of unsigned bytes (format ``"B"``) that aliases the caller's memory.
+"""Turn caller buffers (bytes-like, NumPy, CPU torch) into flat byte views, without copying:
+the one place that makes a 1-D, C-contiguous ``memoryview`` of format ``"B"`` aliasing the
+caller's memory.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The pool's end-to-end checksum of an object's bytes: xxh3-64.
 
-One function, so that every place that writes or checks an object agrees: the client
-computes it on a put (it travels in ``put_end`` and the index keeps it per object),
-readers verify it after every get, a demotion checks it before copying an object to SSD,
-and the SSD tier stores it in each file's header and checks it on every read.
+One function, so that every place agrees: the client computes it on a put, readers verify
+it after every get, a demotion before copying to SSD, and the SSD tier on every read.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Warming a mapping: faulting its pages in before the first copy into them needs them.
 
 A never-touched page of a shared-memory segment costs a page fault (and the kernel's
-zeroing) on its first write, in each process that maps it.  :class:`Warmer` populates a
-whole mapping, chunk by chunk, either in the caller (:meth:`Warmer.run`) or in a
-background thread (:meth:`Warmer.start`, stopped by :meth:`Warmer.stop`), and says how
-far it got as a :class:`Warmth`; :func:`populate` is the one-call form.
+zeroing) on its first write, in each process that maps it; :class:`Warmer` populates a
+mapping chunk by chunk, in the caller or in a background thread.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """A memory segment in POSIX shared memory that other local processes can attach.
 
-The segment is a file under ``/dev/shm`` mapped with :mod:`mmap`.  We open it
-ourselves instead of using :class:`multiprocessing.shared_memory.SharedMemory` because
-on Python 3.11 every ``SharedMemory`` (even an attach) registers with the
-``resource_tracker``, which then unlinks the block when *any* attaching process exits
-and warns about "leaked" blocks; neither is right for a segment owned by one node.
+A file under ``/dev/shm`` mapped with :mod:`mmap`, opened here rather than with
+``multiprocessing.shared_memory``: on Python 3.11 every ``SharedMemory`` (even an attach)
+registers with the ``resource_tracker``, which unlinks the block when *any* attaching
+process exits; wrong for a segment owned by one node.
 """
 
 from __future__ import annotations

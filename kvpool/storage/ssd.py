@@ -1,9 +1,8 @@
 """The SSD tier: objects as checksummed files under one directory, within a size limit.
 
-Any key is stored: files are named by a hash of the key and keep the key and the value's
-end-to-end checksum in their self-checked header (:mod:`kvpool.storage.ssd_format`), so a
-tier left by a previous process can be re-announced to the master from its headers alone
-(:meth:`SsdStore.scan`).  A bad file is a miss, never wrong data.
+Files keep their key and checksum in a self-checked header, so a tier left by a previous
+process can be re-announced to the master from its headers alone.  A bad file is a miss,
+never wrong data.
 """
 
 from __future__ import annotations
