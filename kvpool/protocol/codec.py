@@ -1,11 +1,8 @@
 """Framing for kvpool's request/response RPC over a byte stream (pure: no sockets).
 
-A frame is a fixed 12-byte header (``"KVP1"``, body length u32, payload length u32, both
-big-endian), a msgpack body (one typed :class:`msgspec.Struct` of a tagged union), and an
-optional raw payload that a receiver can ``recv_into`` straight into its destination
-buffer.  :class:`Codec` encodes and decodes; :class:`FrameDecoder` is the incremental,
-sans-I/O decoder.  Blocking-socket helpers that receive payloads in place live in
-:mod:`kvpool.datapath.framing`.
+A frame is a 12-byte header (``"KVP1"``, body length u32, payload length u32, big-endian),
+a msgpack body (one typed struct of a tagged union), and an optional raw payload that a
+receiver can ``recv_into`` straight into its destination buffer.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Data-plane messages: segment reads and writes between a client and a storage node.
 
-One connection is strictly request → reply, one at a time.  The master's metadata messages
-live in :mod:`kvpool.protocol.messages`; ``Ok`` and ``Error`` here are generic enough to
-reuse there.
+One connection is strictly request → reply, one at a time; ``Ok`` and ``Error`` here are
+generic enough that the master's messages reuse them.
 """
 
 from __future__ import annotations

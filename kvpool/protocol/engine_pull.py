@@ -1,9 +1,8 @@
 """The P→D pull when Mooncake's Transfer Engine moves the pages (no sockets here).
 
-The conversation is :mod:`kvpool.protocol.pull`'s, over the same kind of TCP connection to
-P's ``kv_port``; only the pages leave it: P answers an admitted pull with where the page
-slices lie in its registered KV caches (:class:`Pages`), D reads them with the Transfer
-Engine straight into its own registered caches, then says so (:class:`Read`).
+The conversation is :mod:`kvpool.protocol.pull`'s; only the pages leave it: P answers with
+where the page slices lie in its registered KV caches, D reads them with the Transfer
+Engine straight into its own, then says so.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """vLLM's KV cache events on the wire: msgpack ``KVEventBatch`` frames, in both directions.
 
 The same structs as ``vllm/distributed/kv_events.py`` (vLLM 0.30–0.32), so that kvpool
-reads what a vLLM instance publishes (``--kv-events-config``) and publishes what an llm-d-
-or Dynamo-style indexer reads, without importing vLLM.  A ZMQ message is
-``(topic, seq as 8 big-endian bytes, payload)``; a replay request is the first wanted
-seq, answered with the buffered messages and an end marker of seq -1.
+reads what vLLM publishes and publishes what an llm-d- or Dynamo-style indexer reads,
+without importing vLLM.  A ZMQ message is ``(topic, seq as 8 big-endian bytes, payload)``;
+a replay request is the first wanted seq, answered up to an end marker of seq -1.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The master's metadata messages (control plane).  Bytes never travel here.
-
-The segment data plane is :mod:`kvpool.protocol.data`, whose ``Error`` is every request's
-other possible reply.
+"""The master's metadata messages (control plane).  Bytes never travel here; the data
+plane's ``Error`` is every request's other possible reply.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The P→D pull protocol: typed messages over kvpool's frame codec (no sockets here).
 
-The transfer connector is both ends: a decode (D) rank pulls the KV pages of a request
-from the prefill (P) rank that computed it, from P's ``kv_port``, one exchange per request
-on one connection.  Beside the master's RPC (:mod:`kvpool.protocol.messages`) and the
-segment data plane (:mod:`kvpool.protocol.data`).
+A decode (D) rank pulls a request's KV pages from the prefill (P) rank that computed it,
+on P's ``kv_port``, one exchange per request on one connection.
 """
 
 from __future__ import annotations
