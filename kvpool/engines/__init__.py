@@ -1,10 +1,8 @@
 """Pool engines behind one interface (:class:`~kvpool.engines.base.PoolEngine`): kvpool's
 own master, the in-process embedded pool, and real Mooncake Store.  No vLLM here.
 
-:func:`open_engine` opens an engine by name, as a connector's settings choose it; each is
-named in :data:`ENGINES` as ``"module:attr"`` and imported when opened, so the
-``mooncake`` engine (:mod:`kvpool.mooncake.engine`) plugs in from above without this
-package importing it.
+Each is named in :data:`ENGINES` as ``"module:attr"`` and imported when opened, so the
+``mooncake`` engine plugs in from above without this package importing it.
 """
 
 from __future__ import annotations

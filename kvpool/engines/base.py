@@ -1,11 +1,8 @@
 """The pool-engine seam: what the store connector needs from a pool, and nothing more.
 
-An engine stores opaque byte objects under string keys for many processes at once.  The
-scheduler half probes how much of a request's prefix is stored and pins what it found
-(:class:`PoolLookups`); the worker half writes blocks from KV pages and reads them back
-(:class:`PoolEngine`: the lookups, and moves).  Every move is a batch of objects, each
-given as its *parts* (one page: one block of every layer; a whole buffer is one part).
-One adapter per engine (``kvpool``, ``embedded``, ``mooncake``), and one contract suite
+Opaque byte objects under string keys, for many processes at once: the scheduler half
+probes and pins (:class:`PoolLookups`), the worker half moves batches of objects, each
+given as its *parts* (one page: one block of every layer).  One contract suite
 (``tests/engines/``) runs against every adapter.
 """
 

@@ -1,7 +1,5 @@
-"""The ``embedded`` engine: a whole pool inside this process (:class:`kvpool.EmbeddedPool`).
-
-For one node without a master (the store connector's ``backend: embedded``, tensor
-parallel size 1) and for tests.  Nothing listens on a socket; bytes are memory copies.
+"""The ``embedded`` engine: a whole pool inside this process (:class:`kvpool.EmbeddedPool`),
+for one node without a master (``backend: embedded``, tensor parallel size 1) and tests.
 """
 
 from __future__ import annotations

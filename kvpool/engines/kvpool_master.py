@@ -1,12 +1,8 @@
 """The ``kvpool`` engine: kvpool's own master and storage nodes, through :class:`kvpool.Client`.
 
-The shared pool of a P/D cluster: every process opens its own client (a connection to the
-master plus direct data paths to the nodes); metadata goes to the master, bytes go
-straight to the node that owns the segment.
-
-Its credential is the one the node config names (``"secret_file"`` in the file
-``KVPOOL_CONFIG_PATH`` / ``MOONCAKE_CONFIG_PATH`` names), else the environment's
-(``KVPOOL_SECRET_FILE``, ``KVPOOL_SECRET``), else none (docs/security.md).
+Every process opens its own client: metadata goes to the master, bytes straight to the
+node that owns the segment.  Its credential is the node config's ``"secret_file"``, else
+the environment's, else none (docs/security.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """An object's parts as bytes: the views the adapters move, and a reused staging area.
 
-A part is a buffer (bytes-like, NumPy array, CPU tensor); the store connector hands over
-one 1-D row of bytes per layer (:meth:`~kvpool.connectors.pages.PagedCaches.block_parts`),
-hundreds per call, so those take a fast path.  :class:`StagingPages` is where an engine
-that moves one buffer per object (kvpool's clients) joins an object's parts.
+The store connector hands over one 1-D row of bytes per layer, hundreds per call, so those
+take a fast path; :class:`StagingPages` joins an object's parts for engines that move one
+buffer per object.
 """
 
 from __future__ import annotations
