@@ -1,9 +1,7 @@
 """Tenants: whose namespace a key is in, and each tenant's bytes, objects and quota.
 
-A tenant's keys live in the pool as ``@<tenant>/<key>`` (:func:`scoped`); the master, not
-the client, puts every key a tenant's connection sends into that namespace.
-:class:`TenantBook` (one per master, its tenant layer's) keeps each tenant's usage and
-enforces its quota.  Pure: no clock, no I/O.
+A tenant's keys live in the pool as ``@<tenant>/<key>``; the master, not the client, puts
+every key a tenant's connection sends into that namespace.  Pure: no clock, no I/O.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """A tenant's data path: every read and write over the node's data port, each with the
 master's grant.
 
-A tenant holds no node key, so it cannot open a node's data port the way a holder of
-the cluster secret does.  The master hands it, inside each memory placement's segment
-id, ``<segment id>#<grant>#<data key>`` (:mod:`kvpool.tenancy.master`); this path opens
-the connection with the data key (handshake role ``tenant-data``) and sends each
-request's segment id with its grant, never the key; the node checks the grant before it
-serves a byte (:mod:`kvpool.tenancy.grants`).
+A tenant holds no node key, so the master hands it ``<segment id>#<grant>#<data key>`` in
+each placement; the connection opens with the data key (role ``tenant-data``) and each
+request carries its grant, never the key, which the node checks before it serves a byte.
 """
 
 from __future__ import annotations

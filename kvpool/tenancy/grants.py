@@ -1,8 +1,6 @@
-"""The data port's check of a tenant's grants: what a node's segment server puts in front
-of a tenant's connection (handshake role ``tenant-data``) when it admits one.
-
-A connection of the cluster secret or a node key never passes through here: the plain
-data path has no tenant test per request (:mod:`kvpool.datapath.segment_server`).
+"""The data port's check of a tenant's grants, in front of a tenant's connection (role
+``tenant-data``).  A connection of the cluster secret or a node key never passes here:
+the plain data path has no tenant test per request.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Tenancy, a layer over the master: :class:`TenantMaster` owns the tenants' book and
-quotas (the operator's ``SetQuota``), serves a tenant connection's requests in that
-tenant's namespace, and gives its replies back with keys as it sent them and grants for
-its bytes.
+quotas, and serves a tenant connection's requests in that tenant's namespace.
 
-A connection that proved a tenant key (handshake role ``tenant``, its id the tenant's
-name) is that tenant's, and the server gives it this layer's handler when it admits it.
-The cluster secret's connections never pass through here (no copy, no rewrite).
+A connection that proved a tenant key gets this layer's handler when admitted; the
+cluster secret's connections never pass through here (no copy, no rewrite).
 """
 
 from __future__ import annotations
