@@ -1,11 +1,9 @@
 """The client's asyncio twin: the same operations, awaitable.
 
-Each call runs the blocking :class:`~kvpool.client.client.Client` (or an
-:class:`~kvpool.embedded.EmbeddedPool`) in a worker thread, so an event loop keeps
-serving while a read waits on a node.  That is the whole design, on purpose: the client's
-work is socket and memory I/O that releases the GIL, its rules (leases, checksums, a
-corrupt or unreachable copy is a miss, failed nodes reported) live in one place, and a
-second implementation of them over asyncio streams would have to be kept in step by hand.
+Each call runs the blocking client in a worker thread.  That is the whole design, on
+purpose: the client's work is I/O that releases the GIL, and a second implementation of
+its rules (leases, checksums, misses, failed nodes) over asyncio would have to be kept in
+step by hand.
 """
 
 from __future__ import annotations

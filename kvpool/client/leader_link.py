@@ -1,11 +1,9 @@
 """A link to whichever of several masters leads, followed across failovers.
 
-Each master it dials is asked ``WhoLeads`` first; a standby's answer names the leader,
-so any one listed master (or etcd) is enough to find it.  A request refused
-``NOT_LEADER``, or a connection that fails, sends the link back to finding the leader,
-and the request is sent again there until ``failover_s`` has passed: a failover costs
-the caller a delay, not an error.  The link never again uses a master that claims to
-lead an epoch older than one it has seen (fencing).
+Any listed master (or etcd) finds the leader; a ``NOT_LEADER`` refusal or a failed
+connection sends the link back to finding it, and the request is sent again until
+``failover_s``: a failover costs a delay, not an error.  A master claiming an epoch older
+than one seen is never used again (fencing).
 """
 
 from __future__ import annotations
