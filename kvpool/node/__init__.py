@@ -1,3 +1,3 @@
-"""Storage a process contributes to the pool: its segment, SSD tier and data server
-(:mod:`.storage`, in a master or a node), ``kvpool node`` (:mod:`.node`), and the catalog
-changes owed to nodes with their heartbeats (:mod:`.catalog`)."""
+"""Storage a process contributes to the pool (its segment, SSD tier and data server),
+``kvpool node``, and the catalog changes owed to nodes with their heartbeats.
+"""

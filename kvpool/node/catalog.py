@@ -1,8 +1,7 @@
 """What changed in each remote storage owner's segments since its last heartbeat.
 
-A node keeps a catalog of the objects it holds, so it can re-announce them to a master
-that restarted.  The master tells it what changed in the reply to its next heartbeat;
-:class:`Outbox` holds those changes until then.  Storage hosted in the master's own
+A node keeps a catalog of what it holds, to re-announce it to a master that restarted;
+the master sends the changes in its next heartbeat reply.  Storage in the master's own
 process has no outbox: the master is its catalog.
 """
 

@@ -1,10 +1,8 @@
 """``kvpool node``: a storage node that contributes a memory segment to the pool.
 
-The node registers with the master, adds its segment, and heartbeats; it keeps a catalog
-of what its memory holds, so it can announce it again to a master that restarted (how a
-put waits for that catalog: :mod:`kvpool.node.catalog`).  Data never passes through
-the master: clients write and read the node's segment directly over TCP, or through its
-shared memory when they share the host.
+It registers, adds its segment, heartbeats, and keeps a catalog to re-announce to a
+master that restarted.  Data never passes through the master: clients use the node's
+segment directly, over TCP or its shared memory.
 """
 
 from __future__ import annotations

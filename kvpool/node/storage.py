@@ -1,9 +1,6 @@
 """Storage a process contributes to the pool: a shared-memory segment, an optional SSD
-tier, and the data server that lets clients read and write them directly.
-
-Used by ``kvpool master`` (its embedded segment, the single-command default) and by
-``kvpool node``.  The master never carries object bytes: clients reach this data server
-over TCP, or attach the segment's shared memory when they share the host.
+tier, and the data server that lets clients read and write them directly, in ``kvpool
+master`` (its own segment, the single-command default) and in ``kvpool node``.
 """
 
 from __future__ import annotations
