@@ -1,10 +1,8 @@
 """A master's campaign for leadership on etcd, in a thread of its own.
 
-Keys under ``/kvpool/<cluster_id>/``: ``leader`` (the leader's address, on its lease),
-``masters/<address>`` (every live master, on its own lease: what ``kvpool status``
-lists) and ``nodes/<id>`` (the storage nodes leaders have known, without a lease: a
-new leader waits for them to re-announce).  A leader's epoch is the create revision
-of its ``leader`` key: etcd's revisions only grow, so a later leader's is larger.
+Under ``/kvpool/<cluster_id>/``: ``leader`` (on its lease), ``masters/<address>`` (each on
+its own lease) and ``nodes/<id>`` (no lease: a new leader waits for them to re-announce).
+A leader's epoch is its ``leader`` key's create revision, which only grows.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A small client of etcd's v3 HTTP/JSON gateway: leases, keys and one transaction.
 
-etcd serves its gRPC API as JSON under ``/v3/`` on the client port (3.4 and later), so
-the few calls an election needs go over plain HTTP with no gRPC stack.  Keys and values
-travel base64-encoded and 64-bit integers as strings (the gateway's JSON mapping).
-Every call is bounded by ``timeout_s`` and tries each endpoint in turn, so one member
-of an etcd cluster being down costs one timeout, not the election.
+The gateway (etcd 3.4 and later) spares a gRPC stack for the few calls an election needs.
+Every call is bounded by ``timeout_s`` and tries each endpoint in turn, so one member of
+an etcd cluster being down costs one timeout, not the election.
 """
 
 from __future__ import annotations
@@ -34,6 +32,8 @@ def parse_endpoints(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+# The gateway's JSON mapping: keys and values travel base64-encoded, 64-bit integers
+# (lease ids, TTLs) as strings.
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
