@@ -1,11 +1,8 @@
 """Typed configuration: the node's ``mooncake.json`` keys, the master's flags, timeouts.
 
-Two layers, as everywhere in kvpool: pure parsing takes plain values and an environment
-*mapping* and never touches the disk or ``os.environ``; the edge (:func:`load_node_config`,
-:func:`config_path_from_env`) reads the file and the real environment and hands both to
-the pure layer.  None of it imports vLLM: ``kvpool doctor`` validates connector settings
-on hosts without it.  Every mistake is a :class:`~kvpool.errors.ConfigError` that names the
-key (or flag, or environment variable) and says how to fix it; nothing is silently ignored.
+Pure parsing takes plain values and an environment *mapping*; only the edge reads the file
+and ``os.environ``.  None of it imports vLLM (``kvpool doctor`` validates connector
+settings on hosts without it), and every mistake is a ConfigError naming the key and fix.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Which fabric moves the transfer connector's P→D pages, and whether this machine has it.
 
-The node config's ``protocol`` names the fabric and ``transport`` who drives it: kvpool's
-own TCP (``tcp`` only, the default there), or Mooncake's Transfer Engine
-(``transfer_engine``: the default for ``rdma``, and a switch for ``tcp``, where it runs
-over the engine's own TCP).  :func:`fabric_refusal` is the pure rule; :func:`host_fabrics`
-is the edge that looks at this machine (the mooncake extra, ``/sys/class/infiniband``).
+``protocol`` names the fabric and ``transport`` who drives it: kvpool's own TCP (``tcp``
+only, its default), or Mooncake's Transfer Engine (the default for ``rdma``, a switch for
+``tcp``).  :func:`fabric_refusal` is the pure rule; :func:`host_fabrics` looks at the host.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The two connectors' settings, as vLLM's ``--kv-transfer-config`` gives them (pure, no vLLM).
 
-:func:`parse_store_config` and :meth:`TransferConfig.from_values` validate each
-connector's ``kv_role``, ``kv_port``, ``engine_id`` and ``kv_connector_extra_config`` once,
-with the environment passed in as a mapping and the node config as a value or a loader;
-``kvpool doctor`` runs the same functions, so it refuses exactly what the connectors would
-refuse at vLLM start-up.  An unknown key is an error listing the known ones.  Every key,
-its default and where else it may come from: docs/connectors.md, "Settings reference".
+``kvpool doctor`` runs the same validation, so it refuses exactly what the connectors would
+refuse at vLLM start-up; an unknown key is an error listing the known ones.  Every key and
+its default: docs/connectors.md, "Settings reference".
 """
 
 from __future__ import annotations

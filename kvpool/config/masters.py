@@ -1,12 +1,9 @@
 """Where a client finds its master: one address, a list of masters, or etcd (pure).
 
-``master_server_address`` (and ``metadata_server``, and every ``--master`` flag) takes:
-
-- ``host:port`` -- one master, as before;
-- ``host:port,host:port...`` -- HA masters: any of them says which leads;
-- ``etcd://host:port[,host:port...][/cluster_id]`` -- ask etcd which master leads
-  (Mooncake's spelling of an HA master address; ``cluster_id`` is the masters'
-  ``--cluster_id``, ``kvpool`` by default).
+``master_server_address`` (and ``metadata_server``, and every ``--master`` flag) takes
+``host:port``; ``host:port,host:port...`` (HA masters: any of them says which leads); or
+``etcd://host:port[,host:port...][/cluster_id]`` (Mooncake's spelling; ``cluster_id`` is
+the masters' ``--cluster_id``, ``kvpool`` by default).
 """
 
 from __future__ import annotations

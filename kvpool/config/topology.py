@@ -1,11 +1,9 @@
 """The P/D layout: one side's :class:`Topology`, and which prefill (P) rank sends which KV
 heads to which decode (D) rank (pure: no I/O, no vLLM).
 
-With tensor parallelism each rank holds a slice of the model's KV heads, and P and D may
-run different TP sizes (the production guide's GLM example: P ``tp 8``, D ``tp 4``), so a
+P and D may run different TP sizes (the guide's GLM example: P ``tp 8``, D ``tp 4``), so a
 D rank may need heads from several P ranks.  Both connectors and ``kvpool doctor`` read a
-side's layout with :func:`parse_topology`, so doctor refuses exactly what the connectors
-refuse.
+layout here, so doctor refuses exactly what the connectors refuse.
 """
 
 from __future__ import annotations

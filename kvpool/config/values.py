@@ -1,8 +1,6 @@
 """Plain values of kvpool's configuration: sizes, booleans, integers, ratios, host:port,
-environment lookups and the connect/transfer timeouts.
-
-Pure: every function takes values and an environment *mapping*; none touches the disk or
-``os.environ``.  Every mistake is a :class:`~kvpool.errors.ConfigError` naming the key.
+environment lookups and the connect/transfer timeouts.  Pure: values and an environment
+*mapping* in; every mistake is a ConfigError naming the key.
 """
 
 from __future__ import annotations

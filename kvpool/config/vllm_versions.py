@@ -1,9 +1,6 @@
-"""The vLLM releases kvpool's connectors support, and the installed one — read without
+"""The vLLM releases kvpool's connectors support, and the installed one, read without
 importing vLLM, so that ``kvpool doctor`` and ``kvpool up`` can say it in one line and the
 connectors can refuse an unsupported vLLM before anything deep inside it fails.
-
-The API differences between the supported releases are handled in one place,
-:mod:`kvpool.connectors.vllm_compat`; this module only knows the range.
 """
 
 from __future__ import annotations
