@@ -1,10 +1,7 @@
 """The client's way to its master's request handler: over TCP, or in this process.
 
-A :class:`MasterLink` carries :mod:`kvpool.protocol.messages` requests and brings back
-their replies (an :class:`~kvpool.protocol.data.Error` reply is returned, not raised);
-a failure of the link itself raises :class:`~kvpool.errors.TransferError` or
-:class:`~kvpool.errors.PeerTimeout`.  :class:`TcpMasterLink` pipelines; the embedded
-pool's link (:class:`~kvpool.embedded.InProcessMaster`) runs the handler in-process.
+An :class:`~kvpool.protocol.data.Error` reply is returned, not raised; a failure of the
+link itself raises ``TransferError`` or ``PeerTimeout``.
 """
 
 from __future__ import annotations
