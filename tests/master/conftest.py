@@ -1,20 +1,5 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from tests.pool_support import client, master
 
-import pytest
-
-from kvpool.client.client import Client
-from kvpool.testing.processes import PoolProcess, start_master
-
-
-@pytest.fixture
-def master() -> Iterator[PoolProcess]:
-    with start_master("--segment_size", "8MiB", "--client_ttl", "2") as proc:
-        yield proc
-
-
-@pytest.fixture
-def client(master: PoolProcess) -> Iterator[Client]:
-    with Client(master.address, timeout_s=5) as c:
-        yield c
+__all__ = ["client", "master"]
