@@ -2,19 +2,22 @@
 
 The ``master`` and ``client`` fixtures: a fresh ``kvpool master`` per test (8 MiB segment,
 2 s client TTL, so an expiry is seen quickly) and a client connected to it; each folder's
-conftest.py imports them.
+conftest.py imports them.  The flags of a master with its own SSD tier, and where the
+index says keys are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvpool.client.client import Client
+from kvpool.protocol import messages as m
 from kvpool.testing.processes import PoolProcess, start_master
 
-__all__ = ["client", "master"]
+__all__ = ["client", "master", "ssd_flags", "tiers_of"]
 
 
 @pytest.fixture
@@ -27,3 +30,24 @@ def master() -> Iterator[PoolProcess]:
 def client(master: PoolProcess) -> Iterator[Client]:
     with Client(master.address, timeout_s=5) as c:
         yield c
+
+
+def ssd_flags(ssd: Path) -> tuple[str, ...]:
+    """A master with a 1 MiB segment that offloads to a 16 MiB SSD tier under ``ssd``."""
+    return (
+        "--segment_size",
+        "1MiB",
+        "--enable_offload=true",
+        f"--ssd_offload_path={ssd}",
+        "--ssd_offload_limit",
+        "16MiB",
+    )
+
+
+def tiers_of(c: Client, keys: list[str]) -> dict[str, str]:
+    """Where the index says each key is ("" for a miss); the read leases are released."""
+    owner = "test-tiers"
+    reply = c.call(m.BatchGet(owner, keys))
+    assert isinstance(reply, m.Placements)
+    c.call(m.ReleaseOwner(owner))
+    return {p.key: p.tier if p.placed else "" for p in reply.items}

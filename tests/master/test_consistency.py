@@ -15,6 +15,7 @@ from kvpool.protocol import messages as m
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import files_by_key
 from kvpool.testing.processes import start_master
+from tests.pool_support import ssd_flags
 
 
 def value_of(key: str, size: int = 64 * 1024) -> bytes:
@@ -88,14 +89,7 @@ def test_corrupt_memory_copy_is_a_miss_and_leaves_the_pool(tmp_path: Path) -> No
 def test_ssd_tier_keeps_evicted_objects_and_corruption_is_a_miss(tmp_path: Path) -> None:
     ssd = tmp_path / "ssd"
     with (
-        start_master(
-            "--segment_size",
-            "1MiB",
-            "--enable_offload=true",
-            f"--ssd_offload_path={ssd}",
-            "--ssd_offload_limit",
-            "16MiB",
-        ) as master,
+        start_master(*ssd_flags(ssd)) as master,
         Client(master.address) as c,
     ):
         keys = [f"s{i}" for i in range(40)]  # 2.5 MiB: most must go to SSD

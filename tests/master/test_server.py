@@ -35,6 +35,7 @@ from kvpool.protocol import messages as m
 from kvpool.protocol.codec import MAGIC
 from kvpool.storage.ssd import files_by_key, header_size, object_path
 from kvpool.testing.processes import PoolProcess, start_master
+from tests.pool_support import ssd_flags, tiers_of
 from tests.waiting import wait_until
 
 
@@ -244,26 +245,6 @@ def test_bad_flag_values_name_the_flag() -> None:
 
 
 # ------------------------------------------------------------- its own SSD tier, restarted
-def ssd_flags(ssd: Path) -> tuple[str, ...]:
-    return (
-        "--segment_size",
-        "1MiB",
-        "--enable_offload=true",
-        f"--ssd_offload_path={ssd}",
-        "--ssd_offload_limit",
-        "16MiB",
-    )
-
-
-def tiers_of(c: Client, keys: list[str]) -> dict[str, str]:
-    """Where the index says each key is ("" for a miss); the read leases are released."""
-    owner = "test-tiers"
-    reply = c.call(m.BatchGet(owner, keys))
-    assert isinstance(reply, m.Placements)
-    c.call(m.ReleaseOwner(owner))
-    return {p.key: p.tier if p.placed else "" for p in reply.items}
-
-
 def fill_ssd(ssd: Path, *, kill: bool) -> tuple[dict[str, bytes], list[str]]:
     """Run a master until most of 40 objects sit on its SSD; stop (or SIGKILL) it."""
     values = {f"r{i:02d}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB

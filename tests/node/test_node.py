@@ -18,9 +18,9 @@ from kvpool.client.client import Client
 from kvpool.config import load_node_config
 from kvpool.errors import KVPoolError, ObjectNotFound
 from kvpool.node.node import NodeService, node_id
-from kvpool.protocol import messages as m
 from kvpool.storage.ssd import files_by_key, header_size, object_path
 from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
+from tests.pool_support import tiers_of
 from tests.waiting import wait_until
 
 
@@ -275,15 +275,6 @@ def test_a_key_being_copied_to_ssd_is_never_a_miss(tmp_path: Path) -> None:
             snap = c.stats()
             assert snap["stats"]["offloads"] > 0 and snap["tiers"]["ssd"]["objects"] > 0
             assert misses == [], f"{len(misses)} misses for bytes the pool held: {misses[:5]}"
-
-
-def tiers_of(c: Client, keys: list[str]) -> dict[str, str]:
-    """Where the index says each key is ("" for a miss); the read leases are released."""
-    owner = "test-tiers"
-    reply = c.call(m.BatchGet(owner, keys))
-    assert isinstance(reply, m.Placements)
-    c.call(m.ReleaseOwner(owner))
-    return {p.key: p.tier if p.placed else "" for p in reply.items}
 
 
 def flip(path: Path, at: int) -> None:
