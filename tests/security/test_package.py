@@ -3,10 +3,11 @@ pure modules do no I/O, and no module of it reads datapath or config."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from tests.imports import imports_of, under
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kvpool" / "security"
 PURE = ("credentials", "handshake", "admission")
@@ -15,23 +16,12 @@ NO_IO |= {"logging", "select", "selectors", "kvpool.datapath", "kvpool.config"}
 
 
 def _imports(name: str) -> set[str]:
-    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-    return found
-
-
-def _under(module: str, prefixes: set[str]) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in prefixes)
+    return imports_of(PACKAGE / f"{name}.py")
 
 
 @pytest.mark.parametrize("name", PURE)
 def test_the_pure_modules_do_no_io(name: str) -> None:
-    io = sorted(m for m in _imports(name) if _under(m, NO_IO))
+    io = sorted(m for m in _imports(name) if under(m, NO_IO))
     assert not io, f"kvpool.security.{name} imports {io}"
     inside = {m for m in _imports(name) if m.startswith("kvpool.")}
     allowed = {"kvpool.errors"} | {f"kvpool.security.{p}" for p in PURE}
@@ -40,5 +30,5 @@ def test_the_pure_modules_do_no_io(name: str) -> None:
 
 def test_security_reads_neither_datapath_nor_config() -> None:
     for path in sorted(PACKAGE.glob("*.py")):
-        above = {m for m in _imports(path.stem) if _under(m, {"kvpool.datapath", "kvpool.config"})}
+        above = {m for m in _imports(path.stem) if under(m, {"kvpool.datapath", "kvpool.config"})}
         assert not above, f"{path.name} imports {sorted(above)}"
