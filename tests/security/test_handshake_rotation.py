@@ -7,7 +7,8 @@ import pytest
 
 from kvpool.errors import AuthError
 from kvpool.security.credentials import Credential
-from kvpool.security.handshake import ClientHandshake, FrameReader, Identity, ServerHandshake
+from kvpool.security.handshake import ClientHandshake, Identity, ServerHandshake
+from tests.security.test_handshake import frame
 
 OLD = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
 NEW = "7d2a9c4e6b1f3a5c8e0d2b4f6a8c1e3d5b7f9a0c2e4b6d8f1a3c5e7b9d0f2a4c"
@@ -17,14 +18,6 @@ MASTER = ("client", "node")
 
 def cred(*lines: str) -> Credential:
     return Credential.parse("\n".join(lines) + "\n", "k")
-
-
-def frame(data: bytes) -> tuple[int, bytes]:
-    reader = FrameReader()
-    reader.feed(data)
-    got = reader.next_frame()
-    assert got is not None and reader.rest() == b""
-    return got
 
 
 def run(client: Credential, server: Credential, role: str = "client",
