@@ -8,11 +8,9 @@ row per block is padded to the attention page.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 
 from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.connectors.transfer.jobs import GroupPull, HoldJob, RecvJob, TransferJobs
@@ -41,14 +39,6 @@ def hybrid_caches(seed: int | None) -> tuple[CacheSet, dict[str, np.ndarray]]:
     arrays = {**attention, "ssm.0": state, "ssm.0/backing": backing}
     groups = [PagedCaches(attention), PagedCaches({"ssm.0": state})]
     return CacheSet(groups), arrays
-
-
-@pytest.fixture
-def workers() -> Iterator[list[TransferWorker]]:
-    made: list[TransferWorker] = []
-    yield made
-    for w in made:
-        w.close()
 
 
 def start(

@@ -4,7 +4,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -28,14 +27,6 @@ from tests.connectors.transfer.helpers import (
     wait_results,
 )
 from tests.waiting import wait_until
-
-
-@pytest.fixture
-def workers() -> Iterator[list[TransferWorker]]:
-    made: list[TransferWorker] = []
-    yield made
-    for w in made:
-        w.close()
 
 
 def test_decode_pulls_whole_blocks_into_its_own_block_ids(workers: list[TransferWorker]) -> None:
