@@ -12,6 +12,7 @@ import pytest
 from kvpool.datapath.shm import ShmConnection, host_token, remove_if_owner_dead
 from kvpool.errors import PoolError, TransferError, UnknownSegment
 from kvpool.storage.segment import Segment
+from kvpool.testing.fresh import run_python
 from tests.waiting import wait_until
 
 _OWNER = (
@@ -74,9 +75,7 @@ def test_another_process_writes_through_shm_and_the_owner_sees_it(segment: Segme
         "    shm.attach('s', sys.argv[1])\n"
         "    shm.write('s', 10, b'written-by-child')\n"
     )
-    subprocess.run(
-        [sys.executable, "-W", "error", "-c", code, segment.name], check=True, timeout=60
-    )
+    run_python(code, segment.name, warnings="error", timeout_s=60, check=True)
     assert segment.read(10, 16) == b"written-by-child"
 
 

@@ -19,6 +19,7 @@ from kvpool.storage import pages
 from kvpool.storage import segment as segment_module
 from kvpool.storage.pages import Warmth
 from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
+from kvpool.testing.fresh import run_python
 from tests.waiting import wait_until
 
 
@@ -51,9 +52,7 @@ def test_another_process_attaches_by_name_and_sees_writes(segment: Segment) -> N
         "s = Segment.attach(sys.argv[1]); assert s.read(0, 10) == b'from-owner'\n"
         "s.write(100, b'from-child'); s.close()\n"
     )
-    subprocess.run(
-        [sys.executable, "-W", "error", "-c", code, segment.name], check=True, timeout=60
-    )
+    run_python(code, segment.name, warnings="error", timeout_s=60, check=True)
     assert segment.read(100, 10) == b"from-child"
     assert segment.path.exists()  # an attached close never unlinks the owner's segment
 

@@ -2,8 +2,6 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
-import sys
 import threading
 import zlib
 from pathlib import Path
@@ -15,6 +13,7 @@ import xxhash
 from kvpool.errors import ChecksumMismatch, ConfigError, NoSpace, ObjectNotFound
 from kvpool.storage.ssd import SsdStore, header_size, object_path
 from kvpool.storage.ssd_format import FIXED_HEADER_SIZE
+from kvpool.testing.fresh import run_python
 
 KEY = "0123456789abcdef0123456789abcdef"
 
@@ -312,12 +311,7 @@ assert store.used_bytes == {header_size("small")} + 1000
 assert not any(Path({str(tmp_path)!r}, ".tmp").iterdir())
 print("ok")
 """
-    out = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_python(code, warnings="error", timeout_s=60)
     assert out.returncode == 0, out.stderr
     assert "NoSpace: SSD write of big failed" in out.stdout
     assert out.stdout.strip().endswith("ok")

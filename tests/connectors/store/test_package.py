@@ -4,8 +4,6 @@ package: a user's existing JSON must not break."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from kvpool.testing.fresh import run_python
 
@@ -41,4 +39,4 @@ def test_vllm_free_parts_import_without_vllm() -> None:
         "import kvpool.connectors.store.lookup\n"
         "assert 'vllm' not in sys.modules, 'a vLLM-free part imported vLLM'\n"
     )
-    subprocess.run([sys.executable, "-W", "ignore", "-c", code], timeout=120, check=True)
+    run_python(code, timeout_s=120, check=True)

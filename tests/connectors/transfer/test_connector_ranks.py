@@ -3,8 +3,7 @@ leaves it in a dense model's DP engine (in a subprocess: vLLM imports slowly and
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from kvpool.testing.fresh import run_python
 
 
 def test_a_dense_models_dp_engine_keeps_its_real_dp_rank() -> None:
@@ -25,11 +24,5 @@ def test_a_dense_models_dp_engine_keeps_its_real_dp_rank() -> None:
         "assert _dp_rank(ParallelConfig()) == 0\n"
         "print('ok')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    done = run_python(code)
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -7,9 +7,9 @@ The connector module imports vLLM, so it is read in a subprocess (as test_packag
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from kvpool.testing.fresh import run_python
 
 VLLM_ASCEND_JSON = {
     "local_hostname": "10.0.0.2",
@@ -35,13 +35,7 @@ def test_the_connector_reads_a_mooncake_json_and_a_kvpool_one(tmp_path: Path) ->
         "    node = _node_config(env)\n"
         "    print(type(node).__name__, getattr(node, 'local_hostname', None))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", code, *(str(tmp_path / n) for n in names)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    done = run_python(code, *(str(tmp_path / n) for n in names))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.split("\n")[:3] == [
         "MooncakeNodeConfig 10.0.0.2",

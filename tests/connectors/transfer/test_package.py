@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from kvpool.testing.fresh import run_python
 
 
 def _run(code: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    done = run_python(code)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
