@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,6 +16,11 @@ from kvpool.connectors.transfer.jobs import RecvJob
 from kvpool.connectors.transfer.worker import RankInfo, TransferResults, TransferWorker
 from kvpool.net import free_port_runs
 from tests.waiting import wait_until
+
+if TYPE_CHECKING:  # the scenarios import this module inside a namespace, without pytest
+    import pytest
+
+    from kvpool.testing.mooncake import Namespace
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 NUM_BLOCKS = 8
@@ -96,3 +104,25 @@ def wait_results(
 
 def recv_job(rid: str, local: list[int], remote: list[int], port: int, tp: int = 1) -> RecvJob:
     return RecvJob(rid, tuple(local), tuple(remote), "p-" + rid, "127.0.0.1", port, tp, "group-a")
+
+
+Run = Callable[..., Any]
+
+
+def on_transport(request: pytest.FixtureRequest, scenarios: ModuleType) -> Run:
+    """``run("scenario", *args)``: that function of ``scenarios`` on the transport in
+    ``request.param``, kvpool's TCP in this process or the Transfer Engine in the
+    ``namespace`` fixture's network namespace (a failure there shows its log: the
+    engine's own log says why)."""
+    transport: str = request.param
+    if transport == "kvpool":
+        return lambda name, *args: getattr(scenarios, name)(transport, *args)
+    ns: Namespace = request.getfixturevalue("namespace")
+
+    def in_namespace(name: str, *args: Any) -> Any:
+        try:
+            return ns.run(f"{scenarios.__name__}:{name}", transport, *args)
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- namespace log ---\n{ns.log}") from exc
+
+    return in_namespace

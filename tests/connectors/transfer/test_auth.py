@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,11 @@ from kvpool.config.topology import Topology
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 from kvpool.errors import ConfigError
 from kvpool.security.credentials import Credential
-from kvpool.testing.mooncake import Namespace
 from tests.connectors.transfer import auth_scenarios, scenarios
-from tests.connectors.transfer.helpers import POLL_S
+from tests.connectors.transfer.helpers import POLL_S, Run, on_transport
 
 SECRET = "0f6c1d7e5a9b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d"
 WRONG = "9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b1a0f9e8d"
-
-Run = Callable[..., Any]
 
 
 def _secret(tmp: Path, name: str, text: str) -> str:
@@ -52,26 +48,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def namespace() -> Iterator[Namespace]:
-    with Namespace() as ns:
-        yield ns
-
-
 @pytest.fixture(params=["kvpool", scenarios.ENGINE])
 def run(request: pytest.FixtureRequest) -> Run:
-    transport: str = request.param
-    if transport == "kvpool":
-        return lambda name, *args: getattr(auth_scenarios, name)(transport, *args)
-    ns: Namespace = request.getfixturevalue("namespace")
-
-    def in_namespace(name: str, *args: Any) -> Any:
-        try:
-            return ns.run(f"tests.connectors.transfer.auth_scenarios:{name}", transport, *args)
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- namespace log ---\n{ns.log}") from exc
-
-    return in_namespace
+    return on_transport(request, auth_scenarios)
 
 
 def _refused_then_served(got: dict[str, Any]) -> None:

@@ -10,40 +10,18 @@ missing Mooncake wheel fails them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
-
 import numpy as np
 import pytest
 
 from kvpool.testing.mooncake import Namespace
 from tests.connectors.transfer import scenarios
-from tests.connectors.transfer.helpers import BLOCK, LAYERS, POLL_S, ROW
-
-Run = Callable[..., Any]
-
-
-@pytest.fixture(scope="module")
-def namespace() -> Iterator[Namespace]:
-    with Namespace() as ns:
-        yield ns
+from tests.connectors.transfer.helpers import BLOCK, LAYERS, POLL_S, ROW, Run, on_transport
 
 
 @pytest.fixture(params=["kvpool", scenarios.ENGINE])
 def run(request: pytest.FixtureRequest) -> Run:
     """``run("scenario", *args)`` on this test's transport."""
-    transport: str = request.param
-    if transport == "kvpool":
-        return lambda name, *args: getattr(scenarios, name)(transport, *args)
-    ns: Namespace = request.getfixturevalue("namespace")
-
-    def in_namespace(name: str, *args: Any) -> Any:
-        try:
-            return ns.run(f"tests.connectors.transfer.scenarios:{name}", transport, *args)
-        except Exception as exc:  # the engine's own log says why
-            raise AssertionError(f"{exc}\n--- namespace log ---\n{ns.log}") from exc
-
-    return in_namespace
+    return on_transport(request, scenarios)
 
 
 NAMES = {"kvpool": "tcp", scenarios.ENGINE: "tcp (Mooncake Transfer Engine)"}
