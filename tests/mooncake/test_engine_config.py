@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.config.node import node_engine, parse_mooncake_config, parse_node_config
+from kvpool.config.kv_transfer import StoreConfig, parse_store_config
+from kvpool.config.node import (
+    load_any_node_config,
+    node_engine,
+    parse_mooncake_config,
+    parse_node_config,
+)
 from kvpool.errors import ConfigError, NoSpace, TransferError
 from kvpool.mooncake.engine import put_error
 from kvpool.mooncake.parts import HEADER_SIZE, pack_header, unpack_payload
@@ -30,6 +36,27 @@ ASCEND = {
     "device_name": "mlx5_0",
     "master_server_address": "10.0.0.1:50051",
 }
+
+
+@pytest.fixture
+def ascend_json(tmp_path: Path) -> Path:
+    """:data:`ASCEND` written as a mooncake.json."""
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(ASCEND))
+    return path
+
+
+@pytest.fixture
+def ascend_env(ascend_json: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """:data:`ASCEND`'s mooncake.json, the one config path set, as vLLM's process sees it."""
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(ascend_json))
+    monkeypatch.delenv("KVPOOL_CONFIG_PATH", raising=False)
+    return ascend_json
+
+
+def _mooncake_backend(role: str) -> StoreConfig:
+    """The store connector's config for ``role`` with ``"backend": "mooncake"``."""
+    return parse_store_config(role, {"backend": "mooncake"}, env={}, load_node=load_any_node_config)
 
 
 @pytest.mark.parametrize(
@@ -78,11 +105,9 @@ def test_kvpools_parser_names_the_rule_that_made_it_mooncake() -> None:
     assert ha.master_address.startswith("etcd://10.0.0.5:2379")
 
 
-def test_kvpool_node_stops_at_once_on_a_mooncake_config(tmp_path: Path) -> None:
-    path = tmp_path / "mooncake.json"
-    path.write_text(json.dumps(ASCEND))
+def test_kvpool_node_stops_at_once_on_a_mooncake_config(ascend_json: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kvpool", "node", "--config", str(path)],
+        [sys.executable, "-m", "kvpool", "node", "--config", str(ascend_json)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -91,10 +116,8 @@ def test_kvpool_node_stops_at_once_on_a_mooncake_config(tmp_path: Path) -> None:
     assert "this is a Mooncake config" in done.stderr
 
 
-def test_status_finds_the_master_a_mooncake_config_names(tmp_path: Path) -> None:
-    path = tmp_path / "mooncake.json"
-    path.write_text(json.dumps(ASCEND))
-    assert default_master({"MOONCAKE_CONFIG_PATH": str(path)}) == "10.0.0.1:50051"
+def test_status_finds_the_master_a_mooncake_config_names(ascend_json: Path) -> None:
+    assert default_master({"MOONCAKE_CONFIG_PATH": str(ascend_json)}) == "10.0.0.1:50051"
 
 
 def test_objects_carry_a_checksummed_header() -> None:
@@ -130,20 +153,12 @@ def test_a_mooncake_client_pointed_at_a_kvpool_master_says_what_answered() -> No
 
 
 def test_the_store_connectors_mooncake_backend_opens_mooncake_for_a_mooncake_config(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ascend_env: Path,
 ) -> None:
-    from kvpool.config.kv_transfer import parse_store_config
-    from kvpool.config.node import load_any_node_config
     from kvpool.connectors.store.pool import EmbeddedPools, open_pool
     from kvpool.mooncake.engine import MooncakeEngine
 
-    path = tmp_path / "mooncake.json"
-    path.write_text(json.dumps(ASCEND))
-    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
-    monkeypatch.delenv("KVPOOL_CONFIG_PATH", raising=False)
-    config = parse_store_config(
-        "kv_producer", {"backend": "mooncake"}, env={}, load_node=load_any_node_config
-    )
+    config = _mooncake_backend("kv_producer")
     assert config.master == "10.0.0.1:50051"
     name = "mooncake:10.0.0.1:50051"
     try:
@@ -152,10 +167,8 @@ def test_the_store_connectors_mooncake_backend_opens_mooncake_for_a_mooncake_con
         assert isinstance(EmbeddedPools.peek(name), MooncakeEngine)  # one per process
     finally:
         EmbeddedPools.release(name)
-    path.write_text(json.dumps(GUIDE))  # the guide's JSON stays on kvpool's master
-    config = parse_store_config(
-        "kv_producer", {"backend": "mooncake"}, env={}, load_node=load_any_node_config
-    )
+    ascend_env.write_text(json.dumps(GUIDE))  # the guide's JSON stays on kvpool's master
+    config = _mooncake_backend("kv_producer")
     pool = open_pool(config)
     try:
         assert pool.engine == "kvpool" and config.master == "10.0.0.1:50088"
@@ -163,24 +176,14 @@ def test_the_store_connectors_mooncake_backend_opens_mooncake_for_a_mooncake_con
         pool.close()
 
 
-def test_the_schedulers_lookups_open_mooncake_as_a_pure_client(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_schedulers_lookups_open_mooncake_as_a_pure_client(ascend_env: Path) -> None:
     """Only the workers (which hold KV) contribute global_segment_size to the pool; the
     scheduler half's lookups mount no segment (under ``vllm serve`` it is a process of its
     own, which otherwise mounted a second segment per instance)."""
-    from kvpool.config.kv_transfer import parse_store_config
-    from kvpool.config.node import load_any_node_config
     from kvpool.connectors.store.pool import EmbeddedPools, open_pool
     from kvpool.mooncake.engine import MooncakeEngine
 
-    path = tmp_path / "mooncake.json"
-    path.write_text(json.dumps(ASCEND))
-    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
-    monkeypatch.delenv("KVPOOL_CONFIG_PATH", raising=False)
-    config = parse_store_config(
-        "kv_both", {"backend": "mooncake"}, env={}, load_node=load_any_node_config
-    )
+    config = _mooncake_backend("kv_both")
     names = ["mooncake:10.0.0.1:50051", "mooncake-lookups:10.0.0.1:50051"]
     try:
         open_pool(config)  # the worker's (lazy: opens nothing yet)
