@@ -23,7 +23,7 @@ from kvpool.connectors.store.worker import StoreWorker
 from kvpool.core.keys import KeyNamespace, chunk_keys
 from kvpool.errors import ConfigError
 from tests.connectors.store.fake_pool import FakePool
-from tests.connectors.store.test_scheduler import Req
+from tests.connectors.store.test_scheduler import Req, make
 from tests.waiting import wait_until
 
 from vllm.v1.kv_cache_interface import (  # isort: skip
@@ -162,14 +162,7 @@ def hybrid_groups() -> CacheGroups:
 
 
 def scheduler(pool: FakePool, groups: CacheGroups) -> StoreScheduler:
-    return StoreScheduler(
-        namespace=NS,
-        pool=PoolHandle(lambda: pool, reconnect_interval_s=60, describe="fake"),
-        saves=True,
-        load_async=True,
-        logger=logging.getLogger("test"),
-        groups=groups,
-    )
+    return make(pool, ns=NS, load_async=True, groups=groups)
 
 
 def step(new: Any = (), cached: Any = (), tables: Any = None) -> Any:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.connectors.store.groups import HeadGroups
+from kvpool.connectors.store.groups import CacheGroups, HeadGroups
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.scheduler import StoreScheduler
 from kvpool.core.keys import KeyNamespace, chunk_keys, group_key
@@ -45,7 +45,8 @@ def make(
     ns: KeyNamespace = NS,
     saves: bool = True,
     load_async: bool = False,
-    groups: HeadGroups | None = None,
+    groups: CacheGroups | HeadGroups | None = None,
+    read_your_writes: bool = True,
 ) -> StoreScheduler:
     handle = PoolHandle(lambda: pool, reconnect_interval_s=60, describe="fake")
     return StoreScheduler(
@@ -55,6 +56,7 @@ def make(
         load_async=load_async,
         logger=logging.getLogger("test"),
         groups=groups,
+        read_your_writes=read_your_writes,
     )
 
 
@@ -137,14 +139,7 @@ def test_a_step_that_may_end_an_answer_names_its_request_for_commit() -> None:
     sched.get_num_new_matched_tokens(short, 0)
     sched.update_state_after_alloc(short, ([10],), 0)
     assert sched.build_plan(step(new=[("short", [10], 0, 3)])).commit == ()
-    off = StoreScheduler(
-        namespace=NS,
-        pool=PoolHandle(lambda: pool, reconnect_interval_s=60, describe="fake"),
-        saves=True,
-        load_async=False,
-        logger=logging.getLogger("test"),
-        read_your_writes=False,
-    )
+    off = make(pool, read_your_writes=False)
     again = Req("again", range(20, 30), max_tokens=1)
     off.get_num_new_matched_tokens(again, 0)
     off.update_state_after_alloc(again, ([1, 2, 3],), 0)
