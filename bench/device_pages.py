@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._timing import median_s
 from kvpool.connectors.device_pages import StagedCaches
 from kvpool.connectors.pages import block_pages
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
@@ -104,17 +103,6 @@ def worker(pool: PoolEngine, caches: dict[str, torch.Tensor]) -> StoreWorker:
     return w
 
 
-def timed(fn: Callable[[], None], rounds: int) -> float:
-    """Median seconds of ``rounds`` calls, after one untimed warm-up call."""
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, float], int, bool]:
     """Seconds per row, the bytes each row moves, and whether the loads were byte-equal."""
     caches = kv_caches(args, device)
@@ -137,8 +125,8 @@ def measure(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, f
                 pool.remove(key)
             w.save(save)
 
-        seconds = {"save device→pool": timed(round_trip_save, args.rounds)}
-        seconds["load pool→device"] = timed(lambda: w.start_loads(load), args.rounds)
+        seconds = {"save device→pool": median_s(round_trip_save, args.rounds)}
+        seconds["load pool→device"] = median_s(lambda: w.start_loads(load), args.rounds)
         equal = not w.take_invalid_block_ids() and all(
             torch.equal(t[list(dst)].view(torch.uint8), t[list(src)].view(torch.uint8))
             for t in caches.values()
@@ -154,8 +142,8 @@ def measure(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, f
 
             return run
 
-        seconds["gather device→host"] = timed(each_batch(paged.gather), args.rounds)
-        seconds["scatter host→device"] = timed(each_batch(paged.scatter), args.rounds)
+        seconds["gather device→host"] = median_s(each_batch(paged.gather), args.rounds)
+        seconds["scatter host→device"] = median_s(each_batch(paged.scatter), args.rounds)
         seconds.update(baselines(nbytes, device, args.rounds))
         return seconds, nbytes, equal
     finally:
@@ -177,9 +165,9 @@ def baselines(nbytes: int, device: torch.device, rounds: int) -> dict[str, float
         wait(device)
 
     return {
-        "torch d2h": timed(d2h, rounds),
-        "torch h2d": timed(h2d, rounds),
-        "memcpy": timed(lambda: np.copyto(b, a), rounds),
+        "torch d2h": median_s(d2h, rounds),
+        "torch h2d": median_s(h2d, rounds),
+        "memcpy": median_s(lambda: np.copyto(b, a), rounds),
     }
 
 

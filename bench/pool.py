@@ -51,7 +51,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import _cli
+from bench import _cli, _timing
 from bench.baselines import memcpy, raw_tcp
 from kvpool.client.client import Client
 from kvpool.config.peer import PeerSettings
@@ -316,14 +316,7 @@ def metadata_latency(address: str, count: int = 3000) -> list[tuple[str, float, 
             ("batch_exists(64)", lambda: c.batch_exists(keys)),
             ("put control path (1 B)", control_path),
         ):
-            for _ in range(200):
-                op()
-            samples = []
-            for _ in range(count):
-                t = time.perf_counter()
-                op()
-                samples.append(time.perf_counter() - t)
-            out.append(_percentiles(name, samples))
+            out.append(_percentiles(name, _timing.samples(op, count, warmup=200)))
         for label, idle_s, block, calls in (
             ("get control path (1 B)", 0.0, 50, count),
             ("get (1 B) after 1 ms idle", 0.001, 1, count // 3),

@@ -16,14 +16,14 @@ import argparse
 import multiprocessing
 import os
 import ssl
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._timing import median_s
 from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read_into, write
 from kvpool.datapath.segment_client import SegmentConnection
@@ -56,16 +56,6 @@ def _serve(cert: str, key: str, secret: bytes, conn: Connection) -> None:
     segment.close()
 
 
-def _median_s(fn: Callable[[], object], rounds: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _throughput_rows(
     plain: tuple[str, int], secure: tuple[str, int], ctx: ssl.SSLContext, rounds: int
 ) -> list[tuple[str, float, float, float]]:
@@ -85,8 +75,8 @@ def _throughput_rows(
                 lambda c=t, b=into: read_into(c, "seg", 0, b),
             )
             for verb, (on_plain, on_tls) in (("put", puts), ("get", gets)):
-                tp = _median_s(on_plain, rounds)
-                tt = _median_s(on_tls, rounds)
+                tp = median_s(on_plain, rounds)
+                tt = median_s(on_tls, rounds)
                 label = f"{verb} {name}"
                 rows.append((label, mib / tp, mib / tt, tp / tt))
     return rows
@@ -102,9 +92,9 @@ def _connect_rows(
             read_into(conn, "seg", 0, buf)
 
     plain, secure, both = addresses
-    base = _median_s(lambda: first_read(plain), rounds) * 1e6
-    tls = _median_s(lambda: first_read(secure, tls=ctx), rounds) * 1e6
-    auth = _median_s(lambda: first_read(both, tls=ctx, credential=SECRET), rounds) * 1e6
+    base = median_s(lambda: first_read(plain), rounds) * 1e6
+    tls = median_s(lambda: first_read(secure, tls=ctx), rounds) * 1e6
+    auth = median_s(lambda: first_read(both, tls=ctx, credential=SECRET), rounds) * 1e6
     return [
         ("connect + 1st read, plain", base, 1.0),
         ("connect + TLS + 1st read", tls, tls / base),
