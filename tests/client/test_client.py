@@ -16,6 +16,7 @@ from kvpool.embedded import EmbeddedPool
 from kvpool.errors import KVPoolError, ObjectBusy, ObjectNotFound
 from kvpool.protocol import messages as m
 from kvpool.testing.processes import PoolProcess, start_master
+from tests.threads import run_threads
 
 
 def leases(client: Client) -> int:
@@ -144,11 +145,7 @@ def test_threads_sharing_a_client_get_their_own_bytes(client: Client) -> None:
 
     keys = list(values)
     threads = [threading.Thread(target=reader, args=(keys[i::4],)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
+    assert not run_threads(threads, 60)
     assert errors == []
     assert leases(client) == 0
 

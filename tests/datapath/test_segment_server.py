@@ -47,6 +47,7 @@ from kvpool.protocol.data import (
 )
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore, object_path
+from tests.threads import run_threads
 from tests.waiting import wait_until
 
 from .conftest import SEGMENT_SIZE
@@ -249,10 +250,7 @@ def test_parallel_clients_write_disjoint_regions(server: SegmentServer, segment:
             failures.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_threads(threads, 60)
     assert not failures
     for i in range(4):
         assert segment.read(i * chunk, chunk) == bytes([i * 16 + 3]) * chunk

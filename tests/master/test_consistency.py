@@ -16,6 +16,7 @@ from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import files_by_key
 from kvpool.testing.processes import start_master
 from tests.pool_support import ssd_flags
+from tests.threads import run_threads
 
 
 def value_of(key: str, size: int = 64 * 1024) -> bytes:
@@ -55,11 +56,7 @@ def test_reads_racing_evictions_and_removals_return_only_their_own_bytes() -> No
 
         threads = [threading.Thread(target=writer, args=(n,)) for n in range(2)]
         threads += [threading.Thread(target=reader, args=(n,)) for n in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads)
+        assert not run_threads(threads, 120)
     assert wrong == []
     assert served[0] > 50  # the race really happened with reads that hit
 

@@ -14,6 +14,7 @@ from kvpool.errors import ChecksumMismatch, ConfigError, NoSpace, ObjectNotFound
 from kvpool.storage.ssd import SsdStore, header_size, object_path
 from kvpool.storage.ssd_format import FIXED_HEADER_SIZE
 from kvpool.testing.fresh import run_python
+from tests.threads import run_threads
 
 KEY = "0123456789abcdef0123456789abcdef"
 
@@ -249,10 +250,7 @@ def test_concurrent_puts_respect_the_cap(tmp_path: Path) -> None:
             errors.append(exc)
 
     threads = [threading.Thread(target=put, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_threads(threads, 30)
     assert len(store) == 5 and len(errors) == 7
     assert store.used_bytes == limit
 

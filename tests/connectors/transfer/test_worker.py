@@ -26,6 +26,7 @@ from tests.connectors.transfer.helpers import (
     start,
     wait_results,
 )
+from tests.threads import run_threads
 from tests.waiting import wait_until
 
 
@@ -125,10 +126,7 @@ def test_an_idle_step_with_nothing_in_flight_does_not_wait(workers: list[Transfe
     d, _ = start(workers, config("kv_consumer", port + 100), 0, 1, 2, seed=None)
     done: list[object] = []
     callers = [threading.Thread(target=lambda w=w: done.append(w.results(3600.0))) for w in (p, d)]
-    for t in callers:
-        t.start()
-    for t in callers:
-        t.join(timeout=LONG_WAIT_S)
+    run_threads(callers, LONG_WAIT_S)
     assert len(done) == 2, "results() waited although nothing was in flight"
 
 
