@@ -339,17 +339,21 @@ def test_pipelined_writes_and_reads_report_per_item_errors(
         assert read(conn, "seg0", 0, 4) == values[0][:4]  # the connection is still good
 
 
-def test_pipelined_large_values_do_not_deadlock(server: SegmentServer) -> None:
-    size = 4 << 20
-    values = [np.full(size, i, dtype=np.uint8) for i in range(6)]
-    with connect(server) as conn:
-        assert write_many(conn, [("seg0", i * size, v) for i, v in enumerate(values)]) == [None] * 6
-        outs = [np.empty(size, dtype=np.uint8) for _ in range(6)]
-        assert (
-            read_many_into(conn, [("seg0", i * size, o) for i, o in enumerate(outs)]) == [None] * 6
-        )
+def batch_round_trip(conn: SegmentConnection, values: list[np.ndarray]) -> None:
+    """Write ``values`` side by side into seg0 in one batch, read them back in one batch
+    into buffers filled with 0xFF (a byte the callers' values do not hold), compare."""
+    size, ok = len(values[0]), [None] * len(values)
+    assert write_many(conn, [("seg0", i * size, v) for i, v in enumerate(values)]) == ok
+    outs = [np.full(size, 0xFF, dtype=np.uint8) for _ in values]
+    assert read_many_into(conn, [("seg0", i * size, o) for i, o in enumerate(outs)]) == ok
     for v, o in zip(values, outs, strict=True):
         np.testing.assert_array_equal(v, o)
+
+
+def test_pipelined_large_values_do_not_deadlock(server: SegmentServer) -> None:
+    size = 4 << 20
+    with connect(server) as conn:
+        batch_round_trip(conn, [np.full(size, i, dtype=np.uint8) for i in range(6)])
 
 
 def test_a_demotion_copies_matching_bytes_and_refuses_changed_ones(

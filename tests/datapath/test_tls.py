@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvpool.config.peer import PeerSettings
-from kvpool.datapath.data_ops import read, read_into, read_many_into, write, write_many
+from kvpool.datapath.data_ops import read, read_into, write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import AuthError, PeerTimeout
@@ -23,6 +23,7 @@ from kvpool.protocol.data import DATA_REQUEST_CODEC, SegmentRead
 from kvpool.security.credentials import Credential
 from kvpool.security.tls import TLSConfig
 from kvpool.storage.segment import Segment
+from tests.datapath.test_segment_server import batch_round_trip
 from tests.tls_material import Material, make_material
 
 SECRET = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
@@ -90,15 +91,8 @@ def test_bytes_round_trip_equal_over_tls(
 def test_a_ranged_batch_round_trips_over_tls(
     server: SegmentServer, material: Material, size: int
 ) -> None:
-    values = [np.full(size, i + 1, dtype=np.uint8) for i in range(5)]
     with _connect(server, _client(material)) as conn:
-        assert write_many(conn, [("seg0", i * size, v) for i, v in enumerate(values)]) == [None] * 5
-        outs = [np.zeros(size, dtype=np.uint8) for _ in values]
-        assert (
-            read_many_into(conn, [("seg0", i * size, o) for i, o in enumerate(outs)]) == [None] * 5
-        )
-    for v, o in zip(values, outs, strict=True):
-        np.testing.assert_array_equal(v, o)
+        batch_round_trip(conn, [np.full(size, i + 1, dtype=np.uint8) for i in range(5)])
 
 
 def test_a_client_without_tls_gets_a_clear_error_and_the_server_keeps_serving(
