@@ -5,7 +5,6 @@ read hands back the checksum of exactly the bytes it read."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -15,10 +14,11 @@ from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import UnknownSegment
 from kvpool.protocol.data import Error, SegmentWriteMany
-from kvpool.security.credentials import Credential, make_grant, tenant_data_key
+from kvpool.security.credentials import Credential
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
 from kvpool.tenancy.grants import tenant_check
+from tests.tenancy.test_grants import red_on_node_a
 
 SECRET = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
 
@@ -73,7 +73,6 @@ def test_a_batch_notes_each_range_and_refuses_a_wrong_number_of_notes(
 
 def test_a_tenants_tag_is_ignored() -> None:
     cluster = Credential.parse(SECRET, "test")
-    node_key = cluster.node_key_of("node-a")
     notes: list[Note] = []
     with Segment.create(1 << 20) as segment:
         server = SegmentServer(
@@ -84,9 +83,7 @@ def test_a_tenants_tag_is_ignored() -> None:
         server.start()
         try:
             host, port = server.address
-            until = time.time_ns() // 1_000_000 + 60_000
-            grant = make_grant(node_key, "red", "node-a/mem", "w", 0, 100, until)
-            red = Credential(tenant="red", data_key=tenant_data_key(node_key, "red"))
+            grant, red = red_on_node_a(cluster)
             with SegmentConnection(
                 host, port, PeerSettings(5.0, credential=red, client_id="red")
             ) as conn:

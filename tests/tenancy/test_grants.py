@@ -19,10 +19,18 @@ from kvpool.tenancy.grants import tenant_check
 SECRET = "3f9c1e7a5b2d4f6e8a0c1b3d5f7e9a2c4b6d8f0e1a3c5b7d9f2e4a6c8b0d1f3e"
 
 
+def red_on_node_a(cluster: Credential) -> tuple[str, Credential]:
+    """Tenant red's grant to write node-a/mem's first 100 bytes for a minute, and red's
+    credential (its data key derived from node-a's key, as the master hands it out)."""
+    node_key = cluster.node_key_of("node-a")
+    until = time.time_ns() // 1_000_000 + 60_000
+    grant = make_grant(node_key, "red", "node-a/mem", "w", 0, 100, until)
+    return grant, Credential(tenant="red", data_key=tenant_data_key(node_key, "red"))
+
+
 @pytest.mark.parametrize("with_tenants", [True, False])
 def test_a_tenant_is_served_only_where_the_server_was_given_the_check(with_tenants: bool) -> None:
     cluster = Credential.parse(SECRET, "test")
-    node_key = cluster.node_key_of("node-a")
     tenants = tenant_check if with_tenants else None
     with Segment.create(1 << 20) as segment:
         server = SegmentServer(
@@ -32,9 +40,7 @@ def test_a_tenant_is_served_only_where_the_server_was_given_the_check(with_tenan
         server.start()
         try:
             host, port = server.address
-            until = time.time_ns() // 1_000_000 + 60_000
-            grant = make_grant(node_key, "red", "node-a/mem", "w", 0, 100, until)
-            red = Credential(tenant="red", data_key=tenant_data_key(node_key, "red"))
+            grant, red = red_on_node_a(cluster)
             peer = PeerSettings(5.0, credential=red, client_id="red")
             with SegmentConnection(host, port, peer) as conn:
                 if with_tenants:
