@@ -2,8 +2,8 @@
 
 The ``master`` and ``client`` fixtures: a fresh ``kvpool master`` per test (8 MiB segment,
 2 s client TTL, so an expiry is seen quickly) and a client connected to it; each folder's
-conftest.py imports them.  The flags of a master with its own SSD tier, and where the
-index says keys are.
+conftest.py imports them.  A master's and a node's settings for an SSD tier of their own,
+and where the index says keys are.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 from kvpool.client.client import Client
 from kvpool.protocol import messages as m
-from kvpool.testing.processes import PoolProcess, start_master
+from kvpool.testing.processes import PoolProcess, node_config, start_master
 
-__all__ = ["client", "master", "ssd_flags", "tiers_of"]
+__all__ = ["client", "master", "ssd_flags", "ssd_node_config", "tiers_of"]
 
 
 @pytest.fixture
@@ -41,6 +41,18 @@ def ssd_flags(ssd: Path) -> tuple[str, ...]:
         f"--ssd_offload_path={ssd}",
         "--ssd_offload_limit",
         "16MiB",
+    )
+
+
+def ssd_node_config(directory: Path, master: str, ssd: Path) -> Path:
+    """A node's mooncake.json: 1 MiB of memory that offloads to a 16 MiB SSD tier under ``ssd``."""
+    return node_config(
+        directory,
+        master,
+        "1MiB",
+        enable_ssd_offload=True,
+        ssd_offload_path=str(ssd),
+        ssd_offload_limit="16MiB",
     )
 
 

@@ -9,7 +9,6 @@ so nothing here can lean on finding it: what answers is told from the RPC port i
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.testing.mooncake import Namespace
+from kvpool.testing.processes import node_config
 
 RPC = "127.0.0.1:50051"
 
@@ -53,17 +53,7 @@ def test_a_client_says_a_mooncake_master_answered(ns: Namespace) -> None:
 
 
 def test_kvpool_node_stops_with_status_2_and_one_line(ns: Namespace, tmp_path: Path) -> None:
-    config = tmp_path / "node.json"
-    config.write_text(
-        json.dumps(
-            {
-                "local_hostname": "127.0.0.1",
-                "metadata_server": RPC,
-                "protocol": "tcp",
-                "global_segment_size": "16MiB",
-            }
-        )
-    )
+    config = node_config(tmp_path, RPC)
     done = ns.run(
         "subprocess:run",
         [sys.executable, "-m", "kvpool", "node", "--config", str(config)],

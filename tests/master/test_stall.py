@@ -13,7 +13,6 @@ The probes use a 5 s client timeout: a master that waits on the node inside its 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -24,28 +23,11 @@ from kvpool.client.client import Client
 from kvpool.errors import KVPoolError, ObjectNotFound
 from kvpool.protocol import messages as m
 from kvpool.testing.processes import start_master, start_node
+from tests.pool_support import ssd_node_config
 from tests.waiting import wait_until
 
 VALUE = 64 * 1024
 TYPED = {"NO_SPACE", "TIMEOUT"}  # what a put may fail with while room is being made
-
-
-def _config(tmp_path: Path, master: str) -> Path:
-    path = tmp_path / "mooncake.json"
-    path.write_text(
-        json.dumps(
-            {
-                "local_hostname": "127.0.0.1",
-                "metadata_server": master,
-                "protocol": "tcp",
-                "global_segment_size": "1MiB",
-                "enable_ssd_offload": True,
-                "ssd_offload_path": str(tmp_path / "ssd"),
-                "ssd_offload_limit": "16MiB",
-            }
-        )
-    )
-    return path
 
 
 def _placements(c: Client, keys: list[str]) -> list[m.Placement]:
@@ -64,7 +46,7 @@ def test_a_stopped_node_does_not_stop_the_master(tmp_path: Path) -> None:
     flags = ("--segment_size", "4MiB", "--enable_offload=true", "--eviction_policy", "lru")
     values: dict[str, bytes] = {}
     with start_master(*flags) as master:
-        node = start_node(_config(tmp_path, master.address))
+        node = start_node(ssd_node_config(tmp_path, master.address, tmp_path / "ssd"))
         stopped = False
         try:
             with Client(master.address) as c:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import socket
@@ -20,7 +19,7 @@ from kvpool.errors import KVPoolError, ObjectNotFound
 from kvpool.node.node import NodeService, node_id
 from kvpool.storage.ssd import files_by_key, header_size, object_path
 from kvpool.testing.processes import PoolProcess, node_config, start_master, start_node
-from tests.pool_support import tiers_of
+from tests.pool_support import ssd_node_config, tiers_of
 from tests.waiting import wait_until
 
 
@@ -201,24 +200,8 @@ def test_a_put_over_tcp_needs_no_heartbeat_and_a_restarted_master_gets_it_back(
 
 def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
     ssd = tmp_path / "node-ssd"
-    config = tmp_path / "mooncake.json"
-    config.write_text(
-        json.dumps(
-            {
-                "local_hostname": "127.0.0.1",
-                "metadata_server": "127.0.0.1:1",  # replaced below
-                "protocol": "tcp",
-                "global_segment_size": "1MiB",
-                "enable_ssd_offload": True,
-                "ssd_offload_path": str(ssd),
-                "ssd_offload_limit": "16MiB",
-            }
-        )
-    )
     with start_master("--segment_size", "0", "--enable_offload=true") as master:
-        data = json.loads(config.read_text())
-        data["metadata_server"] = master.address
-        config.write_text(json.dumps(data))
+        config = ssd_node_config(tmp_path, master.address, ssd)
         with start_node(config), Client(master.address, allow_shm=False) as c:
             wait_until(lambda: c.stats()["tiers"]["ssd"]["capacity"] > 0)
             values = {f"n{i}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB
@@ -236,17 +219,6 @@ def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
             # the node's link thread deletes it: off the master's loop, soon after
             wait_until(lambda: not files[key].exists(), what="the node deleted the file")
             assert not c.exists(key)
-
-
-def ssd_node_config(tmp_path: Path, master: str, ssd: Path) -> Path:
-    return node_config(
-        tmp_path,
-        master,
-        "1MiB",
-        enable_ssd_offload=True,
-        ssd_offload_path=str(ssd),
-        ssd_offload_limit="16MiB",
-    )
 
 
 def test_a_key_being_copied_to_ssd_is_never_a_miss(tmp_path: Path) -> None:

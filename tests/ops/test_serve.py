@@ -8,7 +8,6 @@ segment larger than the free space ``os.statvfs`` reports (nothing is mounted).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -22,7 +21,7 @@ import pytest
 from kvpool.client.client import Client
 from kvpool.config import MasterConfig
 from kvpool.storage.segment import SHM_DIR
-from kvpool.testing.processes import start_master
+from kvpool.testing.processes import node_config, start_master
 
 
 def run_kvpool(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, int]:
@@ -155,22 +154,12 @@ def test_the_start_up_line_lists_the_effective_flags() -> None:
 # -- kvpool node ---------------------------------------------------------------------
 
 
-def node_config(tmp_path: Path, **extra: object) -> Path:
-    path = tmp_path / "mooncake.json"
-    settings = {
-        "local_hostname": "127.0.0.1",
-        "metadata_server": "127.0.0.1:1",  # never reached: start-up fails before
-        "protocol": "tcp",
-        "global_segment_size": "16MiB",
-        **extra,
-    }
-    path.write_text(json.dumps(settings))
-    return path
+UNREACHED = "127.0.0.1:1"  # the nodes' master: never reached, start-up fails before
 
 
 def test_node_on_a_busy_data_port_says_so_before_allocating(tmp_path: Path, busy_port: int) -> None:
     line = assert_one_line_exit_2(
-        ("node", "--config", str(node_config(tmp_path)), "--data-port", str(busy_port)),
+        ("node", "--config", str(node_config(tmp_path, UNREACHED)), "--data-port", str(busy_port)),
         names="--data-port",
     )
     assert "already in use" in line
@@ -178,14 +167,17 @@ def test_node_on_a_busy_data_port_says_so_before_allocating(tmp_path: Path, busy
 
 @pytest.mark.parametrize("warmup", ["background", "off"])
 def test_node_segment_larger_than_dev_shm_names_the_fixes(tmp_path: Path, warmup: str) -> None:
-    config = node_config(tmp_path, global_segment_size=too_big_for_shm(), segment_warmup=warmup)
+    config = node_config(
+        tmp_path, UNREACHED, global_segment_size=too_big_for_shm(), segment_warmup=warmup
+    )
     line = assert_one_line_exit_2(("node", "--config", str(config)), names="global_segment_size")
     assert "shm_size" in line and "ipc: host" in line
 
 
 def test_node_unknown_log_level_names_the_flag(tmp_path: Path) -> None:
     assert_one_line_exit_2(
-        ("node", "--config", str(node_config(tmp_path)), "--log_level", "loud"), names="--log_level"
+        ("node", "--config", str(node_config(tmp_path, UNREACHED)), "--log_level", "loud"),
+        names="--log_level",
     )
 
 
