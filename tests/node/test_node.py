@@ -198,27 +198,35 @@ def test_a_put_over_tcp_needs_no_heartbeat_and_a_restarted_master_gets_it_back(
         master.stop()
 
 
-def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
-    ssd = tmp_path / "node-ssd"
+@contextlib.contextmanager
+def ssd_node_client(tmp_path: Path, ssd: Path) -> Iterator[Client]:
+    """A client of a master that holds no memory and of one node whose 1 MiB of memory
+    offloads to an SSD tier under ``ssd``, once that tier is registered."""
     with start_master("--segment_size", "0", "--enable_offload=true") as master:
         config = ssd_node_config(tmp_path, master.address, ssd)
         with start_node(config), Client(master.address, allow_shm=False) as c:
             wait_until(lambda: c.stats()["tiers"]["ssd"]["capacity"] > 0)
-            values = {f"n{i}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB
-            for key, value in values.items():
-                c.put(key, value)
-            snap = c.stats()
-            assert snap["tiers"]["ssd"]["objects"] > 0 and snap["stats"]["offloads"] > 0
-            for key in values:  # from the node's memory or its SSD tier, at once
-                assert c.get(key) == values[key], key
-            # removing an SSD object deletes the node's file too
-            files = {k: p for k, p in files_by_key(ssd).items() if k.startswith("n")}
-            assert files
-            key = sorted(files)[0]
-            assert c.remove(key)
-            # the node's link thread deletes it: off the master's loop, soon after
-            wait_until(lambda: not files[key].exists(), what="the node deleted the file")
-            assert not c.exists(key)
+            yield c
+
+
+def test_node_ssd_tier_keeps_what_memory_evicts(tmp_path: Path) -> None:
+    ssd = tmp_path / "node-ssd"
+    with ssd_node_client(tmp_path, ssd) as c:
+        values = {f"n{i}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB
+        for key, value in values.items():
+            c.put(key, value)
+        snap = c.stats()
+        assert snap["tiers"]["ssd"]["objects"] > 0 and snap["stats"]["offloads"] > 0
+        for key in values:  # from the node's memory or its SSD tier, at once
+            assert c.get(key) == values[key], key
+        # removing an SSD object deletes the node's file too
+        files = {k: p for k, p in files_by_key(ssd).items() if k.startswith("n")}
+        assert files
+        key = sorted(files)[0]
+        assert c.remove(key)
+        # the node's link thread deletes it: off the master's loop, soon after
+        wait_until(lambda: not files[key].exists(), what="the node deleted the file")
+        assert not c.exists(key)
 
 
 def test_a_key_being_copied_to_ssd_is_never_a_miss(tmp_path: Path) -> None:
@@ -228,25 +236,22 @@ def test_a_key_being_copied_to_ssd_is_never_a_miss(tmp_path: Path) -> None:
     # must return them, never "not found".
     rng = random.Random(26)
     ssd = tmp_path / "node-ssd"
-    with start_master("--segment_size", "0", "--enable_offload=true") as master:
-        config = ssd_node_config(tmp_path, master.address, ssd)
-        with start_node(config), Client(master.address, allow_shm=False) as c:
-            wait_until(lambda: c.stats()["tiers"]["ssd"]["capacity"] > 0)
-            values: dict[str, bytes] = {}
-            misses: list[str] = []
-            for i in range(48):  # 3 MiB in all: the SSD tier (16 MiB) keeps everything
-                key = f"m{i:02d}"
-                values[key] = rng.randbytes(64 * 1024)
-                c.put(key, values[key])
-                recent = list(values)[-20:]
-                for name in rng.sample(recent, len(recent)):
-                    try:
-                        assert c.get(name) == values[name], f"{name}: wrong bytes"
-                    except ObjectNotFound:
-                        misses.append(f"{name} after put {i}")
-            snap = c.stats()
-            assert snap["stats"]["offloads"] > 0 and snap["tiers"]["ssd"]["objects"] > 0
-            assert misses == [], f"{len(misses)} misses for bytes the pool held: {misses[:5]}"
+    with ssd_node_client(tmp_path, ssd) as c:
+        values: dict[str, bytes] = {}
+        misses: list[str] = []
+        for i in range(48):  # 3 MiB in all: the SSD tier (16 MiB) keeps everything
+            key = f"m{i:02d}"
+            values[key] = rng.randbytes(64 * 1024)
+            c.put(key, values[key])
+            recent = list(values)[-20:]
+            for name in rng.sample(recent, len(recent)):
+                try:
+                    assert c.get(name) == values[name], f"{name}: wrong bytes"
+                except ObjectNotFound:
+                    misses.append(f"{name} after put {i}")
+        snap = c.stats()
+        assert snap["stats"]["offloads"] > 0 and snap["tiers"]["ssd"]["objects"] > 0
+        assert misses == [], f"{len(misses)} misses for bytes the pool held: {misses[:5]}"
 
 
 def flip(path: Path, at: int) -> None:
@@ -343,20 +348,17 @@ def test_a_corrupt_object_on_a_nodes_ssd_is_a_miss_and_the_node_keeps_serving(
     # The node answers the read with a checksum error: it is alive and its other objects
     # are fine, so the client must not report it as failed (which drops all of them).
     ssd = tmp_path / "node-ssd"
-    with start_master("--segment_size", "0", "--enable_offload=true") as master:
-        config = ssd_node_config(tmp_path, master.address, ssd)
-        with start_node(config), Client(master.address, allow_shm=False) as c:
-            wait_until(lambda: c.stats()["tiers"]["ssd"]["capacity"] > 0)
-            values = {f"c{i:02d}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB
-            for key, value in values.items():
-                c.put(key, value)
-            tiers = tiers_of(c, list(values))
-            on_ssd = sorted(k for k, t in tiers.items() if t == "ssd")
-            in_memory = sorted(k for k, t in tiers.items() if t == "memory")
-            assert on_ssd and in_memory
-            bad = on_ssd[0]
-            flip(object_path(ssd, bad), header_size(bad) + 100)
-            with pytest.raises(ObjectNotFound):
-                c.get(bad)
-            for key in in_memory + on_ssd[1:]:
-                assert c.get(key) == values[key], key
+    with ssd_node_client(tmp_path, ssd) as c:
+        values = {f"c{i:02d}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB
+        for key, value in values.items():
+            c.put(key, value)
+        tiers = tiers_of(c, list(values))
+        on_ssd = sorted(k for k, t in tiers.items() if t == "ssd")
+        in_memory = sorted(k for k, t in tiers.items() if t == "memory")
+        assert on_ssd and in_memory
+        bad = on_ssd[0]
+        flip(object_path(ssd, bad), header_size(bad) + 100)
+        with pytest.raises(ObjectNotFound):
+            c.get(bad)
+        for key in in_memory + on_ssd[1:]:
+            assert c.get(key) == values[key], key
