@@ -26,9 +26,8 @@ from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 from kvpool.engines import PoolEngine, open_engine
 from kvpool.errors import ConfigError
 from kvpool.testing.closes import closed_at_end
-from kvpool.testing.mooncake import Namespace
 from tests.connectors.transfer.helpers import config, free_port, recv_job, wait_results
-from tests.mooncake.host import mooncake_json
+from tests.mooncake.host import run_on_mooncake
 
 
 def kv_caches(seed: int, blocks: int = 12, dtype: torch.dtype = torch.float32) -> dict:
@@ -271,12 +270,7 @@ def staged_mooncake_round_trip(engine: Any) -> dict[str, Any]:
 
 
 def test_mooncake_moves_staged_pages_and_never_registers_device_memory() -> None:
-    with Namespace() as ns:
-        ns.new("kvpool.testing.mooncake:MooncakeMaster")
-        engine = ns.new(
-            "tests.mooncake.host:open_engine", mooncake_json("127.0.0.1:50051", 64 << 20)
-        )
-        r = ns.run("tests.connectors.test_device_pages:staged_mooncake_round_trip", engine)
+    r = run_on_mooncake(staged_mooncake_round_trip)
     assert r["saved"] == 20 and r["invalid"] == [] and r["equal"] and r["staging_equal"]
     # pages reach Mooncake as host staging, copied through the engine's own area
     assert r["moved"] == {"put_in_place": 0, "put_staged": 20, "get_in_place": 0, "get_staged": 21}

@@ -8,7 +8,7 @@ created; buffers cross the pipe as bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.config.node import parse_mooncake_config
@@ -147,6 +147,17 @@ def mooncake_json(rpc_address: str, segment: int) -> dict[str, Any]:
         "device_name": "",
         "master_server_address": rpc_address,
     }
+
+
+def run_on_mooncake(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``fn(engine, *args)`` in a fresh network namespace (Mooncake binds every interface)
+    that holds a Mooncake master and ``engine``, opened on it with a 64 MiB segment."""
+    with Namespace() as ns:
+        ns.new("kvpool.testing.mooncake:MooncakeMaster")
+        config = mooncake_json("127.0.0.1:50051", 64 << 20)
+        engine = ns.new("tests.mooncake.host:open_engine", config)
+        result: dict[str, Any] = ns.run(f"{fn.__module__}:{fn.__name__}", engine, *args)
+        return result
 
 
 def kv_cache_round_trip(engine: MooncakeEngine) -> dict[str, Any]:

@@ -12,19 +12,13 @@ from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.worker import StoreWorker
 from kvpool.mooncake.engine import MooncakeEngine
-from kvpool.testing.mooncake import Namespace
-from tests.mooncake.host import corrupt, mooncake_json
+from tests.mooncake.host import corrupt, kv_cache_round_trip, run_on_mooncake
 
 PAGE = 128 << 10
 
 
 def test_kv_cache_pages_move_in_place() -> None:
-    with Namespace() as ns:
-        ns.new("kvpool.testing.mooncake:MooncakeMaster")
-        engine = ns.new(
-            "tests.mooncake.host:open_engine", mooncake_json("127.0.0.1:50051", 64 << 20)
-        )
-        r = ns.run("tests.mooncake.host:kv_cache_round_trip", engine)
+    r = run_on_mooncake(kv_cache_round_trip)
     assert r["put"] == [None] * 4
     assert r["got"] == [PAGE] * 4 and r["equal"]
     assert r["regions"] == 1  # the cache's storage, registered once
@@ -91,7 +85,7 @@ def parts_in_place(engine: MooncakeEngine) -> dict[str, Any]:
 
 
 def test_pages_as_layer_parts_move_in_place() -> None:
-    r = run_in_namespace(parts_in_place)
+    r = run_on_mooncake(parts_in_place)
     assert r["put"] == [None] * 4 and r["got"] == [2 * LAYER_PAGE] * 4 and r["equal"]
     assert r["moved"] == {"put_in_place": 4, "put_staged": 0, "get_in_place": 4, "get_staged": 0}
     assert r["regions"] == 2  # one per layer tensor, registered once
@@ -142,7 +136,7 @@ def _worker(engine: MooncakeEngine, caches: dict[str, Any]) -> StoreWorker:
 
 
 def test_the_store_connector_loads_a_registered_cache_with_no_staging_copy() -> None:
-    r = run_in_namespace(connector_load, BLOCKS)
+    r = run_on_mooncake(connector_load, BLOCKS)
     assert r["saved"] == 20 and r["equal"] and r["invalid"] == []
     # every page went to and from the KV cache's own memory: the staging area held only
     # the 16-byte headers
@@ -154,16 +148,7 @@ def test_the_store_connector_loads_a_registered_cache_with_no_staging_copy() -> 
 
 
 def test_a_cache_too_small_to_register_moves_through_the_engines_staging_area() -> None:
-    r = run_in_namespace(connector_load, 256)  # 8 MiB per layer: under MIN_REGISTERED
+    r = run_on_mooncake(connector_load, 256)  # 8 MiB per layer: under MIN_REGISTERED
     assert r["saved"] == 20 and r["equal"] and r["invalid"] == []
     assert r["moved"] == {"put_in_place": 0, "put_staged": 20, "get_in_place": 0, "get_staged": 20}
     assert r["failed"] == list(range(205, 220)) and r["good_before"]
-
-
-def run_in_namespace(fn: Any, *args: Any) -> dict[str, Any]:
-    with Namespace() as ns:
-        ns.new("kvpool.testing.mooncake:MooncakeMaster")
-        engine = ns.new(
-            "tests.mooncake.host:open_engine", mooncake_json("127.0.0.1:50051", 64 << 20)
-        )
-        return ns.run(f"{__name__}:{fn.__name__}", engine, *args)
