@@ -68,6 +68,19 @@ def _pages(n: int, seed: int) -> list[list[np.ndarray]]:
     return [[rng.integers(0, 256, PART, dtype=np.uint8) for _ in range(LAYERS)] for _ in range(n)]
 
 
+def _put(engine: MasterEngine, prefix: str, seed: int) -> tuple[list[str], list[list[np.ndarray]]]:
+    """Three keys under ``prefix`` put as random pages of LAYERS parts; the keys and pages."""
+    keys = [f"{prefix}-{i}" for i in range(3)]
+    pages = _pages(len(keys), seed)
+    assert engine.batch_put_parts(keys, pages) == [None] * len(keys)
+    return keys, pages
+
+
+def _zeros(n: int) -> list[list[np.ndarray]]:
+    """``n`` pages of LAYERS zeroed parts to read into."""
+    return [[np.zeros(PART, dtype=np.uint8) for _ in range(LAYERS)] for _ in range(n)]
+
+
 def _address(a: np.ndarray | memoryview) -> int:
     return int(np.frombuffer(a, dtype=np.uint8).ctypes.data)
 
@@ -86,12 +99,10 @@ def _corrupt(engine: MasterEngine, key: str, at: int) -> None:
 @pytest.mark.parametrize("route", ["shm", "tcp"])
 def test_a_parts_read_lands_in_the_parts_with_no_staging(master: PoolProcess, route: str) -> None:
     engine, transport = _engine(master, route)
-    keys = [f"in-place-{route}-{i}" for i in range(3)]
-    pages = _pages(len(keys), seed=1)
     try:
-        assert engine.batch_put_parts(keys, pages) == [None] * len(keys)
+        keys, pages = _put(engine, f"in-place-{route}", seed=1)
         engine._staging = _NoStaging()  # type: ignore[assignment]  # a get may not stage
-        into = [[np.zeros(PART, dtype=np.uint8) for _ in range(LAYERS)] for _ in keys]
+        into = _zeros(len(keys))
         assert engine.batch_get_parts(keys, into) == [PART * LAYERS] * len(keys)
         for got, want in zip(into, pages, strict=True):
             for g, w in zip(got, want, strict=True):
@@ -109,17 +120,15 @@ def test_a_parts_read_lands_in_the_parts_with_no_staging(master: PoolProcess, ro
 @pytest.mark.parametrize("route", ["shm", "tcp"])
 def test_a_corrupted_object_read_in_place_is_a_miss(master: PoolProcess, route: str) -> None:
     engine, _ = _engine(master, route)
-    keys = [f"damaged-{route}-{i}" for i in range(3)]
-    pages = _pages(len(keys), seed=2)
     try:
-        assert engine.batch_put_parts(keys, pages) == [None] * len(keys)
+        keys, pages = _put(engine, f"damaged-{route}", seed=2)
         _corrupt(engine, keys[1], at=2 * PART + 7)  # in the third layer's part
-        into = [[np.zeros(PART, dtype=np.uint8) for _ in range(LAYERS)] for _ in keys]
+        into = _zeros(len(keys))
         assert engine.batch_get_parts(keys, into) == [PART * LAYERS, MISS, PART * LAYERS]
         # the damaged copy was dropped, so a recomputed one stores again and reads back
         assert engine.batch_exists(keys[1:2]) == [False]
         assert engine.batch_put_parts(keys[1:2], pages[1:2]) == [None]
-        again = [np.zeros(PART, dtype=np.uint8) for _ in range(LAYERS)]
+        (again,) = _zeros(1)
         assert engine.batch_get_parts(keys[1:2], [again]) == [PART * LAYERS]
         assert all(np.array_equal(g, w) for g, w in zip(again, pages[1], strict=True))
     finally:
