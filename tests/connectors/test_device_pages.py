@@ -27,7 +27,7 @@ from kvpool.engines import PoolEngine, open_engine
 from kvpool.errors import ConfigError
 from kvpool.testing.closes import closed_at_end
 from tests.connectors.transfer.helpers import config, free_port, recv_job, wait_results
-from tests.mooncake.host import run_on_mooncake
+from tests.mooncake.host import run_on_mooncake, save_then_load
 
 
 def kv_caches(seed: int, blocks: int = 12, dtype: torch.dtype = torch.float32) -> dict:
@@ -244,10 +244,7 @@ def staged_mooncake_round_trip(engine: Any) -> dict[str, Any]:
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
     keys = tuple(f"page-{i}" for i in range(20))
     saver, loader = store_worker(engine, src), store_worker(engine, dst)
-    saver.save(StorePlan(saves=(SaveSpec("r", tuple(range(20)), (keys,), (None,)),)))
-    targets = tuple(range(100, 120))
-    loader.start_loads(StorePlan(loads=(LoadSpec("r2", targets, (keys,), False),)))
-    equal = all(torch.equal(dst[n][list(targets)], src[n][:20]) for n in src)
+    equal = save_then_load(saver, loader, keys, src, dst)
     assert loader.paged is not None
     staging = loader.paged.new_pages(1)
     assert engine.batch_get_parts(keys[:1], [[page_view(staging[0])]]) == [loader.paged.page_bytes]

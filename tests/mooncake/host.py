@@ -9,13 +9,19 @@ created; buffers cross the pipe as bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.config.node import parse_mooncake_config
+from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.errors import KVPoolError
 from kvpool.mooncake.engine import HEADER_SIZE, MooncakeEngine
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.testing.mooncake import Namespace, Ref
+
+if TYPE_CHECKING:  # the store worker brings torch, which most users of this module skip
+    from kvpool.connectors.store.worker import StoreWorker
+
+Caches = dict[str, Any]  # layer name → torch tensor
 
 
 # ------------------------------------------------------------- in the namespace
@@ -158,6 +164,19 @@ def run_on_mooncake(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, 
         engine = ns.new("tests.mooncake.host:open_engine", config)
         result: dict[str, Any] = ns.run(f"{fn.__module__}:{fn.__name__}", engine, *args)
         return result
+
+
+def save_then_load(
+    saver: StoreWorker, loader: StoreWorker, keys: tuple[str, ...], src: Caches, dst: Caches
+) -> bool:
+    """``saver`` saves blocks 0-19 of ``src`` under ``keys`` and ``loader`` loads them into
+    blocks 100-119 of ``dst``; whether every layer arrived byte-equal."""
+    import torch
+
+    saver.save(StorePlan(saves=(SaveSpec("r", tuple(range(20)), (keys,), (None,)),)))
+    targets = tuple(range(100, 120))
+    loader.start_loads(StorePlan(loads=(LoadSpec("r2", targets, (keys,), False),)))
+    return all(torch.equal(dst[n][list(targets)], src[n][:20]) for n in src)
 
 
 def kv_cache_round_trip(engine: MooncakeEngine) -> dict[str, Any]:

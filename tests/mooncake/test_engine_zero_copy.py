@@ -8,11 +8,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
+from kvpool.connectors.store.plan import LoadSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.worker import StoreWorker
 from kvpool.mooncake.engine import MooncakeEngine
-from tests.mooncake.host import corrupt, kv_cache_round_trip, run_on_mooncake
+from tests.mooncake.host import corrupt, kv_cache_round_trip, run_on_mooncake, save_then_load
 
 PAGE = 128 << 10
 
@@ -103,10 +103,7 @@ def connector_load(engine: MooncakeEngine, blocks: int) -> dict[str, Any]:
     src, dst = _caches(blocks, 2), _caches(blocks, 3)
     keys = tuple(f"blk-{blocks}-{i}" for i in range(20))
     saver, loader = _worker(engine, src), _worker(engine, dst)
-    saver.save(StorePlan(saves=(SaveSpec("r", tuple(range(20)), (keys,), (None,)),)))
-    targets = tuple(range(100, 120))
-    loader.start_loads(StorePlan(loads=(LoadSpec("r2", targets, (keys,), False),)))
-    equal = all(torch.equal(dst[n][list(targets)], src[n][:20]) for n in src)
+    equal = save_then_load(saver, loader, keys, src, dst)
     moved = dict(engine.moved)
     invalid = sorted(loader.take_invalid_block_ids())
     corrupt(engine, keys[5])
