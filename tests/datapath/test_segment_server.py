@@ -5,6 +5,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -194,24 +195,32 @@ def test_peer_that_never_answers_is_a_peer_timeout() -> None:
         conn.close()
 
 
-def test_peer_dying_mid_reply_is_a_transfer_error() -> None:
+@contextlib.contextmanager
+def replying(reply: bytes) -> Iterator[tuple[str, int]]:
+    """A fake data server's address: it takes one connection, reads one request, answers
+    ``reply`` (bytes as they are, right or wrong) and hangs up."""
     with socket.create_server(("127.0.0.1", 0)) as fake:
-        host, port = fake.getsockname()[:2]
 
-        def half_reply() -> None:
+        def answer() -> None:
             conn, _ = fake.accept()
             with conn:
                 framing.recv_frame(conn, DATA_REQUEST_CODEC, framing.deadline_after(5))
-                conn.sendall(DATA_REPLY_CODEC.encode(Ok(100), 100) + b"x" * 10)
+                conn.sendall(reply)
 
-        thread = threading.Thread(target=half_reply)
+        thread = threading.Thread(target=answer)
         thread.start()
-        with (
-            SegmentConnection(host, port, PeerSettings(5)) as conn,
-            pytest.raises(TransferError, match="10 of 100"),
-        ):
-            read(conn, "seg0", 0, 100)
+        yield fake.getsockname()[:2]
         thread.join(10)
+
+
+def test_peer_dying_mid_reply_is_a_transfer_error() -> None:
+    half = DATA_REPLY_CODEC.encode(Ok(100), 100) + b"x" * 10
+    with (
+        replying(half) as (host, port),
+        SegmentConnection(host, port, PeerSettings(5)) as conn,
+        pytest.raises(TransferError, match="10 of 100"),
+    ):
+        read(conn, "seg0", 0, 100)
 
 
 def test_unreachable_server_is_a_transfer_error() -> None:
@@ -266,22 +275,11 @@ def test_header_size_is_stable() -> None:
 
 
 def test_protocol_error_from_a_garbled_reply_drops_the_connection() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as fake:
-        host, port = fake.getsockname()[:2]
-
-        def garbage() -> None:
-            conn, _ = fake.accept()
-            with conn:
-                framing.recv_frame(conn, DATA_REQUEST_CODEC, framing.deadline_after(5))
-                conn.sendall(b"NOPE" + bytes(8))
-
-        thread = threading.Thread(target=garbage)
-        thread.start()
+    with replying(b"NOPE" + bytes(8)) as (host, port):
         conn = SegmentConnection(host, port, PeerSettings(5))
         with pytest.raises(ProtocolError, match="magic"):
             read(conn, "seg0", 0, 4)
         assert conn._channel is None  # never reused mid-frame
-        thread.join(10)
 
 
 def test_ssd_objects_are_read_over_the_data_connection(tmp_path: Path, segment: Segment) -> None:
