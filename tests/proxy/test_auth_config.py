@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 
 from kvpool.errors import ConfigError
-from kvpool.proxy import ProxyConfig, ProxyServer
+from kvpool.proxy import ProxyConfig
 from kvpool.proxy.auth import resolve_api_keys, resolve_upstream_key
-from tests.proxy.harness import proxy_over, proxy_process, run
+from tests.proxy.harness import proxy_over, proxy_process, proxy_stack, run
 from tests.proxy.stub_upstream import StubUpstream
 
 KEY = "sk-kvpool-0123456789abcdef0123"
@@ -131,19 +131,9 @@ def test_in_process_server_refuses_nothing_it_was_not_told() -> None:
     """``kvpool up`` builds the proxy on loopback with no key: unchanged, open."""
 
     async def scenario() -> None:
-        p, d = StubUpstream(name="p0"), StubUpstream(name="d0")
-        await p.start()
-        await d.start()
-        server = ProxyServer(ProxyConfig(prefill=(p.url,), decode=(d.url,), port=0))
-        await server.start()
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-                body = {"prompt": "open on loopback", "max_tokens": 2}
-                async with s.post(server.url + "/v1/completions", json=body) as resp:
-                    assert resp.status == 200
-        finally:
-            await server.stop()
-            await p.stop()
-            await d.stop()
+        async with proxy_stack() as stack:  # the proxy's defaults, one prefill, one decode
+            body = {"prompt": "open on loopback", "max_tokens": 2}
+            async with stack.session.post(stack.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
 
     run(scenario())
