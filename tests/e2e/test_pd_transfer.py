@@ -228,23 +228,29 @@ def _wait_healthy(server: Server) -> None:
     )
 
 
-def complete(
-    server: Server, prompt: str, *, timeout_s: float = REQUEST_TIMEOUT_S, **extra: Any
-) -> dict[str, Any]:
-    """A greedy completion's whole reply; ``extra`` adds to (or overrides) the body."""
+def completion_request(url: str, model: str, prompt: str, **extra: Any) -> urllib.request.Request:
+    """A greedy ``/v1/completions`` request to ``url``; ``extra`` adds to (or overrides)
+    the body."""
     body = {
-        "model": server.model_name,
+        "model": model,
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
         "temperature": 0.0,
         "stream": False,
         **extra,
     }
-    req = urllib.request.Request(
-        f"{server.url}/v1/completions",
+    return urllib.request.Request(
+        f"{url}/v1/completions",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
+
+
+def complete(
+    server: Server, prompt: str, *, timeout_s: float = REQUEST_TIMEOUT_S, **extra: Any
+) -> dict[str, Any]:
+    """A greedy completion's whole reply; ``extra`` adds to (or overrides) the body."""
+    req = completion_request(server.url, server.model_name, prompt, **extra)
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())  # type: ignore[no-any-return]
 
@@ -486,18 +492,7 @@ def test_kvpool_proxy_streams_the_pairs_answer(pd: PDPair, reference: dict[str, 
                 assert time.monotonic() < deadline, "kvpool proxy did not start"
                 time.sleep(0.2)
         loads_before = pd.decode.log_text().count(LOADED)
-        body = {
-            "model": pd.decode.model_name,
-            "prompt": PROMPTS[2],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0.0,
-            "stream": True,
-        }
-        req = urllib.request.Request(
-            f"{via.url}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
+        req = completion_request(via.url, pd.decode.model_name, PROMPTS[2], stream=True)
         text = ""
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
             for raw in resp:
