@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def node_client_id(c: Client) -> str:
 
 
 @pytest.fixture
-def pool(tmp_path: Path) -> tuple[PoolProcess, PoolProcess]:
+def pool(tmp_path: Path) -> Iterator[tuple[PoolProcess, PoolProcess]]:
     # both the master and the node hold a segment: puts that do not go to the dead
     # node have somewhere to go
     master = start_master("--segment_size", "8MiB", "--client_ttl", str(CLIENT_TTL_S))
@@ -58,99 +59,87 @@ def pool(tmp_path: Path) -> tuple[PoolProcess, PoolProcess]:
     except BaseException:
         master.stop()
         raise
-    with Client(master.address) as c:
-        wait_until(lambda: len(c.stats()["clients"]) == 2, what="the node registered")
-    return master, node
+    try:
+        with Client(master.address) as c:
+            wait_until(lambda: len(c.stats()["clients"]) == 2, what="the node registered")
+        yield master, node
+    finally:  # a killed node is reaped too
+        node.stop()
+        master.stop()
 
 
 def test_same_host_puts_after_a_node_is_killed_are_never_acknowledged_into_it(
     pool: tuple[PoolProcess, PoolProcess],
 ) -> None:
     master, node = pool
-    try:
-        with Client(master.address, timeout_s=2) as c:  # the same-host (shm) path
-            node_id = node_client_id(c)
-            on_node = a_key_on_the_node(c, node_id, "before")
-            shm_file = node_shm_file(c, on_node)
-            assert shm_file.exists()
-            node.kill()
-            acknowledged: dict[str, bytes] = {}
-            refused = 0
-            for i in range(200):
-                key, value = f"after{i}", os.urandom(16 * 1024)
-                try:
-                    c.put(key, value)
-                except KVPoolError as exc:
-                    assert exc.code != "INTERNAL"
-                    refused += 1
-                    continue
-                acknowledged[key] = value
-            # the puts aimed at the dead node's segment were refused (typed), the
-            # others landed in the master's own segment
-            assert refused >= 1 and acknowledged
-            # the dead segment was unmapped and its file removed, within client_ttl
-            wait_until(lambda: not shm_file.exists(), timeout_s=CLIENT_TTL_S + 3)
-            # once the master has dropped the node, every acknowledged put is still there
-            wait_until(lambda: node_id not in str(c.stats()["clients"]), timeout_s=10)
-            with Client(master.address, timeout_s=2) as reader:
-                lost = [k for k, v in acknowledged.items() if reader.get(k) != v]
-            assert lost == []
-    finally:
-        node.stop()
-        master.stop()
+    with Client(master.address, timeout_s=2) as c:  # the same-host (shm) path
+        node_id = node_client_id(c)
+        on_node = a_key_on_the_node(c, node_id, "before")
+        shm_file = node_shm_file(c, on_node)
+        assert shm_file.exists()
+        node.kill()
+        acknowledged: dict[str, bytes] = {}
+        refused = 0
+        for i in range(200):
+            key, value = f"after{i}", os.urandom(16 * 1024)
+            try:
+                c.put(key, value)
+            except KVPoolError as exc:
+                assert exc.code != "INTERNAL"
+                refused += 1
+                continue
+            acknowledged[key] = value
+        # the puts aimed at the dead node's segment were refused (typed), the
+        # others landed in the master's own segment
+        assert refused >= 1 and acknowledged
+        # the dead segment was unmapped and its file removed, within client_ttl
+        wait_until(lambda: not shm_file.exists(), timeout_s=CLIENT_TTL_S + 3)
+        # once the master has dropped the node, every acknowledged put is still there
+        wait_until(lambda: node_id not in str(c.stats()["clients"]), timeout_s=10)
+        with Client(master.address, timeout_s=2) as reader:
+            lost = [k for k, v in acknowledged.items() if reader.get(k) != v]
+        assert lost == []
 
 
 def test_a_same_host_batch_put_after_a_node_is_killed_is_never_acknowledged_into_it(
     pool: tuple[PoolProcess, PoolProcess],
 ) -> None:
     master, node = pool
-    try:
-        with Client(master.address, timeout_s=2) as c:
-            shm_file = node_shm_file(c, a_key_on_the_node(c, node_client_id(c), "before"))
-            node.kill()
-            keys = [f"batch{i}" for i in range(32)]  # some of them placed on the dead node
-            values = [os.urandom(16 * 1024) for _ in keys]
-            results = c.batch_put(keys, values)
-            refused = [r for r in results if r is not None]
-            assert refused and all(r.code == "TRANSFER" for r in refused)
-            assert not shm_file.exists()
-            with Client(master.address, timeout_s=2) as reader:
-                for key, value, result in zip(keys, values, results, strict=True):
-                    if result is None:
-                        assert reader.get(key) == value
-    finally:
-        node.stop()
-        master.stop()
+    with Client(master.address, timeout_s=2) as c:
+        shm_file = node_shm_file(c, a_key_on_the_node(c, node_client_id(c), "before"))
+        node.kill()
+        keys = [f"batch{i}" for i in range(32)]  # some of them placed on the dead node
+        values = [os.urandom(16 * 1024) for _ in keys]
+        results = c.batch_put(keys, values)
+        refused = [r for r in results if r is not None]
+        assert refused and all(r.code == "TRANSFER" for r in refused)
+        assert not shm_file.exists()
+        with Client(master.address, timeout_s=2) as reader:
+            for key, value, result in zip(keys, values, results, strict=True):
+                if result is None:
+                    assert reader.get(key) == value
 
 
 def test_a_killed_nodes_shm_file_is_removed_within_client_ttl_by_the_master(
     pool: tuple[PoolProcess, PoolProcess],
 ) -> None:
     master, node = pool
-    try:
-        with Client(master.address, timeout_s=2) as c:
-            shm_file = node_shm_file(c, a_key_on_the_node(c, node_client_id(c), "k"))
-        node.kill()  # no client touches its segment again: the master must clean up
-        wait_until(lambda: not shm_file.exists(), timeout_s=CLIENT_TTL_S + 3)
-    finally:
-        node.stop()
-        master.stop()
+    with Client(master.address, timeout_s=2) as c:
+        shm_file = node_shm_file(c, a_key_on_the_node(c, node_client_id(c), "k"))
+    node.kill()  # no client touches its segment again: the master must clean up
+    wait_until(lambda: not shm_file.exists(), timeout_s=CLIENT_TTL_S + 3)
 
 
 def test_same_host_reads_of_a_killed_nodes_objects_are_misses_and_drop_it(
     pool: tuple[PoolProcess, PoolProcess],
 ) -> None:
     master, node = pool
-    try:
-        with Client(master.address, timeout_s=2) as c:
-            key = a_key_on_the_node(c, node_client_id(c), "k")
-            node.kill()
-            with pytest.raises(ObjectNotFound):
-                c.get(key)  # the bytes are still mapped here, but their owner is gone
-            assert not c.exists(key)  # the failed read dropped the node at once
-    finally:
-        node.stop()
-        master.stop()
+    with Client(master.address, timeout_s=2) as c:
+        key = a_key_on_the_node(c, node_client_id(c), "k")
+        node.kill()
+        with pytest.raises(ObjectNotFound):
+            c.get(key)  # the bytes are still mapped here, but their owner is gone
+        assert not c.exists(key)  # the failed read dropped the node at once
 
 
 # ------------------------------------------------------------------ a corrupt copy leaves
