@@ -33,12 +33,12 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read_into
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.net import split_address
 from kvpool.security.credentials import Credential
+from kvpool.security.peer import PeerSettings
 from kvpool.security.socket_auth import authenticate
 from kvpool.storage.segment import Segment
 from kvpool.testing.processes import start_master

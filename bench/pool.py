@@ -54,7 +54,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import _cli, _timing
 from bench.baselines import memcpy, raw_tcp
 from kvpool.client.client import Client
-from kvpool.config.peer import PeerSettings
 from kvpool.core.index import IndexConfig
 from kvpool.datapath.data_ops import write
 from kvpool.datapath.segment_client import SegmentConnection
@@ -62,6 +61,7 @@ from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import KVPoolError
 from kvpool.master.service import MasterService
 from kvpool.protocol import messages as m
+from kvpool.security.peer import PeerSettings
 from kvpool.storage.segment import Segment
 from kvpool.testing.processes import PoolProcess
 

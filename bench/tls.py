@@ -24,11 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._timing import median_s
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read_into, write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.security.credentials import Credential
+from kvpool.security.peer import PeerSettings
 from kvpool.security.tls import TLSConfig
 from kvpool.storage.segment import Segment
 from kvpool.testing.tls import CertAuthority

@@ -53,11 +53,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.baselines import recv_exactly
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read_into, read_many_into, write, write_many
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.datapath.shm import ShmConnection, host_token
+from kvpool.security.peer import PeerSettings
 from kvpool.storage.segment import Segment
 
 GiB = 1 << 30

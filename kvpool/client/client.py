@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 from kvpool.client.leader_link import master_link
 from kvpool.client.master_link import CLOSE_SETTLE_S, MasterLink
 from kvpool.closing import Closing
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp, sole_result
 from kvpool.datapath.transport import DataPath, Transport, transport_named
 from kvpool.errors import (
@@ -32,6 +31,7 @@ from kvpool.net import DEFAULT_MASTER_PORT
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
 from kvpool.security.credentials import Credential
+from kvpool.security.peer import PeerSettings
 from kvpool.security.secret import load_credential
 from kvpool.security.tls import TLSConfig
 from kvpool.storage.buffers import byte_view, writable_byte_view

@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 from kvpool.client.master_link import MasterLink, TcpMasterLink
 from kvpool.config.masters import ETCD_SCHEME, Masters, parse_masters
-from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.errors import KVPoolError, NotLeader, PeerTimeout, TransferError
 from kvpool.ha.campaign import ClusterKeys
 from kvpool.ha.etcd import Etcd, parse_endpoints
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
+from kvpool.security.peer import PLAIN_PEER, PeerSettings
 
 __all__ = ["FAILOVER_S", "LeaderLink", "master_link"]
 

@@ -13,7 +13,6 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.datapath import framing
 from kvpool.datapath.channel import Channel, reply_spin_us
 from kvpool.errors import (
@@ -27,6 +26,7 @@ from kvpool.errors import (
 from kvpool.net import split_address
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
+from kvpool.security.peer import PLAIN_PEER, PeerSettings
 from kvpool.security.socket_auth import authenticate
 from kvpool.security.socket_tls import speaks_tls, tls_required, wrap_client
 

@@ -16,6 +16,7 @@ from kvpool.config.node import MooncakeNodeConfig, NodeConfig
 from kvpool.config.topology import MAX_PORT, Topology, parse_topology
 from kvpool.config.values import (
     CONNECT_TIMEOUT_VARS,
+    ENV_INSECURE,
     TRANSFER_TIMEOUT_VARS,
     env_lookup,
     parse_bool_value,
@@ -23,8 +24,6 @@ from kvpool.config.values import (
     parse_size,
 )
 from kvpool.errors import ConfigError
-from kvpool.security.credentials import Credential
-from kvpool.security.secret import ENV_INSECURE, load_credential
 
 __all__ = [
     "BACKENDS",
@@ -36,7 +35,6 @@ __all__ = [
     "StoreConfig",
     "TransferConfig",
     "check_put_back",
-    "connector_credential",
     "pairing_group",
     "parse_store_config",
 ]
@@ -446,11 +444,3 @@ def _insecure(extra: Mapping[str, Any], env: Mapping[str, str]) -> bool:
     if env.get(ENV_INSECURE, "") != "":
         return parse_bool_value(env[ENV_INSECURE], key=ENV_INSECURE)
     return False
-
-
-def connector_credential(secret_file: str, env: Mapping[str, str]) -> Credential | None:
-    """The credential of a connector's connections, found as every kvpool process finds
-    its own: the node config's ``secret_file``, else ``KVPOOL_SECRET_FILE``, else
-    ``KVPOOL_SECRET``; None when none is configured.  Both connectors use it (the
-    transfer connector's ``kv_port``; the store connector's pool handle)."""
-    return load_credential(secret_file, env, key="secret_file")

@@ -31,7 +31,6 @@ from kvpool.config.values import (
     require_str,
 )
 from kvpool.errors import ConfigError
-from kvpool.security.tls import TLSConfig
 
 # What --eviction_policy and --replica_num accept.  Named here, not imported: config sits
 # below core (docs/architecture.md), and tests/config/test_master.py holds these equal to
@@ -219,11 +218,6 @@ class MasterConfig:
     ha_warmup: int = _flag(
         8000, parse_duration_ms, "a new leader waits this long at most for nodes to re-announce"
     )
-
-    @property
-    def tls(self) -> TLSConfig:
-        """The TLS settings (off unless one of --tls_cert/--tls_key/--tls_ca is set)."""
-        return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, prefix="--tls_")
 
     def __post_init__(self) -> None:
         if not self.host:

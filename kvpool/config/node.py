@@ -44,7 +44,6 @@ from kvpool.config.values import (
     parse_warmup,
 )
 from kvpool.errors import ConfigError
-from kvpool.security.tls import TLSConfig
 
 __all__ = [
     "ENGINE_PROTOCOLS",
@@ -93,13 +92,6 @@ class NodeConfig:
     source: str = ""  # where it came from, for messages ("" when built in code)
     #: HA masters (a list, or etcd://), as kvpool.config.masters reads them; "": one
     masters: str = ""
-
-    @property
-    def tls(self) -> TLSConfig:
-        """The TLS settings (off unless one of tls_cert/tls_key/tls_ca is set; else the
-        KVPOOL_TLS_* environment)."""
-        mine = TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, prefix="tls_")
-        return mine if mine.enabled else TLSConfig.from_env()
 
     @property
     def master_address(self) -> str:

@@ -61,6 +61,9 @@ TRANSFER_TIMEOUT_VARS = (
     "KVPOOL_TRANSFER_TIMEOUT",
     "ASCEND_TRANSFER_TIMEOUT",
 )
+#: a connector's "insecure": true from the environment; kvpool.security.secret names it too
+#: (config reads no security; tests/security/test_package.py holds both equal)
+ENV_INSECURE = "KVPOOL_INSECURE"
 
 
 # --------------------------------------------------------------------------- sizes

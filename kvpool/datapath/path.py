@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from typing import Literal
 
 from kvpool.closing import Closing
-from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.shm import ShmConnection, host_token
 from kvpool.errors import KVPoolError, PoolError
+from kvpool.security.peer import PLAIN_PEER, PeerSettings
 from kvpool.storage.buffers import byte_view
 from kvpool.storage.checksum import checksum
 

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvpool.closing import Closing
-from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.datapath import framing
 from kvpool.datapath.channel import Channel, reply_spin_us
 from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp, WriteOp
@@ -40,6 +39,7 @@ from kvpool.protocol.data import (
     SsdRead,
     SsdRemove,
 )
+from kvpool.security.peer import PLAIN_PEER, PeerSettings
 from kvpool.security.socket_auth import authenticate
 from kvpool.security.socket_tls import wrap_client
 from kvpool.storage.buffers import byte_view, writable_byte_view

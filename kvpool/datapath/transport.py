@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvpool.config.peer import PLAIN_PEER, PeerSettings
 from kvpool.datapath.data_ops import DataPath
 from kvpool.datapath.path import NodeDataPath
 from kvpool.errors import ConfigError
 from kvpool.net import split_address
+from kvpool.security.peer import PLAIN_PEER, PeerSettings
 
 __all__ = [
     "TRANSPORTS",

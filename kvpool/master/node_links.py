@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 
 from kvpool.closing import Closing
-from kvpool.config.peer import PeerSettings
 from kvpool.core.index import Demote
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import KVPoolError
+from kvpool.security.peer import PeerSettings
 
 __all__ = ["NodeLinks"]
 

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, cast
 from aiohttp import web
 
 from kvpool.config import MasterConfig
-from kvpool.config.peer import ServeSettings
 from kvpool.core.index import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
@@ -40,8 +39,9 @@ from kvpool.protocol.messages import MASTER_REPLY_CODEC, MasterReply, MasterRequ
 from kvpool.security.credentials import Credential
 from kvpool.security.handshake import AUTH_MAGIC, Identity
 from kvpool.security.master_handshake import AuthProtocol, Owners, no_secret_refusal, plain_refusal
+from kvpool.security.peer import ServeSettings
 from kvpool.security.secret import load_credential, require_credential
-from kvpool.security.tls import ENV_CA
+from kvpool.security.tls import ENV_CA, TLSConfig
 from kvpool.tenancy.master import TenantMaster, parse_tenant_quotas
 
 __all__ = ["RPC_BUFFER_LIMIT", "RPC_REQUEST_CODEC", "MasterServer", "RpcBuffers", "run_master"]
@@ -468,11 +468,12 @@ class MasterServer:
             self.tenancy.book.set_quota(tenant, quota)
         self.tenancy.credential = self.credential  # the grants' key
         # TLS (off unless --tls_* are set): files checked before anything binds
-        self.tls = cfg.tls.server_context()
+        tls = TLSConfig(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, prefix="--tls_")
+        self.tls = tls.server_context()
         if cfg.kv_events_endpoint:  # a bad endpoint fails here, before anything is served
             self.service.kv_events = self._kv_events(cfg)
         # dialling nodes (copies, demotions) verifies them with --tls_ca, else KVPOOL_TLS_CA
-        dial = cfg.tls
+        dial = tls
         if not dial.ca and os.environ.get(ENV_CA):
             dial = dataclasses.replace(dial, ca=os.environ[ENV_CA])
         links = self.service.node_copies.links

@@ -20,12 +20,13 @@ from pathlib import Path
 
 from kvpool.client.client import Client
 from kvpool.config import NodeConfig
-from kvpool.config.peer import ServeSettings
 from kvpool.errors import ConfigError, KVPoolError, UnknownClient
 from kvpool.node.storage import LocalStorage, RestoreEntry, restore_in_batches
 from kvpool.protocol import messages as m
 from kvpool.security.credentials import Credential
+from kvpool.security.peer import ServeSettings
 from kvpool.security.secret import load_credential, require_credential
+from kvpool.security.tls import TLSConfig
 from kvpool.storage.checksum import checksum
 
 __all__ = ["NodeService", "node_id", "run_node"]
@@ -113,7 +114,10 @@ class NodeService:
                     "node id (node-<name>); make one for node-<name>"
                 )
             self.client_id = credential.node_id  # the credential is this id's, and only its
-        tls = config.tls  # off unless tls_* (or KVPOOL_TLS_*) are set
+        # off unless tls_* (or KVPOOL_TLS_*) are set
+        tls = TLSConfig(config.tls_cert, config.tls_key, config.tls_ca, prefix="tls_")
+        if not tls.enabled:
+            tls = TLSConfig.from_env()
         self.storage = LocalStorage(
             self.client_id,
             config.global_segment_size,

@@ -12,11 +12,11 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvpool.config.peer import PLAIN_SERVE, ServeSettings
 from kvpool.core.index import Demote
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.datapath.shm import host_token
 from kvpool.errors import ChecksumMismatch, ConfigError, KVPoolError, NoSpace, ProtocolError
+from kvpool.security.peer import PLAIN_SERVE, ServeSettings
 from kvpool.storage.pages import Warmth
 from kvpool.storage.segment import SHM_DIR, Segment, remove_stale_segments
 from kvpool.storage.ssd import SsdStore

@@ -5,6 +5,6 @@ Without I/O: :mod:`.credentials` (the cluster secret, the keys derived from it, 
 server's side fed bytes).  Over sockets: :mod:`.socket_auth` (blocking), :mod:`.kv_port`
 (the prefill's ``kv_port``), :mod:`.master_handshake` (the master's event loop).
 :mod:`.secret` finds a process's credential; :mod:`.tls` turns TLS settings into ``ssl``
-contexts and :mod:`.socket_tls` wraps blocking sockets with them.  Nothing is imported
-here, so importing one module never imports the others.
+contexts, :mod:`.socket_tls` wraps blocking sockets with them, :mod:`.peer` hands both to
+each link and data port.  Nothing is imported here: one module never imports the others.
 """

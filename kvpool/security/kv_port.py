@@ -1,6 +1,6 @@
 """Credentials on the prefill's ``kv_port``: the pool's handshake, for both transports.
 
-With a credential (:func:`kvpool.config.kv_transfer.connector_credential`), every
+With a credential (:func:`kvpool.security.secret.connector_credential`), every
 connection to a P rank's ``kv_port`` opens with the handshake of
 :mod:`kvpool.security.handshake` (the same one as the master's and the nodes' ports), D
 proving the cluster's client key; after it the connection speaks the pull protocol

@@ -18,6 +18,7 @@ __all__ = [
     "ENV_INSECURE",
     "ENV_SECRET",
     "ENV_SECRET_FILE",
+    "connector_credential",
     "is_loopback",
     "load_credential",
     "operator_headers",
@@ -27,7 +28,8 @@ __all__ = [
 
 ENV_SECRET_FILE = "KVPOOL_SECRET_FILE"
 ENV_SECRET = "KVPOOL_SECRET"
-#: a connector's "insecure": true from the environment (kvpool.config.kv_transfer)
+#: a connector's "insecure": true from the environment (kvpool.config.kv_transfer, which
+#: names it too: security reads no config; tests/security/test_package.py holds both equal)
 ENV_INSECURE = "KVPOOL_INSECURE"
 
 
@@ -78,6 +80,14 @@ def load_credential(secret_file: str, env: Mapping[str, str], *, key: str) -> Cr
     if env.get(ENV_SECRET):
         return Credential.parse(env[ENV_SECRET], ENV_SECRET)
     return None
+
+
+def connector_credential(secret_file: str, env: Mapping[str, str]) -> Credential | None:
+    """The credential of a connector's connections, found as every kvpool process finds
+    its own: the node config's ``secret_file``, else ``KVPOOL_SECRET_FILE``, else
+    ``KVPOOL_SECRET``; None when none is configured.  Both connectors use it (the
+    transfer connector's ``kv_port``; the store connector's pool handle)."""
+    return load_credential(secret_file, env, key="secret_file")
 
 
 def operator_headers(env: Mapping[str, str]) -> dict[str, str]:

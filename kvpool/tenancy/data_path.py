@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from msgspec import structs
 
 from kvpool.closing import Closing
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import DataOp, OpResult, SsdReadOp, WriteOp
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import PoolError
 from kvpool.net import split_address
 from kvpool.security.credentials import Credential
+from kvpool.security.peer import PeerSettings
 from kvpool.tenancy.book import scoped
 from kvpool.tenancy.grants import GRANT_SEP as _SEP
 

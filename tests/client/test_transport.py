@@ -8,7 +8,6 @@ from collections.abc import Sequence
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import DataOp, OpResult, ReadOp, SsdReadOp
 from kvpool.datapath.in_process import InProcessTransport
 from kvpool.datapath.transport import (
@@ -19,6 +18,7 @@ from kvpool.datapath.transport import (
 )
 from kvpool.embedded import EmbeddedPool, InProcessMaster
 from kvpool.errors import ConfigError, TransferError
+from kvpool.security.peer import PeerSettings
 from kvpool.testing.processes import PoolProcess
 
 

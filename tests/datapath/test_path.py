@@ -3,12 +3,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import DataOp, ReadOp, SsdReadOp, WriteOp, sole_result
 from kvpool.datapath.path import NodeDataPath
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.datapath.shm import host_token
 from kvpool.errors import ObjectNotFound, UnknownSegment
+from kvpool.security.peer import PeerSettings
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath import framing
 from kvpool.datapath.data_ops import (
     read,
@@ -46,6 +45,7 @@ from kvpool.protocol.data import (
     SegmentReadMany,
     SegmentWrite,
 )
+from kvpool.security.peer import PeerSettings
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore, object_path
 from tests.threads import run_threads

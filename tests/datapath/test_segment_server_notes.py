@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read_checked, read_many_checked, write, write_many
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import UnknownSegment
 from kvpool.protocol.data import Error, SegmentWriteMany
 from kvpool.security.credentials import Credential
+from kvpool.security.peer import PeerSettings
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
 from kvpool.tenancy.grants import tenant_check

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read, read_into, write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import AuthError, PeerTimeout
 from kvpool.protocol.data import DATA_REQUEST_CODEC, SegmentRead
 from kvpool.security.credentials import Credential
+from kvpool.security.peer import PeerSettings
 from kvpool.security.tls import TLSConfig
 from kvpool.storage.segment import Segment
 from tests.datapath.test_segment_server import batch_round_trip

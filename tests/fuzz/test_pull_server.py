@@ -16,12 +16,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.config.peer import PeerSettings
 from kvpool.connectors.transfer.jobs import HoldJob, TransferJobs
 from kvpool.connectors.transfer.tcp import TcpPullTransport
 from kvpool.connectors.transfer.worker import TransferWorker
 from kvpool.datapath.framing import deadline_after
 from kvpool.protocol.pull import PULL_REPLY_CODEC, PULL_REQUEST_CODEC, Pull, PullDone
+from kvpool.security.peer import PeerSettings
 from tests.connectors.transfer.helpers import BLOCK, LAYERS, ROW, caches, config, free_port, start
 from tests.fuzz.frames import FUZZ_SOCKET, mutated_frames
 from tests.fuzz.peer import Failures, decode_replies, send_and_close, send_and_read

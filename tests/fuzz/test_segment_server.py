@@ -18,13 +18,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read, ssd_read_into, write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.datapath.shm import host_token
 from kvpool.protocol.codec import DEFAULT_MAX_PAYLOAD
 from kvpool.protocol.data import DATA_REPLY_CODEC, DATA_REQUEST_CODEC, Error, SegmentWrite
+from kvpool.security.peer import PeerSettings
 from kvpool.storage.checksum import checksum
 from kvpool.storage.segment import Segment
 from kvpool.storage.ssd import SsdStore

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read_into
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import AuthError
@@ -21,6 +20,7 @@ from kvpool.protocol import messages as m
 from kvpool.protocol.codec import HEADER_SIZE
 from kvpool.protocol.data import DATA_REPLY_CODEC, DATA_REQUEST_CODEC, Error, SegmentRead
 from kvpool.security.credentials import Credential
+from kvpool.security.peer import PeerSettings
 from kvpool.testing.processes import start_master
 from tests.master.auth_pool import SECRET, WRONG, SecuredPool, secret_file, secured_pool
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read, ssd_read_into, write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import AuthError, ObjectNotFound, QuotaExceeded, StaleWrite
 from kvpool.net import http_get, split_address
 from kvpool.protocol import messages as m
 from kvpool.security.credentials import Credential
+from kvpool.security.peer import PeerSettings
 from tests.master.auth_pool import SECRET, SecuredPool, secured_pool
 
 CLUSTER = Credential.parse(SECRET, "k")

@@ -32,3 +32,12 @@ def test_security_reads_neither_datapath_nor_config() -> None:
     for path in sorted(PACKAGE.glob("*.py")):
         above = {m for m in _imports(path.stem) if under(m, {"kvpool.datapath", "kvpool.config"})}
         assert not above, f"{path.name} imports {sorted(above)}"
+
+
+def test_the_insecure_variable_is_named_alike_on_both_sides() -> None:
+    # config and security read each other's modules in neither direction, so each names
+    # the variable a connector's "insecure" comes from.
+    from kvpool.config.values import ENV_INSECURE as CONFIG_SIDE
+    from kvpool.security.secret import ENV_INSECURE
+
+    assert CONFIG_SIDE == ENV_INSECURE == "KVPOOL_INSECURE"

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from kvpool.config.peer import PeerSettings
 from kvpool.datapath.data_ops import read, write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.errors import AuthError
 from kvpool.security.credentials import Credential, make_grant, tenant_data_key
+from kvpool.security.peer import PeerSettings
 from kvpool.storage.segment import Segment
 from kvpool.tenancy.grants import tenant_check
 

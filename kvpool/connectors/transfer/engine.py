@@ -16,7 +16,6 @@ import numpy as np
 
 from kvpool.closing import Closing
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
-from kvpool.config.peer import PeerSettings
 from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.connectors.transfer.pull_port import PullPort
 from kvpool.connectors.transfer.transport import PullHandler
@@ -31,6 +30,7 @@ from kvpool.protocol.engine_pull import (
     Unread,
 )
 from kvpool.protocol.pull import Done, Pull, PullDone, Refused
+from kvpool.security.peer import PeerSettings
 
 __all__ = ["EngineLink", "EngineTransport"]
 

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
-from kvpool.config.peer import PeerSettings
 from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
 from kvpool.datapath.framing import (
     BadRequest,
@@ -28,6 +27,7 @@ from kvpool.protocol.codec import Codec
 from kvpool.protocol.pull import Done, Pull, PullDone, Refused
 from kvpool.security.admission import Admission
 from kvpool.security.kv_port import decode_admission, open_to_prefill
+from kvpool.security.peer import PeerSettings
 
 __all__ = ["ACCEPT_POLL_S", "IDLE_S", "MovePages", "PullPort"]
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Sequence
 
 from kvpool.closing import Closing
-from kvpool.config.peer import PeerSettings
 from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.connectors.transfer.pull_port import PullPort
 from kvpool.connectors.transfer.transport import PullHandler
@@ -27,6 +26,7 @@ from kvpool.protocol.pull import (
     PullDone,
     Refused,
 )
+from kvpool.security.peer import PeerSettings
 
 __all__ = ["TcpPullLink", "TcpPullTransport"]
 

@@ -11,11 +11,11 @@ from typing import Protocol
 
 from kvpool.config.fabrics import ENGINE_PROTOCOLS, TRANSPORT_ENGINE, TRANSPORT_KVPOOL
 from kvpool.config.kv_transfer import TransferConfig
-from kvpool.config.peer import PeerSettings
 from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.errors import ConfigError, TransferError
 from kvpool.protocol.pull import Pull, PullDone
 from kvpool.security.credentials import Credential
+from kvpool.security.peer import PeerSettings
 
 __all__ = [
     "TRANSPORTS",

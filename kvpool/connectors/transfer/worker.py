@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig, connector_credential
+from kvpool.config.kv_transfer import TRANSFER_CONNECTOR, TransferConfig
 from kvpool.config.topology import expected_pullers, local_heads, plan_pulls, rank_port
 from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.connectors.transfer.jobs import RecvJob, ReleaseJob, TransferJobs
@@ -33,6 +33,7 @@ from kvpool.datapath.framing import deadline_after
 from kvpool.errors import ConfigError, KVPoolError, TransferError
 from kvpool.protocol.pull import Pull, PullDone
 from kvpool.security.kv_port import require_pull_credential
+from kvpool.security.secret import connector_credential
 
 __all__ = ["RankInfo", "TransferResults", "TransferWorker"]
 

@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
-from kvpool.config.kv_transfer import TransferConfig, connector_credential
+from kvpool.config.kv_transfer import TransferConfig
 from kvpool.config.node import load_any_node_config
 from kvpool.config.topology import Topology
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 from kvpool.errors import ConfigError
 from kvpool.security.credentials import Credential
+from kvpool.security.secret import connector_credential
 from tests.connectors.transfer import auth_scenarios, scenarios
 from tests.connectors.transfer.helpers import POLL_S, Run, on_transport
 

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from kvpool.config.kv_transfer import TransferConfig
-from kvpool.config.peer import PeerSettings
 from kvpool.connectors.pages import PagedCaches
 from kvpool.connectors.transfer.engine import EngineTransport
 from kvpool.connectors.transfer.jobs import HoldJob, ReleaseJob, TransferJobs
@@ -31,6 +30,7 @@ from kvpool.connectors.transfer.transport import (
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 from kvpool.errors import ConfigError, TransferError
 from kvpool.protocol.pull import PULL_REPLY_CODEC, PULL_REQUEST_CODEC, Pull, PullDone
+from kvpool.security.peer import PeerSettings
 from tests.connectors.transfer.helpers import LAYERS, caches, config, recv_job, wait_results
 
 
