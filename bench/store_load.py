@@ -82,8 +82,8 @@ def _open(engine: str, capacity: int, stack: Any) -> Any:
 
         proc = stack.enter_context(start_master("--segment_size", str(capacity)))
         return MasterEngine.connect(proc.address, timeout_s=10)
-    from kvpool.config.node import parse_mooncake_config
     from kvpool.mooncake.engine import MooncakeEngine
+    from kvpool.mooncake.settings import parse_mooncake_config
 
     config = {
         "local_hostname": "127.0.0.1",

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.config.node import MooncakeNodeConfig, NodeConfig
+from kvpool.config.node import AnyNodeConfig, NodeConfig
 from kvpool.config.topology import MAX_PORT, Topology, parse_topology
 from kvpool.config.values import (
     CONNECT_TIMEOUT_VARS,
@@ -143,7 +143,7 @@ def parse_store_config(
     extra: Mapping[str, Any] | None,
     *,
     env: Mapping[str, str],
-    load_node: Callable[[], NodeConfig | MooncakeNodeConfig],
+    load_node: Callable[[], AnyNodeConfig],
 ) -> StoreConfig:
     """Validate the connector's settings.  ``load_node`` reads the node config (mooncake.json)
     and is called only when the backend needs a master and none is given explicitly."""
@@ -343,7 +343,7 @@ class TransferConfig:
         engine_id: str | None,
         extra: Mapping[str, Any],
         env: Mapping[str, str],
-        node: NodeConfig | MooncakeNodeConfig | None = None,
+        node: AnyNodeConfig | None = None,
     ) -> TransferConfig:
         """Build from vLLM's ``KVTransferConfig`` fields, ``os.environ`` and the node config
         (``mooncake.json``: its ``local_hostname``, ``protocol`` and timeouts) if given.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvpool.config.values import parse_host_port
 from kvpool.errors import ConfigError
 
-__all__ = ["ETCD_SCHEME", "Masters", "parse_masters", "parse_mooncake_master"]
+__all__ = ["ETCD_SCHEME", "Masters", "parse_address_list", "parse_masters"]
 
 ETCD_SCHEME = "etcd://"
 
@@ -40,7 +40,9 @@ class Masters:
         return ",".join(self.addresses)
 
 
-def _addresses(text: str, key: str, example: str) -> tuple[str, ...]:
+def parse_address_list(text: str, key: str, example: str) -> tuple[str, ...]:
+    """``host:port,host:port...`` as a tuple, IPv6 hosts bracketed (ConfigError naming
+    ``key``, with ``example``, on a malformed or empty one)."""
     out = []
     for part in text.split(","):
         part = part.strip()
@@ -65,34 +67,11 @@ def parse_masters(text: str, *, key: str) -> Masters:
         cluster = cluster.strip("/") or "kvpool"
         if "/" in cluster:
             raise ConfigError(f"{key}: {text!r}: the cluster id after the hosts has no '/'")
-        return Masters(etcd=_addresses(hosts, key, "etcd://10.0.0.5:2379"), cluster_id=cluster)
+        etcd = parse_address_list(hosts, key, "etcd://10.0.0.5:2379")
+        return Masters(etcd=etcd, cluster_id=cluster)
     if "://" in text:
         raise ConfigError(
             f"{key}: {text!r}: the only scheme is etcd:// (etcd://host:2379[/cluster_id]); "
             "masters are host:port[,host:port...]"
         )
-    return Masters(addresses=_addresses(text, key, "10.0.0.1:50051,10.0.0.2:50051"))
-
-
-def parse_mooncake_master(text: str, *, key: str) -> tuple[str, ...]:
-    """A Mooncake ``master_server_address``: ``host:port`` → ``()``, or Mooncake's HA form
-    ``etcd://host:port[;host:port...]`` (``,`` also separates, as Mooncake's etcd client
-    reads it) → its etcd endpoints.  The address goes to Mooncake's client unchanged, so
-    anything it would misread is refused here, naming ``key``."""
-    text = text.strip()
-    if not text.startswith(ETCD_SCHEME):
-        if "://" in text:
-            raise ConfigError(
-                f"{key}: {text!r}: kvpool's Mooncake engine takes mooncake_master's RPC"
-                " address host:port, or etcd://host:port[;host:port...] for masters started"
-                " with --enable_ha --etcd_endpoints"
-            )
-        parse_host_port(text, key=key)
-        return ()
-    rest = text[len(ETCD_SCHEME) :]
-    if "/" in rest:
-        raise ConfigError(
-            f"{key}: {text!r}: Mooncake's client takes no cluster id in the address; set"
-            " MC_STORE_CLUSTER_ID to the masters' --cluster_id (default mooncake_cluster)"
-        )
-    return _addresses(rest.replace(";", ","), key, "etcd://10.0.0.5:2379;10.0.0.6:2379")
+    return Masters(addresses=parse_address_list(text, key, "10.0.0.1:50051,10.0.0.2:50051"))

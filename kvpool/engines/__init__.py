@@ -16,7 +16,7 @@ from kvpool.errors import ConfigError
 from kvpool.named import resolve
 
 if TYPE_CHECKING:
-    from kvpool.config.node import MooncakeNodeConfig
+    from kvpool.config.node import AnyNodeConfig
 
 __all__ = [
     "ENGINES",
@@ -47,7 +47,7 @@ def open_engine(
     master: str = "",
     timeout_s: float = 10.0,
     capacity: int = _DEFAULT_EMBEDDED_CAPACITY,
-    mooncake: MooncakeNodeConfig | None = None,
+    mooncake: AnyNodeConfig | None = None,
     replica_num: int = 0,
 ) -> PoolEngine:
     """A new engine: ``"kvpool"`` connects to ``master`` (host:port; each call waits at most

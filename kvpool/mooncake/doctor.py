@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.config.node import MooncakeNodeConfig
 from kvpool.mooncake.ha import MooncakeHA, describe
 from kvpool.mooncake.master import MooncakeMasterFacts
+from kvpool.mooncake.settings import MooncakeNodeConfig
 
 __all__ = [
     "MOONCAKE_RPC_PORT",

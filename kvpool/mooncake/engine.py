@@ -10,13 +10,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.config.masters import parse_mooncake_master
-from kvpool.config.node import MooncakeNodeConfig
+from kvpool.config.node import read_node_json
 from kvpool.engines.base import MISS, check_batch
 from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
 from kvpool.mooncake.buffers import Registered, Staging
 from kvpool.mooncake.ha import CLUSTER_ENV, cluster_id, master_view_key, read_master_view
 from kvpool.mooncake.parts import HEADER_SIZE, Layout
+from kvpool.mooncake.settings import (
+    MooncakeNodeConfig,
+    parse_mooncake_config,
+    parse_mooncake_master,
+)
 from kvpool.mooncake.wheel import INSTALL_HINT
 from kvpool.net import http_get, split_address
 
@@ -63,8 +67,6 @@ def open_mooncake_engine(
     """:func:`kvpool.engines.open_engine`'s ``"mooncake"``: Mooncake Store as ``mooncake``
     says (default: the node config that KVPOOL_CONFIG_PATH / MOONCAKE_CONFIG_PATH names)."""
     if mooncake is None:
-        from kvpool.config.node import parse_mooncake_config, read_node_json
-
         data, source = read_node_json()
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object")
@@ -81,7 +83,7 @@ class MooncakeEngine:
     comes from the optional ``mooncake`` extra (``pip install 'kvpool[mooncake]'``; the
     non-CUDA wheel here, the CUDA or NPU wheel on a real cluster).  Configured from the
     ``mooncake.json`` Mooncake and vllm-ascend write
-    (:class:`~kvpool.config.node.MooncakeNodeConfig`).
+    (:class:`~kvpool.mooncake.settings.MooncakeNodeConfig`).
 
     How the adapter keeps :mod:`kvpool.engines.base`'s rules on Mooncake:
 

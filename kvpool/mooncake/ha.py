@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from kvpool.config.masters import ETCD_SCHEME, parse_mooncake_master
+from kvpool.config.masters import ETCD_SCHEME
 from kvpool.errors import ConfigError, KVPoolError, TransferError
 from kvpool.ha.etcd import Etcd, parse_endpoints
 from kvpool.mooncake.master import (
@@ -23,6 +23,7 @@ from kvpool.mooncake.master import (
     find_mooncake_master,
     render_mooncake,
 )
+from kvpool.mooncake.settings import parse_mooncake_master
 from kvpool.net import http_get, split_address
 
 __all__ = [

@@ -22,7 +22,7 @@ from rich.text import Text
 
 from kvpool.config import config_path_from_env, load_node_config
 from kvpool.config.masters import ETCD_SCHEME, parse_masters
-from kvpool.config.node import node_engine, parse_mooncake_config, read_node_json
+from kvpool.config.node import node_engine, read_node_json
 from kvpool.errors import (
     AuthError,
     ConfigError,
@@ -35,6 +35,7 @@ from kvpool.ha.campaign import ClusterKeys
 from kvpool.ha.etcd import Etcd, parse_endpoints
 from kvpool.mooncake.ha import MooncakeHA, leadership_or_none, render_leadership
 from kvpool.mooncake.master import MooncakeMasterFacts, find_mooncake_master, render_mooncake
+from kvpool.mooncake.settings import parse_mooncake_config
 from kvpool.net import DEFAULT_MASTER_PORT, http_get, master_scheme
 from kvpool.security.secret import operator_headers
 

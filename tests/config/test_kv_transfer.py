@@ -6,9 +6,9 @@ import pytest
 
 from kvpool.config import NodeConfig, Timeouts
 from kvpool.config.kv_transfer import TransferConfig, pairing_group
-from kvpool.config.node import MooncakeNodeConfig
 from kvpool.config.topology import Topology
 from kvpool.errors import ConfigError
+from kvpool.mooncake.settings import MooncakeNodeConfig
 
 GUIDE_EXTRA = {"prefill": {"dp_size": 4, "tp_size": 8}, "decode": {"dp_size": 8, "tp_size": 4}}
 

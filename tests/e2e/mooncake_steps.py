@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.config.node import MooncakeNodeConfig, load_any_node_config
 from kvpool.connectors.store.pool import EmbeddedPools
 from kvpool.engines import open_engine
 from kvpool.errors import KVPoolError
+from kvpool.mooncake.settings import MooncakeNodeConfig, load_any_node_config
 from kvpool.net import http_get
 
 __all__ = ["Recorder", "damage", "install", "master_metrics"]

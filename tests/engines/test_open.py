@@ -32,8 +32,8 @@ def test_the_contract_suite_covers_every_engine() -> None:
 
 
 def test_open_engine_opens_mooncake_from_its_config() -> None:
-    from kvpool.config.node import parse_mooncake_config
     from kvpool.mooncake.engine import MooncakeEngine
+    from kvpool.mooncake.settings import parse_mooncake_config
 
     config = parse_mooncake_config(
         {

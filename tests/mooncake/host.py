@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpool.config.node import parse_mooncake_config
 from kvpool.connectors.store.plan import LoadSpec, SaveSpec, StorePlan
 from kvpool.errors import KVPoolError
 from kvpool.mooncake.engine import HEADER_SIZE, MooncakeEngine
+from kvpool.mooncake.settings import parse_mooncake_config
 from kvpool.storage.buffers import byte_view, writable_byte_view
 from kvpool.testing.mooncake import Namespace, Ref
 
@@ -37,8 +37,8 @@ def open_store_pool(config: dict[str, Any], path: str, *, lookups: bool = False)
     import os
 
     from kvpool.config.kv_transfer import parse_store_config
-    from kvpool.config.node import load_any_node_config
     from kvpool.connectors.store.pool import open_pool
+    from kvpool.mooncake.settings import load_any_node_config
 
     with open(path, "w") as out:
         json.dump(config, out)

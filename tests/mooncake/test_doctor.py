@@ -16,9 +16,9 @@ from kvpool.config.master import (
     parse_duration_ms,
     parse_master_command,
 )
-from kvpool.config.node import parse_mooncake_config
 from kvpool.errors import ConfigError
 from kvpool.mooncake.doctor import config_findings
+from kvpool.mooncake.settings import parse_mooncake_config
 from kvpool.ops.doctor import DoctorOptions, run_doctor
 from kvpool.ops.doctor.checks import Check, Status, as_checks
 from kvpool.ops.doctor.probes import rdma_devices

@@ -11,15 +11,11 @@ from pathlib import Path
 import pytest
 
 from kvpool.config.kv_transfer import StoreConfig, parse_store_config
-from kvpool.config.node import (
-    load_any_node_config,
-    node_engine,
-    parse_mooncake_config,
-    parse_node_config,
-)
+from kvpool.config.node import node_engine, parse_node_config
 from kvpool.errors import ConfigError, NoSpace, TransferError
 from kvpool.mooncake.engine import put_error
 from kvpool.mooncake.parts import HEADER_SIZE, pack_header, unpack_payload
+from kvpool.mooncake.settings import load_any_node_config, parse_mooncake_config
 from kvpool.ops.status import default_master
 from kvpool.testing.mooncake import Namespace
 from tests.mooncake.host import mooncake_json

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.config.node import node_engine, parse_mooncake_config
+from kvpool.config.node import node_engine
 from kvpool.engines.base import MISS
 from kvpool.errors import ConfigError
 from kvpool.mooncake.doctor import leadership_finding
@@ -37,6 +37,7 @@ from kvpool.mooncake.ha import (
     master_view_key,
     read_master_view,
 )
+from kvpool.mooncake.settings import parse_mooncake_config
 from kvpool.ops.doctor import DoctorOptions
 from kvpool.testing.mooncake import Namespace
 from tests.docs.blocks import doc_block

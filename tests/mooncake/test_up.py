@@ -18,8 +18,9 @@ import pytest
 from rich.console import Console
 
 from kvpool.cli import build_parser
-from kvpool.config.node import node_engine, parse_mooncake_config
+from kvpool.config.node import node_engine
 from kvpool.errors import ConfigError
+from kvpool.mooncake.settings import parse_mooncake_config
 from kvpool.mooncake.up import GUIDE_FLAGS
 from kvpool.mooncake.wheel import master_binary
 from kvpool.net import http_get

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from kvpool.config import MasterConfig, Topology, load_node_config
-from kvpool.config.node import node_engine, parse_mooncake_config
+from kvpool.config.node import node_engine
 from kvpool.errors import ConfigError
+from kvpool.mooncake.settings import parse_mooncake_config
 from kvpool.ops.doctor import DoctorOptions, format_text, run_doctor
 from kvpool.ops.doctor.checks import Status
 from kvpool.ops.kvconfig import parse_kv_transfer_text, parse_vllm_command

@@ -25,7 +25,6 @@ from kvpool.config.kv_transfer import (
     check_put_back,
     parse_store_config,
 )
-from kvpool.config.node import load_any_node_config
 from kvpool.connectors.stats import CounterStatsHooks, register_connector
 from kvpool.connectors.store import hybrid
 from kvpool.connectors.store.groups import CacheGroups, HeadGroups
@@ -42,6 +41,7 @@ from kvpool.connectors.vllm_compat import HIT_SOURCE_HOST, ConnectorHooks
 from kvpool.core.keys import KeyNamespace
 from kvpool.engines import PoolEngine, PoolLookups
 from kvpool.errors import ConfigError
+from kvpool.mooncake.settings import load_any_node_config
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -13,9 +13,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from kvpool.config.kv_transfer import StoreConfig
-from kvpool.config.node import MooncakeNodeConfig, config_path_from_env, load_any_node_config
+from kvpool.config.node import config_path_from_env
 from kvpool.engines import PoolEngine, PoolLookups, open_engine
 from kvpool.errors import ChecksumMismatch, KVPoolError, PoolError, TransferError
+from kvpool.mooncake.settings import MooncakeNodeConfig, load_any_node_config
 
 __all__ = ["ENGINE_OF_BACKEND", "EmbeddedPools", "PoolHandle", "is_outage", "open_pool"]
 

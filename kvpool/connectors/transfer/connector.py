@@ -26,7 +26,6 @@ from kvpool.config import (
     TransferConfig,
     config_path_from_env,
 )
-from kvpool.config.node import MooncakeNodeConfig, load_any_node_config
 from kvpool.connectors.pages import CacheSet, byte_pages
 from kvpool.connectors.stats import CounterStatsHooks, register_connector
 from kvpool.connectors.transfer.jobs import TransferJobs
@@ -34,6 +33,7 @@ from kvpool.connectors.transfer.scheduler import TransferScheduler
 from kvpool.connectors.transfer.stats import KVPoolTransferPromMetrics, KVPoolTransferStats
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 from kvpool.connectors.vllm_compat import HIT_SOURCE_P2P, ConnectorHooks
+from kvpool.mooncake.settings import MooncakeNodeConfig, load_any_node_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

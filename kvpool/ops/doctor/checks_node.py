@@ -14,10 +14,10 @@ from kvpool.config import (
     MasterConfig,
     NodeConfig,
 )
-from kvpool.config.node import MooncakeNodeConfig
 from kvpool.mooncake import doctor as mooncake_doctor
 from kvpool.mooncake.doctor import MOONCAKE_RPC_PORT
 from kvpool.mooncake.master import MooncakeMasterFacts
+from kvpool.mooncake.settings import MooncakeNodeConfig
 from kvpool.net import split_address
 from kvpool.ops.doctor.checks import Check, as_checks, fail, pass_, skip, warn
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from kvpool.config import NodeConfig, TransferConfig, parse_store_config
-from kvpool.config.node import MooncakeNodeConfig
 from kvpool.errors import ConfigError
+from kvpool.mooncake.settings import MooncakeNodeConfig
 from kvpool.ops.doctor.checks import Check, fail, pass_, warn
 from kvpool.ops.doctor.checks_connector import Side
 from kvpool.ops.kvconfig import KVPOOL_CONNECTORS, ConnectorSpec

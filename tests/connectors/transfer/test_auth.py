@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from kvpool.config.kv_transfer import TransferConfig
-from kvpool.config.node import load_any_node_config
 from kvpool.config.topology import Topology
 from kvpool.connectors.transfer.worker import RankInfo, TransferWorker
 from kvpool.errors import ConfigError
+from kvpool.mooncake.settings import load_any_node_config
 from kvpool.security.credentials import Credential
 from kvpool.security.secret import connector_credential
 from tests.connectors.transfer import auth_scenarios, scenarios
