@@ -10,14 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.config.master import (
-    MOONCAKE_MASTER_DEFAULTS,
-    MasterConfig,
-    parse_duration_ms,
-    parse_master_command,
-)
+from kvpool.config.master import MasterConfig, parse_duration_ms
 from kvpool.errors import ConfigError
 from kvpool.mooncake.doctor import config_findings
+from kvpool.mooncake.master_flags import MOONCAKE_MASTER_DEFAULTS, parse_master_command
 from kvpool.mooncake.settings import parse_mooncake_config
 from kvpool.ops.doctor import DoctorOptions, run_doctor
 from kvpool.ops.doctor.checks import Check, Status, as_checks

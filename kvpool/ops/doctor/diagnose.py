@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.config import MasterConfig, NodeConfig, Timeouts
-from kvpool.config.master import MOONCAKE_MASTER_DEFAULTS
 from kvpool.mooncake import doctor as mooncake_doctor
+from kvpool.mooncake.master_flags import MOONCAKE_MASTER_DEFAULTS
 from kvpool.ops.doctor.checks import Check, as_checks, skip
 from kvpool.ops.doctor.checks_connector import Side, connector_checks
 from kvpool.ops.doctor.checks_host import (

@@ -21,11 +21,11 @@ from kvpool.config import (
     env_lookup,
     parse_timeouts,
 )
-from kvpool.config.master import parse_master_command
 from kvpool.config.masters import ETCD_SCHEME, parse_masters
 from kvpool.config.vllm_versions import installed_vllm_version
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.mooncake.ha import leadership_or_none
+from kvpool.mooncake.master_flags import parse_master_command
 from kvpool.mooncake.settings import MooncakeNodeConfig, load_any_node_config
 from kvpool.net import split_address
 from kvpool.ops.doctor import probes

@@ -20,8 +20,8 @@ from kvpool.config import (
     parse_size,
 )
 from kvpool.config.fabrics import ENGINE_PROTOCOLS
-from kvpool.config.master import MOONCAKE_MASTER_FIELDS
 from kvpool.errors import ConfigError
+from kvpool.mooncake.master_flags import MOONCAKE_MASTER_FIELDS
 from kvpool.security.secret import is_loopback
 
 __all__ = ["ENGINES", "Host", "Inventory", "load_inventory", "parse_inventory"]
