@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -23,6 +22,7 @@ from kvpool.errors import (
     ProtocolError,
     TransferError,
 )
+from kvpool.named import resolve
 from kvpool.net import split_address
 from kvpool.protocol import messages as m
 from kvpool.protocol.data import Error
@@ -30,55 +30,39 @@ from kvpool.security.peer import PLAIN_PEER, PeerSettings
 from kvpool.security.socket_auth import authenticate
 from kvpool.security.socket_tls import speaks_tls, tls_required, wrap_client
 
-__all__ = ["CLOSE_SETTLE_S", "MasterLink", "TcpMasterLink", "mooncake_answers", "wrong_engine"]
+__all__ = [
+    "CLOSE_SETTLE_S",
+    "FOREIGN_MASTERS",
+    "MasterLink",
+    "TcpMasterLink",
+    "foreign_master",
+]
 
 log = logging.getLogger("kvpool.client")
 
 #: how long a closing link waits for the replies it is owed
 CLOSE_SETTLE_S = 1.0
 
-# coro_rpc (yalantinglibs, what mooncake_master serves on --rpc_port): a request header is
-# magic 21, version, serialize type, message type, then seq, function id, body length and
-# attachment length (u32 little-endian); a reply header starts with the same magic.
-_CORO_MAGIC = 21
-_CORO_PROBE = struct.pack("<BBBBIIII", _CORO_MAGIC, 0, 0, 0, 1, 0xDEADBEEF, 0, 0)
-_CORO_REPLY_HEADER = 16
+# A master address can turn out to be another engine's master, whose port closes a kvpool
+# frame without a byte, and retrying that is forever.  So when the first exchange on a
+# fresh connection ends without a kvpool reply (closed, or bytes that are no kvpool
+# frame), each probe here asks the port one cheap question in its engine's protocol and,
+# if it was answered, the call raises the probe's ConfigError.  Probing only after a
+# failure keeps a kvpool master's path free of it.  The probes live with their engines,
+# above the client, so they are named (kvpool.named), not imported.
+#: probes of other engines' masters: "module:attr" of (address, timeout_s) -> the
+#: ConfigError that says what answered there, or None
+FOREIGN_MASTERS: tuple[str, ...] = ("kvpool.mooncake.sniff:foreign_master",)
 
 
-# A real mooncake_master's RPC port speaks coro_rpc: it closes a kvpool frame without a
-# byte, and retrying that is forever.  So when the first exchange on a fresh connection
-# ends without a kvpool reply (closed, or bytes that are no kvpool frame), this asks the
-# port one cheap question in coro_rpc (a call of a function no server registers: any
-# coro_rpc server answers it with its own header, whatever its metrics port) and, if it
-# was answered, the call raises wrong_engine's ConfigError.  Probing only after a failure
-# keeps a kvpool master's path free of it.
-def mooncake_answers(address: str, timeout_s: float = 2.0) -> bool:
-    """Whether ``address`` answers in coro_rpc, as a Mooncake master's RPC port does (it
-    replies "the rpc function not registered" to the probe).  One bounded exchange."""
-    host, port = split_address(address)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.sendall(_CORO_PROBE)
-            head = b""
-            while len(head) < _CORO_REPLY_HEADER:
-                chunk = sock.recv(_CORO_REPLY_HEADER - len(head))
-                if not chunk:
-                    break
-                head += chunk
-    except OSError:  # timeouts included: nothing that answers coro_rpc
-        return False
-    return len(head) == _CORO_REPLY_HEADER and head[0] == _CORO_MAGIC
-
-
-def wrong_engine(address: str) -> ConfigError:
-    """The error of a kvpool client whose master address is a Mooncake master."""
-    return ConfigError(
-        f"{address} is a Mooncake master (mooncake_master's RPC port: it answers Mooncake's"
-        " coro_rpc, not kvpool's protocol); point kvpool at a kvpool master (`kvpool master`),"
-        " or use backend mooncake with a Mooncake mooncake.json"
-        f' ("master_server_address": "{address}", "metadata_server": "P2PHANDSHAKE";'
-        " docs/mooncake.md)"
-    )
+def foreign_master(address: str, timeout_s: float) -> ConfigError | None:
+    """The error naming the other engine's master at ``address``, or None (each probe is
+    one bounded exchange)."""
+    for probe in FOREIGN_MASTERS:
+        error: ConfigError | None = resolve(probe)(address, timeout_s)
+        if error is not None:
+            return error
+    return None
 
 
 class MasterLink(Protocol):
@@ -147,8 +131,9 @@ class TcpMasterLink:
                 fresh = self._fresh
                 self._drop()
                 # PeerTimeout is neither: a silent peer is no sign of another protocol
-                if fresh and mooncake_answers(self.address, min(self.timeout_s, 2.0)):
-                    raise wrong_engine(self.address) from exc
+                foreign = foreign_master(self.address, min(self.timeout_s, 2.0)) if fresh else None
+                if foreign is not None:
+                    raise foreign from exc
                 if fresh and self._tls_expected():
                     raise tls_required(f"the master at {self.address}") from exc
                 raise
@@ -219,8 +204,9 @@ class TcpMasterLink:
             authenticate(sock, credential, role, client_id, self.timeout_s, where)
         except AuthError as exc:
             sock.close()
-            if exc.__cause__ is not None and mooncake_answers(self.address, 2.0):
-                raise wrong_engine(self.address) from exc
+            foreign = foreign_master(self.address, 2.0) if exc.__cause__ is not None else None
+            if foreign is not None:
+                raise foreign from exc
             if exc.__cause__ is not None and self._tls_expected():
                 raise tls_required(f"the master at {self.address}") from exc
             raise

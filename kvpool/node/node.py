@@ -331,7 +331,7 @@ class NodeService:
 # A master that is unreachable is retried every second, at start and in the heartbeat
 # loop (it may start later, or restart).  A :class:`~kvpool.errors.ConfigError` is not
 # retried: the address is another engine's master
-# (:func:`~kvpool.client.master_link.wrong_engine`), which no wait will change, so
+# (:func:`~kvpool.client.master_link.foreign_master`), which no wait will change, so
 # :func:`run_node` stops with it (the CLI prints its one line and exits 2).
 def run_node(
     config: NodeConfig, *, bind_host: str = "", data_port: int = 0, insecure: bool = False

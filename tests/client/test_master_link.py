@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.client.master_link import mooncake_answers
 from kvpool.errors import ConfigError, TransferError
+from kvpool.mooncake.sniff import mooncake_answers
 from kvpool.testing.processes import PoolProcess
 
 # what a real mooncake_master (0.3.13.post1) answered to the probe, recorded here

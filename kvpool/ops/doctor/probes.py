@@ -18,10 +18,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvpool.client.master_link import mooncake_answers
 from kvpool.core.keys import KeyNamespace, chunk_keys
 from kvpool.errors import AuthError, ConfigError, KVPoolError
 from kvpool.mooncake.master import find_mooncake_master, looks_like_mooncake_health
+from kvpool.mooncake.sniff import mooncake_answers
 from kvpool.net import http_get, master_scheme, split_address
 from kvpool.ops.doctor.checks_host import SsdFacts
 from kvpool.ops.doctor.checks_node import MasterFacts
