@@ -7,7 +7,7 @@ of evicted keys; :class:`PrefixAwarePolicy` says why, with the measurements.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from kvpool.core.prefix_nodes import (
@@ -19,8 +19,7 @@ from kvpool.core.prefix_nodes import (
     detach,
     new_node,
     orphans_below,
-    take_in_order,
-    take_passed,
+    take_victims,
 )
 
 __all__ = [
@@ -246,21 +245,9 @@ class PrefixAwarePolicy(Generic[K]):
                     best, best_score = head, score
             if best is not None and not best.children and can_evict(best.key):
                 return [best.key]
-        out: list[K] = []
         if count <= 0:
-            return out
-        chosen: dict[Node[K], int] = {}  # node -> how many of its children are in ``out``
-        passed: list[Node[K]] = []  # evictable nodes passed over for their children
-        if self._orphans:
-            take_in_order(self._orphans, count, can_evict, out, chosen, passed)
-        if len(out) < count:
-            self._take_weighted(count, can_evict, out, chosen, passed)
-        if len(out) < count and self._run:
-            # The current run holds the youngest blocks: deepest first, only if needed.
-            take_in_order(reversed(self._run), count, can_evict, out, chosen, passed)
-        if len(out) < count and passed:
-            take_passed(count, out, chosen, passed)
-        return out
+            return []
+        return take_victims(count, can_evict, self._orphans, self._weighted_order(), self._run)
 
     # ---------------------------------------------------------------------- internals
     def _place_run(self) -> None:
@@ -321,27 +308,17 @@ class PrefixAwarePolicy(Generic[K]):
                 node.where = ORPHAN
                 self._orphans.append(node)
 
-    def _take_weighted(
-        self,
-        count: int,
-        can_evict: Callable[[K], bool],
-        out: list[K],
-        chosen: dict[Node[K], int],
-        passed: list[Node[K]],
-    ) -> None:
-        """Repeatedly take the queue head with the largest ``age * weight``.  A node
-        whose children are still cached is passed over, not moved: its descendants go
-        first.  Runs are placed deepest-first, so that is rare."""
+    def _weighted_order(self) -> Iterator[Node[K]]:
+        """The queued nodes in the order they are offered: repeatedly the queue head with
+        the largest ``age * weight``.  A node whose children are still cached is passed
+        over by the taker, not moved: its descendants go first.  Runs are placed
+        deepest-first, so that is rare.  A head is replaced by the next of its queue only
+        when the taker asks for another."""
         nodes = self._nodes
         weights = self._weights
         clock = self._clock
         heads = [queue.head for queue in self._queues]
-        taken = -1  # the class whose head was just taken; advanced only if we go on
-        while len(out) < count:
-            if taken >= 0:
-                was = heads[taken]
-                assert was is not None
-                heads[taken] = None if was.newer is None else nodes[was.newer]
+        while True:
             best = -1
             best_score = -1.0
             for c, head in enumerate(heads):
@@ -353,13 +330,5 @@ class PrefixAwarePolicy(Generic[K]):
                 return
             node = heads[best]
             assert node is not None
-            taken = best
-            if not can_evict(node.key):
-                continue
-            if node.children and chosen.get(node, 0) < node.children:
-                passed.append(node)
-                continue
-            out.append(node.key)
-            p = node.parent
-            if p is not None:
-                chosen[p] = chosen.get(p, 0) + 1
+            yield node
+            heads[best] = None if node.newer is None else nodes[node.newer]

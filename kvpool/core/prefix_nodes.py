@@ -21,6 +21,7 @@ __all__ = [
     "orphans_below",
     "take_in_order",
     "take_passed",
+    "take_victims",
 ]
 
 K = TypeVar("K", bound=Hashable)
@@ -172,6 +173,31 @@ def orphans_below(nodes: dict[K, Node[K]], root: Node[K]) -> list[Node[K]]:
             stack.extend([nodes[k] for k in kid_keys(node)])
     found.reverse()  # children were found after their parents
     return found
+
+
+def take_victims(
+    count: int,
+    can_evict: Callable[[K], bool],
+    orphans: Iterable[Node[K]],
+    queued: Iterable[Node[K]],
+    run: list[Node[K]],
+) -> list[K]:
+    """Up to ``count`` (>= 1) evictable keys, descendants before ancestors: ``orphans`` in
+    their order, then ``queued`` in the policy's order, then the current ``run`` deepest
+    first (it holds the youngest blocks: only if needed), and last the nodes passed over
+    for their children (:func:`take_passed`).  ``queued`` is read only as far as needed,
+    so it may be a generator that walks the queues lazily."""
+    out: list[K] = []
+    chosen: dict[Node[K], int] = {}  # node -> how many of its children are in ``out``
+    passed: list[Node[K]] = []  # evictable nodes passed over for their children
+    take_in_order(orphans, count, can_evict, out, chosen, passed)
+    if len(out) < count:
+        take_in_order(queued, count, can_evict, out, chosen, passed)
+    if len(out) < count and run:
+        take_in_order(reversed(run), count, can_evict, out, chosen, passed)
+    if len(out) < count and passed:
+        take_passed(count, out, chosen, passed)
+    return out
 
 
 def take_in_order(

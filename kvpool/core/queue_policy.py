@@ -19,8 +19,7 @@ from kvpool.core.prefix_nodes import (
     kid_keys,
     new_node,
     orphans_below,
-    take_in_order,
-    take_passed,
+    take_victims,
 )
 
 __all__ = ["QueuePolicy", "rotate_parents", "two_generation_add"]
@@ -107,26 +106,14 @@ class QueuePolicy(Generic[K]):
             self._parents[p.cls] -= 1
 
     def choose_victims(self, count: int, can_evict: Callable[[K], bool]) -> list[K]:
-        out: list[K] = []
         if count <= 0:
-            return out
+            return []
         self._normalize()
         if not self._orphans:
             first = self._first()
             if count == 1 and first is not None and not first.children and can_evict(first.key):
                 return [first.key]
-        chosen: dict[Node[K], int] = {}  # node -> how many of its children are in ``out``
-        passed: list[Node[K]] = []  # evictable nodes passed over for their children
-        if self._orphans:
-            take_in_order(self._orphans.values(), count, can_evict, out, chosen, passed)
-        if len(out) < count:
-            take_in_order(self._order(), count, can_evict, out, chosen, passed)
-        if len(out) < count and self._run:
-            # the current run holds the youngest blocks: deepest first, only if needed
-            take_in_order(reversed(self._run), count, can_evict, out, chosen, passed)
-        if len(out) < count and passed:
-            take_passed(count, out, chosen, passed)
-        return out
+        return take_victims(count, can_evict, self._orphans.values(), self._order(), self._run)
 
     # --------------------------------------------------------------- for subclasses
     def _admit(self, node: Node[K]) -> None:
