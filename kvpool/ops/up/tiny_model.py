@@ -30,6 +30,8 @@ __all__ = [
 BOS = "<s>"
 EOS = "</s>"
 UNK = "<unk>"
+#: the special tokens' ids, in the order train_tokenizer adds them ("<pad>", BOS, EOS, ...)
+_TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 # Words for the synthetic corpus and for test prompts: varied enough that BPE learns a few
 # hundred merges, plain ASCII so byte-level tokens stay short.
@@ -93,19 +95,30 @@ def _llama_config(spec: TinyModelSpec) -> dict[str, object]:
         "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads,
         "head_dim": spec.head_dim,
+        **_shared_config(spec, rms_norm_eps=1e-5),
+        "mlp_bias": False,
+    }
+
+
+def _shared_config(spec: TinyModelSpec, rms_norm_eps: float) -> dict[str, object]:
+    """The config.json entries every generated model has, after its architecture's own."""
+    return {
         "vocab_size": spec.vocab_size,
         "max_position_embeddings": spec.max_position,
-        "rms_norm_eps": 1e-5,
+        "rms_norm_eps": rms_norm_eps,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
+        **_TOKEN_IDS,
         "attention_bias": False,
-        "mlp_bias": False,
     }
+
+
+def _write_config(out: Path, config: dict[str, object]) -> None:
+    """``config.json`` and the ``generation_config.json`` that goes with it."""
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(_TOKEN_IDS, indent=2))
 
 
 def _weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
@@ -233,10 +246,7 @@ def build_from_spec(path: str | Path, spec: TinyModelSpec, *, weights: bool = Tr
         raise ValueError(f"vocab_size must be >= 300 (256 bytes + specials), got {spec.vocab_size}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(_llama_config(spec), indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, indent=2)
-    )
+    _write_config(out, _llama_config(spec))
     (out / "kvpool_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2))
     train_tokenizer(spec, out)
     if weights:
@@ -280,22 +290,9 @@ def build_tiny_mla_model(
         "first_k_dense_replace": layers,
         "moe_layer_freq": 1,
         "num_experts_per_tok": 1,
-        "vocab_size": spec.vocab_size,
-        "max_position_embeddings": spec.max_position,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "attention_bias": False,
+        **_shared_config(spec, rms_norm_eps=1e-6),
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, indent=2)
-    )
+    _write_config(out, config)
     train_tokenizer(spec, out)
     return out
 
