@@ -9,6 +9,7 @@ it kept, newest first, and exits, or is killed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing.connection as mpc
 import os
 import signal
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -163,24 +164,20 @@ def kill_group(
     such as ``unshare --kill-child``, which answers SIGTERM by SIGKILLing its child.
     Returns whether SIGKILL was needed; then what the group held in /dev/shm is left, and
     the caller removes it (:func:`kvpool.testing.shm.remove_orphans`)."""
+    to_group = functools.partial(os.killpg, proc.pid)
+    steps: list[tuple[Callable[[int], None], int]] = [
+        (to_group, signal.SIGTERM),
+        (to_group, signal.SIGKILL),
+    ]
     if leader_first:
+        steps.insert(0, (proc.send_signal, signal.SIGTERM))
+    for send, sig in steps:
         with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+            send(sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(grace_s)
         if _group_gone(proc.pid, grace_s):
-            return False
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(grace_s)
-    if _group_gone(proc.pid, grace_s):
-        return False
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(grace_s)
-    _group_gone(proc.pid, grace_s)
+            return sig == signal.SIGKILL
     return True
 
 
