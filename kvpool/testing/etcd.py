@@ -100,13 +100,8 @@ class EtcdMember(Closing):
             self.proc.wait(10)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            lifetime.stop(self.proc)
 
 
 class EtcdCluster(Closing):

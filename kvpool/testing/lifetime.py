@@ -23,7 +23,17 @@ from typing import Any
 
 from kvpool.ops.up.supervisor import _LAUNCHER
 
-__all__ = ["MARK", "carrying", "claim", "leftovers", "mark", "popen", "sweep", "tie"]
+__all__ = [
+    "MARK",
+    "carrying",
+    "claim",
+    "leftovers",
+    "mark",
+    "popen",
+    "stop",
+    "sweep",
+    "tie",
+]
 
 MARK = "KVPOOL_TEST_RUN"
 
@@ -71,6 +81,17 @@ def popen(
     # The kernel signals when the starting *thread* exits: a short-lived one hands the
     # start to a thread that lives as long as this process.
     return _spawner().submit(start).result()
+
+
+def stop(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
+    """SIGTERM to ``proc``, then SIGKILL if it does not exit within ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 @functools.cache

@@ -139,13 +139,7 @@ class MooncakeMaster:
             time.sleep(0.05)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        lifetime.stop(self.proc)
         return self.proc.returncode
 
     def kill(self) -> None:

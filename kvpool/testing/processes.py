@@ -9,7 +9,6 @@ import glob
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -104,13 +103,7 @@ class PoolProcess(Closing):
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM, then SIGKILL if it does not exit in time; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        lifetime.stop(self.proc, timeout_s)
         # a killed process cannot unlink its shared-memory segments: its name carries
         # its PID (kvpool.storage.segment), so what it left is removed by that PID
         for leftover in glob.glob(f"/dev/shm/kvpool-{self.proc.pid}-*"):
