@@ -9,10 +9,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 from collections.abc import Mapping, Sequence
 
 from kvpool.errors import ConfigError
+from kvpool.security.secret import require_private_file
 
 __all__ = [
     "ENV_API_KEY",
@@ -66,13 +66,7 @@ def read_key_file(path: str, source: str, *, min_chars: int = MIN_KEY_CHARS) -> 
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise ConfigError(f"{source}: cannot read the key file {path} ({why})") from None
-    if not stat.S_ISREG(mode):
-        raise ConfigError(f"{source}: {path} is not a regular file; name the key file")
-    if mode & (stat.S_IROTH | stat.S_IWOTH):
-        raise ConfigError(
-            f"{source}: {path} is readable or writable by every user of this host; "
-            f"run `chmod 600 {path}`"
-        )
+    require_private_file(path, mode, source, "key file")
     lines = [ln.strip() for ln in text.splitlines()]
     keys = tuple(
         check_key(f"{source} ({path})", ln, min_chars=min_chars)

@@ -24,6 +24,7 @@ __all__ = [
     "operator_headers",
     "read_secret_file",
     "require_credential",
+    "require_private_file",
 ]
 
 ENV_SECRET_FILE = "KVPOOL_SECRET_FILE"
@@ -48,19 +49,26 @@ def read_secret_file(path: str, key: str) -> Credential:
             f"{key}: cannot read the secret file {path} ({exc.strerror}); create it with "
             f"`openssl rand -hex 32 > {path} && chmod 600 {path}`"
         ) from None
-    if not stat.S_ISREG(mode):
-        raise ConfigError(f"{key}: {path} is not a regular file; name the secret file")
-    if mode & (stat.S_IROTH | stat.S_IWOTH):
-        raise ConfigError(
-            f"{key}: {path} is readable or writable by every user of this host; "
-            f"run `chmod 600 {path}`"
-        )
+    require_private_file(path, mode, key, "secret file")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{key}: cannot read the secret file {path} ({exc})") from None
     return Credential.parse(text, f"{key} ({path})")
+
+
+def require_private_file(path: str, mode: int, source: str, what: str) -> None:
+    """ConfigError unless the file at ``path`` (its ``st_mode``: ``mode``) is a regular
+    file that not every user of the host may read or write; ``source`` names the setting
+    that chose it, ``what`` says what it should hold ("secret file", "key file")."""
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{source}: {path} is not a regular file; name the {what}")
+    if mode & (stat.S_IROTH | stat.S_IWOTH):
+        raise ConfigError(
+            f"{source}: {path} is readable or writable by every user of this host; "
+            f"run `chmod 600 {path}`"
+        )
 
 
 # Sources, first found wins:
