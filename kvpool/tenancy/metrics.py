@@ -33,11 +33,6 @@ class TenantCollector(Collector):
             ("kvpool_tenant_objects", "READY objects of a tenant", "objects"),
             ("kvpool_tenant_quota_bytes", "a tenant's byte quota (0: none)", "quota"),
         )
-        for name, doc, attr in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["tenant"])
-            for tenant, usage in sorted(tenants.items()):
-                family.add_metric([tenant], getattr(usage, attr))
-            yield family
         counters = (
             ("kvpool_tenant_hits", "a tenant's get requests that found the object", "hits"),
             ("kvpool_tenant_misses", "a tenant's get requests that found nothing", "misses"),
@@ -48,8 +43,9 @@ class TenantCollector(Collector):
             ),
             ("kvpool_tenant_quota_refusals", "a tenant's puts refused over quota", "refused"),
         )
-        for name, doc, attr in counters:
-            counter = CounterMetricFamily(name, doc, labels=["tenant"])
-            for tenant, usage in sorted(tenants.items()):
-                counter.add_metric([tenant], getattr(usage, attr))
-            yield counter
+        for kind, series in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, attr in series:
+                family = kind(name, doc, labels=["tenant"])
+                for tenant, usage in sorted(tenants.items()):
+                    family.add_metric([tenant], getattr(usage, attr))
+                yield family
