@@ -30,6 +30,7 @@ __all__ = [
     "Segment",
     "check_range",
     "owner_alive",
+    "pid_alive",
     "populate",
     "remove_stale_segments",
 ]
@@ -61,7 +62,8 @@ def check_range(offset: int, length: int, size: int, what: str = "segment") -> N
         )
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -115,7 +117,7 @@ def _abandoned(path: Path, pid: int) -> bool:
     try:
         if owner_alive(fd):
             return False
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return True
         return time.time() - os.fstat(fd).st_mtime > _CREATE_GRACE_S
     finally:

@@ -28,6 +28,7 @@ from kvpool.net import free_port_runs, port_free
 from kvpool.ops.up.options import HA_PORTS, PORT_FLAGS, UpOptions
 from kvpool.ops.up.plan import UpPlan, make_plan, planned_ports, ready_text
 from kvpool.ops.up.supervisor import Running, StartupFailed, Supervisor, describe_exit, log_tail
+from kvpool.storage.segment import pid_alive
 
 __all__ = ["STATE_FILE", "resolve_ports", "run", "usable_cpus"]
 
@@ -85,16 +86,6 @@ def _check_ports(plan: UpPlan) -> None:
             )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _claim_state_dir(state: Path) -> None:
     path = state / STATE_FILE
     try:
@@ -102,7 +93,7 @@ def _claim_state_dir(state: Path) -> None:
     except (OSError, ValueError):
         return
     pid = previous.get("pid") if isinstance(previous, dict) else None
-    if isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
+    if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
         raise ConfigError(
             f"--state-dir: {state} is in use by another kvpool up (pid {pid});"
             " stop it (Ctrl-C or kill -TERM) or pick another --state-dir"
