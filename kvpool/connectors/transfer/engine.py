@@ -17,8 +17,7 @@ import numpy as np
 from kvpool.closing import Closing
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
 from kvpool.connectors.pages import CacheSet, PagedCaches
-from kvpool.connectors.transfer.pull_port import PullPort
-from kvpool.connectors.transfer.transport import PullHandler
+from kvpool.connectors.transfer.pull_port import PortTransport
 from kvpool.datapath.framing import recv_frame, send_frame
 from kvpool.errors import KVPoolError, ProtocolError, TransferError
 from kvpool.mooncake.mover import EngineMover
@@ -43,7 +42,7 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
-class EngineTransport:
+class EngineTransport(PortTransport):
     """Pulls whose pages move with Mooncake's Transfer Engine over ``protocol``."""
 
     def __init__(
@@ -61,20 +60,9 @@ class EngineTransport:
         self._protocol = protocol
         self._device = device_name
         self._timeout_s = peer.timeout_s
-        self._caches: PagedCaches | CacheSet | None = None
         self._mover: EngineMover | None = None
         self._bases: dict[str, int] = {}  # layer -> address of its block 0, head 0
-        self._port = PullPort(
-            requests=ENGINE_REQUEST_CODEC,
-            replies=ENGINE_REPLY_CODEC,
-            peer=peer,
-            move=self._lend_pages,
-        )
-
-    @property
-    def refused_auth(self) -> int:
-        """Decode connections refused for their credential."""
-        return self._port.refused_auth
+        super().__init__(peer, ENGINE_REQUEST_CODEC, ENGINE_REPLY_CODEC, self._lend_pages)
 
     def register(self, caches: PagedCaches | CacheSet) -> None:
         """Start the engine and register each layer's cache tensor with it, once."""
@@ -99,7 +87,7 @@ class EngineTransport:
         )
 
     def close(self) -> None:
-        self._port.close()
+        super().close()
         if self._mover is not None:
             self._mover.close()
 
@@ -112,11 +100,6 @@ class EngineTransport:
         return EngineLink(sock, self._caches, self._mover, self._bases)
 
     # -- P ---------------------------------------------------------------------------
-
-    def serve(self, host: str, port: int, handler: PullHandler) -> None:
-        if self._caches is None:
-            raise TransferError("KV caches are not registered yet")
-        self._port.listen(host, port, handler)
 
     def _lend_pages(self, conn: socket.socket, pull: Pull, deadline: float) -> int | None:
         """P's side of an admitted pull: say where the page slices lie, then wait for D

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.config.kv_transfer import TRANSFER_CONNECTOR
+from kvpool.connectors.pages import CacheSet, PagedCaches
 from kvpool.connectors.transfer.transport import PeerUnreachable, PullHandler
 from kvpool.datapath.framing import (
     BadRequest,
@@ -22,14 +23,14 @@ from kvpool.datapath.framing import (
     tune_socket,
 )
 from kvpool.datapath.server import ThreadedServer
-from kvpool.errors import ConfigError, KVPoolError
+from kvpool.errors import ConfigError, KVPoolError, TransferError
 from kvpool.protocol.codec import Codec
 from kvpool.protocol.pull import Done, Pull, PullDone, Refused
 from kvpool.security.admission import Admission
 from kvpool.security.kv_port import decode_admission, open_to_prefill
 from kvpool.security.peer import PeerSettings
 
-__all__ = ["ACCEPT_POLL_S", "IDLE_S", "MovePages", "PullPort"]
+__all__ = ["ACCEPT_POLL_S", "IDLE_S", "MovePages", "PortTransport", "PullPort"]
 
 logger = logging.getLogger("vllm.kvpool.transfer")
 _PREFIX = f"[{TRANSFER_CONNECTOR}]"
@@ -164,3 +165,28 @@ class PullPort:
 
     def _reply(self, conn: socket.socket, reply: Done | Refused, deadline: float) -> None:
         send_frame(conn, self._replies, reply, None, deadline)
+
+
+class PortTransport:
+    """What every transport shares around its :class:`PullPort`: P serves pulls only once
+    the caches are registered, and the port counts refused credentials.  A transport
+    makes the port with its codecs and its :data:`MovePages`, and registers the caches."""
+
+    def __init__(
+        self, peer: PeerSettings, requests: Codec[Any], replies: Codec[Any], move: MovePages
+    ) -> None:
+        self._port = PullPort(requests=requests, replies=replies, peer=peer, move=move)
+        self._caches: PagedCaches | CacheSet | None = None
+
+    @property
+    def refused_auth(self) -> int:
+        """Decode connections refused for their credential."""
+        return self._port.refused_auth
+
+    def serve(self, host: str, port: int, handler: PullHandler) -> None:
+        if self._caches is None:
+            raise TransferError("KV caches are not registered yet")
+        self._port.listen(host, port, handler)
+
+    def close(self) -> None:
+        self._port.close()

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 
 from kvpool.closing import Closing
 from kvpool.connectors.pages import CacheSet, PagedCaches
-from kvpool.connectors.transfer.pull_port import PullPort
-from kvpool.connectors.transfer.transport import PullHandler
+from kvpool.connectors.transfer.pull_port import PortTransport
 from kvpool.datapath.framing import recv_exactly_into, recv_frame, send_frame
 from kvpool.errors import PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.pull import (
@@ -31,7 +30,7 @@ from kvpool.security.peer import PeerSettings
 __all__ = ["TcpPullLink", "TcpPullTransport"]
 
 
-class TcpPullTransport:
+class TcpPullTransport(PortTransport):
     """P→D pulls over plain TCP sockets, one thread per decode connection on P (not the
     data plane's :class:`kvpool.datapath.transport.TcpTransport`)."""
 
@@ -39,24 +38,10 @@ class TcpPullTransport:
 
     def __init__(self, peer: PeerSettings) -> None:
         # with a credential every connection opens with the handshake (.pull_port)
-        self._caches: PagedCaches | CacheSet | None = None
-        self._port = PullPort(
-            requests=PULL_REQUEST_CODEC,
-            replies=PULL_REPLY_CODEC,
-            peer=peer,
-            move=self._send_pages,
-        )
-
-    @property
-    def refused_auth(self) -> int:
-        """Decode connections refused for their credential."""
-        return self._port.refused_auth
+        super().__init__(peer, PULL_REQUEST_CODEC, PULL_REPLY_CODEC, self._send_pages)
 
     def register(self, caches: PagedCaches | CacheSet) -> None:
         self._caches = caches
-
-    def close(self) -> None:
-        self._port.close()
 
     # -- D ---------------------------------------------------------------------------
 
@@ -67,11 +52,6 @@ class TcpPullTransport:
         return TcpPullLink(sock, self._caches)
 
     # -- P ---------------------------------------------------------------------------
-
-    def serve(self, host: str, port: int, handler: PullHandler) -> None:
-        if self._caches is None:
-            raise TransferError("KV caches are not registered yet")
-        self._port.listen(host, port, handler)
 
     def _send_pages(self, conn: socket.socket, pull: Pull, deadline: float) -> int:
         """P's side of an admitted pull: each layer's header, then its page slices."""
