@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvpool.proxy.block_index import BlockIndex
 
@@ -30,6 +30,8 @@ __all__ = [
     "make_routing_policy",
     "prefix_key",
 ]
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -82,39 +84,40 @@ class RoutingPolicy(Protocol):
     ) -> Upstream: ...
 
 
-class RoundRobin:
-    """Each request goes to the next healthy endpoint in turn."""
-
-    name = "round_robin"
+class _Rotation:
+    """Ties rotate: each choice among equals takes the next of them in turn."""
 
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(
-        self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
-    ) -> Upstream:
-        chosen = candidates[self._turn % len(candidates)]
+    def _next(self, tied: Sequence[_T]) -> _T:
+        chosen = tied[self._turn % len(tied)]
         self._turn += 1
         return chosen
 
 
-class LeastInflight:
+class RoundRobin(_Rotation):
+    """Each request goes to the next healthy endpoint in turn."""
+
+    name = "round_robin"
+
+    def choose(
+        self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
+    ) -> Upstream:
+        return self._next(candidates)
+
+
+class LeastInflight(_Rotation):
     """The endpoint with the fewest requests in flight.  Ties rotate, so an idle cluster
     still spreads its load instead of sending everything to the first endpoint."""
 
     name = "least_inflight"
 
-    def __init__(self) -> None:
-        self._turn = 0
-
     def choose(
         self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
     ) -> Upstream:
         fewest = min(c.inflight for c in candidates)
-        tied = [c for c in candidates if c.inflight == fewest]
-        chosen = tied[self._turn % len(tied)]
-        self._turn += 1
-        return chosen
+        return self._next([c for c in candidates if c.inflight == fewest])
 
 
 # - Hashes are ``hashlib`` digests, never ``hash()``: every proxy process, whatever its
@@ -143,15 +146,12 @@ class PrefixAffinity:
         return max(candidates, key=lambda c: (_score(key, c.url), c.url))
 
 
-class LeastLoaded:
+class LeastLoaded(_Rotation):
     """The endpoint with the least work ahead: requests in flight through this proxy and
     waiting in its queue (``/metrics``), then the fuller KV cache last.  Ties rotate.
     A decode instance's choice under ``kv_aware``."""
 
     name = "least_loaded"
-
-    def __init__(self) -> None:
-        self._turn = 0
 
     def choose(
         self, candidates: Sequence[Upstream], key: bytes | None, prompt: Prompt | None = None
@@ -160,10 +160,7 @@ class LeastLoaded:
             return c.inflight + c.waiting, round(c.kv_usage, 2)
 
         least = min(load(c) for c in candidates)
-        tied = [c for c in candidates if load(c) == least]
-        chosen = tied[self._turn % len(tied)]
-        self._turn += 1
-        return chosen
+        return self._next([c for c in candidates if load(c) == least])
 
 
 # The KV-aware choice estimates each candidate's prefill work in blocks:
@@ -183,7 +180,7 @@ class LeastLoaded:
 # - pressure: a KV cache over 90 % full evicts what it holds (and may preempt).
 # The least cost wins; ties go to fewer in flight, then rotate.  Without a prompt (no
 # token ids) or with no candidate's events, it is least-loaded.
-class KvAware:
+class KvAware(_Rotation):
     """Routes a prompt where its prefill costs least, from what each instance's cache
     and the shared pool hold and how loaded each instance is."""
 
@@ -197,13 +194,13 @@ class KvAware:
         pending_s: float = 10.0,
         max_pending: int = 100_000,
     ) -> None:
+        super().__init__()
         self.pool = pool
         self.load_cost = load_cost
         self.pending_s = pending_s
         self.max_pending = max_pending
         self._work = 4.0  # blocks a request is expected to compute (recent average)
         self._fallback = LeastLoaded()
-        self._turn = 0
         # url -> content key -> until when it counts as held (sent, not yet in its events)
         self._pending: dict[str, dict[bytes, float]] = {}
         # what the last choice expected of each candidate: url -> (own hit, pool hit), blocks
@@ -257,8 +254,7 @@ class KvAware:
         tied = [i for i, cost in enumerate(costs) if cost - best < 1e-9]
         fewest = min(candidates[i].inflight for i in tied)
         tied = [i for i in tied if candidates[i].inflight == fewest]
-        index = tied[self._turn % len(tied)]
-        self._turn += 1
+        index = self._next(tied)
         chosen = candidates[index]
         self._work = 0.9 * self._work + 0.1 * max(computes[index], 1)
         self._remember(chosen.url, keys, now)
