@@ -239,47 +239,53 @@ def _node_keys(opts: UpOptions, ssd: Path) -> dict[str, object]:
     }
 
 
+def _http_spec(
+    name: str,
+    role: str,
+    argv: Sequence[str],
+    url: str,
+    logs: Path,
+    stage: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    launcher: str | None = None,
+) -> ProcessSpec:
+    """A process that serves HTTP at ``url``, up once ``url/health`` answers, logging to
+    ``logs/<name>.log``; ``env`` None: only unbuffered Python output."""
+    return ProcessSpec(
+        name=name,
+        role=role,
+        argv=tuple(argv),
+        env={"PYTHONUNBUFFERED": "1"} if env is None else env,
+        health_url=url + "/health",
+        url=url,
+        log_path=logs / f"{name}.log",
+        stage=stage,
+        launcher=launcher,
+    )
+
+
 # --ha: etcd (stage -2), two masters campaigning on it (-1), a node with the pool's
 # memory (0, once a master leads: its health URL is the first master's), then vLLM
 def _ha_specs(opts: UpOptions, logs: Path, node_config: Path) -> list[ProcessSpec]:
     etcd_url = f"http://{opts.host}:{opts.etcd_port}"
     peer_url = f"http://{opts.host}:{opts.etcd_port + 1}"
-    etcd = ProcessSpec(
-        name="etcd",
-        role="etcd",
-        argv=(
-            "etcd", "--name", "kvpool-up", "--data-dir", str(opts.state_dir / "etcd"),
-            "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"kvpool-up={peer_url}",
-        ),
-        env={},
-        health_url=etcd_url + "/health",
-        url=etcd_url,
-        log_path=logs / "etcd.log",
-        stage=-2,
-        launcher=opts.python,
+    etcd_argv = (
+        "etcd", "--name", "kvpool-up", "--data-dir", str(opts.state_dir / "etcd"),
+        "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+        "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+        "--initial-cluster", f"kvpool-up={peer_url}",
     )  # fmt: skip
+    etcd = _http_spec("etcd", "etcd", etcd_argv, etcd_url, logs, -2, env={}, launcher=opts.python)
     masters = []
     for name, port in (("master", opts.master_port), ("master-b", opts.standby_port)):
-        address = f"{opts.host}:{port}"
-        masters.append(
-            ProcessSpec(
-                name=name,
-                role="master",
-                argv=(
-                    opts.python, "-m", "kvpool", "master", "--host", opts.host,
-                    "--port", str(port), "--segment_size", "0", "--client_ttl=120",
-                    "--default_kv_lease_ttl", "11000", "--enable_offload=true",
-                    "--enable_ha", "--etcd_endpoints", f"{opts.host}:{opts.etcd_port}",
-                ),
-                env={"PYTHONUNBUFFERED": "1"},
-                health_url=f"http://{address}/health",
-                url=f"http://{address}",
-                log_path=logs / f"{name}.log",
-                stage=-1,
-            )
+        argv = (
+            opts.python, "-m", "kvpool", "master", "--host", opts.host,
+            "--port", str(port), "--segment_size", "0", "--client_ttl=120",
+            "--default_kv_lease_ttl", "11000", "--enable_offload=true",
+            "--enable_ha", "--etcd_endpoints", f"{opts.host}:{opts.etcd_port}",
         )  # fmt: skip
+        masters.append(_http_spec(name, "master", argv, f"http://{opts.host}:{port}", logs, -1))
     node = ProcessSpec(
         name="node",
         role="node",
@@ -294,7 +300,6 @@ def _ha_specs(opts: UpOptions, logs: Path, node_config: Path) -> list[ProcessSpe
 
 
 def _kvpool_master_spec(opts: UpOptions, logs: Path, ssd: Path) -> ProcessSpec:
-    master_addr = f"{opts.host}:{opts.master_port}"
     argv = (
         opts.python, "-m", "kvpool", "master",
         "--host", opts.host, "--port", str(opts.master_port),
@@ -304,32 +309,14 @@ def _kvpool_master_spec(opts: UpOptions, logs: Path, ssd: Path) -> ProcessSpec:
         "--segment_size", str(opts.segment_size),
         "--ssd_offload_path", str(ssd), "--ssd_offload_limit", str(opts.ssd_limit),
     )  # fmt: skip
-    return ProcessSpec(
-        name="master",
-        role="master",
-        argv=argv,
-        env={"PYTHONUNBUFFERED": "1"},
-        health_url=f"http://{master_addr}/health",
-        url=f"http://{master_addr}",
-        log_path=logs / "master.log",
-        stage=0,
-    )
+    return _http_spec("master", "master", argv, f"http://{opts.host}:{opts.master_port}", logs, 0)
 
 
 def _mooncake_master_spec(opts: UpOptions, logs: Path) -> ProcessSpec:
     """mooncake_master answers HTTP only on its metrics port: that is its URL here."""
     metrics = f"http://{opts.host}:{opts.metrics_port}"
-    return ProcessSpec(
-        name="master",
-        role="master",
-        argv=mooncake.master_argv(opts),
-        env={},
-        health_url=metrics + "/health",
-        url=metrics,
-        log_path=logs / "master.log",
-        stage=0,
-        launcher=opts.python,
-    )
+    argv = mooncake.master_argv(opts)
+    return _http_spec("master", "master", argv, metrics, logs, 0, env={}, launcher=opts.python)
 
 
 def _vllm_spec(
@@ -393,17 +380,7 @@ def _vllm_spec(
         # the production guide asks for it; kvpool's keys do not need it, and it is harmless
         "PYTHONHASHSEED": "0",
     }
-    url = f"http://{opts.host}:{port}"
-    return ProcessSpec(
-        name=f"{role}-{index}",
-        role=role,
-        argv=tuple(argv),
-        env=env,
-        health_url=url + "/health",
-        url=url,
-        log_path=logs / f"{role}-{index}.log",
-        stage=1,
-    )
+    return _http_spec(f"{role}-{index}", role, argv, f"http://{opts.host}:{port}", logs, 1, env=env)
 
 
 def kv_events_endpoints(opts: UpOptions, role: str, index: int) -> tuple[str, str]:
@@ -427,16 +404,7 @@ def _proxy_spec(opts: UpOptions, processes: Sequence[ProcessSpec], logs: Path) -
         "--prefill", *prefill, "--decode", *decode,
         "--policy", opts.policy, "--health-interval", "1", *events,
     )  # fmt: skip
-    return ProcessSpec(
-        name="proxy",
-        role="proxy",
-        argv=argv,
-        env={"PYTHONUNBUFFERED": "1"},
-        health_url=url + "/health",
-        url=url,
-        log_path=logs / "proxy.log",
-        stage=2,
-    )
+    return _http_spec("proxy", "proxy", argv, url, logs, 2)
 
 
 def _curl_json(url: str, body: Mapping[str, Any], auth: str, *, stream: bool = False) -> str:
