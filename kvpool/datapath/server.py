@@ -29,6 +29,7 @@ __all__ = [
     "LINGER_S",
     "MAX_CONNECTIONS",
     "MAX_LINGERING",
+    "RefusalThreads",
     "ServerStats",
     "ThreadedServer",
     "keepalive",
@@ -45,6 +46,37 @@ LINGER_S = 1.0
 #: refused connections lingering at once (each in a short-lived thread)
 MAX_LINGERING = 16
 _LINGER_READ = 1 << 16
+
+
+class RefusalThreads:
+    """Refused connections answered at most ``limit`` at once, each in a short-lived
+    daemon thread; past that a refused connection is closed at once, so a flood of
+    refusals costs no more threads."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self._limit = limit
+        self._name = name
+        self._lock = threading.Lock()
+        self._running = 0
+
+    def start(self, conn: socket.socket, answer: Callable[[socket.socket], None]) -> None:
+        """``answer(conn)`` in a thread of its own, or ``conn`` closed at the limit."""
+        with self._lock:
+            room = self._running < self._limit
+            self._running += room
+        if not room:
+            conn.close()
+            return
+        threading.Thread(
+            target=self._run, args=(conn, answer), name=self._name, daemon=True
+        ).start()
+
+    def _run(self, conn: socket.socket, answer: Callable[[socket.socket], None]) -> None:
+        try:
+            answer(conn)
+        finally:
+            with self._lock:
+                self._running -= 1
 
 
 # Rules:
@@ -106,7 +138,7 @@ class ThreadedServer(Serving):
         self._tls_timeout_s = tls_timeout_s
         self.tls_refused = 0  # connections whose TLS handshake failed, since start
         self.refused = 0  # connections refused at the cap, since start
-        self._lingering = 0
+        self._lingering = RefusalThreads(MAX_LINGERING, f"{name}-refused")
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -269,15 +301,7 @@ class ThreadedServer(Serving):
         except OSError:
             conn.close()
             return
-        with self._lock:
-            linger = self._lingering < MAX_LINGERING
-            self._lingering += linger
-        if not linger:
-            conn.close()
-            return
-        threading.Thread(
-            target=self._linger, args=(conn,), name=f"{self.name}-refused", daemon=True
-        ).start()
+        self._lingering.start(conn, self._linger)
 
     def _linger(self, conn: socket.socket) -> None:
         deadline = time.monotonic() + LINGER_S
@@ -289,8 +313,6 @@ class ThreadedServer(Serving):
                         break  # the peer read the refusal and closed
         finally:
             conn.close()
-            with self._lock:
-                self._lingering -= 1
 
 
 @dataclass

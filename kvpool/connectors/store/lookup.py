@@ -8,6 +8,7 @@ socket.  With a master, both halves talk to the master and this channel is not u
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -24,6 +25,7 @@ import msgspec
 
 from kvpool.closing import Closing
 from kvpool.datapath import framing
+from kvpool.datapath.server import RefusalThreads
 from kvpool.engines import PoolLookups
 from kvpool.errors import ConfigError, KVPoolError, PeerTimeout, ProtocolError, TransferError
 from kvpool.protocol.codec import Codec
@@ -194,7 +196,7 @@ class LookupServer:
         self.max_connections = max_connections
         self.refused = 0  # connections refused (another user, or over the cap), since start
         self._open = 0  # connections served now (under _lock)
-        self._refusing = 0
+        self._refusing = RefusalThreads(_MAX_REFUSING, "kvpool-lookup-refused")
         self._lock = threading.Lock()
         private_dir(path, create=True)
         with contextlib.suppress(FileNotFoundError):
@@ -251,28 +253,15 @@ class LookupServer:
         self.refused += 1
         if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
             self._log.warning("refusing a lookup connection (%d so far): %s", self.refused, reason)
-        with self._lock:
-            answer = self._refusing < _MAX_REFUSING
-            self._refusing += answer
-        if not answer:
-            conn.close()
-            return
-        threading.Thread(
-            target=self._answer_refused, args=(conn, reason), name="kvpool-lookup-refused",
-            daemon=True,
-        ).start()  # fmt: skip
+        self._refusing.start(conn, functools.partial(self._answer_refused, reason=reason))
 
     def _answer_refused(self, conn: socket.socket, reason: str) -> None:
         # Read the request first: closing a Unix socket before the peer has sent would
         # fail its send (EPIPE) before it could read why.
-        try:
-            with conn, contextlib.suppress(KVPoolError, OSError):
-                framing.recv_request(conn, LOOKUP_CODEC, _REFUSE_S, _REFUSE_S)
-                deadline = framing.deadline_after(_REFUSE_S)
-                framing.send_frame(conn, REPLY_CODEC, Failed(reason), None, deadline)
-        finally:
-            with self._lock:
-                self._refusing -= 1
+        with conn, contextlib.suppress(KVPoolError, OSError):
+            framing.recv_request(conn, LOOKUP_CODEC, _REFUSE_S, _REFUSE_S)
+            deadline = framing.deadline_after(_REFUSE_S)
+            framing.send_frame(conn, REPLY_CODEC, Failed(reason), None, deadline)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
