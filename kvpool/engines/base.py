@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvpool.errors import KVPoolError
 
-__all__ = ["MISS", "POOL_TTL", "PoolEngine", "PoolLookups", "check_batch"]
+__all__ = ["MISS", "POOL_TTL", "BatchMoves", "PoolEngine", "PoolLookups", "check_batch"]
 
 #: :meth:`PoolEngine.batch_get_parts`'s size for a key it could not read
 MISS = -1
@@ -109,3 +109,34 @@ def check_batch(
     answer."""
     if len(parts) != len(keys) or (parents is not None and len(parents) != len(keys)):
         raise ValueError("keys, parts and parents differ in length")
+
+
+class BatchMoves:
+    """The moves' first steps, kept once for the adapters that inherit them: the batch is
+    checked (:func:`check_batch`) and an empty one is an empty answer, without a round
+    trip.  The adapter moves a nonempty batch: :meth:`_put_batch`, :meth:`_get_batch`."""
+
+    def batch_put_parts(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[Any]],
+        *,
+        parents: Sequence[str | None] | None = None,
+    ) -> list[KVPoolError | None]:
+        check_batch(keys, parts, parents)
+        return self._put_batch(keys, parts, parents) if keys else []
+
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
+        check_batch(keys, parts)
+        return self._get_batch(keys, parts) if keys else []
+
+    def _put_batch(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[Any]],
+        parents: Sequence[str | None] | None,
+    ) -> list[KVPoolError | None]:
+        raise NotImplementedError
+
+    def _get_batch(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
+        raise NotImplementedError

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpool.engines.base import check_batch
+from kvpool.engines.base import BatchMoves
 from kvpool.engines.parts import StagingPages, part_views
 from kvpool.errors import KVPoolError
 from kvpool.storage.buffers import copy_bytes
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["ClientEngine"]
 
 
-class ClientEngine:
+class ClientEngine(BatchMoves):
     """A :class:`~kvpool.engines.base.PoolEngine` over a kvpool client.
 
     :class:`kvpool.EmbeddedPool` (in-process) is a :class:`kvpool.Client` (kvpool's master),
@@ -49,29 +49,22 @@ class ClientEngine:
     def prefix_lookup(self, keys: Sequence[str]) -> int:
         return self.client.prefix_lookup(keys) if keys else 0
 
-    def batch_put_parts(
+    def _put_batch(
         self,
         keys: Sequence[str],
         parts: Sequence[Sequence[Any]],
-        *,
-        parents: Sequence[str | None] | None = None,
+        parents: Sequence[str | None] | None,
     ) -> list[KVPoolError | None]:
-        check_batch(keys, parts, parents)
-        if not keys:
-            return []
         views = [part_views(p, writable=False) for p in parts]
         # an object of one part is sent from where it is; the others are joined first
         slots = iter(self._staging.slots([_size(vs) for vs in views if len(vs) != 1]))
         objects = [vs[0] if len(vs) == 1 else _join(vs, next(slots)) for vs in views]
         return self.client.batch_put(keys, objects, parents=parents)
 
-    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
+    def _get_batch(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
         """Each object read straight into its parts, its checksum checked over them as
         they landed (:meth:`~kvpool.client.client.Client.batch_get_into_parts`): no
         staging.  A miss may have written into the parts (the contract's "unspecified")."""
-        check_batch(keys, parts)
-        if not keys:
-            return []
         views = [part_views(p, writable=True) for p in parts]
         return self.client.batch_get_into_parts(keys, views)
 

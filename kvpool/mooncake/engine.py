@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.config.node import read_node_json
-from kvpool.engines.base import MISS, check_batch
+from kvpool.engines.base import MISS, BatchMoves
 from kvpool.errors import ConfigError, KVPoolError, NoSpace, ObjectBusy, TransferError
 from kvpool.mooncake.buffers import Registered, Staging
 from kvpool.mooncake.ha import CLUSTER_ENV, cluster_id, master_view_key, read_master_view
@@ -74,7 +74,7 @@ def open_mooncake_engine(
     return MooncakeEngine(mooncake, timeout_s=timeout_s, replica_num=replica_num)
 
 
-class MooncakeEngine:
+class MooncakeEngine(BatchMoves):
     """Real Mooncake Store as a :class:`~kvpool.engines.base.PoolEngine`.
 
     The pool of a cluster that already runs Mooncake: a C++ ``mooncake_master`` keeps the
@@ -264,16 +264,12 @@ class MooncakeEngine:
         return found
 
     # ---------------------------------------------------------------------- puts
-    def batch_put_parts(
+    def _put_batch(
         self,
         keys: Sequence[str],
         parts: Sequence[Sequence[Any]],
-        *,
-        parents: Sequence[str | None] | None = None,
+        parents: Sequence[str | None] | None,
     ) -> list[KVPoolError | None]:
-        check_batch(keys, parts, parents)
-        if not keys:
-            return []
         with self._lock:
             return self._put(list(keys), [list(p) for p in parts])
 
@@ -319,13 +315,10 @@ class MooncakeEngine:
         return (config,)
 
     # ---------------------------------------------------------------------- gets
-    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
+    def _get_batch(self, keys: Sequence[str], parts: Sequence[Sequence[Any]]) -> list[int]:
         """Each object read into its parts: registered parts in place (bytes land there
         before the checksum is known: a miss leaves them unspecified, as the seam allows),
         the others through the staging area, copied out only once the object checked good."""
-        check_batch(keys, parts)
-        if not keys:
-            return []
         with self._lock:
             self._open()
             assert self._staging is not None and self._registered is not None
