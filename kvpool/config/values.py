@@ -25,6 +25,7 @@ __all__ = [
     "WARMUP_MODES",
     "Timeouts",
     "env_lookup",
+    "format_size",
     "parse_bool_value",
     "parse_host_port",
     "parse_int",
@@ -85,6 +86,15 @@ _UNITS: dict[str, int] = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 #: what docs, render and doctor say of the units
 SIZE_CONVENTION = "sizes as Mooncake reads them: KB, MB, GB, TB = 1024, 1024², 1024³, 1024⁴ bytes"
+
+
+def format_size(n: float) -> str:
+    """Bytes as an operator reads them: ``512 B``, ``1.5 GiB`` (powers of 1024)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def parse_size(value: object, *, key: str) -> int:

@@ -15,6 +15,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from kvpool.config.values import format_size
 from kvpool.errors import ProtocolError
 from kvpool.net import http_get, split_address
 
@@ -174,14 +175,6 @@ def mooncake_at(address: str, timeout_s: float = 2.0) -> str | None:
     )
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def render_mooncake(facts: MooncakeMasterFacts) -> RenderableType:
     """``kvpool status`` for a Mooncake master (pure)."""
     f = facts
@@ -197,7 +190,8 @@ def render_mooncake(facts: MooncakeMasterFacts) -> RenderableType:
     table.add_column("value")
     table.add_row("keys", f"{f.keys:,}")
     table.add_row("active clients", f"{f.active_clients}")
-    table.add_row("allocated", f"{_bytes(f.allocated_bytes)} of {_bytes(f.capacity_bytes)} ({use})")
+    held = f"{format_size(f.allocated_bytes)} of {format_size(f.capacity_bytes)}"
+    table.add_row("allocated", f"{held} ({use})")
     table.add_row("evictions", f"{f.evictions:,} rounds, {f.evicted_keys:,} keys")
     table.add_row("allocation failures", f"{f.alloc_failures:,}")
     table.add_row("failed puts", f"{f.put_failures:,}")
@@ -205,7 +199,7 @@ def render_mooncake(facts: MooncakeMasterFacts) -> RenderableType:
     for col in ("segment", "allocated", "capacity"):
         segments.add_column(col, justify="left" if col == "segment" else "right")
     for name, (allocated, capacity) in sorted(f.segments.items()):
-        segments.add_row(name, _bytes(allocated), _bytes(capacity))
+        segments.add_row(name, format_size(allocated), format_size(capacity))
     if not f.segments:
         segments.add_row(Text("no segment mounted", style="yellow"), "", "")
     note = Text(

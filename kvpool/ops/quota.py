@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
-from kvpool.config.values import parse_size
+from kvpool.config.values import format_size, parse_size
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.net import master_scheme
-from kvpool.ops.status import _get, _samples, default_master, format_bytes
+from kvpool.ops.status import _get, _samples, default_master
 from kvpool.protocol import messages as m
 from kvpool.security.credentials import check_tenant_name
 from kvpool.security.secret import ENV_SECRET_FILE, load_credential, operator_headers
@@ -98,12 +98,12 @@ def _set(options: QuotaOptions, master: str, stream: TextIO) -> None:
     with Client(master, credential=credential, timeout_s=10) as client:
         reply = client.call(m.SetQuota(options.tenant, quota))
     held = reply.value if isinstance(reply, m.Count) else 0
-    shown = format_bytes(quota) if quota else "none"
+    shown = format_size(quota) if quota else "none"
     if options.as_json:
         row = {"tenant": options.tenant, "quota_bytes": quota, "bytes": held}
         print(json.dumps(row), file=stream)
     else:
-        print(f"tenant {options.tenant}: quota {shown}, holds {format_bytes(held)}", file=stream)
+        print(f"tenant {options.tenant}: quota {shown}, holds {format_size(held)}", file=stream)
 
 
 def _show(options: QuotaOptions, master: str, stream: TextIO) -> None:
@@ -126,8 +126,8 @@ def _show(options: QuotaOptions, master: str, stream: TextIO) -> None:
     table = [head] + [
         (
             r.tenant,
-            format_bytes(r.quota_bytes) if r.quota_bytes else "none",
-            format_bytes(r.bytes),
+            format_size(r.quota_bytes) if r.quota_bytes else "none",
+            format_size(r.bytes),
             *(str(v) for v in (r.objects, r.hits, r.misses, r.evictions, r.refused)),
         )
         for r in rows

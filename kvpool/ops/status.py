@@ -23,6 +23,7 @@ from rich.text import Text
 from kvpool.config import config_path_from_env, load_node_config
 from kvpool.config.masters import ETCD_SCHEME, parse_masters
 from kvpool.config.node import node_engine, read_node_json
+from kvpool.config.values import format_size
 from kvpool.errors import (
     AuthError,
     ConfigError,
@@ -50,7 +51,6 @@ __all__ = [
     "default_master",
     "fetch_any",
     "fetch_snapshot",
-    "format_bytes",
     "parse_snapshot",
     "rates",
     "render",
@@ -109,8 +109,8 @@ class SegmentInfo:
         if self.warm == "warming":
             pct = 100 * self.warmed_bytes / self.capacity if self.capacity else 100.0
             return (
-                f"warming {pct:.0f}% ({format_bytes(self.warmed_bytes)} of "
-                f"{format_bytes(self.capacity)})"
+                f"warming {pct:.0f}% ({format_size(self.warmed_bytes)} of "
+                f"{format_size(self.capacity)})"
             )
         return {
             "warm": "warm",
@@ -279,14 +279,6 @@ def rates(previous: PoolSnapshot, current: PoolSnapshot) -> Rates | None:
 
 
 # ------------------------------------------------------------------------------ render
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def _bar(fraction: float | None, width: int = 20) -> Text:
     if fraction is None:
         return Text("no capacity", style="dim")
@@ -331,8 +323,8 @@ def render(snapshot: PoolSnapshot, rate: Rates | None = None) -> RenderableType:
         pct = f" {100 * t.fraction:.1f}%" if t.fraction is not None else ""
         tiers.add_row(
             t.name,
-            format_bytes(t.used),
-            format_bytes(t.capacity),
+            format_size(t.used),
+            format_size(t.capacity),
             _bar(t.fraction) + Text(pct),
             f"{t.objects:,}",
         )
@@ -366,7 +358,7 @@ def render(snapshot: PoolSnapshot, rate: Rates | None = None) -> RenderableType:
         segments.add_row(
             seg.segment_id,
             seg.client_id,
-            format_bytes(seg.capacity),
+            format_size(seg.capacity),
             Text(seg.pages(), style=style),
         )
 

@@ -11,7 +11,7 @@ from kvpool.config import (
     parse_size,
     parse_timeouts,
 )
-from kvpool.config.values import parse_warmup
+from kvpool.config.values import format_size, parse_warmup
 from kvpool.errors import ConfigError
 
 
@@ -134,3 +134,13 @@ def test_parse_warmup_takes_each_mode_and_a_boolean(value: object, mode: str) ->
 def test_parse_warmup_refuses_anything_else_naming_the_key_and_the_modes(value: object) -> None:
     with pytest.raises(ConfigError, match=r"segment_warmup: .* use background .* sync .* off"):
         parse_warmup(value, key="segment_warmup")
+
+
+def test_format_size() -> None:
+    assert [format_size(n) for n in (0, 1023, 1024, 3 * 2**30, 2**41)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "3.0 GiB",
+        "2.0 TiB",
+    ]

@@ -25,7 +25,6 @@ from kvpool.ops.status import (
     StatusOptions,
     default_master,
     fetch_snapshot,
-    format_bytes,
     parse_snapshot,
     rates,
     render,
@@ -196,16 +195,6 @@ def test_rates_between_two_snapshots() -> None:
 def test_parse_rejects_what_is_not_a_master(status: dict[str, Any], metrics: str) -> None:
     with pytest.raises(ProtocolError):
         parse_snapshot("m:1", status, metrics)
-
-
-def test_format_bytes() -> None:
-    assert [format_bytes(n) for n in (0, 1023, 1024, 3 * 2**30, 2**41)] == [
-        "0 B",
-        "1023 B",
-        "1.0 KiB",
-        "3.0 GiB",
-        "2.0 TiB",
-    ]
 
 
 # ------------------------------------------------------------------ a real master
