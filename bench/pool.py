@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import _cli, _timing
 from bench.baselines import memcpy, raw_tcp
 from kvpool.client.client import Client
-from kvpool.core.index import IndexConfig
+from kvpool.core.objects import IndexConfig
 from kvpool.datapath.data_ops import write
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.datapath.segment_server import SegmentServer

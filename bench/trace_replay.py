@@ -58,7 +58,8 @@ from kvpool.core.eviction import (
     canonical_eviction_policy,
     make_eviction_policy,
 )
-from kvpool.core.index import IndexConfig, ObjectIndex
+from kvpool.core.index import ObjectIndex
+from kvpool.core.objects import IndexConfig
 from kvpool.errors import NoSpace
 
 __all__ = [

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 
 from kvpool.client.client import Client
-from kvpool.core.index import IndexConfig
+from kvpool.core.objects import IndexConfig
 from kvpool.datapath.in_process import InProcessTransport
 from kvpool.errors import KVPoolError
 from kvpool.master.service import MasterService, monotonic_ms

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 import kvpool.errors as errors
-from kvpool.core.index import IndexConfig
+from kvpool.core.objects import IndexConfig
 from kvpool.master.service import MasterService
 from kvpool.protocol import messages as m
 from kvpool.protocol.codec import HEADER_SIZE, Codec

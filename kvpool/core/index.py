@@ -42,22 +42,7 @@ from kvpool.errors import (
     WriteConflict,
 )
 
-__all__ = [
-    "LIFE_CYCLE",
-    "MAX_REPLICAS",
-    "CopyLost",
-    "Demote",
-    "Dropped",
-    "Event",
-    "IndexConfig",
-    "IndexStats",
-    "Location",
-    "NoRoom",
-    "ObjectIndex",
-    "ReadGrant",
-    "Reservation",
-    "State",
-]
+__all__ = ["LIFE_CYCLE", "ObjectIndex"]
 
 # Module names for the enum members the hot paths test (a global load, not an attribute
 # lookup on the enum class, and never an enum hash: dict lookups keyed by Tier hash it in

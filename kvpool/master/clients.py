@@ -8,7 +8,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpool.core.index import Event, ObjectIndex
+from kvpool.core.index import ObjectIndex
+from kvpool.core.objects import Event
 from kvpool.core.registry import Tier
 from kvpool.datapath.shm import remove_if_owner_dead
 from kvpool.errors import PoolError

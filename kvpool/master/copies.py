@@ -10,7 +10,7 @@ import contextlib
 import queue
 from collections.abc import Callable
 
-from kvpool.core.index import Demote
+from kvpool.core.objects import Demote
 from kvpool.master.node_links import NodeLinks
 from kvpool.protocol import messages as m
 

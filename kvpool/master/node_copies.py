@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from kvpool.core.index import Demote, Event, ObjectIndex
+from kvpool.core.index import ObjectIndex
+from kvpool.core.objects import Demote, Event
 from kvpool.errors import PeerTimeout
 from kvpool.master.copies import Copies, Later
 from kvpool.master.metrics import MasterMetrics

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.closing import Closing
-from kvpool.core.index import Demote
+from kvpool.core.objects import Demote
 from kvpool.datapath.segment_client import SegmentConnection
 from kvpool.errors import KVPoolError
 from kvpool.security.peer import PeerSettings

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from aiohttp import web
 
 from kvpool.config import MasterConfig
-from kvpool.core.index import IndexConfig
+from kvpool.core.objects import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ConfigError, KVPoolError, Overloaded, PeerTimeout, ProtocolError
 from kvpool.ha.campaign import Campaign, ClusterKeys, Elected, etcd_timeout_s

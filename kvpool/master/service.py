@@ -12,16 +12,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvpool.core.index import (
-    CopyLost,
-    Demote,
-    Dropped,
-    Event,
-    IndexConfig,
-    Location,
-    NoRoom,
-    ObjectIndex,
-)
+from kvpool.core.index import ObjectIndex
+from kvpool.core.objects import CopyLost, Demote, Dropped, Event, IndexConfig, Location, NoRoom
 from kvpool.core.registry import Tier
 from kvpool.errors import (
     KVPoolError,

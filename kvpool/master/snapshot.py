@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvpool.core.index import State
+from kvpool.core.objects import State
 from kvpool.core.registry import Tier
 from kvpool.master.metrics import counter_total
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvpool.core.index import Demote
+from kvpool.core.objects import Demote
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.datapath.shm import host_token
 from kvpool.errors import ChecksumMismatch, ConfigError, KVPoolError, NoSpace, ProtocolError

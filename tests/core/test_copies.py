@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.index import Demote, Dropped, IndexConfig, NoRoom, ObjectIndex, State
+from kvpool.core.index import ObjectIndex
+from kvpool.core.objects import Demote, Dropped, IndexConfig, NoRoom, State
 from kvpool.core.registry import Tier
 from kvpool.errors import NoSpace
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from kvpool.core import index as index_module
-from kvpool.core.index import LIFE_CYCLE, Demote, Dropped, IndexConfig, ObjectIndex, State
+from kvpool.core.index import LIFE_CYCLE, ObjectIndex
+from kvpool.core.objects import Demote, Dropped, IndexConfig, State
 from kvpool.core.registry import Tier
 from kvpool.errors import (
     NoSpace,

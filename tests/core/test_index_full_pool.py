@@ -9,7 +9,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.core.index import Demote, Dropped, IndexConfig, ObjectIndex
+from kvpool.core.index import ObjectIndex
+from kvpool.core.objects import Demote, Dropped, IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import NoSpace, ObjectBusy, ObjectNotFound
 

@@ -9,8 +9,8 @@ import tracemalloc
 
 import pytest
 
-from kvpool.core.index import IndexConfig, ObjectIndex
-from kvpool.core.objects import State
+from kvpool.core.index import ObjectIndex
+from kvpool.core.objects import IndexConfig, State
 
 N = 20_000
 CHAIN = 64  # blocks per request: each put names the previous block as its parent

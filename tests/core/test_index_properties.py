@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvpool.core.eviction import EVICTION_POLICIES
-from kvpool.core.index import Demote, Dropped, IndexConfig, NoRoom, ObjectIndex, State
+from kvpool.core.index import ObjectIndex
+from kvpool.core.objects import Demote, Dropped, IndexConfig, NoRoom, State
 from kvpool.core.registry import Tier
 from kvpool.errors import KVPoolError, NoSpace
 

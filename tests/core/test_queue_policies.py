@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 
-from kvpool.core.index import IndexConfig, ObjectIndex
+from kvpool.core.index import ObjectIndex
+from kvpool.core.objects import IndexConfig
 from tests.core.policy_calls import Model, Op, always, ops_strategy, run_ops
 
 

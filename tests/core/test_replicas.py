@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.index import CopyLost, Dropped, IndexConfig, ObjectIndex
+from kvpool.core.index import ObjectIndex
+from kvpool.core.objects import CopyLost, Dropped, IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.errors import ObjectNotFound, PoolError, StaleWrite
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.core.index import IndexConfig
+from kvpool.core.objects import IndexConfig
 from kvpool.embedded import EmbeddedPool
 from kvpool.engines import EmbeddedEngine, MasterEngine, PoolEngine
 from kvpool.net import free_port

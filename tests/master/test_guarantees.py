@@ -263,7 +263,7 @@ def test_no_ordinary_bad_input_is_an_internal_error() -> None:
 
 # ----------------------------------------------------------------- one meaning per counter
 def test_status_offloads_count_completed_demotions_as_the_metric_does() -> None:
-    from kvpool.core.index import IndexConfig
+    from kvpool.core.objects import IndexConfig
     from kvpool.master.service import MasterService
 
     svc = MasterService(IndexConfig(enable_offload=True))

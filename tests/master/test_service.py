@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.core.index import IndexConfig
+from kvpool.core.objects import IndexConfig
 from kvpool.datapath.segment_server import SegmentServer
 from kvpool.master.service import MasterService
 from kvpool.protocol import messages as m

@@ -8,7 +8,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from kvpool.core.index import Demote, IndexConfig, State
+from kvpool.core.objects import Demote, IndexConfig, State
 from kvpool.master.copies import Later
 from kvpool.master.node_links import QUEUE_DEPTH, NodeLinks
 from kvpool.master.service import MasterService

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.core.index import IndexConfig
+from kvpool.core.objects import IndexConfig
 from kvpool.core.registry import Tier
 from kvpool.embedded import EmbeddedPool
 from kvpool.errors import ProtocolError

@@ -19,8 +19,8 @@ from kvpool.connectors.store.plan import SaveSpec, StorePlan
 from kvpool.connectors.store.pool import PoolHandle
 from kvpool.connectors.store.scheduler import StoreScheduler, pin_owner
 from kvpool.connectors.store.worker import StoreWorker
-from kvpool.core.index import IndexConfig
 from kvpool.core.keys import KeyNamespace, chunk_keys
+from kvpool.core.objects import IndexConfig
 from kvpool.embedded import EmbeddedPool
 from kvpool.engines import EmbeddedEngine, PoolEngine
 from kvpool.errors import KVPoolError, NoSpace, ObjectBusy
